@@ -1,0 +1,333 @@
+"""Number formats: one small record per format, everything else derived.
+
+A :class:`Format` holds only primitive fields (exponent and mantissa widths,
+bias, sign, which special values exist and how NaN is encoded, whether there
+are subnormals, whether it is an integer). Every other property (``max``,
+``smallest_normal``, ``eps``, …) is derived from them, with numpy ``finfo``
+names, and no code anywhere branches on a format's name.
+
+This module imports no torch: it is the specification that the exact oracle
+(:mod:`driftcli.oracle`) and the table printed by ``drift formats`` read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from fractions import Fraction
+from functools import cached_property
+
+from driftcli.errors import FormatSpecError, UnknownFormatError, close_matches
+
+
+class NanEncoding(str, Enum):
+    """Which codes of a format are NaN."""
+
+    NONE = "none"
+    """No NaN code at all (FP4, FP6, integers)."""
+    IEEE = "ieee"
+    """All-ones exponent with a nonzero mantissa (IEEE 754, E5M2)."""
+    TOP = "top"
+    """Only all-ones exponent *and* all-ones mantissa, either sign (E4M3FN; E8M0's 0xFF)."""
+    NEG_ZERO = "neg_zero"
+    """The code that would be −0, sign bit alone (the ``fnuz`` formats); there is no −0."""
+
+
+class Kind(str, Enum):
+    """The three kinds of value a code or an exact result can be."""
+
+    FINITE = "finite"
+    INF = "inf"
+    NAN = "nan"
+
+
+@dataclass(frozen=True)
+class Exact:
+    """An exact value with an explicit sign: a rational, ±inf or NaN.
+
+    ``negative`` is kept for zero (−0 is not +0) and infinities; ``mag`` is the
+    magnitude and is only meaningful for finite values.
+    """
+
+    kind: Kind
+    negative: bool = False
+    mag: Fraction = Fraction(0)
+
+    @classmethod
+    def of(cls, value: Fraction | int, negative_zero: bool = False) -> Exact:
+        """The finite value ``value``; ``negative_zero`` marks −0 when ``value`` is 0."""
+        v = Fraction(value)
+        return cls(Kind.FINITE, v < 0 or (v == 0 and negative_zero), abs(v))
+
+    @property
+    def value(self) -> Fraction:
+        """The signed rational (−0 and +0 both give 0)."""
+        return -self.mag if self.negative else self.mag
+
+    def __str__(self) -> str:
+        sign = "-" if self.negative else ""
+        if self.kind is Kind.NAN:
+            return "nan"
+        if self.kind is Kind.INF:
+            return f"{sign or '+'}inf"
+        return f"{sign}{self.mag}"
+
+
+NAN = Exact(Kind.NAN)
+
+
+@dataclass(frozen=True)
+class Format:
+    """A number format, defined by primitive fields only.
+
+    A code is read as ``sign | exponent field | mantissa field``. For floats a
+    normal code means ``(1 + m / 2**mbits) * 2**(E - bias)``; with subnormals an
+    exponent field of 0 means ``(m / 2**mbits) * 2**(1 - bias)``. Without
+    subnormals the exponent field 0 is an ordinary binade, so the format has no
+    zero (E8M0). Integer formats are two's complement with ``ebits == 0``;
+    their values are ``code * 2**(1 - bias - mbits)``, so ``bias = 1 - mbits``
+    gives a quantum of 1 (int8: bias −6).
+    """
+
+    name: str
+    ebits: int
+    mbits: int
+    bias: int
+    signed: bool = True
+    has_inf: bool = False
+    nan: NanEncoding = NanEncoding.NONE
+    has_subnormals: bool = True
+    integer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.has_inf and self.nan is not NanEncoding.IEEE:
+            raise FormatSpecError(f"format {self.name!r}: infinities need IEEE NaN encoding")
+        if self.integer and (self.ebits != 0 or not self.signed or self.nan is not NanEncoding.NONE):
+            raise FormatSpecError(f"format {self.name!r}: integers are signed, with ebits 0, no NaN")
+
+    # --- widths and codes -------------------------------------------------------------
+
+    @property
+    def bits(self) -> int:
+        """Total width of a code in bits."""
+        return int(self.signed) + self.ebits + self.mbits
+
+    @property
+    def has_nan(self) -> bool:
+        """Whether any code is NaN."""
+        return self.nan is not NanEncoding.NONE
+
+    @property
+    def has_neg_zero(self) -> bool:
+        """Whether −0 has a code of its own."""
+        return self.signed and not self.integer and self.nan is not NanEncoding.NEG_ZERO
+
+    @property
+    def has_zero(self) -> bool:
+        """Whether 0 is a value (not so for E8M0)."""
+        return self.has_subnormals or self.integer
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal binade (for integers: of the top binade)."""
+        return (1 if self.has_subnormals else 0) - self.bias
+
+    @property
+    def qmin(self) -> int:
+        """Exponent of the finest quantum (the spacing of the lowest binade)."""
+        return self.emin - self.mbits
+
+    def decode(self, code: int) -> Exact:
+        """The exact value of ``code`` (an unsigned integer of ``bits`` bits).
+
+        This is the reference decoding, one code at a time; the vectorized one
+        in :mod:`driftcli.codec` is checked against it.
+        """
+        if not 0 <= code < 1 << self.bits:
+            raise FormatSpecError(f"code {code} is outside {self.name}'s {self.bits} bits")
+        if self.integer:
+            signed = code - (1 << self.bits) if code >> (self.bits - 1) else code
+            return Exact.of(Fraction(signed) * Fraction(2) ** self.qmin)
+        negative = self.signed and bool(code >> (self.ebits + self.mbits))
+        exp_field = (code >> self.mbits) & ((1 << self.ebits) - 1)
+        man_field = code & ((1 << self.mbits) - 1)
+        top_exp = exp_field == (1 << self.ebits) - 1
+        top_man = man_field == (1 << self.mbits) - 1
+        if self.nan is NanEncoding.IEEE and top_exp:
+            return Exact(Kind.INF, negative) if man_field == 0 and self.has_inf else NAN
+        if self.nan is NanEncoding.TOP and top_exp and top_man:
+            return NAN
+        if self.nan is NanEncoding.NEG_ZERO and negative and exp_field == 0 and man_field == 0:
+            return NAN
+        if self.has_subnormals and exp_field == 0:
+            mag = Fraction(man_field) * Fraction(2) ** (self.qmin)
+        else:
+            significand = (1 << self.mbits) + man_field
+            mag = Fraction(significand) * Fraction(2) ** (exp_field - self.bias - self.mbits)
+        return Exact(Kind.FINITE, negative, mag)
+
+    def values(self) -> list[tuple[int, Exact]]:
+        """Every code with its exact value, in code order."""
+        return [(c, self.decode(c)) for c in range(1 << self.bits)]
+
+    # --- derived range (finfo names) ----------------------------------------------------
+
+    @cached_property
+    def _extremes(self) -> tuple[Fraction, Fraction]:
+        """(largest finite value, magnitude of the most negative finite value)."""
+        if self.integer:
+            return (Fraction((1 << (self.bits - 1)) - 1) * Fraction(2) ** self.qmin,
+                    Fraction(1 << (self.bits - 1)) * Fraction(2) ** self.qmin)
+        positive_top = (1 << (self.ebits + self.mbits)) - 1
+        code = positive_top
+        while self.decode(code).kind is not Kind.FINITE:
+            code -= 1
+        top = self.decode(code).mag
+        return top, (top if self.signed else Fraction(0))
+
+    @property
+    def max(self) -> Fraction:
+        """Largest finite value."""
+        return self._extremes[0]
+
+    @property
+    def min(self) -> Fraction:
+        """Most negative finite value (0 for unsigned, −128 for int8)."""
+        return -self._extremes[1]
+
+    @property
+    def smallest_normal(self) -> Fraction:
+        """Smallest positive normal value (for integers: the quantum)."""
+        return Fraction(2) ** (self.qmin if self.integer else self.emin)
+
+    @property
+    def smallest_subnormal(self) -> Fraction | None:
+        """Smallest positive subnormal value, or None without subnormals."""
+        if self.integer or not self.has_subnormals or self.mbits == 0:
+            return None
+        return Fraction(2) ** self.qmin
+
+    @property
+    def smallest_positive(self) -> Fraction:
+        """Smallest positive value, subnormal or not."""
+        return self.smallest_subnormal or self.smallest_normal
+
+    @property
+    def eps(self) -> Fraction:
+        """Distance from 1 to the next larger value (floats)."""
+        return Fraction(1, 1 << self.mbits)
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest binade that holds finite values."""
+        top = self.max
+        return top.numerator.bit_length() - top.denominator.bit_length()
+
+    @property
+    def qmax(self) -> int:
+        """Exponent of the quantum of the top binade (the spacing next to ``max``)."""
+        return max(self.emax, self.emin) - self.mbits
+
+    @property
+    def max_significand(self) -> int:
+        """``max`` as an integer multiple of ``2**qmax``."""
+        return int(self.max / Fraction(2) ** self.qmax)
+
+    @property
+    def min_significand(self) -> int:
+        """``|min|`` as an integer multiple of ``2**qmax`` (one more than max for integers)."""
+        return int(-self.min / Fraction(2) ** self.qmax)
+
+    def contains(self, other: Format) -> bool:
+        """Whether every finite value of ``other`` is a value of this format."""
+        if other.integer and not self.integer:
+            # integers up to 2**(bits-1) need bits-1 significant bits, at quantum 2**qmin
+            return (self.mbits + 1 >= other.bits - 1 and self.max >= -other.min
+                    and self.qmin <= other.qmin)
+        return (self.integer == other.integer and self.mbits >= other.mbits
+                and self.max >= other.max and self.qmin <= other.qmin
+                and (self.signed or not other.signed))
+
+
+def _ieee(name: str, ebits: int, mbits: int, bias: int | None = None) -> Format:
+    """An IEEE-like float: subnormals, ±inf and NaN in the all-ones exponent."""
+    return Format(name, ebits, mbits, (1 << (ebits - 1)) - 1 if bias is None else bias,
+                  has_inf=True, nan=NanEncoding.IEEE)
+
+
+_NAMED: tuple[Format, ...] = (
+    _ieee("float32", 8, 23),
+    _ieee("bfloat16", 8, 7),
+    _ieee("float16", 5, 10),
+    _ieee("float8_e5m2", 5, 2),
+    Format("float8_e4m3fn", 4, 3, 7, nan=NanEncoding.TOP),
+    Format("float8_e4m3fnuz", 4, 3, 8, nan=NanEncoding.NEG_ZERO),
+    Format("float8_e5m2fnuz", 5, 2, 16, nan=NanEncoding.NEG_ZERO),
+    Format("float6_e3m2fn", 3, 2, 3),
+    Format("float6_e2m3fn", 2, 3, 1),
+    Format("float4_e2m1fn", 2, 1, 1),
+    Format("float8_e8m0fnu", 8, 0, 127, signed=False, nan=NanEncoding.TOP, has_subnormals=False),
+    Format("int8", 0, 7, -6, integer=True),
+    Format("int4", 0, 3, -2, integer=True),
+)
+
+_CUSTOM = re.compile(r"e(\d+)m(\d+)(?:b(-?\d+))?")
+# Custom formats must sit inside float32's range so that every value is a float32 and every
+# float32 subnormal lies below the format's smallest normal (the fast path relies on both).
+MAX_CUSTOM_EBITS, MAX_CUSTOM_MBITS = 8, 23
+
+
+def _custom(name: str) -> Format | None:
+    match = _CUSTOM.fullmatch(name)
+    if match is None:
+        return None
+    ebits, mbits = int(match[1]), int(match[2])
+    default_bias = (1 << (ebits - 1)) - 1 if ebits >= 1 else 0
+    bias = default_bias if match[3] is None else int(match[3])
+    if not 2 <= ebits <= MAX_CUSTOM_EBITS or not 1 <= mbits <= MAX_CUSTOM_MBITS:
+        raise FormatSpecError(
+            f"custom format {name!r} is impossible: exponent bits must be 2..{MAX_CUSTOM_EBITS} "
+            f"and mantissa bits 1..{MAX_CUSTOM_MBITS} (an IEEE-like format needs a mantissa bit "
+            "to tell NaN from inf); for example e4m3, e8m13 or e5m2b16")
+    canonical = f"e{ebits}m{mbits}" + ("" if bias == default_bias else f"b{bias}")
+    fmt = _ieee(canonical, ebits, mbits, bias)
+    if fmt.emin < -126 or fmt.emax > 127:
+        raise FormatSpecError(
+            f"custom format {name!r} is impossible: bias {bias} puts its range at "
+            f"2^{fmt.emin}..2^{fmt.emax}, outside float32's 2^-126..2^127; choose a bias in "
+            f"{(1 << ebits) - 2 - 127}..127")
+    return fmt
+
+
+class _Registry(Mapping[str, Format]):
+    """Named formats by name; custom ``eXmY`` / ``eXmYbZ`` names resolve on lookup."""
+
+    def __init__(self, formats: tuple[Format, ...]) -> None:
+        self._named = {f.name: f for f in formats}
+
+    def __getitem__(self, name: str) -> Format:
+        if name in self._named:
+            return self._named[name]
+        custom = _custom(name)
+        if custom is None:
+            raise UnknownFormatError(
+                f"unknown format {name!r}{close_matches(name, self._named)} "
+                "(see drift formats; custom floats are written eXmY or eXmYbZ)")
+        return custom
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._named)
+
+    def __len__(self) -> int:
+        return len(self._named)
+
+
+FORMATS: Mapping[str, Format] = _Registry(_NAMED)
+"""Every named format; ``FORMATS["e3m4"]`` also builds custom IEEE-like formats."""
+
+
+def get_format(fmt: str | Format) -> Format:
+    """Resolve a name (registered or ``eXmY`` / ``eXmYbZ``) or pass a :class:`Format` through."""
+    return fmt if isinstance(fmt, Format) else FORMATS[fmt]

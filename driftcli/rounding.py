@@ -1,0 +1,366 @@
+"""Vectorized rounding of torch tensors onto any format's grid.
+
+The work happens on the integer bits of the input, never on a floating
+``log2``: the binade exponent and the significand are read from the bit
+fields, the significand is cut at the target quantum with the mode's
+round/sticky decision made on the dropped bits, and the result's bits are
+assembled again by integer arithmetic. No step depends on floating-point
+semantics (NaN tests, signed zeros, denormal flushing), so an optimizing
+compiler cannot change the answer.
+
+The rules are those of :mod:`driftcli.oracle`, which ``drift verify-formats``
+uses to check this module on every code and every pair of codes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+
+from driftcli.errors import DriftError
+from driftcli.formats import FORMATS, Format, get_format
+from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding, parse_choice
+
+Tensor = torch.Tensor
+MAX_SR_BITS = 30
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Bit layout of the working float dtype the rounding reads and writes."""
+
+    fdtype: torch.dtype
+    idtype: torch.dtype
+    ebits: int
+    mbits: int
+
+    @property
+    def bias(self) -> int:
+        return (1 << (self.ebits - 1)) - 1
+
+    @property
+    def width(self) -> int:
+        return 1 + self.ebits + self.mbits
+
+
+_F32 = _Source(torch.float32, torch.int32, 8, 23)
+_F64 = _Source(torch.float64, torch.int64, 11, 52)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The integers of a format that the kernel needs; hashable, so compiled kernels cache on it."""
+
+    emin: int
+    mbits: int
+    qmax: int
+    max_sig: int
+    min_sig: int
+    signed: bool
+    has_inf: bool
+    has_nan: bool
+    has_zero: bool
+    has_neg_zero: bool
+    smallest_exp: int  # exponent of the smallest positive value, a power of two
+
+    @classmethod
+    @cache
+    def of(cls, fmt: Format) -> _Target:
+        smallest = fmt.smallest_positive
+        return cls(fmt.emin, fmt.mbits, fmt.qmax, fmt.max_significand, fmt.min_significand,
+                   fmt.signed, fmt.has_inf, fmt.has_nan, fmt.has_zero, fmt.has_neg_zero,
+                   smallest.numerator.bit_length() - smallest.denominator.bit_length())
+
+
+def _pow2_bits(src: _Source, exp: int) -> int:
+    """Bits of the working float ``2**exp`` (normal or subnormal)."""
+    if exp >= 1 - src.bias:
+        return (exp + src.bias) << src.mbits
+    return 1 << (exp - (1 - src.bias - src.mbits))
+
+
+def _magnitude_bits(src: _Source, sig: int, qexp: int) -> int:
+    """Bits of the working float ``sig * 2**qexp`` (a value known to be representable)."""
+    if sig == 0:
+        return 0
+    top = sig.bit_length() - 1
+    exp = top + qexp
+    if exp >= 1 - src.bias:
+        return ((exp + src.bias) << src.mbits) | ((sig << (src.mbits - top)) & ((1 << src.mbits) - 1))
+    return sig << (qexp - (1 - src.bias - src.mbits))
+
+
+def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, *, src: _Source,
+            tgt: _Target, rounding: Rounding, overflow: Overflow, sr_bits: int) -> Tensor:
+    """Round ``x`` (+ ``residual``, a sticky tail below x's last bit) onto the target grid."""
+    it = src.idtype
+    W = src.width - 1
+    sign_mask = -(1 << W)  # the sign bit as a signed integer
+    abs_mask = (1 << W) - 1
+    man_mask = (1 << src.mbits) - 1
+    exp_all = (1 << src.ebits) - 1
+
+    bits = x.view(it)
+    neg = bits < 0
+    u = bits & abs_mask
+    nonfinite = (u >> src.mbits) == exp_all
+    is_nan = nonfinite & ((u & man_mask) != 0)
+    sticky = torch.zeros_like(neg)
+    if residual is not None:
+        # x + r with r below x's last bit: step x one ulp toward zero when r points that way,
+        # so the exact value always lies just above |x| (x's bits plus a sticky bit).
+        rbits = residual.view(it)
+        sticky = (rbits & abs_mask) != 0
+        u = u - (sticky & ((rbits < 0) != neg)).to(it)
+    exp_field = u >> src.mbits
+    e = torch.clamp(exp_field, min=1) - src.bias
+    sig = (u & man_mask) | ((exp_field > 0).to(it) << src.mbits)
+    qexp = torch.clamp(e, min=tgt.emin) - tgt.mbits
+    s = qexp - (e - src.mbits)  # bits dropped from sig: >= 0, as tgt.mbits <= src.mbits
+    sc = torch.clamp(s, max=W - 1)
+    kept = sig >> sc
+    dropped = sig - (kept << sc)
+    inexact = (dropped != 0) | sticky
+
+    if rounding is Rounding.RNE or rounding is Rounding.RNA:
+        two_d, full = dropped << 1, torch.ones_like(sc) << sc
+        if rounding is Rounding.RNA:
+            away = two_d >= full
+        else:
+            away = (two_d > full) | ((two_d == full) & (((kept & 1) == 1) | sticky))
+    elif rounding is Rounding.RTZ:
+        away = torch.zeros_like(neg)
+    elif rounding is Rounding.RUP:
+        away = inexact & ~neg
+    elif rounding is Rounding.RDOWN:
+        away = inexact & neg
+    else:
+        if random is None:
+            raise DriftError("stochastic rounding needs random_bits (or use stochastic_round)")
+        head = torch.where(s >= sr_bits, dropped >> torch.clamp(s - sr_bits, max=W - 1),
+                           dropped << torch.clamp(sr_bits - s, min=0, max=W - 1))
+        away = (head + random.to(it)) >= (1 << sr_bits)
+    mag = kept + away.to(it)
+
+    # overflow, decided on the rounded magnitude at the target's quantum
+    limit_sig = torch.where(neg, tgt.min_sig, torch.full_like(mag, tgt.max_sig))
+    over = (qexp > tgt.qmax) | ((qexp == tgt.qmax) & (mag > limit_sig))
+
+    # assemble |result| bits: int -> float is exact (mag < 2**(mbits + 2)), then shift the exponent
+    mbits_f = mag.to(src.fdtype).view(it)
+    new_exp = (mbits_f >> src.mbits) + qexp
+    denorm_shift = torch.clamp(qexp - (1 - src.bias - src.mbits), min=0, max=W - 1)
+    out = torch.where(new_exp >= 1, mbits_f + qexp * (1 << src.mbits), mag << denorm_shift)
+
+    max_bits = _magnitude_bits(src, tgt.max_sig, tgt.qmax)
+    limit_bits = torch.where(neg, _magnitude_bits(src, tgt.min_sig, tgt.qmax),
+                             torch.full_like(u, max_bits))
+    inf_bits = exp_all << src.mbits
+    nan_bits = inf_bits | (1 << (src.mbits - 1))
+    special_bits = inf_bits if tgt.has_inf else (nan_bits if tgt.has_nan else None)
+    if overflow is Overflow.SATURATE or special_bits is None:
+        over_bits = limit_bits
+        inf_in = limit_bits
+    else:
+        if rounding is Rounding.RTZ:
+            toward_zero = torch.ones_like(neg)
+        elif rounding is Rounding.RUP:
+            toward_zero = neg
+        elif rounding is Rounding.RDOWN:
+            toward_zero = ~neg
+        else:
+            toward_zero = torch.zeros_like(neg)
+        over_bits = torch.where(toward_zero, limit_bits, special_bits)
+        inf_in = torch.full_like(u, special_bits)
+    out = torch.where(over, over_bits, out)
+    out = torch.where(nonfinite, inf_in, out)
+    if not tgt.has_zero:
+        out = torch.clamp(out, min=_pow2_bits(src, tgt.smallest_exp))
+    # the sign: −0 only where the format has it, and nothing negative on an unsigned format
+    keep_sign = neg & ((out != 0) | tgt.has_neg_zero) if tgt.signed else torch.zeros_like(neg)
+    out = out | (keep_sign.to(it) * sign_mask)
+    if not tgt.signed:
+        below = neg & ((u != 0) | nonfinite)
+        if overflow is Overflow.IEEE and tgt.has_nan:
+            out = torch.where(below, nan_bits, out)
+        else:
+            out = torch.where(below, _pow2_bits(src, tgt.smallest_exp), out)
+    out = torch.where(is_nan, nan_bits, out)
+    return out.view(src.fdtype)
+
+
+# --- the compiled path -------------------------------------------------------------------
+
+_COMPILE_MODES = ("auto", "always", "never")
+COMPILE_MIN_ELEMENTS = 1 << 25
+"""In ``auto``, compile only for a single call this large: eager takes about a second here,
+the first kernel in a fresh process about 20 s and each new variant about 2 s."""
+_compile_mode = os.environ.get("DRIFT_COMPILE", "auto")
+
+
+def set_compile(mode: str) -> None:
+    """Choose when rounding uses ``torch.compile``: ``auto`` (large calls), ``always``, ``never``.
+
+    The compiled kernel gives results bit-identical to the eager one; when
+    compilation is unavailable (no C++ compiler, an unsupported platform)
+    drift falls back to eager without a word.
+    """
+    global _compile_mode
+    if mode not in _COMPILE_MODES:
+        raise DriftError(f"unknown compile mode {mode!r}; choose from {', '.join(_COMPILE_MODES)}")
+    _compile_mode = mode
+
+
+@cache
+def _compiled() -> Any:
+    """The compiled kernel, or None when torch.compile cannot work here."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
+        return None
+    # keep inductor's cache between runs, under the user's cache directory
+    cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_home, "drift", "inductor"))
+    try:
+        return torch.compile(_kernel, dynamic=True)
+    except (RuntimeError, ImportError):  # pragma: no cover - platform without inductor
+        return None
+
+
+_broken = False
+
+
+def _run(x: Tensor, residual: Tensor | None, random: Tensor | None, **static: Any) -> Tensor:
+    global _broken
+    use = _compile_mode == "always" or (
+        _compile_mode == "auto" and x.numel() >= COMPILE_MIN_ELEMENTS)
+    fn = _compiled() if use and not _broken else None
+    if fn is not None:
+        try:
+            return fn(x, residual, random, **static)
+        except Exception:  # noqa: BLE001 - any compiler failure means: stay eager, same answer
+            _broken = True
+    return _kernel(x, residual, random, **static)
+
+
+# --- public entry points -------------------------------------------------------------------
+
+_DTYPE_FORMAT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def result_dtype(dtype: torch.dtype, fmt: Format) -> torch.dtype:
+    """The dtype rounding returns: the input's when it holds every value of ``fmt``, else float32."""
+    if dtype == torch.float64:
+        return dtype
+    name = _DTYPE_FORMAT.get(dtype)
+    return dtype if name is not None and FORMATS[name].contains(fmt) else torch.float32
+
+
+def _working(x: Tensor, what: str) -> tuple[Tensor, _Source]:
+    if x.dtype == torch.float64:
+        return x.contiguous(), _F64
+    if x.dtype in _DTYPE_FORMAT:
+        return x.to(torch.float32).contiguous(), _F32
+    raise DriftError(f"{what} has dtype {x.dtype}; round float32, float64, bfloat16 or float16 "
+                     "tensors (convert integers with .float() first)")
+
+
+def round_to_format(x: Tensor, fmt: str | Format, *, rounding: Rounding | str = Rounding.RNE,
+                    overflow: Overflow | str = Overflow.SATURATE, random_bits: Tensor | None = None,
+                    sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
+    """Round every element of ``x`` onto the grid of ``fmt``; return the values it lands on.
+
+    ``rounding`` is one of ``rne rna rtz rup rdown sr``; ``sr`` reads
+    ``random_bits``, an integer tensor shaped like ``x`` holding ``sr_bits``
+    uniform random bits per element. ``overflow`` is ``saturate`` or ``ieee``.
+    NaN stays NaN (also for formats without NaN, whose elements are then not
+    representable); −0 is kept where the format has it. The result is float32,
+    or ``x``'s dtype when that holds every value of ``fmt`` (float64 always).
+    """
+    fmt = get_format(fmt)
+    mode = parse_choice(Rounding, rounding, "rounding mode")
+    policy = parse_choice(Overflow, overflow, "overflow policy")
+    return _round(x, None, fmt, mode, policy, random_bits, sr_bits, result_dtype(x.dtype, fmt))
+
+
+def _round(x: Tensor, residual: Tensor | None, fmt: Format, mode: Rounding, policy: Overflow,
+           random_bits: Tensor | None, sr_bits: int, out_dtype: torch.dtype) -> Tensor:
+    work, src = _working(x, "input")
+    random = None
+    if mode is Rounding.SR:
+        if random_bits is None:
+            raise DriftError("rounding 'sr' needs random_bits (or call stochastic_round with a seed)")
+        if not 1 <= sr_bits <= MAX_SR_BITS:
+            raise DriftError(f"sr_bits={sr_bits} is out of range; use 1..{MAX_SR_BITS}")
+        if random_bits.shape != x.shape or random_bits.dtype.is_floating_point:
+            raise DriftError(f"random_bits must be an integer tensor of shape {tuple(x.shape)}")
+        random = random_bits.to(src.idtype).contiguous()
+    out = _run(work, residual, random, src=src, tgt=_Target.of(fmt), rounding=mode,
+               overflow=policy, sr_bits=sr_bits)
+    return out.to(out_dtype)
+
+
+def draw_random_bits(shape: torch.Size | tuple[int, ...], seed: int | torch.Generator,
+                     sr_bits: int = DEFAULT_SR_BITS, device: torch.device | str = "cpu") -> Tensor:
+    """``sr_bits`` uniform random bits per element from a seeded generator (int32)."""
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator(device).manual_seed(seed)
+    return torch.randint(0, 1 << sr_bits, tuple(shape), generator=gen, dtype=torch.int32,
+                         device=device)
+
+
+def stochastic_round(x: Tensor, fmt: str | Format, *, seed: int | torch.Generator,
+                     overflow: Overflow | str = Overflow.SATURATE,
+                     sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
+    """Stochastic rounding with random bits drawn from ``seed``: reproducible for a seed."""
+    bits = draw_random_bits(x.shape, seed, sr_bits, x.device)
+    return round_to_format(x, fmt, rounding=Rounding.SR, overflow=overflow, random_bits=bits,
+                           sr_bits=sr_bits)
+
+
+def _two_operand(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    if a.dtype.is_floating_point is False or b.dtype.is_floating_point is False:
+        raise DriftError("operands must be floating-point tensors")
+    a64, b64 = torch.broadcast_tensors(a.to(torch.float64), b.to(torch.float64))
+    return a64, b64
+
+
+def multiply(a: Tensor, b: Tensor, fmt: str | Format, *, rounding: Rounding | str = Rounding.RNE,
+             overflow: Overflow | str = Overflow.SATURATE, random_bits: Tensor | None = None,
+             sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
+    """``a * b`` rounded once onto ``fmt``; exact for operands of up to 26 significant bits.
+
+    The product is formed in float64, where two significands of at most 26
+    bits (float32's 24 included) multiply without rounding.
+    """
+    a64, b64 = _two_operand(a, b)
+    fmt = get_format(fmt)
+    return _round(a64 * b64, None, fmt, parse_choice(Rounding, rounding, "rounding mode"),
+                  parse_choice(Overflow, overflow, "overflow policy"), random_bits, sr_bits,
+                  result_dtype(torch.promote_types(a.dtype, b.dtype), fmt))
+
+
+def add(a: Tensor, b: Tensor, fmt: str | Format, *, rounding: Rounding | str = Rounding.RNE,
+        overflow: Overflow | str = Overflow.SATURATE, random_bits: Tensor | None = None,
+        sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
+    """``a + b`` rounded once onto ``fmt``, exactly, for any float32 or float64 operands.
+
+    The float64 sum ``s`` and its exact error ``r`` (Knuth's TwoSum) describe
+    the exact sum; ``r`` lies below ``s``'s last bit and enters the rounding
+    as a sticky bit. An exact zero takes IEEE 754's sign: +0 for operands of
+    opposite signs, −0 when rounding toward −inf.
+    """
+    a64, b64 = _two_operand(a, b)
+    fmt = get_format(fmt)
+    mode = parse_choice(Rounding, rounding, "rounding mode")
+    s = a64 + b64
+    bb = s - a64
+    r = (a64 - (s - bb)) + (b64 - bb)
+    r = torch.where(torch.isfinite(s), r, torch.zeros_like(r))
+    sa, sb = torch.signbit(a64), torch.signbit(b64)
+    zero_negative = (sa & sb) | ((sa != sb) & (mode is Rounding.RDOWN))
+    s = torch.where(s == 0, torch.where(zero_negative, -0.0, 0.0).to(s.dtype), s)
+    return _round(s, r, fmt, mode, parse_choice(Overflow, overflow, "overflow policy"),
+                  random_bits, sr_bits, result_dtype(torch.promote_types(a.dtype, b.dtype), fmt))
