@@ -71,7 +71,7 @@ def encode(values: Tensor, fmt: str | Format) -> Tensor:
         code = n.to(torch.int64) & ((1 << fmt.bits) - 1)
         exact = n == torch.trunc(n)
     else:
-        mant, exp = torch.frexp(mag)  # mag = mant * 2**exp, 0.5 <= mant < 1: exponents from bits
+        _mant, exp = torch.frexp(mag)  # mag = mant * 2**exp, 0.5 <= mant < 1: exponents from bits
         e = exp.to(torch.int64) - 1
         normal = (e >= fmt.emin) | (not fmt.has_subnormals)
         quantum = torch.where(normal, e, torch.full_like(e, fmt.emin)) - fmt.mbits

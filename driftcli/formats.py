@@ -15,14 +15,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from fractions import Fraction
 from functools import cached_property
 
 from driftcli.errors import FormatSpecError, UnknownFormatError, close_matches
 
 
-class NanEncoding(str, Enum):
+class NanEncoding(StrEnum):
     """Which codes of a format are NaN."""
 
     NONE = "none"
@@ -35,7 +35,7 @@ class NanEncoding(str, Enum):
     """The code that would be −0, sign bit alone (the ``fnuz`` formats); there is no −0."""
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     """The three kinds of value a code or an exact result can be."""
 
     FINITE = "finite"
@@ -78,6 +78,11 @@ class Exact:
 NAN = Exact(Kind.NAN)
 
 
+def pow2(exponent: int) -> Fraction:
+    """``2**exponent`` as an exact Fraction (without Fraction's slow ``__pow__``)."""
+    return Fraction(1 << exponent) if exponent >= 0 else Fraction(1, 1 << -exponent)
+
+
 @dataclass(frozen=True)
 class Format:
     """A number format, defined by primitive fields only.
@@ -104,8 +109,8 @@ class Format:
     def __post_init__(self) -> None:
         if self.has_inf and self.nan is not NanEncoding.IEEE:
             raise FormatSpecError(f"format {self.name!r}: infinities need IEEE NaN encoding")
-        if self.integer and (self.ebits != 0 or not self.signed or self.nan is not NanEncoding.NONE):
-            raise FormatSpecError(f"format {self.name!r}: integers are signed, with ebits 0, no NaN")
+        if self.integer and (self.ebits or not self.signed or self.nan is not NanEncoding.NONE):
+            raise FormatSpecError(f"format {self.name!r}: integers are signed, ebits 0, no NaN")
 
     # --- widths and codes -------------------------------------------------------------
 
@@ -149,7 +154,7 @@ class Format:
             raise FormatSpecError(f"code {code} is outside {self.name}'s {self.bits} bits")
         if self.integer:
             signed = code - (1 << self.bits) if code >> (self.bits - 1) else code
-            return Exact.of(Fraction(signed) * Fraction(2) ** self.qmin)
+            return Exact.of(Fraction(signed) * pow2(self.qmin))
         negative = self.signed and bool(code >> (self.ebits + self.mbits))
         exp_field = (code >> self.mbits) & ((1 << self.ebits) - 1)
         man_field = code & ((1 << self.mbits) - 1)
@@ -162,10 +167,10 @@ class Format:
         if self.nan is NanEncoding.NEG_ZERO and negative and exp_field == 0 and man_field == 0:
             return NAN
         if self.has_subnormals and exp_field == 0:
-            mag = Fraction(man_field) * Fraction(2) ** (self.qmin)
+            mag = Fraction(man_field) * pow2(self.qmin)
         else:
             significand = (1 << self.mbits) + man_field
-            mag = Fraction(significand) * Fraction(2) ** (exp_field - self.bias - self.mbits)
+            mag = Fraction(significand) * pow2(exp_field - self.bias - self.mbits)
         return Exact(Kind.FINITE, negative, mag)
 
     def values(self) -> list[tuple[int, Exact]]:
@@ -175,41 +180,43 @@ class Format:
     # --- derived range (finfo names) ----------------------------------------------------
 
     @cached_property
-    def _extremes(self) -> tuple[Fraction, Fraction]:
-        """(largest finite value, magnitude of the most negative finite value)."""
+    def extremes(self) -> tuple[Fraction, Fraction]:
+        """``(max, |min|)``: the largest magnitude a positive / a negative value can have."""
         if self.integer:
-            return (Fraction((1 << (self.bits - 1)) - 1) * Fraction(2) ** self.qmin,
-                    Fraction(1 << (self.bits - 1)) * Fraction(2) ** self.qmin)
-        positive_top = (1 << (self.ebits + self.mbits)) - 1
-        code = positive_top
-        while self.decode(code).kind is not Kind.FINITE:
-            code -= 1
+            return (Fraction((1 << (self.bits - 1)) - 1) * pow2(self.qmin),
+                    Fraction(1 << (self.bits - 1)) * pow2(self.qmin))
+        # the largest finite code is the top code, the one below it (E4M3FN's NaN sits on top),
+        # or the top of the binade below (IEEE reserves the whole top exponent)
+        top_code = (1 << (self.ebits + self.mbits)) - 1
+        below_top_exp = top_code - (1 << self.mbits)
+        code = next(c for c in (top_code, top_code - 1, below_top_exp)
+                    if self.decode(c).kind is Kind.FINITE)
         top = self.decode(code).mag
         return top, (top if self.signed else Fraction(0))
 
-    @property
+    @cached_property
     def max(self) -> Fraction:
         """Largest finite value."""
-        return self._extremes[0]
+        return self.extremes[0]
 
-    @property
+    @cached_property
     def min(self) -> Fraction:
         """Most negative finite value (0 for unsigned, −128 for int8)."""
-        return -self._extremes[1]
+        return -self.extremes[1]
 
-    @property
+    @cached_property
     def smallest_normal(self) -> Fraction:
         """Smallest positive normal value (for integers: the quantum)."""
-        return Fraction(2) ** (self.qmin if self.integer else self.emin)
+        return pow2(self.qmin if self.integer else self.emin)
 
-    @property
+    @cached_property
     def smallest_subnormal(self) -> Fraction | None:
         """Smallest positive subnormal value, or None without subnormals."""
         if self.integer or not self.has_subnormals or self.mbits == 0:
             return None
-        return Fraction(2) ** self.qmin
+        return pow2(self.qmin)
 
-    @property
+    @cached_property
     def smallest_positive(self) -> Fraction:
         """Smallest positive value, subnormal or not."""
         return self.smallest_subnormal or self.smallest_normal
@@ -219,26 +226,26 @@ class Format:
         """Distance from 1 to the next larger value (floats)."""
         return Fraction(1, 1 << self.mbits)
 
-    @property
+    @cached_property
     def emax(self) -> int:
         """Exponent of the largest binade that holds finite values."""
         top = self.max
         return top.numerator.bit_length() - top.denominator.bit_length()
 
-    @property
+    @cached_property
     def qmax(self) -> int:
         """Exponent of the quantum of the top binade (the spacing next to ``max``)."""
         return max(self.emax, self.emin) - self.mbits
 
-    @property
+    @cached_property
     def max_significand(self) -> int:
         """``max`` as an integer multiple of ``2**qmax``."""
-        return int(self.max / Fraction(2) ** self.qmax)
+        return int(self.max / pow2(self.qmax))
 
-    @property
+    @cached_property
     def min_significand(self) -> int:
         """``|min|`` as an integer multiple of ``2**qmax`` (one more than max for integers)."""
-        return int(-self.min / Fraction(2) ** self.qmax)
+        return int(-self.min / pow2(self.qmax))
 
     def contains(self, other: Format) -> bool:
         """Whether every finite value of ``other`` is a value of this format."""

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import TypeVar
 
 from driftcli.errors import ChoiceError, close_matches
 
 
-class Rounding(str, Enum):
+class Rounding(StrEnum):
     """How a real value is rounded onto a format's grid."""
 
     RNE = "rne"
@@ -23,7 +23,7 @@ class Rounding(str, Enum):
     """Toward −inf."""
     SR = "sr"
     """Stochastic: with k random bits r, round away from zero when floor(f·2^k) + r ≥ 2^k,
-    f the fractional distance to the lower neighbour (as hardware adds random bits and truncates)."""
+    f the fractional distance past the lower neighbour (hardware adds random bits, truncates)."""
 
     def toward_zero(self, negative: bool) -> bool:
         """Whether this mode rounds a value of this sign toward zero (never past it)."""
@@ -31,7 +31,7 @@ class Rounding(str, Enum):
             self is Rounding.RDOWN and not negative)
 
 
-class Overflow(str, Enum):
+class Overflow(StrEnum):
     """What a value beyond the largest finite becomes."""
 
     SATURATE = "saturate"

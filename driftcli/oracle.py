@@ -29,14 +29,17 @@ from __future__ import annotations
 from fractions import Fraction
 from functools import lru_cache
 
-from driftcli.formats import NAN, Exact, Format, Kind
+from driftcli.formats import NAN, Exact, Format, Kind, pow2
 from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
 
 
 def binade(mag: Fraction) -> int:
     """``floor(log2(mag))`` for ``mag > 0``, exactly, from integer bit lengths."""
     e = mag.numerator.bit_length() - mag.denominator.bit_length()
-    return e if Fraction(2) ** e <= mag else e - 1
+    return e if pow2(e) <= mag else e - 1
+
+
+HALF = Fraction(1, 2)
 
 
 @lru_cache(maxsize=1 << 20)
@@ -46,7 +49,7 @@ def bracket(fmt: Format, mag: Fraction) -> tuple[Fraction, Fraction, Fraction, b
     ``lo <= mag < hi`` are adjacent points of the format's grid extended
     without bound above, and ``f = (mag - lo) / (hi - lo)``.
     """
-    quantum = Fraction(2) ** (max(binade(mag), fmt.emin) - fmt.mbits)
+    quantum = pow2(max(binade(mag), fmt.emin) - fmt.mbits)
     steps = mag // quantum
     lo = steps * quantum
     return lo, lo + quantum, (mag - lo) / quantum, steps % 2 == 1
@@ -55,13 +58,13 @@ def bracket(fmt: Format, mag: Fraction) -> tuple[Fraction, Fraction, Fraction, b
 def rounds_away(rounding: Rounding, f: Fraction, lo_is_odd: bool, negative: bool,
                 random: int, sr_bits: int) -> bool:
     """Whether the mode moves a magnitude ``f`` of the way past ``lo`` up to ``hi``."""
-    if f == 0:
+    if not f:
         return False
     match rounding:
         case Rounding.RNE:
-            return f > Fraction(1, 2) or (f == Fraction(1, 2) and lo_is_odd)
+            return f > HALF or (f == HALF and lo_is_odd)
         case Rounding.RNA:
-            return f >= Fraction(1, 2)
+            return f >= HALF
         case Rounding.RTZ:
             return False
         case Rounding.RUP:
@@ -90,25 +93,25 @@ def _zero(fmt: Format, negative: bool) -> Exact:
 def round_exact(fmt: Format, x: Exact, rounding: Rounding = Rounding.RNE,
                 overflow: Overflow = Overflow.SATURATE, random: int = 0,
                 sr_bits: int = DEFAULT_SR_BITS) -> Exact:
-    """Round the exact value ``x`` onto ``fmt`` (``random``: the SR draw, ``0 <= random < 2**sr_bits``)."""
-    limit = fmt.max if not x.negative else -fmt.min
+    """Round the exact value ``x`` onto ``fmt``; ``random`` is the SR draw, below 2**sr_bits."""
     if x.kind is Kind.NAN:
         return NAN
-    if not fmt.signed and x.negative and (x.kind is Kind.INF or x.mag != 0):
+    limit = fmt.extremes[x.negative]
+    if not fmt.signed and x.negative and (x.kind is Kind.INF or x.mag):
         if overflow is Overflow.SATURATE or not fmt.has_nan:
             return Exact(Kind.FINITE, False, fmt.smallest_positive)
         return NAN
     if x.kind is Kind.INF:
         return _overflow(fmt, x.negative, limit, rounding, overflow, exact_inf=True)
-    if x.mag == 0:
+    if not x.mag:
         return _zero(fmt, x.negative)
     lo, hi, f, lo_is_odd = bracket(fmt, x.mag)
     mag = hi if rounds_away(rounding, f, lo_is_odd, x.negative, random, sr_bits) else lo
     if mag > limit:
         return _overflow(fmt, x.negative, limit, rounding, overflow, exact_inf=False)
-    if mag == 0:
+    if not mag:
         return _zero(fmt, x.negative)
-    return Exact(Kind.FINITE, x.negative, max(mag, fmt.smallest_positive))
+    return Exact(Kind.FINITE, x.negative, mag)
 
 
 def product(a: Exact, b: Exact) -> Exact:

@@ -91,7 +91,8 @@ def _magnitude_bits(src: _Source, sig: int, qexp: int) -> int:
     top = sig.bit_length() - 1
     exp = top + qexp
     if exp >= 1 - src.bias:
-        return ((exp + src.bias) << src.mbits) | ((sig << (src.mbits - top)) & ((1 << src.mbits) - 1))
+        fraction = (sig << (src.mbits - top)) & ((1 << src.mbits) - 1)
+        return ((exp + src.bias) << src.mbits) | fraction
     return sig << (qexp - (1 - src.bias - src.mbits))
 
 
@@ -118,10 +119,13 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, *, src: _
         sticky = (rbits & abs_mask) != 0
         u = u - (sticky & ((rbits < 0) != neg)).to(it)
     exp_field = u >> src.mbits
-    e = torch.clamp(exp_field, min=1) - src.bias
     sig = (u & man_mask) | ((exp_field > 0).to(it) << src.mbits)
-    qexp = torch.clamp(e, min=tgt.emin) - tgt.mbits
-    s = qexp - (e - src.mbits)  # bits dropped from sig: >= 0, as tgt.mbits <= src.mbits
+    q_src = torch.clamp(exp_field, min=1) - (src.bias + src.mbits)  # sig's quantum exponent
+    # the binade of |x|; for a subnormal input it is read off the bits of float(sig), exact
+    sig_binade = (sig.to(src.fdtype).view(it) >> src.mbits) - src.bias
+    e = torch.where(exp_field == 0, sig_binade + q_src, q_src + src.mbits)
+    s = torch.clamp(torch.clamp(e, min=tgt.emin) - tgt.mbits - q_src, min=0)  # bits dropped
+    qexp = q_src + s
     sc = torch.clamp(s, max=W - 1)
     kept = sig >> sc
     dropped = sig - (kept << sc)
@@ -140,8 +144,7 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, *, src: _
     elif rounding is Rounding.RDOWN:
         away = inexact & neg
     else:
-        if random is None:
-            raise DriftError("stochastic rounding needs random_bits (or use stochastic_round)")
+        assert random is not None  # checked by _round before the kernel
         head = torch.where(s >= sr_bits, dropped >> torch.clamp(s - sr_bits, max=W - 1),
                            dropped << torch.clamp(sr_bits - s, min=0, max=W - 1))
         away = (head + random.to(it)) >= (1 << sr_bits)
@@ -241,7 +244,7 @@ def _run(x: Tensor, residual: Tensor | None, random: Tensor | None, **static: An
     if fn is not None:
         try:
             return fn(x, residual, random, **static)
-        except Exception:  # noqa: BLE001 - any compiler failure means: stay eager, same answer
+        except Exception:
             _broken = True
     return _kernel(x, residual, random, **static)
 
@@ -252,7 +255,7 @@ _DTYPE_FORMAT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.flo
 
 
 def result_dtype(dtype: torch.dtype, fmt: Format) -> torch.dtype:
-    """The dtype rounding returns: the input's when it holds every value of ``fmt``, else float32."""
+    """The dtype rounding returns: the input's if it holds every value of ``fmt``, else float32."""
     if dtype == torch.float64:
         return dtype
     name = _DTYPE_FORMAT.get(dtype)
@@ -292,7 +295,7 @@ def _round(x: Tensor, residual: Tensor | None, fmt: Format, mode: Rounding, poli
     random = None
     if mode is Rounding.SR:
         if random_bits is None:
-            raise DriftError("rounding 'sr' needs random_bits (or call stochastic_round with a seed)")
+            raise DriftError("rounding 'sr' needs random_bits (or stochastic_round with a seed)")
         if not 1 <= sr_bits <= MAX_SR_BITS:
             raise DriftError(f"sr_bits={sr_bits} is out of range; use 1..{MAX_SR_BITS}")
         if random_bits.shape != x.shape or random_bits.dtype.is_floating_point:

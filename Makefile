@@ -1,0 +1,27 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: this machine holds 2.13.0 as a local CPU wheel (no multi-GB CUDA build)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/drift formats
+	$(BIN)/drift verify-formats --quick --out drift-out
+
+test: $(STAMP)
+	$(BIN)/ruff check driftcli tests benchmarks examples
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) drift-out .pytest_cache

@@ -1,0 +1,159 @@
+"""Parquet tables: typed rows, documented columns, provenance, atomic writes.
+
+Each measurement declares one row type: a frozen dataclass whose fields are the
+columns (their ``doc`` metadata goes into the Arrow schema), plus what a report
+needs to know (table name, key columns, headline column, direction). Files are
+written under a temporary name and renamed, so an interrupted run never leaves
+a truncated table, and every file carries provenance in its Parquet key-value
+metadata under the key ``drift``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import types
+import typing
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from driftcli.errors import DriftError
+
+PROVENANCE_KEY = b"drift"
+TABLE_KEY = b"drift.table"
+
+
+class Row(Protocol):
+    """What every row type declares next to its fields."""
+
+    TABLE: ClassVar[str]
+    """File stem and measurement name, e.g. ``verify-formats``."""
+    KEYS: ClassVar[tuple[str, ...]]
+    """Columns that identify a row across runs (for baselines)."""
+    HEADLINE: ClassVar[str]
+    """The column a report summarizes first."""
+    HIGHER_IS_WORSE: ClassVar[bool]
+    """Direction of the headline."""
+
+
+def column(doc: str, **kwargs: Any) -> Any:
+    """A dataclass field carrying its column documentation."""
+    return dataclasses.field(metadata={"doc": doc}, **kwargs)
+
+
+_ARROW = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
+
+
+def _arrow_type(hint: Any) -> tuple[pa.DataType, bool]:
+    """Arrow type of a field annotation and whether it is nullable (``X | None``)."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        return _ARROW[inner[0]], True
+    return _ARROW[hint], False
+
+
+def schema_of(row_type: type) -> pa.Schema:
+    """The Arrow schema of a row type, field docs and table facts in the metadata."""
+    hints = typing.get_type_hints(row_type)
+    fields = []
+    for f in dataclasses.fields(row_type):
+        arrow, nullable = _arrow_type(hints[f.name])
+        fields.append(pa.field(f.name, arrow, nullable=nullable,
+                               metadata={"doc": f.metadata.get("doc", "")}))
+    meta = {
+        TABLE_KEY: row_type.TABLE.encode(),
+        b"drift.keys": json.dumps(list(row_type.KEYS)).encode(),
+        b"drift.headline": row_type.HEADLINE.encode(),
+        b"drift.higher_is_worse": json.dumps(row_type.HIGHER_IS_WORSE).encode(),
+    }
+    return pa.schema(fields, metadata=meta)
+
+
+def _git_commit() -> str | None:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def file_identity(path: Path, fast_hash: bool = False) -> dict[str, Any]:
+    """Path, size and sha256 (streamed) of an input, or size + mtime with ``fast_hash``."""
+    stat = path.stat()
+    ident: dict[str, Any] = {"path": str(path), "size": stat.st_size}
+    if fast_hash or path.is_dir():
+        ident["mtime"] = dt.datetime.fromtimestamp(stat.st_mtime, dt.UTC).isoformat()
+        return ident
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    ident["sha256"] = digest.hexdigest()
+    return ident
+
+
+def provenance(inputs: Sequence[Path] = (), *, seed: int | None = None, device: str = "cpu",
+               fast_hash: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Where a table came from: drift version and commit, command, inputs, torch, seed, time."""
+    import torch
+
+    from driftcli import __version__
+
+    return {
+        "drift_version": __version__,
+        "git_commit": _git_commit(),
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        "inputs": [file_identity(Path(p), fast_hash) for p in inputs],
+        "hash": "size+mtime" if fast_hash else "sha256",
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.platform(),
+        "device": device,
+        "seed": seed,
+        "utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **(extra or {}),
+    }
+
+
+def write_table(path: Path, row_type: type, rows: Iterable[Any], prov: dict[str, Any]) -> Path:
+    """Write ``rows`` (instances of ``row_type``) to ``path`` atomically; return the path."""
+    schema = schema_of(row_type)
+    names = [f.name for f in dataclasses.fields(row_type)]
+    rows = list(rows)
+    columns = {n: [getattr(r, n) for r in rows] for n in names}
+    table = pa.table(columns, schema=schema)
+    table = table.replace_schema_metadata(
+        {**schema.metadata, PROVENANCE_KEY: json.dumps(prov).encode()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_table(path: Path) -> tuple[Any, dict[str, Any]]:
+    """A drift table as ``(pandas.DataFrame, provenance)``."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise DriftError(f"cannot read {path}: {exc}; is it a Parquet file?") from None
+    meta = table.schema.metadata or {}
+    if TABLE_KEY not in meta:
+        raise DriftError(f"{path} is a Parquet file but not a drift table (no drift metadata)")
+    return table.to_pandas(), json.loads(meta.get(PROVENANCE_KEY, b"{}"))

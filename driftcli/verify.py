@@ -1,0 +1,384 @@
+"""``verify-formats``: the fast path against the exact oracle, value by value.
+
+Checks are plain functions ``check(fmt, plan) -> Iterator[Outcome]`` listed in
+:data:`CHECKS`; later kinds of checks (block-scaled casts, matmuls) add
+themselves to that list. Each outcome is one (format, check, operation,
+rounding, overflow) cell with its count and its disagreements.
+
+What is checked (``full``; ``quick`` in brackets):
+
+- ``codes``: every code of every format of at most 16 bits decodes to the
+  reference value (``Format.decode``), and every value round-trips through
+  every rounding mode and overflow policy back to its own code.
+- ``pairs``: every pair of codes of every format of at most 8 bits [a seeded
+  4,096 pairs, all pairs for 6 bits and less] as a product and as a sum,
+  rounded back to the format under every deterministic mode and both
+  overflow policies, and under ``sr`` for every value of
+  :data:`PAIR_SR_BITS` random bits; 16-bit formats: a seeded sample of
+  :data:`PAIR_SAMPLE_16` pairs [16,384] plus every pair of a boundary set,
+  ``sr`` with one seeded draw per pair.
+- ``float32-inputs``: float32 values at every midpoint between neighbouring
+  values, one float32 ulp either side of each midpoint and each value, just
+  above max, and through the subnormal range, cast under every mode and policy
+  (``sr``: 3 draws of 16 bits per input: all zeros, all ones, seeded) [8-bit
+  and narrower formats only].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import ClassVar
+
+import torch
+
+from driftcli import codec, oracle
+from driftcli import rounding as fast
+from driftcli.formats import FORMATS, Exact, Format, Kind, get_format, pow2
+from driftcli.io.tables import column
+from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
+
+Tensor = torch.Tensor
+
+PAIR_SR_BITS = 4
+"""Random-bit width at which ``sr`` products and sums are checked for every draw."""
+PAIR_SAMPLE_16 = 1 << 20
+"""Seeded pairs per 16-bit format under (rne, saturate), products and sums, in the full run."""
+QUICK_PAIRS = 4096
+QUICK_PAIRS_16 = 16384
+OTHER_SAMPLE_16 = 1 << 16
+"""Seeded pairs per 16-bit format for every cell but (rne, saturate), in the full run."""
+FAILURE_CAP = 20
+"""Disagreement rows kept per (format, check, operation, rounding, overflow) cell."""
+SEED = 20261129
+DETERMINISTIC = tuple(m for m in Rounding if m is not Rounding.SR)
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """One row of ``verify-formats.parquet``: a cell's counts, or one disagreement."""
+
+    TABLE: ClassVar[str] = "verify-formats"
+    KEYS: ClassVar[tuple[str, ...]] = ("kind", "format", "check", "operation", "rounding",
+                                       "overflow", "operands")
+    HEADLINE: ClassVar[str] = "n_failed"
+    HIGHER_IS_WORSE: ClassVar[bool] = True
+
+    kind: str = column("'summary' (one per cell) or 'disagreement' (one per failing value)")
+    format: str = column("format name")
+    check: str = column("codes, pairs, float32-inputs, …")
+    operation: str = column("decode, roundtrip, product, sum, cast")
+    rounding: str = column("rounding mode, or '-' where none applies")
+    overflow: str = column("overflow policy, or '-' where none applies")
+    n_checked: int = column("values compared in this cell (1 for a disagreement row)")
+    n_failed: int = column("values where the fast path differs from the oracle")
+    operands: str | None = column("operand codes (hex) or float32 input bits, for disagreements")
+    expected: str | None = column("the oracle's exact result (a fraction, ±inf, nan, -0)")
+    got: str | None = column("the fast path's result, exactly")
+
+
+@dataclass
+class Outcome:
+    """One cell's result: how many values were compared and which disagreed."""
+
+    format: str
+    check: str
+    operation: str
+    rounding: str
+    overflow: str
+    n_checked: int = 0
+    failures: list[tuple[str, str, str]] = field(default_factory=list)
+    n_failed: int = 0
+
+    def rows(self) -> list[VerifyRow]:
+        summary = VerifyRow("summary", self.format, self.check, self.operation, self.rounding,
+                            self.overflow, self.n_checked, self.n_failed, None, None, None)
+        return [summary] + [
+            VerifyRow("disagreement", self.format, self.check, self.operation, self.rounding,
+                      self.overflow, 1, 1, ops, exp, got) for ops, exp, got in self.failures]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to check: ``quick`` is the subset every CI run can afford."""
+
+    quick: bool = False
+    seed: int = SEED
+
+
+# --- comparison helpers --------------------------------------------------------------------
+
+def to_float(x: Exact) -> float:
+    """The float64 of an exact value (every format value is a float32, so this is exact)."""
+    if x.kind is Kind.NAN:
+        return float("nan")
+    if x.kind is Kind.INF:
+        return float("-inf") if x.negative else float("inf")
+    v = float(x.mag)
+    return -v if x.negative else v
+
+
+def exact_of_float(v: float) -> Exact:
+    """The exact value of a float, sign of zero included."""
+    if v != v:
+        return oracle.NAN
+    if v in (float("inf"), float("-inf")):
+        return Exact(Kind.INF, v < 0)
+    return Exact.of(Fraction(v), negative_zero=str(v).startswith("-"))
+
+
+def _same(expected: Tensor, got: Tensor) -> Tensor:
+    """Bitwise equality of float64 values, any NaN equal to any NaN."""
+    e, g = expected.to(torch.float64), got.to(torch.float64)
+    return (e.view(torch.int64) == g.view(torch.int64)) | (torch.isnan(e) & torch.isnan(g))
+
+
+def _judge(out: Outcome, expected: Tensor, got: Tensor, describe: Callable[[int], str]) -> None:
+    ok = _same(expected, got)
+    out.n_checked += ok.numel()
+    bad = (~ok).nonzero().flatten()
+    out.n_failed += bad.numel()
+    for i in bad[: FAILURE_CAP - len(out.failures)].tolist():
+        out.failures.append((describe(i), str(exact_of_float(expected[i].item())),
+                             str(exact_of_float(got[i].item()))))
+
+
+def _round_all(fmt: Format, values: list[Exact], mode: Rounding, policy: Overflow,
+               random: int = 0, sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
+    return torch.tensor([to_float(oracle.round_exact(fmt, v, mode, policy, random, sr_bits))
+                         for v in values], dtype=torch.float64)
+
+
+def _dedup(values: list[Exact]) -> tuple[list[Exact], Tensor]:
+    """Distinct values and, for each input, its index among them (rounding each once)."""
+    index: dict[Exact, int] = {}
+    idx = [index.setdefault(v, len(index)) for v in values]
+    return list(index), torch.tensor(idx, dtype=torch.int64)
+
+
+def _hex(fmt: Format, code: int) -> str:
+    return f"0x{code:0{(fmt.bits + 3) // 4}x}"
+
+
+# --- checks ------------------------------------------------------------------------------
+
+def check_codes(fmt: Format, plan: Plan) -> Iterator[Outcome]:
+    """Every code decodes to the reference value and round-trips through every cast."""
+    if fmt.bits > 16:
+        return
+    reference = [v for _, v in fmt.values()]
+    codes = torch.arange(1 << fmt.bits)
+    decoded = codec.decode(codes, fmt)
+    out = Outcome(fmt.name, "codes", "decode", "-", "-")
+    _judge(out, torch.tensor([to_float(v) for v in reference], dtype=torch.float64), decoded,
+           lambda i: _hex(fmt, i))
+    yield out
+    # a value on the grid is its own rounding under every mode and policy
+    finite = torch.isfinite(decoded)
+    exact_codes = codes.clone()
+    nan = codec.nan_code(fmt)
+    if nan is not None:
+        exact_codes[torch.isnan(decoded)] = nan
+    for mode in Rounding:
+        for policy in Overflow:
+            out = Outcome(fmt.name, "codes", "roundtrip", mode.value, policy.value)
+            bits = torch.full(codes.shape, (1 << DEFAULT_SR_BITS) - 1, dtype=torch.int32)
+            got = fast.round_to_format(decoded, fmt, rounding=mode, overflow=policy,
+                                       random_bits=bits)
+            expected = _round_all(fmt, reference, mode, policy, (1 << DEFAULT_SR_BITS) - 1)
+            _judge(out, expected, got, lambda i: _hex(fmt, i))
+            back = codec.encode(torch.where(finite, got, decoded), fmt) if out.n_failed == 0 \
+                else exact_codes
+            wrong = (back != exact_codes) & finite
+            out.n_failed += int(wrong.sum())
+            for i in wrong.nonzero().flatten()[:FAILURE_CAP].tolist():
+                out.failures.append((_hex(fmt, i), _hex(fmt, i), _hex(fmt, int(back[i]))))
+            yield out
+
+
+def _boundary_codes(fmt: Format) -> list[int]:
+    """Codes of the values where rounding goes wrong first: zeros, edges of subnormals, 1, max."""
+    values = fmt.values()
+    finite = sorted((v.value, c) for c, v in values if v.kind is Kind.FINITE and v.mag > 0
+                    and not v.negative)
+    pos = [c for _, c in finite]
+    one = min(range(len(finite)), key=lambda i: abs(finite[i][0] - 1))
+    picks = set(pos[:3] + pos[-3:] + pos[max(0, one - 2): one + 3])
+    normal = [c for v, c in finite if v >= fmt.smallest_normal]
+    if normal:
+        k = pos.index(normal[0])
+        picks |= set(pos[max(0, k - 2): k + 2])
+    sign = 1 << (fmt.bits - 1) if fmt.signed else 0
+    picks |= {c | sign for c in list(picks)}
+    picks |= {c for c, v in values if v.kind is Kind.INF or (v.kind is Kind.FINITE and not v.mag)}
+    nan = codec.nan_code(fmt)
+    picks |= {nan} if nan is not None else set()
+    return sorted(picks)
+
+
+def _seeded_pairs(fmt: Format, count: int, seed: int) -> tuple[Tensor, Tensor]:
+    """``count`` seeded random code pairs plus every pair of the boundary codes."""
+    n = 1 << fmt.bits
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, n, (count,), generator=gen)
+    b = torch.randint(0, n, (count,), generator=gen)
+    edge = torch.tensor(_boundary_codes(fmt))
+    return (torch.cat([a, edge.repeat_interleave(len(edge))]),
+            torch.cat([b, edge.repeat(len(edge))]))
+
+
+Cell = tuple[Rounding, Overflow]
+
+
+def _pair_sets(fmt: Format, plan: Plan) -> list[tuple[str, Tensor, Tensor, list[Cell]]]:
+    """Which operand pairs each (rounding, overflow) cell sees: ``(label, a, b, cells)``."""
+    cells = [(m, p) for m in Rounding for p in Overflow]
+    n = 1 << fmt.bits
+    if fmt.bits <= 6 or (fmt.bits <= 8 and not plan.quick):
+        return [("all pairs", torch.arange(n).repeat_interleave(n), torch.arange(n).repeat(n),
+                 cells)]
+    if fmt.bits <= 8:
+        return [("sampled pairs", *_seeded_pairs(fmt, QUICK_PAIRS, plan.seed), cells)]
+    main = (Rounding.RNE, Overflow.SATURATE)
+    big, small = (QUICK_PAIRS_16, QUICK_PAIRS) if plan.quick else (PAIR_SAMPLE_16, OTHER_SAMPLE_16)
+    return [("sampled pairs", *_seeded_pairs(fmt, big, plan.seed), [main]),
+            ("sampled pairs", *_seeded_pairs(fmt, small, plan.seed + 1),
+             [c for c in cells if c != main])]
+
+
+def check_pairs(fmt: Format, plan: Plan) -> Iterator[Outcome]:
+    """Products and sums of pairs of codes, rounded back to the format, against the oracle."""
+    if fmt.bits > 16:
+        return
+    ref = [v for _, v in fmt.values()]
+    for label, ca, cb, cells in _pair_sets(fmt, plan):
+        yield from _check_pair_set(fmt, plan, ref, label, ca, cb, cells)
+
+
+def _check_pair_set(fmt: Format, plan: Plan, ref: list[Exact], label: str, ca: Tensor,
+                    cb: Tensor, cells: list[Cell]) -> Iterator[Outcome]:
+    xa, xb = codec.decode(ca, fmt), codec.decode(cb, fmt)
+    la, lb = ca.tolist(), cb.tolist()
+    all_draws = fmt.bits <= 8  # sr: every value of PAIR_SR_BITS bits; else one 16-bit draw
+
+    def describe(i: int) -> str:
+        j = i % len(la)
+        return f"{_hex(fmt, la[j])} {_hex(fmt, lb[j])}"
+
+    products = _dedup([oracle.product(ref[i], ref[j]) for i, j in zip(la, lb, strict=True)])
+    sums: dict[bool, tuple[list[Exact], Tensor]] = {}
+    for op in ("product", "sum"):
+        fast_op = fast.multiply if op == "product" else fast.add
+        for mode, policy in cells:
+            if op == "product":
+                uniq, index = products
+            else:  # the sum's only dependence on the mode: the sign of an exact zero
+                down = mode is Rounding.RDOWN
+                if down not in sums:
+                    sums[down] = _dedup([oracle.total(ref[i], ref[j], mode)
+                                         for i, j in zip(la, lb, strict=True)])
+                uniq, index = sums[down]
+            out = Outcome(fmt.name, f"pairs ({label})", op, mode.value, policy.value)
+            if mode is not Rounding.SR:
+                expected = _round_all(fmt, uniq, mode, policy)[index]
+                got = fast_op(xa, xb, fmt, rounding=mode, overflow=policy)
+                _judge(out, expected, got, describe)
+            elif all_draws:
+                for r in range(1 << PAIR_SR_BITS):
+                    expected = _round_all(fmt, uniq, mode, policy, r, PAIR_SR_BITS)[index]
+                    bits = torch.full(xa.shape, r, dtype=torch.int32)
+                    got = fast_op(xa, xb, fmt, rounding=mode, overflow=policy,
+                                  random_bits=bits, sr_bits=PAIR_SR_BITS)
+                    _judge(out, expected, got, lambda i, r=r: f"{describe(i)} r={r}")
+            else:
+                bits = fast.draw_random_bits(xa.shape, plan.seed)
+                expected = torch.tensor(
+                    [to_float(oracle.round_exact(fmt, uniq[k], mode, policy, r))
+                     for k, r in zip(index.tolist(), bits.tolist(), strict=True)],
+                    dtype=torch.float64)
+                got = fast_op(xa, xb, fmt, rounding=mode, overflow=policy, random_bits=bits)
+                _judge(out, expected, got, lambda i, b=bits: f"{describe(i)} r={int(b[i])}")
+            yield out
+
+
+def float32_inputs(fmt: Format, seed: int) -> Tensor:
+    """Float32 inputs at and around every rounding boundary of ``fmt``."""
+    decoded = codec.decode(torch.arange(1 << fmt.bits), fmt)
+    grid = torch.unique(decoded[torch.isfinite(decoded)].abs())  # sorted magnitudes
+    mids = (grid[:-1].double() + grid[1:].double()) / 2
+    mids = mids.float()  # exact: a midpoint needs one bit more than the format, float32 has it
+    up, down = torch.tensor(float("inf")), torch.tensor(0.0)
+    points = [grid, mids]
+    for p in (grid, mids):
+        points += [torch.nextafter(p, up), torch.nextafter(p, down)]
+    top = float(fmt.max)
+    ulp_top = float(pow2(fmt.qmax))
+    above = torch.tensor([top + ulp_top / 2, top + ulp_top, 2 * top, 3.4028234663852886e38,
+                          float("inf"), float("nan")], dtype=torch.float32)
+    points += [above, torch.nextafter(above, up), torch.nextafter(above, down)]
+    gen = torch.Generator().manual_seed(seed)
+    small = float(fmt.smallest_normal)
+    tiny = torch.exp2(torch.rand(4096, generator=gen) * -40) * small
+    float32_subnormals = torch.tensor([1, 2, 3, 1 << 22, (1 << 23) - 1, 1 << 23],
+                                      dtype=torch.int32).view(torch.float32)
+    points += [tiny, float32_subnormals]
+    mags = torch.cat([p.float().flatten() for p in points])
+    return torch.cat([mags, -mags])
+
+
+def check_float32_inputs(fmt: Format, plan: Plan) -> Iterator[Outcome]:
+    """Casts of float32 values placed at and around every rounding boundary."""
+    if fmt.bits > 16 or (plan.quick and fmt.bits > 8):
+        return
+    x = float32_inputs(fmt, plan.seed)
+    exact = [exact_of_float(v) for v in x.tolist()]
+    raw = x.view(torch.int32).tolist()
+
+    def describe(i: int) -> str:
+        return f"float32 0x{raw[i % len(raw)] & 0xFFFFFFFF:08x}"
+
+    for mode in Rounding:
+        for policy in Overflow:
+            out = Outcome(fmt.name, "float32-inputs", "cast", mode.value, policy.value)
+            if mode is Rounding.SR:
+                top = (1 << DEFAULT_SR_BITS) - 1
+                draws = [torch.zeros(x.shape, dtype=torch.int32),
+                         torch.full(x.shape, top, dtype=torch.int32),
+                         fast.draw_random_bits(x.shape, plan.seed)]
+            else:
+                draws = [None]
+            for bits in draws:
+                rs = [0] * len(exact) if bits is None else bits.tolist()
+                expected = torch.tensor(
+                    [to_float(oracle.round_exact(fmt, v, mode, policy, r))
+                     for v, r in zip(exact, rs, strict=True)], dtype=torch.float64)
+                got = fast.round_to_format(x, fmt, rounding=mode, overflow=policy,
+                                           random_bits=bits)
+                _judge(out, expected, got, describe)
+            yield out
+
+
+CHECKS: list[Callable[[Format, Plan], Iterator[Outcome]]] = [
+    check_codes, check_pairs, check_float32_inputs]
+"""Every check ``verify-formats`` runs, in order; later issues append block and matmul checks."""
+
+
+def element_formats(names: list[str] | None = None) -> list[Format]:
+    """The formats to verify: the given names, or every registered format."""
+    if names:
+        return [get_format(n) for n in names]
+    return list(FORMATS.values())
+
+
+def verify(formats: list[Format], plan: Plan = Plan(),
+           progress: Callable[[str], None] | None = None) -> list[Outcome]:
+    """Run every check on every format; return all outcomes (no printing)."""
+    results: list[Outcome] = []
+    for fmt in formats:
+        for check in CHECKS:
+            if progress is not None:
+                progress(f"{fmt.name}: {check.__name__.removeprefix('check_')}")
+            results.extend(check(fmt, plan))
+    return results
+
