@@ -258,6 +258,35 @@ class Format:
                 and (self.signed or not other.signed))
 
 
+def _display(value: Fraction | None) -> str:
+    """A value as people write it: ``2^-9`` for powers of two, else a short decimal."""
+    if value is None:
+        return "-"
+    if value > 0 and value.numerator & (value.numerator - 1) == 0 \
+            and value.denominator & (value.denominator - 1) == 0:
+        exponent = value.numerator.bit_length() - value.denominator.bit_length()
+        if not -4 <= exponent <= 10:
+            return f"2^{exponent}"
+    return f"{float(value):.6g}"
+
+
+def describe(fmt: Format) -> dict[str, object]:
+    """Primitive and derived facts of a format, JSON-ready (exact values as strings)."""
+    return {
+        "name": fmt.name, "bits": fmt.bits, "ebits": fmt.ebits, "mbits": fmt.mbits,
+        "bias": fmt.bias, "signed": fmt.signed, "integer": fmt.integer,
+        "has_subnormals": fmt.has_subnormals, "has_inf": fmt.has_inf, "nan": fmt.nan.value,
+        "has_neg_zero": fmt.has_neg_zero, "has_zero": fmt.has_zero,
+        "max": str(fmt.max), "min": str(fmt.min),
+        "smallest_normal": str(fmt.smallest_normal),
+        "smallest_subnormal": None if fmt.smallest_subnormal is None else str(fmt.smallest_subnormal),
+        "emin": fmt.emin, "emax": fmt.emax, "eps": str(fmt.eps),
+        "max_display": _display(fmt.max),
+        "smallest_normal_display": _display(fmt.smallest_normal),
+        "smallest_subnormal_display": _display(fmt.smallest_subnormal),
+    }
+
+
 def _ieee(name: str, ebits: int, mbits: int, bias: int | None = None) -> Format:
     """An IEEE-like float: subnormals, ±inf and NaN in the all-ones exponent."""
     return Format(name, ebits, mbits, (1 << (ebits - 1)) - 1 if bias is None else bias,

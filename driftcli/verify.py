@@ -26,7 +26,9 @@ What is checked (``full``; ``quick`` in brackets):
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import ClassVar
@@ -371,14 +373,39 @@ def element_formats(names: list[str] | None = None) -> list[Format]:
     return list(FORMATS.values())
 
 
-def verify(formats: list[Format], plan: Plan = Plan(),
-           progress: Callable[[str], None] | None = None) -> list[Outcome]:
-    """Run every check on every format; return all outcomes (no printing)."""
-    results: list[Outcome] = []
-    for fmt in formats:
-        for check in CHECKS:
-            if progress is not None:
-                progress(f"{fmt.name}: {check.__name__.removeprefix('check_')}")
-            results.extend(check(fmt, plan))
-    return results
+def _run_task(name: str, index: int, plan: Plan) -> list[Outcome]:
+    torch.set_num_threads(1)  # one worker per core does better than threads on small tensors
+    return list(CHECKS[index](get_format(name), plan))
 
+
+def verify(formats: list[Format], plan: Plan = Plan(), jobs: int = 1,
+           progress: Callable[[str], None] | None = None) -> list[Outcome]:
+    """Run every check on every format; return all outcomes in a fixed order (no printing).
+
+    ``jobs > 1`` spreads (format, check) tasks over that many processes.
+    """
+    tasks = [(f.name, i) for f in formats for i in range(len(CHECKS))]
+
+    def label(task: tuple[str, int]) -> str:
+        return f"{task[0]}: {CHECKS[task[1]].__name__.removeprefix('check_')}"
+
+    results: dict[tuple[str, int], list[Outcome]] = {}
+    if jobs <= 1:
+        for task in tasks:
+            results[task] = list(CHECKS[task[1]](get_format(task[0]), plan))
+            if progress is not None:
+                progress(label(task))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            futures = {pool.submit(_run_task, name, i, plan): (name, i) for name, i in tasks}
+            for done in as_completed(futures):
+                results[futures[done]] = done.result()
+                if progress is not None:
+                    progress(label(futures[done]))
+    return [o for task in tasks for o in results[task]]
+
+
+def rows(outcomes: list[Outcome]) -> list[VerifyRow]:
+    """The Parquet rows: one summary per cell, then its disagreements."""
+    return [r for o in outcomes for r in o.rows()]

@@ -139,10 +139,10 @@ def quantize(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     The division and the addition are float32 operations, as in ONNX; adding the zero point
     (+0) before rounding is what turns x = −0 into +0.
     """
-    (x_array, _), (s_array, s_type), (zp_array, zp_type) = (tensor(case, i) for i in range(3))
+    (x_array, x_type), (s_array, s_type), (zp_array, zp_type) = (tensor(case, i) for i in range(3))
     assert case["attrs"].get("saturate", 1) == 1
     axis = case["attrs"].get("axis", 1)
-    x = values(x_array, "FLOAT")
+    x = values(x_array, x_type).float()
     scale = per_axis(values(s_array, s_type), x, axis)
     zero_point = per_axis(values(zp_array, zp_type), x, axis)
     y = x / scale + zero_point

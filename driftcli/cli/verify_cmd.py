@@ -1,0 +1,57 @@
+"""``drift verify-formats``: prove the fast path against the exact oracle."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from driftcli import verify as v
+from driftcli.cli import EXIT_FOUND, command
+from driftcli.io.tables import provenance, write_table
+
+
+@command("verify-formats")
+def verify_formats(
+    format_names: list[str] = typer.Option(
+        None, "--format", "-f", help="Verify only this format (repeatable; eXmY allowed)."),
+    quick: bool = typer.Option(False, "--quick", help="The subset fast enough for every CI run."),
+    out: Path = typer.Option(Path("drift-out"), "--out", help="Folder for verify-formats.parquet."),
+    jobs: int = typer.Option(min(2, os.cpu_count() or 1), "--jobs", "-j",
+                             help="Worker processes."),
+) -> None:
+    """Compare every simulated format with the exact rational oracle; exit 1 on any difference."""
+    formats = v.element_formats(format_names)
+    console = Console(stderr=True)
+    with console.status("verifying…") as status:
+        outcomes = v.verify(formats, v.Plan(quick=quick), jobs=jobs,
+                            progress=lambda what: status.update(f"verified {what}"))
+    path = write_table(out / "verify-formats.parquet", v.VerifyRow, v.rows(outcomes),
+                       provenance(extra={"plan": "quick" if quick else "full"}))
+    by_format: dict[str, list[v.Outcome]] = defaultdict(list)
+    for o in outcomes:
+        by_format[o.format].append(o)
+    table = Table(title=f"verify-formats ({'quick' if quick else 'full'})")
+    for col in ("format", "checks", "values checked", "disagreements"):
+        table.add_column(col, justify="left" if col == "format" else "right")
+    for name, outs in by_format.items():
+        failed = sum(o.n_failed for o in outs)
+        table.add_row(name, str(len(outs)), f"{sum(o.n_checked for o in outs):,}",
+                      f"[red]{failed:,}[/red]" if failed else "0")
+    stdout = Console(width=120)
+    stdout.print(table)
+    bad = [o for o in outcomes if o.n_failed]
+    for o in bad[:20]:
+        stdout.print(f"[red]FAIL[/red] {o.format} {o.check} {o.operation} {o.rounding} "
+                     f"{o.overflow}: {o.n_failed:,} of {o.n_checked:,}")
+        for ops, exp, got in o.failures[:3]:
+            stdout.print(f"    {ops}: expected {exp}, got {got}")
+    total = sum(o.n_checked for o in outcomes)
+    failed = sum(o.n_failed for o in outcomes)
+    stdout.print(f"{total:,} values checked, {failed:,} disagreements; wrote {path}")
+    if failed:
+        raise typer.Exit(EXIT_FOUND)
