@@ -1,0 +1,111 @@
+"""The exact oracle: IEEE 754's sign-of-zero rules and rounding definitions, value by value."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from driftcli import FORMATS
+from driftcli.formats import NAN, Exact, Kind
+from driftcli.modes import Overflow, Rounding
+from driftcli.oracle import binade, product, round_exact, total
+
+POS0, NEG0 = Exact.of(0), Exact.of(0, negative_zero=True)
+THREE, MINUS_THREE = Exact.of(3), Exact.of(-3)
+E4M3 = FORMATS["float8_e4m3fn"]
+
+
+def test_products_take_the_xor_sign_even_at_zero() -> None:
+    """The seed study's first bug: a reference that lost the sign of (+0)·(−3)."""
+    assert product(POS0, MINUS_THREE) == NEG0
+    assert product(NEG0, MINUS_THREE) == POS0
+    assert product(NEG0, THREE) == NEG0
+    assert product(NEG0, NEG0) == POS0
+    assert product(POS0, Exact(Kind.INF, True)).kind is Kind.NAN
+
+
+@pytest.mark.parametrize("mode", list(Rounding))
+def test_exact_zero_sums(mode: Rounding) -> None:
+    """IEEE 754 §6.3: x + (−x) and (+0) + (−0) are +0, except −0 when rounding toward −inf."""
+    signed = mode is Rounding.RDOWN
+    assert total(THREE, MINUS_THREE, mode) == Exact.of(0, negative_zero=signed)
+    assert total(POS0, NEG0, mode) == Exact.of(0, negative_zero=signed)
+    assert total(NEG0, NEG0, mode) == NEG0
+    assert total(POS0, POS0, mode) == POS0
+
+
+def test_rounding_keeps_the_sign_of_zero_and_of_underflow() -> None:
+    assert round_exact(E4M3, NEG0) == NEG0
+    assert round_exact(E4M3, Exact.of(Fraction(-1, 4096))) == NEG0  # underflows to −0
+    fnuz = FORMATS["float8_e4m3fnuz"]
+    assert round_exact(fnuz, NEG0) == POS0  # no −0 code
+    assert round_exact(FORMATS["int8"], Exact.of(Fraction(-1, 3))) == POS0
+
+
+@pytest.mark.parametrize(("value", "mode", "expected"), [
+    # ties between 16 (significand 8, even) and 18 (9, odd) at quantum 2: 17 is the tie
+    (17, Rounding.RNE, 16), (17, Rounding.RNA, 18), (19, Rounding.RNE, 20),
+    (Fraction(33, 2), Rounding.RTZ, 16), (Fraction(33, 2), Rounding.RUP, 18),
+    (Fraction(-33, 2), Rounding.RUP, -16), (Fraction(-33, 2), Rounding.RDOWN, -18),
+])
+def test_round_to_nearest_and_directed(value: Fraction, mode: Rounding, expected: int) -> None:
+    assert round_exact(E4M3, Exact.of(value), mode).value == expected
+
+
+def test_overflow_policies() -> None:
+    big = Exact.of(1000)
+    assert round_exact(E4M3, big, overflow=Overflow.SATURATE).value == 448
+    assert round_exact(E4M3, big, overflow=Overflow.IEEE).kind is Kind.NAN
+    e5m2 = FORMATS["float8_e5m2"]
+    assert round_exact(e5m2, Exact.of(10**6), overflow=Overflow.IEEE) == Exact(Kind.INF)
+    # IEEE: toward-zero directed modes give ±max, not inf
+    assert round_exact(e5m2, Exact.of(10**6), Rounding.RTZ, Overflow.IEEE).value == 57344
+    assert round_exact(e5m2, Exact.of(-(10**6)), Rounding.RUP, Overflow.IEEE).value == -57344
+    assert round_exact(e5m2, Exact.of(-(10**6)), Rounding.RDOWN, Overflow.IEEE) == Exact(
+        Kind.INF, True)
+    # an exact inf is not an overflow of the mode: it stays inf under ieee whatever the mode
+    assert round_exact(e5m2, Exact(Kind.INF), Rounding.RTZ, Overflow.IEEE) == Exact(Kind.INF)
+    assert round_exact(e5m2, Exact(Kind.INF), Rounding.RTZ, Overflow.SATURATE).value == 57344
+    # 464 is the tie between 448 and the (absent) 480: ties to even keep it in range
+    assert round_exact(E4M3, Exact.of(464), overflow=Overflow.IEEE).value == 448
+
+
+def test_formats_without_nan_or_zero() -> None:
+    fp4 = FORMATS["float4_e2m1fn"]
+    assert round_exact(fp4, NAN).kind is Kind.NAN  # recorded as non-finite, never 0 or max
+    assert round_exact(fp4, Exact(Kind.INF, True), overflow=Overflow.IEEE).value == -6
+    e8m0 = FORMATS["float8_e8m0fnu"]
+    assert round_exact(e8m0, POS0).mag == Fraction(1, 2**127)
+    assert round_exact(e8m0, Exact.of(3)).value == 4  # every significand is 1 (odd): ties go up
+    assert round_exact(e8m0, Exact.of(-3), overflow=Overflow.IEEE).kind is Kind.NAN
+    assert round_exact(e8m0, Exact.of(-3), overflow=Overflow.SATURATE).mag == Fraction(1, 2**127)
+
+
+def test_stochastic_rounding_counts_draws_exactly() -> None:
+    """With k bits, a value 5/16 of the way up rounds up for exactly 5 of the 16 draws."""
+    value = Exact.of(16 + Fraction(2 * 5, 16))  # quantum 2 at 16: f = 5/16
+    ups = [round_exact(E4M3, value, Rounding.SR, random=r, sr_bits=4).value for r in range(16)]
+    assert ups.count(18) == 5 and ups.count(16) == 11
+
+
+@given(st.fractions(min_value=Fraction(1, 10**9), max_value=10**9))
+def test_binade_brackets(mag: Fraction) -> None:
+    e = binade(mag)
+    assert Fraction(2) ** e <= mag < Fraction(2) ** (e + 1)
+
+
+@given(st.fractions(min_value=-500, max_value=500), st.sampled_from(list(Rounding)),
+       st.integers(0, 2**16 - 1))
+def test_results_are_values_of_the_format_and_neighbours_of_the_input(
+        value: Fraction, mode: Rounding, r: int) -> None:
+    grid = sorted({v.value for _, v in E4M3.values() if v.kind is Kind.FINITE})
+    got = round_exact(E4M3, Exact.of(value), mode, random=r)
+    assert got.value in grid
+    below = max([g for g in grid if g <= value], default=grid[0])
+    above = min([g for g in grid if g >= value], default=grid[-1])
+    assert below <= got.value <= above
+    if mode is Rounding.RTZ:
+        assert abs(got.value) <= abs(value)

@@ -1,0 +1,49 @@
+"""Parquet tables: schema from the row type, provenance, atomic writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from driftcli.errors import DriftError
+from driftcli.io.tables import provenance, read_table, schema_of, write_table
+from driftcli.verify import VerifyRow
+
+
+def test_schema_carries_docs_and_table_facts() -> None:
+    schema = schema_of(VerifyRow)
+    assert schema.field("n_failed").metadata[b"doc"].startswith(b"values where")
+    assert schema.field("operands").nullable and not schema.field("n_checked").nullable
+    assert schema.metadata[b"drift.table"] == b"verify-formats"
+    assert json.loads(schema.metadata[b"drift.higher_is_worse"]) is True
+
+
+def test_roundtrip_with_provenance(tmp_path: Path) -> None:
+    source = tmp_path / "input.bin"
+    source.write_bytes(b"abc")
+    rows = [VerifyRow("summary", "int4", "codes", "decode", "-", "-", 16, 0, None, None, None)]
+    path = write_table(tmp_path / "out" / "verify-formats.parquet", VerifyRow, rows,
+                       provenance([source], seed=5))
+    df, prov = read_table(path)
+    assert df.to_dict("records")[0]["n_checked"] == 16
+    assert prov["seed"] == 5 and prov["drift_version"]
+    assert prov["inputs"][0]["sha256"] == (
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")  # sha256("abc")
+    assert [p.name for p in path.parent.iterdir()] == ["verify-formats.parquet"]  # no temp left
+
+
+def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:
+    bad = [VerifyRow("summary", "int4", "codes", "decode", "-", "-", "many", 0, None, None, None)]
+    with pytest.raises((pa.ArrowInvalid, pa.ArrowTypeError)):
+        write_table(tmp_path / "t.parquet", VerifyRow, bad, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_drift_parquet_is_named(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"a": [1]}), tmp_path / "other.parquet")
+    with pytest.raises(DriftError, match="not a drift table"):
+        read_table(tmp_path / "other.parquet")
