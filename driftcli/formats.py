@@ -279,7 +279,8 @@ def describe(fmt: Format) -> dict[str, object]:
         "has_neg_zero": fmt.has_neg_zero, "has_zero": fmt.has_zero,
         "max": str(fmt.max), "min": str(fmt.min),
         "smallest_normal": str(fmt.smallest_normal),
-        "smallest_subnormal": None if fmt.smallest_subnormal is None else str(fmt.smallest_subnormal),
+        "smallest_subnormal": None if fmt.smallest_subnormal is None
+        else str(fmt.smallest_subnormal),
         "emin": fmt.emin, "emax": fmt.emax, "eps": str(fmt.eps),
         "max_display": _display(fmt.max),
         "smallest_normal_display": _display(fmt.smallest_normal),

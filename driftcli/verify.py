@@ -201,7 +201,7 @@ def check_codes(fmt: Format, plan: Plan) -> Iterator[Outcome]:
 
 
 def _boundary_codes(fmt: Format) -> list[int]:
-    """Codes of the values where rounding goes wrong first: zeros, subnormal edges, 1, max, specials."""
+    """Codes where rounding goes wrong first: zeros, subnormal edges, 1, max, specials."""
     tiny, normal, one = fmt.smallest_positive, fmt.smallest_normal, Fraction(1)
     ulp_top = pow2(fmt.qmax)
     picks = [tiny, 2 * tiny, normal - tiny, normal, normal + tiny, one - fmt.eps / 2, one,

@@ -35,8 +35,9 @@ def test_quick_run_passes_and_writes_its_table(tmp_path: Path) -> None:
     assert set(fp4.n_checked) == {256, 256 * 16}
 
 
-def test_a_planted_wrong_tie_rule_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ties away instead of ties to even, for one format: verify-formats must fail, and only there."""
+def test_a_planted_wrong_tie_rule_is_caught(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ties away instead of ties to even, for one format: verify-formats fails, only there."""
     real = fast._kernel
     planted = fast._Target.of(FORMATS["float8_e4m3fn"])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -14,7 +15,8 @@ from driftcli.formats import FORMATS, describe
 
 @command("formats")
 def formats(
-    as_json: bool = typer.Option(False, "--json", help="Print JSON (exact values as strings)."),
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print JSON (exact values as strings).")] = False,
 ) -> None:
     """List every named format: widths, bias, range and special values."""
     rows = [describe(f) for f in FORMATS.values()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -14,15 +15,18 @@ from driftcli import verify as v
 from driftcli.cli import EXIT_FOUND, command
 from driftcli.io.tables import provenance, write_table
 
+DEFAULT_JOBS = min(2, os.cpu_count() or 1)
+OUT = Path("drift-out")
+
 
 @command("verify-formats")
 def verify_formats(
-    format_names: list[str] = typer.Option(
-        None, "--format", "-f", help="Verify only this format (repeatable; eXmY allowed)."),
-    quick: bool = typer.Option(False, "--quick", help="The subset fast enough for every CI run."),
-    out: Path = typer.Option(Path("drift-out"), "--out", help="Folder for verify-formats.parquet."),
-    jobs: int = typer.Option(min(2, os.cpu_count() or 1), "--jobs", "-j",
-                             help="Worker processes."),
+    format_names: Annotated[list[str] | None, typer.Option(
+        "--format", "-f", metavar="NAME", help="Verify only this format (repeatable; eXmY allowed).")] = None,
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="The subset fast enough for every CI run.")] = False,
+    out: Annotated[Path, typer.Option(metavar="DIR", help="Folder for verify-formats.parquet.")] = OUT,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", metavar="N", help="Worker processes.")] = DEFAULT_JOBS,
 ) -> None:
     """Compare every simulated format with the exact rational oracle; exit 1 on any difference."""
     formats = v.element_formats(format_names)
