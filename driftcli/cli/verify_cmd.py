@@ -22,11 +22,14 @@ OUT = Path("drift-out")
 @command("verify-formats")
 def verify_formats(
     format_names: Annotated[list[str] | None, typer.Option(
-        "--format", "-f", metavar="NAME", help="Verify only this format (repeatable; eXmY allowed).")] = None,
+        "--format", "-f", metavar="NAME",
+        help="Verify only this format (repeatable; eXmY allowed).")] = None,
     quick: Annotated[bool, typer.Option(
         "--quick", help="The subset fast enough for every CI run.")] = False,
-    out: Annotated[Path, typer.Option(metavar="DIR", help="Folder for verify-formats.parquet.")] = OUT,
-    jobs: Annotated[int, typer.Option("--jobs", "-j", metavar="N", help="Worker processes.")] = DEFAULT_JOBS,
+    out: Annotated[Path, typer.Option(
+        metavar="DIR", help="Folder for verify-formats.parquet.")] = OUT,
+    jobs: Annotated[int, typer.Option(
+        "--jobs", "-j", metavar="N", help="Worker processes.")] = DEFAULT_JOBS,
 ) -> None:
     """Compare every simulated format with the exact rational oracle; exit 1 on any difference."""
     formats = v.element_formats(format_names)
