@@ -21,7 +21,10 @@ Run ``python benchmarks/bench_casts.py --help`` for the options.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
+import logging
 import os
 import platform
 import statistics
@@ -42,7 +45,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_BITS = 16
 TARGET_BITS = 8
 TARGET_RATIO = 0.5
-PATHS = {"never": "eager", "always": "compiled", "auto": "auto"}
 
 
 @dataclass
@@ -52,11 +54,15 @@ class Row:
     input: str
     format: str
     bits: int
+    mode: str
+    """drift's compile mode asked for: never, always or auto."""
     path: str
+    """What ran: eager, compiled, or eager with the reason compilation did not happen."""
     warmup_s: float
     cast_s: float
     clone_s: float
     native_s: float
+    copy_s: float
     n: int
     identical_to_eager: bool | None
 
@@ -74,6 +80,11 @@ class Row:
     def native_meps(self) -> float:
         """Native e4m3 round-trip throughput in millions of elements per second."""
         return self.n / self.native_s / 1e6
+
+    @property
+    def copy_meps(self) -> float:
+        """Throughput of a copy into a preallocated tensor (no allocation) in Me/s."""
+        return self.n / self.copy_s / 1e6
 
     @property
     def vs_clone(self) -> float:
@@ -144,6 +155,58 @@ def element_formats(names: Sequence[str] | None) -> list[driftcli.Format]:
     return [f for f in (driftcli.FORMATS[name] for name in driftcli.FORMATS) if f.bits <= MAX_BITS]
 
 
+# --- allocator and compiler state ----------------------------------------------------------
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+
+
+def set_malloc(regime: str) -> str:
+    """Pin glibc's allocator so that every figure sees the same memory, and say what was done.
+
+    A 2**24-element float32 result is 64 MiB. Whether such a buffer arrives as
+    fresh pages (each page faulted in and zeroed by the kernel on first write,
+    which costs more than the copy itself) or as memory the process already
+    touched depends, with glibc's defaults, on how fragmented the heap happens
+    to be, so ``x.clone()`` alone can swing by 5x within one process. ``fresh``
+    maps every allocation of 1 MiB or more anew (what a clean process gets for
+    tensors this large); ``reuse`` never returns memory to the system, so
+    buffers are recycled (a steady-state loop with a caching allocator);
+    ``as-is`` leaves glibc alone.
+    """
+    if regime == "as-is":
+        return "as-is (glibc defaults)"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return f"as-is ({regime} needs glibc's mallopt, unavailable here)"
+    if regime == "fresh":
+        ok = mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    else:
+        ok = mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    return regime if ok else f"as-is (mallopt refused {regime})"
+
+
+class _LimitWatch(logging.Handler):
+    """Notices dynamo's warning that a function hit its recompile limit."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hit = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "recompile_limit" in record.getMessage() or "cache_size_limit" in record.getMessage():
+            self.hit = True
+
+
+def graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 # --- timing ---------------------------------------------------------------------------------
 
 
@@ -154,32 +217,30 @@ def once(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def measure(x: torch.Tensor, fmt: driftcli.Format,
-            repeat: int) -> tuple[float, float, float, float]:
-    """(warm-up s, cast s, clone s, native s): medians of ``repeat`` interleaved rounds.
+def measure(x: torch.Tensor, fmt: driftcli.Format, repeat: int) -> dict[str, float]:
+    """Warm-up seconds of the cast, and medians of ``repeat`` interleaved rounds of each callable.
 
-    One untimed-for-throughput warm-up call of each callable comes first; the
-    cast's warm-up seconds are returned, as that is where compilation happens.
+    Each round times ``x.clone()``, the cast, the native e4m3 round trip and a
+    copy into a preallocated tensor, one after the other, so slow drifts of the
+    machine's state hit all four alike. One warm-up call of each comes first;
+    the cast's is returned, as that is where compilation happens.
     """
-    def cast() -> torch.Tensor:
-        return driftcli.round_to_format(x, fmt, rounding="rne", overflow="saturate")
-
-    def clone() -> torch.Tensor:
-        return x.clone()
-
-    def native() -> torch.Tensor:
-        return x.to(torch.float8_e4m3fn).float()
-
-    warmup = once(cast)
-    once(clone)
-    once(native)
-    times: dict[str, list[float]] = {"cast": [], "clone": [], "native": []}
+    out = torch.empty_like(x)
+    calls: dict[str, Callable[[], object]] = {
+        "clone": x.clone,
+        "cast": lambda: driftcli.round_to_format(x, fmt, rounding="rne", overflow="saturate"),
+        "native": lambda: x.to(torch.float8_e4m3fn).float(),
+        "copy": lambda: out.copy_(x),
+    }
+    result = {"warmup": once(calls["cast"])}
+    for name in ("clone", "native", "copy"):
+        once(calls[name])
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeat):
-        times["clone"].append(once(clone))
-        times["cast"].append(once(cast))
-        times["native"].append(once(native))
-    return (warmup, statistics.median(times["cast"]), statistics.median(times["clone"]),
-            statistics.median(times["native"]))
+        for name, fn in calls.items():
+            times[name].append(once(fn))
+    result.update({name: statistics.median(ts) for name, ts in times.items()})
+    return result
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -192,26 +253,55 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run(inputs: dict[str, torch.Tensor], formats: list[driftcli.Format], modes: list[str],
-        repeat: int, check: bool, progress: Callable[[Row], None]) -> list[Row]:
-    """Measure every (path, input, format) and return the rows in that order."""
+        repeat: int, *, check: bool, reset: bool,
+        progress: Callable[[Row], None]) -> list[Row]:
+    """Measure every (path, format, input) and return the rows.
+
+    With ``reset``, dynamo's in-memory caches are cleared before each format on
+    a compiling path, so that every format is compiled as in a fresh process
+    (drift compiles one function, and dynamo stops recompiling a function after
+    ``torch._dynamo.config.recompile_limit`` variants: 8 by default). Without
+    it, the formats share one process-wide cache as in a user's session, and a
+    format that arrives after the limit runs eagerly; such rows are flagged.
+    """
+    watch = _LimitWatch()
+    logging.getLogger("torch._dynamo.convert_frame").addHandler(watch)
     rows: list[Row] = []
+    seen: set[str] = set()
     for mode in modes:
-        for input_name, x in inputs.items():
-            for fmt in formats:
+        for fmt in formats:
+            compiling = mode == "always" or (
+                mode == "auto" and next(iter(inputs.values())).numel()
+                >= rounding.COMPILE_MIN_ELEMENTS)
+            if compiling and reset:
+                import torch._dynamo
+
+                torch._dynamo.reset()
+            for input_name, x in inputs.items():
                 rounding.set_compile(mode)
-                warmup, cast_s, clone_s, native_s = measure(x, fmt, repeat)
+                before = graphs_compiled() if compiling else 0
+                t = measure(x, fmt, repeat)
+                if not compiling:
+                    path = "eager" if mode == "never" else "auto (eager)"
+                elif getattr(rounding, "_broken", False):
+                    path = "eager (compiler failed)"
+                elif graphs_compiled() > before or fmt.name in seen:
+                    path = "compiled"
+                elif reset or watch.hit:
+                    path = "eager (recompile limit)" if watch.hit else "eager (not compiled)"
+                else:
+                    path = "compiled"  # matched a kernel compiled for an earlier format
+                if path == "compiled":
+                    seen.add(fmt.name)
                 identical: bool | None = None
-                if check and mode != "never":
+                if check and compiling:
                     got = driftcli.round_to_format(x, fmt, rounding="rne", overflow="saturate")
                     rounding.set_compile("never")
                     ref = driftcli.round_to_format(x, fmt, rounding="rne", overflow="saturate")
                     identical = same_bits(got, ref)
                     del got, ref
-                path = PATHS[mode]
-                if mode != "never" and getattr(rounding, "_broken", False):
-                    path += " (fell back to eager)"
-                row = Row(input_name, fmt.name, fmt.bits, path, warmup, cast_s, clone_s,
-                          native_s, x.numel(), identical)
+                row = Row(input_name, fmt.name, fmt.bits, mode, path, t["warmup"], t["cast"],
+                          t["clone"], t["native"], t["copy"], x.numel(), identical)
                 rows.append(row)
                 progress(row)
     return rows
@@ -220,7 +310,7 @@ def run(inputs: dict[str, torch.Tensor], formats: list[driftcli.Format], modes: 
 # --- output ---------------------------------------------------------------------------------
 
 COLUMNS = ("input", "format", "bits", "path", "warm-up s", "Me/s", "clone Me/s", "e4m3 Me/s",
-           "x clone", "x e4m3", "= eager")
+           "copy_ Me/s", "x clone", "x e4m3", "= eager")
 
 
 def cells(row: Row) -> tuple[str, ...]:
@@ -228,7 +318,7 @@ def cells(row: Row) -> tuple[str, ...]:
     check = {None: "-", True: "yes", False: "NO"}[row.identical_to_eager]
     return (row.input, row.format, str(row.bits), row.path, f"{row.warmup_s:.2f}",
             f"{row.cast_meps:.0f}", f"{row.clone_meps:.0f}", f"{row.native_meps:.0f}",
-            f"{row.vs_clone:.2f}", f"{row.vs_native:.2f}", check)
+            f"{row.copy_meps:.0f}",            f"{row.vs_clone:.2f}", f"{row.vs_native:.2f}", check)
 
 
 def table(rows: list[Row]) -> str:
@@ -250,16 +340,19 @@ def table(rows: list[Row]) -> str:
 def verdict(rows: list[Row]) -> list[str]:
     """Whether the compiled path meets the targets for every cast to <= 8 bits."""
     lines = []
-    targeted = [r for r in rows if r.path.startswith("compiled") and r.bits <= TARGET_BITS]
+    targeted = [r for r in rows if r.mode != "never" and r.bits <= TARGET_BITS]
     for label, attr in (("clone()", "vs_clone"), ("native e4m3 round trip", "vs_native")):
         if not targeted:
-            lines.append(f"target >= {TARGET_RATIO}x {label}: not measured (no compiled rows)")
+            lines.append(f"target >= {TARGET_RATIO}x {label}: not measured (no compiling path)")
             continue
         worst = min(targeted, key=lambda r: getattr(r, attr))
         misses = [r for r in targeted if getattr(r, attr) < TARGET_RATIO]
         state = "met" if not misses else f"MISSED in {len(misses)} of {len(targeted)} rows"
         lines.append(f"target >= {TARGET_RATIO}x {label} (compiled, <= {TARGET_BITS} bits): "
                      f"{state}; worst {getattr(worst, attr):.2f}x ({worst.format}, {worst.input})")
+    fallen = sorted({f"{r.format} ({r.path})" for r in targeted if r.path != "compiled"})
+    if fallen:
+        lines.append(f"asked to compile but ran eagerly: {', '.join(fallen)}")
     return lines
 
 
@@ -275,6 +368,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="drift's compile mode to measure (default: both never and always)")
     p.add_argument("--inputs", nargs="+", choices=("normal", "heavy"), default=["normal", "heavy"],
                    help="which inputs to measure")
+    p.add_argument("--malloc", choices=("fresh", "reuse", "as-is"), default="fresh",
+                   help="allocator regime: fresh pages for every large tensor, recycled memory, "
+                        "or glibc's defaults (see set_malloc)")
+    p.add_argument("--no-reset", action="store_true",
+                   help="keep one dynamo cache for all formats, as in a user's session "
+                        "(formats past dynamo's recompile limit then run eagerly)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     p.add_argument("--cold-cache", action="store_true",
@@ -292,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.cold_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="drift-bench-inductor-")
+    malloc = set_malloc(args.malloc)
     modes = [args.compile] if args.compile else ["never", "always"]
     formats = element_formats(args.formats)
     info = machine()
@@ -300,7 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"commit:  {info['commit']}; load average at start {info['loadavg']}")
     given = sys.argv[1:] if argv is None else list(argv)
     print(f"command: python benchmarks/bench_casts.py {' '.join(given)}".rstrip())
-    print(f"n = {args.n}, repeat = {args.repeat}, paths = {', '.join(PATHS[m] for m in modes)}, "
+    print(f"n = {args.n}, repeat = {args.repeat}, compile modes = {', '.join(modes)}, "
+          f"malloc = {malloc}, dynamo reset per format = {not args.no_reset}, "
           f"inductor cache = {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'drift default')}")
     print("ratios: drift Me/s / baseline Me/s, baselines timed interleaved on the same input")
     sys.stdout.flush()
@@ -312,7 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def progress(row: Row) -> None:
         print("  " + "  ".join(cells(row)), file=sys.stderr, flush=True)
 
-    rows = run(inputs, formats, modes, args.repeat, not args.no_check, progress)
+    rows = run(inputs, formats, modes, args.repeat, check=not args.no_check,
+               reset=not args.no_reset, progress=progress)
     print()
     print(table(rows))
     print()
@@ -320,10 +422,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if args.json:
-        payload = {"machine": info, "n": args.n, "repeat": args.repeat,
-                   "rows": [asdict(r) | {"cast_meps": r.cast_meps, "clone_meps": r.clone_meps,
-                                         "native_meps": r.native_meps, "vs_clone": r.vs_clone,
-                                         "vs_native": r.vs_native} for r in rows]}
+        derived = ("cast_meps", "clone_meps", "native_meps", "copy_meps", "vs_clone", "vs_native")
+        payload = {"machine": info, "n": args.n, "repeat": args.repeat, "malloc": malloc,
+                   "dynamo_reset_per_format": not args.no_reset, "command": given,
+                   "verdict": verdict(rows),
+                   "rows": [asdict(r) | {k: getattr(r, k) for k in derived} for r in rows]}
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
