@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -144,10 +144,10 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, *, src: _
     elif rounding is Rounding.RDOWN:
         away = inexact & neg
     else:
-        assert random is not None  # checked by _round before the kernel
+        draws = cast(Tensor, random)  # _round checked that sr comes with its random bits
         head = torch.where(s >= sr_bits, dropped >> torch.clamp(s - sr_bits, max=W - 1),
                            dropped << torch.clamp(sr_bits - s, min=0, max=W - 1))
-        away = (head + random.to(it)) >= (1 << sr_bits)
+        away = (head + draws.to(it)) >= (1 << sr_bits)
     mag = kept + away.to(it)
 
     # overflow, decided on the rounded magnitude at the target's quantum
