@@ -96,9 +96,27 @@ def _magnitude_bits(src: _Source, sig: int, qexp: int) -> int:
     return sig << (qexp - (1 - src.bias - src.mbits))
 
 
-def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, *, src: _Source,
-            tgt: _Target, rounding: Rounding, overflow: Overflow, sr_bits: int) -> Tensor:
-    """Round ``x`` (+ ``residual``, a sticky tail below x's last bit) onto the target grid."""
+def _assemble(src: _Source, mag: Tensor, qexp: Tensor) -> Tensor:
+    """Bits of the working float ``mag * 2**qexp`` (mag < 2**(mbits + 2), a representable value).
+
+    int -> float is exact for such ``mag``; the exponent is then shifted in the bits, or, for a
+    subnormal result, the integer is shifted into place.
+    """
+    W = src.width - 1
+    as_float = mag.to(src.fdtype).view(src.idtype)
+    new_exp = (as_float >> src.mbits) + qexp
+    denorm_shift = torch.clamp(qexp - (1 - src.bias - src.mbits), min=0, max=W - 1)
+    return torch.where(new_exp >= 1, as_float + qexp * (1 << src.mbits), mag << denorm_shift)
+
+
+def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp: Tensor | None,
+            *, src: _Source, tgt: _Target, rounding: Rounding, overflow: Overflow,
+            sr_bits: int) -> Tensor:
+    """Round ``x`` (+ ``residual``, a sticky tail below x's last bit) onto the target grid.
+
+    With ``scale_exp`` the grid of each element is the format's grid times ``2**scale_exp``:
+    the cast of ``x / 2**k`` followed by the multiplication back, with no rounding in either.
+    """
     it = src.idtype
     W = src.width - 1
     sign_mask = -(1 << W)  # the sign bit as a signed integer
@@ -124,7 +142,9 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, *, src: _
     # the binade of |x|; for a subnormal input it is read off the bits of float(sig), exact
     sig_binade = (sig.to(src.fdtype).view(it) >> src.mbits) - src.bias
     e = torch.where(exp_field == 0, sig_binade + q_src, q_src + src.mbits)
-    s = torch.clamp(torch.clamp(e, min=tgt.emin) - tgt.mbits - q_src, min=0)  # bits dropped
+    emin = tgt.emin if scale_exp is None else scale_exp + tgt.emin
+    s = torch.clamp(torch.maximum(e, torch.as_tensor(emin, dtype=it)) - tgt.mbits - q_src,
+                    min=0)  # bits dropped
     qexp = q_src + s
     sc = torch.clamp(s, max=W - 1)
     kept = sig >> sc
@@ -152,17 +172,18 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, *, src: _
 
     # overflow, decided on the rounded magnitude at the target's quantum
     limit_sig = torch.where(neg, tgt.min_sig, torch.full_like(mag, tgt.max_sig))
-    over = (qexp > tgt.qmax) | ((qexp == tgt.qmax) & (mag > limit_sig))
+    qmax = tgt.qmax if scale_exp is None else scale_exp + tgt.qmax
+    over = (qexp > qmax) | ((qexp == qmax) & (mag > limit_sig))
+    out = _assemble(src, mag, qexp)
 
-    # assemble |result| bits: int -> float is exact (mag < 2**(mbits + 2)), then shift the exponent
-    mbits_f = mag.to(src.fdtype).view(it)
-    new_exp = (mbits_f >> src.mbits) + qexp
-    denorm_shift = torch.clamp(qexp - (1 - src.bias - src.mbits), min=0, max=W - 1)
-    out = torch.where(new_exp >= 1, mbits_f + qexp * (1 << src.mbits), mag << denorm_shift)
-
-    max_bits = _magnitude_bits(src, tgt.max_sig, tgt.qmax)
-    limit_bits = torch.where(neg, _magnitude_bits(src, tgt.min_sig, tgt.qmax),
-                             torch.full_like(u, max_bits))
+    if scale_exp is None:
+        max_bits = _magnitude_bits(src, tgt.max_sig, tgt.qmax)
+        limit_bits = torch.where(neg, _magnitude_bits(src, tgt.min_sig, tgt.qmax),
+                                 torch.full_like(u, max_bits))
+        smallest_bits: Tensor | int = _pow2_bits(src, tgt.smallest_exp)
+    else:
+        limit_bits = _assemble(src, limit_sig, qmax)
+        smallest_bits = _assemble(src, torch.ones_like(u), scale_exp + tgt.smallest_exp)
     inf_bits = exp_all << src.mbits
     nan_bits = inf_bits | (1 << (src.mbits - 1))
     special_bits = inf_bits if tgt.has_inf else (nan_bits if tgt.has_nan else None)
@@ -183,7 +204,7 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, *, src: _
     out = torch.where(over, over_bits, out)
     out = torch.where(nonfinite, inf_in, out)
     if not tgt.has_zero:
-        out = torch.clamp(out, min=_pow2_bits(src, tgt.smallest_exp))
+        out = torch.maximum(out, torch.as_tensor(smallest_bits, dtype=it))
     # the sign: −0 only where the format has it, and nothing negative on an unsigned format
     keep_sign = neg & ((out != 0) | tgt.has_neg_zero) if tgt.signed else torch.zeros_like(neg)
     out = out | (keep_sign.to(it) * sign_mask)
@@ -192,7 +213,7 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, *, src: _
         if overflow is Overflow.IEEE and tgt.has_nan:
             out = torch.where(below, nan_bits, out)
         else:
-            out = torch.where(below, _pow2_bits(src, tgt.smallest_exp), out)
+            out = torch.where(below, smallest_bits, out)
     out = torch.where(is_nan, nan_bits, out)
     return out.view(src.fdtype)
 
@@ -236,17 +257,18 @@ def _compiled() -> Any:
 _broken = False
 
 
-def _run(x: Tensor, residual: Tensor | None, random: Tensor | None, **static: Any) -> Tensor:
+def _run(x: Tensor, residual: Tensor | None, random: Tensor | None,
+         scale_exp: Tensor | None = None, **static: Any) -> Tensor:
     global _broken
     use = _compile_mode == "always" or (
         _compile_mode == "auto" and x.numel() >= COMPILE_MIN_ELEMENTS)
     fn = _compiled() if use and not _broken else None
     if fn is not None:
         try:
-            return fn(x, residual, random, **static)
+            return fn(x, residual, random, scale_exp, **static)
         except Exception:
             _broken = True
-    return _kernel(x, residual, random, **static)
+    return _kernel(x, residual, random, scale_exp, **static)
 
 
 # --- public entry points -------------------------------------------------------------------
