@@ -5,8 +5,12 @@ The public API::
     import driftcli as drift
     drift.FORMATS["float8_e4m3fn"]                       # a Format
     drift.round_to_format(x, "float8_e4m3fn", rounding="rne", overflow="saturate")
+    c = drift.parse_cast("mxfp8_e4m3")                   # a Cast from a preset or spec string
+    q = drift.quantize(x, c)                              # dequantized, same shape and dtype
+    info = drift.quantize(x, c, return_info=True)        # plus masks and scales
 """
 
+from driftcli.cast import PRESETS, Cast, parse_cast, quantize
 from driftcli.errors import DriftError
 from driftcli.formats import FORMATS, Format, get_format
 from driftcli.modes import Overflow, Rounding
@@ -16,6 +20,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORMATS",
+    "PRESETS",
+    "Cast",
     "DriftError",
     "Format",
     "Overflow",
@@ -24,6 +30,8 @@ __all__ = [
     "add",
     "get_format",
     "multiply",
+    "parse_cast",
+    "quantize",
     "round_to_format",
     "stochastic_round",
 ]

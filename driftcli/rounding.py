@@ -284,9 +284,9 @@ def result_dtype(dtype: torch.dtype, fmt: Format) -> torch.dtype:
     return dtype if name is not None and FORMATS[name].contains(fmt) else torch.float32
 
 
-def _working(x: Tensor, what: str) -> tuple[Tensor, _Source]:
-    if x.dtype == torch.float64:
-        return x.contiguous(), _F64
+def _working(x: Tensor, what: str, wide: bool = False) -> tuple[Tensor, _Source]:
+    if x.dtype == torch.float64 or (wide and x.dtype.is_floating_point):
+        return x.to(torch.float64).contiguous(), _F64
     if x.dtype in _DTYPE_FORMAT:
         return x.to(torch.float32).contiguous(), _F32
     raise DriftError(f"{what} has dtype {x.dtype}; round float32, float64, bfloat16 or float16 "
@@ -312,8 +312,13 @@ def round_to_format(x: Tensor, fmt: str | Format, *, rounding: Rounding | str = 
 
 
 def _round(x: Tensor, residual: Tensor | None, fmt: Format, mode: Rounding, policy: Overflow,
-           random_bits: Tensor | None, sr_bits: int, out_dtype: torch.dtype) -> Tensor:
-    work, src = _working(x, "input")
+           random_bits: Tensor | None, sr_bits: int, out_dtype: torch.dtype,
+           scale_exp: Tensor | None = None, wide: bool = False) -> Tensor:
+    """Round ``x`` (+ ``residual``) onto ``fmt``'s grid (times ``2**scale_exp``).
+
+    ``wide`` works in float64 (for scaled grids beyond float32's range).
+    """
+    work, src = _working(x, "input", wide)
     random = None
     if mode is Rounding.SR:
         if random_bits is None:
@@ -323,7 +328,9 @@ def _round(x: Tensor, residual: Tensor | None, fmt: Format, mode: Rounding, poli
         if random_bits.shape != x.shape or random_bits.dtype.is_floating_point:
             raise DriftError(f"random_bits must be an integer tensor of shape {tuple(x.shape)}")
         random = random_bits.to(src.idtype).contiguous()
-    out = _run(work, residual, random, src=src, tgt=_Target.of(fmt), rounding=mode,
+    if scale_exp is not None:
+        scale_exp = scale_exp.to(src.idtype)
+    out = _run(work, residual, random, scale_exp, src=src, tgt=_Target.of(fmt), rounding=mode,
                overflow=policy, sr_bits=sr_bits)
     return out.to(out_dtype)
 

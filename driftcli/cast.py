@@ -1,0 +1,302 @@
+"""Casts: a format, a scaling, a rounding mode and an overflow policy; the spec strings.
+
+A cast spec is colon-separated parts, the element format first; the other
+parts may come in any order and are recognised by their words::
+
+    float8_e4m3fn:block32:float8_e8m0fnu:floor:rne:saturate     (the canonical form)
+    float8_e4m3fn:block32                                        (the same, by defaults)
+    float4_e2m1fn:block16:float8_e4m3fn:two-level                (NVFP4)
+    float8_e4m3fn:tensor:amax                                    (per-tensor current scaling)
+    mxfp8_e4m3_floor+1                                           (a preset)
+
+Granularity: ``none`` ``tensor`` ``channel`` ``block<k>`` ``tile<k>``. Rule:
+``floor`` ``floor+<k>`` ``ceil`` ``even`` ``amax`` ``amax-rne`` ``amax-up``
+``two-level``. Scale format: any format name. Rounding: ``rne`` ``rna``
+``rtz`` ``rup`` ``rdown`` ``sr``. Overflow: ``saturate`` ``ieee``. Defaults:
+no scaling; with a granularity, ``floor`` for blocks and tiles and ``amax``
+for tensors and channels; the scale format ``float8_e8m0fnu`` for
+power-of-two rules, ``float8_e4m3fn`` for ``two-level``, ``float32`` for the
+``amax`` rules; ``rne``; ``saturate``. ``str(cast)`` writes every part, in
+the order above, and ``parse_cast(str(c)) == c``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from driftcli import rounding as fast
+from driftcli.errors import DriftError, FormatSpecError, close_matches
+from driftcli.formats import FORMATS, Format, get_format
+from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
+from driftcli.scaling import (
+    CastSpecError,
+    Granularity,
+    ScaleRule,
+    Scaling,
+    block_stats,
+    pow2_exponents,
+    real_scales,
+    to_blocks,
+    two_level_scales,
+)
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Cast:
+    """How one tensor is cast: element format, scaling, rounding, overflow."""
+
+    format: Format
+    scaling: Scaling = field(default_factory=Scaling)
+    rounding: Rounding = Rounding.RNE
+    overflow: Overflow = Overflow.SATURATE
+
+    def __str__(self) -> str:
+        s = self.scaling
+        parts = [self.format.name]
+        if s.granularity is Granularity.NONE:
+            parts.append("none")
+        else:
+            size = str(s.block) if s.block else ""
+            rule = f"{s.rule}+{s.headroom}" if s.headroom else str(s.rule)
+            scale_name = s.scale_format.name if s.scale_format is not None else ""
+            parts += [f"{s.granularity}{size}", scale_name, rule]
+        return ":".join([*parts, self.rounding.value, self.overflow.value])
+
+
+# --- presets ----------------------------------------------------------------------------------
+
+E8M0 = FORMATS["float8_e8m0fnu"]
+
+
+def _mx(elem: str, rule: ScaleRule = ScaleRule.FLOOR, headroom: int = 0) -> Cast:
+    return Cast(FORMATS[elem], Scaling(Granularity.BLOCK, 32, E8M0, rule, headroom))
+
+
+_MX = {"mxfp8_e4m3": "float8_e4m3fn", "mxfp8_e5m2": "float8_e5m2",
+       "mxfp6_e3m2": "float6_e3m2fn", "mxfp6_e2m3": "float6_e2m3fn",
+       "mxfp4_e2m1": "float4_e2m1fn", "mxint8": "int8"}
+_NVFP4 = (FORMATS["float4_e2m1fn"], FORMATS["float8_e4m3fn"])
+
+PRESETS: dict[str, tuple[Cast, str]] = {
+    "bf16": (Cast(FORMATS["bfloat16"], overflow=Overflow.IEEE),
+             "plain bfloat16 cast, no scaling (overflow to inf, as torch)"),
+    "fp16": (Cast(FORMATS["float16"], overflow=Overflow.IEEE),
+             "plain float16 cast, no scaling (overflow to inf, as torch)"),
+    "fp8_e4m3": (Cast(FORMATS["float8_e4m3fn"],
+                      Scaling(Granularity.TENSOR, 0, FORMATS["float32"], ScaleRule.AMAX)),
+                 "FP8 E4M3 with one float32 scale amax/448 per tensor (current scaling)"),
+    "fp8_e5m2": (Cast(FORMATS["float8_e5m2"],
+                      Scaling(Granularity.TENSOR, 0, FORMATS["float32"], ScaleRule.AMAX)),
+                 "FP8 E5M2 with one float32 scale amax/57344 per tensor (current scaling)"),
+    "fp8_e4m3_unscaled": (Cast(FORMATS["float8_e4m3fn"]), "the bare FP8 E4M3 cast, scale 1"),
+    **{name: (_mx(elem), f"OCP MX: {elem} in blocks of 32, E8M0 scale, floor rule")
+       for name, elem in _MX.items()},
+    **{f"{name}_ceil": (_mx(elem, ScaleRule.CEIL), f"{name} with the scale rounded up (ceil)")
+       for name, elem in _MX.items()},
+    **{f"{name}_even": (_mx(elem, ScaleRule.EVEN), f"{name} with the even rule")
+       for name, elem in _MX.items()},
+    **{f"{name}_floor+1": (_mx(elem, headroom=1), f"{name} with one binade of headroom")
+       for name, elem in _MX.items()},
+    "nvfp4": (Cast(_NVFP4[0], Scaling(Granularity.BLOCK, 16, _NVFP4[1], ScaleRule.TWO_LEVEL)),
+              "NVFP4: FP4 E2M1 in blocks of 16, E4M3 block scales under a float32 tensor scale"),
+    "nvfp4_2d": (Cast(_NVFP4[0], Scaling(Granularity.TILE, 16, _NVFP4[1], ScaleRule.TWO_LEVEL)),
+                 "NVFP4 with 16x16 tiles (as for weights)"),
+}
+"""Every preset: its cast and what it means."""
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+_GRANULARITY = re.compile(r"(none|tensor|channel)|(block|tile)(\d+)")
+_RULE = re.compile(r"(floor|ceil|even|amax|amax-rne|amax-up|two-level)(?:\+(\d+))?")
+
+
+class _Parts(NamedTuple):
+    granularity: tuple[Granularity, int] | None
+    rule: tuple[ScaleRule, int] | None
+    scale_format: Format | None
+    rounding: Rounding | None
+    overflow: Overflow | None
+
+
+def _bad(spec: str, part: str, why: str) -> CastSpecError:
+    return CastSpecError(f"cast spec {spec!r}: {why} {part!r}; write FORMAT[:GRANULARITY]"
+                         "[:SCALE_FORMAT][:RULE][:ROUNDING][:OVERFLOW], e.g. "
+                         "float8_e4m3fn:block32:floor, or a preset (drift formats --presets)")
+
+
+def _classify(spec: str, parts: list[str]) -> _Parts:
+    found: dict[str, object] = {}
+
+    def put(kind: str, value: object, part: str) -> None:
+        if kind in found:
+            raise _bad(spec, part, f"a second {kind}")
+        found[kind] = value
+
+    for part in parts:
+        if g := _GRANULARITY.fullmatch(part):
+            gran = Granularity(g[1] or g[2])
+            put("granularity", (gran, int(g[3] or 0)), part)
+        elif r := _RULE.fullmatch(part):
+            put("rule", (ScaleRule(r[1]), int(r[2] or 0)), part)
+        elif part in Rounding.__members__.values():
+            put("rounding", Rounding(part), part)
+        elif part in Overflow.__members__.values():
+            put("overflow", Overflow(part), part)
+        elif part in FORMATS or re.fullmatch(r"e\d+m\d+(b-?\d+)?", part):
+            put("scale format", get_format(part), part)
+        else:
+            words = ["none", "tensor", "channel", "block32", "tile16", *list(ScaleRule),
+                     *list(Rounding), *list(Overflow), *FORMATS]
+            raise _bad(spec, part, f"unknown part{close_matches(part, words).rstrip('?')} in")
+    return _Parts(found.get("granularity"), found.get("rule"),  # type: ignore[arg-type]
+                  found.get("scale format"), found.get("rounding"),  # type: ignore[arg-type]
+                  found.get("overflow"))  # type: ignore[arg-type]
+
+
+def parse_cast(spec: str | Cast) -> Cast:
+    """A :class:`Cast` from a preset name or a spec string (see the module docs)."""
+    if isinstance(spec, Cast):
+        return spec
+    if spec in PRESETS:
+        return PRESETS[spec][0]
+    head, *rest = spec.strip().split(":")
+    try:
+        elem = get_format(head)
+    except FormatSpecError as err:
+        raise CastSpecError(f"cast spec {spec!r}: {err}") from None
+    except DriftError:
+        raise CastSpecError(
+            f"cast spec {spec!r}: unknown format or preset {head!r}"
+            f"{close_matches(head, [*PRESETS, *FORMATS])} (see drift formats --presets)") from None
+    p = _classify(spec, rest)
+    gran, size = p.granularity or (Granularity.NONE, 0)
+    if gran is Granularity.NONE:
+        if p.rule is not None or p.scale_format is not None:
+            raise _bad(spec, ":".join(rest), "a rule or scale format without a granularity in")
+        scaling = Scaling()
+    else:
+        rule, headroom = p.rule or (
+            (ScaleRule.FLOOR, 0) if gran in (Granularity.BLOCK, Granularity.TILE)
+            else (ScaleRule.AMAX, 0))
+        if headroom and rule is not ScaleRule.FLOOR:
+            raise _bad(spec, f"{rule}+{headroom}", "headroom applies to floor only, not")
+        default_scale = ("float8_e8m0fnu" if rule.power_of_two else
+                         "float8_e4m3fn" if rule is ScaleRule.TWO_LEVEL else "float32")
+        scaling = Scaling(gran, size, p.scale_format or FORMATS[default_scale], rule, headroom)
+    return Cast(elem, scaling, p.rounding or Rounding.RNE, p.overflow or Overflow.SATURATE)
+
+
+# --- quantize ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class QuantInfo:
+    """What a cast did, element by element and block by block."""
+
+    values: Tensor
+    """The dequantized values, shaped and typed like the input."""
+    clipped: Tensor
+    """|x / s| above the element format's max (before saturation)."""
+    underflowed: Tensor
+    """x nonzero and finite, the result zero."""
+    subnormal: Tensor
+    """The result nonzero and, divided by its scale, below the element's smallest normal."""
+    nonfinite: Tensor
+    """The input element is NaN or ±inf."""
+    scales: Tensor
+    """The scale each block was divided by (float64; NaN for a nonfinite block)."""
+    scale_clamped: Tensor
+    """Per block: the rule's scale fell outside the scale format and was clamped."""
+    nonfinite_blocks: Tensor
+    """Per block: it held NaN or inf (block scalings make all its elements NaN)."""
+    tensor_scale: float | None = None
+    """The float32 tensor scale of a two-level cast."""
+
+
+def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int | None = None,
+             random_bits: Tensor | None = None, sr_bits: int = DEFAULT_SR_BITS,
+             return_info: bool = False) -> Tensor | QuantInfo:
+    """Cast ``x`` as the spec says and return the dequantized values (same shape and dtype).
+
+    ``axis`` is the axis blocks run along (the contraction axis of a matmul).
+    Stochastic rounding reads ``random_bits`` (shaped like ``x``) or draws
+    them from ``seed``. With ``return_info`` a :class:`QuantInfo` comes back.
+    """
+    c = parse_cast(cast_or_spec)
+    if not x.dtype.is_floating_point:
+        raise DriftError(f"quantize needs a floating-point tensor, not {x.dtype}")
+    if c.rounding is Rounding.SR and random_bits is None:
+        if seed is None:
+            raise DriftError("stochastic rounding needs seed= or random_bits=")
+        random_bits = fast.draw_random_bits(x.shape, seed, sr_bits, x.device)
+    info = _quantize(x, c, axis, random_bits, sr_bits)
+    return info if return_info else info.values
+
+
+def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
+              sr_bits: int) -> QuantInfo:
+    work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    elem, s = c.format, c.scaling
+    blocks, back = to_blocks(work, s, axis)
+    bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0]
+    n_blocks = blocks.shape[0]
+    no_blocks = torch.zeros(n_blocks, dtype=torch.bool)
+    finite = torch.isfinite(blocks)
+
+    def rnd(v: Tensor, scale_exp: Tensor | None = None, wide: bool = False) -> Tensor:
+        return fast._round(v, None, elem, c.rounding, c.overflow, bits, sr_bits, v.dtype,
+                           scale_exp, wide)
+
+    tensor_scale = None
+    if s.granularity is Granularity.NONE or blocks.numel() == 0:
+        q = rnd(blocks)
+        scales = torch.ones(n_blocks, dtype=torch.float64)
+        clipped = blocks.abs() > float(elem.max)
+        subnormal = (q != 0) & (q.abs() < float(elem.smallest_normal))
+        clamped, bad_blocks = no_blocks, no_blocks
+    else:
+        stats = block_stats(blocks)
+        bad_blocks = stats.nonfinite if s.blocked else no_blocks
+        rule = s.rule
+        if rule is not None and rule.power_of_two:
+            k, clamped = pow2_exponents(stats.amax, elem, s)
+            # a scaled grid beyond float32's range is rounded in float64, then stored in x's dtype
+            wide = bool(k.numel()) and (int(k.min()) + elem.qmin < -149
+                                        or int(k.max()) + elem.emax >= 128)
+            q = rnd(blocks, k[:, None], wide).to(work.dtype)
+            scales = torch.ldexp(torch.ones(n_blocks, dtype=torch.float64), k.double())
+            bound = torch.ldexp(torch.full((n_blocks, 1), float(elem.max), dtype=torch.float64),
+                                k[:, None].double())
+            clipped = blocks.double().abs() > bound
+            small = torch.ldexp(torch.full_like(bound, float(elem.smallest_normal)),
+                                k[:, None].double())
+            subnormal = (q != 0) & (q.double().abs() < small)
+        else:
+            if rule is ScaleRule.TWO_LEVEL:
+                two = two_level_scales(stats.amax, stats.amax.max(), elem, s)
+                divisor, clamped = two.divisor, two.clamped
+                tensor_scale = float(two.tensor_scale)
+            else:
+                divisor, clamped = real_scales(stats.amax, elem, s)
+            y = blocks / divisor[:, None]
+            qy = rnd(y)
+            q = qy * divisor[:, None]
+            scales = divisor.double()
+            clipped = y.abs() > float(elem.max)
+            subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
+        if s.blocked:
+            q = torch.where(bad_blocks[:, None], torch.nan, q)
+            scales = torch.where(bad_blocks, torch.nan, scales)
+    underflowed = (blocks != 0) & finite & (q == 0)
+    clipped = clipped & finite
+    return QuantInfo(
+        values=back(q).to(x.dtype), clipped=back(clipped), underflowed=back(underflowed),
+        subnormal=back(subnormal & torch.isfinite(q)), nonfinite=back(~finite),
+        scales=scales, scale_clamped=clamped, nonfinite_blocks=bad_blocks,
+        tensor_scale=tensor_scale)

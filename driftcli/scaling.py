@@ -1,0 +1,282 @@
+"""How a tensor is scaled before its elements are cast.
+
+A :class:`Scaling` has a granularity (which elements share a scale), a scale
+format and a scale rule. The axis the blocks run along is not stored: the
+caller (a matmul, a measurement) supplies it.
+
+Where every division happens (bit-exactness against a recipe depends on it):
+
+- Power-of-two rules (``floor``, ``ceil``, ``even``, ``floor+k``): the scale
+  is ``2**k`` with ``k`` an integer computed from the bits of amax. Elements
+  are rounded directly onto the element grid times ``2**k``: no division and
+  no multiplication is ever rounded.
+- ``amax`` rules (real-valued): ``s = fl32(amax / M)`` with ``M`` the element
+  format's max, optionally rounded into the scale format (``amax-rne``,
+  ``amax-up``); elements ``y = fl32(x / s)`` are cast, and the dequantized
+  value is ``fl32(q * s)``.
+- ``two-level`` (NVFP4): a float32 tensor scale ``S = fl32(amax_tensor /
+  fl32(Ms * M))`` (``Ms`` the scale format's max: 448 · 6 for NVFP4), block
+  scales ``sb = cast_rne(fl32(fl32(amax_block / M) / S))`` in the scale
+  format, the divisor ``d = fl32(sb * S)``, elements ``y = fl32(x / d)`` cast,
+  dequantized ``fl32(q * d)``.
+
+``fl32`` is one IEEE float32 operation, rounded to nearest even (float64 when
+the tensor is float64). Edge cases: a trailing partial block is padded with
+zeros; an all-zero block gets the scale format's smallest positive scale and
+stays zero; a block holding NaN or ±inf gets a NaN scale and all its elements
+become NaN (the OCP MX rule, applied to every block scaling), counted; a
+scale outside the scale format's range is clamped to it, counted; per-tensor
+and per-channel scales take amax over the finite elements and cast nonfinite
+elements one by one. A two-level tensor scale below float32's smallest normal
+is raised to it, and an all-zero tensor gets ``S = 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from driftcli.errors import DriftError
+from driftcli.formats import FORMATS, Format
+
+Tensor = torch.Tensor
+
+
+class CastSpecError(DriftError, ValueError):
+    """A cast or scaling that cannot be built as asked."""
+
+
+class Granularity(StrEnum):
+    """Which elements share one scale."""
+
+    NONE = "none"
+    """No scaling: the bare cast, scale 1."""
+    TENSOR = "tensor"
+    """One scale for the whole tensor."""
+    CHANNEL = "channel"
+    """One scale per slice along the axis (per row of a weight, for the last axis)."""
+    BLOCK = "block"
+    """One scale per ``k`` consecutive elements along the axis (MX: 32, NVFP4: 16)."""
+    TILE = "tile"
+    """One scale per ``k x k`` tile of the axis and the one before it (NVFP4 weights: 16)."""
+
+
+class ScaleRule(StrEnum):
+    """How a scale is chosen from the amax of the elements that share it."""
+
+    FLOOR = "floor"
+    """OCP MX v1.0: ``2**(floor(log2 amax) - emax_elem)``; the largest values can clip."""
+    CEIL = "ceil"
+    """``2**ceil(log2(amax / max_elem))``: nothing clips (NVIDIA's MXFP8 recipe)."""
+    EVEN = "even"
+    """amax rounded to the element's mantissa width (ties away) first, then ``floor``."""
+    AMAX = "amax"
+    """Real-valued ``amax / max_elem`` in float32, kept as is (current scaling)."""
+    AMAX_RNE = "amax-rne"
+    """``amax / max_elem`` rounded to nearest into the scale format."""
+    AMAX_UP = "amax-up"
+    """``amax / max_elem`` rounded up into the scale format (nothing clips)."""
+    TWO_LEVEL = "two-level"
+    """A float32 tensor scale over block scales in the scale format (NVFP4)."""
+
+    @property
+    def power_of_two(self) -> bool:
+        """Whether the rule picks a power of two (an integer exponent)."""
+        return self in (ScaleRule.FLOOR, ScaleRule.CEIL, ScaleRule.EVEN)
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """Granularity, block size, scale format, rule and headroom binades (``floor+k``)."""
+
+    granularity: Granularity = Granularity.NONE
+    block: int = 0
+    scale_format: Format | None = None
+    rule: ScaleRule | None = None
+    headroom: int = 0
+
+    def __post_init__(self) -> None:
+        blocked = self.granularity in (Granularity.BLOCK, Granularity.TILE)
+        if blocked and self.block < 1:
+            raise CastSpecError(f"{self.granularity.value} scaling needs a size, e.g. block32")
+        if not blocked and self.block:
+            raise CastSpecError(f"{self.granularity.value} scaling takes no block size")
+        if self.granularity is Granularity.NONE:
+            if self.scale_format is not None or self.rule is not None or self.headroom:
+                raise CastSpecError("an unscaled cast takes no scale format, rule or headroom")
+            return
+        if self.scale_format is None or self.rule is None:
+            raise CastSpecError("a scaled cast needs a scale format and a rule")
+        if self.headroom and self.rule is not ScaleRule.FLOOR:
+            raise CastSpecError(f"headroom (+{self.headroom}) applies to the floor rule only")
+        if self.headroom < 0:
+            raise CastSpecError("headroom must be a positive number of binades")
+        if self.rule is ScaleRule.TWO_LEVEL and not blocked:
+            raise CastSpecError("the two-level rule needs block or tile granularity")
+
+    @property
+    def blocked(self) -> bool:
+        """Whether scales are per block or tile (which makes nonfinite blocks NaN)."""
+        return self.granularity in (Granularity.BLOCK, Granularity.TILE)
+
+
+# --- blocking --------------------------------------------------------------------------------
+
+def to_blocks(x: Tensor, scaling: Scaling, axis: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """``x`` as a 2-D ``(n_blocks, block_elements)`` tensor and the function that undoes it.
+
+    Partial blocks are padded with zeros; the inverse crops them again.
+    """
+    shape = x.shape
+    if x.dim() == 0:
+        x = x.reshape(1)
+    if not -x.dim() <= axis < x.dim():
+        raise CastSpecError(f"axis {axis} is out of range for a tensor of shape {tuple(shape)}")
+    g = scaling.granularity
+    if g in (Granularity.NONE, Granularity.TENSOR):
+        return x.reshape(1, -1), lambda b: b.reshape(shape)
+    moved = x.movedim(axis, -1)
+    moved_shape = moved.shape
+    if g is Granularity.CHANNEL:
+        return moved.reshape(-1, moved_shape[-1]), \
+            lambda b: b.reshape(moved_shape).movedim(-1, axis).reshape(shape)
+    k = scaling.block
+    if g is Granularity.BLOCK:
+        n = moved_shape[-1]
+        pad = -n % k
+        padded = torch.nn.functional.pad(moved, (0, pad)) if pad else moved
+
+        def unblock(b: Tensor) -> Tensor:
+            out = b.reshape(*moved_shape[:-1], n + pad)[..., :n]
+            return out.movedim(-1, axis).reshape(shape)
+
+        return padded.reshape(-1, k), unblock
+    # tiles: the axis and the one before it
+    two = moved if moved.dim() >= 2 else moved.unsqueeze(0)
+    lead, (rows, cols) = two.shape[:-2], two.shape[-2:]
+    pr, pc = -rows % k, -cols % k
+    padded = torch.nn.functional.pad(two, (0, pc, 0, pr)) if pr or pc else two
+    R, C = rows + pr, cols + pc
+    tiles = padded.reshape(*lead, R // k, k, C // k, k).transpose(-3, -2)
+
+    def untile(b: Tensor) -> Tensor:
+        t = b.reshape(*lead, R // k, C // k, k, k).transpose(-3, -2).reshape(*lead, R, C)
+        t = t[..., :rows, :cols].reshape(moved_shape)
+        return t.movedim(-1, axis).reshape(shape)
+
+    return tiles.reshape(-1, k * k), untile
+
+
+# --- scales ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BlockStats:
+    """Per block: largest finite magnitude, and whether it holds a NaN or inf."""
+
+    amax: Tensor
+    nonfinite: Tensor
+
+
+def block_stats(blocks: Tensor) -> BlockStats:
+    """amax over the finite elements of each block, and which blocks hold NaN or inf."""
+    finite = torch.isfinite(blocks)
+    mags = torch.where(finite, blocks.abs(), torch.zeros_like(blocks))
+    return BlockStats(mags.amax(dim=1), ~finite.all(dim=1))
+
+
+def pow2_range(scale_format: Format) -> tuple[int, int]:
+    """The exponents ``k`` whose ``2**k`` is a value of the scale format."""
+    smallest = scale_format.smallest_positive
+    low = smallest.numerator.bit_length() - smallest.denominator.bit_length()
+    return low, scale_format.emax
+
+
+def pow2_exponents(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor, Tensor]:
+    """Scale exponents ``k`` (int64) of power-of-two rules, and which of them were clamped.
+
+    Exponents come from ``frexp`` (the bits), never from a floating log2: the
+    largest float32 below 8.0 has binade 2, not 3.
+    """
+    rule = scaling.rule
+    a = amax.to(torch.float64)
+    mant, exp = torch.frexp(a)  # a = mant * 2**exp, 0.5 <= mant < 1
+    k = exp.to(torch.int64) - 1 - elem.emax  # floor(log2 amax) - emax_elem
+    if rule is ScaleRule.CEIL:
+        k = k + (a > torch.ldexp(torch.full_like(a, float(elem.max)), k.double())).long()
+    elif rule is ScaleRule.EVEN:
+        rounds_up = mant >= 1 - 2.0 ** -(elem.mbits + 2)  # significand rounds (ties away) to 2
+        k = k + rounds_up.long()
+    k = k + scaling.headroom
+    low, high = pow2_range(_scale_format(scaling))
+    zero = a == 0
+    clamped = ((k < low) | (k > high)) & ~zero
+    k = torch.where(zero, torch.full_like(k, low), torch.clamp(k, low, high))
+    return k, clamped
+
+
+def _scale_format(scaling: Scaling) -> Format:
+    if scaling.scale_format is None:
+        raise CastSpecError("this scaling has no scale format")
+    return scaling.scale_format
+
+
+FLOAT32 = FORMATS["float32"]
+
+
+def _fl(value: float, dtype: torch.dtype) -> Tensor:
+    return torch.tensor(value, dtype=torch.float64).to(dtype)
+
+
+def real_scales(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor, Tensor]:
+    """Real-valued scales ``fl(amax / M)`` (optionally rounded into the scale format), clamped.
+
+    Computed in ``amax``'s dtype (float32, or float64 for float64 tensors).
+    """
+    from driftcli.rounding import round_to_format
+
+    fmt = _scale_format(scaling)
+    raw = amax / _fl(float(elem.max), amax.dtype)
+    if scaling.rule is ScaleRule.AMAX:
+        scale = raw
+    else:
+        mode = "rne" if scaling.rule is ScaleRule.AMAX_RNE else "rup"
+        scale = round_to_format(raw, fmt, rounding=mode, overflow="saturate").to(amax.dtype)
+    smallest = _fl(float(fmt.smallest_positive), amax.dtype)
+    largest = _fl(float(fmt.max), amax.dtype)
+    zero = amax == 0
+    clamped = ((raw > largest) | (scale < smallest)) & ~zero
+    scale = torch.where(zero, smallest, torch.clamp(scale, smallest, largest))
+    return scale, clamped
+
+
+@dataclass(frozen=True)
+class TwoLevel:
+    """The scales of a two-level cast: per-block divisors, block scales, the tensor scale."""
+
+    divisor: Tensor
+    block_scale: Tensor
+    tensor_scale: Tensor
+    clamped: Tensor
+
+
+def two_level_scales(amax: Tensor, tensor_amax: Tensor, elem: Format,
+                     scaling: Scaling) -> TwoLevel:
+    """NVFP4-style scales, every step one IEEE operation in ``amax``'s dtype (see module doc)."""
+    from driftcli.rounding import round_to_format
+
+    fmt = _scale_format(scaling)
+    dtype = amax.dtype
+    denominator = _fl(float(fmt.max * elem.max), dtype)
+    tiny = torch.finfo(dtype).tiny
+    tensor_scale = torch.where(tensor_amax > 0, torch.clamp(tensor_amax / denominator, min=tiny),
+                               torch.ones_like(tensor_amax))
+    raw = (amax / _fl(float(elem.max), dtype)) / tensor_scale
+    block = round_to_format(raw, fmt, rounding="rne", overflow="saturate").to(dtype)
+    zero = amax == 0
+    smallest = _fl(float(fmt.smallest_positive), dtype)
+    clamped = ((raw > _fl(float(fmt.max), dtype)) | (block == 0)) & ~zero
+    block = torch.where(block == 0, smallest, block)
+    return TwoLevel(block * tensor_scale, block, tensor_scale, clamped)
