@@ -354,6 +354,14 @@ class _Registry(Mapping[str, Format]):
                 "(see drift formats; custom floats are written eXmY or eXmYbZ)")
         return custom
 
+    def __contains__(self, name: object) -> bool:
+        if name in self._named:
+            return True
+        try:
+            return isinstance(name, str) and _custom(name) is not None
+        except FormatSpecError:
+            return False
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._named)
 

@@ -143,3 +143,102 @@ def total(a: Exact, b: Exact, rounding: Rounding = Rounding.RNE) -> Exact:
     if a.negative == b.negative:
         return Exact(Kind.FINITE, a.negative, Fraction(0))
     return Exact(Kind.FINITE, rounding is Rounding.RDOWN, Fraction(0))
+
+
+# --- block-scaled casts ------------------------------------------------------------------------
+#
+# The reference for driftcli.scaling: the scale chosen by the rule from the exact amax, each
+# element rounded exactly. Real-valued scales are computed with the same float32 operations the
+# recipe prescribes, each one rounded to nearest even here by round_exact onto float32.
+
+
+def fl32(x: Exact, float32: Format) -> Exact:
+    """One IEEE float32 operation's rounding of an exact result (nearest even, overflow to inf)."""
+    return round_exact(float32, x, Rounding.RNE, Overflow.IEEE)
+
+
+def times(x: Exact, factor: Fraction) -> Exact:
+    """``x * factor`` for a positive rational factor, exactly (specials and signs kept)."""
+    return Exact(x.kind, x.negative, x.mag * factor) if x.kind is Kind.FINITE else x
+
+
+def pow2_scale_exponent(amax: Fraction, elem: Format, rule: str, headroom: int,
+                        low: int, high: int) -> tuple[int, bool]:
+    """The exponent ``k`` of a power-of-two scale, clamped to ``[low, high]``; and if it clamped.
+
+    ``floor``: ``floor(log2 amax) - emax_elem``; ``ceil``: the smallest ``k`` with
+    ``max_elem * 2**k >= amax``; ``even``: ``floor`` of amax rounded (ties away) to the
+    element's mantissa width. ``headroom`` binades are added on top.
+    """
+    if amax == 0:
+        return low, False
+    k = binade(amax) - elem.emax
+    if rule == "ceil":
+        while elem.max * pow2(k) < amax:
+            k += 1
+        while elem.max * pow2(k - 1) >= amax:
+            k -= 1
+    elif rule == "even":
+        quantum = pow2(binade(amax) - elem.mbits)
+        rounded = (amax / quantum + HALF).__floor__() * quantum
+        k = binade(rounded) - elem.emax
+    k += headroom
+    return min(max(k, low), high), not low <= k <= high
+
+
+def cast_block(values: list[Exact], elem: Format, scale_format: Format, rule: str,
+               headroom: int, blocked: bool, float32: Format,
+               rounding: Rounding = Rounding.RNE, overflow: Overflow = Overflow.SATURATE,
+               randoms: list[int] | None = None, sr_bits: int = DEFAULT_SR_BITS,
+               tensor_amax: Fraction | None = None,
+               scale_only: bool = False) -> tuple[list[Exact], Exact, bool]:
+    """One block (or tensor, or channel) cast exactly: ``(dequantized, scale, clamped)``.
+
+    ``rule`` is a :class:`driftcli.scaling.ScaleRule` value; ``blocked`` says a
+    NaN or inf member makes the whole block NaN (block and tile scalings);
+    ``tensor_amax`` is the whole tensor's amax for the two-level rule (default: this block's);
+    ``scale_only`` skips the elements.
+    """
+    randoms = randoms or [0] * len(values)
+    finite = [v.mag for v in values if v.kind is Kind.FINITE]
+    if blocked and len(finite) < len(values):
+        return [NAN] * len(values), NAN, False
+    amax = max(finite, default=Fraction(0))
+
+    def cast(v: Exact, r: int) -> Exact:
+        return round_exact(elem, v, rounding, overflow, r, sr_bits)
+
+    smallest, largest = scale_format.smallest_positive, scale_format.max
+    if rule in ("floor", "ceil", "even"):
+        low = binade(smallest)
+        k, clamped = pow2_scale_exponent(amax, elem, rule, headroom, low, scale_format.emax)
+        scale = pow2(k)
+        if scale_only:
+            return [], Exact.of(scale), clamped
+        return ([times(cast(times(v, 1 / scale), r), scale) for v, r in zip(values, randoms,
+                                                                             strict=True)],
+                Exact.of(scale), clamped)
+    top = Exact.of(elem.max)
+    if rule == "two-level":
+        tensor_amax = amax if tensor_amax is None else tensor_amax  # a one-block tensor
+        if tensor_amax == 0:
+            tensor_scale = Fraction(1)
+        else:
+            denominator = fl32(Exact.of(scale_format.max * elem.max), float32).mag
+            tensor_scale = max(fl32(Exact.of(tensor_amax / denominator), float32).mag,
+                               float32.smallest_normal)
+        raw = fl32(times(fl32(times(Exact.of(amax), 1 / top.mag), float32), 1 / tensor_scale),
+                   float32).mag
+        block_scale = round_exact(scale_format, Exact.of(raw)).mag
+        clamped = amax != 0 and (raw > largest or block_scale == 0)
+        divisor = fl32(Exact.of((block_scale or smallest) * tensor_scale), float32).mag
+    else:
+        raw = fl32(times(Exact.of(amax), 1 / top.mag), float32).mag
+        mode = Rounding.RNE if rule == "amax-rne" else Rounding.RUP
+        scale = raw if rule == "amax" else round_exact(scale_format, Exact.of(raw), mode).mag
+        clamped = amax != 0 and (raw > largest or scale < smallest)
+        divisor = smallest if amax == 0 else min(max(scale, smallest), largest)
+    if scale_only:
+        return [], Exact.of(divisor), clamped
+    return ([fl32(times(cast(fl32(times(v, 1 / divisor), float32), r), divisor), float32)
+             for v, r in zip(values, randoms, strict=True)], Exact.of(divisor), clamped)

@@ -106,7 +106,8 @@ def _assemble(src: _Source, mag: Tensor, qexp: Tensor) -> Tensor:
     as_float = mag.to(src.fdtype).view(src.idtype)
     new_exp = (as_float >> src.mbits) + qexp
     denorm_shift = torch.clamp(qexp - (1 - src.bias - src.mbits), min=0, max=W - 1)
-    return torch.where(new_exp >= 1, as_float + qexp * (1 << src.mbits), mag << denorm_shift)
+    normal = (new_exp >= 1) & (mag != 0)  # zero is all-zero bits whatever the exponent
+    return torch.where(normal, as_float + qexp * (1 << src.mbits), mag << denorm_shift)
 
 
 def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp: Tensor | None,
@@ -260,6 +261,9 @@ _broken = False
 def _run(x: Tensor, residual: Tensor | None, random: Tensor | None,
          scale_exp: Tensor | None = None, **static: Any) -> Tensor:
     global _broken
+    if _compile_mode not in _COMPILE_MODES:
+        raise DriftError(f"DRIFT_COMPILE={_compile_mode!r} is not a compile mode; "
+                         f"use one of {', '.join(_COMPILE_MODES)}")
     use = _compile_mode == "always" or (
         _compile_mode == "auto" and x.numel() >= COMPILE_MIN_ELEMENTS)
     fn = _compiled() if use and not _broken else None
@@ -327,6 +331,9 @@ def _round(x: Tensor, residual: Tensor | None, fmt: Format, mode: Rounding, poli
             raise DriftError(f"sr_bits={sr_bits} is out of range; use 1..{MAX_SR_BITS}")
         if random_bits.shape != x.shape or random_bits.dtype.is_floating_point:
             raise DriftError(f"random_bits must be an integer tensor of shape {tuple(x.shape)}")
+        if random_bits.numel() and (int(random_bits.min()) < 0
+                                    or int(random_bits.max()) >= 1 << sr_bits):
+            raise DriftError(f"random_bits must lie in 0..2**{sr_bits}-1 (sr_bits={sr_bits})")
         random = random_bits.to(src.idtype).contiguous()
     if scale_exp is not None:
         scale_exp = scale_exp.to(src.idtype)
@@ -377,7 +384,8 @@ def multiply(a: Tensor, b: Tensor, fmt: str | Format, *, rounding: Rounding | st
 def add(a: Tensor, b: Tensor, fmt: str | Format, *, rounding: Rounding | str = Rounding.RNE,
         overflow: Overflow | str = Overflow.SATURATE, random_bits: Tensor | None = None,
         sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
-    """``a + b`` rounded once onto ``fmt``, exactly, for any float32 or float64 operands.
+    """``a + b`` rounded once onto ``fmt``, exactly (float64 operands: unless the sum overflows
+    float64 itself).
 
     The float64 sum ``s`` and its exact error ``r`` (Knuth's TwoSum) describe
     the exact sum; ``r`` lies below ``s``'s last bit and enters the rounding

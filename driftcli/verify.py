@@ -1,27 +1,35 @@
 """``verify-formats``: the fast path against the exact oracle, value by value.
 
 Checks are plain functions ``check(fmt, plan) -> Iterator[Outcome]`` listed in
-:data:`CHECKS`; later kinds of checks (block-scaled casts, matmuls) add
-themselves to that list. Each outcome is one (format, check, operation,
-rounding, overflow) cell with its count and its disagreements.
-
-What is checked (``full``; ``quick`` in brackets):
+:data:`CHECKS`; each outcome is one (format, check, operation, rounding,
+overflow) cell with its count and its disagreements. Full plan, with the
+quick plan's numbers in brackets:
 
 - ``codes``: every code of every format of at most 16 bits decodes to the
-  reference value (``Format.decode``), and every value round-trips through
-  every rounding mode and overflow policy back to its own code.
-- ``pairs``: every pair of codes of every format of at most 8 bits [a seeded
-  4,096 pairs, all pairs for 6 bits and less] as a product and as a sum,
-  rounded back to the format under every deterministic mode and both
-  overflow policies, and under ``sr`` for every value of
-  :data:`PAIR_SR_BITS` random bits; 16-bit formats: a seeded sample of
-  :data:`PAIR_SAMPLE_16` pairs [16,384] plus every pair of a boundary set,
-  ``sr`` with one seeded draw per pair.
+  reference value (``Format.decode``) and round-trips, through every rounding
+  mode and overflow policy, back to its own code [16-bit formats: rne and
+  saturate only].
+- ``pairs``: products and sums, rounded back to the format, of every pair of
+  codes of every format of at most 8 bits [8-bit: 1,024 seeded pairs plus all
+  pairs of a boundary set], under every mode and both policies; ``sr`` for
+  every value of :data:`PAIR_SR_BITS` random bits. 16-bit formats: 2**20
+  seeded pairs under (rne, saturate) and 2**16 under every other cell, plus
+  all boundary pairs, ``sr`` with one seeded 16-bit draw per pair [4,096
+  pairs, (rne, saturate) only]. Wider formats (float32, ``e8m13``): 2**14
+  seeded pairs plus boundary pairs per cell [1,024].
 - ``float32-inputs``: float32 values at every midpoint between neighbouring
   values, one float32 ulp either side of each midpoint and each value, just
-  above max, and through the subnormal range, cast under every mode and policy
-  (``sr``: 3 draws of 16 bits per input: all zeros, all ones, seeded) [8-bit
-  and narrower formats only].
+  above max, and 4,096 [256] through the subnormal range, under every mode
+  and policy (``sr``: all-zero, all-one and seeded 16-bit draws) [formats of
+  at most 8 bits only].
+- ``blocks``: block-scaled casts of every signed element format of at most 8
+  bits under every scale rule (:func:`block_casts`): every element of
+  constructed blocks (amax at, just below and just above powers of two and
+  element maxima, zeros, NaN and inf members, clamped scales, partial blocks
+  and tiles) and of :data:`BLOCK_FULL_SAMPLE` random blocks, plus the scale of
+  :data:`BLOCK_SCALE_SAMPLE` random blocks per power-of-two rule and
+  :data:`REAL_SCALE_SAMPLE` per real-valued rule [the floor and two-level
+  rules only, constructed blocks and a tenth of the scale samples].
 """
 
 from __future__ import annotations
@@ -31,15 +39,26 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import ClassVar
+from functools import cache
+from typing import ClassVar, cast
 
 import torch
 
 from driftcli import codec, oracle
 from driftcli import rounding as fast
+from driftcli.cast import PRESETS, Cast
 from driftcli.formats import FORMATS, Exact, Format, Kind, get_format, pow2
 from driftcli.io.tables import column
 from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
+from driftcli.scaling import (
+    Granularity,
+    ScaleRule,
+    Scaling,
+    block_stats,
+    pow2_exponents,
+    real_scales,
+    two_level_scales,
+)
 
 Tensor = torch.Tensor
 
@@ -367,8 +386,216 @@ def check_float32_inputs(fmt: Format, plan: Plan) -> Iterator[Outcome]:
             yield out
 
 
+# --- block-scaled casts ---------------------------------------------------------------------
+
+BLOCK_SCALE_SAMPLE = 100_000
+"""Seeded random blocks whose scale is checked per (element format, cast) in the full run."""
+REAL_SCALE_SAMPLE = 25_000
+"""Seeded random blocks whose real-valued scale (amax, two-level) is checked per cast."""
+BLOCK_FULL_SAMPLE = 256
+"""Random blocks whose every element is checked too, per cast (the element rounding itself
+is checked exhaustively by the element checks)."""
+
+
+def block_casts(fmt: Format) -> list[Cast]:
+    """The casts checked with ``fmt`` as element format: every preset that uses it, and every
+    scale rule (floor, ceil, even, floor+1, floor+2, amax, amax-rne, amax-up, two-level)."""
+    e8m0, e4m3, f32 = (FORMATS[n] for n in ("float8_e8m0fnu", "float8_e4m3fn", "float32"))
+    block, tile = Granularity.BLOCK, Granularity.TILE
+    generic = [
+        *(Scaling(block, 32, e8m0, rule) for rule in (ScaleRule.FLOOR, ScaleRule.CEIL,
+                                                       ScaleRule.EVEN, ScaleRule.AMAX_UP)),
+        *(Scaling(block, 32, e8m0, ScaleRule.FLOOR, h) for h in (1, 2)),
+        Scaling(block, 32, e4m3, ScaleRule.FLOOR),  # a narrow scale range: clamps at both ends
+        Scaling(Granularity.TENSOR, 0, f32, ScaleRule.AMAX),
+        Scaling(Granularity.CHANNEL, 0, e4m3, ScaleRule.AMAX_RNE),
+        Scaling(block, 16, e4m3, ScaleRule.TWO_LEVEL),
+        Scaling(tile, 16, e4m3, ScaleRule.TWO_LEVEL),
+    ]
+    casts = [Cast(fmt, sc) for sc in generic]
+    casts += [c for c, _ in PRESETS.values() if c.format == fmt and c.scaling.granularity
+              is not Granularity.NONE and c not in casts]
+    return casts
+
+
+def _blocks_of(case: Tensor, c: Cast) -> list[list[int]]:
+    """Flat element indices of each block of ``case``, found without driftcli.scaling."""
+    g, k = c.scaling.granularity, c.scaling.block
+    flat = list(range(case.numel()))
+    if g is Granularity.TENSOR:
+        return [flat]
+    if case.dim() == 1:
+        size = case.numel() if g is Granularity.CHANNEL else k
+        return [flat[i:i + size] for i in range(0, len(flat), size)]
+    rows, cols = case.shape
+    if g is Granularity.CHANNEL:
+        return [flat[r * cols:(r + 1) * cols] for r in range(rows)]
+    if g is Granularity.BLOCK:
+        return [[r * cols + j for j in range(b, min(b + k, cols))]
+                for r in range(rows) for b in range(0, cols, k)]
+    return [[r * cols + j for r in range(i, min(i + k, rows)) for j in range(b, min(b + k, cols))]
+            for i in range(0, rows, k) for b in range(0, cols, k)]
+
+
+def _oracle_cast(case: Tensor, c: Cast) -> list[float]:
+    """Dequantized values of a whole tensor, block by block, by the oracle."""
+    values = [exact_of_float(v) for v in case.flatten().tolist()]
+    s = c.scaling
+    finite = [v.mag for v in values if v.kind is Kind.FINITE]
+    tensor_amax = max(finite, default=Fraction(0))
+    out: list[float] = [0.0] * len(values)
+    for idx in _blocks_of(case, c):
+        deq, _, _ = oracle.cast_block(
+            [values[i] for i in idx], c.format, s.scale_format or FORMATS["float32"],
+            str(s.rule), s.headroom, s.blocked, FORMATS["float32"], c.rounding, c.overflow,
+            tensor_amax=tensor_amax)
+        for i, v in zip(idx, deq, strict=True):
+            out[i] = to_float(v)
+    return out
+
+
+def _constructed_cases(fmt: Format, c: Cast) -> list[Tensor]:
+    """Blocks built to break scale rules: amax at, just below and just above each power of two
+    and each element max, zeros, NaN and inf members, clamping at both ends, partial blocks."""
+    k = c.scaling.block or 32
+    n = k * k if c.scaling.granularity is Granularity.TILE else k
+    gen = torch.Generator().manual_seed(SEED)
+    body = torch.rand(n, generator=gen) * 0.9
+    peaks: list[float] = []
+    for j in (-130, -127, -126, -60, -20, -9, -3, -1, 0, 1, 3, 8, 20, 60, 100, 126, 127):
+        for base in (1.0, float(fmt.max)):
+            v = torch.tensor(base * 2.0**j, dtype=torch.float64).float()
+            if torch.isfinite(v) and v > 0:
+                peaks += [float(v), float(torch.nextafter(v, torch.tensor(0.0))),
+                          float(torch.nextafter(v, torch.tensor(float("inf"))))]
+    peaks.append(float(torch.nextafter(torch.tensor(8.0), torch.tensor(0.0))))
+    cases = []
+    for peak in peaks:
+        block = body * peak
+        block[0] = -peak if len(cases) % 2 else peak
+        cases.append(block)
+    for special in (float("nan"), float("inf"), float("-inf")):
+        block = body.clone()
+        block[3] = special
+        cases.append(block)
+    cases.append(torch.zeros(n))
+    cases.append(-torch.zeros(n))
+    if c.scaling.granularity is Granularity.TILE:
+        cases = [b.reshape(k, k) for b in cases]
+        cases.append(torch.randn(k + 5, 2 * k + 3, generator=gen))  # partial tiles
+    else:
+        cases.append(torch.randn(k + 13, generator=gen) * 1e3)  # a partial block
+    return cases
+
+
+def random_blocks(count: int, size: int, seed: int) -> Tensor:
+    """Seeded float32 blocks: normal, heavy-tailed, log-normal, tanh-shaped (piling up just
+    under 1), each at a random power-of-two magnitude."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(count, size, generator=gen)
+    kinds = torch.arange(count) % 4
+    cauchy = torch.tan(torch.pi * (torch.rand(count, size, generator=gen) - 0.5))
+    lognormal = torch.exp(3 * z) * torch.sign(torch.randn(count, size, generator=gen))
+    tanh = torch.tanh(3 * z)
+    x = torch.where((kinds == 0)[:, None], z, torch.where((kinds == 1)[:, None], cauchy,
+                                                          torch.where((kinds == 2)[:, None],
+                                                                      lognormal, tanh)))
+    shift = torch.randint(-20, 21, (count, 1), generator=gen).float()
+    x = x * torch.exp2(torch.where((kinds == 3)[:, None], torch.zeros_like(shift), shift))
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _fast_scales(blocks: Tensor, c: Cast, group: int) -> tuple[Tensor, Tensor]:
+    """The scales the fast path chooses for each row of ``blocks`` (rows grouped by ``group``
+    into tensors for the two-level rule)."""
+    stats = block_stats(blocks)
+    s = c.scaling
+    if s.rule is not None and s.rule.power_of_two:
+        k, clamped = pow2_exponents(stats.amax, c.format, s)
+        return torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double()), clamped
+    if s.rule is ScaleRule.TWO_LEVEL:
+        group_amax = stats.amax.reshape(-1, group).amax(dim=1).repeat_interleave(group)
+        two = two_level_scales(stats.amax, group_amax, c.format, s)
+        return two.divisor.double(), two.clamped
+    scale, clamped = real_scales(stats.amax, c.format, s)
+    return scale.double(), clamped
+
+
+@cache
+def _random_pool(count: int, size: int, seed: int) -> tuple[Tensor, tuple[Fraction, ...]]:
+    """Random blocks and their exact amax (Python's max over floats compares exactly)."""
+    blocks = random_blocks(count, size, seed)
+    return blocks, tuple(Fraction(max(abs(v) for v in row)) for row in blocks.tolist())
+
+
+def _quick_casts(fmt: Format) -> list[Cast]:
+    """The quick plan's casts: the OCP MX rule and the two-level (NVFP4) rule."""
+    e8m0, e4m3 = FORMATS["float8_e8m0fnu"], FORMATS["float8_e4m3fn"]
+    return [Cast(fmt, Scaling(Granularity.BLOCK, 32, e8m0, ScaleRule.FLOOR)),
+            Cast(fmt, Scaling(Granularity.BLOCK, 16, e4m3, ScaleRule.TWO_LEVEL))]
+
+
+def check_blocks(fmt: Format, plan: Plan) -> Iterator[Outcome]:
+    """Block-scaled casts against the oracle: constructed blocks and seeded random blocks."""
+    if fmt.bits > 8 or not fmt.signed:
+        return
+    f32 = FORMATS["float32"]
+    for c in _quick_casts(fmt) if plan.quick else block_casts(fmt):
+        spec = str(c)
+        s = c.scaling
+        k = s.block or 32
+        size = k * k if s.granularity is Granularity.TILE else k
+        # every element of constructed blocks, and of random blocks
+        out = Outcome(fmt.name, "blocks", spec, c.rounding.value, c.overflow.value)
+        cases = _constructed_cases(fmt, c)
+        if not plan.quick:
+            pool = random_blocks(BLOCK_FULL_SAMPLE, size, plan.seed + 7)
+            cases += ([pool.reshape(-1, k, k)[i] for i in range(BLOCK_FULL_SAMPLE // 16)]
+                      if s.granularity is Granularity.TILE else [pool])
+        for case in cases:
+            got = cast_quantize(case, c).flatten()
+            expected = torch.tensor(_oracle_cast(case, c), dtype=torch.float64)
+            raw = case.flatten().view(torch.int32).tolist()
+            _judge(out, expected, got, lambda i, raw=raw: f"element {i} float32 "
+                   f"0x{raw[i] & 0xFFFFFFFF:08x}")
+        yield out
+        # the scale of many random blocks: the rule's whole job
+        if s.granularity is Granularity.TILE:
+            continue  # a tile's scale is a block's scale; tiling is checked element by element
+        exponent_rule = s.rule is not None and s.rule.power_of_two
+        count = BLOCK_SCALE_SAMPLE if exponent_rule else REAL_SCALE_SAMPLE
+        count //= 10 if plan.quick else 1
+        group = 8  # two-level: blocks form tensors of 8 blocks, each with its own tensor scale
+        count -= count % group
+        out = Outcome(fmt.name, "block scales", spec, c.rounding.value, c.overflow.value)
+        blocks, amax = _random_pool(count, size, plan.seed + 11)
+        got, _ = _fast_scales(blocks, c, group)
+        scale_format = s.scale_format or f32
+        if exponent_rule:
+            low = oracle.binade(scale_format.smallest_positive)
+            expected = [float(pow2(oracle.pow2_scale_exponent(a, fmt, str(s.rule), s.headroom,
+                                                              low, scale_format.emax)[0]))
+                        for a in amax]
+        else:
+            group_amax = [max(amax[i:i + group]) for i in range(0, len(amax), group)]
+            expected = [to_float(oracle.cast_block(
+                [Exact.of(a)], fmt, scale_format, str(s.rule), 0, s.blocked, f32,
+                tensor_amax=group_amax[i // group], scale_only=True)[1])
+                for i, a in enumerate(amax)]
+        _judge(out, torch.tensor(expected, dtype=torch.float64), got,
+               lambda i, amax=amax: f"block {i} amax {float(amax[i])!r}")
+        yield out
+
+
+def cast_quantize(x: Tensor, c: Cast) -> Tensor:
+    """The fast path's dequantized values (looked up at call time, so tests can plant faults)."""
+    from driftcli.cast import quantize
+
+    return cast(Tensor, quantize(x, c))
+
+
 CHECKS: list[Callable[[Format, Plan], Iterator[Outcome]]] = [
-    check_codes, check_pairs, check_float32_inputs]
+    check_codes, check_pairs, check_float32_inputs, check_blocks]
 """Every check ``verify-formats`` runs, in order; later issues append block and matmul checks."""
 
 

@@ -48,7 +48,7 @@ def command(name: str) -> Callable[[F], F]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
-            except DriftError as err:
+            except (DriftError, OSError) as err:  # OSError: an input or output path
                 if os.environ.get("DRIFT_DEBUG") == "1":
                     raise
                 raise fail(str(err)) from None

@@ -29,16 +29,17 @@ def verify_formats(
     out: Annotated[Path, typer.Option(
         metavar="DIR", help="Folder for verify-formats.parquet.")] = OUT,
     jobs: Annotated[int, typer.Option(
-        "--jobs", "-j", metavar="N", help="Worker processes.")] = DEFAULT_JOBS,
+        "--jobs", "-j", metavar="N", min=1, help="Worker processes.")] = DEFAULT_JOBS,
 ) -> None:
     """Compare every simulated format with the exact rational oracle; exit 1 on any difference."""
     formats = v.element_formats(format_names)
+    out.mkdir(parents=True, exist_ok=True)  # fail now, not after minutes of checks
     console = Console(stderr=True)
     with console.status("verifying…") as status:
         outcomes = v.verify(formats, v.Plan(quick=quick), jobs=jobs,
                             progress=lambda what: status.update(f"verified {what}"))
     path = write_table(out / "verify-formats.parquet", v.VerifyRow, v.rows(outcomes),
-                       provenance(extra={"plan": "quick" if quick else "full"}))
+                       provenance(seed=v.SEED, extra={"plan": "quick" if quick else "full"}))
     by_format: dict[str, list[v.Outcome]] = defaultdict(list)
     for o in outcomes:
         by_format[o.format].append(o)
