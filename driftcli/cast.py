@@ -8,6 +8,7 @@ parts may come in any order and are recognised by their words::
     float4_e2m1fn:block16:float8_e4m3fn:two-level                (NVFP4)
     float8_e4m3fn:tensor:amax                                    (per-tensor current scaling)
     mxfp8_e4m3_floor+1                                           (a preset)
+    mxfp4_e2m1:sr                                                (a preset, rounding changed)
 
 Granularity: ``none`` ``tensor`` ``channel`` ``block<k>`` ``tile<k>``. Rule:
 ``floor`` ``floor+<k>`` ``ceil`` ``even`` ``amax`` ``amax-rne`` ``amax-up``
@@ -23,7 +24,7 @@ the order above, and ``parse_cast(str(c)) == c``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -125,8 +126,8 @@ class _Parts(NamedTuple):
     overflow: Overflow | None
 
 
-def _bad(spec: str, part: str, why: str) -> CastSpecError:
-    return CastSpecError(f"cast spec {spec!r}: {why} {part!r}; write FORMAT[:GRANULARITY]"
+def _bad(spec: str, part: str, why: str, hint: str = "") -> CastSpecError:
+    return CastSpecError(f"cast spec {spec!r}: {why} {part!r}{hint}; write FORMAT[:GRANULARITY]"
                          "[:SCALE_FORMAT][:RULE][:ROUNDING][:OVERFLOW], e.g. "
                          "float8_e4m3fn:block32:floor, or a preset (drift formats --presets)")
 
@@ -154,7 +155,8 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
         else:
             words = ["none", "tensor", "channel", "block32", "tile16", *list(ScaleRule),
                      *list(Rounding), *list(Overflow), *FORMATS]
-            raise _bad(spec, part, f"unknown part{close_matches(part, words).rstrip('?')} in")
+            guess = close_matches(part, words).removeprefix("; ")
+            raise _bad(spec, part, "unknown part", f" ({guess})" if guess else "")
     return _Parts(found.get("granularity"), found.get("rule"),  # type: ignore[arg-type]
                   found.get("scale format"), found.get("rounding"),  # type: ignore[arg-type]
                   found.get("overflow"))  # type: ignore[arg-type]
@@ -167,6 +169,14 @@ def parse_cast(spec: str | Cast) -> Cast:
     if spec in PRESETS:
         return PRESETS[spec][0]
     head, *rest = spec.strip().split(":")
+    if head in PRESETS:  # a preset with its rounding or overflow changed: mxfp4_e2m1:sr
+        base = PRESETS[head][0]
+        p = _classify(spec, rest)
+        if p.granularity or p.rule or p.scale_format:
+            raise _bad(spec, ":".join(rest), "a preset fixes its scaling; write the full spec "
+                       f"({base}) to change it, not")
+        return replace(base, rounding=p.rounding or base.rounding,
+                       overflow=p.overflow or base.overflow)
     try:
         elem = get_format(head)
     except FormatSpecError as err:
@@ -179,7 +189,7 @@ def parse_cast(spec: str | Cast) -> Cast:
     gran, size = p.granularity or (Granularity.NONE, 0)
     if gran is Granularity.NONE:
         if p.rule is not None or p.scale_format is not None:
-            raise _bad(spec, ":".join(rest), "a rule or scale format without a granularity in")
+            raise _bad(spec, ":".join(rest), "a rule or scale format needs a granularity, not")
         scaling = Scaling()
     else:
         rule, headroom = p.rule or (
@@ -189,7 +199,11 @@ def parse_cast(spec: str | Cast) -> Cast:
             raise _bad(spec, f"{rule}+{headroom}", "headroom applies to floor only, not")
         default_scale = ("float8_e8m0fnu" if rule.power_of_two else
                          "float8_e4m3fn" if rule is ScaleRule.TWO_LEVEL else "float32")
-        scaling = Scaling(gran, size, p.scale_format or FORMATS[default_scale], rule, headroom)
+        try:
+            scaling = Scaling(gran, size, p.scale_format or FORMATS[default_scale], rule,
+                              headroom)
+        except CastSpecError as err:
+            raise CastSpecError(f"cast spec {spec!r}: {err}") from None
     return Cast(elem, scaling, p.rounding or Rounding.RNE, p.overflow or Overflow.SATURATE)
 
 

@@ -1,4 +1,4 @@
-"""``drift formats``: the table of every named format."""
+"""``drift formats``: the table of every named format, the cast presets, spec strings explained."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from driftcli.cast import PRESETS, parse_cast
 from driftcli.cli import command
 from driftcli.formats import FORMATS, describe
 
@@ -17,8 +18,35 @@ from driftcli.formats import FORMATS, describe
 def formats(
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print JSON (exact values as strings).")] = False,
+    presets: Annotated[bool, typer.Option(
+        "--presets", help="List the cast presets with their canonical specs.")] = False,
+    casts: Annotated[list[str] | None, typer.Option(
+        "--cast", metavar="SPEC", help="Show the canonical form of a cast spec (repeatable).")
+    ] = None,
 ) -> None:
-    """List every named format: widths, bias, range and special values."""
+    """List every named format: widths, bias, range and special values; or the cast presets."""
+    if casts:
+        rows = [{"spec": spec, "canonical": str(parse_cast(spec))} for spec in casts]
+        if as_json:
+            typer.echo(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                typer.echo(f"{r['spec']} = {r['canonical']}")
+        return
+    if presets:
+        listing = [{"preset": name, "spec": str(c), "meaning": meaning}
+                   for name, (c, meaning) in PRESETS.items()]
+        if as_json:
+            typer.echo(json.dumps(listing, indent=2))
+            return
+        table = Table(title="cast presets (spec: FORMAT:GRANULARITY:SCALE_FORMAT:RULE:ROUNDING:"
+                            "OVERFLOW)")
+        for col in ("preset", "canonical spec", "meaning"):
+            table.add_column(col)
+        for r in listing:
+            table.add_row(r["preset"], r["spec"], r["meaning"])
+        Console(width=160).print(table)
+        return
     rows = [describe(f) for f in FORMATS.values()]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
