@@ -489,19 +489,26 @@ def _constructed_cases(fmt: Format, c: Cast) -> list[Tensor]:
 
 
 def random_blocks(count: int, size: int, seed: int) -> Tensor:
-    """Seeded float32 blocks: normal, heavy-tailed, log-normal, tanh-shaped (piling up just
-    under 1), each at a random power-of-two magnitude."""
+    """Seeded float32 blocks: normal, heavy-tailed (Cauchy), log-normal, tanh-shaped (piling up
+    just under 1) and edge blocks, whose amax sits within 3 ulps of a power of two or of the
+    significand of an element max (1.5, 1.75, 1.875, 1.984375) times one, each at a random
+    power-of-two magnitude."""
     gen = torch.Generator().manual_seed(seed)
     z = torch.randn(count, size, generator=gen)
-    kinds = torch.arange(count) % 4
+    kinds = (torch.arange(count) % 5)[:, None]
     cauchy = torch.tan(torch.pi * (torch.rand(count, size, generator=gen) - 0.5))
     lognormal = torch.exp(3 * z) * torch.sign(torch.randn(count, size, generator=gen))
     tanh = torch.tanh(3 * z)
-    x = torch.where((kinds == 0)[:, None], z, torch.where((kinds == 1)[:, None], cauchy,
-                                                          torch.where((kinds == 2)[:, None],
-                                                                      lognormal, tanh)))
+    significands = torch.tensor([1.0, 1.5, 1.75, 1.875, 1.984375])
+    pick = torch.randint(0, len(significands), (count,), generator=gen)
+    ulps = torch.randint(-3, 4, (count,), generator=gen, dtype=torch.int32)
+    peak = (significands[pick].view(torch.int32) + ulps).view(torch.float32)[:, None]
+    edge = torch.rand(count, size, generator=gen) * 0.9 * peak
+    edge[:, :1] = peak * torch.sign(torch.randn(count, 1, generator=gen))
+    x = torch.where(kinds == 0, z, torch.where(kinds == 1, cauchy, torch.where(
+        kinds == 2, lognormal, torch.where(kinds == 3, tanh, edge))))
     shift = torch.randint(-20, 21, (count, 1), generator=gen).float()
-    x = x * torch.exp2(torch.where((kinds == 3)[:, None], torch.zeros_like(shift), shift))
+    x = x * torch.exp2(torch.where(kinds == 3, torch.zeros_like(shift), shift))
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
@@ -539,52 +546,57 @@ def check_blocks(fmt: Format, plan: Plan) -> Iterator[Outcome]:
     """Block-scaled casts against the oracle: constructed blocks and seeded random blocks."""
     if fmt.bits > 8 or not fmt.signed:
         return
-    f32 = FORMATS["float32"]
     for c in _quick_casts(fmt) if plan.quick else block_casts(fmt):
-        spec = str(c)
-        s = c.scaling
-        k = s.block or 32
-        size = k * k if s.granularity is Granularity.TILE else k
-        # every element of constructed blocks, and of random blocks
-        out = Outcome(fmt.name, "blocks", spec, c.rounding.value, c.overflow.value)
-        cases = _constructed_cases(fmt, c)
-        if not plan.quick:
-            pool = random_blocks(BLOCK_FULL_SAMPLE, size, plan.seed + 7)
-            cases += ([pool.reshape(-1, k, k)[i] for i in range(BLOCK_FULL_SAMPLE // 16)]
-                      if s.granularity is Granularity.TILE else [pool])
-        for case in cases:
-            got = cast_quantize(case, c).flatten()
-            expected = torch.tensor(_oracle_cast(case, c), dtype=torch.float64)
-            raw = case.flatten().view(torch.int32).tolist()
-            _judge(out, expected, got, lambda i, raw=raw: f"element {i} float32 "
-                   f"0x{raw[i] & 0xFFFFFFFF:08x}")
-        yield out
-        # the scale of many random blocks: the rule's whole job
-        if s.granularity is Granularity.TILE:
-            continue  # a tile's scale is a block's scale; tiling is checked element by element
-        exponent_rule = s.rule is not None and s.rule.power_of_two
-        count = BLOCK_SCALE_SAMPLE if exponent_rule else REAL_SCALE_SAMPLE
-        count //= 10 if plan.quick else 1
-        group = 8  # two-level: blocks form tensors of 8 blocks, each with its own tensor scale
-        count -= count % group
-        out = Outcome(fmt.name, "block scales", spec, c.rounding.value, c.overflow.value)
-        blocks, amax = _random_pool(count, size, plan.seed + 11)
-        got, _ = _fast_scales(blocks, c, group)
-        scale_format = s.scale_format or f32
-        if exponent_rule:
-            low = oracle.binade(scale_format.smallest_positive)
-            expected = [float(pow2(oracle.pow2_scale_exponent(a, fmt, str(s.rule), s.headroom,
-                                                              low, scale_format.emax)[0]))
-                        for a in amax]
-        else:
-            group_amax = [max(amax[i:i + group]) for i in range(0, len(amax), group)]
-            expected = [to_float(oracle.cast_block(
-                [Exact.of(a)], fmt, scale_format, str(s.rule), 0, s.blocked, f32,
-                tensor_amax=group_amax[i // group], scale_only=True)[1])
-                for i, a in enumerate(amax)]
-        _judge(out, torch.tensor(expected, dtype=torch.float64), got,
-               lambda i, amax=amax: f"block {i} amax {float(amax[i])!r}")
-        yield out
+        yield from check_cast(fmt, c, plan)
+
+
+def check_cast(fmt: Format, c: Cast, plan: Plan) -> Iterator[Outcome]:
+    """One block-scaled cast: every element of some blocks, and the scale of many."""
+    f32 = FORMATS["float32"]
+    spec = str(c)
+    s = c.scaling
+    k = s.block or 32
+    size = k * k if s.granularity is Granularity.TILE else k
+    # every element of constructed blocks, and of random blocks
+    out = Outcome(fmt.name, "blocks", spec, c.rounding.value, c.overflow.value)
+    cases = _constructed_cases(fmt, c)
+    if not plan.quick:
+        pool = random_blocks(BLOCK_FULL_SAMPLE, size, plan.seed + 7)
+        cases += ([pool.reshape(-1, k, k)[i] for i in range(BLOCK_FULL_SAMPLE // 16)]
+                  if s.granularity is Granularity.TILE else [pool])
+    for case in cases:
+        got = cast_quantize(case, c).flatten()
+        expected = torch.tensor(_oracle_cast(case, c), dtype=torch.float64)
+        raw = case.flatten().view(torch.int32).tolist()
+        _judge(out, expected, got, lambda i, raw=raw: f"element {i} float32 "
+               f"0x{raw[i] & 0xFFFFFFFF:08x}")
+    yield out
+    # the scale of many random blocks: the rule's whole job
+    if s.granularity is Granularity.TILE:
+        return  # a tile's scale is a block's scale; tiling is checked element by element
+    exponent_rule = s.rule is not None and s.rule.power_of_two
+    count = BLOCK_SCALE_SAMPLE if exponent_rule else REAL_SCALE_SAMPLE
+    count //= 10 if plan.quick else 1
+    group = 8  # two-level: blocks form tensors of 8 blocks, each with its own tensor scale
+    count -= count % group
+    out = Outcome(fmt.name, "block scales", spec, c.rounding.value, c.overflow.value)
+    blocks, amax = _random_pool(count, size, plan.seed + 11)
+    got, _ = _fast_scales(blocks, c, group)
+    scale_format = s.scale_format or f32
+    if exponent_rule:
+        low = oracle.binade(scale_format.smallest_positive)
+        expected = [float(pow2(oracle.pow2_scale_exponent(a, fmt, str(s.rule), s.headroom,
+                                                          low, scale_format.emax)[0]))
+                    for a in amax]
+    else:
+        group_amax = [max(amax[i:i + group]) for i in range(0, len(amax), group)]
+        expected = [to_float(oracle.cast_block(
+            [Exact.of(a)], fmt, scale_format, str(s.rule), 0, s.blocked, f32,
+            tensor_amax=group_amax[i // group], scale_only=True)[1])
+            for i, a in enumerate(amax)]
+    _judge(out, torch.tensor(expected, dtype=torch.float64), got,
+           lambda i, amax=amax: f"block {i} amax {float(amax[i])!r}")
+    yield out
 
 
 def cast_quantize(x: Tensor, c: Cast) -> Tensor:

@@ -84,3 +84,49 @@ def test_unknown_and_impossible_formats_exit_2(tmp_path: Path) -> None:
     assert "did you mean float8_e4m3fn" in result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "verify-formats.parquet").exists()
+
+
+def _log2_shortcut(amax, elem, scaling):  # type: ignore[no-untyped-def]
+    """The bug verify-formats must catch: the exponent from a float32 log2, which rounds
+    log2 of the largest float32 below 8.0 up to 3."""
+    import torch
+
+    from driftcli.scaling import pow2_range
+
+    k = torch.floor(torch.log2(amax.float())).long() - elem.emax + scaling.headroom
+    low, high = pow2_range(scaling.scale_format)
+    zero = amax == 0
+    return torch.where(zero, low, k.clamp(low, high)), torch.zeros_like(zero)
+
+
+@pytest.mark.parametrize("where", ["cast", "verify"])
+def test_a_planted_log2_scale_rule_is_caught(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted in quantize (the elements) or in the scale path alone (the block scales)."""
+    import driftcli.cast
+    import driftcli.verify
+
+    module = driftcli.cast if where == "cast" else driftcli.verify
+    monkeypatch.setattr(module, "pow2_exponents", _log2_shortcut)
+    outcomes = verify([FORMATS["float4_e2m1fn"]], Plan(quick=True))
+    failing = {o.check for o in outcomes if o.n_failed}
+    assert failing == ({"blocks"} if where == "cast" else {"block scales"})
+
+
+def test_floor_where_ceil_is_asked_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    import driftcli.cast
+    from driftcli.scaling import ScaleRule
+
+    real = driftcli.cast.pow2_exponents
+
+    def floor_instead(amax, elem, scaling):  # type: ignore[no-untyped-def]
+        return real(amax, elem, dataclasses.replace(scaling, rule=ScaleRule.FLOOR))
+
+    monkeypatch.setattr(driftcli.cast, "pow2_exponents", floor_instead)
+    monkeypatch.setattr(driftcli.verify, "pow2_exponents", floor_instead)
+    ceil = next(c for c in driftcli.verify.block_casts(FORMATS["float8_e4m3fn"])
+                if c.scaling.rule is ScaleRule.CEIL)
+    outcomes = list(driftcli.verify.check_cast(FORMATS["float8_e4m3fn"], ceil, Plan(quick=True)))
+    assert [o.check for o in outcomes] == ["blocks", "block scales"]
+    assert all(o.n_failed > 0 for o in outcomes)
