@@ -243,25 +243,24 @@ def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int |
     them from ``seed``. With ``return_info`` a :class:`QuantInfo` comes back.
     """
     c = parse_cast(cast_or_spec)
-    if not x.dtype.is_floating_point:
+    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
         raise DriftError(f"quantize needs a floating-point tensor, not {x.dtype}")
     if c.rounding is Rounding.SR and random_bits is None:
         if seed is None:
             raise DriftError("stochastic rounding needs seed= or random_bits=")
         random_bits = fast.draw_random_bits(x.shape, seed, sr_bits, x.device)
-    info = _quantize(x, c, axis, random_bits, sr_bits)
-    return info if return_info else info.values
+    return _quantize(x, c, axis, random_bits, sr_bits, return_info)
 
 
 def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
-              sr_bits: int) -> QuantInfo:
+              sr_bits: int, want_info: bool) -> Tensor | QuantInfo:
+    """The cast; the masks only when asked (they cost more passes than the cast itself)."""
     work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     elem, s = c.format, c.scaling
     blocks, back = to_blocks(work, s, axis)
     bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0]
     n_blocks = blocks.shape[0]
     no_blocks = torch.zeros(n_blocks, dtype=torch.bool)
-    finite = torch.isfinite(blocks)
 
     def rnd(v: Tensor, scale_exp: Tensor | None = None, wide: bool = False) -> Tensor:
         return fast._round(v, None, elem, c.rounding, c.overflow, bits, sr_bits, v.dtype,
@@ -271,9 +270,11 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
     if s.granularity is Granularity.NONE or blocks.numel() == 0:
         q = rnd(blocks)
         scales = torch.ones(n_blocks, dtype=torch.float64)
-        clipped = blocks.abs() > float(elem.max)
-        subnormal = (q != 0) & (q.abs() < float(elem.smallest_normal))
         clamped, bad_blocks = no_blocks, no_blocks
+
+        def masks() -> tuple[Tensor, Tensor]:
+            return (blocks.abs() > float(elem.max),
+                    (q != 0) & (q.abs() < float(elem.smallest_normal)))
     else:
         stats = block_stats(blocks)
         bad_blocks = stats.nonfinite if s.blocked else no_blocks
@@ -285,12 +286,12 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
                                         or int(k.max()) + elem.emax >= 128)
             q = rnd(blocks, k[:, None], wide).to(work.dtype)
             scales = torch.ldexp(torch.ones(n_blocks, dtype=torch.float64), k.double())
-            bound = torch.ldexp(torch.full((n_blocks, 1), float(elem.max), dtype=torch.float64),
-                                k[:, None].double())
-            clipped = blocks.double().abs() > bound
-            small = torch.ldexp(torch.full_like(bound, float(elem.smallest_normal)),
-                                k[:, None].double())
-            subnormal = (q != 0) & (q.double().abs() < small)
+
+            def masks() -> tuple[Tensor, Tensor]:
+                exps = k[:, None].double()
+                bound = torch.ldexp(torch.full_like(exps, float(elem.max)), exps)
+                small = torch.ldexp(torch.full_like(exps, float(elem.smallest_normal)), exps)
+                return blocks.double().abs() > bound, (q != 0) & (q.double().abs() < small)
         else:
             if rule is ScaleRule.TWO_LEVEL:
                 two = two_level_scales(stats.amax, stats.amax.max(), elem, s)
@@ -302,11 +303,17 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
             qy = rnd(y)
             q = qy * divisor[:, None]
             scales = divisor.double()
-            clipped = y.abs() > float(elem.max)
-            subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
+
+            def masks() -> tuple[Tensor, Tensor]:
+                return (y.abs() > float(elem.max),
+                        (qy != 0) & (qy.abs() < float(elem.smallest_normal)))
         if s.blocked:
             q = torch.where(bad_blocks[:, None], torch.nan, q)
             scales = torch.where(bad_blocks, torch.nan, scales)
+    if not want_info:
+        return back(q).to(x.dtype)
+    finite = torch.isfinite(blocks)
+    clipped, subnormal = masks()
     underflowed = (blocks != 0) & finite & (q == 0)
     clipped = clipped & finite
     return QuantInfo(
