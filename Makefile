@@ -17,6 +17,7 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/drift formats
+	$(BIN)/drift formats --presets
 	$(BIN)/drift verify-formats --quick --out drift-out
 
 test: $(STAMP)
