@@ -161,18 +161,20 @@ def element_formats(names: Sequence[str] | None) -> list[driftcli.Format]:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 
 
-def set_malloc(regime: str) -> str:
-    """Pin glibc's allocator so that every figure sees the same memory, and say what was done.
+def set_malloc(regime: str, nbytes: int) -> str:
+    """Pin glibc's allocator so that every figure sees the same memory; say what was done.
 
-    A 2**24-element float32 result is 64 MiB. Whether such a buffer arrives as
-    fresh pages (each page faulted in and zeroed by the kernel on first write,
-    which costs more than the copy itself) or as memory the process already
-    touched depends, with glibc's defaults, on how fragmented the heap happens
-    to be, so ``x.clone()`` alone can swing by 5x within one process. ``fresh``
-    maps every allocation of 1 MiB or more anew (what a clean process gets for
-    tensors this large); ``reuse`` never returns memory to the system, so
-    buffers are recycled (a steady-state loop with a caching allocator);
-    ``as-is`` leaves glibc alone.
+    ``nbytes`` is the size of one float32 result. A 2**24-element result is
+    64 MiB; whether such a buffer arrives as fresh pages (each faulted in and
+    zeroed by the kernel on first write, which costs more than the copy
+    itself) or as memory the process already touched depends, under glibc's
+    defaults, on how the heap happens to be fragmented, so ``x.clone()`` alone
+    can swing by 5x within one process. ``fresh`` maps every allocation of a
+    result's size or more anew (what a clean process gets for tensors over
+    32 MiB) while smaller ones, such as the temporaries of drift's chunked
+    eager kernel, stay in a heap that is never trimmed; ``reuse`` never maps
+    nor returns memory, so buffers are recycled (a steady-state loop with a
+    caching allocator); ``as-is`` leaves glibc alone.
     """
     if regime == "as-is":
         return "as-is (glibc defaults)"
@@ -181,11 +183,15 @@ def set_malloc(regime: str) -> str:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return f"as-is ({regime} needs glibc's mallopt, unavailable here)"
+    # a fixed mmap threshold also fixes the trim threshold (128 KiB): keep the heap instead
+    ok = mallopt(_M_TRIM_THRESHOLD, 1 << 30)
     if regime == "fresh":
-        ok = mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-    else:
-        ok = mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 1 << 30)
-    return regime if ok else f"as-is (mallopt refused {regime})"
+        threshold = max(1 << 17, min(32 << 20, nbytes))  # glibc accepts at most 32 MiB
+        ok = ok and mallopt(_M_MMAP_THRESHOLD, threshold)
+        return f"fresh (allocations >= {threshold >> 10} KiB mapped anew)" if ok else (
+            "as-is (mallopt refused fresh)")
+    ok = ok and mallopt(_M_MMAP_MAX, 0)
+    return "reuse (no mapping, heap never trimmed)" if ok else "as-is (mallopt refused reuse)"
 
 
 class _LimitWatch(logging.Handler):
@@ -391,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.cold_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="drift-bench-inductor-")
-    malloc = set_malloc(args.malloc)
+    malloc = set_malloc(args.malloc, 4 * args.n)
     modes = [args.compile] if args.compile else ["never", "always"]
     formats = element_formats(args.formats)
     info = machine()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, cast
@@ -242,37 +243,54 @@ def set_compile(mode: str) -> None:
 
 
 @cache
-def _compiled() -> Any:
-    """The compiled kernel, or None when torch.compile cannot work here."""
+def _compiler_present() -> bool:
     if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
-        return None
+        return False
     # keep inductor's cache between runs, under the user's cache directory
     cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_home, "drift", "inductor"))
-    try:
-        return torch.compile(_kernel, dynamic=True)
-    except (RuntimeError, ImportError):  # pragma: no cover - platform without inductor
+    return True
+
+
+_COMPILED: dict[Callable[..., Any], Any] = {}
+_BROKEN: set[Callable[..., Any]] = set()
+"""Functions whose compiled version failed once: they stay eager in this process."""
+
+
+def compiled(fn: Callable[..., Any], numel: int) -> Callable[..., Any] | None:
+    """``fn`` compiled (dynamic shapes), when the compile policy wants it for ``numel`` elements
+    (0: never) and compilation works here; otherwise None, and the caller runs eagerly."""
+    if _compile_mode not in _COMPILE_MODES:
+        raise DriftError(f"DRIFT_COMPILE={_compile_mode!r} is not a compile mode; "
+                         f"use one of {', '.join(_COMPILE_MODES)}")
+    use = numel > 0 and (_compile_mode == "always" or (
+        _compile_mode == "auto" and numel >= COMPILE_MIN_ELEMENTS))
+    if not use or fn in _BROKEN or not _compiler_present():
         return None
+    if fn not in _COMPILED:
+        try:
+            _COMPILED[fn] = torch.compile(fn, dynamic=True)
+        except (RuntimeError, ImportError):  # pragma: no cover - platform without inductor
+            return None
+    return _COMPILED[fn]
 
 
-_broken = False
+def run_compiled(fn: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` compiled if :func:`compiled` says so; None when it did not run compiled."""
+    fast_fn = compiled(fn, numel)
+    if fast_fn is None:
+        return None
+    try:
+        return fast_fn(*args, **kwargs)
+    except Exception:  # any compiler failure means: stay eager, same answer
+        _BROKEN.add(fn)
+        return None
 
 
 def _run(x: Tensor, residual: Tensor | None, random: Tensor | None,
          scale_exp: Tensor | None = None, **static: Any) -> Tensor:
-    global _broken
-    if _compile_mode not in _COMPILE_MODES:
-        raise DriftError(f"DRIFT_COMPILE={_compile_mode!r} is not a compile mode; "
-                         f"use one of {', '.join(_COMPILE_MODES)}")
-    use = _compile_mode == "always" or (
-        _compile_mode == "auto" and x.numel() >= COMPILE_MIN_ELEMENTS)
-    fn = _compiled() if use and not _broken else None
-    if fn is not None:
-        try:
-            return fn(x, residual, random, scale_exp, **static)
-        except Exception:
-            _broken = True
-    return _eager(x, residual, random, scale_exp, **static)
+    out = run_compiled(_kernel, x.numel(), x, residual, random, scale_exp, **static)
+    return out if out is not None else _eager(x, residual, random, scale_exp, **static)
 
 
 EAGER_CHUNK = 1 << 18
@@ -364,6 +382,17 @@ def _round(x: Tensor, residual: Tensor | None, fmt: Format, mode: Rounding, poli
     out = _run(work, residual, random, scale_exp, src=src, tgt=_Target.of(fmt), rounding=mode,
                overflow=policy, sr_bits=sr_bits)
     return out.to(out_dtype)
+
+
+def round_fused(x: Tensor, fmt: Format, rounding: Rounding, overflow: Overflow,
+                random: Tensor | None = None, scale_exp: Tensor | None = None,
+                sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
+    """The kernel itself on a contiguous float32 or float64 tensor, for larger functions that
+    are compiled whole: no argument checks, no chunking, the result in ``x``'s dtype."""
+    src = _F64 if x.dtype == torch.float64 else _F32
+    return _kernel(x, None, None if random is None else random.to(src.idtype),
+                   None if scale_exp is None else scale_exp.to(src.idtype), src=src,
+                   tgt=_Target.of(fmt), rounding=rounding, overflow=overflow, sr_bits=sr_bits)
 
 
 def draw_random_bits(shape: torch.Size | tuple[int, ...], seed: int | torch.Generator,

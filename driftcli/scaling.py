@@ -40,7 +40,9 @@ from enum import StrEnum
 import torch
 
 from driftcli.errors import DriftError
-from driftcli.formats import FORMATS, Format
+from driftcli.formats import FORMATS, Format, pow2
+from driftcli.modes import Overflow, Rounding
+from driftcli.rounding import round_fused
 
 Tensor = torch.Tensor
 
@@ -194,24 +196,39 @@ def pow2_range(scale_format: Format) -> tuple[int, int]:
     return low, scale_format.emax
 
 
+_LAYOUT = {torch.float32: (torch.int32, 23, 127, 64), torch.float64: (torch.int64, 52, 1023, 128)}
+
+
+def binade_and_significand(a: Tensor) -> tuple[Tensor, Tensor]:
+    """``floor(log2 a)`` (int64) and ``a / 2**floor(log2 a)`` in [1, 2), for finite ``a > 0``,
+    read from the bits (subnormals are first lifted by an exact power of two)."""
+    itype, mbits, bias, lift = _LAYOUT[a.dtype]
+    sub = a < torch.finfo(a.dtype).tiny
+    lifted = torch.where(sub, a * 2.0**lift, a)
+    bits = lifted.view(itype)
+    exponent = (bits >> mbits).long() - bias - sub.long() * lift
+    significand = ((bits & ((1 << mbits) - 1)) | (bias << mbits)).view(a.dtype)
+    return exponent, significand
+
+
 def pow2_exponents(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor, Tensor]:
     """Scale exponents ``k`` (int64) of power-of-two rules, and which of them were clamped.
 
-    Exponents come from ``frexp`` (the bits), never from a floating log2: the
-    largest float32 below 8.0 has binade 2, not 3.
+    Exponents come from the bits, never from a floating log2: the largest
+    float32 below 8.0 has binade 2, not 3.
     """
     rule = scaling.rule
-    a = amax.to(torch.float64)
-    mant, exp = torch.frexp(a)  # a = mant * 2**exp, 0.5 <= mant < 1
-    k = exp.to(torch.int64) - 1 - elem.emax  # floor(log2 amax) - emax_elem
+    zero = amax == 0
+    e, significand = binade_and_significand(torch.where(zero, torch.ones_like(amax), amax))
+    k = e - elem.emax  # floor(log2 amax) - emax_elem
     if rule is ScaleRule.CEIL:
-        k = k + (a > torch.ldexp(torch.full_like(a, float(elem.max)), k.double())).long()
+        # amax > max * 2**k, both significands in [1, 2): compare them
+        k = k + (significand > float(elem.max / pow2(elem.emax))).long()
     elif rule is ScaleRule.EVEN:
-        rounds_up = mant >= 1 - 2.0 ** -(elem.mbits + 2)  # significand rounds (ties away) to 2
-        k = k + rounds_up.long()
+        # the significand rounds (ties away) to 2 at the element's mantissa width
+        k = k + (significand >= 2 - 2.0 ** -(elem.mbits + 1)).long()
     k = k + scaling.headroom
     low, high = pow2_range(_scale_format(scaling))
-    zero = a == 0
     clamped = ((k < low) | (k > high)) & ~zero
     k = torch.where(zero, torch.full_like(k, low), torch.clamp(k, low, high))
     return k, clamped
@@ -235,15 +252,13 @@ def real_scales(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor, T
 
     Computed in ``amax``'s dtype (float32, or float64 for float64 tensors).
     """
-    from driftcli.rounding import round_to_format
-
     fmt = _scale_format(scaling)
     raw = amax / _fl(float(elem.max), amax.dtype)
     if scaling.rule is ScaleRule.AMAX:
         scale = raw
     else:
-        mode = "rne" if scaling.rule is ScaleRule.AMAX_RNE else "rup"
-        scale = round_to_format(raw, fmt, rounding=mode, overflow="saturate").to(amax.dtype)
+        mode = Rounding.RNE if scaling.rule is ScaleRule.AMAX_RNE else Rounding.RUP
+        scale = round_fused(raw.contiguous(), fmt, mode, Overflow.SATURATE)
     smallest = _fl(float(fmt.smallest_positive), amax.dtype)
     largest = _fl(float(fmt.max), amax.dtype)
     zero = amax == 0
@@ -265,8 +280,6 @@ class TwoLevel:
 def two_level_scales(amax: Tensor, tensor_amax: Tensor, elem: Format,
                      scaling: Scaling) -> TwoLevel:
     """NVFP4-style scales, every step one IEEE operation in ``amax``'s dtype (see module doc)."""
-    from driftcli.rounding import round_to_format
-
     fmt = _scale_format(scaling)
     dtype = amax.dtype
     denominator = _fl(float(fmt.max * elem.max), dtype)
@@ -274,7 +287,7 @@ def two_level_scales(amax: Tensor, tensor_amax: Tensor, elem: Format,
     tensor_scale = torch.where(tensor_amax > 0, torch.clamp(tensor_amax / denominator, min=tiny),
                                torch.ones_like(tensor_amax))
     raw = (amax / _fl(float(elem.max), dtype)) / tensor_scale
-    block = round_to_format(raw, fmt, rounding="rne", overflow="saturate").to(dtype)
+    block = round_fused(raw.contiguous(), fmt, Rounding.RNE, Overflow.SATURATE)
     zero = amax == 0
     smallest = _fl(float(fmt.smallest_positive), dtype)
     clamped = ((raw > _fl(float(fmt.max), dtype)) | (block == 0)) & ~zero

@@ -106,7 +106,7 @@ def test_bad_inputs_raise_drift_errors() -> None:
 
 def test_compiled_kernel_is_bit_identical_to_eager() -> None:
     """torch.compile (dynamic shapes, inductor C++) against eager on boundary-heavy inputs."""
-    if rounding._compiled() is None:
+    if not rounding._compiler_present():
         pytest.xfail("no C++ compiler: drift falls back to eager, nothing to compare")
     x = torch.cat([_probe_inputs(), torch.randn(3001)])  # an odd length: dynamic shapes
     bits = rounding.draw_random_bits(x.shape, 11)
@@ -120,7 +120,27 @@ def test_compiled_kernel_is_bit_identical_to_eager() -> None:
             rounding.set_compile("always")
             compiled = drift.round_to_format(x, name, rounding=mode, overflow=overflow,
                                              random_bits=bits)
-            assert not rounding._broken, "the compiled kernel failed and fell back to eager"
+            assert not rounding._BROKEN, "the compiled kernel failed and fell back to eager"
             assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32)), name
+    finally:
+        rounding.set_compile("auto")
+
+
+def test_compiled_scaled_casts_are_bit_identical_to_eager() -> None:
+    """The fused compiled path of quantize (amax, scale rule, cast in one kernel) against eager."""
+    if not rounding._compiler_present():
+        pytest.xfail("no C++ compiler: drift falls back to eager, nothing to compare")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(96, 200, generator=gen) * torch.exp2(torch.randint(-30, 30, (96, 1),
+                                                                       generator=gen))
+    x[3, 7], x[4, 0], x[5] = float("nan"), float("inf"), 0.0
+    try:
+        for spec in ("mxfp8_e4m3", "mxfp4_e2m1_ceil:sr", "nvfp4", "fp8_e4m3"):
+            rounding.set_compile("never")
+            eager = drift.quantize(x, spec, seed=1)
+            rounding.set_compile("always")
+            compiled = drift.quantize(x, spec, seed=1)
+            assert not rounding._BROKEN, spec
+            assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32)), spec
     finally:
         rounding.set_compile("auto")
