@@ -57,6 +57,15 @@ class Cast:
     rounding: Rounding = Rounding.RNE
     overflow: Overflow = Overflow.SATURATE
 
+    def __post_init__(self) -> None:
+        s = self.scaling
+        if s.rule is ScaleRule.TWO_LEVEL and s.scale_format is not None and (
+                s.scale_format.max * self.format.max > FORMATS["float32"].max):
+            raise CastSpecError(
+                f"two-level scaling needs a scale format whose max times {self.format.name}'s "
+                f"max fits a float32 (the tensor scale is amax / that product); "
+                f"{s.scale_format.name} does not: use float8_e4m3fn as NVFP4 does")
+
     def __str__(self) -> str:
         s = self.scaling
         parts = [self.format.name]
@@ -151,7 +160,10 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
         elif part in Overflow.__members__.values():
             put("overflow", Overflow(part), part)
         elif part in FORMATS or re.fullmatch(r"e\d+m\d+(b-?\d+)?", part):
-            put("scale format", get_format(part), part)
+            try:
+                put("scale format", get_format(part), part)
+            except FormatSpecError as err:
+                raise CastSpecError(f"cast spec {spec!r}: scale format: {err}") from None
         else:
             words = ["none", "tensor", "channel", "block32", "tile16", *list(ScaleRule),
                      *list(Rounding), *list(Overflow), *FORMATS]
@@ -204,7 +216,10 @@ def parse_cast(spec: str | Cast) -> Cast:
                               headroom)
         except CastSpecError as err:
             raise CastSpecError(f"cast spec {spec!r}: {err}") from None
-    return Cast(elem, scaling, p.rounding or Rounding.RNE, p.overflow or Overflow.SATURATE)
+    try:
+        return Cast(elem, scaling, p.rounding or Rounding.RNE, p.overflow or Overflow.SATURATE)
+    except CastSpecError as err:
+        raise CastSpecError(f"cast spec {spec!r}: {err}") from None
 
 
 # --- quantize ---------------------------------------------------------------------------------
@@ -249,6 +264,8 @@ def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int |
         if seed is None:
             raise DriftError("stochastic rounding needs seed= or random_bits=")
         random_bits = fast.draw_random_bits(x.shape, seed, sr_bits, x.device)
+    if random_bits is not None:
+        fast.check_random_bits(random_bits, x.shape, sr_bits)
     return _quantize(x, c, axis, random_bits, sr_bits, return_info)
 
 
@@ -317,6 +334,7 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
             out = _sliced(blocks, bits, amax, nonfinite, tensor_amax, static)
         q, scale, clamped = out
         bad_blocks = nonfinite if s.blocked else no_blocks
+        clamped = clamped & ~bad_blocks  # a NaN block's scale is NaN, not clamped
         scales = torch.ldexp(torch.ones_like(scale, dtype=torch.float64), scale.double()) \
             if pow2 else scale.double()
         if s.blocked:
@@ -328,15 +346,18 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
     finite = torch.isfinite(blocks)
     if pow2:
         exps = (torch.frexp(scales)[1] - 1).double()[:, None]  # scales are powers of two
-        bound = torch.ldexp(torch.full_like(exps, float(elem.max)), exps)
+        top = torch.ldexp(torch.full_like(exps, float(elem.max)), exps)
+        bottom = torch.ldexp(torch.full_like(exps, float(elem.min)), exps)
         small = torch.ldexp(torch.full_like(exps, float(elem.smallest_normal)), exps)
-        clipped, subnormal = blocks.double().abs() > bound, (q != 0) & (q.double().abs() < small)
+        wide_blocks = blocks.double()
+        clipped = (wide_blocks > top) | (wide_blocks < bottom)
+        subnormal = (q != 0) & (q.double().abs() < small)
     else:
         y, qy = blocks, q
         if s.granularity is not Granularity.NONE:  # the same float division the cast made
             y = (blocks / scales.to(blocks.dtype)[:, None]).contiguous()
             qy = fast._round(y, None, elem, c.rounding, c.overflow, bits, sr_bits, y.dtype)
-        clipped = y.abs() > float(elem.max)
+        clipped = (y > float(elem.max)) | (y < float(elem.min))
         subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
     underflowed = (blocks != 0) & finite & (q == 0)
     clipped = clipped & finite & ~bad_blocks[:, None]

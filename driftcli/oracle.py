@@ -186,6 +186,20 @@ def pow2_scale_exponent(amax: Fraction, elem: Format, rule: str, headroom: int,
     return min(max(k, low), high), not low <= k <= high
 
 
+def into_scale_format(raw: Fraction, fmt: Format,
+                      mode: Rounding | None) -> tuple[Fraction, bool]:
+    """A real scale ``raw > 0`` rounded into the scale format (None: kept), and whether it was
+    clamped: it overflowed the format under that rounding, or lay below its smallest value."""
+    if mode is None:
+        over, scale = raw > fmt.max, raw
+    else:
+        rounded = round_exact(fmt, Exact.of(raw), mode, Overflow.IEEE)
+        over = rounded.kind is not Kind.FINITE if fmt.has_inf or fmt.has_nan else raw > fmt.max
+        scale = rounded.mag
+    low = raw < fmt.smallest_positive
+    return (fmt.max if over else max(scale, fmt.smallest_positive)), over or low
+
+
 def cast_block(values: list[Exact], elem: Format, scale_format: Format, rule: str,
                headroom: int, blocked: bool, float32: Format,
                rounding: Rounding = Rounding.RNE, overflow: Overflow = Overflow.SATURATE,
@@ -208,16 +222,16 @@ def cast_block(values: list[Exact], elem: Format, scale_format: Format, rule: st
     def cast(v: Exact, r: int) -> Exact:
         return round_exact(elem, v, rounding, overflow, r, sr_bits)
 
-    smallest, largest = scale_format.smallest_positive, scale_format.max
+    smallest = scale_format.smallest_positive
     if rule in ("floor", "ceil", "even"):
         low = binade(smallest)
         k, clamped = pow2_scale_exponent(amax, elem, rule, headroom, low, scale_format.emax)
         scale = pow2(k)
         if scale_only:
             return [], Exact.of(scale), clamped
-        return ([times(cast(times(v, 1 / scale), r), scale) for v, r in zip(values, randoms,
-                                                                             strict=True)],
-                Exact.of(scale), clamped)
+        # the dequantized value, stored as a float32 (2**128 overflows to inf)
+        return ([fl32(times(cast(times(v, 1 / scale), r), scale), float32)
+                 for v, r in zip(values, randoms, strict=True)], Exact.of(scale), clamped)
     top = Exact.of(elem.max)
     if rule == "two-level":
         tensor_amax = amax if tensor_amax is None else tensor_amax  # a one-block tensor
@@ -229,15 +243,14 @@ def cast_block(values: list[Exact], elem: Format, scale_format: Format, rule: st
                                float32.smallest_normal)
         raw = fl32(times(fl32(times(Exact.of(amax), 1 / top.mag), float32), 1 / tensor_scale),
                    float32).mag
-        block_scale = round_exact(scale_format, Exact.of(raw)).mag
-        clamped = amax != 0 and (raw > largest or block_scale == 0)
-        divisor = fl32(Exact.of((block_scale or smallest) * tensor_scale), float32).mag
+        block_scale, clamped = into_scale_format(raw, scale_format, Rounding.RNE)
+        divisor = fl32(Exact.of((block_scale if amax else smallest) * tensor_scale), float32).mag
     else:
         raw = fl32(times(Exact.of(amax), 1 / top.mag), float32).mag
-        mode = Rounding.RNE if rule == "amax-rne" else Rounding.RUP
-        scale = raw if rule == "amax" else round_exact(scale_format, Exact.of(raw), mode).mag
-        clamped = amax != 0 and (raw > largest or scale < smallest)
-        divisor = smallest if amax == 0 else min(max(scale, smallest), largest)
+        mode = {"amax": None, "amax-rne": Rounding.RNE, "amax-up": Rounding.RUP}[rule]
+        scale, clamped = into_scale_format(raw, scale_format, mode)
+        divisor = scale if amax else smallest
+    clamped = clamped and amax != 0
     if scale_only:
         return [], Exact.of(divisor), clamped
     return ([fl32(times(cast(fl32(times(v, 1 / divisor), float32), r), divisor), float32)

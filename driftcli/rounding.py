@@ -339,6 +339,15 @@ def _working(x: Tensor, what: str, wide: bool = False) -> tuple[Tensor, _Source]
                      "tensors (convert integers with .float() first)")
 
 
+def check_random_bits(bits: Tensor, shape: torch.Size, sr_bits: int) -> None:
+    """Raise a DriftError unless ``bits`` is an integer tensor of ``shape`` in 0..2**sr_bits-1."""
+    if bits.shape != shape or bits.dtype.is_floating_point:
+        raise DriftError(f"random_bits must be an integer tensor of shape {tuple(shape)}, "
+                         f"not {bits.dtype} of shape {tuple(bits.shape)}")
+    if bits.numel() and (int(bits.min()) < 0 or int(bits.max()) >= 1 << sr_bits):
+        raise DriftError(f"random_bits must lie in 0..2**{sr_bits}-1 (sr_bits={sr_bits})")
+
+
 def round_to_format(x: Tensor, fmt: str | Format, *, rounding: Rounding | str = Rounding.RNE,
                     overflow: Overflow | str = Overflow.SATURATE, random_bits: Tensor | None = None,
                     sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
@@ -371,11 +380,7 @@ def _round(x: Tensor, residual: Tensor | None, fmt: Format, mode: Rounding, poli
             raise DriftError("rounding 'sr' needs random_bits (or stochastic_round with a seed)")
         if not 1 <= sr_bits <= MAX_SR_BITS:
             raise DriftError(f"sr_bits={sr_bits} is out of range; use 1..{MAX_SR_BITS}")
-        if random_bits.shape != x.shape or random_bits.dtype.is_floating_point:
-            raise DriftError(f"random_bits must be an integer tensor of shape {tuple(x.shape)}")
-        if random_bits.numel() and (int(random_bits.min()) < 0
-                                    or int(random_bits.max()) >= 1 << sr_bits):
-            raise DriftError(f"random_bits must lie in 0..2**{sr_bits}-1 (sr_bits={sr_bits})")
+        check_random_bits(random_bits, x.shape, sr_bits)
         random = random_bits.to(src.idtype).contiguous()
     if scale_exp is not None:
         scale_exp = scale_exp.to(src.idtype)

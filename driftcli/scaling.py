@@ -63,7 +63,8 @@ class Granularity(StrEnum):
     BLOCK = "block"
     """One scale per ``k`` consecutive elements along the axis (MX: 32, NVFP4: 16)."""
     TILE = "tile"
-    """One scale per ``k x k`` tile of the axis and the one before it (NVFP4 weights: 16)."""
+    """One scale per ``k x k`` tile spanning the axis and the last other axis (for a matrix
+    and the last axis: rows and columns; NVFP4 weights: 16)."""
 
 
 class ScaleRule(StrEnum):
@@ -247,6 +248,22 @@ def _fl(value: float, dtype: torch.dtype) -> Tensor:
     return torch.tensor(value, dtype=torch.float64).to(dtype)
 
 
+def _into_scale_format(raw: Tensor, fmt: Format, mode: Rounding | None) -> tuple[Tensor, Tensor]:
+    """``raw`` (> 0) rounded into the scale format (``None``: kept as is), and whether it had
+    to be clamped: it overflowed the format under the rounding, or lay below its smallest
+    positive value. Clamped scales are raised or lowered into the range."""
+    smallest = _fl(float(fmt.smallest_positive), raw.dtype)
+    largest = _fl(float(fmt.max), raw.dtype)
+    if mode is None:
+        scale, over = raw, raw > largest
+    else:
+        scale = round_fused(raw.contiguous(), fmt, mode, Overflow.IEEE)
+        over = ~torch.isfinite(scale) if fmt.has_inf or fmt.has_nan else raw > largest
+    low = raw < smallest
+    scale = torch.where(over, largest, torch.maximum(scale, smallest))
+    return scale, over | low
+
+
 def real_scales(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor, Tensor]:
     """Real-valued scales ``fl(amax / M)`` (optionally rounded into the scale format), clamped.
 
@@ -254,17 +271,12 @@ def real_scales(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor, T
     """
     fmt = _scale_format(scaling)
     raw = amax / _fl(float(elem.max), amax.dtype)
-    if scaling.rule is ScaleRule.AMAX:
-        scale = raw
-    else:
-        mode = Rounding.RNE if scaling.rule is ScaleRule.AMAX_RNE else Rounding.RUP
-        scale = round_fused(raw.contiguous(), fmt, mode, Overflow.SATURATE)
-    smallest = _fl(float(fmt.smallest_positive), amax.dtype)
-    largest = _fl(float(fmt.max), amax.dtype)
+    mode = {ScaleRule.AMAX: None, ScaleRule.AMAX_RNE: Rounding.RNE,
+            ScaleRule.AMAX_UP: Rounding.RUP}[scaling.rule]  # type: ignore[index]
+    scale, clamped = _into_scale_format(raw, fmt, mode)
     zero = amax == 0
-    clamped = ((raw > largest) | (scale < smallest)) & ~zero
-    scale = torch.where(zero, smallest, torch.clamp(scale, smallest, largest))
-    return scale, clamped
+    smallest = _fl(float(fmt.smallest_positive), amax.dtype)
+    return torch.where(zero, smallest, scale), clamped & ~zero
 
 
 @dataclass(frozen=True)
@@ -287,9 +299,7 @@ def two_level_scales(amax: Tensor, tensor_amax: Tensor, elem: Format,
     tensor_scale = torch.where(tensor_amax > 0, torch.clamp(tensor_amax / denominator, min=tiny),
                                torch.ones_like(tensor_amax))
     raw = (amax / _fl(float(elem.max), dtype)) / tensor_scale
-    block = round_fused(raw.contiguous(), fmt, Rounding.RNE, Overflow.SATURATE)
+    block, clamped = _into_scale_format(raw, fmt, Rounding.RNE)
     zero = amax == 0
-    smallest = _fl(float(fmt.smallest_positive), dtype)
-    clamped = ((raw > _fl(float(fmt.max), dtype)) | (block == 0)) & ~zero
-    block = torch.where(block == 0, smallest, block)
-    return TwoLevel(block * tensor_scale, block, tensor_scale, clamped)
+    block = torch.where(zero, _fl(float(fmt.smallest_positive), dtype), block)
+    return TwoLevel(block * tensor_scale, block, tensor_scale, clamped & ~zero)

@@ -34,6 +34,7 @@ quick plan's numbers in brackets:
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -413,6 +414,10 @@ def block_casts(fmt: Format) -> list[Cast]:
         Scaling(tile, 16, e4m3, ScaleRule.TWO_LEVEL),
     ]
     casts = [Cast(fmt, sc) for sc in generic]
+    # the other rounding modes and the ieee policy, under the OCP rule and under amax
+    casts += [Cast(fmt, generic[0], mode, policy) for mode in DETERMINISTIC
+              for policy in Overflow if (mode, policy) != MAIN_CELL]
+    casts += [Cast(fmt, generic[7], mode, Overflow.IEEE) for mode in DETERMINISTIC]
     casts += [c for c, _ in PRESETS.values() if c.format == fmt and c.scaling.granularity
               is not Granularity.NONE and c not in casts]
     return casts
@@ -469,11 +474,20 @@ def _constructed_cases(fmt: Format, c: Cast) -> list[Tensor]:
                 peaks += [float(v), float(torch.nextafter(v, torch.tensor(0.0))),
                           float(torch.nextafter(v, torch.tensor(float("inf"))))]
     peaks.append(float(torch.nextafter(torch.tensor(8.0), torch.tensor(0.0))))
+    peaks.append(torch.finfo(torch.float32).max)  # 2**128 after a ceil scale: inf in float32
     cases = []
     for peak in peaks:
         block = body * peak
         block[0] = -peak if len(cases) % 2 else peak
         cases.append(block)
+    # ties: the element max sets a power-of-two scale 2**j, the rest sit on exact midpoints of
+    # the element grid times 2**j, with both signs (ties decide rne against rna, and rup/rdown)
+    grid = sorted({abs(float(v.value)) for _, v in fmt.values() if v.kind is Kind.FINITE})
+    mids = torch.tensor([(a + b) / 2 for a, b in itertools.pairwise(grid)])
+    for j in (-3, 0, 5):
+        tie = torch.cat([torch.tensor([float(fmt.max)]), mids, -mids])[:n]
+        tie = torch.cat([tie, torch.zeros(n - len(tie))]) * 2.0**j
+        cases.append(tie)
     for special in (float("nan"), float("inf"), float("-inf")):
         block = body.clone()
         block[3] = special
@@ -546,12 +560,18 @@ def check_blocks(fmt: Format, plan: Plan) -> Iterator[Outcome]:
     """Block-scaled casts against the oracle: constructed blocks and seeded random blocks."""
     if fmt.bits > 8 or not fmt.signed:
         return
+    seen: set[Scaling] = set()
     for c in _quick_casts(fmt) if plan.quick else block_casts(fmt):
-        yield from check_cast(fmt, c, plan)
+        # a rounding mode or overflow policy changes the elements, not the scales: the random
+        # blocks serve the cast's first mode; later ones get the constructed blocks, ties included
+        first = c.scaling not in seen
+        seen.add(c.scaling)
+        yield from check_cast(fmt, c, plan, random=first)
 
 
-def check_cast(fmt: Format, c: Cast, plan: Plan) -> Iterator[Outcome]:
-    """One block-scaled cast: every element of some blocks, and the scale of many."""
+def check_cast(fmt: Format, c: Cast, plan: Plan, random: bool = True) -> Iterator[Outcome]:
+    """One block-scaled cast: every element of some blocks, and (``random``) the elements of
+    random blocks and the scale of many."""
     f32 = FORMATS["float32"]
     spec = str(c)
     s = c.scaling
@@ -560,7 +580,7 @@ def check_cast(fmt: Format, c: Cast, plan: Plan) -> Iterator[Outcome]:
     # every element of constructed blocks, and of random blocks
     out = Outcome(fmt.name, "blocks", spec, c.rounding.value, c.overflow.value)
     cases = _constructed_cases(fmt, c)
-    if not plan.quick:
+    if not plan.quick and random:
         pool = random_blocks(BLOCK_FULL_SAMPLE, size, plan.seed + 7)
         cases += ([pool.reshape(-1, k, k)[i] for i in range(BLOCK_FULL_SAMPLE // 16)]
                   if s.granularity is Granularity.TILE else [pool])
@@ -572,7 +592,7 @@ def check_cast(fmt: Format, c: Cast, plan: Plan) -> Iterator[Outcome]:
                f"0x{raw[i] & 0xFFFFFFFF:08x}")
     yield out
     # the scale of many random blocks: the rule's whole job
-    if s.granularity is Granularity.TILE:
+    if s.granularity is Granularity.TILE or not random:
         return  # a tile's scale is a block's scale; tiling is checked element by element
     exponent_rule = s.rule is not None and s.rule.power_of_two
     count = BLOCK_SCALE_SAMPLE if exponent_rule else REAL_SCALE_SAMPLE
