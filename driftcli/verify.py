@@ -628,7 +628,7 @@ def cast_quantize(x: Tensor, c: Cast) -> Tensor:
 
 CHECKS: list[Callable[[Format, Plan], Iterator[Outcome]]] = [
     check_codes, check_pairs, check_float32_inputs, check_blocks]
-"""Every check ``verify-formats`` runs, in order; later issues append block and matmul checks."""
+"""Every check ``verify-formats`` runs, in order; matmul checks join when the arithmetic lands."""
 
 
 def element_formats(names: list[str] | None = None) -> list[Format]:
