@@ -322,8 +322,10 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
         amax, nonfinite = stats
         tensor_amax = amax.max()
         wide = False
-        if pow2:
-            k, _ = pow2_exponents(amax, elem, s)
+        if pow2:  # the extreme exponents bound every block's (the rules are monotone in amax)
+            positive = torch.where(amax > 0, amax, torch.inf)
+            ends = torch.stack([positive.min(), amax.max()]).nan_to_num(posinf=1.0)
+            k, _ = pow2_exponents(torch.where(ends > 0, ends, 1.0), elem, s)
             wide = int(k.min()) + elem.qmin < -149 or int(k.max()) + elem.emax >= 128
         static = {"c": c, "sr_bits": sr_bits, "wide": wide}
         # compiled whole for block and tile scalings (one long row per tensor or channel has
