@@ -300,6 +300,25 @@ def _stats(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return stats.amax, stats.nonfinite
 
 
+def _block_cast(blocks: Tensor, bits: Tensor | None, *, c: Cast, sr_bits: int,
+                wide: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Statistics and cast in one function, so a compiler can read each block once."""
+    amax, nonfinite = _stats(blocks)
+    q, scale, clamped = _scaled_values(blocks, bits, amax, nonfinite, amax.max(), c=c,
+                                       sr_bits=sr_bits, wide=wide)
+    return q, scale, clamped, amax, nonfinite
+
+
+def _wide(amax: Tensor, c: Cast) -> bool:
+    """Whether a power-of-two scaled grid leaves float32's range for some block (then float64).
+
+    The extreme exponents bound every block's, as the rules are monotone in amax."""
+    positive = torch.where(amax > 0, amax, torch.inf)
+    ends = torch.stack([positive.min(), amax.max()]).nan_to_num(posinf=1.0)
+    k, _ = pow2_exponents(torch.where(ends > 0, ends, 1.0), c.format, c.scaling)
+    return int(k.min()) + c.format.qmin < -149 or int(k.max()) + c.format.emax >= 128
+
+
 def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
               sr_bits: int, want_info: bool) -> Tensor | QuantInfo:
     """The cast; the masks only when asked (they cost more passes than the cast itself)."""
@@ -318,22 +337,21 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
         scales = torch.ones(n_rows, dtype=torch.float64)
         clamped, bad_blocks = no_blocks, no_blocks
     else:
-        stats = fast.run_compiled(_stats, blocks.numel(), blocks) or _stats(blocks)
-        amax, nonfinite = stats
-        tensor_amax = amax.max()
-        wide = False
-        if pow2:  # the extreme exponents bound every block's (the rules are monotone in amax)
-            positive = torch.where(amax > 0, amax, torch.inf)
-            ends = torch.stack([positive.min(), amax.max()]).nan_to_num(posinf=1.0)
-            k, _ = pow2_exponents(torch.where(ends > 0, ends, 1.0), elem, s)
-            wide = int(k.min()) + elem.qmin < -149 or int(k.max()) + elem.emax >= 128
-        static = {"c": c, "sr_bits": sr_bits, "wide": wide}
-        # compiled whole for block and tile scalings (one long row per tensor or channel has
-        # tripped dynamo's shape specialisation here; those run eagerly, in slices)
-        out = fast.run_compiled(_scaled_values, blocks.numel() if s.blocked else 0, blocks,
-                                bits, amax, nonfinite, tensor_amax, **static)
+        out = None
+        if s.blocked:  # statistics and cast fused, compiled; redone in float64 where needed
+            fused = fast.run_compiled(_block_cast, blocks.numel(), blocks, bits, c=c,
+                                      sr_bits=sr_bits, wide=False)
+            if fused is not None:
+                *out, amax, nonfinite = fused
+                if pow2 and _wide(amax, c):
+                    out = None
         if out is None:
-            out = _sliced(blocks, bits, amax, nonfinite, tensor_amax, static)
+            amax, nonfinite = _stats(blocks)
+            static = {"c": c, "sr_bits": sr_bits, "wide": pow2 and _wide(amax, c)}
+            # eagerly, in cache-sized slices (tensor and channel scalings always: one long row
+            # per tensor or channel has tripped dynamo's shape specialisation)
+            out = _sliced(blocks, bits, amax, nonfinite, amax.max(), static)
+        tensor_amax = amax.max()
         q, scale, clamped = out
         bad_blocks = nonfinite if s.blocked else no_blocks
         clamped = clamped & ~bad_blocks  # a NaN block's scale is NaN, not clamped
