@@ -252,6 +252,8 @@ def _compiler_present() -> bool:
     return True
 
 
+RECOMPILE_LIMIT = 64
+"""Compiled variants per function (format x mode x policy x argument kinds) before eager."""
 _COMPILED: dict[Callable[..., Any], Any] = {}
 _BROKEN: set[Callable[..., Any]] = set()
 """Functions whose compiled version failed once: they stay eager in this process."""
@@ -281,7 +283,11 @@ def run_compiled(fn: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) 
     if fast_fn is None:
         return None
     try:
-        return fast_fn(*args, **kwargs)
+        # each format, mode and policy is its own graph: allow many, and when even that runs
+        # out, fail loudly into the chunked eager path rather than dynamo's whole-tensor eager
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                        fail_on_recompile_limit_hit=True):
+            return fast_fn(*args, **kwargs)
     except Exception:  # any compiler failure means: stay eager, same answer
         _BROKEN.add(fn)
         return None
