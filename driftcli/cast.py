@@ -269,44 +269,51 @@ def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int |
     return _quantize(x, c, axis, random_bits, sr_bits, return_info)
 
 
+def _scales(amax: Tensor, tensor_amax: Tensor, c: Cast) -> tuple[Tensor, Tensor]:
+    """Each row's scale (the exponent ``k`` of ``2**k``, or the divisor) and if it clamped."""
+    s = c.scaling
+    if s.rule is not None and s.rule.power_of_two:
+        return pow2_exponents(amax, c.format, s)
+    if s.rule is ScaleRule.TWO_LEVEL:
+        two = two_level_scales(amax, tensor_amax, c.format, s)
+        return two.divisor, two.clamped
+    return real_scales(amax, c.format, s)
+
+
+def _apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, nonfinite: Tensor, *,
+           tgt: object, rounding: Rounding, overflow: Overflow, sr_bits: int, pow2: bool,
+           blocked: bool, wide: bool) -> Tensor:
+    """The element cast of every row under its scale: plain tensors and hashable constants
+    only, so a compiler sees one graph."""
+    if pow2:
+        # a scaled grid beyond float32's range is rounded in float64, then stored as float32
+        work = blocks.double() if wide else blocks
+        q = fast.round_fused(work, tgt, rounding, overflow, bits, scale[:, None],
+                             sr_bits).to(blocks.dtype)
+    else:
+        y = (blocks / scale[:, None]).contiguous()
+        q = fast.round_fused(y, tgt, rounding, overflow, bits, None, sr_bits) * scale[:, None]
+    if blocked:
+        q = torch.where(nonfinite[:, None], torch.nan, q)
+    return q
+
+
 def _scaled_values(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,
                    tensor_amax: Tensor, *, c: Cast, sr_bits: int,
                    wide: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Dequantized rows, each row's scale (the exponent ``k`` of ``2**k``, or the divisor) and
-    whether it clamped, from the rows' amax. Elementwise per row, so it runs compiled whole or
-    eagerly on slices of rows and columns."""
-    elem, s = c.format, c.scaling
-    if s.rule is not None and s.rule.power_of_two:
-        scale, clamped = pow2_exponents(amax, elem, s)
-        # a scaled grid beyond float32's range is rounded in float64, then stored as float32
-        work = blocks.double() if wide else blocks
-        q = fast.round_fused(work, elem, c.rounding, c.overflow, bits, scale[:, None],
-                             sr_bits).to(blocks.dtype)
-    else:
-        if s.rule is ScaleRule.TWO_LEVEL:
-            two = two_level_scales(amax, tensor_amax, elem, s)
-            scale, clamped = two.divisor, two.clamped
-        else:
-            scale, clamped = real_scales(amax, elem, s)
-        y = (blocks / scale[:, None]).contiguous()
-        q = fast.round_fused(y, elem, c.rounding, c.overflow, bits, None, sr_bits) * scale[:, None]
-    if s.blocked:
-        q = torch.where(nonfinite[:, None], torch.nan, q)
+    """Dequantized rows, each row's scale and whether it clamped, from the rows' amax."""
+    scale, clamped = _scales(amax, tensor_amax, c)
+    s = c.scaling
+    q = _apply(blocks, bits, scale, nonfinite, tgt=fast.target_of(c.format),
+               rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits,
+               pow2=bool(s.rule is not None and s.rule.power_of_two), blocked=s.blocked,
+               wide=wide)
     return q, scale, clamped
 
 
 def _stats(blocks: Tensor) -> tuple[Tensor, Tensor]:
     stats = block_stats(blocks)
     return stats.amax, stats.nonfinite
-
-
-def _block_cast(blocks: Tensor, bits: Tensor | None, *, c: Cast, sr_bits: int,
-                wide: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Statistics and cast in one function, so a compiler can read each block once."""
-    amax, nonfinite = _stats(blocks)
-    q, scale, clamped = _scaled_values(blocks, bits, amax, nonfinite, amax.max(), c=c,
-                                       sr_bits=sr_bits, wide=wide)
-    return q, scale, clamped, amax, nonfinite
 
 
 def _wide(amax: Tensor, c: Cast) -> bool:
@@ -338,13 +345,16 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
         clamped, bad_blocks = no_blocks, no_blocks
     else:
         out = None
-        if s.blocked:  # statistics and cast fused, compiled; redone in float64 where needed
-            fused = fast.run_compiled(_block_cast, blocks.numel(), blocks, bits, c=c,
-                                      sr_bits=sr_bits, wide=False)
-            if fused is not None:
-                *out, amax, nonfinite = fused
-                if pow2 and _wide(amax, c):
-                    out = None
+        n = blocks.numel() if s.blocked else 0  # only block and tile scalings compile
+        stats = fast.run_compiled(_stats, n, blocks)
+        if stats is not None:  # compiled: amax pass, scales per block eagerly, element pass
+            amax, nonfinite = stats
+            scale, clamped = _scales(amax, amax.max(), c)
+            q = fast.run_compiled(
+                _apply, n, blocks, bits, scale, nonfinite, tgt=fast.target_of(elem),
+                rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits, pow2=pow2,
+                blocked=True, wide=pow2 and _wide(amax, c))
+            out = None if q is None else (q, scale, clamped)
         if out is None:
             amax, nonfinite = _stats(blocks)
             static = {"c": c, "sr_bits": sr_bits, "wide": pow2 and _wide(amax, c)}

@@ -395,15 +395,22 @@ def _round(x: Tensor, residual: Tensor | None, fmt: Format, mode: Rounding, poli
     return out.to(out_dtype)
 
 
-def round_fused(x: Tensor, fmt: Format, rounding: Rounding, overflow: Overflow,
+def target_of(fmt: Format) -> _Target:
+    """The kernel's constants for ``fmt`` (hashable; pass it into compiled functions)."""
+    return _Target.of(fmt)
+
+
+def round_fused(x: Tensor, fmt: Format | _Target, rounding: Rounding, overflow: Overflow,
                 random: Tensor | None = None, scale_exp: Tensor | None = None,
                 sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
     """The kernel itself on a contiguous float32 or float64 tensor, for larger functions that
-    are compiled whole: no argument checks, no chunking, the result in ``x``'s dtype."""
+    are compiled whole: no argument checks, no chunking, the result in ``x``'s dtype. Inside
+    a compiled function pass ``target_of(fmt)``, made outside it."""
     src = _F64 if x.dtype == torch.float64 else _F32
+    tgt = fmt if isinstance(fmt, _Target) else _Target.of(fmt)
     return _kernel(x, None, None if random is None else random.to(src.idtype),
                    None if scale_exp is None else scale_exp.to(src.idtype), src=src,
-                   tgt=_Target.of(fmt), rounding=rounding, overflow=overflow, sr_bits=sr_bits)
+                   tgt=tgt, rounding=rounding, overflow=overflow, sr_bits=sr_bits)
 
 
 def draw_random_bits(shape: torch.Size | tuple[int, ...], seed: int | torch.Generator,
