@@ -257,9 +257,20 @@ def measure(x: torch.Tensor, fmt: driftcli.Format, repeat: int) -> dict[str, flo
         "native": lambda: x.to(torch.float8_e4m3fn).float(),
         "copy": lambda: out.copy_(x),
     }
+    return interleaved(calls, repeat)
+
+
+def interleaved(calls: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Warm-up seconds of ``calls["cast"]`` and each call's median over ``repeat`` rounds.
+
+    One untimed warm-up of every call first (the cast's, where compilation
+    happens, is returned as ``warmup``); then each round times every call once,
+    one after the other, so slow drifts of the machine hit all of them alike.
+    """
     result = {"warmup": once(calls["cast"])}
-    for name in ("clone", "native", "copy"):
-        once(calls[name])
+    for name, fn in calls.items():
+        if name != "cast":
+            once(fn)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeat):
         for name, fn in calls.items():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ import driftcli
 from driftcli import rounding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_casts import machine, once, same_bits, set_malloc
+from bench_casts import interleaved, machine, same_bits, set_malloc
 
 SPECS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4")
 TARGET = 0.25  # MX and NVFP4 fake-quant, compiled, against clone()
@@ -40,15 +39,7 @@ def measure(x: torch.Tensor, spec: str, info: bool, repeat: int) -> dict[str, fl
         "clone": x.clone,
         "native": lambda: x.to(torch.float8_e4m3fn).float(),
     }
-    result = {"warmup": once(calls["cast"])}
-    once(calls["clone"])
-    once(calls["native"])
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeat):
-        for name, fn in calls.items():
-            times[name].append(once(fn))
-    result.update({name: statistics.median(ts) for name, ts in times.items()})
-    return result
+    return interleaved(calls, repeat)
 
 
 def main(argv: list[str] | None = None) -> int:
