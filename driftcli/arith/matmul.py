@@ -1,0 +1,522 @@
+"""Simulated matmuls: operand casts along K, exact products, a stated accumulator and order.
+
+``C = A·B`` with ``A`` of shape ``(..., M, K)`` and ``B`` of shape ``(..., K, N)``
+(leading dimensions broadcast as in ``torch.matmul``) is computed as:
+
+1. each operand is taken as float32 (a float64 tensor is rounded to nearest even first;
+   bfloat16 and float16 widen exactly), then cast with its :class:`~driftcli.cast.Cast`
+   along K: A along its last axis, B along its second-to-last (rows of A's blocks and
+   columns of B's blocks run along K);
+2. every product of two cast operands is exact: each operand is a float32 value (at most
+   24 significant bits, exponents within 2**-149..2**128), so a product has at most 48
+   significant bits and lies within float64's normal range, and it is formed in float64;
+3. the terms (the products, or with ``scale_application=block`` one scaled partial dot
+   product per block) are summed by an accumulator of the stated format, which rounds every
+   addition once, in the stated order; each addition is the exact sum (float64 TwoSum, the
+   residual entering the rounding as a sticky bit, :func:`driftcli.rounding.add`);
+4. the optional output cast is applied to the result along its last axis (N).
+
+The spec string is ``key=value`` pairs joined by commas, in any order, every key optional::
+
+    lhs=mxfp8_e4m3,rhs=mxfp8_e4m3,acc=bfloat16:rtz,order=chunked:128,scale=block,out=bf16
+
+``lhs``/``rhs``/``out``: a cast spec or preset (``none``: no cast). ``acc``: the accumulator
+format, optionally ``:rne`` or ``:rtz``. ``order``: ``sequential``, ``pairwise``,
+``chunked:N`` or ``native``. ``scale``: ``dequantized`` or ``block``. ``str(spec)`` writes
+every key in that order with canonical casts, and ``parse_matmul_spec(str(s)) == s``.
+
+docs/arithmetic.md states every rule exactly; :mod:`driftcli.oracle` is the reference that
+``drift verify-formats`` checks this module against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import cast
+
+import torch
+
+from driftcli import rounding as fast
+from driftcli.cast import Cast, QuantInfo, parse_cast, quantize
+from driftcli.errors import DriftError, close_matches
+from driftcli.formats import FORMATS, Format, get_format
+from driftcli.modes import Overflow, Rounding, parse_choice
+from driftcli.scaling import Granularity
+
+Tensor = torch.Tensor
+
+FLOAT32 = FORMATS["float32"]
+MASTER = FLOAT32
+"""The format of the master sum that ``chunked`` orders promote into (rounded to nearest)."""
+ACC_ROUNDINGS = (Rounding.RNE, Rounding.RTZ)
+"""The rounding modes an accumulator may use."""
+PAIRWISE_ELEMENTS = 1 << 22
+"""Products held at once by the pairwise order (rows of C are processed in groups this big)."""
+
+
+class MatmulSpecError(DriftError, ValueError):
+    """A matmul spec that cannot be built as asked."""
+
+
+class Order(StrEnum):
+    """In which order the accumulator adds the terms."""
+
+    SEQUENTIAL = "sequential"
+    """``acc = +0; for k in 0..K-1: acc = round(acc + t[k])``."""
+    PAIRWISE = "pairwise"
+    """A tree: adjacent pairs level by level, an odd last element carried up unchanged; the
+    root added to +0."""
+    CHUNKED = "chunked"
+    """``chunk`` terms summed sequentially in the accumulator from +0, each chunk's result then
+    added into a float32 master sum rounded to nearest (promotion every ``chunk`` terms)."""
+    NATIVE = "native"
+    """``torch.matmul`` of the cast operands in float32: the fast path, order unspecified."""
+
+
+class ScaleApplication(StrEnum):
+    """Where block scales enter the sum."""
+
+    DEQUANTIZED = "dequantized"
+    """Products of the dequantized operands (element times scale) are the terms."""
+    BLOCK = "block"
+    """One term per block along K: the exact partial dot product of the two blocks' elements,
+    in element units, times the two block scales."""
+
+
+DOUBLE_BITS = 53
+
+
+def element_bits(fmt: Format) -> int:
+    """Bits of fixed point that hold every dequantized value of ``fmt`` divided by its
+    power-of-two scale: from the finest quantum ``2**qmin`` up to ``2**(emax + 2)`` (one binade
+    above the top, which a float32 store of a tiny scaled value can round up into)."""
+    return fmt.emax + 2 - fmt.qmin
+
+
+@dataclass(frozen=True)
+class MatmulSpec:
+    """How a simulated matmul is computed (see the module docs and docs/arithmetic.md)."""
+
+    lhs: Cast | None = None
+    """The cast of A along K (its last axis); None: A as float32."""
+    rhs: Cast | None = None
+    """The cast of B along K (its second-to-last axis); None: B as float32."""
+    accumulator: Format = field(default_factory=lambda: FLOAT32)
+    """The format every partial sum is rounded to."""
+    acc_rounding: Rounding = Rounding.RNE
+    """``rne`` or ``rtz``; overflow as IEEE (±inf, ±max under rtz)."""
+    order: Order = Order.SEQUENTIAL
+    chunk: int = 0
+    """Terms per chunk for ``chunked`` (products; with block scale application a multiple of
+    the block size); 0 for every other order."""
+    scale_application: ScaleApplication = ScaleApplication.DEQUANTIZED
+    out: Cast | None = None
+    """The cast of the result along its last axis (N); None: the accumulator's values."""
+
+    def __post_init__(self) -> None:
+        acc = self.accumulator
+        if acc.integer or not acc.signed or not acc.has_zero:
+            raise MatmulSpecError(
+                f"accumulator {acc.name!r} is not a signed float format with a zero; use "
+                "float32, bfloat16, float16 or a custom eXmY such as e8m13")
+        if self.acc_rounding not in ACC_ROUNDINGS:
+            raise MatmulSpecError(
+                f"accumulator rounding {self.acc_rounding.value!r} is not supported; use "
+                f"{' or '.join(m.value for m in ACC_ROUNDINGS)}")
+        if self.order is Order.CHUNKED:
+            if self.chunk < 1:
+                raise MatmulSpecError(f"order chunked needs a chunk size of at least 1, not "
+                                      f"{self.chunk}; write e.g. chunked:128")
+        elif self.chunk:
+            raise MatmulSpecError(f"order {self.order.value} takes no chunk size "
+                                  f"(got {self.chunk}); only chunked:N does")
+        if self.order is Order.NATIVE and (acc != FLOAT32 or self.acc_rounding is not Rounding.RNE
+                                           or self.scale_application is not
+                                           ScaleApplication.DEQUANTIZED):
+            raise MatmulSpecError(
+                f"order native is torch.matmul in float32: it needs acc=float32:rne and "
+                f"scale=dequantized (got acc={acc.name}:{self.acc_rounding.value}, "
+                f"scale={self.scale_application.value}); use sequential, pairwise or chunked:N "
+                "for other accumulators")
+        if self.scale_application is ScaleApplication.BLOCK:
+            self._check_block()
+
+    def _check_block(self) -> None:
+        """Block scale application needs two power-of-two block scalings of one size whose
+        partial dot products are exact in float64."""
+        sizes = []
+        for side, c in (("lhs", self.lhs), ("rhs", self.rhs)):
+            s = None if c is None else c.scaling
+            if c is None or s is None or s.granularity is not Granularity.BLOCK:
+                raise MatmulSpecError(
+                    f"scale=block needs block-scaled casts on both operands; {side} is "
+                    f"{'none' if c is None else c}; use scale=dequantized")
+            if s.rule is None or not s.rule.power_of_two:
+                raise MatmulSpecError(
+                    f"scale=block needs power-of-two block scales (floor, ceil, even); {side}'s "
+                    f"rule is {s.rule}, whose element values are not recoverable exactly from "
+                    "the dequantized ones; use scale=dequantized")
+            sizes.append(s.block)
+        lhs, rhs = cast(Cast, self.lhs), cast(Cast, self.rhs)
+        if sizes[0] != sizes[1]:
+            raise MatmulSpecError(
+                f"scale=block needs equal block sizes along K; lhs has {sizes[0]}, rhs "
+                f"{sizes[1]}: cast both with the same block size or use scale=dequantized")
+        # a sum of n terms below 2**x stays below 2**(x + ceil(log2 n))
+        bits = element_bits(lhs.format) + element_bits(rhs.format) + (sizes[0] - 1).bit_length()
+        if bits > DOUBLE_BITS:
+            raise MatmulSpecError(
+                f"scale=block forms each block's dot product exactly in float64; "
+                f"{lhs.format.name} x {rhs.format.name} in blocks of {sizes[0]} needs {bits} "
+                f"bits of fixed point, more than float64's {DOUBLE_BITS}; use "
+                "scale=dequantized for these formats")
+        if self.order is Order.CHUNKED and self.chunk % sizes[0]:
+            raise MatmulSpecError(
+                f"with scale=block a chunk is whole blocks: chunked:{self.chunk} is not a "
+                f"multiple of the block size {sizes[0]}")
+
+    @property
+    def block(self) -> int:
+        """The block size along K under block scale application (else 0)."""
+        if self.scale_application is not ScaleApplication.BLOCK or self.lhs is None:
+            return 0
+        return self.lhs.scaling.block
+
+    @property
+    def order_name(self) -> str:
+        """The order as written in a spec: ``sequential``, ``chunked:128``, …"""
+        return f"chunked:{self.chunk}" if self.order is Order.CHUNKED else self.order.value
+
+    def __str__(self) -> str:
+        def cast_text(c: Cast | None) -> str:
+            return "none" if c is None else str(c)
+
+        return ",".join([
+            f"lhs={cast_text(self.lhs)}", f"rhs={cast_text(self.rhs)}",
+            f"acc={self.accumulator.name}:{self.acc_rounding.value}",
+            f"order={self.order_name}", f"scale={self.scale_application.value}",
+            f"out={cast_text(self.out)}"])
+
+
+# --- building specs -------------------------------------------------------------------------
+
+_KEYS = ("lhs", "rhs", "acc", "order", "scale", "out")
+_EXAMPLE = "lhs=mxfp8_e4m3,rhs=mxfp8_e4m3,acc=bfloat16:rtz,order=chunked:128"
+
+
+def _bad(text: str, why: str) -> MatmulSpecError:
+    return MatmulSpecError(f"matmul spec {text!r}: {why}; write KEY=VALUE pairs joined by "
+                           f"commas, keys {', '.join(_KEYS)}, e.g. {_EXAMPLE}")
+
+
+def parse_order(text: str) -> tuple[Order, int]:
+    """``sequential``, ``pairwise``, ``native`` or ``chunked:N`` as ``(Order, chunk)``."""
+    name, sep, size = text.strip().partition(":")
+    order = parse_choice(Order, name, "matmul order")
+    if order is Order.CHUNKED:
+        if not sep or not size.isdigit() or int(size) < 1:
+            raise MatmulSpecError(f"order {text!r}: chunked needs a positive size, "
+                                  "e.g. chunked:128")
+        return order, int(size)
+    if sep:
+        raise MatmulSpecError(f"order {text!r}: only chunked takes a size (chunked:N)")
+    return order, 0
+
+
+def _optional_cast(value: Cast | str | None) -> Cast | None:
+    if value is None or (isinstance(value, str) and value.strip() == "none"):
+        return None
+    return parse_cast(value)
+
+
+def matmul_spec(*, lhs: Cast | str | None = None, rhs: Cast | str | None = None,
+                accumulator: Format | str = FLOAT32, acc_rounding: Rounding | str = Rounding.RNE,
+                order: Order | str = Order.SEQUENTIAL, chunk: int | None = None,
+                scale_application: ScaleApplication | str = ScaleApplication.DEQUANTIZED,
+                out: Cast | str | None = None) -> MatmulSpec:
+    """A :class:`MatmulSpec` from objects or strings: casts as spec strings or presets
+    (``"mxfp8_e4m3"``, ``"none"``), the accumulator as a format name (``"bfloat16"``,
+    ``"e8m13"``), the order as ``"sequential"``, ``"pairwise"``, ``"native"`` or
+    ``"chunked:128"`` (or ``order="chunked", chunk=128``)."""
+    if isinstance(order, Order):
+        parsed, size = order, 0
+    else:
+        parsed, size = parse_order(order) if ":" in order else (
+            parse_choice(Order, order.strip(), "matmul order"), 0)
+    if chunk is not None:
+        if size and size != chunk:
+            raise MatmulSpecError(f"order {order!r} and chunk={chunk} disagree; give one")
+        size = chunk
+    return MatmulSpec(_optional_cast(lhs), _optional_cast(rhs), get_format(accumulator),
+                      parse_choice(Rounding, acc_rounding, "accumulator rounding"), parsed,
+                      size, parse_choice(ScaleApplication, scale_application,
+                                         "scale application"), _optional_cast(out))
+
+
+def parse_matmul_spec(text: str | MatmulSpec) -> MatmulSpec:
+    """A :class:`MatmulSpec` from its spec string (see the module docs); specs pass through."""
+    if isinstance(text, MatmulSpec):
+        return text
+    found: dict[str, str] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep:
+            raise _bad(text, f"{part.strip()!r} has no '='")
+        if key not in _KEYS:
+            raise _bad(text, f"unknown key {key!r}{close_matches(key, _KEYS)}")
+        if key in found:
+            raise _bad(text, f"key {key!r} given twice")
+        found[key] = value.strip()
+    acc, _, mode = found.get("acc", "float32").partition(":")
+    try:
+        return matmul_spec(lhs=found.get("lhs"), rhs=found.get("rhs"), accumulator=acc,
+                           acc_rounding=mode or Rounding.RNE,
+                           order=found.get("order", Order.SEQUENTIAL),
+                           scale_application=found.get("scale", ScaleApplication.DEQUANTIZED),
+                           out=found.get("out"))
+    except MatmulSpecError:
+        raise
+    except DriftError as err:
+        raise MatmulSpecError(f"matmul spec {text!r}: {err}") from None
+
+
+# --- the computation ------------------------------------------------------------------------
+
+def _check_operands(a: Tensor, b: Tensor) -> None:
+    for name, t in (("A", a), ("B", b)):
+        if not isinstance(t, Tensor) or not t.dtype.is_floating_point:
+            raise DriftError(f"matmul operand {name} must be a floating-point tensor, not "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() < 2:
+            raise DriftError(f"matmul operand {name} has shape {tuple(t.shape)}; it needs at "
+                             "least two dimensions (use unsqueeze for a vector)")
+    if a.shape[-1] != b.shape[-2]:
+        raise DriftError(f"matmul shapes {tuple(a.shape)} and {tuple(b.shape)} do not agree "
+                         f"along K ({a.shape[-1]} != {b.shape[-2]})")
+    try:
+        torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except RuntimeError:
+        raise DriftError(f"matmul batch dimensions {tuple(a.shape[:-2])} and "
+                         f"{tuple(b.shape[:-2])} do not broadcast") from None
+
+
+def _cast_operand(x: Tensor, c: Cast | None, axis: int, seed: int | None,
+                  want_scales: bool) -> tuple[Tensor, Tensor | None]:
+    """The cast values (float32) and, when asked, the per-block scales (float64)."""
+    if c is None:
+        return x, None
+    if want_scales:
+        info = cast(QuantInfo, quantize(x, c, axis=axis, seed=seed, return_info=True))
+        return info.values, info.scales
+    return cast(Tensor, quantize(x, c, axis=axis, seed=seed)), None
+
+
+def _sr_seeds(spec: MatmulSpec, seed: int | None) -> tuple[int | None, int | None, int | None]:
+    """Seeds of the lhs, rhs and output casts: ``seed``, ``seed + 1``, ``seed + 2``."""
+    for side, c in (("lhs", spec.lhs), ("rhs", spec.rhs), ("out", spec.out)):
+        if c is not None and c.rounding is Rounding.SR and seed is None:
+            raise DriftError(f"the {side} cast {c} rounds stochastically; pass "
+                             "matmul(..., seed=S) to draw its random bits reproducibly")
+    return (seed, None if seed is None else seed + 1, None if seed is None else seed + 2)
+
+
+def matmul(a: Tensor, b: Tensor, spec: MatmulSpec | str, *, seed: int | None = None) -> Tensor:
+    """``A·B`` computed as ``spec`` says; a float32 tensor of shape ``(..., M, N)``.
+
+    ``a`` is ``(..., M, K)`` and ``b`` is ``(..., K, N)``; leading dimensions broadcast as in
+    ``torch.matmul``. Stochastic casts draw their random bits from ``seed`` (the lhs),
+    ``seed + 1`` (the rhs) and ``seed + 2`` (the output cast).
+    """
+    spec = parse_matmul_spec(spec)
+    _check_operands(a, b)
+    seeds = _sr_seeds(spec, seed)
+    block = spec.scale_application is ScaleApplication.BLOCK
+    qa, sa = _cast_operand(a.to(torch.float32), spec.lhs, -1, seeds[0], block)
+    qb, sb = _cast_operand(b.to(torch.float32), spec.rhs, -2, seeds[1], block)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    (M, K), N = a.shape[-2:], b.shape[-1]
+    qa, qb = qa.expand(*batch, M, K), qb.expand(*batch, K, N)
+    if spec.order is Order.NATIVE:
+        c = torch.matmul(qa, qb)
+    else:
+        if block:
+            terms = _BlockTerms(qa, qb, cast(Tensor, sa), cast(Tensor, sb), a.shape, b.shape,
+                                spec.block)
+        else:
+            terms = _ProductTerms(qa, qb)
+        c = _accumulate(terms, spec).to(torch.float32)
+    if spec.out is not None:
+        c = cast(Tensor, quantize(c, spec.out, axis=-1, seed=seeds[2]))
+    return c
+
+
+# --- terms ----------------------------------------------------------------------------------
+
+class _Terms:
+    """The terms the accumulator sums, indexed along K (products or per-block terms)."""
+
+    count: int
+    shape: torch.Size
+    """The shape of one term: ``(*batch, M, N)``."""
+
+    def take(self, index: Tensor) -> Tensor:
+        """Terms ``index`` (1-D, int64) stacked along a new last axis, float64."""
+        raise NotImplementedError
+
+    def at(self, k: int) -> Tensor:
+        """Term ``k``, float64, of shape :attr:`shape`."""
+        return self.take(torch.tensor([k]))[..., 0]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the terms live (the accumulator lives there too)."""
+        raise NotImplementedError
+
+    def rows(self, start: int, stop: int) -> _Terms:
+        """The same terms for rows ``start:stop`` of the output only."""
+        raise NotImplementedError
+
+
+class _ProductTerms(_Terms):
+    """``t[k] = a[..., m, k] * b[..., k, n]``, exact in float64."""
+
+    def __init__(self, qa: Tensor, qb: Tensor) -> None:
+        self.a = qa.double()  # (..., M, K)
+        self.bt = qb.double().transpose(-1, -2)  # (..., N, K)
+        self.count = qa.shape[-1]
+        self.shape = torch.Size([*qa.shape[:-1], qb.shape[-1]])
+
+    @property
+    def device(self) -> torch.device:
+        return self.a.device
+
+    def at(self, k: int) -> Tensor:
+        return self.a[..., :, k, None] * self.bt[..., None, :, k]
+
+    def take(self, index: Tensor) -> Tensor:
+        # a product of two float32 values has at most 48 significant bits: exact in float64
+        return self.a[..., :, None, index] * self.bt[..., None, :, index]
+
+    def rows(self, start: int, stop: int) -> _Terms:
+        part = _ProductTerms.__new__(_ProductTerms)
+        part.a, part.bt, part.count = self.a[..., start:stop, :], self.bt, self.count
+        part.shape = torch.Size([*part.a.shape[:-1], self.bt.shape[-2]])
+        return part
+
+
+class _BlockTerms(_Terms):
+    """``t[j] = sa[m, j] * sb[n, j] * sum over block j of ea[m, k] * eb[k, n]``, the element
+    values ``e = q / s`` (exact: the scales are powers of two); the partial dot product is
+    exact in float64 by the bit budget MatmulSpec checks, and a zero one is +0."""
+
+    def __init__(self, qa: Tensor, qb: Tensor, sa: Tensor, sb: Tensor, a_shape: torch.Size,
+                 b_shape: torch.Size, block: int) -> None:
+        K = qa.shape[-1]
+        nb = -(-K // block)
+        pad = nb * block - K
+        # scales in the order of to_blocks: A's blocks are (..., M, nb), B's (..., N, nb)
+        sa = sa.reshape(*a_shape[:-1], nb)
+        sb = sb.reshape(*b_shape[:-2], b_shape[-1], nb)
+        # element values: a power-of-two scale divides out exactly (NaN for a NaN block)
+        ea = qa.double() / sa.repeat_interleave(block, dim=-1)[..., :K]
+        eb = qb.double() / sb.repeat_interleave(block, dim=-1)[..., :K].transpose(-1, -2)
+        ea = torch.nn.functional.pad(ea, (0, pad))  # zeros: a shorter last block
+        eb = torch.nn.functional.pad(eb, (0, 0, 0, pad))
+        batch = qa.shape[:-2]
+        M, N = qa.shape[-2], qb.shape[-1]
+        # (..., nb, M, block) @ (..., nb, block, N): every partial sum exact, any order
+        blocks_a = ea.reshape(*batch, M, nb, block).movedim(-2, -3)
+        blocks_b = eb.reshape(*batch, nb, block, N)
+        dots = torch.matmul(blocks_a, blocks_b)  # (..., nb, M, N)
+        dots = torch.where(dots == 0, torch.zeros_like(dots), dots)  # +0 for a zero dot
+        scale = sa.expand(*batch, M, nb).movedim(-1, -2)[..., :, :, None] * \
+            sb.expand(*batch, N, nb).movedim(-1, -2)[..., :, None, :]
+        self.terms = (dots * scale).movedim(-3, -1)  # (..., M, N, nb); powers of two: exact
+        self.count = nb
+        self.shape = self.terms.shape[:-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.terms.device
+
+    def take(self, index: Tensor) -> Tensor:
+        return self.terms[..., index]
+
+    def rows(self, start: int, stop: int) -> _Terms:
+        part = _BlockTerms.__new__(_BlockTerms)
+        part.terms, part.count = self.terms[..., start:stop, :, :], self.count
+        part.shape = part.terms.shape[:-1]
+        return part
+
+
+# --- accumulation ---------------------------------------------------------------------------
+
+Step = Callable[[Tensor, Tensor], Tensor]
+
+
+def _stepper(fmt: Format, rounding: Rounding) -> Step:
+    """``round(acc + t)`` onto ``fmt``, exactly: TwoSum in float64, the residual sticky."""
+    def step(acc: Tensor, term: Tensor) -> Tensor:
+        return fast.add(acc, term, fmt, rounding=rounding, overflow=Overflow.IEEE)
+
+    return step
+
+
+def _accumulate(terms: _Terms, spec: MatmulSpec) -> Tensor:
+    """The accumulated sum of the terms in the spec's order (float64 holding format values)."""
+    step = _stepper(spec.accumulator, spec.acc_rounding)
+    chunk = spec.chunk // spec.block if spec.block else spec.chunk
+    if spec.order is Order.SEQUENTIAL:
+        return _sequential(terms, step)
+    if spec.order is Order.CHUNKED:
+        return _chunked(terms, chunk, step, _stepper(MASTER, Rounding.RNE))
+    return _pairwise(terms, step)
+
+
+def _sequential(terms: _Terms, step: Step) -> Tensor:
+    # a cleared accumulator: +0
+    acc = torch.zeros(terms.shape, dtype=torch.float64, device=terms.device)
+    for k in range(terms.count):
+        acc = step(acc, terms.at(k))
+    return acc
+
+
+def _chunked(terms: _Terms, chunk: int, step: Step, master_step: Step) -> Tensor:
+    """All chunks at once: position ``j`` of every chunk is added in one vectorized step."""
+    n_chunks = -(-terms.count // chunk)
+    acc = torch.zeros((*terms.shape, n_chunks), dtype=torch.float64, device=terms.device)
+    starts = torch.arange(n_chunks, device=terms.device) * chunk
+    last = terms.count - (n_chunks - 1) * chunk  # terms in the last, maybe partial, chunk
+    for j in range(min(chunk, terms.count)):
+        # only the last chunk can be short: the chunks that still have a j-th term are a prefix
+        live = n_chunks if j < last else n_chunks - 1
+        acc[..., :live] = step(acc[..., :live], terms.take(starts[:live] + j))
+    master = torch.zeros(terms.shape, dtype=torch.float64, device=terms.device)
+    for c in range(n_chunks):
+        master = master_step(master, acc[..., c])
+    return master
+
+
+def _pairwise(terms: _Terms, step: Step) -> Tensor:
+    """Level by level: adjacent pairs summed, an odd last element carried; in row groups that
+    keep the level-0 terms within :data:`PAIRWISE_ELEMENTS`."""
+    M = terms.shape[-2]
+    per_row = math.prod(terms.shape[:-2]) * terms.shape[-1] * max(terms.count, 1)
+    group = max(1, PAIRWISE_ELEMENTS // per_row)
+    out = torch.zeros(terms.shape, dtype=torch.float64, device=terms.device)
+    for start in range(0, M, group):
+        part = terms.rows(start, min(M, start + group))
+        level = part.take(torch.arange(part.count, device=part.device))
+        while level.shape[-1] > 1:
+            n = level.shape[-1]
+            pairs = step(level[..., 0:n - 1:2], level[..., 1:n:2])
+            level = torch.cat([pairs, level[..., n - 1:]], dim=-1) if n % 2 else pairs
+        zero = torch.zeros(part.shape, dtype=torch.float64, device=part.device)
+        out[..., start:start + group, :] = step(zero, level[..., 0]) if part.count else zero
+    return out
