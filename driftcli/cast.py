@@ -24,6 +24,7 @@ the order above, and ``parse_cast(str(c)) == c``.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -326,55 +327,95 @@ def _wide(amax: Tensor, c: Cast) -> bool:
     return int(k.min()) + c.format.qmin < -149 or int(k.max()) + c.format.emax >= 128
 
 
-def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
-              sr_bits: int, want_info: bool) -> Tensor | QuantInfo:
-    """The cast; the masks only when asked (they cost more passes than the cast itself)."""
+@dataclass(frozen=True)
+class _Blocked:
+    """A cast done in block layout: one row per scale group."""
+
+    blocks: Tensor
+    q: Tensor
+    scales: Tensor
+    """Each row's scale as a float64 divisor (NaN for a nonfinite block)."""
+    clamped: Tensor
+    bad_blocks: Tensor
+    back: Callable[[Tensor], Tensor]
+    bits: Tensor | None
+    tensor_scale: float | None
+
+
+def _cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bits: int,
+                 tensor_amax: float | None) -> _Blocked:
+    """The cast of every scale group of ``x``; ``tensor_amax`` stands in for the tensor's own
+    amax when ``x`` is one slice of a larger tensor (per-tensor and two-level scales)."""
     work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     elem, s = c.format, c.scaling
     blocks, back = to_blocks(work, s, axis)
     blocks = blocks.contiguous()
     bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
     n_rows = blocks.shape[0]
-    no_blocks = torch.zeros(n_rows, dtype=torch.bool)
+    no_blocks = torch.zeros(n_rows, dtype=torch.bool, device=blocks.device)
     rule = s.rule
     pow2 = rule is not None and rule.power_of_two
     tensor_scale = None
     if s.granularity is Granularity.NONE or blocks.numel() == 0:
         q = fast._round(blocks, None, elem, c.rounding, c.overflow, bits, sr_bits, blocks.dtype)
-        scales = torch.ones(n_rows, dtype=torch.float64)
-        clamped, bad_blocks = no_blocks, no_blocks
-    else:
-        out = None
-        n = blocks.numel() if s.blocked else 0  # only block and tile scalings compile
-        stats = fast.run_compiled(_stats, n, blocks)
-        if stats is not None:  # compiled: amax pass, scales per block eagerly, element pass
-            amax, nonfinite = stats
-            scale, clamped = _scales(amax, amax.max(), c)
-            q = fast.run_compiled(
-                _apply, n, blocks, bits, scale, nonfinite, tgt=fast.target_of(elem),
-                rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits, pow2=pow2,
-                blocked=True, wide=pow2 and _wide(amax, c))
-            out = None if q is None else (q, scale, clamped)
-        if out is None:
-            amax, nonfinite = _stats(blocks)
-            static = {"c": c, "sr_bits": sr_bits, "wide": pow2 and _wide(amax, c)}
-            # eagerly, in cache-sized slices (tensor and channel scalings always: one long row
-            # per tensor or channel has tripped dynamo's shape specialisation)
-            out = _sliced(blocks, bits, amax, nonfinite, amax.max(), static)
-        tensor_amax = amax.max()
-        q, scale, clamped = out
-        bad_blocks = nonfinite if s.blocked else no_blocks
-        clamped = clamped & ~bad_blocks  # a NaN block's scale is NaN, not clamped
-        scales = torch.ldexp(torch.ones_like(scale, dtype=torch.float64), scale.double()) \
-            if pow2 else scale.double()
-        if s.blocked:
-            scales = torch.where(bad_blocks, torch.nan, scales)
-        if rule is ScaleRule.TWO_LEVEL:
-            tensor_scale = float(two_level_scales(amax[:1], tensor_amax, elem, s).tensor_scale)
-    if not want_info:
-        return back(q).to(x.dtype)
+        ones = torch.ones(n_rows, dtype=torch.float64, device=blocks.device)
+        return _Blocked(blocks, q, ones, no_blocks, no_blocks,
+                        back, bits, None)
+    out = None
+    n = blocks.numel() if s.blocked else 0  # only block and tile scalings compile
+    stats = fast.run_compiled(_stats, n, blocks)
+    if stats is not None:  # compiled: amax pass, scales per block eagerly, element pass
+        amax, nonfinite = stats
+        top = _tensor_amax(amax, tensor_amax)
+        scale, clamped = _scales(amax, top, c)
+        q = fast.run_compiled(
+            _apply, n, blocks, bits, scale, nonfinite, tgt=fast.target_of(elem),
+            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits, pow2=pow2,
+            blocked=True, wide=pow2 and _wide(amax, c))
+        out = None if q is None else (q, scale, clamped)
+    if out is None:
+        amax, nonfinite = _stats(blocks)
+        top = _tensor_amax(amax, tensor_amax)
+        if s.granularity is Granularity.TENSOR:
+            amax = top.expand_as(amax)
+        static = {"c": c, "sr_bits": sr_bits, "wide": pow2 and _wide(amax, c)}
+        # eagerly, in cache-sized slices (tensor and channel scalings always: one long row
+        # per tensor or channel has tripped dynamo's shape specialisation)
+        out = _sliced(blocks, bits, amax, nonfinite, top, static)
+    q, scale, clamped = out
+    bad_blocks = nonfinite if s.blocked else no_blocks
+    clamped = clamped & ~bad_blocks  # a NaN block's scale is NaN, not clamped
+    scales = torch.ldexp(torch.ones_like(scale, dtype=torch.float64), scale.double()) \
+        if pow2 else scale.double()
+    if s.blocked:
+        scales = torch.where(bad_blocks, torch.nan, scales)
+    if rule is ScaleRule.TWO_LEVEL:
+        tensor_scale = float(two_level_scales(amax[:1], top, elem, s).tensor_scale)
+    return _Blocked(blocks, q, scales, clamped, bad_blocks, back, bits, tensor_scale)
+
+
+def _tensor_amax(amax: Tensor, given: float | None) -> Tensor:
+    return amax.max() if given is None else torch.tensor(given, dtype=amax.dtype,
+                                                         device=amax.device)
+
+
+@dataclass(frozen=True)
+class _Masks:
+    """Per-element facts of a cast, in block layout."""
+
+    finite: Tensor
+    clipped: Tensor
+    underflowed: Tensor
+    subnormal: Tensor
+
+
+def _masks(b: _Blocked, c: Cast, sr_bits: int) -> _Masks:
+    """Which elements clipped, underflowed, came out subnormal: the definitions of design §9,
+    with s the scale each element's block was divided by."""
+    elem, s = c.format, c.scaling
+    blocks, q, scales = b.blocks, b.q, b.scales
     finite = torch.isfinite(blocks)
-    if pow2:
+    if s.rule is not None and s.rule.power_of_two:
         exps = (torch.frexp(scales)[1] - 1).double()[:, None]  # scales are powers of two
         top = torch.ldexp(torch.full_like(exps, float(elem.max)), exps)
         bottom = torch.ldexp(torch.full_like(exps, float(elem.min)), exps)
@@ -386,16 +427,260 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
         y, qy = blocks, q
         if s.granularity is not Granularity.NONE:  # the same float division the cast made
             y = (blocks / scales.to(blocks.dtype)[:, None]).contiguous()
-            qy = fast._round(y, None, elem, c.rounding, c.overflow, bits, sr_bits, y.dtype)
+            qy = fast._round(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits, y.dtype)
         clipped = (y > float(elem.max)) | (y < float(elem.min))
         subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
     underflowed = (blocks != 0) & finite & (q == 0)
-    clipped = clipped & finite & ~bad_blocks[:, None]
+    clipped = clipped & finite & ~b.bad_blocks[:, None]
+    return _Masks(finite, clipped, underflowed, subnormal & torch.isfinite(q))
+
+
+def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
+              sr_bits: int, want_info: bool) -> Tensor | QuantInfo:
+    """The cast; the masks only when asked (they cost more passes than the cast itself)."""
+    b = _cast_blocks(x, c, axis, random_bits, sr_bits, None)
+    if not want_info:
+        return b.back(b.q).to(x.dtype)
+    m = _masks(b, c, sr_bits)
     return QuantInfo(
-        values=back(q).to(x.dtype), clipped=back(clipped), underflowed=back(underflowed),
-        subnormal=back(subnormal & torch.isfinite(q)), nonfinite=back(~finite),
-        scales=scales, scale_clamped=clamped, nonfinite_blocks=bad_blocks,
-        tensor_scale=tensor_scale)
+        values=b.back(b.q).to(x.dtype), clipped=b.back(m.clipped),
+        underflowed=b.back(m.underflowed), subnormal=b.back(m.subnormal),
+        nonfinite=b.back(~m.finite), scales=b.scales, scale_clamped=b.clamped,
+        nonfinite_blocks=b.bad_blocks, tensor_scale=b.tensor_scale)
+
+
+_SUMS = ("finite", "clipped", "clipped_groups", "clip_excess", "abs_sum", "underflowed",
+         "subnormal", "lost", "nonzero", "xx", "ee", "ex", "e_sum")
+"""What :func:`_sums_pass` adds up, in the order of its result."""
+
+
+def _sums_pass(blocks: Tensor, bits: Tensor | None, scale: Tensor, nonfinite: Tensor,
+               limits: Tensor, *, tgt: object, rounding: Rounding, overflow: Overflow,
+               sr_bits: int, pow2: bool, blocked: bool, wide: bool, elem: tuple[float, ...],
+               want_q: bool) -> tuple[Tensor, Tensor | None]:
+    """The cast of every row and the sums of :class:`CastStats` in one pass (one compiled
+    graph): the masks of :func:`_masks` are never stored.
+
+    ``limits`` holds, per row of a power-of-two scaling, ``max·s``, ``min·s`` and
+    ``smallest_normal·s`` (exact in the rounding dtype); ``elem`` the same three unscaled.
+    """
+    e_max, e_min, e_small = elem
+    if pow2:
+        work = blocks.double() if wide else blocks
+        q = fast.round_fused(work, tgt, rounding, overflow, bits, scale[:, None],
+                             sr_bits).to(blocks.dtype)
+        clipped = (work > limits[:, 0:1]) | (work < limits[:, 1:2])
+        qw = q.to(limits.dtype)
+        subnormal = (q != 0) & (qw.abs() < limits[:, 2:3])
+    else:
+        y = blocks / scale[:, None]
+        qy = fast.round_fused(y, tgt, rounding, overflow, bits, None, sr_bits)
+        q = qy * scale[:, None]
+        clipped = (y > e_max) | (y < e_min)
+        subnormal = (qy != 0) & (qy.abs() < e_small)
+    finite = torch.isfinite(blocks)
+    if blocked:
+        q = torch.where(nonfinite[:, None], torch.nan, q)
+        clipped = clipped & ~nonfinite[:, None]
+    clipped = clipped & finite
+    subnormal = subnormal & torch.isfinite(q)
+    xd, qd = blocks.double(), q.double()
+    valid = finite & torch.isfinite(qd)
+    e = torch.where(valid, qd - xd, 0.0)
+    xv = torch.where(valid, xd, 0.0)
+    mags = torch.where(finite, xd.abs(), 0.0)
+    top = (scale.double() * e_max)[:, None] if not pow2 else limits[:, 0:1].double()
+    sums = torch.stack([
+        finite.sum().double(), clipped.sum().double(), clipped.any(dim=1).sum().double(),
+        torch.where(clipped, mags - top, 0.0).sum(), mags.sum(),
+        ((blocks != 0) & finite & (q == 0)).sum().double(), subnormal.sum().double(),
+        (finite & ~valid).sum().double(), ((blocks != 0) & finite).sum().double(),
+        (xv * xv).sum(), (e * e).sum(), (e * xv).sum(), e.sum()])
+    return sums, (q if want_q else None)
+
+
+@dataclass(frozen=True)
+class CastStats:
+    """Exact counts and float64 sums of one cast over a tensor or one slice of it.
+
+    ``x`` is the input, ``q`` its cast, ``s`` the scale of each element's group, ``M``
+    the element format's largest finite value, ``e = q - x``. Slices of one tensor add
+    with :meth:`merge`.
+    """
+
+    numel: int
+    """Elements of the input."""
+    nonfinite: int
+    """Input elements that are NaN or ±inf."""
+    nonzero: int
+    """Finite, nonzero input elements."""
+    groups: int
+    """Scale groups: blocks, tiles, channels; 1 for a tensor scale or no scaling."""
+    clipped: int
+    """Finite elements with |x / s| > M."""
+    clipped_groups: int
+    """Scale groups holding at least one clipped element."""
+    clip_excess: float
+    """Σ over clipped elements of |x| - M·s."""
+    abs_sum: float
+    """Σ |x| over finite elements."""
+    underflowed: int
+    """x finite and nonzero, q zero."""
+    subnormal: int
+    """q finite and nonzero with |q / s| below the element format's smallest normal."""
+    scale_clamped: int
+    """Scale groups whose scale fell outside the scale format and was clamped."""
+    nonfinite_groups: int
+    """Scale groups holding a NaN or inf (block scalings make the whole group NaN)."""
+    lost: int
+    """Finite elements whose cast is not finite (a NaN block, or overflow under ``ieee``)."""
+    xx: float
+    """Σ x² over elements where x and q are finite."""
+    ee: float
+    """Σ e² over the same elements."""
+    ex: float
+    """Σ e·x over the same elements."""
+    e_sum: float
+    """Σ e over the same elements."""
+
+    @staticmethod
+    def merge(parts: list[CastStats], per_tensor: bool) -> CastStats:
+        """The stats of a whole tensor from those of its slices; ``per_tensor`` when the
+        cast has one scale for the whole tensor (each slice then counted that one group)."""
+        if not parts:
+            return CastStats(*(0 for _ in _STAT_FIELDS))  # type: ignore[arg-type]
+        total = {f: sum(getattr(p, f) for p in parts) for f in _STAT_FIELDS}
+        if per_tensor:
+            for f in ("groups", "clipped_groups", "scale_clamped", "nonfinite_groups"):
+                total[f] = min(total[f], 1)
+        return CastStats(**total)
+
+
+def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
+               random_bits: Tensor | None = None, seed: int | None = None,
+               sr_bits: int = DEFAULT_SR_BITS, tensor_amax: float | None = None,
+               job_elements: int = 0, want_values: bool = True) -> tuple[CastStats, Tensor | None]:
+    """Cast ``x`` and count what happened (:class:`CastStats`); also the dequantized values.
+
+    ``tensor_amax`` is the amax of the whole tensor when ``x`` is one slice of it (see
+    :func:`finite_amax`), so per-tensor and two-level scales match the whole tensor's.
+    ``job_elements`` is the size of the whole job the call is part of (a scan of many
+    tensors), so the compiler is used when that, not this one tensor, is worth it.
+    """
+    c = parse_cast(cast_or_spec)
+    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
+        raise DriftError(f"cast_stats needs a floating-point tensor, not {x.dtype}")
+    if c.rounding is Rounding.SR and random_bits is None:
+        if seed is None:
+            raise DriftError("stochastic rounding needs seed= or random_bits=")
+        random_bits = fast.draw_random_bits(x.shape, seed, sr_bits, x.device)
+    if random_bits is not None:
+        fast.check_random_bits(random_bits, x.shape, sr_bits)
+    fused = _fused_stats(x, c, axis, random_bits, sr_bits, tensor_amax,
+                         max(job_elements, x.numel()), want_values)
+    if fused is not None:
+        return fused
+    b = _cast_blocks(x, c, axis, random_bits, sr_bits, tensor_amax)
+    m = _masks(b, c, sr_bits)
+    xd, qd = b.blocks.double(), b.q.double()
+    scale = b.scales[:, None]
+    valid = m.finite & torch.isfinite(qd)
+    e = torch.where(valid, qd - xd, 0.0)
+    xv = torch.where(valid, xd, 0.0)
+    mags = torch.where(m.finite, xd.abs(), 0.0)
+    excess = torch.where(m.clipped, mags - float(c.format.max) * scale, 0.0)
+    n_nonfinite = int((~m.finite).sum())
+    stats = CastStats(
+        numel=x.numel(), nonfinite=n_nonfinite,
+        nonzero=int(((xd != 0) & m.finite).sum()), groups=b.blocks.shape[0] if x.numel() else 0,
+        clipped=int(m.clipped.sum()), clipped_groups=int(m.clipped.any(dim=1).sum()),
+        clip_excess=float(excess.sum()), abs_sum=float(mags.sum()),
+        underflowed=int(m.underflowed.sum()), subnormal=int(m.subnormal.sum()),
+        scale_clamped=int(b.clamped.sum()), nonfinite_groups=int(b.bad_blocks.sum()),
+        lost=int((m.finite & ~valid).sum()), xx=float((xv * xv).sum()),
+        ee=float((e * e).sum()), ex=float((e * xv).sum()), e_sum=float(e.sum()))
+    return stats, b.back(b.q).to(x.dtype)
+
+
+_STAT_FIELDS = tuple(CastStats.__dataclass_fields__)
+
+
+TENSOR_ROW = 1 << 12
+"""Row length a per-tensor scaled tensor is folded into for the fused pass (zero padded:
+zeros add nothing to any sum)."""
+
+
+def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: int,
+                 tensor_amax: float | None, job: int,
+                 want_q: bool) -> tuple[CastStats, Tensor | None] | None:
+    """:func:`cast_stats` as one compiled pass for block, tile and tensor scalings; None
+    where that does not apply or the compiler is not used (then the eager path runs)."""
+    s, elem = c.scaling, c.format
+    per_tensor = s.granularity is Granularity.TENSOR
+    if not (s.blocked or per_tensor) or x.numel() == 0 or fast.compiled(_sums_pass, job) is None:
+        return None
+    work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    if per_tensor:
+        n = work.numel()
+        pad = -n % TENSOR_ROW
+        blocks = torch.nn.functional.pad(work.reshape(-1), (0, pad)).reshape(-1, TENSOR_ROW)
+        rbits = None if bits is None else torch.nn.functional.pad(
+            bits.reshape(-1), (0, pad)).reshape(-1, TENSOR_ROW)
+
+        def back(t: Tensor) -> Tensor:
+            return t.reshape(-1)[:n].reshape(x.shape)
+    else:
+        blocks, back = to_blocks(work, s, axis)
+        blocks = blocks.contiguous()
+        rbits = None if bits is None else to_blocks(bits, s, axis)[0].contiguous()
+    stats = fast.run_compiled(_stats, job, blocks)
+    if stats is None:
+        return None
+    amax, nonfinite = stats
+    top = _tensor_amax(amax, tensor_amax)
+    if per_tensor:
+        amax = top.expand_as(amax)
+    scale, clamped = _scales(amax, top, c)
+    pow2 = bool(s.rule is not None and s.rule.power_of_two)
+    wide = pow2 and _wide(amax, c)
+    if pow2:  # the thresholds scaled by each row's 2**k, exact in the dtype the cast rounds in
+        unit = torch.ldexp(torch.ones_like(scale, dtype=torch.float64), scale.double())
+        ends = torch.tensor([float(elem.max), float(elem.min), float(elem.smallest_normal)],
+                            dtype=torch.float64, device=unit.device)
+        limits = (unit[:, None] * ends).to(torch.float64 if wide else blocks.dtype)
+    else:
+        limits = torch.zeros(1, 3, dtype=blocks.dtype, device=blocks.device)
+    out = fast.run_compiled(
+        _sums_pass, job, blocks, rbits, scale, nonfinite, limits, tgt=fast.target_of(elem),
+        rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits, pow2=pow2,
+        blocked=s.blocked, wide=wide,
+        elem=(float(elem.max), float(elem.min), float(elem.smallest_normal)), want_q=want_q)
+    if out is None:
+        return None
+    sums, q = out
+    v = dict(zip(_SUMS, (float(t) for t in sums.tolist()), strict=True))
+    counts = {k: int(v[k]) for k in ("finite", "clipped", "clipped_groups", "underflowed",
+                                     "subnormal", "lost", "nonzero")}
+    bad = nonfinite if s.blocked else torch.zeros_like(nonfinite)
+    stats_ = CastStats(
+        numel=x.numel(), nonfinite=blocks.numel() - counts["finite"], nonzero=counts["nonzero"],
+        groups=1 if per_tensor else blocks.shape[0],
+        clipped=counts["clipped"],
+        clipped_groups=min(counts["clipped_groups"], 1) if per_tensor else counts["clipped_groups"],
+        clip_excess=v["clip_excess"], abs_sum=v["abs_sum"], underflowed=counts["underflowed"],
+        subnormal=counts["subnormal"],
+        scale_clamped=int(clamped[:1].sum()) if per_tensor else int((clamped & ~bad).sum()),
+        nonfinite_groups=int(bad.sum()), lost=counts["lost"], xx=v["xx"], ee=v["ee"],
+        ex=v["ex"], e_sum=v["e_sum"])
+    return stats_, (None if q is None else back(q).to(x.dtype))
+
+
+def finite_amax(x: Tensor) -> float:
+    """The largest finite magnitude in ``x`` (0 when there is none), as scales read it."""
+    if x.numel() == 0:
+        return 0.0
+    flat = x.reshape(1, -1).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return float(block_stats(flat).amax[0])
 
 
 def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,
