@@ -1,0 +1,146 @@
+"""A checkpoint scan against one plain read of the same file, side by side in one process.
+
+Builds (once, seeded) a ~1 GB float32 safetensors checkpoint shaped like a small
+transformer (an embedding, four layers of attention and MLP matrices, norm
+vectors; 39 tensors, heavy-tailed values so that casts clip and underflow), then
+times, interleaved round by round after one untimed warm-up (where compilation
+happens):
+
+- ``read``: every tensor read through ``safetensors.safe_open`` and summed;
+- ``scan``: ``clip-rate`` with the casts ``fp8_e4m3``, ``mxfp8_e4m3`` and ``nvfp4``
+  (the library call behind the command: read, cast three ways, count).
+
+It prints both and their ratio (scan speed / read speed), then runs the real
+command (``drift clip-rate FILE -c ... --quiet``) in a child process and reports
+its wall time and peak resident memory against the largest tensor, and the time
+the provenance sha256 of the input takes (``--fast-hash`` skips it).
+
+Run ``python benchmarks/bench_scan.py --help`` for the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from driftcli.measures import MEASURES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_casts import interleaved, machine
+
+CASTS = ("fp8_e4m3", "mxfp8_e4m3", "nvfp4")
+TARGET = 0.3  # scan speed / plain read speed
+D, FF, VOCAB, LAYERS = 2048, 5504, 24576, 4
+
+
+def shapes() -> dict[str, tuple[int, ...]]:
+    """39 tensors, 1.01 GB of float32: the embedding is the largest (201 MB)."""
+    out: dict[str, tuple[int, ...]] = {"embed.weight": (VOCAB, D)}
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        out |= {p + n: (D, D) for n in ("q.weight", "k.weight", "v.weight", "o.weight")}
+        out |= {p + "up.weight": (FF, D), p + "gate.weight": (FF, D), p + "down.weight": (D, FF)}
+        out |= {p + "norm1.weight": (D,), p + "norm2.weight": (D,)}
+    out["norm.weight"] = (D,)
+    out["lm_head.bias"] = (VOCAB,)
+    return out
+
+
+def build(path: Path, seed: int = 0) -> None:
+    """Seeded heavy-tailed values: normal * exp(normal), scaled per tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, (name, shape) in enumerate(shapes().items()):
+        x = torch.randn(shape, generator=gen)
+        x *= torch.exp(torch.randn(shape, generator=gen))
+        tensors[name] = x * 2.0 ** (-(i % 7) - 4)
+    save_file(tensors, str(path))
+
+
+def plain_read(path: Path) -> float:
+    """Read every tensor through safetensors and sum it: what any scan must at least do."""
+    total = 0.0
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            total += float(f.get_tensor(name).sum())
+    return total
+
+
+PEAK = """
+import resource, runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_module("driftcli", run_name="__main__")
+except SystemExit as done:
+    if done.code:
+        raise
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
+def child(path: Path, fast_hash: bool) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of the real command in a fresh process."""
+    cmd = [sys.executable, "-c", PEAK, "drift", "clip-rate", str(path), "--quiet",
+           "--out", tempfile.mkdtemp(), *(a for c in CASTS for a in ("-c", c))]
+    if fast_hash:
+        cmd.append("--fast-hash")
+    start = time.perf_counter()
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    return wall, int(done.stderr.strip().splitlines()[-1]) * 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build the checkpoint if needed, time read and scan, print the figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--file", type=Path, default=Path(tempfile.gettempdir()) /
+                        "drift-bench-scan.safetensors", help="checkpoint to build or reuse")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    if not args.file.exists():
+        print(f"building {args.file} …", flush=True)
+        build(args.file)
+    size = args.file.stat().st_size
+    largest = max(torch.Size(s).numel() * 4 for s in shapes().values())
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
+          f"{info['threads']} threads, commit {info['commit']}")
+    print(f"checkpoint: {args.file} ({size / 1e9:.3f} GB, {len(shapes())} tensors, "
+          f"largest {largest / 1e6:.0f} MB)")
+    measure = MEASURES["clip-rate"]
+    calls = {"cast": lambda: measure.run([args.file], list(CASTS)),
+             "read": lambda: plain_read(args.file)}
+    t = interleaved(calls, args.repeat)
+    ratio = t["read"] / t["cast"]
+    print(f"plain read:  {t['read']:.2f} s  ({size / t['read'] / 1e9:.2f} GB/s)")
+    print(f"clip-rate {'+'.join(CASTS)}: {t['cast']:.2f} s  ({size / t['cast'] / 1e9:.2f} GB/s)"
+          f"  warm-up {t['warmup']:.1f} s")
+    print(f"scan / read speed: {ratio:.3f}x  (target >= {TARGET}x: "
+          f"{'met' if ratio >= TARGET else 'MISSED'})")
+    start = time.perf_counter()
+    digest = hashlib.sha256()
+    with args.file.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    print(f"sha256 of the input (provenance): {time.perf_counter() - start:.2f} s")
+    for fast in (False, True):
+        wall, peak = child(args.file, fast)
+        bound = 3 * largest + 300e6
+        print(f"drift clip-rate{' --fast-hash' if fast else ''}: {wall:.1f} s wall "
+              f"(incl. start-up and compilation), peak RSS {peak / 1e6:.0f} MB = "
+              f"{peak / largest:.2f}x largest tensor (bound 3x + 300 MB = {bound / 1e6:.0f} MB:"
+              f" {'met' if peak <= bound else 'MISSED'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

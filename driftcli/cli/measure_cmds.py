@@ -1,0 +1,176 @@
+"""``drift clip-rate``, ``drift underflow-rate``, ``drift error-bias``: one scan each,
+one Parquet table each, with the same inputs and options."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from driftcli.cast import parse_cast
+from driftcli.cli import EXIT_USAGE, command
+from driftcli.io.tables import provenance, write_table
+from driftcli.measures import MEASURES
+from driftcli.measures.common import ALL_TENSORS, Measure
+from driftcli.measures.scan import Device, Scan, ScanOptions, scan
+
+OUT = Path("drift-out")
+WORST = 3
+"""Worst tensors named per cast in the summary."""
+
+Inputs = Annotated[list[Path], typer.Argument(
+    metavar="INPUT...", show_default=False,
+    help="safetensors (or its .index.json folder), .pt/.bin state dicts, .npz/.npy, or folders "
+         "of these; drift dumps too.")]
+Casts = Annotated[list[str], typer.Option(
+    "--cast", "-c", metavar="SPEC", show_default=False,
+    help="A preset (mxfp8_e4m3, nvfp4, ...) or a cast spec; repeatable.")]
+Out = Annotated[Path, typer.Option(metavar="DIR", help="Folder for the table.")]
+Axis = Annotated[int, typer.Option(metavar="N", help="Axis blocks run along.")]
+DeviceOpt = Annotated[Device, typer.Option(help="Where the casts run.")]
+Include = Annotated[list[str] | None, typer.Option(
+    metavar="GLOB", help="Only tensors whose name matches (repeatable).")]
+Exclude = Annotated[list[str] | None, typer.Option(
+    metavar="GLOB", help="Leave out tensors whose name matches (repeatable).")]
+FastHash = Annotated[bool, typer.Option(
+    "--fast-hash", help="Identify inputs by size and mtime instead of sha256 (huge inputs).")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
+
+
+def _scan_with_progress(paths: list[Path], casts: list[str], options: ScanOptions,
+                        include: list[str], exclude: list[str], quiet: bool) -> Scan:
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn())
+    live = not quiet and console.is_terminal
+    with Progress(*columns, console=console, disable=not live, transient=True) as bar:
+        task = bar.add_task("scanning", total=None)
+
+        def advance(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=name[-40:])
+
+        return scan(paths, casts, options=options, include=include, exclude=exclude,
+                    progress=advance)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:.4g}"
+    return str(value)
+
+
+def _summary(m: Measure, rows: list[Any], path: Path, given: list[str]) -> dict[str, Any]:
+    """Per input and cast: the all-tensors headline and the worst tensors; casts are named
+    as the user gave them (a preset reads better than its canonical spec)."""
+    label = {str(parse_cast(g)): g for g in given}
+    head = m.row_type.HEADLINE
+    out: dict[str, Any] = {"table": str(path), "measure": m.name, "headline": head, "casts": []}
+    for agg in (r for r in rows if r.tensor == ALL_TENSORS):
+        tensors = [r for r in rows if r.tensor != ALL_TENSORS and r.cast == agg.cast
+                   and r.error is None and getattr(r, head) is not None]
+        tensors.sort(key=lambda r: getattr(r, head), reverse=m.row_type.HIGHER_IS_WORSE)
+        out["casts"].append({
+            "input": agg.source, "cast": label.get(agg.cast, agg.cast), "spec": agg.cast,
+            "tensors": agg.n_tensors,
+            "skipped": agg.n_skipped, head: getattr(agg, head),
+            "worst": [{"source": r.source, "tensor": r.tensor, head: getattr(r, head)}
+                      for r in tensors[:WORST]]})
+    out["errors"] = [{"source": r.source, "tensor": r.tensor, "error": r.error}
+                     for r in rows if r.error is not None and r.tensor != ALL_TENSORS]
+    return out
+
+
+def _print(summary: dict[str, Any]) -> None:
+    head = summary["headline"]
+    table = Table(title=f"{summary['measure']}: {head} (all tensors, and the worst)")
+    for col in ("cast", "tensors", head, "worst tensors"):
+        table.add_column(col, justify="right" if col in ("tensors", head) else "left")
+    for c in summary["casts"]:
+        worst = ", ".join(f"{w['tensor']} {_fmt(w[head])}" for w in c["worst"])
+        table.add_row(c["cast"], str(c["tensors"]), _fmt(c[head]), worst or "-")
+    out = Console(width=160)
+    out.print(table)
+    skipped = sum(c["skipped"] for c in summary["casts"]) // max(1, len(summary["casts"]))
+    if skipped:
+        out.print(f"skipped {skipped} non-floating-point tensor(s)")
+    seen = set()
+    for e in summary["errors"]:
+        if (e["source"], e["tensor"]) not in seen:
+            seen.add((e["source"], e["tensor"]))
+            out.print(f"[red]not measured[/red] {e['source']} {e['tensor']}: {e['error']}")
+    out.print(f"wrote {summary['table']}")
+
+
+def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: ScanOptions,
+         include: list[str] | None, exclude: list[str] | None, fast_hash: bool, quiet: bool,
+         as_json: bool) -> None:
+    m = MEASURES[name]
+    out.mkdir(parents=True, exist_ok=True)  # fail now, not after the scan
+    s = _scan_with_progress(inputs, casts, options, include or [], exclude or [], quiet)
+    prov = provenance(s.files, seed=options.seed, device=options.device.value,
+                      fast_hash=fast_hash, extra={"casts": casts, "axis": options.axis,
+                                                  "draws": options.draws})
+    rows = m.rows(s)
+    path = write_table(out / f"{m.name}.parquet", m.row_type, rows, prov)
+    summary = _summary(m, rows, path, casts)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2, default=str))
+    elif not quiet:
+        _print(summary)
+    if summary["errors"]:
+        bad = {(e["source"], e["tensor"]) for e in summary["errors"]}
+        first = summary["errors"][0]
+        typer.echo(f"error: {len(bad)} tensor(s) or file(s) could not be read, first "
+                   f"{first['source']} {first['tensor']}: {first['error']}; the others were "
+                   f"measured into {path}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+
+
+def _register(name: str) -> Callable[..., None]:
+    def measure_command(
+        inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
+        device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
+        fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
+    ) -> None:
+        _run(name, inputs, cast, out, ScanOptions(axis=axis, device=device), include,
+             exclude, fast_hash, quiet, as_json)
+
+    measure_command.__doc__ = MEASURES[name].summary
+    command(name)(measure_command)
+    return measure_command
+
+
+clip_rate = _register("clip-rate")
+underflow_rate = _register("underflow-rate")
+
+
+@command("error-bias")
+def error_bias(
+    inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
+    draws: Annotated[int, typer.Option(
+        metavar="N", min=1, help="Independent draws of a stochastic (sr) cast.")] = 8,
+    seed: Annotated[int, typer.Option(metavar="S", help="Seed of the stochastic draws.")] = 0,
+    device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
+    fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
+) -> None:
+    """Size of the cast error and which way it points (bias), per cast."""
+    _run("error-bias", inputs, cast, out,
+         ScanOptions(axis=axis, draws=draws, seed=seed, device=device), include, exclude,
+         fast_hash, quiet, as_json)

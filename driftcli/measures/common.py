@@ -1,0 +1,124 @@
+"""What every per-tensor, per-cast measurement shares: the identifying columns, the
+all-tensors row, and the plain registry that maps a command name to its measure."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from driftcli.cast import Cast, CastStats
+from driftcli.io.tables import column
+from driftcli.measures.scan import Progress, Result, Scan, ScanOptions, iter_groups, scan
+
+ALL_TENSORS = "*"
+"""The ``tensor`` of the row that aggregates every selected tensor of an input."""
+
+
+@dataclass(frozen=True)
+class TensorCastRow:
+    """Columns that say which tensor, under which cast, and how much of it was finite."""
+
+    source: str = column("File holding the tensor; for the all-tensors row, the input as given")
+    tensor: str = column("Tensor name; '*' for the row over all selected tensors of the input")
+    role: str | None = column("Role from a drift dump: activation, weight or gradient; null if "
+                              "unknown")
+    layer: str | None = column("Layer (module) from a drift dump; null if unknown")
+    operand: str | None = column("Matmul operands the tensor feeds, from a drift dump, e.g. "
+                                 "'forward.lhs wgrad.rhs'; null if unknown")
+    step: int | None = column("Training step from a drift dump; null if unknown")
+    dtype: str | None = column("Stored dtype (bfloat16 and float16 are widened exactly)")
+    shape: str | None = column("Shape as a JSON list, e.g. [4096, 11008]")
+    numel: int | None = column("Elements (all selected tensors in the all-tensors row)")
+    cast: str = column("Canonical cast spec (drift formats --cast SPEC explains it)")
+    format: str = column("Element format")
+    granularity: str = column("Scale granularity: none, tensor, channel, block or tile")
+    block: int = column("Block or tile size (0 for none, tensor, channel)")
+    scale_rule: str | None = column("Scale rule (floor, ceil, even, amax, ...); null unscaled")
+    rounding: str = column("Rounding mode of the element cast")
+    n_tensors: int = column("Tensors measured (1, or the count in the all-tensors row)")
+    n_skipped: int = column("Non-floating-point tensors skipped (all-tensors row only; else 0)")
+    n_finite: int | None = column("Finite input elements")
+    n_nonfinite: int | None = column("Input elements that are NaN or ±inf")
+    error: str | None = column("Why this tensor or file could not be measured; null when it was")
+
+
+def ratio(num: float, den: float) -> float | None:
+    """``num / den``, null when there is nothing to divide by."""
+    return num / den if den else None
+
+
+def _cast_columns(c: Cast) -> dict[str, Any]:
+    s = c.scaling
+    rule = None if s.rule is None else s.rule.value + (f"+{s.headroom}" if s.headroom else "")
+    return {"cast": str(c), "format": c.format.name, "granularity": s.granularity.value,
+            "block": s.block, "scale_rule": rule, "rounding": c.rounding.value}
+
+
+def _counts(st: CastStats | None) -> dict[str, Any]:
+    if st is None:
+        return {"n_finite": None, "n_nonfinite": None}
+    return {"n_finite": st.numel - st.nonfinite, "n_nonfinite": st.nonfinite}
+
+
+def _tensor_base(r: Result) -> dict[str, Any]:
+    ref = r.ref
+    st = r.draws[0] if r.draws else None
+    return {
+        "source": r.source, "tensor": ref.name if ref else "(unreadable file)",
+        "role": ref.role if ref else None, "layer": ref.layer if ref else None,
+        "operand": ref.operand if ref else None, "step": ref.step if ref else None,
+        "dtype": ref.dtype if ref else None,
+        "shape": json.dumps(list(ref.shape)) if ref else None,
+        "numel": ref.numel if ref else None, **_cast_columns(r.cast), "n_tensors": 1,
+        "n_skipped": 0, **_counts(st), "error": r.error,
+    }
+
+
+Columns = Callable[[tuple[CastStats, ...], CastStats | None], dict[str, Any]]
+"""A measure's own columns from the stats of each draw and of the mean of the draws."""
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One measurement: its command name, row type and how its columns are computed."""
+
+    name: str
+    row_type: type
+    columns: Columns
+    summary: str
+    """One line for ``--help``."""
+
+    def _nulls(self) -> dict[str, Any]:
+        base = {f.name for f in fields(TensorCastRow)}
+        return {f.name: None for f in fields(self.row_type) if f.name not in base}
+
+    def rows(self, s: Scan) -> list[Any]:
+        """One row per (source, tensor, cast), then one per (input, cast) over all tensors."""
+        out = []
+        for r in s.results:
+            own = self.columns(r.draws, r.expected) if r.error is None else self._nulls()
+            out.append(self.row_type(**_tensor_base(r), **own))
+        for inp, c, results in iter_groups(s):
+            n_draws = max((len(r.draws) for r in results), default=1)
+            draws = tuple(CastStats.merge([r.draws[d] for r in results], False)
+                          for d in range(n_draws))
+            exp = [r.expected for r in results if r.expected is not None]
+            expected = CastStats.merge(exp, False) if exp else None
+            bad = sum(1 for r in s.errors if r.input == inp and str(r.cast) == str(c))
+            out.append(self.row_type(
+                source=inp, tensor=ALL_TENSORS, role=None, layer=None, operand=None, step=None,
+                dtype=None, shape=None, numel=draws[0].numel, **_cast_columns(c),
+                n_tensors=len(results), n_skipped=s.skipped.get(inp, 0), **_counts(draws[0]),
+                error=f"{bad} tensor(s) or file(s) could not be read" if bad else None,
+                **self.columns(draws, expected)))
+        return out
+
+    def run(self, paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
+            options: ScanOptions | None = None, include: Sequence[str] = (),
+            exclude: Sequence[str] = (), progress: Progress | None = None) -> list[Any]:
+        """Scan ``paths`` under ``casts`` and return this measure's rows."""
+        return self.rows(scan(paths, casts, options=options, include=include, exclude=exclude,
+                              progress=progress))

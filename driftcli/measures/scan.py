@@ -1,0 +1,262 @@
+"""One pass over named tensors under several casts: the engine behind clip-rate,
+underflow-rate and error-bias.
+
+Each tensor is read once, in row slices of about :data:`CHUNK_ELEMENTS` elements
+aligned to the cast's scale groups, and every cast is applied to each slice while
+it is in memory, so memory stays bounded by a slice, not a checkpoint. Per-tensor
+and two-level scales need the whole tensor's amax first: for a tensor read in
+several slices that costs one extra read. A tensor that cannot be read becomes a
+result with an error; the others are still measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+
+from driftcli.cast import Cast, CastStats, cast_stats, finite_amax, parse_cast
+from driftcli.errors import DriftError
+from driftcli.io.readers import Inputs, ReadError, TensorRef, open_inputs
+from driftcli.modes import Rounding
+from driftcli.scaling import Granularity, ScaleRule
+
+Tensor = torch.Tensor
+
+CHUNK_ELEMENTS = 1 << 22
+"""Elements per slice (16 MiB of float32): large enough to amortise per-call costs,
+small enough that a few copies of it are nothing next to a checkpoint."""
+
+Progress = Callable[[int, int, str], None]
+"""Called after each tensor with the bytes done so far, the bytes in all, and its name."""
+
+
+class Device(StrEnum):
+    """Where casts run."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    """How tensors are cast and read."""
+
+    axis: int = -1
+    """The axis blocks run along (the contraction axis of the matmul a tensor feeds)."""
+    draws: int = 1
+    """Stochastic casts: independent draws per tensor (deterministic casts draw once)."""
+    seed: int = 0
+    """Seed of the stochastic draws."""
+    device: Device = Device.CPU
+    """Where the casts run."""
+    chunk_elements: int = CHUNK_ELEMENTS
+    """Elements per slice of a large tensor."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """One tensor under one cast: stats per draw, and of the mean of the draws."""
+
+    input: str
+    """The input path as given (a file or a folder)."""
+    ref: TensorRef | None
+    """The tensor; ``None`` for a file that could not be opened at all."""
+    source: str
+    cast: Cast
+    draws: tuple[CastStats, ...]
+    """One per draw (one for a deterministic cast); empty when ``error`` is set."""
+    expected: CastStats | None
+    """A stochastic cast: the error sums of the mean of the draws (counts as draw 0)."""
+    error: str | None = None
+
+
+def _per_tensor(c: Cast) -> bool:
+    return c.scaling.granularity in (Granularity.NONE, Granularity.TENSOR)
+
+
+def _needs_tensor_amax(c: Cast) -> bool:
+    return c.scaling.granularity is Granularity.TENSOR or c.scaling.rule is ScaleRule.TWO_LEVEL
+
+
+def row_alignment(shape: tuple[int, ...], c: Cast, axis: int) -> int | None:
+    """How many rows of dim 0 a slice must be a multiple of so no scale group straddles
+    two slices; ``None`` when dim 0 cannot be split (one channel spans it)."""
+    nd = len(shape)
+    if nd == 0:
+        return None
+    a = axis % nd
+    g, k = c.scaling.granularity, c.scaling.block
+    if g is Granularity.CHANNEL:
+        return None if a == 0 else 1
+    if g is Granularity.BLOCK:
+        return k if a == 0 else 1
+    if g is Granularity.TILE:
+        # tiles span the axis and the last other axis
+        return k if a == 0 or nd == 2 else 1
+    return 1
+
+
+def _slices(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions) -> list[tuple[int, int]]:
+    """Row ranges of dim 0 that every cast can take separately."""
+    shape = ref.shape
+    if len(shape) == 0 or ref.numel <= opts.chunk_elements:
+        return [(0, shape[0] if shape else 0)]
+    aligns = [row_alignment(shape, c, opts.axis) for c in casts]
+    if any(a is None for a in aligns):
+        return [(0, shape[0])]
+    align = math.lcm(*(a for a in aligns if a is not None))
+    row_elems = max(1, ref.numel // shape[0])
+    rows = max(align, opts.chunk_elements // row_elems // align * align)
+    return [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
+
+
+def _widen(x: Tensor, device: Device) -> Tensor:
+    """Exact widening: half-width floats to float32 (float64 stays float64)."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.to(device=device.value, dtype=wide)
+
+
+def _draw_seed(seed: int, *parts: object) -> int:
+    """A seed per (tensor, cast, draw, slice), independent of the order they run in."""
+    text = "/".join(str(p) for p in (seed, *parts))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def _error_sums(x: Tensor, mean: Tensor, base: CastStats) -> CastStats:
+    """``base`` with its error sums replaced by those of ``mean`` (the expected cast)."""
+    xd, qd = x.double(), mean.double()
+    valid = torch.isfinite(xd) & torch.isfinite(qd)
+    e = torch.where(valid, qd - xd, 0.0)
+    xv = torch.where(valid, xd, 0.0)
+    return dataclasses.replace(base, xx=float((xv * xv).sum()), ee=float((e * e).sum()),
+                               ex=float((e * xv).sum()), e_sum=float(e.sum()))
+
+
+def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
+                    job: int) -> list[Result]:
+    """Every cast of one tensor, reading it slice by slice."""
+    slices = _slices(ref, casts, opts)
+    amax = None
+    if any(_needs_tensor_amax(c) for c in casts):
+        if len(slices) == 1:
+            amax = None  # the slice is the whole tensor: the cast reads its own amax
+        else:
+            amax = max(finite_amax(_widen(ref.read(a, b), opts.device)) for a, b in slices)
+    parts: list[list[list[CastStats]]] = [[[] for _ in range(_n_draws(c, opts))] for c in casts]
+    expected: list[list[CastStats]] = [[] for _ in casts]
+    for start, stop in slices:
+        x = _widen(ref.read(start, stop) if ref.shape else ref.read(), opts.device)
+        for ci, c in enumerate(casts):
+            n = _n_draws(c, opts)
+            total: Tensor | None = None
+            first: CastStats | None = None
+            for d in range(n):
+                seed = _draw_seed(opts.seed, ref.source, ref.name, c, d, start)
+                sr = c.rounding is Rounding.SR
+                st, q = cast_stats(x, c, axis=opts.axis, tensor_amax=amax,
+                                   seed=seed if sr else None, job_elements=job,
+                                   want_values=sr)
+                parts[ci][d].append(st)
+                if q is not None and sr:
+                    total = q.double() if total is None else total + q.double()
+                    first = first or st
+            if total is not None and first is not None:
+                expected[ci].append(_error_sums(x, total / n, first))
+    out = []
+    for ci, c in enumerate(casts):
+        draws = tuple(CastStats.merge(p, _per_tensor(c)) for p in parts[ci])
+        exp = CastStats.merge(expected[ci], _per_tensor(c)) if expected[ci] else None
+        out.append(Result(inp, ref, ref.source, c, draws, exp))
+    return out
+
+
+def _n_draws(c: Cast, opts: ScanOptions) -> int:
+    return opts.draws if c.rounding is Rounding.SR else 1
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a scan found: results per tensor and cast, and what it left out."""
+
+    results: tuple[Result, ...]
+    skipped: dict[str, int]
+    """Per input: tensors skipped because they are not floating point."""
+    inputs: tuple[Inputs, ...]
+
+    @property
+    def files(self) -> list[Path]:
+        """Every file read, for provenance."""
+        return [f for i in self.inputs for f in i.files]
+
+    @property
+    def errors(self) -> list[Result]:
+        """Results that could not be measured."""
+        return [r for r in self.results if r.error is not None]
+
+
+def _check_device(device: Device) -> None:
+    if device is Device.CUDA and not torch.cuda.is_available():
+        raise DriftError("--device cuda: no CUDA device is available here; use --device cpu")
+
+
+def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
+         options: ScanOptions | None = None, include: Sequence[str] = (),
+         exclude: Sequence[str] = (), progress: Progress | None = None) -> Scan:
+    """Cast every selected floating-point tensor of ``paths`` with every cast and count.
+
+    Missing paths and folders without tensor files raise at once; a file or tensor that
+    cannot be read becomes a :class:`Result` with ``error`` set and the rest go on.
+    """
+    if not casts:
+        raise DriftError("no cast given; add --cast SPEC (a preset such as mxfp8_e4m3, "
+                         "see drift formats --presets)")
+    options = options or ScanOptions()
+    if options.draws < 1:
+        raise DriftError(f"--draws must be at least 1, not {options.draws}")
+    _check_device(options.device)
+    parsed = [parse_cast(c) for c in casts]
+    opened = [(str(p), open_inputs([p], include, exclude)) for p in paths]
+    todo = total_bytes([i for _, i in opened])
+    done = 0
+    results: list[Result] = []
+    skipped: dict[str, int] = {}
+    for inp, inputs in opened:
+        for source, message in inputs.errors:
+            results.extend(Result(inp, None, source, c, (), None, message) for c in parsed)
+        skipped[inp] = sum(not ref.is_float for ref in inputs.tensors)
+        for ref in inputs.tensors:
+            if not ref.is_float:
+                continue
+            try:
+                results.extend(_tensor_results(inp, ref, parsed, options, todo // 4))
+            except ReadError as err:
+                results.extend(Result(inp, ref, ref.source, c, (), None, str(err))
+                               for c in parsed)
+            done += ref.nbytes
+            if progress is not None:
+                progress(done, todo, ref.name)
+    return Scan(tuple(results), skipped, tuple(i for _, i in opened))
+
+
+def total_bytes(scan_inputs: Sequence[Inputs]) -> int:
+    """Bytes of the floating-point tensors a scan will read (for a progress bar)."""
+    return sum(r.nbytes for i in scan_inputs for r in i.tensors if r.is_float)
+
+
+def iter_groups(s: Scan) -> Iterator[tuple[str, Cast, list[Result]]]:
+    """The measured results of each (input, cast), in input then cast order."""
+    keys: dict[tuple[str, str], tuple[str, Cast, list[Result]]] = {}
+    for r in s.results:
+        key = (r.input, str(r.cast))
+        if key not in keys:
+            keys[key] = (r.input, r.cast, [])
+        if r.error is None:
+            keys[key][2].append(r)
+    yield from keys.values()

@@ -1,0 +1,276 @@
+"""clip-rate, underflow-rate, error-bias on a checkpoint with known contents: every count
+and rate equals the value worked out by hand from the planted numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from driftcli.cast import CastStats, cast_stats, finite_amax, parse_cast
+from driftcli.cli import app
+from driftcli.io.tables import read_table, schema_of
+from driftcli.measures import MEASURES
+from driftcli.measures.scan import ScanOptions, row_alignment, scan
+
+runner = CliRunner()
+F32 = np.float32
+
+# mxfp8_e4m3: blocks of 32 along the last axis, scale 2^(floor(log2 amax) - 8), max 448.
+# Row 0 of "w": amax 1.9, scale 2^-8, so |x| > 448 * 2^-8 = 1.75 clips: 1.9, 1.8, -1.76.
+CLIPPERS = [1.9, 1.8, -1.76]
+# Row 1: amax 1.0, scale 2^-8; |x / s| below 2^-10 (half the smallest subnormal 2^-9, the
+# tie rounding to even zero) flushes: 1e-7 and 2^-18. 2^-16 lands on the subnormal 2^-8.
+TINY = [1e-7, 2.0**-18, 2.0**-16]
+
+
+def planted() -> dict[str, torch.Tensor]:
+    w = torch.full((2, 32), 0.25)
+    w[0, :3] = torch.tensor(CLIPPERS)
+    w[1] = 0.5
+    w[1, 0] = 1.0
+    w[1, 1:4] = torch.tensor(TINY)
+    w[1, 4] = -0.0
+    nan = torch.ones(32)
+    nan[0] = math.nan
+    return {
+        "w": w,
+        "half": w[:1].to(torch.bfloat16),  # bf16(1.9) = 1.8984375 still clips
+        "nan": nan,
+        "zeros": torch.zeros(4, 8),
+        "scalar": torch.tensor(3.0),
+        "empty": torch.zeros(0, 4),
+        "ids": torch.arange(10),
+    }
+
+
+@pytest.fixture()
+def ckpt(tmp_path: Path) -> Path:
+    path = tmp_path / "model.safetensors"
+    save_file(planted(), str(path))
+    return path
+
+
+def rows_by(rows: list, cast: str) -> dict[str, object]:
+    spec = str(parse_cast(cast))
+    return {r.tensor: r for r in rows if r.cast == spec}
+
+
+def test_clip_rate_by_hand(ckpt: Path) -> None:
+    rows = rows_by(MEASURES["clip-rate"].run([ckpt], ["mxfp8_e4m3"]), "mxfp8_e4m3")
+    w = rows["w"]
+    assert (w.clipped, w.n_finite, w.n_nonfinite, w.n_blocks) == (3, 64, 0, 2)
+    assert w.clip_rate == 3 / 64 and w.clipped_blocks == 1 / 2
+    stored = [float(F32(v)) for v in CLIPPERS]
+    excess = sum(abs(v) - 1.75 for v in stored)
+    abs_sum = sum(abs(v) for v in stored) + 29 * 0.25 + 1.0 + sum(float(F32(v)) for v in TINY) \
+        + 27 * 0.5
+    assert w.clip_mass == pytest.approx(excess / abs_sum, rel=1e-12)
+    half = rows["half"]
+    assert half.dtype == "bfloat16" and half.clipped == 3 and half.clip_rate == 3 / 32
+    nan = rows["nan"]  # a NaN block: nothing in it counts as clipped
+    assert (nan.n_finite, nan.n_nonfinite, nan.clipped, nan.clip_rate) == (31, 1, 0, 0.0)
+    assert rows["zeros"].clip_rate == 0.0 and rows["scalar"].clipped == 0
+    empty = rows["empty"]
+    assert empty.numel == 0 and empty.n_finite == 0 and empty.clip_rate is None
+    assert "ids" not in rows
+    total = rows["*"]
+    assert (total.n_tensors, total.n_skipped, total.clipped) == (6, 1, 6)
+    assert total.n_finite == 64 + 32 + 31 + 32 + 1 and total.n_nonfinite == 1
+    assert total.clip_rate == 6 / total.n_finite
+    assert total.n_blocks == 2 + 1 + 1 + 4 + 1 + 0
+
+
+def test_underflow_rate_by_hand(ckpt: Path) -> None:
+    rows = MEASURES["underflow-rate"].run([ckpt], ["mxfp8_e4m3", "fp8_e4m3_unscaled"])
+    mx = rows_by(rows, "mxfp8_e4m3")["w"]
+    assert (mx.underflowed, mx.n_nonzero, mx.subnormal) == (2, 63, 1)
+    assert mx.underflow_rate == 2 / 63 and mx.subnormal_rate == 1 / 63
+    bare = rows_by(rows, "fp8_e4m3_unscaled")
+    # scale 1: everything at or below 2^-10 flushes, the three tiny values
+    assert bare["w"].underflowed == 3 and bare["w"].n_blocks == 1
+    assert bare["zeros"].n_nonzero == 0 and bare["zeros"].underflow_rate is None
+    assert bare["*"].underflowed == 3 + 0 and bare["*"].scale_clamped == 0
+
+
+def test_scale_clamping_is_counted(tmp_path: Path) -> None:
+    # e8m0 reaches down to 2^-127: a block of 1e-45 (float32 subnormal) needs 2^-157
+    x = torch.full((3, 32), 1.0)
+    x[1] = 1e-45
+    path = tmp_path / "c.safetensors"
+    save_file({"x": x}, str(path))
+    row = rows_by(MEASURES["underflow-rate"].run([path], ["mxfp8_e4m3"]), "mxfp8_e4m3")["x"]
+    assert row.scale_clamped == 1 and row.n_blocks == 3
+
+
+def test_error_bias_by_hand(tmp_path: Path) -> None:
+    # e4m3 spacing in [1, 2) is 1/8: 1.0625 is a tie and rounds to even, 1.0; -3 is exact
+    x = [1.0, 1.0625, -3.0, 0.0]
+    path = tmp_path / "e.safetensors"
+    save_file({"x": torch.tensor(x)}, str(path))
+    row = rows_by(MEASURES["error-bias"].run([path], ["fp8_e4m3_unscaled"]),
+                  "fp8_e4m3_unscaled")["x"]
+    e = [0.0, -0.0625, 0.0, 0.0]
+    xx = sum(v * v for v in x)
+    ee = sum(v * v for v in e)
+    ex = sum(a * b for a, b in zip(e, x, strict=True))
+    assert row.rel_error == pytest.approx(math.sqrt(ee / xx), rel=1e-15)
+    assert row.sqnr_db == pytest.approx(10 * math.log10(xx / ee), rel=1e-15)
+    assert row.bias == ex / xx and row.alignment == pytest.approx(ex / math.sqrt(ee * xx))
+    assert row.mean_error == -0.0625 / sum(abs(v) for v in x)
+    assert row.draws == 1 and row.expected_bias is None and row.n_lost == 0
+
+
+def test_error_bias_clipping_makes_bias_negative_and_nan_blocks_are_left_out(ckpt: Path) -> None:
+    rows = rows_by(MEASURES["error-bias"].run([ckpt], ["mxfp8_e4m3"]), "mxfp8_e4m3")
+    assert rows["w"].bias < 0 < rows["w"].rel_error
+    nan = rows["nan"]
+    assert nan.n_lost == 31 and nan.rel_error is None
+    assert rows["scalar"].rel_error == 0.0 and rows["scalar"].sqnr_db == math.inf
+    assert rows["scalar"].alignment is None
+
+
+def test_stochastic_rounding_separates_expected_bias_from_draw_error(tmp_path: Path) -> None:
+    path = tmp_path / "sr.safetensors"
+    save_file({"x": torch.full((4096,), 1.0625)}, str(path))
+    draws = 64
+    rows = MEASURES["error-bias"].run([path], ["fp8_e4m3_unscaled:sr"],
+                                      options=ScanOptions(draws=draws, seed=3))
+    row = rows_by(rows, "fp8_e4m3_unscaled:sr")["x"]
+    # each element rounds to 1 or 1.125 with probability 1/2: |e| = 1/16 everywhere
+    assert row.draws == draws
+    assert row.rel_error == pytest.approx(0.0625 / 1.0625, rel=1e-12)
+    # the mean of N draws: per-element std (1/16)/sqrt(N); bias of the mean ~ 1/sqrt(N·n)
+    assert abs(row.expected_bias) < 5 * 0.0625 / 1.0625 / math.sqrt(draws * 4096)
+    assert row.expected_rel_error < 3 * row.rel_error / math.sqrt(draws)
+    assert abs(row.alignment) < 0.1
+
+
+def test_slices_add_up_to_the_whole_tensor() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 96) * torch.logspace(-8, 3, 96)
+    x[3, 5] = math.nan
+    for spec in ["fp8_e4m3", "mxfp8_e4m3", "nvfp4", "nvfp4_2d", "float8_e4m3fn:channel"]:
+        c = parse_cast(spec)
+        whole, _ = cast_stats(x, c)
+        parts = [cast_stats(x[i:i + 16], c, tensor_amax=finite_amax(x))[0]
+                 for i in range(0, 64, 16)]
+        merged = CastStats.merge(parts, c.scaling.granularity.value == "tensor")
+        for f in whole.__dataclass_fields__:
+            assert getattr(merged, f) == pytest.approx(getattr(whole, f), rel=1e-12), (spec, f)
+
+
+def test_large_tensors_are_read_in_aligned_slices(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(48, 64)
+    path = tmp_path / "big.safetensors"
+    save_file({"x": x}, str(path))
+    casts = ["fp8_e4m3", "mxfp8_e4m3", "nvfp4_2d", "nvfp4"]
+    for axis in (-1, 0):
+        small = scan([path], casts, options=ScanOptions(chunk_elements=256, axis=axis))
+        whole = scan([path], casts, options=ScanOptions(axis=axis))
+        for a, b in zip(small.results, whole.results, strict=True):
+            for f in a.draws[0].__dataclass_fields__:
+                assert getattr(a.draws[0], f) == pytest.approx(getattr(b.draws[0], f),
+                                                               rel=1e-12), (a.cast, f)
+    assert row_alignment((48, 64), parse_cast("nvfp4_2d"), -1) == 16
+    assert row_alignment((48, 64), parse_cast("mxfp8_e4m3"), 0) == 32
+    assert row_alignment((48, 64), parse_cast("float8_e4m3fn:channel"), 0) is None
+
+
+def test_cli_writes_three_tables_with_schema_and_provenance(ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    for name in ("clip-rate", "underflow-rate", "error-bias"):
+        result = runner.invoke(app, [name, str(ckpt), "--cast", "mxfp8_e4m3", "-c", "nvfp4",
+                                     "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        assert f"{name}.parquet" in result.output
+        path = out / f"{name}.parquet"
+        m = MEASURES[name]
+        table = pq.read_table(path)
+        assert table.schema.remove_metadata() == schema_of(m.row_type).remove_metadata()
+        assert all(table.schema.field(f).metadata[b"doc"] for f in table.schema.names)
+        df, prov = read_table(path)
+        assert len(df) == 2 * 7  # 6 float tensors + the all-tensors row, per cast
+        assert prov["inputs"][0]["path"] == str(ckpt)
+        assert prov["inputs"][0]["size"] == ckpt.stat().st_size
+        assert len(prov["inputs"][0]["sha256"]) == 64
+        assert prov["casts"] == ["mxfp8_e4m3", "nvfp4"] and prov["axis"] == -1
+    df, _ = read_table(out / "clip-rate.parquet")
+    w = df[(df.tensor == "w") & (df.cast == str(parse_cast("mxfp8_e4m3")))].iloc[0]
+    assert w["clipped"] == 3 and w["shape"] == "[2, 32]"
+
+
+def test_cli_json_summary_names_the_worst(ckpt: Path, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["clip-rate", str(ckpt), "-c", "mxfp8_e4m3", "--json",
+                                 "--out", str(tmp_path)])
+    summary = json.loads(result.output)
+    cast = summary["casts"][0]
+    assert cast["worst"][0]["tensor"] in ("half", "w") and cast["worst"][0]["clip_rate"] == 3 / 32
+    assert cast["skipped"] == 1 and summary["table"].endswith("clip-rate.parquet")
+
+
+def test_a_corrupt_tensor_is_reported_and_the_others_measured(ckpt: Path,
+                                                              tmp_path: Path) -> None:
+    data = ckpt.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-100])  # the last tensor's bytes are gone
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["clip-rate", str(cut), "-c", "mxfp8_e4m3", "--out", str(out)])
+    assert result.exit_code == 2
+    df, _ = read_table(out / "clip-rate.parquet")
+    bad = df[df.error.notna() & (df.tensor != "*")]
+    good = df[df.error.isna() & (df.tensor != "*")]
+    assert len(bad) >= 1 and len(good) >= 1
+    assert bad.clip_rate.isna().all() and good.clip_rate.notna().any()
+    assert "could not be read" in result.output
+
+
+@pytest.mark.parametrize("args", [
+    ["missing.safetensors", "-c", "mxfp8_e4m3"],
+    ["{ckpt}", "-c", "mxfp9"],
+    ["{ckpt}"],
+])
+def test_bad_input_is_one_line_exit_2(ckpt: Path, tmp_path: Path, args: list[str]) -> None:
+    argv = ["clip-rate", *(a.format(ckpt=ckpt) for a in args), "--out", str(tmp_path / "o")]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2
+    assert not (tmp_path / "o" / "clip-rate.parquet").exists()
+
+
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "mxfp8_e4m3", "nvfp4", "mxfp6_e3m2:sr:ieee"])
+def test_the_compiled_one_pass_sums_equal_the_eager_masks(spec: str) -> None:
+    from driftcli import rounding
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(96, 160, generator=gen) * torch.logspace(-30, 6, 160)
+    x[5, 7], x[9, 0], x[11, 3] = math.nan, math.inf, 0.0
+    try:
+        rounding.set_compile("never")
+        eager, q_eager = cast_stats(x, spec, seed=2)
+        rounding.set_compile("always")
+        fused, q_fused = cast_stats(x, spec, seed=2)
+    finally:
+        rounding.set_compile("auto")
+    assert _sums_pass_compiled()
+    assert q_eager is not None and q_fused is not None
+    assert torch.equal(q_eager.view(torch.int32), q_fused.view(torch.int32))
+    assert eager.underflowed > 0 and eager.nonfinite == 2
+    assert eager.clipped > 0 or spec == "fp8_e4m3"  # amax scaling leaves nothing to clip
+    for f in eager.__dataclass_fields__:
+        a, b = getattr(eager, f), getattr(fused, f)
+        assert (a == b) if isinstance(a, int) else b == pytest.approx(a, rel=1e-12), f
+
+
+def _sums_pass_compiled() -> bool:
+    from driftcli import rounding
+    from driftcli.cast import _sums_pass
+
+    return _sums_pass in rounding._COMPILED and _sums_pass not in rounding._BROKEN
