@@ -274,3 +274,36 @@ def _sums_pass_compiled() -> bool:
     from driftcli.cast import _sums_pass
 
     return _sums_pass in rounding._COMPILED and _sums_pass not in rounding._BROKEN
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", list(MEASURES))
+def test_every_column_is_documented(name: str) -> None:
+    from dataclasses import fields
+
+    page = (ROOT / "docs" / f"{name}.md").read_text()
+    shared = (ROOT / "docs" / "measurements.md").read_text()
+    assert f"drift {name}" in page
+    for f in fields(MEASURES[name].row_type):
+        assert f"| `{f.name}` |" in page + shared, f"{f.name} missing from docs/{name}.md"
+
+
+def test_the_demo_checkpoint_shows_what_the_docs_say(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "example.safetensors"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "make_checkpoint.py"), str(path)],
+                   check=True, capture_output=True)
+    casts = ["fp8_e4m3", "mxfp8_e4m3", "mxfp8_e4m3_ceil", "nvfp4"]
+    clip = MEASURES["clip-rate"].run([path], casts)
+    under = MEASURES["underflow-rate"].run([path], casts)
+    tanh = rows_by(clip, "mxfp8_e4m3")["activations.tanh"]
+    assert 0.55 < tanh.clip_rate < 0.65  # floor: the block max sits under 1.0, 0.875 is the top
+    assert rows_by(clip, "mxfp8_e4m3_ceil")["activations.tanh"].clip_rate == 0.0
+    assert rows_by(clip, "fp8_e4m3")["*"].clipped == 0
+    assert rows_by(under, "nvfp4")["gradients.layers.1"].underflow_rate > 0.5
+    assert rows_by(under, "mxfp8_e4m3")["gradients.layers.1"].underflow_rate < 0.01
+    assert rows_by(clip, "nvfp4")["*"].n_skipped == 1

@@ -47,3 +47,20 @@ def test_non_drift_parquet_is_named(tmp_path: Path) -> None:
     pq.write_table(pa.table({"a": [1]}), tmp_path / "other.parquet")
     with pytest.raises(DriftError, match="not a drift table"):
         read_table(tmp_path / "other.parquet")
+
+
+def test_an_interrupted_write_leaves_neither_a_partial_file_nor_the_old_one_damaged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [VerifyRow("summary", "int4", "codes", "decode", "-", "-", 16, 0, None, None, None)]
+    path = write_table(tmp_path / "t.parquet", VerifyRow, rows, {"run": 1})
+    before = path.read_bytes()
+
+    def interrupted(table: pa.Table, where: Path, **kw: object) -> None:
+        Path(where).write_bytes(b"PAR1 half a file")  # the writer dies mid-file
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pq, "write_table", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_table(path, VerifyRow, rows, {"run": 2})
+    assert [p.name for p in tmp_path.iterdir()] == ["t.parquet"]
+    assert path.read_bytes() == before  # the earlier table is intact, no temp file left
