@@ -13,6 +13,7 @@ The public API::
 from driftcli.cast import PRESETS, Cast, parse_cast, quantize
 from driftcli.errors import DriftError
 from driftcli.formats import FORMATS, Format, get_format
+from driftcli.io.capture import capture
 from driftcli.modes import Overflow, Rounding
 from driftcli.rounding import add, multiply, round_to_format, stochastic_round
 
@@ -28,6 +29,7 @@ __all__ = [
     "Rounding",
     "__version__",
     "add",
+    "capture",
     "get_format",
     "multiply",
     "parse_cast",
