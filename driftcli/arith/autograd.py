@@ -1,0 +1,265 @@
+"""Matmuls that cast both operands in the forward and in both backward matmuls.
+
+``policy_matmul(a, b, policy)`` is ``a @ b`` (``a`` of shape ``(..., M, K)``, ``b`` of shape
+``(..., K, N)``, leading dimensions broadcast) as an autograd function whose three matmuls
+each follow their role's :class:`~driftcli.arith.matmul.MatmulSpec`:
+
+- forward ``C = A·B``: A cast along K (its last axis), B along K (its second-to-last);
+- dgrad ``dA = dC·Bᵀ``: dC cast along N (its last axis), Bᵀ along N;
+- wgrad ``dB = Aᵀ·dC``: Aᵀ cast along M, dC along M.
+
+Where an operand was broadcast over leading dimensions (a weight shared by every sequence of
+a batch), its gradient sums over them: those dimensions join the contraction, so the tokens of
+every sequence form one long contraction axis along which blocks run, as a linear layer's
+wgrad over a ``(batch·tokens, features)`` activation does on real hardware.
+
+What the backward reads for A and B is the policy's :class:`BackwardState`. The gradient that
+comes back is the product of the cast operands; it is never the cast of an uncast product.
+
+Arithmetic of one simulated matmul, for operands of any float dtype: each operand is cast from
+its own values (float64 operands are cast from their float64 values, so nothing is rounded
+twice), then the dequantized values are taken as float32 (exact for every element format of
+at most 24 significant bits under a power-of-two scale: every MX format and plain casts; a
+float32 tensor scale, as in ``fp8_e4m3`` or NVFP4, makes the dequantized value one float32
+rounding of the exact product, as a float32 kernel epilogue would). ``native`` order is then
+``torch.matmul`` in float32; other orders go through :func:`driftcli.arith.matmul.matmul`
+(operands already cast; with ``scale=block`` the block cast is applied again, which returns
+the same values for power-of-two block scales). The output cast, if any, follows; the result
+takes the operands' dtype. A role whose spec is None is ``torch.matmul`` in the operands' own
+dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, replace
+from enum import IntEnum
+from typing import Any, cast
+
+import torch
+
+from driftcli.arith.matmul import MatmulSpec, Order, ScaleApplication, matmul
+from driftcli.arith.policy import ArithmeticPolicy, BackwardState, Role
+from driftcli.cast import Cast, quantize
+from driftcli.errors import DriftError
+from driftcli.modes import DEFAULT_SR_BITS, Rounding
+from driftcli.rounding import draw_random_bits
+
+Tensor = torch.Tensor
+
+_EXACT_DTYPES = (torch.float32, torch.float64)
+"""Dtypes a cast reads directly; narrower floats are widened to float32 first (exactly)."""
+
+
+class Slot(IntEnum):
+    """Which cast of one matmul call a random draw is for (one seed each)."""
+
+    FORWARD_LHS = 0
+    FORWARD_RHS = 1
+    FORWARD_OUT = 2
+    DGRAD_LHS = 3
+    DGRAD_RHS = 4
+    DGRAD_OUT = 5
+    WGRAD_LHS = 6
+    WGRAD_RHS = 7
+    WGRAD_OUT = 8
+
+
+def derive_seed(seed: int, index: int, slot: Slot) -> int:
+    """The seed of one cast: a hash of the policy seed, the call's index and the slot, so
+    every cast of a step draws independent bits and a rerun draws the same ones."""
+    digest = hashlib.blake2b(f"{seed}:{index}:{int(slot)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class MatmulCall:
+    """One intercepted matmul: the policy it runs under and its index in the step."""
+
+    policy: ArithmeticPolicy
+    index: int = 0
+
+    def seed(self, slot: Slot) -> int:
+        """The seed of the cast in ``slot``."""
+        return derive_seed(self.policy.seed, self.index, slot)
+
+
+def _bits(c: Cast | None, shape: torch.Size, seed: int, device: torch.device) -> Tensor | None:
+    """Random bits for a stochastic cast (None for every other cast)."""
+    if c is None or c.rounding is not Rounding.SR:
+        return None
+    return draw_random_bits(shape, seed, DEFAULT_SR_BITS, device)
+
+
+def cast_operand(x: Tensor, c: Cast | None, axis: int, bits: Tensor | None) -> Tensor:
+    """``x`` cast along ``axis`` (dequantized values; float32 for half-precision input)."""
+    if c is None:
+        return x
+    work = x if x.dtype in _EXACT_DTYPES else x.float()
+    return cast(Tensor, quantize(work, c, axis=axis, random_bits=bits))
+
+
+def simulated_product(qa: Tensor, qb: Tensor, spec: MatmulSpec, out_seed: int) -> Tensor:
+    """``qa·qb`` of operands already cast by ``spec``'s casts: the accumulation and output cast
+    of ``spec`` (float32 result; see the module docs)."""
+    a32, b32 = qa.float(), qb.float()
+    if spec.order is Order.NATIVE:
+        c = torch.matmul(a32, b32)
+    elif spec.scale_application is ScaleApplication.DEQUANTIZED:
+        c = matmul(a32, b32, replace(spec, lhs=None, rhs=None, out=None))
+    else:  # block terms need the block scales: the block cast again (it returns the same values)
+        c = matmul(a32, b32, replace(spec, out=None), seed=out_seed)
+    if spec.out is not None:
+        c = cast_operand(c, spec.out, -1, _bits(spec.out, c.shape, out_seed, c.device))
+    return c
+
+
+def role_product(lhs: Tensor, rhs: Tensor, spec: MatmulSpec | None, *, lhs_bits: Tensor | None,
+                 rhs_bits: Tensor | None, out_seed: int, dtype: torch.dtype,
+                 cast_lhs: bool = True, cast_rhs: bool = True) -> Tensor:
+    """One role's matmul ``lhs·rhs``: each side cast along the contraction axis (unless its
+    ``cast_*`` is False), then accumulated; ``torch.matmul`` when ``spec`` is None."""
+    if spec is None:
+        return torch.matmul(lhs.to(dtype), rhs.to(dtype))
+    qa = cast_operand(lhs, spec.lhs, -1, lhs_bits) if cast_lhs else lhs
+    qb = cast_operand(rhs, spec.rhs, -2, rhs_bits) if cast_rhs else rhs
+    return simulated_product(qa, qb, spec, out_seed).to(dtype)
+
+
+# --- layouts of the backward operands ---------------------------------------------------------
+
+def _reduced(shape: torch.Size, batch: torch.Size) -> tuple[int, ...]:
+    """The leading dimensions of ``batch`` over which an operand of ``shape`` was broadcast."""
+    own = shape[:-2]
+    offset = len(batch) - len(own)
+    return tuple(i for i, size in enumerate(batch)
+                 if size != 1 and (i < offset or own[i - offset] == 1))
+
+
+def _fold(t: Tensor, batch: torch.Size, reduce: tuple[int, ...], lhs: bool) -> Tensor:
+    """Move the ``reduce`` dimensions into the contraction axis.
+
+    ``t`` is ``(..., rows, cols)``; as the left operand its contraction axis is the last, as
+    the right operand the second-to-last. Both operands flatten (reduced dims, axis) in the
+    same order, so the folded product sums over the reduced dimensions too.
+    """
+    if not reduce:
+        return t
+    t = t.expand(*batch, *t.shape[-2:])
+    nb = len(batch)
+    keep = [i for i in range(nb) if i not in reduce]
+    kept_sizes = [batch[i] for i in keep]
+    folded = math.prod(batch[i] for i in reduce)
+    rows, cols = t.shape[-2:]
+    if lhs:
+        t = t.permute(*keep, nb, *reduce, nb + 1)
+        return t.reshape(*kept_sizes, rows, folded * cols)
+    t = t.permute(*keep, *reduce, nb, nb + 1)
+    return t.reshape(*kept_sizes, folded * rows, cols)
+
+
+class PolicyMatmul(torch.autograd.Function):
+    """``a @ b`` whose forward, dgrad and wgrad matmuls follow a policy (module docs)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor, call: MatmulCall) -> Tensor:  # type: ignore[override]
+        policy = call.policy
+        spec = policy.forward
+        dtype = a.dtype
+        if spec is None:
+            qa, qb = a, b
+            out = torch.matmul(a, b)
+        else:
+            qa = cast_operand(a, spec.lhs, -1,
+                              _bits(spec.lhs, a.shape, call.seed(Slot.FORWARD_LHS), a.device))
+            qb = cast_operand(b, spec.rhs, -2,
+                              _bits(spec.rhs, b.shape, call.seed(Slot.FORWARD_RHS), b.device))
+            out = simulated_product(qa, qb, spec, call.seed(Slot.FORWARD_OUT)).to(dtype)
+        saved = policy.backward_state is BackwardState.SAVED_CAST
+        ctx.save_for_backward(qa if saved else a, qb if saved else b)
+        ctx.call = call
+        ctx.shapes = (a.shape, b.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dc: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+        a, b = ctx.saved_tensors
+        call: MatmulCall = ctx.call
+        a_shape, b_shape = ctx.shapes
+        # our own matmuls must not reach a TorchFunctionMode (the arithmetic mode included)
+        with torch._C.DisableTorchFunction():
+            da = _dgrad(a, b, dc, call, a_shape) if ctx.needs_input_grad[0] else None
+            db = _wgrad(a, b, dc, call, b_shape) if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+def _forward_bits_seed(call: MatmulCall, forward_slot: Slot, own_slot: Slot) -> int:
+    """Recast reuses the forward's random bits for the same element; fresh-sr draws anew."""
+    fresh = call.policy.backward_state is BackwardState.FRESH_SR
+    return call.seed(own_slot if fresh else forward_slot)
+
+
+def _dgrad(a: Tensor, b: Tensor, dc: Tensor, call: MatmulCall, a_shape: torch.Size) -> Tensor:
+    """``dA = dC·Bᵀ`` summed over the dimensions A was broadcast over."""
+    spec = call.policy.dgrad
+    batch = dc.shape[:-2]
+    reduce = _reduced(a_shape, batch)
+    bt = b.transpose(-1, -2)
+    lhs = _fold(dc, batch, reduce, lhs=True)
+    rhs = _fold(bt, batch, reduce, lhs=False)
+    lhs_bits = rhs_bits = None
+    if spec is not None:
+        lhs_bits = _bits(spec.lhs, lhs.shape, call.seed(Slot.DGRAD_LHS), dc.device)
+        raw = _bits(spec.rhs, b.shape, _forward_bits_seed(call, Slot.FORWARD_RHS,
+                                                           Slot.DGRAD_RHS), b.device)
+        rhs_bits = None if raw is None else _fold(raw.transpose(-1, -2), batch, reduce, False)
+    da = role_product(lhs, rhs, spec, lhs_bits=lhs_bits, rhs_bits=rhs_bits,
+                      out_seed=call.seed(Slot.DGRAD_OUT), dtype=dc.dtype)
+    return da.reshape(a_shape)
+
+
+def _wgrad(a: Tensor, b: Tensor, dc: Tensor, call: MatmulCall, b_shape: torch.Size) -> Tensor:
+    """``dB = Aᵀ·dC`` summed over the dimensions B was broadcast over."""
+    spec = call.policy.wgrad
+    batch = dc.shape[:-2]
+    reduce = _reduced(b_shape, batch)
+    at = a.transpose(-1, -2)
+    lhs = _fold(at, batch, reduce, lhs=True)
+    rhs = _fold(dc, batch, reduce, lhs=False)
+    lhs_bits = rhs_bits = None
+    if spec is not None:
+        raw = _bits(spec.lhs, a.shape, _forward_bits_seed(call, Slot.FORWARD_LHS,
+                                                           Slot.WGRAD_LHS), a.device)
+        lhs_bits = None if raw is None else _fold(raw.transpose(-1, -2), batch, reduce, True)
+        rhs_bits = _bits(spec.rhs, rhs.shape, call.seed(Slot.WGRAD_RHS), dc.device)
+    db = role_product(lhs, rhs, spec, lhs_bits=lhs_bits, rhs_bits=rhs_bits,
+                      out_seed=call.seed(Slot.WGRAD_OUT), dtype=dc.dtype)
+    return db.reshape(b_shape)
+
+
+def policy_matmul(a: Tensor, b: Tensor, policy: ArithmeticPolicy, *, index: int = 0) -> Tensor:
+    """``a @ b`` under ``policy`` in forward and backward (``a``: ``(..., M, K)``, ``b``:
+    ``(..., K, N)``, both floating point of one dtype, leading dimensions broadcast).
+
+    ``index`` tells this call apart from the others of a step when stochastic casts draw
+    their random bits (the arithmetic mode numbers every matmul it routes).
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Tensor) or not t.dtype.is_floating_point or t.dim() < 2:
+            raise DriftError(f"policy_matmul operand {name} must be a floating-point tensor "
+                             f"with at least two dimensions, not {getattr(t, 'dtype', t)!r} "
+                             f"of shape {tuple(getattr(t, 'shape', ()))}")
+    if a.dtype != b.dtype:
+        raise DriftError(f"policy_matmul operands have dtypes {a.dtype} and {b.dtype}; convert "
+                         "one so both match, as torch.matmul requires")
+    if a.shape[-1] != b.shape[-2]:
+        raise DriftError(f"policy_matmul shapes {tuple(a.shape)} and {tuple(b.shape)} do not "
+                         f"agree along K ({a.shape[-1]} != {b.shape[-2]})")
+    return cast(Tensor, PolicyMatmul.apply(a, b, MatmulCall(policy, index)))
+
+
+ROLE_SLOTS = {Role.FORWARD: (Slot.FORWARD_LHS, Slot.FORWARD_RHS, Slot.FORWARD_OUT),
+              Role.DGRAD: (Slot.DGRAD_LHS, Slot.DGRAD_RHS, Slot.DGRAD_OUT),
+              Role.WGRAD: (Slot.WGRAD_LHS, Slot.WGRAD_RHS, Slot.WGRAD_OUT)}
+"""The slots of each role's lhs, rhs and output casts."""

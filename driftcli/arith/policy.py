@@ -1,0 +1,296 @@
+"""Arithmetic policies: which matmul arithmetic each role of a training step uses.
+
+A linear map ``Y = X·Wᵀ`` takes three matmuls per step (design §6):
+
+- ``forward``: ``X·Wᵀ``, contracting over the input features;
+- ``dgrad``: ``dX = dY·W``, contracting over the output features;
+- ``wgrad``: ``dW = dYᵀ·X``, contracting over the tokens.
+
+For a plain ``C = A·B`` (attention's ``q·kᵀ`` and ``p·v``) ``dgrad`` is the gradient of the left
+operand, ``dC·Bᵀ``, and ``wgrad`` that of the right one, ``Aᵀ·dC``. An
+:class:`ArithmeticPolicy` gives each role a :class:`~driftcli.arith.matmul.MatmulSpec` (or
+``None``: the plain torch op in the operands' own dtype) and says what the backward reads for the
+forward's operands (:class:`BackwardState`). ``with driftcli.arithmetic(policy):`` applies it
+to any model (:mod:`driftcli.arith.mode`).
+
+Policies come from presets (``exact``, ``float32`` and one per cast preset of
+:data:`driftcli.cast.PRESETS`), from a cast spec (every operand cast with it), or from a TOML
+file (:func:`policy_from_toml`; docs/arithmetic.md describes the format).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from driftcli.arith.matmul import MatmulSpec, Order, matmul_spec
+from driftcli.cast import PRESETS, Cast, parse_cast
+from driftcli.errors import DriftError, close_matches
+from driftcli.modes import Rounding, parse_choice
+
+
+class PolicyError(DriftError, ValueError):
+    """A policy name, file or setting that cannot be used."""
+
+
+class Role(StrEnum):
+    """The three matmuls of a linear map in one training step."""
+
+    FORWARD = "forward"
+    """``X·Wᵀ`` (or ``A·B``): contraction over the input features."""
+    DGRAD = "dgrad"
+    """``dY·W`` (or ``dC·Bᵀ``): the gradient of the left operand, contraction over the
+    output features."""
+    WGRAD = "wgrad"
+    """``dYᵀ·X`` (or ``Aᵀ·dC``): the gradient of the right operand (the weight), contraction
+    over the tokens (every leading dimension of X folded into one)."""
+
+
+class BackwardState(StrEnum):
+    """What the backward matmuls read for the operands the forward multiplied."""
+
+    SAVED_CAST = "saved-cast"
+    """The cast values the forward used, which were blocked along the forward's contraction
+    axis; the backward's own cast (if any) is then applied to them along its contraction axis,
+    as hardware that needs blocks along K must do (a second rounding of a rounded tensor)."""
+    RECAST = "recast"
+    """The original high-precision tensor, cast afresh along the backward's contraction axis,
+    as real recipes do (the default). A stochastic cast reuses the forward's random bits for
+    the same element, so only the blocking differs from the forward."""
+    FRESH_SR = "fresh-sr"
+    """As ``recast``, with new random bits: an independent stochastic draw. For casts that
+    round deterministically this is the same as ``recast``."""
+
+
+ROLES: tuple[Role, ...] = tuple(Role)
+"""The roles in the order of a training step."""
+
+
+@dataclass(frozen=True)
+class ArithmeticPolicy:
+    """How every matmul of a model is computed, per role (see the module docs)."""
+
+    name: str
+    """What tables and summaries call this policy (a preset's name, a file's ``name``)."""
+    forward: MatmulSpec | None = None
+    """The forward matmul; None: the plain torch op in the operands' own dtype (no casts)."""
+    dgrad: MatmulSpec | None = None
+    """The matmul giving the left operand's gradient; None: plain torch."""
+    wgrad: MatmulSpec | None = None
+    """The matmul giving the right operand's (the weight's) gradient; None: plain torch."""
+    backward_state: BackwardState = BackwardState.RECAST
+    keep_high_precision: tuple[str, ...] = ()
+    """Regular expressions on module qualified names (``re.search``): matmuls run inside a
+    matching module (or below it) use plain torch ops in every role."""
+    seed: int = 0
+    """The seed every stochastic cast's random bits are derived from."""
+
+    def __post_init__(self) -> None:
+        for pattern in self.keep_high_precision:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise PolicyError(f"policy {self.name!r}: keep_high_precision pattern "
+                                  f"{pattern!r} is not a regular expression ({err}); write a "
+                                  "Python regex such as 'lm_head' or r'layers\\.0\\.'") from None
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise PolicyError(f"policy {self.name!r}: seed must be a non-negative int, not "
+                              f"{self.seed!r}")
+
+    def spec(self, role: Role) -> MatmulSpec | None:
+        """The matmul spec of ``role`` (None: plain torch)."""
+        return {Role.FORWARD: self.forward, Role.DGRAD: self.dgrad, Role.WGRAD: self.wgrad}[role]
+
+    @property
+    def exact(self) -> bool:
+        """Whether no role is simulated: every matmul is the plain torch op."""
+        return all(self.spec(r) is None for r in ROLES)
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether some cast of some role rounds stochastically (then draws differ by seed)."""
+        return any(c is not None and c.rounding is Rounding.SR
+                   for s in (self.spec(r) for r in ROLES) if s is not None
+                   for c in (s.lhs, s.rhs, s.out))
+
+    def keeps(self, module_name: str) -> bool:
+        """Whether the module of this qualified name is kept in high precision."""
+        return any(re.search(p, module_name) for p in self.keep_high_precision)
+
+    def describe(self) -> str:
+        """One line naming every setting (what tables store next to the name)."""
+        def text(s: MatmulSpec | None) -> str:
+            return "plain" if s is None else str(s)
+
+        parts = [f"{r.value}: {text(self.spec(r))}" for r in ROLES]
+        parts.append(f"backward: {self.backward_state.value}")
+        if self.keep_high_precision:
+            parts.append(f"keep: {', '.join(self.keep_high_precision)}")
+        return "; ".join(parts)
+
+
+# --- presets ------------------------------------------------------------------------------------
+
+def uniform_policy(name: str, cast: Cast | str | None) -> ArithmeticPolicy:
+    """Every operand of every matmul cast with ``cast`` (None: none), float32 accumulation in
+    torch.matmul's own order (``native``), no output cast: the shape of every preset."""
+    spec = matmul_spec(lhs=cast, rhs=cast, accumulator="float32", order=Order.NATIVE)
+    return ArithmeticPolicy(name, spec, spec, spec)
+
+
+EXACT = ArithmeticPolicy("exact")
+"""No casts: every matmul is the plain torch op (float64 in ``grad-cosine``, the reference)."""
+
+POLICIES: dict[str, tuple[ArithmeticPolicy, str]] = {
+    "exact": (EXACT, "no casts: plain torch ops in the model's dtype (the float64 reference)"),
+    "float32": (uniform_policy("float32", None),
+                "no casts, every matmul in float32 (torch.matmul on float32 operands)"),
+    **{name: (uniform_policy(name, c),
+              f"every operand of every matmul cast as {name} ({doc}); float32 accumulation")
+       for name, (c, doc) in PRESETS.items()},
+}
+"""Every preset policy and what it means."""
+
+
+# --- TOML files ---------------------------------------------------------------------------------
+
+_TOP_KEYS = ("name", "preset", "backward_state", "keep_high_precision", "seed", "matmul",
+             *(r.value for r in ROLES))
+_SPEC_KEYS = ("lhs", "rhs", "acc", "order", "scale", "out")
+_DEFAULTS = {"lhs": "none", "rhs": "none", "acc": "float32", "order": "native",
+             "scale": "dequantized", "out": "none"}
+PLAIN = "plain"
+"""A role written as this string is the plain torch op (no simulation)."""
+
+
+def _spec_keys(spec: MatmulSpec | None) -> dict[str, str] | None:
+    """The TOML keys of a spec, as strings (None: plain)."""
+    if spec is None:
+        return None
+    return {"lhs": "none" if spec.lhs is None else str(spec.lhs),
+            "rhs": "none" if spec.rhs is None else str(spec.rhs),
+            "acc": f"{spec.accumulator.name}:{spec.acc_rounding.value}",
+            "order": spec.order_name, "scale": spec.scale_application.value,
+            "out": "none" if spec.out is None else str(spec.out)}
+
+
+def _from_keys(keys: dict[str, str], where: str) -> MatmulSpec:
+    acc, _, mode = keys["acc"].partition(":")
+    try:
+        return matmul_spec(lhs=keys["lhs"], rhs=keys["rhs"], accumulator=acc,
+                           acc_rounding=mode or Rounding.RNE, order=keys["order"],
+                           scale_application=keys["scale"], out=keys["out"])
+    except DriftError as err:
+        raise PolicyError(f"{where}: {err}") from None
+
+
+def _table(value: Any, where: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise PolicyError(f"{where} must be a table of {', '.join(_SPEC_KEYS)}, or the string "
+                          f"{PLAIN!r}; got {type(value).__name__}")
+    out = {}
+    for key, v in value.items():
+        if key not in _SPEC_KEYS:
+            raise PolicyError(f"{where}: unknown key {key!r}{close_matches(key, _SPEC_KEYS)} "
+                              f"(keys: {', '.join(_SPEC_KEYS)})")
+        if not isinstance(v, str):
+            raise PolicyError(f"{where}.{key} must be a string such as \"mxfp8_e4m3\", not "
+                              f"{v!r}")
+        out[key] = v
+    return out
+
+
+def policy_from_dict(data: dict[str, Any], *, source: str = "policy",
+                     default_name: str = "policy") -> ArithmeticPolicy:
+    """A policy from the parsed contents of a policy file (see :func:`policy_from_toml`)."""
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise PolicyError(f"{source}: unknown key {key!r}{close_matches(key, _TOP_KEYS)} "
+                              f"(keys: {', '.join(_TOP_KEYS)})")
+    base = EXACT
+    if "preset" in data:
+        base = get_policy(str(data["preset"]))
+    name = data.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise PolicyError(f"{source}: name must be a non-empty string, not {name!r}")
+    shared = _table(data.get("matmul", {}), f"{source}: [matmul]")
+    specs: dict[Role, MatmulSpec | None] = {}
+    for role in ROLES:
+        given = data.get(role.value)
+        if isinstance(given, str):
+            if given != PLAIN:
+                raise PolicyError(f"{source}: {role.value} = {given!r}: a role is a table of "
+                                  f"{', '.join(_SPEC_KEYS)} or the string {PLAIN!r}")
+            specs[role] = None
+            continue
+        start = _spec_keys(base.spec(role))
+        if start is None and not shared and given is None:
+            specs[role] = None  # nothing says to simulate this role
+            continue
+        keys = {**(start or _DEFAULTS), **shared,
+                **_table(given or {}, f"{source}: [{role.value}]")}
+        specs[role] = _from_keys(keys, f"{source}: [{role.value}]")
+    keep = data.get("keep_high_precision", list(base.keep_high_precision))
+    if isinstance(keep, str):
+        keep = [keep]
+    if not isinstance(keep, list) or not all(isinstance(p, str) for p in keep):
+        raise PolicyError(f"{source}: keep_high_precision must be a list of regex strings, "
+                          f"e.g. [\"lm_head\"], not {keep!r}")
+    state = parse_choice(BackwardState, data.get("backward_state", base.backward_state),
+                         "backward_state")
+    seed = data.get("seed", base.seed)
+    return ArithmeticPolicy(name, specs[Role.FORWARD], specs[Role.DGRAD], specs[Role.WGRAD],
+                            state, tuple(keep), seed)
+
+
+def policy_from_toml(path: str | Path) -> ArithmeticPolicy:
+    """Read a policy file (TOML; the format is in docs/arithmetic.md).
+
+    Top-level keys: ``name`` (default: the file's stem), ``preset`` (a policy to start from),
+    ``backward_state``, ``keep_high_precision`` (a list of regexes), ``seed``; a ``[matmul]``
+    table of spec keys shared by every role, and ``[forward]``, ``[dgrad]``, ``[wgrad]``
+    tables overriding them per role (or a role given as ``"plain"``). Spec keys are those of a
+    matmul spec string: ``lhs``, ``rhs``, ``acc``, ``order``, ``scale``, ``out``; keys not
+    given take the preset's values, else ``none``, ``float32``, ``native``, ``dequantized``.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as err:
+        raise PolicyError(f"cannot read policy file {p}: {err.strerror or err}; give the path "
+                          "of a .toml policy file or a preset name") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise PolicyError(f"policy file {p} is not valid TOML: {err}") from None
+    return policy_from_dict(data, source=str(p), default_name=p.stem)
+
+
+def get_policy(name_or_path: str | Path | ArithmeticPolicy) -> ArithmeticPolicy:
+    """A policy from a preset name (``exact``, ``float32``, ``mxfp8_e4m3``, …), a ``.toml``
+    file, or a cast spec (every operand of every matmul cast with it, e.g. ``mxfp4_e2m1:sr``);
+    policies pass through."""
+    if isinstance(name_or_path, ArithmeticPolicy):
+        return name_or_path
+    text = str(name_or_path).strip()
+    if text in POLICIES:
+        return POLICIES[text][0]
+    if isinstance(name_or_path, Path) or text.endswith(".toml"):
+        return policy_from_toml(text)
+    try:
+        c = parse_cast(text)
+    except DriftError:
+        raise PolicyError(
+            f"unknown policy {text!r}{close_matches(text, POLICIES)}; give a preset (exact, "
+            "float32, or a cast preset such as mxfp8_e4m3), a cast spec, or a .toml policy "
+            "file") from None
+    return uniform_policy(text, c)
+
+
+def with_seed(policy: ArithmeticPolicy, seed: int) -> ArithmeticPolicy:
+    """The same policy drawing its random bits from ``seed``."""
+    return replace(policy, seed=seed)
