@@ -65,4 +65,4 @@ def main() -> None:
 
 
 # the command modules register themselves on import
-from driftcli.cli import formats_cmd, measure_cmds, verify_cmd  # noqa: E402, F401
+from driftcli.cli import accum_cmd, formats_cmd, measure_cmds, verify_cmd  # noqa: E402, F401

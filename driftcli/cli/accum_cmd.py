@@ -1,0 +1,156 @@
+"""``drift accum-error``: the error of simulated matmuls against the exact product, by
+accumulator format, order and K, on synthetic operands or on the matmuls of drift dumps."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from driftcli.cli import EXIT_USAGE, command
+from driftcli.io.tables import provenance, write_table
+from driftcli.measures.accum_error import (
+    AccumErrorRow,
+    Dist,
+    accum_error,
+    choose_specs,
+    parse_shape,
+    spec_label,
+    synthetic_shapes,
+)
+
+OUT = Path("drift-out")
+WORST = 12
+"""Specs listed in the summary, worst first."""
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:.3g}"
+    return str(value)
+
+
+def summarize(rows: list[AccumErrorRow], path: Path) -> dict[str, Any]:
+    """Per spec over every measured matmul: median and max rel_error, the max ulps, the median
+    bias and the worst matmul; specs ordered worst (largest max rel_error) first."""
+    by_spec: dict[str, list[AccumErrorRow]] = {}
+    for r in rows:
+        if r.error is None and r.rel_error is not None:
+            by_spec.setdefault(r.spec, []).append(r)
+    specs = []
+    for spec, group in by_spec.items():
+        worst = max(group, key=lambda r: r.rel_error or 0.0)
+        biases = [r.bias for r in group if r.bias is not None]
+        specs.append({
+            "spec": spec, "label": spec_label(spec), "matmuls": len(group),
+            "median_rel_error": statistics.median(r.rel_error or 0.0 for r in group),
+            "max_rel_error": worst.rel_error,
+            "max_abs_error_ulps": max(r.max_abs_error_ulps or 0.0 for r in group),
+            "median_bias": statistics.median(biases) if biases else None,
+            "worst": {"source": worst.source, "matmul": worst.matmul, "m": worst.m,
+                      "k": worst.k, "n": worst.n, "rel_error": worst.rel_error}})
+    specs.sort(key=lambda s: s["max_rel_error"], reverse=True)
+    errors = list({(r.source, r.matmul): {"source": r.source, "matmul": r.matmul,
+                                          "error": r.error}
+                   for r in rows if r.error is not None}.values())
+    return {"table": str(path), "measure": AccumErrorRow.TABLE,
+            "headline": AccumErrorRow.HEADLINE, "rows": len(rows), "specs": specs,
+            "errors": errors}
+
+
+def _print(summary: dict[str, Any]) -> None:
+    table = Table(title="accum-error: rel_error per spec over all matmuls, worst first")
+    heads = ("spec", "matmuls", "median rel_error", "max rel_error", "max ulps",
+             "median bias", "worst matmul")
+    for h in heads:
+        table.add_column(h, justify="left" if h in ("spec", "worst matmul") else "right")
+    for s in summary["specs"][:WORST]:
+        w = s["worst"]
+        table.add_row(s["label"], str(s["matmuls"]), _fmt(s["median_rel_error"]),
+                      _fmt(s["max_rel_error"]), _fmt(s["max_abs_error_ulps"]),
+                      _fmt(s["median_bias"]), f"{w['matmul']} {w['m']}x{w['k']}x{w['n']}")
+    out = Console(width=160)
+    out.print(table)
+    if len(summary["specs"]) > WORST:
+        out.print(f"… and {len(summary['specs']) - WORST} more spec(s) in the table")
+    for e in summary["errors"]:
+        out.print(f"[red]not measured[/red] {e['source']} {e['matmul']}: {e['error']}")
+    out.print(f"wrote {summary['table']}")
+
+
+@command("accum-error")
+def accum_error_cmd(
+    dumps: Annotated[list[Path] | None, typer.Argument(
+        metavar="[DUMP]...", show_default=False,
+        help="Drift dumps (from driftcli.io.capture.capture) whose matmuls to measure.")] = None,
+    shape: Annotated[list[str] | None, typer.Option(
+        metavar="MxKxN", help="Synthetic matmul shape, e.g. 64x1024x64 (repeatable).")] = None,
+    k: Annotated[list[int] | None, typer.Option(
+        "--k", metavar="K", help="K values for every MxN of --shape (default 32x32); "
+                                 "repeatable.")] = None,
+    dist: Annotated[list[Dist] | None, typer.Option(
+        metavar="NAME", help="Distribution of synthetic operands (repeatable; default "
+                             "normal).")] = None,
+    spec: Annotated[list[str] | None, typer.Option(
+        metavar="MATMULSPEC", help="A full matmul spec, e.g. acc=bfloat16:rtz,order=chunked:128 "
+                                   "(repeatable).")] = None,
+    acc: Annotated[list[str] | None, typer.Option(
+        metavar="FMT", help="Accumulator of the grid, e.g. bfloat16 or bfloat16:rtz "
+                            "(repeatable).")] = None,
+    order: Annotated[list[str] | None, typer.Option(
+        metavar="ORDER", help="Order of the grid: sequential, pairwise, chunked:N, native "
+                              "(repeatable).")] = None,
+    cast: Annotated[str | None, typer.Option(
+        metavar="SPEC", help="Cast both operands of the grid's specs (a preset or cast "
+                             "spec).")] = None,
+    seed: Annotated[int, typer.Option(metavar="S", help="Seed of the synthetic operands and "
+                                                        "of stochastic casts.")] = 0,
+    include: Annotated[list[str] | None, typer.Option(
+        metavar="GLOB", help="Only dump tensors whose name matches (repeatable).")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(
+        metavar="GLOB", help="Leave out dump tensors whose name matches (repeatable).")] = None,
+    out: Annotated[Path, typer.Option(metavar="DIR", help="Folder for the table.")] = OUT,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")] = False,
+) -> None:
+    """Error of simulated matmuls against the exact product, by accumulator, order and K."""
+    specs = choose_specs(spec or (), acc or (), order or (), cast)
+    shapes = (synthetic_shapes([parse_shape(s) for s in shape or ()], k or ())
+              if shape or k else None)
+    out.mkdir(parents=True, exist_ok=True)  # fail now, not after the matmuls
+    console = Console(stderr=True)
+    live = not quiet and not as_json and console.is_terminal
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, console=console, disable=not live, transient=True) as bar:
+        task = bar.add_task("accum-error", total=None)
+
+        def advance(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=name[-40:])
+
+        rows = accum_error(dumps or (), shapes=shapes, dists=dist, specs=specs, seed=seed,
+                           include=include or (), exclude=exclude or (), progress=advance)
+    prov = provenance(dumps or (), seed=seed, extra={
+        "specs": [str(s) for s in specs], "shapes": None if shapes is None else
+        [list(s) for s in shapes], "dists": None if dist is None else [d.value for d in dist],
+        "reference": "Sum2 (compensated) sum of exact float64 products; see ref_bound_ulps"})
+    path = write_table(out / f"{AccumErrorRow.TABLE}.parquet", AccumErrorRow, rows, prov)
+    summary = summarize(rows, path)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2, default=str))
+    elif not quiet:
+        _print(summary)
+    if summary["errors"]:
+        first = summary["errors"][0]
+        typer.echo(f"error: {len(summary['errors'])} matmul(s) could not be measured, first "
+                   f"{first['source']} {first['matmul']}: {first['error']}; the others were "
+                   f"measured into {path}", err=True)
+        raise typer.Exit(EXIT_USAGE)

@@ -1,0 +1,648 @@
+"""``accum-error``: how far a simulated matmul lands from the exact product, by accumulator
+format, order and K, with the error of the operand casts told apart from that of the sum.
+
+For operands ``A`` (..., M, K) and ``B`` (..., K, N), both taken as float32 as
+:func:`driftcli.arith.matmul.matmul` takes them, three products are compared:
+
+- ``E0``, the exact product of the operands as given;
+- ``E1``, the exact product of the cast operands (``E1 = E0`` when a spec casts neither);
+- ``C``, the simulated matmul under the spec (casts, accumulator, order, output cast).
+
+The exact products come from :func:`exact_matmul`: every product of two float32 values is
+exact in float64 (at most 48 significant bits, exponents far inside float64's range), and the
+K products of each output are summed by Ogita, Rump and Oishi's Sum2 (compensated summation:
+an error-free TwoSum per step, the errors summed alongside). The pair ``(hi, lo)`` it returns
+is the exact sum to within ``γ(K-1)² · Σ|a_k b_k|`` with ``γ(n) = n·u/(1 - n·u)`` and
+``u = 2**-53``: for K = 1024 about ``1e-26 · Σ|a_k b_k|``, ten orders of magnitude below a
+float32 ulp of the result unless the dot product cancels by a factor of ``1e10``. The bound
+is computed per output and reported (``ref_bound_ulps``), so a row whose reference could
+matter says so.
+
+Errors are ``C - E`` evaluated as ``(C - hi) - lo`` in float64. Ulps are those of the
+accumulator format: the spacing of its grid in the binade that holds ``|E|`` (read from the
+float64 exponent bits with ``frexp``, clamped to the format's normal range, so values in the
+subnormal range get the subnormal spacing and zero gets it too).
+
+Inputs are seeded synthetic operands (:class:`Dist`) or the matmuls of a drift dump: for a
+linear layer ``y = x·Wᵀ`` the forward ``A = x, B = Wᵀ``, the dgrad ``A = dY, B = W`` and the
+wgrad ``A = dYᵀ, B = x``; for ``C = A·B`` (``torch.matmul`` and friends) the forward ``A·B``,
+the dgrad ``dC·Bᵀ`` and the wgrad ``Aᵀ·dC``. See docs/accum-error.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+import torch
+
+from driftcli.arith.matmul import (
+    FLOAT32,
+    MatmulSpec,
+    Order,
+    matmul,
+    matmul_spec,
+    parse_matmul_spec,
+    parse_order,
+)
+from driftcli.cast import Cast, quantize
+from driftcli.errors import DriftError
+from driftcli.formats import Format, get_format
+from driftcli.io.readers import TensorRef, open_inputs
+from driftcli.io.tables import column
+from driftcli.measures.common import ratio
+from driftcli.modes import Rounding, parse_choice
+
+Tensor = torch.Tensor
+
+SYNTHETIC = "synthetic"
+"""The ``source`` of rows measured on generated operands."""
+UNIT_ROUNDOFF = 2.0 ** -53
+"""float64's unit roundoff u, in the bound of :func:`exact_matmul`."""
+
+DEFAULT_SHAPE = (32, 32)
+"""(M, N) of the synthetic matmuls when no shape is given."""
+DEFAULT_KS = (64, 256, 1024)
+"""The K values of the synthetic matmuls when no shape or K is given."""
+DEFAULT_ACCUMULATORS = ("float32", "bfloat16", "float16", "e8m13")
+"""The accumulators of the default grid (each rounding to nearest even)."""
+DEFAULT_ORDERS = ("sequential", "pairwise", "chunked:128", "native")
+"""The orders of the default grid; ``native`` pairs with float32 only."""
+
+
+class Dist(StrEnum):
+    """How a synthetic operand's elements are drawn (A and B alike, independently)."""
+
+    NORMAL = "normal"
+    """N(0, 1): signed, cancelling sums."""
+    UNIFORM = "uniform"
+    """U(-1, 1): bounded, signed."""
+    LOGNORMAL = "lognormal"
+    """A random sign times exp(N(0, 1)): heavy-tailed, a few products dominate a sum."""
+    HALFNORMAL = "halfnormal"
+    """|N(0, 1)|: all positive (like post-ReLU values without the zeros), so every sum grows
+    with K and a narrow accumulator swamps."""
+    TANH = "tanh"
+    """tanh(2·N(0, 1)): values piling up just under ±1, as saturated tanh activations do."""
+
+    def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+        """A float32 tensor of ``shape`` drawn from this distribution."""
+        if self is Dist.UNIFORM:
+            return (torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1).float()
+        z = torch.randn(shape, generator=generator, dtype=torch.float64)
+        if self is Dist.NORMAL:
+            return z.float()
+        if self is Dist.HALFNORMAL:
+            return z.abs().float()
+        if self is Dist.TANH:
+            return torch.tanh(2 * z).float()
+        # LOGNORMAL: the sign from a second, independent draw
+        sign = torch.randn(shape, generator=generator, dtype=torch.float64).sign()
+        return (sign * torch.exp(z)).float()
+
+
+@dataclass(frozen=True)
+class AccumErrorRow:
+    """One matmul (synthetic or from a dump) under one matmul spec."""
+
+    TABLE: ClassVar[str] = "accum-error"
+    KEYS: ClassVar[tuple[str, ...]] = ("source", "matmul", "spec", "m", "k", "n")
+    HEADLINE: ClassVar[str] = "rel_error"
+    HIGHER_IS_WORSE: ClassVar[bool] = True
+
+    source: str = column("Dump file holding the operands, or 'synthetic'")
+    matmul: str = column("Which matmul: the distribution for synthetic operands ('normal'); "
+                         "for a dump, the operands' name without the label, then the role "
+                         "('fc1/forward', 'attn#1/0/wgrad')")
+    dist: str | None = column("Distribution of synthetic operands; null for a dump")
+    layer: str | None = column("Layer (module) from the dump; null for synthetic operands")
+    role: str | None = column("Matmul role: forward, dgrad or wgrad; null for synthetic")
+    step: int | None = column("Training step from the dump; null if unknown")
+    batch: int = column("Independent matmuls along the leading (batch) dimensions; 1 for 2-D")
+    m: int = column("Rows of A and of the result")
+    k: int = column("Contraction length: products summed per output")
+    n: int = column("Columns of B and of the result")
+    spec: str = column("Canonical matmul spec (lhs=…,rhs=…,acc=…,order=…,scale=…,out=…)")
+    accumulator: str = column("Accumulator format")
+    acc_rounding: str = column("Accumulator rounding: rne or rtz")
+    order: str = column("Summation order: sequential, pairwise, chunked:N or native")
+    lhs_cast: str = column("Canonical cast of A along K, or 'none'")
+    rhs_cast: str = column("Canonical cast of B along K, or 'none'")
+    rel_error: float | None = column("‖C − E0‖ / ‖E0‖: the simulated result against the exact "
+                                     "product of the operands as given; inf if C overflowed")
+    bias: float | None = column("⟨C − E0, E0⟩ / ‖E0‖²: signed; negative when the result "
+                                "shrinks along the exact one (swamping, rtz); null if C is "
+                                "not finite")
+    max_abs_error_ulps: float | None = column(
+        "max |C − E0| in ulps of the accumulator format at |E0| (the grid spacing of the binade "
+        "holding |E0|)")
+    mean_abs_error_ulps: float | None = column("mean |C − E0| in the same ulps")
+    cast_rel_error: float | None = column("‖E1 − E0‖ / ‖E0‖: the operand casts alone (E1: "
+                                          "exact product of the cast operands); 0 uncast")
+    accum_rel_error: float | None = column("‖C − E1‖ / ‖E1‖: accumulation (and the output "
+                                           "cast) alone")
+    accum_bias: float | None = column("⟨C − E1, E1⟩ / ‖E1‖²: the sign of the accumulation "
+                                      "error alone")
+    accum_max_error_ulps: float | None = column(
+        "max |C − E1| in ulps of the accumulator format at |E1|")
+    ref_bound_ulps: float | None = column(
+        "max over outputs of the bound on the reference's own error, γ(K−1)²·Σ|a·b|, in the "
+        "same ulps (tiny unless a sum cancels by ~1e10)")
+    n_outputs: int | None = column("Output elements compared (batch·m·n)")
+    n_nonfinite: int | None = column("Outputs of C that are ±inf or NaN (accumulator overflow)")
+    error: str | None = column("Why this matmul could not be measured; null when it was")
+
+
+# --- the exact reference --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExactProduct:
+    """The exact product ``A·B`` as an unevaluated sum ``hi + lo`` of float64 tensors."""
+
+    hi: Tensor
+    """The float64 sum of the products, in order (Sum2's ``s``)."""
+    lo: Tensor
+    """The float64 sum of every rounding error of ``hi`` (Sum2's ``σ``)."""
+    bound: Tensor
+    """Per output, a bound on ``|hi + lo − exact|``: ``γ(K−1)² · Σ|a_k b_k|``."""
+
+    @property
+    def value(self) -> Tensor:
+        """``hi + lo`` rounded to float64."""
+        return self.hi + self.lo
+
+
+def gamma(n: int) -> float:
+    """Higham's ``γ(n) = n·u / (1 − n·u)`` for float64."""
+    nu = n * UNIT_ROUNDOFF
+    return nu / (1 - nu)
+
+
+def _as_float32(x: Tensor, name: str) -> Tensor:
+    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
+        raise DriftError(f"operand {name} must be a floating-point tensor, not "
+                         f"{getattr(x, 'dtype', type(x).__name__)}")
+    return x.to(torch.float32)
+
+
+def exact_matmul(a: Tensor, b: Tensor) -> ExactProduct:
+    """The exact product of ``a`` (..., M, K) and ``b`` (..., K, N) taken as float32 (as
+    :func:`~driftcli.arith.matmul.matmul` takes them), with its error bound.
+
+    Each product ``a_k·b_k`` of two float32 values is exact in float64. The products are summed
+    in k order by Sum2 (Ogita, Rump & Oishi, "Accurate sum and dot product", 2005): ``hi`` is
+    the float64 running sum and TwoSum yields each addition's rounding error exactly, so
+    ``hi + Σ errors`` is the exact sum; ``lo`` is the float64 sum of the errors, off by at most
+    ``γ(K−2)·Σ|errors| ≤ γ(K−2)·γ(K−1)·Σ|a_k b_k|``. The bound returned is
+    ``γ(K−1)²·Σ|a_k b_k|``, widened by ``1 + 2γ(K)`` because ``Σ|a_k b_k|`` is itself summed in
+    float64. Non-finite operands make non-finite outputs; check them before trusting a result.
+    """
+    a32, b32 = _as_float32(a, "A"), _as_float32(b, "B")
+    if a32.dim() < 2 or b32.dim() < 2 or a32.shape[-1] != b32.shape[-2]:
+        raise DriftError(f"exact_matmul needs (..., M, K) and (..., K, N) operands, got "
+                         f"{tuple(a32.shape)} and {tuple(b32.shape)}")
+    batch = torch.broadcast_shapes(a32.shape[:-2], b32.shape[:-2])
+    (M, K), N = a32.shape[-2:], b32.shape[-1]
+    a64 = a32.double().expand(*batch, M, K)
+    bt64 = b32.double().transpose(-1, -2).expand(*batch, N, K)
+    hi = torch.zeros((*batch, M, N), dtype=torch.float64, device=a64.device)
+    lo = torch.zeros_like(hi)
+    abs_sum = torch.zeros_like(hi)
+    for k in range(K):
+        p = a64[..., :, k, None] * bt64[..., None, :, k]  # exact: 24 x 24 significant bits
+        s = hi + p
+        z = s - hi
+        lo += (hi - (s - z)) + (p - z)  # TwoSum: the exact rounding error of hi + p
+        hi = s
+        abs_sum += p.abs()
+    g = gamma(max(K - 1, 0))
+    bound = abs_sum * (g * g * (1 + 2 * gamma(K)))
+    return ExactProduct(hi, lo, bound)
+
+
+# --- ulps -----------------------------------------------------------------------------------
+
+def ulp(fmt: Format, hi: Tensor, lo: Tensor | None = None) -> Tensor:
+    """The spacing of ``fmt``'s grid in the binade holding ``|hi + lo|`` (float64).
+
+    The binade comes from the float64 exponent bits (``frexp``), not from a logarithm; a value
+    ``hi + lo`` just below a power of two ``hi`` (``lo`` of the other sign) is in the binade
+    below. Binades under the smallest normal share the subnormal spacing ``2**qmin`` (zero
+    too); binades above the largest finite value take the top spacing ``2**qmax``.
+    """
+    mant, exp = torch.frexp(hi)  # hi = mant · 2**exp with 0.5 <= |mant| < 1
+    e = exp.to(torch.int64) - 1  # floor(log2 |hi|)
+    if lo is not None:
+        below = (mant.abs() == 0.5) & ((lo < 0) != (hi < 0)) & (lo != 0)
+        e = e - below.to(torch.int64)
+    e = torch.where(hi == 0, torch.full_like(e, fmt.emin), e)
+    e = e.clamp(min=fmt.emin, max=max(fmt.emax, fmt.emin))
+    return torch.ldexp(torch.ones_like(hi), e - fmt.mbits)
+
+
+# --- comparing a result with a reference ----------------------------------------------------
+
+@dataclass(frozen=True)
+class _Errors:
+    """C against one exact product: relative error, bias, ulps."""
+
+    rel: float | None
+    bias: float | None
+    max_ulps: float | None
+    mean_ulps: float | None
+    nonfinite: int
+
+
+def _compare(c: Tensor, ref: ExactProduct, acc: Format) -> _Errors:
+    c = c.double()
+    d = (c - ref.hi) - ref.lo  # C − exact, to float64 rounding of the difference itself
+    r = ref.value
+    finite = bool(torch.isfinite(d).all())
+    rr = float((r * r).sum())
+    ulps = d.abs() / ulp(acc, ref.hi, ref.lo)
+    nonfinite = int((~torch.isfinite(c)).sum())
+    if not finite:
+        return _Errors(math.inf, None, math.inf, math.inf, nonfinite)
+    rel = ratio(math.sqrt(float((d * d).sum())), math.sqrt(rr))
+    return _Errors(rel, ratio(float((d * r).sum()), rr), float(ulps.max()) if d.numel() else None,
+                   float(ulps.mean()) if d.numel() else None, nonfinite)
+
+
+def _cast_error(e1: ExactProduct, e0: ExactProduct) -> float | None:
+    diff = (e1.hi - e0.hi) + (e1.lo - e0.lo)
+    return ratio(math.sqrt(float((diff * diff).sum())),
+                 math.sqrt(float((e0.value * e0.value).sum())))
+
+
+# --- specs ----------------------------------------------------------------------------------
+
+def _acc_and_rounding(text: str) -> tuple[str, str]:
+    name, _, mode = text.strip().partition(":")
+    return name, mode or Rounding.RNE.value
+
+
+def grid_specs(accumulators: Sequence[str] = DEFAULT_ACCUMULATORS,
+               orders: Sequence[str] = DEFAULT_ORDERS,
+               cast_spec: Cast | str | None = None) -> tuple[MatmulSpec, ...]:
+    """Every accumulator (``bfloat16`` or ``bfloat16:rtz``) with every order, both operands
+    cast by ``cast_spec`` (None: uncast). ``native`` is torch.matmul in float32, so it is only
+    paired with a float32 rne accumulator; other pairings with it are left out."""
+    specs: list[MatmulSpec] = []
+    for acc in accumulators:
+        name, mode = _acc_and_rounding(acc)
+        fmt, rounding = get_format(name), parse_choice(Rounding, mode, "accumulator rounding")
+        for order in orders:
+            if parse_order(order)[0] is Order.NATIVE and (fmt != FLOAT32
+                                                          or rounding is not Rounding.RNE):
+                continue  # native is torch.matmul: float32, rne, nothing else to vary
+            spec = matmul_spec(lhs=cast_spec, rhs=cast_spec, accumulator=fmt,
+                               acc_rounding=rounding, order=order)
+            if spec not in specs:
+                specs.append(spec)
+    if not specs:
+        raise DriftError(f"no matmul spec left from accumulators {list(accumulators)} and orders "
+                         f"{list(orders)}: order native needs --acc float32; add another order "
+                         "or accumulator")
+    return tuple(specs)
+
+
+DEFAULT_SPECS = grid_specs()
+"""The default grid: float32, bfloat16, float16 and e8m13 (rne) in sequential, pairwise and
+chunked:128 order, and float32 native."""
+
+
+def choose_specs(specs: Sequence[MatmulSpec | str] = (), accumulators: Sequence[str] = (),
+                 orders: Sequence[str] = (),
+                 cast_spec: Cast | str | None = None) -> tuple[MatmulSpec, ...]:
+    """The specs a run measures: the full ``specs`` given, then the grid of ``accumulators`` ×
+    ``orders`` (each defaulting to the default grid's) cast by ``cast_spec``. The grid is left
+    out when ``specs`` are given and none of the grid's three settings is."""
+    chosen = [parse_matmul_spec(s) for s in specs]
+    if not chosen or accumulators or orders or cast_spec is not None:
+        grid = grid_specs(accumulators or DEFAULT_ACCUMULATORS, orders or DEFAULT_ORDERS,
+                          cast_spec)
+        chosen += [s for s in grid if s not in chosen]
+    return tuple(dict.fromkeys(chosen))
+
+
+_DEFAULT_PARTS = ("lhs=none", "rhs=none", "scale=dequantized", "out=none")
+
+
+def spec_label(spec: MatmulSpec | str) -> str:
+    """The canonical spec without the parts at their defaults (``acc=bfloat16:rne,order=
+    sequential``): short enough for a summary line, and still a valid spec."""
+    parts = str(parse_matmul_spec(spec)).split(",")
+    return ",".join(p for p in parts if p not in _DEFAULT_PARTS)
+
+
+# --- problems -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """One matmul to measure: its operands and what names it in the table."""
+
+    source: str
+    matmul: str
+    a: Tensor | None
+    """A (..., M, K); None with ``error``."""
+    b: Tensor | None
+    """B (..., K, N); None with ``error``."""
+    dist: str | None = None
+    layer: str | None = None
+    role: str | None = None
+    step: int | None = None
+    error: str | None = None
+    shape: tuple[int, int, int, int] = field(default=(1, 0, 0, 0))
+    """(batch, M, K, N); filled from the operands when they are given."""
+
+    @staticmethod
+    def of(source: str, matmul_name: str, a: Tensor, b: Tensor, **names: Any) -> Problem:
+        """A problem whose shape is read from its operands (checked to agree along K)."""
+        if a.dim() < 2 or b.dim() < 2 or a.shape[-1] != b.shape[-2]:
+            return Problem(source, matmul_name, None, None, error=(
+                f"operand shapes {list(a.shape)} and {list(b.shape)} do not make a matmul "
+                "(..., M, K)·(..., K, N)"), **names)
+        try:
+            batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        except RuntimeError:
+            return Problem(source, matmul_name, None, None, error=(
+                f"batch dimensions {list(a.shape[:-2])} and {list(b.shape[:-2])} do not "
+                "broadcast"), **names)
+        return Problem(source, matmul_name, a, b, shape=(
+            math.prod(batch), a.shape[-2], a.shape[-1], b.shape[-1]), **names)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``MxKxN`` (e.g. ``64x1024x64``) as ``(M, K, N)``."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise DriftError(f"shape {text!r}: write MxKxN with positive integers, e.g. 64x1024x64")
+    m, k, n = (int(p) for p in parts)
+    return m, k, n
+
+
+def synthetic_shapes(shapes: Sequence[tuple[int, int, int]] = (),
+                     ks: Sequence[int] = ()) -> tuple[tuple[int, int, int], ...]:
+    """The (M, K, N) to measure: ``shapes`` as given; with ``ks``, every (M, N) of ``shapes``
+    (default 64×64) with every K of ``ks``; with neither, 64×K×64 for K in 64, 256, 1024."""
+    for k in ks:
+        if k < 1:
+            raise DriftError(f"K = {k}: give a positive contraction length, e.g. --k 1024")
+    if not ks:
+        return tuple(shapes) or tuple((*DEFAULT_SHAPE[:1], k, DEFAULT_SHAPE[1]) for k in
+                                      DEFAULT_KS)
+    pairs = list(dict.fromkeys((m, n) for m, _, n in shapes)) or [DEFAULT_SHAPE]
+    return tuple((m, k, n) for m, n in pairs for k in ks)
+
+
+def synthetic_problems(shapes: Sequence[tuple[int, int, int]], dists: Sequence[Dist | str],
+                       seed: int) -> Iterator[Problem]:
+    """Seeded operands: for each distribution and shape a generator seeded with ``seed`` draws
+    A (M×K), then B (K×N), so a row can be rebuilt from the seed alone."""
+    for dist in (parse_choice(Dist, d, "distribution") for d in dists):
+        for m, k, n in shapes:
+            gen = torch.Generator().manual_seed(seed)
+            a = dist.sample((m, k), gen)
+            b = dist.sample((k, n), gen)
+            yield Problem.of(SYNTHETIC, dist.value, a, b, dist=dist.value)
+
+
+# --- dumps ----------------------------------------------------------------------------------
+
+@dataclass
+class _Site:
+    """The tensors recorded at one matmul call of a dump."""
+
+    layer: str
+    step: int | None
+    lhs: TensorRef | None = None
+    rhs: TensorRef | None = None
+    grads: list[TensorRef] = field(default_factory=list)
+
+
+def _site_key(ref: TensorRef) -> tuple[str, str | None, str | None]:
+    """(layer, call, index) of a dump name ``LAYER[#CALL][/INDEX]/LABEL`` (docs/capture.md)."""
+    parts = ref.name.split("/")
+    head, index = parts[0], (parts[1] if len(parts) > 2 else None)
+    _, _, call = head.partition("#")
+    return cast(str, ref.layer), call or None, index
+
+
+def _site_name(key: tuple[str, str | None, str | None]) -> str:
+    layer, call, index = key
+    head = f"{layer}#{call}" if call else layer
+    return f"{head}/{index}" if index is not None else head
+
+
+def _read(ref: TensorRef) -> Tensor:
+    return ref.read().to(torch.float32)
+
+
+def _sites(refs: Sequence[TensorRef]) -> dict[tuple[str, str | None, str | None], _Site]:
+    """Group a dump's tensors by the matmul call they belong to; a weight (recorded once per
+    layer, without a call index) joins every call of its layer at its matmul index."""
+    sites: dict[tuple[str, str | None, str | None], _Site] = {}
+    weights: dict[tuple[str, str | None], list[TensorRef]] = {}
+    for ref in refs:
+        if ref.role is None or ref.operand is None or ref.layer is None or not ref.is_float:
+            continue
+        key = _site_key(ref)
+        if ref.role == "weight":
+            weights.setdefault((key[0], key[2]), []).append(ref)
+            continue
+        site = sites.setdefault(key, _Site(ref.layer, ref.step))
+        tokens = ref.operand.split()
+        if ref.role == "gradient":
+            site.grads.append(ref)
+        elif "forward.lhs" in tokens:
+            site.lhs = ref
+        elif "forward.rhs" in tokens:
+            site.rhs = ref
+    for key, site in sites.items():
+        for w in weights.get((key[0], key[2]), []):
+            tokens = cast(str, w.operand).split()
+            if "forward.lhs" in tokens and site.lhs is None:
+                site.lhs = w
+            elif "forward.rhs" in tokens and site.rhs is None:
+                site.rhs = w
+    return sites
+
+
+def _is_linear(site: _Site) -> bool:
+    """F.linear (y = x·Wᵀ) feeds its lhs to wgrad as the rhs and its output gradient to wgrad
+    as the lhs; a plain matmul the other way round (docs/capture.md)."""
+    if site.lhs is not None:
+        return "wgrad.rhs" in cast(str, site.lhs.operand).split()
+    return bool(site.grads) and "wgrad.lhs" in cast(str, site.grads[0].operand).split()
+
+
+def _site_problems(source: str, name: str, site: _Site) -> Iterator[Problem]:
+    """The forward, dgrad and wgrad matmuls whose operands the site recorded."""
+    names = {"layer": site.layer, "step": site.step}
+    try:
+        x = _read(site.lhs) if site.lhs is not None else None
+        w = _read(site.rhs) if site.rhs is not None else None
+        grads = [_read(g) for g in site.grads]
+    except DriftError as err:  # a corrupt or truncated tensor: this site only
+        yield Problem(source, f"{name}/forward", None, None, role="forward", error=str(err),
+                      **names)
+        return
+    linear = _is_linear(site)
+    if linear:
+        # y = x·Wᵀ with W (out, in): the leading dims of x and dY are one token axis
+        x = None if x is None else x.reshape(-1, x.shape[-1])
+        grads = [g.reshape(-1, g.shape[-1]) for g in grads]
+    for i, dy in enumerate([None, *grads]):
+        suffix = "" if len(grads) <= 1 or dy is None else f".{i - 1}"
+        if dy is None:
+            if x is None or w is None:
+                continue
+            pairs = [("forward", x, w.transpose(-1, -2) if linear else w)]
+        else:
+            pairs = []
+            if w is not None:
+                pairs.append(("dgrad", dy, w if linear else w.transpose(-1, -2)))
+            if x is not None:
+                pairs.append(("wgrad", dy.transpose(-1, -2), x) if linear
+                             else ("wgrad", x.transpose(-1, -2), dy))
+        for role, a, b in pairs:
+            yield Problem.of(source, f"{name}/{role}{suffix}", a.contiguous(), b.contiguous(),
+                             role=role, **names)
+
+
+def _checked(p: Problem) -> Problem:
+    """Refuse operands holding inf or NaN: their exact product is undefined."""
+    if p.a is None or p.b is None:
+        return p
+    bad = [f"{side} has {n} non-finite value(s)" for side, t in (("A", p.a), ("B", p.b))
+           if (n := int((~torch.isfinite(t)).sum()))]
+    if not bad:
+        return p
+    return replace(p, a=None, b=None, error="; ".join(bad) + ": the exact product is "
+                   "undefined; clean the dump or leave the tensor out with --exclude")
+
+
+def dump_problems(paths: Sequence[str | Path], include: Sequence[str] = (),
+                  exclude: Sequence[str] = ()) -> Iterator[Problem]:
+    """The matmuls recorded in drift dumps (written by :func:`driftcli.io.capture.capture`),
+    in file order; a file or tensor that cannot be read becomes a problem with ``error``."""
+    found = open_inputs(paths, include, exclude)
+    for source, message in found.errors:
+        yield Problem(source, "(unreadable file)", None, None, error=message)
+    by_source: dict[str, list[TensorRef]] = {}
+    for ref in found.tensors:
+        by_source.setdefault(ref.source, []).append(ref)
+    dumps = 0
+    for source, refs in by_source.items():
+        sites = _sites(refs)
+        dumps += bool(sites)
+        for key, site in sites.items():
+            yield from _site_problems(source, _site_name(key), site)
+    if not dumps and not found.errors:
+        raise DriftError(
+            f"no drift dump operands in {', '.join(str(p) for p in paths)}: accum-error reads "
+            "dumps whose metadata names each tensor's matmul operand; write one with "
+            "driftcli.io.capture.capture (see docs/capture.md), or measure synthetic operands "
+            "with --shape/--dist")
+
+
+# --- measuring ------------------------------------------------------------------------------
+
+def _names(p: Problem, spec: MatmulSpec) -> dict[str, Any]:
+    batch, m, k, n = p.shape
+    return {"source": p.source, "matmul": p.matmul, "dist": p.dist, "layer": p.layer,
+            "role": p.role, "step": p.step, "batch": batch, "m": m, "k": k, "n": n,
+            "spec": str(spec), "accumulator": spec.accumulator.name,
+            "acc_rounding": spec.acc_rounding.value, "order": spec.order_name,
+            "lhs_cast": "none" if spec.lhs is None else str(spec.lhs),
+            "rhs_cast": "none" if spec.rhs is None else str(spec.rhs)}
+
+
+_NULLS = {"rel_error": None, "bias": None, "max_abs_error_ulps": None,
+          "mean_abs_error_ulps": None, "cast_rel_error": None, "accum_rel_error": None,
+          "accum_bias": None, "accum_max_error_ulps": None, "ref_bound_ulps": None,
+          "n_outputs": None, "n_nonfinite": None}
+
+
+def measure(problem: Problem, specs: Sequence[MatmulSpec | str], *,
+            seed: int = 0) -> list[AccumErrorRow]:
+    """One row per spec for one matmul: the simulated result against the exact products.
+
+    Stochastic casts draw from ``seed`` (A), ``seed + 1`` (B) and ``seed + 2`` (the output),
+    as :func:`~driftcli.arith.matmul.matmul` does, so ``E1`` is built from the very operands
+    the simulated matmul used.
+    """
+    parsed = [parse_matmul_spec(s) for s in specs]
+    problem = _checked(problem)
+    if problem.error is not None or problem.a is None or problem.b is None:
+        return [AccumErrorRow(**_names(problem, s), **_NULLS, error=problem.error)
+                for s in parsed]
+    a, b = problem.a.to(torch.float32), problem.b.to(torch.float32)
+    e0 = exact_matmul(a, b)
+    cast_refs: dict[tuple[str, str], tuple[ExactProduct, float | None]] = {}
+    rows = []
+    for spec in parsed:
+        key = (str(spec.lhs), str(spec.rhs))
+        if key not in cast_refs:
+            if spec.lhs is None and spec.rhs is None:
+                cast_refs[key] = (e0, 0.0)
+            else:
+                qa = a if spec.lhs is None else cast(Tensor, quantize(a, spec.lhs, axis=-1,
+                                                                      seed=seed))
+                qb = b if spec.rhs is None else cast(Tensor, quantize(b, spec.rhs, axis=-2,
+                                                                      seed=seed + 1))
+                e1 = exact_matmul(qa, qb)
+                cast_refs[key] = (e1, _cast_error(e1, e0))
+        e1, cast_rel = cast_refs[key]
+        c = matmul(a, b, spec, seed=seed)
+        total = _compare(c, e0, spec.accumulator)
+        accum = _compare(c, e1, spec.accumulator)
+        bound = torch.maximum(e0.bound / ulp(spec.accumulator, e0.hi, e0.lo),
+                              e1.bound / ulp(spec.accumulator, e1.hi, e1.lo))
+        rows.append(AccumErrorRow(
+            **_names(problem, spec), rel_error=total.rel, bias=total.bias,
+            max_abs_error_ulps=total.max_ulps, mean_abs_error_ulps=total.mean_ulps,
+            cast_rel_error=cast_rel, accum_rel_error=accum.rel, accum_bias=accum.bias,
+            accum_max_error_ulps=accum.max_ulps,
+            ref_bound_ulps=float(bound.max()) if bound.numel() else None,
+            n_outputs=c.numel(), n_nonfinite=total.nonfinite, error=None))
+    return rows
+
+
+Progress = Callable[[int, int, str], None]
+"""Called with (matmuls done, matmuls in all, the next one's name)."""
+
+
+def accum_error(dumps: Sequence[str | Path] = (), *,
+                shapes: Sequence[tuple[int, int, int]] | None = None,
+                dists: Sequence[Dist | str] | None = None,
+                specs: Sequence[MatmulSpec | str] = DEFAULT_SPECS, seed: int = 0,
+                include: Sequence[str] = (), exclude: Sequence[str] = (),
+                progress: Progress | None = None) -> list[AccumErrorRow]:
+    """Rows of ``accum-error`` for the matmuls of ``dumps`` and for synthetic operands.
+
+    Synthetic operands are measured when ``shapes`` or ``dists`` is given, or when no dump is:
+    each distribution (default ``normal``) at each shape (default 64×K×64 for K in 64, 256,
+    1024; see :func:`synthetic_shapes`). Every matmul is measured under every spec.
+    """
+    if not specs:
+        raise DriftError("no matmul spec given; pass specs, e.g. ['acc=bfloat16,order=pairwise']")
+    parsed = tuple(parse_matmul_spec(s) for s in specs)
+    problems: list[Problem] = []
+    if shapes is not None or dists is not None or not dumps:
+        problems += synthetic_problems(synthetic_shapes(shapes or ()),
+                                       dists or (Dist.NORMAL,), seed)
+    if dumps:
+        problems += dump_problems(dumps, include, exclude)
+    rows: list[AccumErrorRow] = []
+    for i, p in enumerate(problems):
+        if progress is not None:
+            progress(i, len(problems), f"{p.matmul} k={p.shape[2]}")
+        rows += measure(p, parsed, seed=seed)
+    if progress is not None:
+        progress(len(problems), len(problems), "done")
+    return rows
