@@ -126,7 +126,11 @@ class ArithmeticPolicy:
         def text(s: MatmulSpec | None) -> str:
             return "plain" if s is None else str(s)
 
-        parts = [f"{r.value}: {text(self.spec(r))}" for r in ROLES]
+        specs = [self.spec(r) for r in ROLES]
+        if all(s == specs[0] for s in specs):
+            parts = [f"every role: {text(specs[0])}"]
+        else:
+            parts = [f"{r.value}: {text(s)}" for r, s in zip(ROLES, specs, strict=True)]
         parts.append(f"backward: {self.backward_state.value}")
         if self.keep_high_precision:
             parts.append(f"keep: {', '.join(self.keep_high_precision)}")
@@ -285,9 +289,9 @@ def get_policy(name_or_path: str | Path | ArithmeticPolicy) -> ArithmeticPolicy:
         c = parse_cast(text)
     except DriftError:
         raise PolicyError(
-            f"unknown policy {text!r}{close_matches(text, POLICIES)}; give a preset (exact, "
-            "float32, or a cast preset such as mxfp8_e4m3), a cast spec, or a .toml policy "
-            "file") from None
+            f"unknown policy {text!r}{close_matches(text, POLICIES)} (give a preset: exact, "
+            "float32 or a cast preset such as mxfp8_e4m3; a cast spec; or a .toml policy "
+            "file)") from None
     return uniform_policy(text, c)
 
 
