@@ -704,6 +704,19 @@ def _matmul_constructed(k: int) -> MatmulCase:
     return MatmulCase(f"constructed K={k}", a, b)
 
 
+def _matmul_edges(gen: torch.Generator) -> list[MatmulCase]:
+    """``tiny``: products near 2**-125 of both signs, whose partial sums fall into the
+    subnormal range of float32 and below (to zero in float16 and E5M2); ``huge``: products near
+    2**125 whose sums pass float32's max (inf, or max under rtz)."""
+    def few_bits(rows: int, cols: int, exponent: int) -> Tensor:
+        mags = 1 + torch.randint(0, 8, (rows, cols), generator=gen).float() / 8
+        signs = torch.where(torch.rand(rows, cols, generator=gen) < 0.5, -1.0, 1.0)
+        return mags * signs * 2.0**exponent
+
+    return [MatmulCase("tiny 3x64x3", few_bits(3, 64, -62), few_bits(64, 3, -63)),
+            MatmulCase("huge 2x128x2", few_bits(2, 128, 62).abs(), few_bits(128, 2, 63).abs())]
+
+
 def _matmul_integers(name: str, m: int, n: int, k: int, gen: torch.Generator) -> MatmulCase:
     """Integers in -15..15: under the native casts every product and partial sum is a float32
     (at most 22 significant bits), so every order of float32 additions gives the exact sum."""
@@ -718,7 +731,8 @@ def matmul_cases(plan: Plan, native: bool = False) -> list[MatmulCase]:
     if native:
         return [_matmul_integers(f"integers {m}x{k}x{n}", m, n, k, gen) for m, n, k in shapes]
     cases = [_matmul_random(f"random {m}x{k}x{n}", m, n, k, gen) for m, n, k in shapes]
-    return [*cases, _matmul_constructed(96 if plan.quick else MATMUL_CONSTRUCTED_K)]
+    edges = [] if plan.quick else _matmul_edges(gen)
+    return [*cases, *edges, _matmul_constructed(96 if plan.quick else MATMUL_CONSTRUCTED_K)]
 
 
 def matmul_specs(fmt: Format, plan: Plan) -> list[MatmulSpec]:

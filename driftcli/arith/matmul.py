@@ -32,7 +32,6 @@ docs/arithmetic.md states every rule exactly; :mod:`driftcli.oracle` is the refe
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import cast
@@ -43,7 +42,7 @@ from driftcli import rounding as fast
 from driftcli.cast import Cast, QuantInfo, parse_cast, quantize
 from driftcli.errors import DriftError, close_matches
 from driftcli.formats import FORMATS, Format, get_format
-from driftcli.modes import Overflow, Rounding, parse_choice
+from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding, parse_choice
 from driftcli.scaling import Granularity
 
 Tensor = torch.Tensor
@@ -345,11 +344,13 @@ def matmul(a: Tensor, b: Tensor, spec: MatmulSpec | str, *, seed: int | None = N
     if spec.order is Order.NATIVE:
         c = torch.matmul(qa, qb)
     else:
+        terms: _Terms
         if block:
             terms = _BlockTerms(qa, qb, cast(Tensor, sa), cast(Tensor, sb), a.shape, b.shape,
                                 spec.block)
         else:
-            terms = _ProductTerms(qa, qb)
+            wide = not _float32_exact(qa, qb, spec)
+            terms = _ProductTerms(qa, qb, torch.float64 if wide else torch.float32)
         c = _accumulate(terms, spec).to(torch.float32)
     if spec.out is not None:
         c = cast(Tensor, quantize(c, spec.out, axis=-1, seed=seeds[2]))
@@ -357,6 +358,10 @@ def matmul(a: Tensor, b: Tensor, spec: MatmulSpec | str, *, seed: int | None = N
 
 
 # --- terms ----------------------------------------------------------------------------------
+#
+# The accumulator adds terms t[k]. Each is handed over as two factors whose product is the term
+# exactly (a product of operands; or a block term times 1), so that a compiled step multiplies
+# and accumulates in one pass without storing the products.
 
 class _Terms:
     """The terms the accumulator sums, indexed along K (products or per-block terms)."""
@@ -364,50 +369,55 @@ class _Terms:
     count: int
     shape: torch.Size
     """The shape of one term: ``(*batch, M, N)``."""
+    dtype: torch.dtype
+    """The working precision: float32 where every product and sum is exact in it, else
+    float64."""
 
-    def take(self, index: Tensor) -> Tensor:
-        """Terms ``index`` (1-D, int64) stacked along a new last axis, float64."""
-        raise NotImplementedError
-
-    def at(self, k: int) -> Tensor:
-        """Term ``k``, float64, of shape :attr:`shape`."""
-        return self.take(torch.tensor([k]))[..., 0]
-
-    @property
-    def device(self) -> torch.device:
-        """Where the terms live (the accumulator lives there too)."""
+    def factors(self, index: Tensor) -> tuple[Tensor, Tensor]:
+        """Two tensors whose product is the terms ``index`` (shape ``(U,)`` or ``(U, C)``):
+        ``(U, *shape)`` or ``(U, *shape, C)`` after broadcasting."""
         raise NotImplementedError
 
     def rows(self, start: int, stop: int) -> _Terms:
         """The same terms for rows ``start:stop`` of the output only."""
         raise NotImplementedError
 
+    @property
+    def device(self) -> torch.device:
+        """Where the terms live (the accumulator lives there too)."""
+        raise NotImplementedError
+
+    def all(self) -> Tensor:
+        """Every term, stacked along a new last axis."""
+        index = torch.arange(self.count, device=self.device)
+        a, b = self.factors(index)
+        return (a * b).movedim(0, -1)
+
 
 class _ProductTerms(_Terms):
-    """``t[k] = a[..., m, k] * b[..., k, n]``, exact in float64."""
+    """``t[k] = a[..., m, k] * b[..., k, n]``: exact in float64 always (two float32 values have
+    at most 48 significant bits together), in float32 where :func:`_float32_exact` says so."""
 
-    def __init__(self, qa: Tensor, qb: Tensor) -> None:
-        self.a = qa.double()  # (..., M, K)
-        self.bt = qb.double().transpose(-1, -2)  # (..., N, K)
+    def __init__(self, qa: Tensor, qb: Tensor, dtype: torch.dtype) -> None:
+        self.a = qa.to(dtype)  # (..., M, K)
+        self.bt = qb.to(dtype).transpose(-1, -2)  # (..., N, K)
         self.count = qa.shape[-1]
+        self.dtype = dtype
         self.shape = torch.Size([*qa.shape[:-1], qb.shape[-1]])
 
     @property
     def device(self) -> torch.device:
         return self.a.device
 
-    def at(self, k: int) -> Tensor:
-        return self.a[..., :, k, None] * self.bt[..., None, :, k]
-
-    def take(self, index: Tensor) -> Tensor:
-        # a product of two float32 values has at most 48 significant bits: exact in float64
-        return self.a[..., :, None, index] * self.bt[..., None, :, index]
+    def factors(self, index: Tensor) -> tuple[Tensor, Tensor]:
+        a = self.a[..., index]  # (..., M, U[, C])
+        b = self.bt[..., index]  # (..., N, U[, C])
+        if index.dim() == 1:
+            return a.movedim(-1, 0)[..., :, None], b.movedim(-1, 0)[..., None, :]
+        return a.movedim(-2, 0)[..., :, None, :], b.movedim(-2, 0)[..., None, :, :]
 
     def rows(self, start: int, stop: int) -> _Terms:
-        part = _ProductTerms.__new__(_ProductTerms)
-        part.a, part.bt, part.count = self.a[..., start:stop, :], self.bt, self.count
-        part.shape = torch.Size([*part.a.shape[:-1], self.bt.shape[-2]])
-        return part
+        return _ProductTerms(self.a[..., start:stop, :], self.bt.transpose(-1, -2), self.dtype)
 
 
 class _BlockTerms(_Terms):
@@ -430,93 +440,238 @@ class _BlockTerms(_Terms):
         eb = torch.nn.functional.pad(eb, (0, 0, 0, pad))
         batch = qa.shape[:-2]
         M, N = qa.shape[-2], qb.shape[-1]
-        # (..., nb, M, block) @ (..., nb, block, N): every partial sum exact, any order
+        # (..., nb, M, block) @ (..., nb, block, N): every partial sum exact, in any order
         blocks_a = ea.reshape(*batch, M, nb, block).movedim(-2, -3)
         blocks_b = eb.reshape(*batch, nb, block, N)
         dots = torch.matmul(blocks_a, blocks_b)  # (..., nb, M, N)
         dots = torch.where(dots == 0, torch.zeros_like(dots), dots)  # +0 for a zero dot
         scale = sa.expand(*batch, M, nb).movedim(-1, -2)[..., :, :, None] * \
             sb.expand(*batch, N, nb).movedim(-1, -2)[..., :, None, :]
-        self.terms = (dots * scale).movedim(-3, -1)  # (..., M, N, nb); powers of two: exact
-        self.count = nb
-        self.shape = self.terms.shape[:-1]
+        self._init((dots * scale).movedim(-3, -1))  # powers of two: exact
+
+    def _init(self, terms: Tensor) -> None:
+        self.terms = terms  # (..., M, N, nb)
+        self.count = terms.shape[-1]
+        self.shape = terms.shape[:-1]
+        self.dtype = torch.float64
+        self.one = torch.ones((), dtype=torch.float64, device=terms.device)
 
     @property
     def device(self) -> torch.device:
         return self.terms.device
 
-    def take(self, index: Tensor) -> Tensor:
-        return self.terms[..., index]
+    def factors(self, index: Tensor) -> tuple[Tensor, Tensor]:
+        picked = self.terms[..., index].movedim(-index.dim(), 0)  # (U, ..., M, N[, C])
+        ones = self.one.reshape([1] * picked.dim())
+        return picked, ones.expand(picked.shape[0], *ones.shape[1:])
 
     def rows(self, start: int, stop: int) -> _Terms:
         part = _BlockTerms.__new__(_BlockTerms)
-        part.terms, part.count = self.terms[..., start:stop, :, :], self.count
-        part.shape = part.terms.shape[:-1]
+        part._init(self.terms[..., start:stop, :, :])
         return part
+
+
+def significant_bits(c: Cast | None) -> int:
+    """At most how many significant bits a value cast by ``c`` has: the element format's
+    precision under no scaling or a power-of-two scale, else (real-valued scales, or no cast)
+    a float32's 24."""
+    if c is None:
+        return 24
+    rule = c.scaling.rule
+    if c.scaling.granularity is not Granularity.NONE and (rule is None or not rule.power_of_two):
+        return 24
+    fmt = c.format
+    return fmt.bits - 1 if fmt.integer else min(24, fmt.mbits + 1)
+
+
+FLOAT32_HEADROOM = 126
+"""log2 of a bound that keeps every float32 partial sum finite with room to spare."""
+
+
+def _float32_exact(qa: Tensor, qb: Tensor, spec: MatmulSpec) -> bool:
+    """Whether float32 arithmetic computes every product and every accumulator step exactly:
+    the operands' significant bits add up to at most 24; every nonzero product is at least
+    2**-126 (no float32 subnormal, so no bit is lost); nothing is NaN or inf; and no partial
+    sum can reach float32's overflow (where TwoSum stops being exact), bounded by
+    ``K * max|a| * max|b| * (1 + 2**-mbits)**K`` (each rounding grows a sum by at most one ulp).
+    Otherwise the work is done in float64, where products are always exact."""
+    if qa.numel() == 0 or qb.numel() == 0:
+        return True
+    if significant_bits(spec.lhs) + significant_bits(spec.rhs) > 24:
+        return False
+    fa, fb = qa.abs().double(), qb.abs().double()
+    if not (bool(torch.isfinite(fa).all()) and bool(torch.isfinite(fb).all())):
+        return False
+    big = float(fa.max()) * float(fb.max())
+    if big == 0:
+        return True
+    small = float(torch.where(fa > 0, fa, torch.inf).min()) * float(
+        torch.where(fb > 0, fb, torch.inf).min())
+    K = qa.shape[-1]
+    growth = K * math.log2(1 + 2.0 ** -spec.accumulator.mbits)
+    return small >= 2.0 ** -126 and math.log2(K * big) + growth < FLOAT32_HEADROOM
 
 
 # --- accumulation ---------------------------------------------------------------------------
 
-Step = Callable[[Tensor, Tensor], Tensor]
+@dataclass(frozen=True)
+class _Rule:
+    """How one accumulator step rounds; hashable, so a compiled step specializes on it."""
+
+    target: object
+    """The rounding kernel's constants for the accumulator format."""
+    rounding: Rounding
+    wide: bool
+    """float64 working precision (else float32)."""
+    drop: int | None
+    """For a format laid out as float32 (8 exponent bits, bias 127, IEEE specials, subnormals)
+    with fewer mantissa bits: how many float32 mantissa bits it drops. None: the generic
+    kernel."""
+    eager: bool = True
+    """Round in cache-sized chunks (eagerly); False inside a compiled function."""
 
 
-def _stepper(fmt: Format, rounding: Rounding) -> Step:
-    """``round(acc + t)`` onto ``fmt``, exactly: TwoSum in float64, the residual sticky."""
-    def step(acc: Tensor, term: Tensor) -> Tensor:
-        return fast.add(acc, term, fmt, rounding=rounding, overflow=Overflow.IEEE)
-
-    return step
+def _float32_layout(fmt: Format) -> bool:
+    return (fmt.ebits == FLOAT32.ebits and fmt.bias == FLOAT32.bias and fmt.has_inf
+            and fmt.has_subnormals and not fmt.integer and fmt.signed
+            and fmt.nan is FLOAT32.nan and fmt.mbits <= FLOAT32.mbits)
 
 
-def _accumulate(terms: _Terms, spec: MatmulSpec) -> Tensor:
-    """The accumulated sum of the terms in the spec's order (float64 holding format values)."""
-    step = _stepper(spec.accumulator, spec.acc_rounding)
-    chunk = spec.chunk // spec.block if spec.block else spec.chunk
-    if spec.order is Order.SEQUENTIAL:
-        return _sequential(terms, step)
-    if spec.order is Order.CHUNKED:
-        return _chunked(terms, chunk, step, _stepper(MASTER, Rounding.RNE))
-    return _pairwise(terms, step)
+def _rule(fmt: Format, rounding: Rounding, wide: bool) -> _Rule:
+    drop = FLOAT32.mbits - fmt.mbits if _float32_layout(fmt) and not wide else None
+    return _Rule(fast.target_of(fmt), rounding, wide, drop)
 
 
-def _sequential(terms: _Terms, step: Step) -> Tensor:
-    # a cleared accumulator: +0
-    acc = torch.zeros(terms.shape, dtype=torch.float64, device=terms.device)
-    for k in range(terms.count):
-        acc = step(acc, terms.at(k))
+_SIGN, _ABS, _INF = -(1 << 31), (1 << 31) - 1, 0x7F800000
+
+
+def truncate_float32(s: Tensor, r: Tensor, drop: int, rounding: Rounding) -> Tensor:
+    """``s + r`` (a float32 TwoSum pair: ``r`` below ``s``'s last bit) rounded, under ``rne``
+    or ``rtz``, to a format laid out as float32 with ``drop`` fewer mantissa bits.
+
+    The exact value lies just past ``|s|`` on ``r``'s side: step ``|s|`` one float32 ulp toward
+    zero when ``r`` points that way, then the cut below the kept bits decides, with ``r != 0`` as
+    a sticky bit. Subnormals need nothing more (the format's subnormal quantum is the float32
+    one times ``2**drop``), a carry out of the mantissa moves into the exponent and past the
+    top to inf, as IEEE rounding to nearest does; NaN and inf pass through. The same rule as
+    :func:`driftcli.rounding.add`, written on float32 bits so that it vectorizes.
+    """
+    bits = s.view(torch.int32)
+    mag = bits & _ABS
+    toward = (r != 0) & (torch.signbit(r) != torch.signbit(s))
+    stepped = mag - toward.to(torch.int32)
+    kept = stepped >> drop
+    if rounding is Rounding.RNE and drop:
+        low = stepped & ((1 << drop) - 1)
+        half = 1 << (drop - 1)
+        up = (low > half) | ((low == half) & ((r != 0) | ((kept & 1) == 1)))
+        kept = kept + up.to(torch.int32)
+    elif rounding is Rounding.RNE:
+        return s  # float32 addition is already rounded to nearest even
+    out = torch.where(mag < _INF, kept << drop, mag)
+    return (out | (bits & _SIGN)).view(torch.float32)
+
+
+def _round_sum(acc: Tensor, term: Tensor, rule: _Rule) -> Tensor:
+    """``round(acc + term)`` onto the accumulator format: exact sum, one rounding.
+
+    ``s = fl(acc + term)`` carries IEEE's sign for an exact zero (+0 for x + (-x) and
+    (+0) + (-0), -0 for (-0) + (-0)), and TwoSum's ``r`` is its exact error."""
+    s = acc + term
+    if rule.drop == 0 and rule.rounding is Rounding.RNE:
+        return s
+    bb = s - acc
+    r = (acc - (s - bb)) + (term - bb)
+    r = torch.where(torch.isfinite(s), r, torch.zeros_like(r))  # inf or NaN: no residual
+    if rule.drop is not None:
+        return truncate_float32(s, r, rule.drop, rule.rounding)
+    kernel = fast._eager if rule.eager else fast._kernel
+    return kernel(s.contiguous(), r.contiguous(), None, None,
+                  src=fast._F64 if rule.wide else fast._F32, tgt=rule.target,
+                  rounding=rule.rounding, overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
+
+
+def _steps(acc: Tensor, a: Tensor, b: Tensor, live: Tensor | None, *, rule: _Rule,
+           count: int) -> Tensor:
+    """``count`` accumulator steps: ``acc = round(acc + a[u] * b[u])`` for u = 0..count-1;
+    where ``live[u]`` is False the accumulator keeps its value (a short last chunk)."""
+    for u in range(count):
+        new = _round_sum(acc, a[u] * b[u], rule)
+        acc = new if live is None else torch.where(live[u], new, acc)
     return acc
 
 
-def _chunked(terms: _Terms, chunk: int, step: Step, master_step: Step) -> Tensor:
+STEPS_PER_CALL = 8
+"""Accumulator steps per call of the compiled step function (one pass over the accumulator)."""
+
+
+def _run_steps(acc: Tensor, terms: _Terms, index: Tensor, live: Tensor | None, rule: _Rule,
+               work: int) -> Tensor:
+    """:func:`_steps` over the terms ``index``, compiled when drift's compile policy wants it
+    for ``work`` element-steps (see :func:`driftcli.rounding.set_compile`), else eagerly."""
+    a, b = terms.factors(index)
+    count = index.shape[0]
+    out = fast.run_compiled(_steps, work, acc, a, b, live,
+                            rule=_Rule(rule.target, rule.rounding, rule.wide, rule.drop, False),
+                            count=count)
+    return out if out is not None else _steps(acc, a, b, live, rule=rule, count=count)
+
+
+def _accumulate(terms: _Terms, spec: MatmulSpec) -> Tensor:
+    """The accumulated sum of the terms in the spec's order, in the working dtype."""
+    wide = terms.dtype == torch.float64
+    rule = _rule(spec.accumulator, spec.acc_rounding, wide)
+    if spec.order is Order.PAIRWISE:
+        return _pairwise(terms, rule)
+    work = math.prod(terms.shape) * terms.count
+    if spec.order is Order.SEQUENTIAL:
+        return _sequential(terms, rule, work)
+    chunk = spec.chunk // spec.block if spec.block else spec.chunk
+    return _chunked(terms, chunk, rule, _rule(MASTER, Rounding.RNE, wide), work)
+
+
+def _sequential(terms: _Terms, rule: _Rule, work: int) -> Tensor:
+    # a cleared accumulator: +0
+    acc = torch.zeros(terms.shape, dtype=terms.dtype, device=terms.device)
+    for k in range(0, terms.count, STEPS_PER_CALL):
+        index = torch.arange(k, min(k + STEPS_PER_CALL, terms.count), device=terms.device)
+        acc = _run_steps(acc, terms, index, None, rule, work)
+    return acc
+
+
+def _chunked(terms: _Terms, chunk: int, rule: _Rule, master_rule: _Rule, work: int) -> Tensor:
     """All chunks at once: position ``j`` of every chunk is added in one vectorized step."""
     n_chunks = -(-terms.count // chunk)
-    acc = torch.zeros((*terms.shape, n_chunks), dtype=torch.float64, device=terms.device)
+    acc = torch.zeros((*terms.shape, n_chunks), dtype=terms.dtype, device=terms.device)
     starts = torch.arange(n_chunks, device=terms.device) * chunk
-    last = terms.count - (n_chunks - 1) * chunk  # terms in the last, maybe partial, chunk
-    for j in range(min(chunk, terms.count)):
-        # only the last chunk can be short: the chunks that still have a j-th term are a prefix
-        live = n_chunks if j < last else n_chunks - 1
-        acc[..., :live] = step(acc[..., :live], terms.take(starts[:live] + j))
-    master = torch.zeros(terms.shape, dtype=torch.float64, device=terms.device)
+    for j in range(0, min(chunk, terms.count), STEPS_PER_CALL):
+        index = starts[None, :] + torch.arange(j, min(j + STEPS_PER_CALL, chunk),
+                                               device=terms.device)[:, None]  # (U, C)
+        # only the last chunk can be short: its missing terms leave its sum as it is
+        live = index < terms.count
+        acc = _run_steps(acc, terms, index.clamp(max=terms.count - 1),
+                         None if bool(live.all()) else live, rule, work)
+    master = torch.zeros(terms.shape, dtype=terms.dtype, device=terms.device)
     for c in range(n_chunks):
-        master = master_step(master, acc[..., c])
+        master = _round_sum(master, acc[..., c], master_rule)
     return master
 
 
-def _pairwise(terms: _Terms, step: Step) -> Tensor:
+def _pairwise(terms: _Terms, rule: _Rule) -> Tensor:
     """Level by level: adjacent pairs summed, an odd last element carried; in row groups that
     keep the level-0 terms within :data:`PAIRWISE_ELEMENTS`."""
     M = terms.shape[-2]
     per_row = math.prod(terms.shape[:-2]) * terms.shape[-1] * max(terms.count, 1)
     group = max(1, PAIRWISE_ELEMENTS // per_row)
-    out = torch.zeros(terms.shape, dtype=torch.float64, device=terms.device)
+    out = torch.zeros(terms.shape, dtype=terms.dtype, device=terms.device)
     for start in range(0, M, group):
         part = terms.rows(start, min(M, start + group))
-        level = part.take(torch.arange(part.count, device=part.device))
+        level = part.all()
         while level.shape[-1] > 1:
             n = level.shape[-1]
-            pairs = step(level[..., 0:n - 1:2], level[..., 1:n:2])
+            pairs = _round_sum(level[..., 0:n - 1:2], level[..., 1:n:2], rule)
             level = torch.cat([pairs, level[..., n - 1:]], dim=-1) if n % 2 else pairs
-        zero = torch.zeros(part.shape, dtype=torch.float64, device=part.device)
-        out[..., start:start + group, :] = step(zero, level[..., 0]) if part.count else zero
+        zero = torch.zeros(part.shape, dtype=terms.dtype, device=terms.device)
+        out[..., start:start + group, :] = _round_sum(zero, level[..., 0], rule) \
+            if part.count else zero
     return out
