@@ -393,3 +393,19 @@ def test_cli_measures_a_dump(dumped: tuple, tmp_path: Path) -> None:
     assert sorted(df["matmul"]) == sorted(f"{layer}/{role}" for layer in ("fc1", "<root>")
                                           for role in ("forward", "dgrad", "wgrad"))
     assert prov["inputs"][0]["path"] == str(path) and "sha256" in prov["inputs"][0]
+
+
+def test_cli_measures_what_a_truncated_dump_still_holds(dumped: tuple, tmp_path: Path) -> None:
+    path, _, _ = dumped
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-200])  # the last tensor's data is gone, the header is intact
+    result = runner.invoke(app, ["accum-error", str(cut), "--spec", "acc=bfloat16",
+                                 "--out", str(tmp_path), "--quiet"])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: 1 matmul(s) could not be measured")
+    assert "truncated" in result.output and result.output.count("\n") == 1
+    df, _ = read_table(tmp_path / "accum-error.parquet")
+    bad = df[df["error"].notna()]
+    assert len(bad) == 1 and bad["rel_error"].isna().all()
+    assert (df[df["error"].isna()]["rel_error"] > 0).all() and len(df) > 1

@@ -388,13 +388,14 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 def synthetic_shapes(shapes: Sequence[tuple[int, int, int]] = (),
                      ks: Sequence[int] = ()) -> tuple[tuple[int, int, int], ...]:
     """The (M, K, N) to measure: ``shapes`` as given; with ``ks``, every (M, N) of ``shapes``
-    (default 64×64) with every K of ``ks``; with neither, 64×K×64 for K in 64, 256, 1024."""
+    (default :data:`DEFAULT_SHAPE`) with every K of ``ks``; with neither, every K of
+    :data:`DEFAULT_KS` at :data:`DEFAULT_SHAPE`."""
     for k in ks:
         if k < 1:
             raise DriftError(f"K = {k}: give a positive contraction length, e.g. --k 1024")
     if not ks:
-        return tuple(shapes) or tuple((*DEFAULT_SHAPE[:1], k, DEFAULT_SHAPE[1]) for k in
-                                      DEFAULT_KS)
+        return tuple(shapes) or tuple((DEFAULT_SHAPE[0], k, DEFAULT_SHAPE[1])
+                                      for k in DEFAULT_KS)
     pairs = list(dict.fromkeys((m, n) for m, _, n in shapes)) or [DEFAULT_SHAPE]
     return tuple((m, k, n) for m, n in pairs for k in ks)
 
@@ -443,16 +444,17 @@ def _read(ref: TensorRef) -> Tensor:
 
 
 def _sites(refs: Sequence[TensorRef]) -> dict[tuple[str, str | None, str | None], _Site]:
-    """Group a dump's tensors by the matmul call they belong to; a weight (recorded once per
-    layer, without a call index) joins every call of its layer at its matmul index."""
+    """Group a dump's tensors by the matmul call they belong to. A weight is recorded once per
+    layer without a call index and joins every call of its layer at its matmul index; one that
+    has a call index (different weights at one place, see docs/capture.md) joins that call."""
     sites: dict[tuple[str, str | None, str | None], _Site] = {}
-    weights: dict[tuple[str, str | None], list[TensorRef]] = {}
+    weights: dict[tuple[str, str | None, str | None], list[TensorRef]] = {}
     for ref in refs:
         if ref.role is None or ref.operand is None or ref.layer is None or not ref.is_float:
             continue
         key = _site_key(ref)
         if ref.role == "weight":
-            weights.setdefault((key[0], key[2]), []).append(ref)
+            weights.setdefault(key, []).append(ref)
             continue
         site = sites.setdefault(key, _Site(ref.layer, ref.step))
         tokens = ref.operand.split()
@@ -463,7 +465,7 @@ def _sites(refs: Sequence[TensorRef]) -> dict[tuple[str, str | None, str | None]
         elif "forward.rhs" in tokens:
             site.rhs = ref
     for key, site in sites.items():
-        for w in weights.get((key[0], key[2]), []):
+        for w in [*weights.get(key, []), *weights.get((key[0], None, key[2]), [])]:
             tokens = cast(str, w.operand).split()
             if "forward.lhs" in tokens and site.lhs is None:
                 site.lhs = w
@@ -492,6 +494,12 @@ def _site_problems(source: str, name: str, site: _Site) -> Iterator[Problem]:
                       **names)
         return
     linear = _is_linear(site)
+    vectors = [t for t in (x, w, *grads) if t is not None and t.dim() < 2]
+    if vectors and not linear:
+        yield Problem(source, f"{name}/forward", None, None, role="forward", error=(
+            f"an operand of shape {list(vectors[0].shape)} is a vector; accum-error measures "
+            "matrix products only (leave this matmul out with --exclude)"), **names)
+        return
     if linear:
         # y = x·Wᵀ with W (out, in): the leading dims of x and dY are one token axis
         x = None if x is None else x.reshape(-1, x.shape[-1])
