@@ -1,0 +1,125 @@
+"""``drift grad-cosine``: the gradient under arithmetic policies against the exact gradient, at
+one checkpoint and one batch, into ``OUT/grad-cosine.parquet``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any, cast
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from driftcli.arith.policy import get_policy
+from driftcli.cli import command
+from driftcli.errors import DriftError
+from driftcli.io.checkpoints import (
+    CausalLM,
+    load_batch,
+    load_causal_lm,
+    next_token_loss,
+    text_batch,
+)
+from driftcli.io.tables import provenance, write_table
+from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_cosine
+
+OUT = Path("drift-out")
+WORST = 3
+"""Parameters with the lowest cosine named per policy in the summary."""
+
+
+def _batch(lm: CausalLM, text: Path | None, batch: Path | None, tokens: int,
+           windows: int) -> tuple[Any, Path]:
+    if (text is None) == (batch is None):
+        raise DriftError("give the batch as exactly one of --text FILE (tokenized with the "
+                         "checkpoint's tokenizer) or --batch FILE (safetensors input_ids)")
+    if batch is not None:
+        return load_batch(batch), batch
+    path = cast(Path, text)
+    return text_batch(lm, path.read_text(encoding="utf-8"), tokens, windows, str(path)), path
+
+
+def summarize(rows: list[GradCosineRow], path: Path) -> dict[str, Any]:
+    """Per policy: the all-parameters metrics and the parameters with the lowest cosine."""
+    out: dict[str, Any] = {"table": str(path), "policies": []}
+    for agg in (r for r in rows if r.parameter == ALL_PARAMETERS):
+        params = [r for r in rows if r.policy == agg.policy and r.parameter != ALL_PARAMETERS
+                  and r.cosine is not None]
+        params.sort(key=lambda r: r.cosine if not math.isnan(r.cosine) else -math.inf)
+        out["checkpoint"] = agg.checkpoint
+        out["loss_exact"] = agg.loss_exact
+        out["policies"].append({
+            "policy": agg.policy, "cosine": agg.cosine, "retention": agg.retention,
+            "norm_ratio": agg.norm_ratio, "rel_error": agg.rel_error, "loss": agg.loss,
+            "draws": agg.draws, "expected_cosine": agg.expected_cosine,
+            "expected_retention": agg.expected_retention,
+            "worst": [{"parameter": r.parameter, "cosine": r.cosine} for r in params[:WORST]]})
+    return out
+
+
+def _fmt(value: float | None, digits: int = 6) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def _print(summary: dict[str, Any]) -> None:
+    table = Table(title=f"grad-cosine: {summary['checkpoint']} (all parameters, and the worst)")
+    for col in ("policy", "cosine", "retention", "norm_ratio", "rel_error", "loss", "draws",
+                "lowest cosine"):
+        table.add_column(col, justify="left" if col in ("policy", "lowest cosine") else "right")
+    for p in summary["policies"]:
+        worst = ", ".join(f"{w['parameter']} {_fmt(w['cosine'], 4)}" for w in p["worst"])
+        table.add_row(p["policy"], _fmt(p["cosine"]), _fmt(p["retention"]),
+                      _fmt(p["norm_ratio"]), _fmt(p["rel_error"], 4), _fmt(p["loss"], 5),
+                      str(p["draws"]), worst or "-")
+    out = Console(width=160)
+    out.print(table)
+    out.print(f"exact loss {_fmt(summary['loss_exact'], 5)}; wrote {summary['table']}")
+
+
+@command("grad-cosine")
+def grad_cosine_command(
+    checkpoint: Annotated[Path, typer.Argument(
+        metavar="CHECKPOINT", exists=True, show_default=False,
+        help="A Hugging Face causal-LM folder (needs drift[hf]).")],
+    policy: Annotated[list[str], typer.Option(
+        "--policy", "-p", metavar="P", show_default=False,
+        help="A policy preset (exact, float32, mxfp8_e4m3, nvfp4, ...), a cast spec or a "
+             ".toml policy file; repeatable.")],
+    text: Annotated[Path | None, typer.Option(
+        metavar="FILE", exists=True, dir_okay=False,
+        help="Text tokenized with the checkpoint's tokenizer.")] = None,
+    batch: Annotated[Path | None, typer.Option(
+        metavar="FILE", exists=True, dir_okay=False,
+        help="A safetensors file with an integer tensor input_ids (tokens,) or "
+             "(windows, tokens).")] = None,
+    tokens: Annotated[int, typer.Option(
+        metavar="N", min=2, help="Tokens per window of --text.")] = 128,
+    windows: Annotated[int, typer.Option(
+        metavar="W", min=1, help="Consecutive windows of --text in the batch.")] = 1,
+    draws: Annotated[int, typer.Option(
+        metavar="N", min=1, help="Gradients drawn under a stochastic (sr) policy.")] = 8,
+    seed: Annotated[int, typer.Option(
+        metavar="S", min=0, help="Seed of the first draw (draw d uses S + d).")] = 0,
+    out: Annotated[Path, typer.Option(metavar="DIR", help="Folder for the table.")] = OUT,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Gradient under each policy against the exact float64 gradient (cosine, retention)."""
+    resolved = [get_policy(p) for p in policy]  # fail now, not after loading the model
+    out.mkdir(parents=True, exist_ok=True)
+    lm = load_causal_lm(checkpoint)
+    ids, source = _batch(lm, text, batch, tokens, windows)
+    rows = grad_cosine(lm.model, ids, next_token_loss(lm.logits), resolved, draws=draws,
+                       seed=seed, checkpoint=str(checkpoint))
+    prov = provenance([*lm.files, source], seed=seed, extra={
+        "checkpoint_kind": lm.kind, "policies": policy, "draws": draws,
+        "batch_shape": list(ids.shape), "tokens": tokens if text is not None else None,
+        "windows": windows if text is not None else None})
+    path = write_table(out / f"{GradCosineRow.TABLE}.parquet", GradCosineRow, rows, prov)
+    summary = summarize(rows, path)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+    elif not quiet:
+        _print(summary)
