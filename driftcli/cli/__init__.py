@@ -65,4 +65,10 @@ def main() -> None:
 
 
 # the command modules register themselves on import
-from driftcli.cli import accum_cmd, formats_cmd, measure_cmds, verify_cmd  # noqa: E402, F401
+from driftcli.cli import (  # noqa: E402, F401
+    accum_cmd,
+    formats_cmd,
+    grad_cosine_cmd,
+    measure_cmds,
+    verify_cmd,
+)
