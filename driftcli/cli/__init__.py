@@ -70,5 +70,6 @@ from driftcli.cli import (  # noqa: E402, F401
     formats_cmd,
     grad_cosine_cmd,
     measure_cmds,
+    report_cmd,
     verify_cmd,
 )

@@ -1,0 +1,66 @@
+"""``drift report``: summarize drift tables; check thresholds and a baseline for CI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from driftcli.cli import EXIT_FOUND, command
+from driftcli.report import html, jsonout, markdown, terminal
+from driftcli.report.model import CHANGE_PCT, Options, make_report
+from driftcli.report.summary import WORST
+
+OutFile = Annotated[Path | None, typer.Option(metavar="FILE", dir_okay=False)]
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+@command("report")
+def report(
+    paths: Annotated[list[Path], typer.Argument(
+        metavar="PATH...", exists=True, show_default=False,
+        help="Drift tables (.parquet) or folders, searched recursively.")],
+    markdown_file: Annotated[Path | None, typer.Option(
+        "--markdown", metavar="FILE", dir_okay=False,
+        help="Write GitHub-flavoured Markdown (e.g. $GITHUB_STEP_SUMMARY).")] = None,
+    json_file: Annotated[Path | None, typer.Option(
+        "--json", metavar="FILE", dir_okay=False, help="Write the summary as JSON.")] = None,
+    html_file: Annotated[Path | None, typer.Option(
+        "--html", metavar="FILE", dir_okay=False,
+        help="Write one self-contained HTML page with plots.")] = None,
+    fail_on: Annotated[list[str] | None, typer.Option(
+        "--fail-on", metavar="EXPR",
+        help="Exit 1 if any row matches, e.g. 'underflow-rate:underflow_rate > 0.05' "
+             "(repeatable; grammar in docs/report.md).")] = None,
+    baseline: Annotated[Path | None, typer.Option(
+        metavar="PATH", exists=True,
+        help="An earlier run's tables (file or folder) to compare with, row by row.")] = None,
+    fail_on_regression: Annotated[float | None, typer.Option(
+        metavar="PCT", min=0,
+        help="With --baseline: exit 1 if a headline got worse by more than PCT percent.")
+    ] = None,
+    change_threshold: Annotated[float, typer.Option(
+        metavar="PCT", min=0, help="With --baseline: list headline changes beyond PCT percent.")
+    ] = CHANGE_PCT,
+    worst: Annotated[int, typer.Option(
+        metavar="N", min=0, help="Worst rows named per group.")] = WORST,
+) -> None:
+    """Summarize drift tables per measurement and cast or policy; exit 1 on broken rules."""
+    if fail_on_regression is not None and baseline is None:
+        raise typer.BadParameter("needs --baseline PATH", param_hint="--fail-on-regression")
+    options = Options(rules=tuple(fail_on or ()), baseline=baseline,
+                      change_pct=change_threshold, fail_pct=fail_on_regression, worst=worst)
+    result = make_report(paths, options)
+    terminal.render(result)
+    for path, renderer in ((markdown_file, markdown.render), (json_file, jsonout.render),
+                           (html_file, html.render)):
+        if path is not None:
+            _write(path, renderer(result))
+            typer.echo(f"wrote {path}", err=True)
+    if result.failed:
+        raise typer.Exit(EXIT_FOUND)

@@ -1,0 +1,184 @@
+"""The words and numbers every renderer shares: value formatting, group labels, the lines
+for broken rules and baseline changes. Renderers differ only in markup."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from driftcli.report.baseline import Change
+from driftcli.report.model import Report
+from driftcli.report.summary import GroupSummary, TableSummary
+from driftcli.report.thresholds import Violation
+
+LISTED = 20
+"""Changes, new keys and missing keys listed per table (the counts are always given)."""
+
+
+def fmt(value: Any) -> str:
+    """A value for a table cell: 4 significant digits, ``-`` for null."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return ("inf" if value > 0 else "-inf") if math.isinf(value) else f"{value:.4g}"
+    return str(value)
+
+
+def fmt_pct(pct: float) -> str:
+    """A signed percentage; ±inf from a zero baseline reads ``new (was 0)``."""
+    if math.isinf(pct):
+        return "new (was 0)"
+    return f"{pct:+.3g}%"
+
+
+def varying(summary: TableSummary) -> tuple[list[str], list[tuple[str, Any]]]:
+    """Group columns that differ between groups, and the (column, value) of the key columns
+    that are the same in every row (shown once, not in every row of the table)."""
+    cols = list(summary.layout.groups)
+    values = {c: {dict(g.group)[c] for g in summary.groups} for c in cols}
+    vary = [c for c in cols if len(values[c]) > 1]
+    return vary, list(summary.constants)
+
+
+def headers(summary: TableSummary, vary: list[str]) -> list[str]:
+    """Column headers of a summary table."""
+    item = summary.layout.item
+    cols = [*vary, "rows"]
+    if summary.layout.has_aggregate:
+        cols.append(f"all {item}s (*)" if item else "all (*)")
+    cols += [f"median {summary.headline}", f"{summary.worst_label} {summary.headline}",
+             f"worst {item}s" if item else "worst rows"]
+    return cols
+
+
+def cells(summary: TableSummary, group: GroupSummary, vary: list[str]) -> list[str]:
+    """One summary table row."""
+    g = dict(group.group)
+    row = [fmt(g[c]) for c in vary] + [str(group.n_rows)]
+    if summary.layout.has_aggregate:
+        row.append(fmt(group.aggregate_value(summary.headline)))
+    worst = ", ".join(f"{w.name} {fmt(w.value)}" for w in group.worst)
+    return [*row, fmt(group.median), fmt(group.worst_value), worst or "-"]
+
+
+def title(summary: TableSummary) -> str:
+    """``clip-rate: clip_rate (higher is worse)``."""
+    direction = "higher is worse" if summary.higher_is_worse else "higher is better"
+    return f"{summary.name}: {summary.headline} ({direction})"
+
+
+def about(summary: TableSummary) -> Iterator[str]:
+    """Lines under a table's title: file, headline meaning, provenance, inputs, fixed groups."""
+    p = summary.provenance
+    yield f"file {summary.path}, {summary.n_rows} rows, written by {p.line}"
+    if summary.headline_doc:
+        yield f"{summary.headline}: {summary.headline_doc}"
+    if p.command:
+        yield f"command: {p.command}"
+    if p.inputs:
+        yield f"inputs: {', '.join(p.inputs)}"
+    _, fixed = varying(summary)
+    if fixed:
+        yield "for all rows: " + ", ".join(f"{c}={fmt(v)}" for c, v in fixed)
+    if not summary.known_row_type:
+        yield ("this drift has no row type for this table; summarized from the keys, headline "
+               "and direction its schema declares")
+
+
+def failures(summary: TableSummary) -> Iterator[str]:
+    """Lines for rows that could not be measured."""
+    for g in summary.groups:
+        for f in g.failed:
+            yield f"not measured: {f.name}{' (' + g.label + ')' if g.label else ''}: {f.error}"
+
+
+def violation_head(v: Violation) -> str:
+    """``clip_rate > 0.01: 2 rows of clip-rate (path)``."""
+    return f"{v.rule}: {v.n_rows} row(s) of {v.table} ({v.path})"
+
+
+def violation_row(row: tuple[tuple[str, Any], ...]) -> str:
+    """One broken row as ``col=value`` pairs."""
+    return " ".join(f"{c}={fmt(v)}" for c, v in row)
+
+
+def change_line(c: Change) -> str:
+    """``regression name: old → new (+x%)``."""
+    word = "regression" if c.regression else "improvement"
+    return f"{word} {c.name}: {fmt(c.old)} → {fmt(c.new)} ({fmt_pct(c.pct)})"
+
+
+def key_line(key: tuple[tuple[str, Any], ...]) -> str:
+    """A key's values joined."""
+    return " ".join(f"{c}={fmt(v)}" for c, v in key)
+
+
+def verdict(report: Report) -> str:
+    """The closing line: what broke, or that nothing did."""
+    parts = []
+    if report.violations:
+        rules = len({v.rule for v in report.violations})
+        rows = sum(v.n_rows for v in report.violations)
+        parts.append(f"{rules} rule(s) broken by {rows} row(s)")
+    if report.regressions:
+        parts.append(f"{len(report.regressions)} regression(s) beyond "
+                     f"{fmt(report.options.fail_pct)}%")
+    if parts:
+        return "FAILED: " + "; ".join(parts)
+    checks = []
+    if report.options.rules:
+        checks.append(f"{len(report.options.rules)} rule(s) hold")
+    if report.options.fail_pct is not None:
+        checks.append(f"no regression beyond {fmt(report.options.fail_pct)}%")
+    return "OK: " + "; ".join(checks) if checks else f"{len(report.summaries)} table(s) summarized"
+
+
+@dataclass(frozen=True)
+class Block:
+    """A titled list of lines (one table's baseline comparison)."""
+
+    title: str
+    lines: tuple[str, ...]
+
+
+def _listed(items: list[str], what: str) -> list[str]:
+    more = len(items) - LISTED
+    return items[:LISTED] + ([f"... and {more} more {what}"] if more > 0 else [])
+
+
+def baseline_blocks(report: Report) -> tuple[Block, ...]:
+    """The baseline comparison as blocks: per table, its changes beyond the listing threshold
+    (regressions beyond ``--fail-on-regression`` are always listed), new and missing keys;
+    then the tables only one side has."""
+    comp = report.comparison
+    if comp is None:
+        return ()
+    opts = report.options
+    pct = opts.change_pct if opts.fail_pct is None else min(opts.change_pct, opts.fail_pct)
+    blocks = []
+    for t in comp.tables:
+        shown = t.beyond(pct)
+        lines = _listed([change_line(c) for c in shown], "changes")
+        if t.new_keys:
+            lines.append(f"{len(t.new_keys)} new key(s), not in the baseline:")
+            lines += _listed([key_line(k) for k in t.new_keys], "new keys")
+        if t.missing_keys:
+            lines.append(f"{len(t.missing_keys)} missing key(s), in the baseline only:")
+            lines += _listed([key_line(k) for k in t.missing_keys], "missing keys")
+        if t.duplicates:
+            lines.append(f"{t.duplicates} row(s) with a repeated key were compared once")
+        blocks.append(Block(
+            f"{t.table} {t.headline}: {t.n_matched} row(s) matched, {len(shown)} changed by "
+            f"more than {fmt(pct)}%", tuple(lines)))
+    if comp.new_tables:
+        blocks.append(Block("tables without a baseline: " + ", ".join(comp.new_tables), ()))
+    if comp.missing_tables:
+        blocks.append(Block("baseline tables this run lacks: " + ", ".join(comp.missing_tables),
+                            ()))
+    return tuple(blocks)

@@ -1,0 +1,245 @@
+"""Reading drift tables for a report: finding them, and checking each against its row type.
+
+A table knows its own name, key columns, headline and direction from its schema metadata
+(``driftcli.io.tables.schema_of`` writes them), so a report can summarize a table from a
+drift it has never heard of. Where this drift has the table's row type, the file's columns
+must be the row type's columns: a table from an older or newer drift with other columns is
+refused with a message saying so, rather than summarized wrongly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from driftcli.errors import DriftError
+from driftcli.io.tables import PROVENANCE_KEY, TABLE_KEY, read_table, schema_of
+
+ALL_ROWS = "*"
+"""The key value of a row that aggregates the others (``driftcli.measures.common.ALL_TENSORS``
+for tensors, the same star for parameters)."""
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+_ROW_MARKER = "TABLE: ClassVar[str]"
+_NOT_ROW_MODULES = ("cli", "report")
+
+
+class SchemaError(DriftError):
+    """A drift table whose columns or metadata are not the ones its row type declares."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """One drift table read from a file, with the facts its schema declares."""
+
+    path: Path
+    name: str
+    """Measurement name (``drift.table``), e.g. ``clip-rate``."""
+    keys: tuple[str, ...]
+    headline: str
+    higher_is_worse: bool
+    frame: pd.DataFrame = field(compare=False, repr=False)
+    provenance: dict[str, Any] = field(compare=False, repr=False)
+    docs: dict[str, str] = field(compare=False, repr=False)
+    """Column → its documentation from the schema."""
+    kinds: dict[str, str] = field(compare=False, repr=False, default_factory=dict)
+    """Column → ``string``, ``int``, ``float`` or ``bool`` from the Arrow schema (pandas
+    turns an integer column with nulls into floats)."""
+    row_type: type | None = field(compare=False, default=None)
+    """This drift's row type for the table, or None for a table it does not know."""
+
+    @property
+    def columns(self) -> list[str]:
+        """Column names in schema order."""
+        return list(self.frame.columns)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A file that was named or found but is not a drift table."""
+
+    path: Path
+    reason: str
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a set of paths held: the tables, in path order, and the files skipped."""
+
+    tables: tuple[Table, ...]
+    skipped: tuple[Skipped, ...]
+
+
+def _is_row_type(obj: Any) -> bool:
+    return (isinstance(obj, type) and dataclasses.is_dataclass(obj)
+            and all(isinstance(getattr(obj, a, None), t) for a, t in
+                    (("TABLE", str), ("KEYS", tuple), ("HEADLINE", str),
+                     ("HIGHER_IS_WORSE", bool))))
+
+
+@functools.cache
+def row_types() -> dict[str, type]:
+    """Every row type this drift declares, by table name.
+
+    Found, not listed: each module of the package whose source declares ``TABLE:
+    ClassVar[str]`` is imported and its row dataclasses collected, so a new measurement's
+    table is known to the report as soon as its module exists.
+    """
+    found: dict[str, type] = {}
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        rel = path.relative_to(_PACKAGE)
+        if rel.parts[0] in _NOT_ROW_MODULES or _ROW_MARKER not in path.read_text("utf-8"):
+            continue
+        name = ".".join(("driftcli", *rel.with_suffix("").parts))
+        try:
+            module = importlib.import_module(name.removesuffix(".__init__"))
+        except ImportError:  # an optional dependency missing: its tables read from metadata
+            continue
+        for obj in vars(module).values():
+            if _is_row_type(obj) and obj.__module__ == module.__name__:
+                found.setdefault(obj.TABLE, obj)
+    return found
+
+
+def _kind(t: pa.DataType) -> str:
+    """An Arrow type as the row types' Python types see it (Parquet may widen strings)."""
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "string"
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_floating(t):
+        return "float"
+    if pa.types.is_boolean(t):
+        return "bool"
+    return str(t)
+
+
+def _written_by(prov: dict[str, Any]) -> str:
+    version = prov.get("drift_version")
+    return f"drift {version}" if version else "another drift"
+
+
+def check_schema(path: Path, schema: pa.Schema, row_type: type, prov: dict[str, Any]) -> None:
+    """Raise :class:`SchemaError` unless ``schema`` has ``row_type``'s columns, types and
+    table facts."""
+    from driftcli import __version__
+
+    want = schema_of(row_type)
+    have = {f.name: f for f in schema}
+    need = {f.name: f for f in want}
+    problems = []
+    if missing := [n for n in need if n not in have]:
+        problems.append(f"missing {', '.join(missing)}")
+    if extra := [n for n in have if n not in need]:
+        problems.append(f"unexpected {', '.join(extra)}")
+    changed = [f"{n} {_kind(have[n].type)} (now {_kind(f.type)})" for n, f in need.items()
+               if n in have and _kind(have[n].type) != _kind(f.type)]
+    if changed:
+        problems.append(f"retyped {', '.join(changed)}")
+    meta = schema.metadata or {}
+    for key in (b"drift.keys", b"drift.headline", b"drift.higher_is_worse"):
+        if meta.get(key) != want.metadata[key]:
+            problems.append(f"{key.decode()} {meta.get(key, b'absent').decode()} "
+                            f"(now {want.metadata[key].decode()})")
+    if problems:
+        raise SchemaError(
+            f"{path}: this {row_type.TABLE} table, written by {_written_by(prov)}, does not "
+            f"match drift {__version__}'s ({'; '.join(problems)}); re-run drift "
+            f"{row_type.TABLE} with this drift, or report it with the drift that wrote it")
+
+
+def _facts(path: Path, meta: dict[bytes, bytes], columns: list[str],
+           prov: dict[str, Any]) -> tuple[tuple[str, ...], str, bool]:
+    """Keys, headline and direction from the schema metadata, checked against the columns."""
+    damaged = (f"{path}: its drift metadata is damaged or from an incompatible drift "
+               f"({_written_by(prov)})")
+    try:
+        keys = json.loads(meta.get(b"drift.keys", b"[]"))
+        headline = meta.get(b"drift.headline", b"").decode()
+        worse = json.loads(meta.get(b"drift.higher_is_worse", b"true"))
+    except (ValueError, UnicodeDecodeError):
+        raise SchemaError(f"{damaged}; re-run the measurement") from None
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)
+            and isinstance(worse, bool)):
+        raise SchemaError(f"{damaged}; re-run the measurement")
+    absent = [c for c in (*keys, headline) if c not in columns]
+    if absent:
+        raise SchemaError(f"{damaged}: it declares column(s) {', '.join(absent)} it does not "
+                          f"have (columns: {', '.join(columns)}); re-run the measurement")
+    return tuple(keys), headline, worse
+
+
+def read(path: Path) -> Table:
+    """One drift table, checked. Raises :class:`DriftError` for a file that is not a drift
+    table (the caller may skip it) and :class:`SchemaError` for a mismatched one."""
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise DriftError(f"{path} is not a readable Parquet file ({exc})") from None
+    meta = schema.metadata or {}
+    if TABLE_KEY not in meta:
+        raise DriftError(f"{path} is a Parquet file but not a drift table (no drift metadata)")
+    name = meta[TABLE_KEY].decode("utf-8", "replace")
+    try:
+        prov = json.loads(meta.get(PROVENANCE_KEY, b"{}"))
+    except ValueError:
+        prov = {}
+    prov = prov if isinstance(prov, dict) else {}
+    row_type = row_types().get(name)
+    if row_type is not None:
+        check_schema(path, schema, row_type, prov)
+    keys, headline, worse = _facts(path, meta, schema.names, prov)
+    frame, _ = read_table(path)
+    docs = {f.name: (f.metadata or {}).get(b"doc", b"").decode("utf-8", "replace")
+            for f in schema}
+    return Table(path, name, keys, headline, worse, frame, prov, docs,
+                 kinds={f.name: _kind(f.type) for f in schema}, row_type=row_type)
+
+
+def _candidates(paths: Iterable[Path]) -> Iterable[Path]:
+    for p in paths:
+        if p.is_dir():
+            found = sorted(q for q in p.rglob("*.parquet") if q.is_file())
+            if not found:
+                raise DriftError(f"{p} holds no .parquet files; give the folder a measurement "
+                                 "wrote (drift clip-rate ... --out DIR) or table files")
+            yield from found
+        elif p.exists():
+            yield p
+        else:
+            raise DriftError(f"{p} does not exist; give drift tables (.parquet) or folders "
+                             "holding them")
+
+
+def load(paths: Sequence[Path]) -> Loaded:
+    """Every drift table in ``paths`` (files, and folders searched recursively for
+    ``*.parquet``); Parquet files that are not drift tables are skipped with the reason.
+    Raises :class:`DriftError` when no drift table is found at all."""
+    tables: list[Table] = []
+    skipped: list[Skipped] = []
+    seen: set[Path] = set()
+    for path in _candidates(paths):
+        if path.resolve() in seen:
+            continue
+        seen.add(path.resolve())
+        try:
+            tables.append(read(path))
+        except SchemaError:
+            raise
+        except DriftError as err:
+            skipped.append(Skipped(path, str(err).removeprefix(f"{path} is ")))
+    if not tables:
+        named = ", ".join(str(p) for p in paths)
+        raise DriftError(f"no drift tables in {named}; run a measurement first (e.g. drift "
+                         "clip-rate MODEL --cast mxfp8_e4m3 --out DIR) and report DIR")
+    return Loaded(tuple(tables), tuple(skipped))

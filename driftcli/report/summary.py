@@ -1,0 +1,236 @@
+"""Summaries of drift tables: per measurement and per group (cast, policy, ...), the
+headline's median and worst value and the worst rows by name, from each table's own
+declared keys, headline and direction.
+
+How a table is cut (its :class:`Layout`) follows from its keys and values, not from its name:
+
+- the *item* column is the key column holding the aggregate marker ``*`` (``tensor`` in the
+  per-tensor measurements, ``parameter`` in the gradient ones); its ``*`` rows are the
+  aggregates, the others are summarized and named;
+- otherwise a key column named ``step`` with more than one value is the item (a training or
+  probe run, summarized over steps);
+- the *group* columns are the other key columns; a table with neither an item nor steps is
+  grouped by its first key column that takes between 2 and ``MAX_GROUPS`` values, and its
+  rows are named by the remaining key values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from driftcli.report.load import ALL_ROWS, Table
+
+WORST = 3
+"""Rows named as the worst in each group, unless asked otherwise."""
+MAX_GROUPS = 24
+"""A key column with more values than this is not used to group a table without an item."""
+STEP = "step"
+"""The key column of per-step tables (training runs, probes)."""
+ERROR = "error"
+"""A column, where a table has it, holding why a row could not be measured."""
+
+
+def plain(value: Any) -> Any:
+    """A cell as a plain Python value: NaN and pandas' missing values become None."""
+    if value is None or value is pd.NA or value is pd.NaT:
+        return None
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a table is cut for a summary: its item column (if any) and its group columns."""
+
+    item: str | None
+    groups: tuple[str, ...]
+    names: tuple[str, ...]
+    """Key columns that name a row within its group (the item, or the leftover keys)."""
+    has_aggregate: bool
+    """Whether the item column holds ``*`` rows."""
+
+
+def layout(table: Table) -> Layout:
+    """The item and group columns of ``table`` (see the module docstring)."""
+    frame, keys = table.frame, table.keys
+    for k in keys:
+        if k in frame and (frame[k].astype(object) == ALL_ROWS).any():
+            return Layout(k, tuple(c for c in keys if c != k), (k,), True)
+    if STEP in keys and frame[STEP].nunique() > 1:
+        return Layout(STEP, tuple(c for c in keys if c != STEP), (STEP,), False)
+    for k in keys:
+        if 1 < frame[k].nunique() <= MAX_GROUPS:
+            return Layout(None, (k,), tuple(c for c in keys if c != k), False)
+    return Layout(None, (), keys, False)
+
+
+@dataclass(frozen=True)
+class Named:
+    """One row named by its key values within a group, with its headline value."""
+
+    name: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A row that could not be measured, and why."""
+
+    name: str
+    error: str
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """One group of a table (one cast, one policy, ...)."""
+
+    group: tuple[tuple[str, Any], ...]
+    """(column, value) of each group column."""
+    n_rows: int
+    """Rows summarized (not aggregates) with a headline value."""
+    median: float | None
+    worst_value: float | None
+    """The max of the headline, or its min when higher is better."""
+    worst: tuple[Named, ...]
+    """The worst rows, worst first; rows equal to the group's best value are left out."""
+    aggregate: tuple[tuple[str, Any], ...] | None
+    """The group's ``*`` row as (column, value) pairs, where the table has one."""
+    failed: tuple[Failed, ...]
+
+    @property
+    def label(self) -> str:
+        """``cast=mxfp8_e4m3 source=model.safetensors``-style label (empty for no groups)."""
+        return " ".join(f"{k}={v}" for k, v in self.group)
+
+    def aggregate_value(self, column: str) -> Any:
+        """A column of the aggregate row, or None."""
+        return dict(self.aggregate or ()).get(column)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a table came from, as its file records it."""
+
+    drift_version: str | None
+    git_commit: str | None
+    utc: str | None
+    command: str | None
+    inputs: tuple[str, ...]
+
+    @classmethod
+    def of(cls, prov: dict[str, Any]) -> Provenance:
+        """From the provenance dict a table carries (missing fields become None)."""
+        cmd = prov.get("command")
+        inputs = prov.get("inputs") or []
+        return cls(
+            drift_version=prov.get("drift_version"), git_commit=prov.get("git_commit"),
+            utc=prov.get("utc"),
+            command=" ".join(str(c) for c in cmd) if isinstance(cmd, list) else None,
+            inputs=tuple(str(i.get("path", i)) if isinstance(i, dict) else str(i)
+                         for i in inputs if i is not None))
+
+    @property
+    def line(self) -> str:
+        """One line: version, commit, time."""
+        commit = f" ({self.git_commit[:10]})" if self.git_commit else ""
+        return f"drift {self.drift_version or '?'}{commit}, {self.utc or 'time unknown'}"
+
+
+@dataclass(frozen=True)
+class TableSummary:
+    """One table's summary: its facts, layout, provenance and one summary per group."""
+
+    name: str
+    path: str
+    headline: str
+    higher_is_worse: bool
+    keys: tuple[str, ...]
+    layout: Layout
+    n_rows: int
+    provenance: Provenance
+    groups: tuple[GroupSummary, ...]
+    known_row_type: bool
+    """False for a table this drift has no row type for (summarized from its schema)."""
+    headline_doc: str
+    constants: tuple[tuple[str, Any], ...] = ()
+    """Key columns with one value in every row, and that value (shown once)."""
+
+    @property
+    def worst_label(self) -> str:
+        """``max`` or ``min``: which extreme is the worst."""
+        return "max" if self.higher_is_worse else "min"
+
+
+def _name(row: pd.Series, columns: Sequence[str]) -> str:
+    parts = [str(plain(row[c])) for c in columns if plain(row[c]) is not None]
+    if columns == (STEP,) and parts:
+        return f"{STEP} {parts[0]}"  # a bare number reads as a value, not a name
+    return " ".join(parts) if parts else "(row)"
+
+
+def _group(frame: pd.DataFrame, lay: Layout, table: Table, key: tuple[tuple[str, Any], ...],
+           worst: int) -> GroupSummary:
+    head = table.headline
+    agg = None
+    if lay.has_aggregate and lay.item is not None:
+        is_agg = frame[lay.item].astype(object) == ALL_ROWS
+        if is_agg.any():
+            agg = tuple((c, plain(v)) for c, v in frame[is_agg].iloc[0].items())
+        frame = frame[~is_agg]
+    failed: tuple[Failed, ...] = ()
+    if ERROR in frame.columns:
+        bad = frame[ERROR].notna()
+        failed = tuple(Failed(_name(r, lay.names), str(r[ERROR])) for _, r in frame[bad].iterrows())
+        frame = frame[~bad]
+    values = pd.to_numeric(frame[head], errors="coerce").astype(float)
+    ok = values.notna()
+    frame, values = frame[ok], values[ok]
+    if values.empty:
+        return GroupSummary(key, 0, None, None, (), agg, failed)
+    order = values.sort_values(ascending=not table.higher_is_worse, kind="stable")
+    best = values.min() if table.higher_is_worse else values.max()
+    named = tuple(Named(_name(frame.loc[i], lay.names), float(v)) for i, v in order.items()
+                  if v != best)[:worst]
+    extreme = values.max() if table.higher_is_worse else values.min()
+    return GroupSummary(key, len(values), float(values.median()), float(extreme), named, agg,
+                        failed)
+
+
+def summarize(table: Table, worst: int = WORST) -> TableSummary:
+    """Summarize one table: per group, the headline's median and worst value, the worst rows
+    by name, the aggregate row and the rows that could not be measured."""
+    lay = layout(table)
+    frame = table.frame
+    same = [k for k in table.keys
+            if k != lay.item and len(frame) and frame[k].nunique(dropna=False) == 1]
+    fixed = set(same)
+    constants = tuple((k, plain(frame[k].iloc[0])) for k in same
+                      if plain(frame[k].iloc[0]) is not None)  # an all-null key says nothing
+    if any(n not in fixed for n in lay.names):  # name rows by what tells them apart
+        lay = dataclasses.replace(lay, names=tuple(n for n in lay.names if n not in fixed))
+    groups: list[GroupSummary] = []
+    if lay.groups:
+        # group on one string per row so null keys form a group too (pandas drops NaN keys)
+        labels = frame[list(lay.groups)].astype(object).map(lambda v: str(plain(v)))
+        joined = labels.agg("\x1f".join, axis=1)
+        for _, part in frame.groupby(joined, sort=False):
+            key = tuple((c, plain(part[c].iloc[0])) for c in lay.groups)
+            groups.append(_group(part, lay, table, key, worst))
+    else:
+        groups.append(_group(frame, lay, table, (), worst))
+    return TableSummary(
+        name=table.name, path=str(table.path), headline=table.headline,
+        higher_is_worse=table.higher_is_worse, keys=table.keys, layout=lay,
+        n_rows=len(frame), provenance=Provenance.of(table.provenance), groups=tuple(groups),
+        known_row_type=table.row_type is not None,
+        headline_doc=table.docs.get(table.headline, ""), constants=constants)
