@@ -130,3 +130,25 @@ def test_floor_where_ceil_is_asked_is_caught(monkeypatch: pytest.MonkeyPatch) ->
     outcomes = list(driftcli.verify.check_cast(FORMATS["float8_e4m3fn"], ceil, Plan(quick=True)))
     assert [o.check for o in outcomes] == ["blocks", "block scales"]
     assert all(o.n_failed > 0 for o in outcomes)
+
+
+def test_pairwise_where_sequential_is_asked_is_caught(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted order bug: the pairwise tree computed where sequential is asked. With the
+    narrow E5M2 accumulator verify-formats exits 1, and only sequential matmul cells fail."""
+    import importlib
+
+    simulated = importlib.import_module("driftcli.arith.matmul")
+    real_pairwise = simulated._pairwise
+    monkeypatch.setattr(simulated, "_sequential",
+                        lambda terms, rule, work: real_pairwise(terms, rule))
+    code, df = _run(tmp_path, "--quick", "-f", "float8_e5m2")
+    assert code == 1
+    summary = df[df.kind == "summary"]
+    failing = summary[summary.n_failed > 0]
+    assert set(failing.check) == {"matmul"} and len(failing) >= 4
+    assert all("order=sequential" in op for op in failing.operation)
+    others = summary[(summary.check == "matmul") & ~summary.operation.str.contains("sequential")]
+    assert len(others) > 0 and int(others.n_failed.sum()) == 0
+    rows = df[(df.kind == "disagreement") & (df.check == "matmul")]
+    assert rows.operands.str.contains("element").all()

@@ -8,7 +8,9 @@ from typer.testing import CliRunner
 
 from driftcli import FORMATS
 from driftcli.cli import app
+from driftcli.formats import get_format
 from driftcli.io.tables import read_table
+from driftcli.verify import MATMUL_ACCUMULATORS, Plan, matmul_specs
 
 
 def test_full_verify_formats_has_no_disagreement(tmp_path: Path) -> None:
@@ -18,7 +20,7 @@ def test_full_verify_formats_has_no_disagreement(tmp_path: Path) -> None:
     assert prov["plan"] == "full"
     summary = df[df.kind == "summary"]
     assert int(summary.n_failed.sum()) == 0 and (df.kind == "summary").all()
-    assert set(summary.format) == set(FORMATS)
+    assert set(summary.format) == set(FORMATS) | {"e8m13"}  # the custom accumulator joins
     for name, fmt in FORMATS.items():
         if fmt.bits > 8:
             continue
@@ -35,3 +37,15 @@ def test_full_verify_formats_has_no_disagreement(tmp_path: Path) -> None:
         main = summary[(summary.format == name) & (summary.rounding == "rne")
                        & (summary.overflow == "saturate") & (summary.operation == "product")]
         assert int(main.n_checked.sum()) >= 1_000_000
+    # simulated matmuls: one cell per spec, every output element of every case compared
+    matmul = summary[summary.check == "matmul"]
+    assert set(matmul.format) == set(MATMUL_ACCUMULATORS)
+    for name in MATMUL_ACCUMULATORS:
+        cells = matmul[matmul.format == name]
+        assert len(cells) == len(matmul_specs(get_format(name), Plan()))
+        assert set(cells.rounding) == {"rne", "rtz"} and set(cells.overflow) == {"ieee"}
+        # 46 specs x 82 output elements (6 random cases, tiny, huge, constructed); float32 adds
+        # 4 native specs x 57 (the 6 integer cases)
+        assert int(cells.n_checked.sum()) == (4000 if name == "float32" else 3772), name
+    orders = {op.split("order=")[1].split(",")[0] for op in matmul.operation}
+    assert orders == {"sequential", "pairwise", "chunked:16", "chunked:64", "native"}

@@ -279,8 +279,6 @@ def parse_matmul_spec(text: str | MatmulSpec) -> MatmulSpec:
                            order=found.get("order", Order.SEQUENTIAL),
                            scale_application=found.get("scale", ScaleApplication.DEQUANTIZED),
                            out=found.get("out"))
-    except MatmulSpecError:
-        raise
     except DriftError as err:
         raise MatmulSpecError(f"matmul spec {text!r}: {err}") from None
 
@@ -493,12 +491,16 @@ def _float32_exact(qa: Tensor, qb: Tensor, spec: MatmulSpec) -> bool:
     the operands' significant bits add up to at most 24; every nonzero product is at least
     2**-126 (no float32 subnormal, so no bit is lost); nothing is NaN or inf; and no partial
     sum can reach float32's overflow (where TwoSum stops being exact), bounded by
-    ``K * max|a| * max|b| * (1 + 2**-mbits)**K`` (each rounding grows a sum by at most one ulp).
+    ``K * max|a| * max|b| * (1 + 2**-mbits)**K`` (each rounding grows a sum by at most one ulp);
+    and the accumulator is laid out as float32 or has fewer mantissa bits than float32.
     Otherwise the work is done in float64, where products are always exact."""
     if qa.numel() == 0 or qb.numel() == 0:
         return True
     if significant_bits(spec.lhs) + significant_bits(spec.rhs) > 24:
         return False
+    acc = spec.accumulator
+    if not _float32_layout(acc) and acc.mbits >= FLOAT32.mbits:
+        return False  # the kernel's sticky residual needs a bit of float32 below the format
     fa, fb = qa.abs().double(), qb.abs().double()
     if not (bool(torch.isfinite(fa).all()) and bool(torch.isfinite(fb).all())):
         return False
