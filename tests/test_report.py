@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -156,6 +157,33 @@ def report(*args: str) -> Any:
     return runner.invoke(app, ["report", *args])
 
 
+def make_row(row_type: type, **values: Any) -> Any:
+    """A row of any row type: the given values, nulls where allowed, else 0 or ''."""
+    hints = typing.get_type_hints(row_type)
+    filled = {}
+    for f in dataclasses.fields(row_type):
+        if f.name in values:
+            filled[f.name] = values[f.name]
+        elif type(None) in typing.get_args(hints[f.name]):
+            filled[f.name] = None
+        else:
+            filled[f.name] = {str: "", int: 0, float: 0.0, bool: False}[hints[f.name]]
+    return row_type(**filled)
+
+
+REAL_COSINE = {"mxfp8_e4m3": {"wte": 0.999, "h.0.mlp.w": 0.981, "h.1.mlp.w": 0.95, "*": 0.97},
+               "bf16": {"wte": 1.0, "h.0.mlp.w": 0.9999, "h.1.mlp.w": 0.9998, "*": 0.9999}}
+
+
+def write_real_grad(folder: Path) -> Path:
+    from driftcli.measures.grad_cosine import GradCosineRow
+
+    rows = [make_row(GradCosineRow, checkpoint="tiny-gpt", policy=p, policy_spec=p + " spec",
+                     parameter=n, cosine=v, retention=v * 0.98, norm_ratio=1.0, draws=1)
+            for p, per in REAL_COSINE.items() for n, v in per.items()]
+    return write_table(folder / "grad-cosine.parquet", GradCosineRow, rows, PROV)
+
+
 # --- reading and schema checks -------------------------------------------------------------
 
 def test_row_types_are_found_not_listed() -> None:
@@ -237,6 +265,40 @@ def test_higher_is_better_reports_the_min_and_lowest_first(tmp_path: Path) -> No
     assert "grad-cosine-test: cosine (higher is better)" in result.output
     assert "min cosine" in result.output and "w1 0.97" in result.output
     assert "no row type for this table" in result.output
+
+
+def test_grad_cosine_table(tmp_path: Path) -> None:
+    write_real_grad(tmp_path)
+    table = load([tmp_path]).tables[0]
+    assert table.row_type is not None and table.row_type.__name__ == "GradCosineRow"
+    s = summarize(table)
+    assert s.layout.item == "parameter" and s.layout.groups == ("checkpoint", "policy")
+    mx = s.groups[0]
+    assert mx.worst_value == pytest.approx(0.95) and mx.median == pytest.approx(0.981)
+    assert [w.name for w in mx.worst] == ["h.1.mlp.w", "h.0.mlp.w"]
+    assert mx.aggregate_value("cosine") == pytest.approx(0.97)
+    rule = 'grad-cosine:cosine < 0.99 and policy == "mxfp8_e4m3"'
+    result = report(str(tmp_path), "--fail-on", rule)
+    assert result.exit_code == 1
+    assert f"FAIL {rule}: 3 row(s) of grad-cosine" in result.output  # h.0, h.1 and '*'
+    assert report(str(tmp_path), "--fail-on", 'grad-cosine:cosine < 0.99 and policy == "bf16"'
+                  ).exit_code == 0
+
+
+def test_accum_error_table_is_summarized(tmp_path: Path) -> None:
+    from driftcli.measures.accum_error import AccumErrorRow
+
+    rows = [make_row(AccumErrorRow, source="synthetic", matmul=d, spec=spec, m=8, k=k, n=8,
+                     rel_error=e)
+            for d in ("normal", "halfnormal") for spec, k, e in
+            (("acc=bfloat16", 1024, 0.2 if d == "halfnormal" else 0.05),
+             ("acc=float32", 1024, 0.004))]
+    write_table(tmp_path / "accum-error.parquet", AccumErrorRow, rows, PROV)
+    result = report(str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert "accum-error: rel_error (higher is worse)" in result.output
+    assert "acc=bfloat16 0.2" in result.output  # named by the key that tells rows apart
+    assert "for all rows: source=synthetic, m=8, k=1024, n=8" in result.output
 
 
 def test_printed_summary(run: Path) -> None:
@@ -463,7 +525,8 @@ def test_fuzz_any_text_parses_or_raises_expression_error(text: str) -> None:
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.sampled_from(TOKENS), max_size=25).map(" ".join))
+@given(st.builds(str.join, st.sampled_from([" ", ""]),
+                 st.lists(st.sampled_from(TOKENS), max_size=25)))
 def test_fuzz_token_soup(text: str) -> None:
     _check(text)
 

@@ -398,6 +398,8 @@ def _kind_of_series(s: pd.Series) -> Kind:
         return Kind.BOOL
     if pd.api.types.is_numeric_dtype(s.dtype):
         return Kind.NUMBER
+    if pd.api.types.is_string_dtype(s.dtype) and not pd.api.types.is_object_dtype(s.dtype):
+        return Kind.TEXT
     kinds = {Kind.BOOL if isinstance(v, bool | np.bool_) else
              Kind.NUMBER if isinstance(v, int | float | np.number) else Kind.TEXT
              for v in s.dropna()}
