@@ -695,6 +695,10 @@ def test_plot_scales_follow_the_values(run: Path) -> None:
     assert _scale([1e-6, 0.5]) == ("log", {})
     assert _scale([0.1, 0.5, 0.0]) == ("linear", {})
     assert _scale([-0.3, 1e-7, 0.0]) == ("symlog", {"linthresh": 1e-7})
+    rng = np.random.default_rng(0)
+    assert _scale(list(rng.normal(0, 1e-3, 1000)))[0] == "linear"  # a bias cloud around 0
+    assert _scale(list(10 ** rng.uniform(-6, -1, 1000)))[0] == "log"  # rates over decades
+    assert _scale([*10 ** rng.uniform(-6, -1, 1000), 0.0])[0] == "symlog"
     table = load([run / "clip-rate.parquet"]).tables[0]
     assert axis_label(table, "clip_rate") == "clip_rate [fraction]"
     assert axis_label(table, "clipped") == "clipped [count]"

@@ -30,7 +30,8 @@ from driftcli.report.summary import STEP, Layout, layout
 
 DPI = 100
 DECADES = 2.0
-"""Nonzero values spanning more than this many decades get a log scale."""
+"""Nonzero magnitudes spanning more than this many decades (5th to 95th percentile) get a
+log scale."""
 MAX_LABELLED = 60
 """Items named on the axis; beyond this, items are plotted by index and the worst named."""
 NAMED_WORST = 5
@@ -93,11 +94,16 @@ def axis_label(table: Table, column: str) -> str:
 def _scale(values: Sequence[float]) -> tuple[str, dict[str, Any]]:
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
     nz = np.abs(v[v != 0])
-    if nz.size < 2 or math.log10(nz.max() / nz.min()) <= DECADES:
+    # the span between the 5th and 95th percentile magnitudes: a Gaussian spread around 0
+    # (bias) stays linear, rates spread over decades go logarithmic
+    if nz.size < 2 or math.log10(np.percentile(nz, 95, method="higher")
+                                 / np.percentile(nz, 5, method="lower")) <= DECADES:
         return "linear", {}
     if (v > 0).all():
         return "log", {}
-    return "symlog", {"linthresh": float(nz.min())}
+    # linear within the smallest tenth of the magnitudes: a spread around 0 stays one cloud
+    # instead of splitting into two far-apart logarithmic tails
+    return "symlog", {"linthresh": float(np.percentile(nz, 10, method="lower"))}
 
 
 def _apply_scale(ax: Any, which: str, values: Sequence[float]) -> str:
@@ -151,6 +157,12 @@ def _legend(ax: Any, title: str) -> None:
                   fontsize="small", title_fontsize="small", frameon=False)
 
 
+def _label(row: pd.Series, columns: Sequence[str]) -> str:
+    """``mxfp8_e4m3: `` — the values of the group columns that vary, to name a row's series."""
+    values = [str(row[c]) for c in columns if row[c] is not None]
+    return " ".join(values) + ": " if values else ""
+
+
 def _legend_title(frame: pd.DataFrame, lay: Layout, drop: Sequence[str] = ()) -> str:
     return " ".join(c for c in lay.groups if c not in drop
                     and frame[c].nunique(dropna=False) > 1)
@@ -177,6 +189,7 @@ def by_item(table: Table, column: str) -> Plot | None:
     series = _series(frame, lay)
     shown = series[:MAX_SERIES]
     labelled = len(items) <= MAX_LABELLED
+    more = ""
     height = 1.6 + 0.24 * len(items) if labelled else 4.5
     fig, ax = _figure(9.5, min(max(height, 3.2), 40))
     pos = {name: i for i, name in enumerate(items)}
@@ -205,18 +218,25 @@ def by_item(table: Table, column: str) -> Plot | None:
         ax.set_ylabel(item)
         ax.grid(axis="x", alpha=0.3)
     else:
-        ax.set_xlabel(f"{item} index (file order; the {NAMED_WORST} worst are named)")
+        ax.set_xlabel(f"{item} index (file order; the {NAMED_WORST} worst are numbered)")
         ax.set_ylabel(axis_label(table, column))
         ax.grid(axis="y", alpha=0.3)
-        worst = rows.assign(_v=values).dropna(subset=["_v"]).sort_values(
-            "_v", ascending=not (table.higher_is_worse or column != table.headline))
-        for _, r in worst.head(NAMED_WORST).iterrows():
-            ax.annotate(str(r[item]), (pos[str(r[item])], r["_v"]), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
+        # numbered rings, names in the caption: names written on a dense plot overlap
+        worst = rows.assign(_v=values).sort_values(
+            "_v", ascending=not table.higher_is_worse, kind="stable").head(NAMED_WORST)
+        for n, (_, r) in enumerate(worst.iterrows(), 1):
+            where = (pos[str(r[item])], r["_v"])
+            ax.scatter(*where, s=90, facecolors="none", edgecolors="black", linewidths=1)
+            ax.annotate(str(n), where, fontsize=8, fontweight="bold", xytext=(5, -3),
+                        textcoords="offset points")
+        vary = [c for c in lay.groups if frame[c].nunique(dropna=False) > 1]
+        named = "; ".join(f"{n} {r[item]} ({_label(r, vary)}{r['_v']:.3g})"
+                          for n, (_, r) in enumerate(worst.iterrows(), 1))
+        more = f" Worst: {named}." + more
     ax.set_title(f"{table.name}: {column} by {item}")
     _legend(ax, _legend_title(frame, lay))
-    more = f" Showing the first {MAX_SERIES} of {len(series)} series." if len(
-        series) > MAX_SERIES else ""
+    if len(series) > MAX_SERIES:
+        more += f" Showing the first {MAX_SERIES} of {len(series)} series."
     dashed = (f" Dashed lines: the all-{item}s row ({ALL_ROWS}) of each series."
               if not aggregates.empty else "")
     scale = f" {kind} scale." if kind != "linear" else ""
