@@ -27,7 +27,7 @@ from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_co
 
 OUT = Path("drift-out")
 WORST = 3
-"""Parameters with the lowest cosine named per policy in the summary."""
+"""Parameters with the lowest cosine named per policy in the JSON summary (the table: 1)."""
 
 
 def _batch(lm: CausalLM, text: Path | None, batch: Path | None, tokens: int,
@@ -59,23 +59,24 @@ def summarize(rows: list[GradCosineRow], path: Path) -> dict[str, Any]:
     return out
 
 
-def _fmt(value: float | None, digits: int = 6) -> str:
-    return "-" if value is None else f"{value:.{digits}g}"
+def _fmt(value: float | None, spec: str = ".6f") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _print(summary: dict[str, Any]) -> None:
-    table = Table(title=f"grad-cosine: {summary['checkpoint']} (all parameters, and the worst)")
+    table = Table(title=f"grad-cosine: {summary['checkpoint']} (all parameters)")
     for col in ("policy", "cosine", "retention", "norm_ratio", "rel_error", "loss", "draws",
                 "lowest cosine"):
         table.add_column(col, justify="left" if col in ("policy", "lowest cosine") else "right")
     for p in summary["policies"]:
-        worst = ", ".join(f"{w['parameter']} {_fmt(w['cosine'], 4)}" for w in p["worst"])
+        low = p["worst"][0] if p["worst"] else None
+        lowest = "-" if low is None else f"{low['parameter']} {_fmt(low['cosine'], '.4f')}"
         table.add_row(p["policy"], _fmt(p["cosine"]), _fmt(p["retention"]),
-                      _fmt(p["norm_ratio"]), _fmt(p["rel_error"], 4), _fmt(p["loss"], 5),
-                      str(p["draws"]), worst or "-")
+                      _fmt(p["norm_ratio"], ".4f"), _fmt(p["rel_error"], ".3g"),
+                      _fmt(p["loss"], ".5f"), str(p["draws"]), lowest)
     out = Console(width=160)
     out.print(table)
-    out.print(f"exact loss {_fmt(summary['loss_exact'], 5)}; wrote {summary['table']}")
+    out.print(f"exact loss {_fmt(summary['loss_exact'], '.5f')}; wrote {summary['table']}")
 
 
 @command("grad-cosine")
