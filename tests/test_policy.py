@@ -409,3 +409,17 @@ def test_policy_matmul_checks_its_operands() -> None:
         policy_matmul(a, torch.randn(4, 2), EXACT)
     with pytest.raises(DriftError, match="dtypes"):
         policy_matmul(a, torch.randn(3, 2, dtype=F64), EXACT)
+
+
+def test_one_policy_at_a_time_and_autocast_does_not_lower_the_spec() -> None:
+    inner = arithmetic("nvfp4")
+    with arithmetic("exact"), pytest.raises(DriftError, match="one policy at a time"):
+        inner.__enter__()
+    with arithmetic("nvfp4") as mode:  # the failed entry left nothing behind
+        torch.randn(2, 32) @ torch.randn(32, 2)
+    assert mode.routed == {"torch.matmul": 1}
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(4, 64, generator=g), torch.randn(8, 64, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16), arithmetic("float32"):
+        y = F.linear(x, w)
+    assert y.dtype == torch.float32 and torch.equal(y, x @ w.T)

@@ -104,12 +104,14 @@ def simulated_product(qa: Tensor, qb: Tensor, spec: MatmulSpec, out_seed: int) -
     """``qa·qb`` of operands already cast by ``spec``'s casts: the accumulation and output cast
     of ``spec`` (float32 result; see the module docs)."""
     a32, b32 = qa.float(), qb.float()
-    if spec.order is Order.NATIVE:
-        c = torch.matmul(a32, b32)
-    elif spec.scale_application is ScaleApplication.DEQUANTIZED:
-        c = matmul(a32, b32, replace(spec, lhs=None, rhs=None, out=None))
-    else:  # block terms need the block scales: the block cast again (it returns the same values)
-        c = matmul(a32, b32, replace(spec, out=None), seed=out_seed)
+    # the spec fixes the arithmetic: an autocast region around the model must not lower it
+    with torch.autocast(a32.device.type, enabled=False):
+        if spec.order is Order.NATIVE:
+            c = torch.matmul(a32, b32)
+        elif spec.scale_application is ScaleApplication.DEQUANTIZED:
+            c = matmul(a32, b32, replace(spec, lhs=None, rhs=None, out=None))
+        else:  # block terms need the block scales: the block cast again (same values back)
+            c = matmul(a32, b32, replace(spec, out=None), seed=out_seed)
     if spec.out is not None:
         c = cast_operand(c, spec.out, -1, _bits(spec.out, c.shape, out_seed, c.device))
     return c

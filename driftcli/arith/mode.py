@@ -36,7 +36,7 @@ import string
 from collections import Counter
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +85,9 @@ class ArithmeticMode(TorchFunctionMode):
     (an sdpa call is two; under a policy that simulates nothing they are the plain op).
     """
 
+    _active: ClassVar[list[str]] = []
+    """Names of the policies whose block is running (at most one)."""
+
     def __init__(self, policy: ArithmeticPolicy, model: nn.Module | None = None) -> None:
         super().__init__()
         self.policy = policy
@@ -100,6 +103,12 @@ class ArithmeticMode(TorchFunctionMode):
     # -- context --------------------------------------------------------------------------------
 
     def __enter__(self) -> ArithmeticMode:
+        if ArithmeticMode._active:
+            # the outer mode would route the inner one's own matmuls: casts on casts
+            raise DriftError(f"arithmetic({self.policy.name!r}) entered inside "
+                             f"arithmetic({ArithmeticMode._active[-1]!r}); leave the outer "
+                             "block first (one policy at a time)")
+        ArithmeticMode._active.append(self.policy.name)
         if self.model is not None:
             self._learn_names(self.model)
         self._handles = [register_module_forward_pre_hook(self._push),
@@ -112,6 +121,7 @@ class ArithmeticMode(TorchFunctionMode):
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
+            ArithmeticMode._active.pop()
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
