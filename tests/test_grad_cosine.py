@@ -166,7 +166,7 @@ def test_keep_high_precision_policy_in_grad_cosine() -> None:
 
 @pytest.fixture(scope="module")
 def stories() -> CausalLM:
-    pytest.importorskip("transformers", reason="the HF checkpoint needs drift[hf]")
+    pytest.importorskip("transformers", reason="the HF checkpoint needs driftcli[hf]")
     if not STORIES.is_dir():
         pytest.skip(f"{STORIES} is not here (shared data of the drift workspace)")
     return checkpoints.load_causal_lm(STORIES)
@@ -292,3 +292,19 @@ def test_cli_rejects_a_folder_no_loader_reads(tmp_path: Path) -> None:
     res = runner.invoke(app, ["grad-cosine", str(tmp_path), "-p", "exact", "--text", str(text),
                               "--out", str(tmp_path / "o")])
     assert res.exit_code == 2 and "is not a checkpoint drift can load" in res.stderr
+
+
+def test_hf_folder_without_transformers_names_the_extra(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    real = checkpoints.importlib.util.find_spec
+    monkeypatch.setattr(checkpoints.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    text = tmp_path / "t.txt"
+    text.write_text(STORY)
+    res = runner.invoke(app, ["grad-cosine", str(folder), "-p", "exact", "--text", str(text),
+                              "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    assert "Hugging Face model folder" in res.stderr and "driftcli[hf]" in res.stderr

@@ -3,8 +3,8 @@
 A loader recognises a checkpoint path and returns a :class:`CausalLM`: the module (in eval
 mode, so dropout is off), how to get its logits from token ids, and its tokenizer. Today there
 is one kind, a Hugging Face causal-LM folder (``config.json`` beside the weights; needs the
-optional extra ``drift[hf]``, i.e. ``transformers``); drift's own model checkpoints add a
-second entry to :data:`KINDS`.
+optional extra ``hf``: ``pip install "driftcli[hf]"``, i.e. ``transformers``); drift's own
+model checkpoints add a second entry to :data:`KINDS`.
 
 Batches are int64 token ids of shape ``(windows, tokens)``: from a text file tokenized with the
 checkpoint's tokenizer (:func:`text_batch`), or from a safetensors file holding an integer
@@ -95,7 +95,7 @@ def _load_hf(path: Path) -> CausalLM:
 
 KINDS: list[CheckpointKind] = [
     CheckpointKind("hf", _is_hf, _load_hf,
-                   "a Hugging Face causal-LM folder (config.json; needs drift[hf])"),
+                   "a Hugging Face causal-LM folder (config.json; needs driftcli[hf])"),
 ]
 """Every checkpoint kind, tried in order."""
 
