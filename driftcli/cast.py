@@ -37,11 +37,14 @@ from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
 from driftcli.scaling import (
     CastSpecError,
     Granularity,
+    ScalePlan,
     ScaleRule,
     Scaling,
     block_stats,
+    plan_pow2_exponents,
+    plan_real_scales,
+    plan_two_level_scales,
     pow2_exponents,
-    real_scales,
     to_blocks,
     two_level_scales,
 )
@@ -270,15 +273,24 @@ def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int |
     return _quantize(x, c, axis, random_bits, sr_bits, return_info)
 
 
-def _scales(amax: Tensor, tensor_amax: Tensor, c: Cast) -> tuple[Tensor, Tensor]:
-    """Each row's scale (the exponent ``k`` of ``2**k``, or the divisor) and if it clamped."""
-    s = c.scaling
-    if s.rule is not None and s.rule.power_of_two:
-        return pow2_exponents(amax, c.format, s)
-    if s.rule is ScaleRule.TWO_LEVEL:
-        two = two_level_scales(amax, tensor_amax, c.format, s)
+def _scales(amax: Tensor, tensor_amax: Tensor, c: Cast, job: int = 0) -> tuple[Tensor, Tensor]:
+    """Each row's scale (the exponent ``k`` of ``2**k``, or the divisor) and if it clamped;
+    compiled when ``job`` (elements of the work this is part of) makes that worth it."""
+    plan = ScalePlan.of(c.format, c.scaling)
+    div = plan.divisors(amax)
+    out = fast.run_compiled(_plan_scales, job, amax, tensor_amax, div, plan=plan) \
+        if job else None
+    return out if out is not None else _plan_scales(amax, tensor_amax, div, plan=plan)
+
+
+def _plan_scales(amax: Tensor, tensor_amax: Tensor, div: Tensor, *,
+                 plan: ScalePlan) -> tuple[Tensor, Tensor]:
+    if plan.rule.power_of_two:
+        return plan_pow2_exponents(amax, plan)
+    if plan.rule is ScaleRule.TWO_LEVEL:
+        two = plan_two_level_scales(amax, tensor_amax, div, plan)
         return two.divisor, two.clamped
-    return real_scales(amax, c.format, s)
+    return plan_real_scales(amax, div, plan)
 
 
 def _apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, nonfinite: Tensor, *,
@@ -367,7 +379,7 @@ def _cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_b
     if stats is not None:  # compiled: amax pass, scales per block eagerly, element pass
         amax, nonfinite = stats
         top = _tensor_amax(amax, tensor_amax)
-        scale, clamped = _scales(amax, top, c)
+        scale, clamped = _scales(amax, top, c, n)
         q = fast.run_compiled(
             _apply, n, blocks, bits, scale, nonfinite, tgt=fast.target_of(elem),
             rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits, pow2=pow2,
@@ -449,35 +461,47 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
         nonfinite_blocks=b.bad_blocks, tensor_scale=b.tensor_scale)
 
 
-_SUMS = ("finite", "clipped", "clipped_groups", "clip_excess", "abs_sum", "underflowed",
-         "subnormal", "lost", "nonzero", "xx", "ee", "ex", "e_sum")
+_SUMS = ("finite", "clipped", "clip_excess", "abs_sum", "underflowed", "subnormal", "lost",
+         "nonzero", "xx", "ee", "ex", "e_sum")
 """What :func:`_sums_pass` adds up, in the order of its result."""
 
 
-def _sums_pass(blocks: Tensor, bits: Tensor | None, scale: Tensor, nonfinite: Tensor,
-               limits: Tensor, *, tgt: object, rounding: Rounding, overflow: Overflow,
-               sr_bits: int, pow2: bool, blocked: bool, wide: bool, elem: tuple[float, ...],
+def _rounded(blocks: Tensor, bits: Tensor | None, scale: Tensor, *, tgt: object,
+             rounding: Rounding, overflow: Overflow, sr_bits: int, pow2: bool,
+             wide: bool) -> Tensor:
+    """The element cast of every row, before its scale is multiplied back in for real-valued
+    scales (``q / s``), or with it for powers of two (``q``). Stored, not recomputed: a
+    compiler otherwise repeats the whole rounding once per sum that reads it."""
+    if pow2:
+        work = blocks.double() if wide else blocks
+        return fast.round_fused(work, tgt, rounding, overflow, bits, scale[:, None],
+                                sr_bits).to(blocks.dtype)
+    y = blocks / scale[:, None]
+    return fast.round_fused(y, tgt, rounding, overflow, bits, None, sr_bits)
+
+
+def _sums_pass(blocks: Tensor, r: Tensor, scale: Tensor, nonfinite: Tensor, limits: Tensor, *,
+               pow2: bool, blocked: bool, elem: tuple[float, ...],
                want_q: bool) -> tuple[Tensor, Tensor | None]:
-    """The cast of every row and the sums of :class:`CastStats` in one pass (one compiled
-    graph): the masks of :func:`_masks` are never stored.
+    """The sums of :class:`CastStats` from the rounded rows ``r`` of :func:`_rounded`, in one
+    compiled pass: the masks of :func:`_masks` are never stored. Only whole-tensor sums: a
+    per-row reduction among them makes the compiler loop row by row, ten times slower
+    (which groups clipped comes from the rows' extremes instead, see :func:`_extremes`).
 
     ``limits`` holds, per row of a power-of-two scaling, ``max·s``, ``min·s`` and
     ``smallest_normal·s`` (exact in the rounding dtype); ``elem`` the same three unscaled.
     """
     e_max, e_min, e_small = elem
     if pow2:
-        work = blocks.double() if wide else blocks
-        q = fast.round_fused(work, tgt, rounding, overflow, bits, scale[:, None],
-                             sr_bits).to(blocks.dtype)
+        q = r
+        work = blocks.to(limits.dtype)
         clipped = (work > limits[:, 0:1]) | (work < limits[:, 1:2])
-        qw = q.to(limits.dtype)
-        subnormal = (q != 0) & (qw.abs() < limits[:, 2:3])
+        subnormal = (q != 0) & (q.to(limits.dtype).abs() < limits[:, 2:3])
     else:
-        y = blocks / scale[:, None]
-        qy = fast.round_fused(y, tgt, rounding, overflow, bits, None, sr_bits)
-        q = qy * scale[:, None]
+        y = blocks / scale[:, None]  # the same IEEE division the cast made
+        q = r * scale[:, None]
         clipped = (y > e_max) | (y < e_min)
-        subnormal = (qy != 0) & (qy.abs() < e_small)
+        subnormal = (r != 0) & (r.abs() < e_small)
     finite = torch.isfinite(blocks)
     if blocked:
         q = torch.where(nonfinite[:, None], torch.nan, q)
@@ -491,7 +515,7 @@ def _sums_pass(blocks: Tensor, bits: Tensor | None, scale: Tensor, nonfinite: Te
     mags = torch.where(finite, xd.abs(), 0.0)
     top = (scale.double() * e_max)[:, None] if not pow2 else limits[:, 0:1].double()
     sums = torch.stack([
-        finite.sum().double(), clipped.sum().double(), clipped.any(dim=1).sum().double(),
+        finite.sum().double(), clipped.sum().double(),
         torch.where(clipped, mags - top, 0.0).sum(), mags.sum(),
         ((blocks != 0) & finite & (q == 0)).sum().double(), subnormal.sum().double(),
         (finite & ~valid).sum().double(), ((blocks != 0) & finite).sum().double(),
@@ -610,6 +634,25 @@ TENSOR_ROW = 1 << 12
 zeros add nothing to any sum)."""
 
 
+def _extremes(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per row: amax (as :func:`_stats`), the largest and smallest finite values, and
+    whether the row holds a NaN or inf."""
+    finite = torch.isfinite(blocks)
+    top = torch.where(finite, blocks, -torch.inf).amax(dim=1)
+    bottom = torch.where(finite, blocks, torch.inf).amin(dim=1)
+    amax = torch.maximum(top, -bottom).clamp(min=0).abs()  # 0 for a row with nothing finite
+    return amax, top, bottom, ~finite.all(dim=1)
+
+
+def _clipped_groups(top: Tensor, bottom: Tensor, scale: Tensor, limits: Tensor,
+                    elem: Format, pow2: bool) -> Tensor:
+    """Rows holding a clipped element: the cast is monotone, so a row clips if and only if
+    its largest or smallest finite value does (the same comparisons as per element)."""
+    if pow2:
+        return (top.to(limits.dtype) > limits[:, 0]) | (bottom.to(limits.dtype) < limits[:, 1])
+    return (top / scale > float(elem.max)) | (bottom / scale < float(elem.min))
+
+
 def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: int,
                  tensor_amax: float | None, job: int,
                  want_q: bool) -> tuple[CastStats, Tensor | None] | None:
@@ -633,14 +676,14 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
         blocks, back = to_blocks(work, s, axis)
         blocks = blocks.contiguous()
         rbits = None if bits is None else to_blocks(bits, s, axis)[0].contiguous()
-    stats = fast.run_compiled(_stats, job, blocks)
+    stats = fast.run_compiled(_extremes, job, blocks)
     if stats is None:
         return None
-    amax, nonfinite = stats
+    amax, row_max, row_min, nonfinite = stats
     top = _tensor_amax(amax, tensor_amax)
     if per_tensor:
         amax = top.expand_as(amax)
-    scale, clamped = _scales(amax, top, c)
+    scale, clamped = _scales(amax, top, c, job)
     pow2 = bool(s.rule is not None and s.rule.power_of_two)
     wide = pow2 and _wide(amax, c)
     if pow2:  # the thresholds scaled by each row's 2**k, exact in the dtype the cast rounds in
@@ -650,23 +693,27 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
         limits = (unit[:, None] * ends).to(torch.float64 if wide else blocks.dtype)
     else:
         limits = torch.zeros(1, 3, dtype=blocks.dtype, device=blocks.device)
+    r = fast.run_compiled(
+        _rounded, job, blocks, rbits, scale, tgt=fast.target_of(elem), rounding=c.rounding,
+        overflow=c.overflow, sr_bits=sr_bits, pow2=pow2, wide=wide)
+    if r is None:
+        return None
     out = fast.run_compiled(
-        _sums_pass, job, blocks, rbits, scale, nonfinite, limits, tgt=fast.target_of(elem),
-        rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits, pow2=pow2,
-        blocked=s.blocked, wide=wide,
+        _sums_pass, job, blocks, r, scale, nonfinite, limits, pow2=pow2, blocked=s.blocked,
         elem=(float(elem.max), float(elem.min), float(elem.smallest_normal)), want_q=want_q)
     if out is None:
         return None
     sums, q = out
     v = dict(zip(_SUMS, (float(t) for t in sums.tolist()), strict=True))
-    counts = {k: int(v[k]) for k in ("finite", "clipped", "clipped_groups", "underflowed",
-                                     "subnormal", "lost", "nonzero")}
+    counts = {k: int(v[k]) for k in ("finite", "clipped", "underflowed", "subnormal", "lost",
+                                     "nonzero")}
     bad = nonfinite if s.blocked else torch.zeros_like(nonfinite)
+    groups = int((_clipped_groups(row_max, row_min, scale, limits, elem, pow2) & ~bad).sum())
     stats_ = CastStats(
         numel=x.numel(), nonfinite=blocks.numel() - counts["finite"], nonzero=counts["nonzero"],
         groups=1 if per_tensor else blocks.shape[0],
         clipped=counts["clipped"],
-        clipped_groups=min(counts["clipped_groups"], 1) if per_tensor else counts["clipped_groups"],
+        clipped_groups=min(counts["clipped"], 1) if per_tensor else groups,
         clip_excess=v["clip_excess"], abs_sum=v["abs_sum"], underflowed=counts["underflowed"],
         subnormal=counts["subnormal"],
         scale_clamped=int(clamped[:1].sum()) if per_tensor else int((clamped & ~bad).sum()),
@@ -675,12 +722,14 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     return stats_, (None if q is None else back(q).to(x.dtype))
 
 
-def finite_amax(x: Tensor) -> float:
-    """The largest finite magnitude in ``x`` (0 when there is none), as scales read it."""
+def finite_amax(x: Tensor, job: int = 0) -> float:
+    """The largest finite magnitude in ``x`` (0 when there is none), as scales read it;
+    compiled when ``job`` (elements of the work this is part of) makes that worth it."""
     if x.numel() == 0:
         return 0.0
     flat = x.reshape(1, -1).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    return float(block_stats(flat).amax[0])
+    stats = fast.run_compiled(_stats, job, flat) if job else None
+    return float((stats if stats is not None else _stats(flat))[0][0])
 
 
 def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,

@@ -36,13 +36,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cache
 
 import torch
 
 from driftcli.errors import DriftError
-from driftcli.formats import FORMATS, Format, pow2
+from driftcli.formats import Format, pow2
 from driftcli.modes import Overflow, Rounding
-from driftcli.rounding import round_fused
+from driftcli.rounding import round_fused, target_of
 
 Tensor = torch.Tensor
 
@@ -212,26 +213,77 @@ def binade_and_significand(a: Tensor) -> tuple[Tensor, Tensor]:
     return exponent, significand
 
 
+@dataclass(frozen=True)
+class ScalePlan:
+    """Everything a scale rule reads, as plain numbers and hashable kernel constants, so the
+    rules below are pure tensor arithmetic that a compiler traces as one graph."""
+
+    rule: ScaleRule
+    elem_emax: int
+    elem_max: float
+    """The element format's largest finite value M."""
+    elem_max_significand: float
+    """``M / 2**emax``, in [1, 2)."""
+    even_threshold: float
+    """``2 - 2**-(mbits + 1)``: an amax significand at or above it rounds up to 2."""
+    headroom: int
+    low: int
+    """The smallest ``k`` whose ``2**k`` the scale format holds."""
+    high: int
+    smallest: float
+    """The scale format's smallest positive value."""
+    largest: float
+    scale_target: object
+    """The rounding kernel's constants of the scale format."""
+    scale_special: bool
+    """The scale format has inf or NaN (overflow shows as a nonfinite rounding)."""
+    two_level_max: float
+    """``Ms · M``: the scale format's max times the element's (two-level tensor scales)."""
+
+    @staticmethod
+    @cache
+    def of(elem: Format, scaling: Scaling) -> ScalePlan:
+        """The plan of a scaling with element format ``elem`` (cached)."""
+        fmt = _scale_format(scaling)
+        low, high = pow2_range(fmt)
+        return ScalePlan(
+            scaling.rule, elem.emax, float(elem.max), float(elem.max / pow2(elem.emax)),
+            2 - 2.0 ** -(elem.mbits + 1), scaling.headroom, low, high,
+            float(fmt.smallest_positive), float(fmt.max), target_of(fmt),
+            fmt.has_inf or fmt.has_nan, float(fmt.max * elem.max))  # type: ignore[arg-type]
+
+    def divisors(self, like: Tensor) -> Tensor:
+        """``[M, Ms · M]`` as a tensor of ``like``'s dtype and device. Divisors enter the
+        rules as tensors, never as Python constants: a compiler rewrites division by a
+        constant as multiplication by its reciprocal, which is not the IEEE quotient."""
+        return torch.tensor([self.elem_max, self.two_level_max], dtype=like.dtype,
+                            device=like.device)
+
+
 def pow2_exponents(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor, Tensor]:
     """Scale exponents ``k`` (int64) of power-of-two rules, and which of them were clamped.
 
     Exponents come from the bits, never from a floating log2: the largest
     float32 below 8.0 has binade 2, not 3.
     """
-    rule = scaling.rule
+    return plan_pow2_exponents(amax, ScalePlan.of(elem, scaling))
+
+
+def plan_pow2_exponents(amax: Tensor, plan: ScalePlan) -> tuple[Tensor, Tensor]:
+    """:func:`pow2_exponents` from a :class:`ScalePlan`."""
+    rule = plan.rule
     zero = amax == 0
     e, significand = binade_and_significand(torch.where(zero, torch.ones_like(amax), amax))
-    k = e - elem.emax  # floor(log2 amax) - emax_elem
+    k = e - plan.elem_emax  # floor(log2 amax) - emax_elem
     if rule is ScaleRule.CEIL:
         # amax > max * 2**k, both significands in [1, 2): compare them
-        k = k + (significand > float(elem.max / pow2(elem.emax))).long()
+        k = k + (significand > plan.elem_max_significand).long()
     elif rule is ScaleRule.EVEN:
         # the significand rounds (ties away) to 2 at the element's mantissa width
-        k = k + (significand >= 2 - 2.0 ** -(elem.mbits + 1)).long()
-    k = k + scaling.headroom
-    low, high = pow2_range(_scale_format(scaling))
-    clamped = ((k < low) | (k > high)) & ~zero
-    k = torch.where(zero, torch.full_like(k, low), torch.clamp(k, low, high))
+        k = k + (significand >= plan.even_threshold).long()
+    k = k + plan.headroom
+    clamped = ((k < plan.low) | (k > plan.high)) & ~zero
+    k = torch.where(zero, torch.full_like(k, plan.low), torch.clamp(k, plan.low, plan.high))
     return k, clamped
 
 
@@ -241,27 +293,24 @@ def _scale_format(scaling: Scaling) -> Format:
     return scaling.scale_format
 
 
-FLOAT32 = FORMATS["float32"]
-
-
-def _fl(value: float, dtype: torch.dtype) -> Tensor:
-    return torch.tensor(value, dtype=torch.float64).to(dtype)
-
-
-def _into_scale_format(raw: Tensor, fmt: Format, mode: Rounding | None) -> tuple[Tensor, Tensor]:
+def _into_scale_format(raw: Tensor, plan: ScalePlan,
+                       mode: Rounding | None) -> tuple[Tensor, Tensor]:
     """``raw`` (> 0) rounded into the scale format (``None``: kept as is), and whether it had
     to be clamped: it overflowed the format under the rounding, or lay below its smallest
     positive value. Clamped scales are raised or lowered into the range."""
-    smallest = _fl(float(fmt.smallest_positive), raw.dtype)
-    largest = _fl(float(fmt.max), raw.dtype)
     if mode is None:
-        scale, over = raw, raw > largest
+        scale, over = raw, raw > plan.largest
     else:
-        scale = round_fused(raw.contiguous(), fmt, mode, Overflow.IEEE)
-        over = ~torch.isfinite(scale) if fmt.has_inf or fmt.has_nan else raw > largest
-    low = raw < smallest
-    scale = torch.where(over, largest, torch.maximum(scale, smallest))
+        scale = round_fused(raw.contiguous(), plan.scale_target,  # type: ignore[arg-type]
+                            mode, Overflow.IEEE)
+        over = ~torch.isfinite(scale) if plan.scale_special else raw > plan.largest
+    low = raw < plan.smallest
+    scale = torch.where(over, plan.largest, torch.clamp(scale, min=plan.smallest))
     return scale, over | low
+
+
+_REAL_MODES = {ScaleRule.AMAX: None, ScaleRule.AMAX_RNE: Rounding.RNE,
+               ScaleRule.AMAX_UP: Rounding.RUP}
 
 
 def real_scales(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor, Tensor]:
@@ -269,14 +318,16 @@ def real_scales(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor, T
 
     Computed in ``amax``'s dtype (float32, or float64 for float64 tensors).
     """
-    fmt = _scale_format(scaling)
-    raw = amax / _fl(float(elem.max), amax.dtype)
-    mode = {ScaleRule.AMAX: None, ScaleRule.AMAX_RNE: Rounding.RNE,
-            ScaleRule.AMAX_UP: Rounding.RUP}[scaling.rule]  # type: ignore[index]
-    scale, clamped = _into_scale_format(raw, fmt, mode)
+    plan = ScalePlan.of(elem, scaling)
+    return plan_real_scales(amax, plan.divisors(amax), plan)
+
+
+def plan_real_scales(amax: Tensor, div: Tensor, plan: ScalePlan) -> tuple[Tensor, Tensor]:
+    """:func:`real_scales` from a :class:`ScalePlan` and its :meth:`~ScalePlan.divisors`."""
+    raw = amax / div[0]  # one IEEE division in amax's dtype (M is exact there)
+    scale, clamped = _into_scale_format(raw, plan, _REAL_MODES[plan.rule])
     zero = amax == 0
-    smallest = _fl(float(fmt.smallest_positive), amax.dtype)
-    return torch.where(zero, smallest, scale), clamped & ~zero
+    return torch.where(zero, plan.smallest, scale), clamped & ~zero
 
 
 @dataclass(frozen=True)
@@ -292,14 +343,18 @@ class TwoLevel:
 def two_level_scales(amax: Tensor, tensor_amax: Tensor, elem: Format,
                      scaling: Scaling) -> TwoLevel:
     """NVFP4-style scales, every step one IEEE operation in ``amax``'s dtype (see module doc)."""
-    fmt = _scale_format(scaling)
-    dtype = amax.dtype
-    denominator = _fl(float(fmt.max * elem.max), dtype)
-    tiny = torch.finfo(dtype).tiny
-    tensor_scale = torch.where(tensor_amax > 0, torch.clamp(tensor_amax / denominator, min=tiny),
+    plan = ScalePlan.of(elem, scaling)
+    return plan_two_level_scales(amax, tensor_amax, plan.divisors(amax), plan)
+
+
+def plan_two_level_scales(amax: Tensor, tensor_amax: Tensor, div: Tensor,
+                          plan: ScalePlan) -> TwoLevel:
+    """:func:`two_level_scales` from a :class:`ScalePlan` and its divisors."""
+    tiny = torch.finfo(amax.dtype).tiny
+    tensor_scale = torch.where(tensor_amax > 0, torch.clamp(tensor_amax / div[1], min=tiny),
                                torch.ones_like(tensor_amax))
-    raw = (amax / _fl(float(elem.max), dtype)) / tensor_scale
-    block, clamped = _into_scale_format(raw, fmt, Rounding.RNE)
+    raw = (amax / div[0]) / tensor_scale
+    block, clamped = _into_scale_format(raw, plan, Rounding.RNE)
     zero = amax == 0
-    block = torch.where(zero, _fl(float(fmt.smallest_positive), dtype), block)
+    block = torch.where(zero, plan.smallest, block)
     return TwoLevel(block * tensor_scale, block, tensor_scale, clamped & ~zero)

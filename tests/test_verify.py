@@ -99,14 +99,25 @@ def _log2_shortcut(amax, elem, scaling):  # type: ignore[no-untyped-def]
     return torch.where(zero, low, k.clamp(low, high)), torch.zeros_like(zero)
 
 
+def _log2_shortcut_plan(amax, plan):  # type: ignore[no-untyped-def]
+    """The same bug in the form the cast path calls (a :class:`ScalePlan`)."""
+    import torch
+
+    k = torch.floor(torch.log2(amax.float())).long() - plan.elem_emax + plan.headroom
+    zero = amax == 0
+    return torch.where(zero, plan.low, k.clamp(plan.low, plan.high)), torch.zeros_like(zero)
+
+
 @pytest.mark.parametrize("where", ["cast", "verify"])
 def test_a_planted_log2_scale_rule_is_caught(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted in quantize (the elements) or in the scale path alone (the block scales)."""
     import driftcli.cast
     import driftcli.verify
 
-    module = driftcli.cast if where == "cast" else driftcli.verify
-    monkeypatch.setattr(module, "pow2_exponents", _log2_shortcut)
+    if where == "cast":
+        monkeypatch.setattr(driftcli.cast, "plan_pow2_exponents", _log2_shortcut_plan)
+    else:
+        monkeypatch.setattr(driftcli.verify, "pow2_exponents", _log2_shortcut)
     outcomes = verify([FORMATS["float4_e2m1fn"]], Plan(quick=True))
     failing = {o.check for o in outcomes if o.n_failed}
     assert failing == ({"blocks"} if where == "cast" else {"block scales"})
@@ -119,11 +130,15 @@ def test_floor_where_ceil_is_asked_is_caught(monkeypatch: pytest.MonkeyPatch) ->
     from driftcli.scaling import ScaleRule
 
     real = driftcli.cast.pow2_exponents
+    real_plan = driftcli.cast.plan_pow2_exponents
 
     def floor_instead(amax, elem, scaling):  # type: ignore[no-untyped-def]
         return real(amax, elem, dataclasses.replace(scaling, rule=ScaleRule.FLOOR))
 
-    monkeypatch.setattr(driftcli.cast, "pow2_exponents", floor_instead)
+    def floor_instead_plan(amax, plan):  # type: ignore[no-untyped-def]
+        return real_plan(amax, dataclasses.replace(plan, rule=ScaleRule.FLOOR))
+
+    monkeypatch.setattr(driftcli.cast, "plan_pow2_exponents", floor_instead_plan)
     monkeypatch.setattr(driftcli.verify, "pow2_exponents", floor_instead)
     ceil = next(c for c in driftcli.verify.block_casts(FORMATS["float8_e4m3fn"])
                 if c.scaling.rule is ScaleRule.CEIL)

@@ -148,7 +148,8 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         if len(slices) == 1:
             amax = None  # the slice is the whole tensor: the cast reads its own amax
         else:
-            amax = max(finite_amax(_widen(ref.read(a, b), opts.device)) for a, b in slices)
+            amax = max(finite_amax(_widen(ref.read(a, b), opts.device), job)
+                       for a, b in slices)
     parts: list[list[list[CastStats]]] = [[[] for _ in range(_n_draws(c, opts))] for c in casts]
     expected: list[list[CastStats]] = [[] for _ in casts]
     for start, stop in slices:
