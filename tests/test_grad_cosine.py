@@ -5,6 +5,7 @@ kind registered in a test."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import replace
@@ -182,6 +183,11 @@ def test_stories260k_under_the_policies(stories: CausalLM) -> None:
     assert mode.routed == {"F.linear": 36, "F.scaled_dot_product_attention.qk": 5,
                            "F.scaled_dot_product_attention.pv": 5}
     assert not mode.plain and mode.matmuls == 46
+    eager = copy.deepcopy(stories.model)
+    eager.set_attn_implementation("eager")  # attention as two torch.matmul calls
+    with arithmetic("mxfp8_e4m3", model=eager) as mode:
+        loss(eager, ids).backward()
+    assert mode.routed == {"F.linear": 36, "torch.matmul": 10} and not mode.plain
     policies = ["exact", "fp8_e4m3", "mxfp8_e4m3", "nvfp4"]
     rows = grad_cosine(stories.model, ids, loss, policies, checkpoint=str(STORIES))
     agg = {r.policy: r for r in rows if r.parameter == ALL_PARAMETERS}
