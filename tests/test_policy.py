@@ -3,6 +3,8 @@ and above all that the backward matmuls multiply cast operands (never cast an un
 
 from __future__ import annotations
 
+import re
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
@@ -423,3 +425,13 @@ def test_one_policy_at_a_time_and_autocast_does_not_lower_the_spec() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16), arithmetic("float32"):
         y = F.linear(x, w)
     assert y.dtype == torch.float32 and torch.equal(y, x @ w.T)
+
+
+def test_the_policy_files_in_the_docs_are_the_example_files() -> None:
+    docs = (EXAMPLES.parents[1] / "docs" / "arithmetic.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", docs, flags=re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        path = EXAMPLES / re.search(r"examples/policies/(\S+\.toml)", block)[1]
+        shown = policy_from_dict(tomllib.loads(block), default_name=path.stem)
+        assert shown == policy_from_toml(path)
