@@ -3,6 +3,8 @@ one Parquet table each, with the same inputs and options."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import math
 from collections.abc import Callable
@@ -52,8 +54,28 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no 
 AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
 
 
+MMAP_THRESHOLD = 4 << 20
+"""Allocations at least this big are mapped anew and returned on free (see _bound_memory)."""
+
+
+def _bound_memory() -> None:
+    """Keep a long scan's memory near one slice's worth. glibc raises its mmap threshold to
+    the size of every large block freed (up to 32 MiB), so slice-sized buffers of varying
+    sizes then come from the heap, which fragments: three casts over a 1 GB checkpoint grew
+    to 1.6 GB resident. A fixed threshold maps them anew each time (0.55 GB there)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except (OSError, AttributeError):  # not glibc: its allocator, its behaviour
+        pass
+
+
+_M_MMAP_THRESHOLD = -3
+
+
 def _scan_with_progress(paths: list[Path], casts: list[str], options: ScanOptions,
                         include: list[str], exclude: list[str], quiet: bool) -> Scan:
+    _bound_memory()
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn())
