@@ -373,7 +373,7 @@ class _Terms:
 
     def factors(self, index: Tensor) -> tuple[Tensor, Tensor]:
         """Two tensors whose product is the terms ``index`` (shape ``(U,)`` or ``(U, C)``):
-        ``(U, *shape)`` or ``(U, *shape, C)`` after broadcasting."""
+        ``(U, *shape)`` or ``(U, C, *shape)`` after broadcasting."""
         raise NotImplementedError
 
     def rows(self, start: int, stop: int) -> _Terms:
@@ -392,6 +392,11 @@ class _Terms:
         return (a * b).movedim(0, -1)
 
 
+def _lead(t: Tensor, dims: int) -> Tensor:
+    """The last ``dims`` axes of ``t`` moved to the front, in order."""
+    return t.movedim(tuple(range(-dims, 0)), tuple(range(dims)))
+
+
 class _ProductTerms(_Terms):
     """``t[k] = a[..., m, k] * b[..., k, n]``: exact in float64 always (two float32 values have
     at most 48 significant bits together), in float32 where :func:`_float32_exact` says so."""
@@ -408,11 +413,9 @@ class _ProductTerms(_Terms):
         return self.a.device
 
     def factors(self, index: Tensor) -> tuple[Tensor, Tensor]:
-        a = self.a[..., index]  # (..., M, U[, C])
-        b = self.bt[..., index]  # (..., N, U[, C])
-        if index.dim() == 1:
-            return a.movedim(-1, 0)[..., :, None], b.movedim(-1, 0)[..., None, :]
-        return a.movedim(-2, 0)[..., :, None, :], b.movedim(-2, 0)[..., None, :, :]
+        a = _lead(self.a[..., index], index.dim())  # (U[, C], ..., M)
+        b = _lead(self.bt[..., index], index.dim())  # (U[, C], ..., N)
+        return a[..., :, None], b[..., None, :]
 
     def rows(self, start: int, stop: int) -> _Terms:
         return _ProductTerms(self.a[..., start:stop, :], self.bt.transpose(-1, -2), self.dtype)
@@ -459,7 +462,7 @@ class _BlockTerms(_Terms):
         return self.terms.device
 
     def factors(self, index: Tensor) -> tuple[Tensor, Tensor]:
-        picked = self.terms[..., index].movedim(-index.dim(), 0)  # (U, ..., M, N[, C])
+        picked = _lead(self.terms[..., index], index.dim())  # (U[, C], ..., M, N)
         ones = self.one.reshape([1] * picked.dim())
         return picked, ones.expand(picked.shape[0], *ones.shape[1:])
 
@@ -560,7 +563,8 @@ def truncate_float32(s: Tensor, r: Tensor, drop: int, rounding: Rounding) -> Ten
     """
     bits = s.view(torch.int32)
     mag = bits & _ABS
-    toward = (r != 0) & (torch.signbit(r) != torch.signbit(s))
+    # r and s of opposite signs (comparisons, not signbit: they vectorize; r != 0 means s != 0)
+    toward = ((r < 0) & (s > 0)) | ((r > 0) & (s < 0))
     stepped = mag - toward.to(torch.int32)
     kept = stepped >> drop
     if rounding is Rounding.RNE and drop:
@@ -584,7 +588,8 @@ def _round_sum(acc: Tensor, term: Tensor, rule: _Rule) -> Tensor:
         return s
     bb = s - acc
     r = (acc - (s - bb)) + (term - bb)
-    r = torch.where(torch.isfinite(s), r, torch.zeros_like(r))  # inf or NaN: no residual
+    if rule.wide:  # inf or NaN: no residual (float32 work is chosen only where sums are finite)
+        r = torch.where(torch.isfinite(s), r, torch.zeros_like(r))
     if rule.drop is not None:
         return truncate_float32(s, r, rule.drop, rule.rounding)
     kernel = fast._eager if rule.eager else fast._kernel
@@ -613,9 +618,12 @@ def _run_steps(acc: Tensor, terms: _Terms, index: Tensor, live: Tensor | None, r
     for ``work`` element-steps (see :func:`driftcli.rounding.set_compile`), else eagerly."""
     a, b = terms.factors(index)
     count = index.shape[0]
-    out = fast.run_compiled(_steps, work, acc, a, b, live,
-                            rule=_Rule(rule.target, rule.rounding, rule.wide, rule.drop, False),
-                            count=count)
+    # the rule's integers (shift amounts, masks) must be constants of the compiled code, or
+    # its loops do not vectorize; tensor shapes stay dynamic
+    with torch._dynamo.config.patch(specialize_int=True):
+        out = fast.run_compiled(_steps, work, acc, a.contiguous(), b.contiguous(), live,
+                                rule=_Rule(rule.target, rule.rounding, rule.wide, rule.drop,
+                                           False), count=count)
     return out if out is not None else _steps(acc, a, b, live, rule=rule, count=count)
 
 
@@ -642,20 +650,21 @@ def _sequential(terms: _Terms, rule: _Rule, work: int) -> Tensor:
 
 
 def _chunked(terms: _Terms, chunk: int, rule: _Rule, master_rule: _Rule, work: int) -> Tensor:
-    """All chunks at once: position ``j`` of every chunk is added in one vectorized step."""
+    """All chunks at once: position ``j`` of every chunk is added in one vectorized step (the
+    chunk axis first, so that the innermost axis is N)."""
     n_chunks = -(-terms.count // chunk)
-    acc = torch.zeros((*terms.shape, n_chunks), dtype=terms.dtype, device=terms.device)
+    acc = torch.zeros((n_chunks, *terms.shape), dtype=terms.dtype, device=terms.device)
     starts = torch.arange(n_chunks, device=terms.device) * chunk
     for j in range(0, min(chunk, terms.count), STEPS_PER_CALL):
         index = starts[None, :] + torch.arange(j, min(j + STEPS_PER_CALL, chunk),
                                                device=terms.device)[:, None]  # (U, C)
         # only the last chunk can be short: its missing terms leave its sum as it is
         live = index < terms.count
-        acc = _run_steps(acc, terms, index.clamp(max=terms.count - 1),
-                         None if bool(live.all()) else live, rule, work)
+        mask = None if bool(live.all()) else live.reshape(*live.shape, *[1] * len(terms.shape))
+        acc = _run_steps(acc, terms, index.clamp(max=terms.count - 1), mask, rule, work)
     master = torch.zeros(terms.shape, dtype=terms.dtype, device=terms.device)
     for c in range(n_chunks):
-        master = _round_sum(master, acc[..., c], master_rule)
+        master = _round_sum(master, acc[c], master_rule)
     return master
 
 

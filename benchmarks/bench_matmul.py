@@ -1,0 +1,149 @@
+"""Simulated matmuls against ``torch.matmul`` in float32, side by side in one process.
+
+``driftcli.arith.matmul`` on ``--size`` cubed (default 1024 x 1024 x 1024) standard-normal
+float32 operands (seed 0), both cast with ``mxfp8_e4m3`` along K, under four specs:
+
+* ``native`` with a float32 accumulator: the casts, then ``torch.matmul`` of the dequantized
+  operands (the fast path). Its own baseline is the same work done by hand
+  (``quantize`` both operands, ``torch.matmul``); target: at most 3x that.
+* ``sequential`` with a float32 and with a bfloat16 accumulator, and ``chunked:128`` with an
+  ``e8m13`` accumulator (promotion into float32 every 128 products): every addition rounded
+  exactly in the accumulator; target: at most 100x ``torch.matmul`` at K = 1024.
+
+Every row is timed interleaved, round by round, with ``torch.matmul(a, b)`` on the float32
+inputs, and with a memory-traffic floor for the custom orders: the accumulator passes their
+step function makes (one read and one write of the accumulator per
+``STEPS_PER_CALL`` additions; for ``chunked`` the chunk sums as well, then one pass per chunk
+into the master sum), each timed as ``out.copy_(acc)`` of an accumulator-sized float32 tensor.
+Figures are medians of ``--repeat`` rounds after one untimed warm-up call, whose seconds (where
+``torch.compile`` does its work) are printed apart. Compiled results are compared bit for bit
+with the eager path on the first ``--check-rows`` rows of C, and native with the hand-made
+baseline.
+
+Run ``python benchmarks/bench_matmul.py --help`` for the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import driftcli
+from driftcli import rounding
+from driftcli.arith import MatmulSpec, matmul, matmul_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_casts import interleaved, machine, same_bits, set_malloc
+
+simulated = importlib.import_module("driftcli.arith.matmul")
+
+CAST = "mxfp8_e4m3"
+SPECS = {
+    "float32 native": matmul_spec(lhs=CAST, rhs=CAST, order="native"),
+    "float32 sequential": matmul_spec(lhs=CAST, rhs=CAST, order="sequential"),
+    "bfloat16 sequential": matmul_spec(lhs=CAST, rhs=CAST, accumulator="bfloat16",
+                                       order="sequential"),
+    "e8m13 chunked:128": matmul_spec(lhs=CAST, rhs=CAST, accumulator="e8m13",
+                                     order="chunked:128"),
+}
+NATIVE_TARGET = 3.0
+CUSTOM_TARGET = 100.0
+
+
+def passes(spec: MatmulSpec, k: int) -> int:
+    """Accumulator-sized (M x N) read-and-write passes the step function makes."""
+    step = simulated.STEPS_PER_CALL
+    if spec.order.value == "sequential":
+        return math.ceil(k / step)
+    chunks = math.ceil(k / spec.chunk)
+    return math.ceil(min(spec.chunk, k) / step) * chunks + chunks
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure, print a table and the verdict, optionally write JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=1024, help="M = N = K (default 1024)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed rounds (default 3)")
+    parser.add_argument("--specs", nargs="*", default=list(SPECS), choices=list(SPECS))
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    parser.add_argument("--check-rows", type=int, default=16,
+                        help="rows of C compared bit for bit with the eager path (default 16)")
+    parser.add_argument("--malloc", choices=("fresh", "reuse", "as-is"), default="reuse")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    n = args.size
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    malloc = set_malloc(args.malloc, n * n * 4)
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
+          f"{info['threads']} threads, commit {info['commit']}; load average {info['loadavg']}; "
+          f"malloc {malloc}")
+    print(f"operands: {n} x {n} @ {n} x {n} float32 standard normal, both cast {CAST} along K; "
+          f"{simulated.STEPS_PER_CALL} accumulator steps per compiled call")
+    header = (f"{'spec':20s} {'drift s':>8s} {'matmul s':>9s} {'x matmul':>9s} "
+              f"{'base s':>8s} {'x base':>7s} {'warm-up s':>10s} {'bit-equal':>9s}")
+    print(header)
+    print("-" * len(header))
+    acc = torch.randn(n, n)
+    copy_out = torch.empty_like(acc)
+    rows = []
+    rounding.set_compile("auto")  # n**3 >= 2**25 element-steps: the step function compiles
+    for name in args.specs:
+        spec = SPECS[name]
+        calls: dict[str, Callable[[], object]] = {
+            "cast": lambda spec=spec: matmul(a, b, spec),
+            "matmul": lambda: torch.matmul(a, b),
+        }
+        if spec.order.value == "native":
+            calls["base"] = lambda: torch.matmul(driftcli.quantize(a, CAST, axis=-1),
+                                                 driftcli.quantize(b, CAST, axis=-2))
+        else:
+            calls["copy"] = lambda: copy_out.copy_(acc)
+        m = interleaved(calls, args.repeat)
+        got = matmul(a, b, spec)
+        if spec.order.value == "native":
+            base_s = m["base"]
+            equal = same_bits(got, calls["base"]())  # type: ignore[arg-type]
+        else:
+            base_s = passes(spec, n) * m["copy"]
+            rounding.set_compile("never")
+            rows_a = a[: args.check_rows]
+            equal = same_bits(got[: args.check_rows], matmul(rows_a, b, spec))
+            rounding.set_compile("auto")
+        row = {"spec": name, "canonical": str(spec), "drift_s": m["cast"],
+               "matmul_s": m["matmul"], "vs_matmul": m["cast"] / m["matmul"],
+               "base_s": base_s, "vs_base": m["cast"] / base_s, "warmup_s": m["warmup"],
+               "bit_equal": equal, "compiled": simulated._steps not in rounding._BROKEN}
+        rows.append(row)
+        print(f"{name:20s} {m['cast']:8.3f} {m['matmul']:9.4f} {row['vs_matmul']:9.1f} "
+              f"{base_s:8.4f} {row['vs_base']:7.1f} {m['warmup']:10.2f} {equal!s:>9s}",
+              flush=True)
+    print("base: native -> casts + torch.matmul by hand; custom orders -> the traffic floor "
+          "(accumulator passes x copy_ of the accumulator)")
+    for row in rows:
+        native = row["spec"].endswith("native")
+        target, against = (NATIVE_TARGET, "vs_base") if native else (CUSTOM_TARGET, "vs_matmul")
+        state = "met" if row[against] <= target else "MISSED"
+        print(f"target <= {target:g}x {'casts + matmul' if native else 'torch.matmul'} "
+              f"({row['spec']}): {state}, {row[against]:.1f}x")
+    print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": info, "size": n, "malloc": malloc,
+                                         "rows": rows}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
