@@ -30,6 +30,17 @@ quick plan's numbers in brackets:
   :data:`BLOCK_SCALE_SAMPLE` random blocks per power-of-two rule and
   :data:`REAL_SCALE_SAMPLE` per real-valued rule [the floor and two-level
   rules only, constructed blocks and a tenth of the scale samples].
+- ``matmul``: simulated matmuls accumulating in the format, for the formats of
+  :data:`MATMUL_ACCUMULATORS` (and any unregistered ``eXmY`` asked for), against
+  :func:`driftcli.oracle.dot` on the oracle's own casts: every output element of
+  seeded random matmuls (:data:`MATMUL_SHAPES`), a tiny and a huge case and a
+  constructed case (swamping, cancellation, overflow) under the orders of
+  :data:`MATMUL_ORDERS`, ``rne`` and ``rtz``, the operand casts of
+  :data:`MATMUL_CASTS` and, with ``scale=block``, :data:`MATMUL_BLOCK_CASTS`; mixed
+  operands and an output cast; ``native`` (float32 only) on integer cases where
+  every float32 order is exact [two random shapes and the constructed case with
+  K = 96; no cast and NVFP4, ``sequential``, ``pairwise``, ``chunked:16``; MXFP8
+  with ``scale=block`` under ``sequential``].
 """
 
 from __future__ import annotations
