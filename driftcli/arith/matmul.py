@@ -338,6 +338,7 @@ def matmul(a: Tensor, b: Tensor, spec: MatmulSpec | str, *, seed: int | None = N
     qb, sb = _cast_operand(b.to(torch.float32), spec.rhs, -2, seeds[1], block)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     (M, K), N = a.shape[-2:], b.shape[-1]
+    wide = spec.order is not Order.NATIVE and not _float32_exact(qa, qb, spec)
     qa, qb = qa.expand(*batch, M, K), qb.expand(*batch, K, N)
     if spec.order is Order.NATIVE:
         c = torch.matmul(qa, qb)
@@ -347,7 +348,6 @@ def matmul(a: Tensor, b: Tensor, spec: MatmulSpec | str, *, seed: int | None = N
             terms = _BlockTerms(qa, qb, cast(Tensor, sa), cast(Tensor, sb), a.shape, b.shape,
                                 spec.block)
         else:
-            wide = not _float32_exact(qa, qb, spec)
             terms = _ProductTerms(qa, qb, torch.float64 if wide else torch.float32)
         c = _accumulate(terms, spec).to(torch.float32)
     if spec.out is not None:
