@@ -1,10 +1,13 @@
 """Model checkpoints that measurements run: a small registry of loaders, and token batches.
 
 A loader recognises a checkpoint path and returns a :class:`CausalLM`: the module (in eval
-mode, so dropout is off), how to get its logits from token ids, and its tokenizer. Today there
-is one kind, a Hugging Face causal-LM folder (``config.json`` beside the weights; needs the
-optional extra ``hf``: ``pip install "driftcli[hf]"``, i.e. ``transformers``); drift's own
-model checkpoints add a second entry to :data:`KINDS`.
+mode, so dropout is off), how to get its logits from token ids, and its tokenizer. Two kinds:
+
+- ``hf``: a Hugging Face causal-LM folder (``config.json`` beside the weights; needs the
+  optional extra ``hf``: ``pip install "driftcli[hf]"``, i.e. ``transformers``);
+- ``drift``: a checkpoint written by ``drift train`` (one ``.safetensors`` file whose metadata
+  holds the model config, :mod:`driftcli.models.checkpoint`), with the byte-level tokenizer.
+  Any other ``.safetensors`` file is refused with a message saying what the file lacks.
 
 Batches are int64 token ids of shape ``(windows, tokens)``: from a text file tokenized with the
 checkpoint's tokenizer (:func:`text_batch`), or from a safetensors file holding an integer
@@ -93,9 +96,33 @@ def _load_hf(path: Path) -> CausalLM:
     return CausalLM(model, "hf", _hf_logits, tokenize, files)
 
 
+# --- drift's own models ------------------------------------------------------------------------
+
+def _is_safetensors(path: Path) -> bool:
+    # every .safetensors file: the loader says why one is not a drift model
+    return path.is_file() and path.suffix == ".safetensors"
+
+
+def _drift_logits(model: nn.Module, ids: Tensor) -> Tensor:
+    return model(ids)
+
+
+def _load_drift(path: Path) -> CausalLM:
+    from driftcli.models.checkpoint import load_checkpoint
+    from driftcli.models.nets import ByteTokenizer
+
+    try:
+        ck = load_checkpoint(path)
+    except DriftError as err:
+        raise CheckpointError(str(err)) from None
+    return CausalLM(ck.model, "drift", _drift_logits, ByteTokenizer.encode, (path,))
+
+
 KINDS: list[CheckpointKind] = [
     CheckpointKind("hf", _is_hf, _load_hf,
                    "a Hugging Face causal-LM folder (config.json; needs driftcli[hf])"),
+    CheckpointKind("drift", _is_safetensors, _load_drift,
+                   "a drift model checkpoint (step-*.safetensors from drift train)"),
 ]
 """Every checkpoint kind, tried in order."""
 
@@ -104,7 +131,8 @@ def load_causal_lm(path: str | Path) -> CausalLM:
     """Load a checkpoint with the first kind that recognises it."""
     p = Path(path)
     if not p.exists():
-        raise CheckpointError(f"checkpoint {p} does not exist; give a model folder")
+        raise CheckpointError(f"checkpoint {p} does not exist; give a model folder or a drift "
+                              "checkpoint file")
     for kind in KINDS:
         if kind.detect(p):
             return kind.load(p)

@@ -1,0 +1,288 @@
+"""``probe``: what other arithmetic would have done at every checkpoint of a training run.
+
+For each checkpoint of a run (``drift train``'s ``step-NNNNNN.safetensors``) and each policy,
+at the run's own weights and on one fixed probe batch (the first windows of the run's
+validation text, evenly spaced, the same for every checkpoint), without changing the run:
+
+- the :mod:`grad-cosine <driftcli.measures.grad_cosine>` metrics of the policy's gradient ĝ
+  against the exact float64 gradient g (cosine, retention, norm_ratio, rel_error, and for
+  stochastic policies the ``expected_`` metrics of the mean gradient over the draws), per
+  parameter and over all parameters (``parameter = "*"``), and the loss each policy gives;
+- the update-freeze share: the fraction of weights whose update would be lost in storage.
+  The update is the one the run's optimizer would take next from ĝ: AdamW (or SGD with
+  momentum) continued from the moments saved in the checkpoint, at the learning rate of the
+  run's next step (its schedule), with its weight decay. A weight w is frozen when
+  ``|Δw| < ulp(w)/2``, where ``ulp(w)`` is the spacing of the storage format (bfloat16 by
+  default) in the binade of w rounded to that format, read from the exponent bits of the
+  rounded value (subnormals and zero take the smallest normal binade's spacing). For a
+  stochastic policy the share is the mean over the draws.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from driftcli.arith.mode import arithmetic
+from driftcli.arith.policy import ArithmeticPolicy, get_policy, with_seed
+from driftcli.errors import DriftError
+from driftcli.io.tables import column
+from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_cosine
+from driftcli.models.checkpoint import DriftCheckpoint, load_checkpoint
+from driftcli.models.nets import next_byte_loss
+from driftcli.models.train import deterministic
+from driftcli.modes import parse_choice
+from driftcli.text import CORPUS_NAME, Corpus, fixed_windows, load_corpus
+
+Tensor = torch.Tensor
+
+PROBE_FILE = "probe.parquet"
+CHECKPOINTS = "step-*.safetensors"
+"""The checkpoints of a run, as ``drift train`` names them."""
+
+
+class ProbeError(DriftError, ValueError):
+    """A run, checkpoint or probe setting that cannot be used."""
+
+
+class Storage(StrEnum):
+    """Formats the weights could be stored in, for the update-freeze share."""
+
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
+_LAYOUT: dict[Storage, tuple[torch.dtype, torch.dtype, int, int]] = {
+    Storage.BFLOAT16: (torch.bfloat16, torch.int16, 8, 7),
+    Storage.FLOAT16: (torch.float16, torch.int16, 5, 10),
+    Storage.FLOAT32: (torch.float32, torch.int32, 8, 23),
+}
+"""Per storage format: dtype, integer view, exponent bits, mantissa bits."""
+
+
+def storage_ulp(w: Tensor, storage: Storage | str) -> Tensor:
+    """The spacing of ``storage`` at each element of ``w`` once rounded to it (float64).
+
+    Read from the bits: the biased exponent field ``E`` of the rounded value gives the binade,
+    and the spacing in it is ``2**(E - bias - mantissa_bits)``; subnormals and zero (``E = 0``)
+    have the spacing of the lowest normal binade. A power of two is the bottom of its own
+    binade, so its ulp is the spacing above it.
+    """
+    dtype, view, ebits, mbits = _LAYOUT[Storage(storage)]
+    bits = w.to(dtype).view(view).to(torch.int64) & ((1 << (ebits + mbits)) - 1)
+    exponent = torch.clamp(bits >> mbits, min=1)
+    bias = (1 << (ebits - 1)) - 1
+    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float64), exponent - bias - mbits)
+
+
+def next_update(ck: DriftCheckpoint, name: str, w: Tensor, g: Tensor) -> Tensor:
+    """The update (float64) the run's optimizer would apply next to parameter ``name``
+    (weights ``w``, gradient ``g``), continuing from the checkpoint's saved buffers."""
+    train = ck.state.get("train") or {}
+    kind = str(train.get("optimizer", "adamw"))
+    lr = float(ck.state.get("next_lr", train.get("lr", 0.0)))
+    wd = float(train.get("weight_decay", 0.0))
+    w, g = w.double(), g.double()
+    if kind == "sgd":
+        d = g + wd * w if wd else g
+        buf = ck.optimizer.get("momentum_buffer", {}).get(name)
+        mu = float(train.get("momentum", 0.0))
+        step = d if buf is None else mu * buf.double() + d
+        return -lr * step
+    if kind != "adamw":
+        raise ProbeError(f"{ck.path}: optimizer {kind!r} is not one probe can continue "
+                         "(adamw, sgd)")
+    b1, b2 = (float(b) for b in train.get("betas", (0.9, 0.999)))
+    eps = float(train.get("eps", 1e-8))
+    t = int(ck.state.get("optimizer_step", ck.step)) + 1
+    m0 = ck.optimizer.get("exp_avg", {}).get(name)
+    v0 = ck.optimizer.get("exp_avg_sq", {}).get(name)
+    m = (1 - b1) * g if m0 is None else b1 * m0.double() + (1 - b1) * g
+    v = (1 - b2) * g * g if v0 is None else b2 * v0.double() + (1 - b2) * g * g
+    denom = v.sqrt() / math.sqrt(1 - b2**t) + eps
+    return -lr * wd * w - (lr / (1 - b1**t)) * m / denom
+
+
+@dataclass(frozen=True)
+class ProbeRow:
+    """One parameter (or all of them) at one checkpoint under one policy."""
+
+    TABLE: ClassVar[str] = "probe"
+    KEYS: ClassVar[tuple[str, ...]] = ("run", "step", "policy", "parameter")
+    HEADLINE: ClassVar[str] = "cosine"
+    HIGHER_IS_WORSE: ClassVar[bool] = False
+
+    run: str = column("The run folder's name")
+    checkpoint: str = column("The checkpoint file")
+    step: int = column("The training step of the checkpoint's weights")
+    policy: str = column("Policy name as given")
+    policy_spec: str = column("Every setting of the policy")
+    parameter: str = column("Parameter name; '*' for the row over all parameters together")
+    shape: str | None = column("Shape as a JSON list; null in the all-parameters row")
+    numel: int = column("Elements (all parameters in the all-parameters row)")
+    cosine: float | None = column("⟨ĝ, g⟩ / (‖ĝ‖‖g‖) of the policy's gradient against the "
+                                  "exact one (mean over draws); null when a norm is 0")
+    retention: float | None = column("⟨ĝ, g⟩ / ‖g‖²: share of the exact gradient kept along its "
+                                     "own direction (mean over draws)")
+    norm_ratio: float | None = column("‖ĝ‖ / ‖g‖ (mean over draws)")
+    rel_error: float | None = column("‖ĝ - g‖ / ‖g‖ (mean over draws)")
+    expected_cosine: float | None = column("Stochastic policies: cosine of the mean gradient "
+                                           "over the draws; null otherwise")
+    expected_retention: float | None = column("Stochastic policies: retention of the mean "
+                                              "gradient")
+    expected_norm_ratio: float | None = column("Stochastic policies: norm_ratio of the mean "
+                                               "gradient")
+    expected_rel_error: float | None = column("Stochastic policies: rel_error of the mean "
+                                              "gradient")
+    grad_norm_exact: float = column("‖g‖, the exact gradient's norm on the probe batch")
+    loss: float = column("Loss on the probe batch under the policy (mean over draws)")
+    loss_exact: float = column("Loss on the probe batch of the exact float64 model")
+    draws: int = column("Gradients drawn: 1 unless the policy casts stochastically")
+    storage: str = column("Format the weights are taken to be stored in")
+    optimizer: str = column("The run's optimizer, continued from its saved buffers")
+    lr: float = column("Learning rate of the run's next step (the update probed)")
+    freeze_share: float = column("Share of weights whose next update from the policy's "
+                                 "gradient is below half an ulp of the weight in storage (mean "
+                                 "over draws)")
+
+
+def _gradient(model: nn.Module, params: list[Tensor], batch: Tensor) -> list[Tensor]:
+    loss = next_byte_loss(model, batch)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g.detach()
+            for g, p in zip(grads, params, strict=True)]
+
+
+def freeze_counts(ck: DriftCheckpoint, policy: ArithmeticPolicy, batch: Tensor, *,
+                  draws: int, seed: int, storage: Storage) -> dict[str, float]:
+    """Per parameter and ``*``: the share of weights the next update leaves unchanged in
+    ``storage``, from the gradient under ``policy`` (the mean over draws if stochastic)."""
+    ref = copy.deepcopy(ck.model).double()
+    named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    ulps = {n: storage_ulp(p.detach().float(), storage) for n, p in named}
+    n = draws if policy.stochastic else 1
+    frozen = {name: 0.0 for name, _ in named}
+    for d in range(n):
+        with arithmetic(with_seed(policy, seed + d), model=ref):
+            grads = _gradient(ref, params, batch.long())
+        for (name, p), g in zip(named, grads, strict=True):
+            u = next_update(ck, name, p.detach(), g)
+            frozen[name] += float((u.abs() < ulps[name] / 2).sum()) / n
+    total = sum(p.numel() for p in params)
+    out = {name: frozen[name] / p.numel() for name, p in named}
+    out[ALL_PARAMETERS] = sum(frozen.values()) / total
+    return out
+
+
+def run_checkpoints(run: str | Path, pattern: str = CHECKPOINTS) -> list[Path]:
+    """The checkpoints of ``run`` matching ``pattern`` (a glob inside the run folder), in
+    step order."""
+    folder = Path(run)
+    if not folder.is_dir():
+        raise ProbeError(f"run {folder} is not a folder; give the --out folder of drift train")
+    found = sorted(p for p in folder.glob(pattern) if p.is_file())
+    if not found:
+        raise ProbeError(f"run {folder} has no checkpoint matching {pattern!r}; train with "
+                         "--checkpoint-every N or give another --checkpoints glob")
+    return found
+
+
+def probe_corpus(ck: DriftCheckpoint, text: str | Path | None) -> Corpus:
+    """The text the probe batch is cut from: ``text`` if given, else the run's own text
+    (checked against the sha256 the checkpoint recorded)."""
+    if text is not None:
+        return load_corpus(text)
+    recorded = ck.state.get("text") or {}
+    source = recorded.get("source")
+    if not source:
+        raise ProbeError(f"{ck.path} does not record its text; give one with --text FILE")
+    corpus = load_corpus(None if source == CORPUS_NAME else source)
+    if recorded.get("sha256") and corpus.sha256 != recorded["sha256"]:
+        raise ProbeError(f"text {source} has changed since the run (sha256 {corpus.sha256[:12]}"
+                         f"…, the run read {recorded['sha256'][:12]}…); give the run's text "
+                         "with --text FILE")
+    return corpus
+
+
+def probe_batch(ck: DriftCheckpoint, corpus: Corpus, windows: int | None = None) -> Tensor:
+    """The fixed probe batch: ``windows`` (default: the run's batch size) evenly spaced
+    windows of ``context + 1`` bytes from the validation split."""
+    train = ck.state.get("train") or {}
+    n = int(windows or train.get("batch") or 8)
+    return fixed_windows(corpus.validation, n, ck.config.context + 1, corpus.source)
+
+
+Progress = Callable[[int, int, str], None]
+"""Called after each checkpoint with the checkpoints done, in all, and the file's name."""
+
+
+def probe(run: str | Path, policies: Sequence[ArithmeticPolicy | str], *, draws: int = 8,
+          seed: int = 0, checkpoints: str = CHECKPOINTS,
+          storage: Storage | str = Storage.BFLOAT16, windows: int | None = None,
+          text: str | Path | None = None, threads: int = 1,
+          progress: Progress | None = None) -> list[ProbeRow]:
+    """The probe rows of every checkpoint of ``run`` (module docs): per checkpoint, policy
+    and parameter, then ``*`` over all parameters. Torch runs deterministically on
+    ``threads`` threads meanwhile (on a busy machine one thread is often the fastest)."""
+    with deterministic(threads):
+        return _probe(run, policies, draws, seed, checkpoints, storage, windows, text,
+                      progress)
+
+
+def _probe(run: str | Path, policies: Sequence[ArithmeticPolicy | str], draws: int, seed: int,
+           checkpoints: str, storage: Storage | str, windows: int | None,
+           text: str | Path | None, progress: Progress | None) -> list[ProbeRow]:
+    resolved = [get_policy(p) for p in policies]
+    if not resolved:
+        raise ProbeError("probe needs at least one policy, e.g. --policy mxfp8_e4m3")
+    if draws < 1:
+        raise ProbeError(f"draws must be at least 1, not {draws}")
+    store = parse_choice(Storage, storage, "storage format")
+    paths = run_checkpoints(run, checkpoints)
+    name = Path(run).resolve().name
+    rows: list[ProbeRow] = []
+    corpus: Corpus | None = None
+    for i, path in enumerate(paths):
+        ck = load_checkpoint(path)
+        corpus = corpus or probe_corpus(ck, text)
+        batch = probe_batch(ck, corpus, windows)
+        cos = grad_cosine(ck.model, batch, next_byte_loss, resolved, draws=draws, seed=seed,
+                          checkpoint=path.name)
+        optimizer = str((ck.state.get("train") or {}).get("optimizer", "adamw"))
+        lr = float(ck.state.get("next_lr", 0.0))
+        for policy in resolved:
+            shares = freeze_counts(ck, policy, batch, draws=draws, seed=seed, storage=store)
+            rows.extend(_row(name, ck, r, store, optimizer, lr, shares[r.parameter])
+                        for r in cos if r.policy == policy.name)
+        if progress:
+            progress(i + 1, len(paths), path.name)
+    return rows
+
+
+def _row(run: str, ck: DriftCheckpoint, r: GradCosineRow, storage: Storage, optimizer: str,
+         lr: float, share: float) -> ProbeRow:
+    keep = {k: getattr(r, k) for k in (
+        "policy", "policy_spec", "parameter", "shape", "numel", "cosine", "retention",
+        "norm_ratio", "rel_error", "expected_cosine", "expected_retention",
+        "expected_norm_ratio", "expected_rel_error", "grad_norm_exact", "loss", "loss_exact",
+        "draws")}
+    return ProbeRow(run=run, checkpoint=ck.path.name, step=ck.step, storage=storage.value,
+                    optimizer=optimizer, lr=lr, freeze_share=share, **keep)
+
+
+def summary(rows: Sequence[ProbeRow]) -> list[dict[str, Any]]:
+    """The all-parameters rows as plain dicts, checkpoint by checkpoint (for printing)."""
+    return [{"step": r.step, "policy": r.policy, "cosine": r.cosine, "retention": r.retention,
+             "expected_cosine": r.expected_cosine, "loss": r.loss,
+             "freeze_share": r.freeze_share}
+            for r in rows if r.parameter == ALL_PARAMETERS]
