@@ -25,6 +25,7 @@ demo: $(STAMP)
 	$(BIN)/drift clip-rate drift-out/example.safetensors $(DEMO_CASTS) --out drift-out
 	$(BIN)/drift underflow-rate drift-out/example.safetensors $(DEMO_CASTS) --out drift-out
 	$(BIN)/drift error-bias drift-out/example.safetensors $(DEMO_CASTS) --out drift-out
+	$(BIN)/drift report drift-out --html drift-out/report.html
 
 test: $(STAMP)
 	$(BIN)/ruff check driftcli tests benchmarks examples

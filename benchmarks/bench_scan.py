@@ -67,7 +67,8 @@ def build(path: Path, seed: int = 0) -> None:
 
 
 def plain_read(path: Path) -> float:
-    """Read every tensor through safetensors and sum it: what any scan must at least do."""
+    """Read every tensor through safetensors and sum it: what any scan must at least do.
+    (safetensors maps the file and hands out tensors over the mapping: no copy.)"""
     total = 0.0
     with safe_open(str(path), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -75,16 +76,31 @@ def plain_read(path: Path) -> float:
     return total
 
 
+def copy_read(path: Path) -> float:
+    """The file read into fresh memory in 16 MiB pieces and summed: a read that copies, as
+    drift's readers do (they never keep the file mapped)."""
+    total = 0.0
+    buf = bytearray(16 << 20)
+    with path.open("rb") as fh:
+        fh.seek(8 + int.from_bytes(fh.read(8), "little"))
+        while n := fh.readinto(buf):
+            total += float(torch.frombuffer(buf, dtype=torch.float32, count=n // 4).sum())
+    return total
+
+
 PEAK = """
-import resource, runpy, sys
+import runpy, sys
 sys.argv = sys.argv[1:]
 try:
     runpy.run_module("driftcli", run_name="__main__")
 except SystemExit as done:
     if done.code:
         raise
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+status = open("/proc/self/status").read()
+print(next(l.split()[1] for l in status.splitlines() if l.startswith("VmHWM")), file=sys.stderr)
 """
+# VmHWM, not getrusage: Linux carries the pre-exec high-water mark of the forked copy of
+# this (large) process into the child's ru_maxrss
 
 
 def child(path: Path, fast_hash: bool) -> tuple[float, int]:
@@ -118,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
           f"largest {largest / 1e6:.0f} MB)")
     measure = MEASURES["clip-rate"]
     calls = {"cast": lambda: measure.run([args.file], list(CASTS)),
-             "read": lambda: plain_read(args.file)}
+             "read": lambda: plain_read(args.file), "copy": lambda: copy_read(args.file)}
     t = interleaved(calls, args.repeat)
     ratio = t["read"] / t["cast"]
     print(f"plain read:  {t['read']:.2f} s  ({size / t['read'] / 1e9:.2f} GB/s)")
+    print(f"copying read: {t['copy']:.2f} s  ({size / t['copy'] / 1e9:.2f} GB/s); scan / copying "
+          f"read speed {t['copy'] / t['cast']:.3f}x")
     print(f"clip-rate {'+'.join(CASTS)}: {t['cast']:.2f} s  ({size / t['cast'] / 1e9:.2f} GB/s)"
           f"  warm-up {t['warmup']:.1f} s")
     print(f"scan / read speed: {ratio:.3f}x  (target >= {TARGET}x: "
