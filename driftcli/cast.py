@@ -644,13 +644,28 @@ def _extremes(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return amax, top, bottom, ~finite.all(dim=1)
 
 
-def _clipped_groups(top: Tensor, bottom: Tensor, scale: Tensor, limits: Tensor,
-                    elem: Format, pow2: bool) -> Tensor:
-    """Rows holding a clipped element: the cast is monotone, so a row clips if and only if
-    its largest or smallest finite value does (the same comparisons as per element)."""
+def _row_pass(amax: Tensor, row_max: Tensor, row_min: Tensor, nonfinite: Tensor,
+              tensor_amax: Tensor, div: Tensor, *, plan: ScalePlan, pow2: bool, wide: bool,
+              blocked: bool, ends: tuple[float, float, float]) -> tuple[Tensor, Tensor, Tensor]:
+    """Everything per row, in one compiled graph: the scales, the limits :func:`_sums_pass`
+    compares with, and counts of the rows that clip, whose scale clamped, that hold a NaN or
+    inf. A row clips if and only if its largest or smallest finite value does: the cast is
+    monotone, and these are the same comparisons as per element."""
+    scale, clamped = _plan_scales(amax, tensor_amax, div, plan=plan)
+    e_max, e_min, e_small = ends
     if pow2:
-        return (top.to(limits.dtype) > limits[:, 0]) | (bottom.to(limits.dtype) < limits[:, 1])
-    return (top / scale > float(elem.max)) | (bottom / scale < float(elem.min))
+        # 2**k from its bits: every k a scale format allows is a normal float64
+        unit = ((scale.long() + 1023) << 52).view(torch.float64)
+        limits = torch.stack([unit * e_max, unit * e_min, unit * e_small], dim=1)
+        limits = limits if wide else limits.to(amax.dtype)  # exact: the grid fits float32
+        ldt = limits.dtype
+        clips = (row_max.to(ldt) > limits[:, 0]) | (row_min.to(ldt) < limits[:, 1])
+    else:
+        limits = torch.zeros(1, 3, dtype=amax.dtype, device=amax.device)
+        clips = (row_max / scale > e_max) | (row_min / scale < e_min)
+    bad = nonfinite if blocked else torch.zeros_like(nonfinite)
+    counts = torch.stack([(clips & ~bad).sum(), (clamped & ~bad).sum(), bad.sum()])
+    return scale, limits, counts
 
 
 def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: int,
@@ -666,7 +681,8 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     if per_tensor:
         n = work.numel()
         pad = -n % TENSOR_ROW
-        blocks = torch.nn.functional.pad(work.reshape(-1), (0, pad)).reshape(-1, TENSOR_ROW)
+        flat = work.reshape(-1)
+        blocks = (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).reshape(-1, TENSOR_ROW)
         rbits = None if bits is None else torch.nn.functional.pad(
             bits.reshape(-1), (0, pad)).reshape(-1, TENSOR_ROW)
 
@@ -683,16 +699,16 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     top = _tensor_amax(amax, tensor_amax)
     if per_tensor:
         amax = top.expand_as(amax)
-    scale, clamped = _scales(amax, top, c, job)
     pow2 = bool(s.rule is not None and s.rule.power_of_two)
     wide = pow2 and _wide(amax, c)
-    if pow2:  # the thresholds scaled by each row's 2**k, exact in the dtype the cast rounds in
-        unit = torch.ldexp(torch.ones_like(scale, dtype=torch.float64), scale.double())
-        ends = torch.tensor([float(elem.max), float(elem.min), float(elem.smallest_normal)],
-                            dtype=torch.float64, device=unit.device)
-        limits = (unit[:, None] * ends).to(torch.float64 if wide else blocks.dtype)
-    else:
-        limits = torch.zeros(1, 3, dtype=blocks.dtype, device=blocks.device)
+    plan = ScalePlan.of(elem, s)
+    rows = fast.run_compiled(
+        _row_pass, job, amax, row_max, row_min, nonfinite, top, plan.divisors(amax), plan=plan,
+        pow2=pow2, wide=wide, blocked=s.blocked,
+        ends=(float(elem.max), float(elem.min), float(elem.smallest_normal)))
+    if rows is None:
+        return None
+    scale, limits, row_counts = rows
     r = fast.run_compiled(
         _rounded, job, blocks, rbits, scale, tgt=fast.target_of(elem), rounding=c.rounding,
         overflow=c.overflow, sr_bits=sr_bits, pow2=pow2, wide=wide)
@@ -707,8 +723,7 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     v = dict(zip(_SUMS, (float(t) for t in sums.tolist()), strict=True))
     counts = {k: int(v[k]) for k in ("finite", "clipped", "underflowed", "subnormal", "lost",
                                      "nonzero")}
-    bad = nonfinite if s.blocked else torch.zeros_like(nonfinite)
-    groups = int((_clipped_groups(row_max, row_min, scale, limits, elem, pow2) & ~bad).sum())
+    groups, n_clamped, n_bad = (int(t) for t in row_counts.tolist())
     stats_ = CastStats(
         numel=x.numel(), nonfinite=blocks.numel() - counts["finite"], nonzero=counts["nonzero"],
         groups=1 if per_tensor else blocks.shape[0],
@@ -716,8 +731,8 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
         clipped_groups=min(counts["clipped"], 1) if per_tensor else groups,
         clip_excess=v["clip_excess"], abs_sum=v["abs_sum"], underflowed=counts["underflowed"],
         subnormal=counts["subnormal"],
-        scale_clamped=int(clamped[:1].sum()) if per_tensor else int((clamped & ~bad).sum()),
-        nonfinite_groups=int(bad.sum()), lost=counts["lost"], xx=v["xx"], ee=v["ee"],
+        scale_clamped=min(n_clamped, 1) if per_tensor else n_clamped,
+        nonfinite_groups=n_bad, lost=counts["lost"], xx=v["xx"], ee=v["ee"],
         ex=v["ex"], e_sum=v["e_sum"])
     return stats_, (None if q is None else back(q).to(x.dtype))
 
