@@ -71,5 +71,6 @@ from driftcli.cli import (  # noqa: E402, F401
     grad_cosine_cmd,
     measure_cmds,
     report_cmd,
+    train_cmd,
     verify_cmd,
 )

@@ -1,0 +1,254 @@
+"""``drift train``, ``drift dump``, ``drift probe``: training runs of the reference models, one
+step's matmul operands, and other arithmetic probed at a run's checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from driftcli.arith.policy import get_policy
+from driftcli.cli import command
+from driftcli.io.tables import provenance, write_table
+from driftcli.measures.grad_cosine import ALL_PARAMETERS
+from driftcli.measures.probe import CHECKPOINTS, PROBE_FILE, ProbeRow, Storage, probe
+from driftcli.models.dump import dump_operands
+from driftcli.models.nets import Activation, MLPConfig, ModelConfig, ModelKind, TransformerConfig
+from driftcli.models.train import OptimizerKind, Schedule, TrainConfig, TrainResult, train
+
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
+TextOpt = Annotated[Path | None, typer.Option(
+    metavar="FILE", exists=True, dir_okay=False,
+    help="Any text file (default: Shakespeare's plays, fetched once and cached).")]
+
+Threads = Annotated[int, typer.Option(
+    metavar="T", min=1, help="Torch threads (results are deterministic per thread count).")]
+
+DEFAULT_LR = {OptimizerKind.ADAMW: 3e-3, OptimizerKind.SGD: 0.1}
+"""The learning rate when --lr is not given."""
+
+
+def _progress(quiet: bool, what: str) -> Progress:
+    console = Console(stderr=True)
+    return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                    disable=quiet or not console.is_terminal, transient=True)
+
+
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def model_config(model: ModelKind, width: int | None, layers: int | None,
+                 context: int | None, embed: int | None, heads: int | None,
+                 activation: Activation) -> ModelConfig:
+    """The model config the train options describe (unset sizes take the defaults)."""
+    given = {k: v for k, v in (("layers", layers), ("context", context)) if v is not None}
+    if model is ModelKind.MLP:
+        extra = {k: v for k, v in (("hidden", width), ("embed", embed)) if v is not None}
+        return MLPConfig(**given, **extra)
+    extra = {k: v for k, v in (("d_model", width), ("heads", heads)) if v is not None}
+    return TransformerConfig(**given, **extra, activation=activation)
+
+
+def train_summary(result: TrainResult) -> dict[str, Any]:
+    """What ``drift train`` prints: the run.json contents."""
+    return json.loads((result.run / "run.json").read_text(encoding="utf-8"))
+
+
+@command("train")
+def train_command(
+    out: Annotated[Path, typer.Option(metavar="RUN", help="The run folder.")],
+    model: Annotated[ModelKind, typer.Option(help="The model family.")] = ModelKind.MLP,
+    policy: Annotated[str, typer.Option(
+        "--policy", "-p", metavar="P",
+        help="Arithmetic of every matmul: a preset (exact, float32, mxfp8_e4m3, ...), a cast "
+             "spec or a .toml policy file.")] = "exact",
+    steps: Annotated[int, typer.Option(metavar="N", min=1, help="Updates.")] = 200,
+    seed: Annotated[int, typer.Option(metavar="S", min=0, help="Seed of everything.")] = 0,
+    width: Annotated[int | None, typer.Option(
+        "--d-model", "--hidden", metavar="W", min=1,
+        help="Width: the MLP's hidden layers (default 128), the transformer's d_model "
+             "(default 64).")] = None,
+    layers: Annotated[int | None, typer.Option(
+        metavar="L", min=1, help="Hidden tanh layers / transformer blocks (default 2).")] = None,
+    context: Annotated[int | None, typer.Option(
+        metavar="C", min=1, help="Bytes the model sees (default 16 MLP, 64 transformer).")
+    ] = None,
+    embed: Annotated[int | None, typer.Option(
+        metavar="E", min=1, help="MLP: embedding width per byte (default 16).")] = None,
+    heads: Annotated[int | None, typer.Option(
+        metavar="H", min=1, help="Transformer: attention heads (default 4).")] = None,
+    activation: Annotated[Activation, typer.Option(
+        help="Transformer: the MLP's nonlinearity.")] = Activation.GELU,
+    batch: Annotated[int, typer.Option(metavar="B", min=1, help="Windows per step.")] = 32,
+    lr: Annotated[float | None, typer.Option(
+        metavar="LR", help="Learning rate (default 3e-3 adamw, 0.1 sgd).")] = None,
+    schedule: Annotated[Schedule, typer.Option(help="Learning-rate schedule.")] = (
+        Schedule.CONSTANT),
+    warmup: Annotated[int, typer.Option(
+        metavar="N", min=0, help="Linear warm-up steps; divergence is checked after them.")
+    ] = 0,
+    optimizer: Annotated[OptimizerKind, typer.Option(help="Optimizer.")] = OptimizerKind.ADAMW,
+    weight_decay: Annotated[float, typer.Option(metavar="WD", min=0.0)] = 0.0,
+    checkpoint_every: Annotated[int, typer.Option(
+        metavar="N", min=0, help="Checkpoint at step 0 and every N steps (0: the last only).")
+    ] = 0,
+    log_every: Annotated[int, typer.Option(
+        metavar="K", min=0, help="Operand clip/underflow rates every K steps (0: never).")
+    ] = 10,
+    eval_every: Annotated[int, typer.Option(
+        metavar="K", min=0, help="Validation loss every K steps (0: the last only).")] = 50,
+    text: TextOpt = None,
+    diverge_factor: Annotated[float, typer.Option(
+        metavar="F", help="Diverged: loss above F × its running minimum (or not finite).")
+    ] = 4.0,
+    threads: Threads = 1,
+    measure_cast: Annotated[str | None, typer.Option(
+        metavar="SPEC", help="Log operand rates under this cast instead of the policy's own.")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace a run already in the folder.")] = False,
+    quiet: Quiet = False,
+    as_json: AsJson = False,
+) -> None:
+    """Train a tanh MLP or a small transformer on text under an arithmetic policy."""
+    config = TrainConfig(
+        model=model_config(model, width, layers, context, embed, heads, activation),
+        policy=policy, steps=steps, seed=seed, batch=batch,
+        lr=DEFAULT_LR[optimizer] if lr is None else lr, schedule=schedule, warmup=warmup,
+        optimizer=optimizer, weight_decay=weight_decay, checkpoint_every=checkpoint_every,
+        log_every=log_every, eval_every=eval_every, diverge_factor=diverge_factor,
+        threads=threads, measure_cast=measure_cast)
+    get_policy(policy)  # fail now, not after loading the text
+    with _progress(quiet, f"train {out.name}") as bar:
+        task = bar.add_task("", total=steps)
+
+        def advance(step: int, total: int, loss: float) -> None:
+            bar.update(task, completed=step, description=f"loss {loss:.4f}")
+
+        result = train(config, out, text, overwrite=overwrite, progress=advance)
+    summary = train_summary(result)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+    elif not quiet:
+        console = Console(width=120)
+        table = Table(title=f"train: {out}")
+        for col in ("model", "params", "policy", "steps", "loss", "val_loss", "diverged_at",
+                    "s/step"):
+            table.add_column(col, justify="left" if col in ("model", "policy") else "right")
+        table.add_row(config.model.kind.value, str(result.parameters), policy,
+                      str(result.steps_done), _fmt(summary["final_loss"]),
+                      _fmt(summary["final_val_loss"]),
+                      "-" if result.diverged_at is None else str(result.diverged_at),
+                      f"{result.seconds_per_step:.4f}")
+        console.print(table)
+        names = ", ".join(p.name for p in result.checkpoints) or "none"
+        console.print(f"wrote {result.table}, {out / 'run.json'}; checkpoints: {names}")
+
+
+@command("dump")
+def dump_command(
+    checkpoint: Annotated[Path, typer.Argument(
+        metavar="CHECKPOINT", exists=True, show_default=False,
+        help="A drift checkpoint (step-*.safetensors) or a Hugging Face model folder.")],
+    out: Annotated[Path, typer.Option(metavar="FILE", help="The dump to write.")] = Path(
+        "drift-out/dump.safetensors"),
+    text: Annotated[Path | None, typer.Option(
+        metavar="FILE", exists=True, dir_okay=False,
+        help="Text for the batch (default: a drift run's own text).")] = None,
+    batch: Annotated[int, typer.Option(metavar="N", min=1, help="Windows in the batch.")] = 8,
+    context: Annotated[int | None, typer.Option(
+        metavar="C", min=1, help="Tokens the model reads per window (default: its context).")
+    ] = None,
+    seed: Annotated[int, typer.Option(metavar="S", min=0, help="Seed of the windows.")] = 0,
+    policy: Annotated[str | None, typer.Option(
+        "--policy", "-p", metavar="P", help="Run the step under this policy (default: plain "
+        "float32); the dump holds the operands before its casts.")] = None,
+    threads: Threads = 1,
+    quiet: Quiet = False,
+    as_json: AsJson = False,
+) -> None:
+    """Record every matmul operand of one forward and backward step into a drift dump."""
+    result = dump_operands(checkpoint, out, text, windows=batch, context=context, seed=seed,
+                           policy=policy, threads=threads)
+    summary = {"dump": str(result.path), "checkpoint": str(checkpoint), "kind": result.kind,
+               "step": result.step, "batch_shape": list(result.batch_shape),
+               "loss": result.loss, "tensors": len(result.names), "roles": result.roles,
+               "text": str(result.text)}
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+    elif not quiet:
+        roles = ", ".join(f"{n} {r}" for r, n in sorted(result.roles.items()))
+        typer.echo(f"wrote {result.path}: {len(result.names)} tensors ({roles}) from a batch "
+                   f"of {result.batch_shape[0]}×{result.batch_shape[1]} tokens, loss "
+                   f"{result.loss:.4f}")
+
+
+@command("probe")
+def probe_command(
+    run: Annotated[Path, typer.Argument(
+        metavar="RUN", exists=True, file_okay=False, show_default=False,
+        help="A run folder written by drift train.")],
+    policy: Annotated[list[str], typer.Option(
+        "--policy", "-p", metavar="P", show_default=False,
+        help="A policy preset, cast spec or .toml policy file; repeatable.")],
+    draws: Annotated[int, typer.Option(
+        metavar="N", min=1, help="Gradients drawn under a stochastic (sr) policy.")] = 8,
+    seed: Annotated[int, typer.Option(
+        metavar="S", min=0, help="Seed of the first draw (draw d uses S + d).")] = 0,
+    checkpoints: Annotated[str, typer.Option(
+        metavar="GLOB", help="Which checkpoints of the run.")] = CHECKPOINTS,
+    storage: Annotated[Storage, typer.Option(
+        help="Format the weights are stored in, for the update-freeze share.")] = (
+        Storage.BFLOAT16),
+    batch: Annotated[int | None, typer.Option(
+        metavar="N", min=1, help="Windows in the probe batch (default: the run's batch).")
+    ] = None,
+    text: Annotated[Path | None, typer.Option(
+        metavar="FILE", exists=True, dir_okay=False,
+        help="Text for the probe batch (default: the run's own text).")] = None,
+    threads: Threads = 1,
+    quiet: Quiet = False,
+    as_json: AsJson = False,
+) -> None:
+    """Gradient metrics, loss and update-freeze share of other policies at a run's checkpoints."""
+    resolved = [get_policy(p) for p in policy]  # fail now, not after loading a checkpoint
+    with _progress(quiet, f"probe {run.name}") as bar:
+        task = bar.add_task("", total=None)
+
+        def advance(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=name)
+
+        rows = probe(run, resolved, draws=draws, seed=seed, checkpoints=checkpoints,
+                     storage=storage, windows=batch, text=text, threads=threads,
+                     progress=advance)
+    files = sorted({run / r.checkpoint for r in rows})
+    prov = provenance(files, seed=seed, extra={"policies": policy, "draws": draws,
+                                               "storage": storage.value,
+                                               "checkpoints": checkpoints})
+    path = write_table(run / PROBE_FILE, ProbeRow, rows, prov)
+    totals = [r for r in rows if r.parameter == ALL_PARAMETERS]
+    if as_json:
+        typer.echo(json.dumps({"table": str(path), "rows": [
+            {k: getattr(r, k) for k in ("step", "policy", "cosine", "retention",
+                                        "expected_cosine", "loss", "loss_exact",
+                                        "freeze_share")} for r in totals]}, indent=2))
+    elif not quiet:
+        table = Table(title=f"probe: {run} (all parameters; freeze share in {storage.value})")
+        for col in ("step", "policy", "cosine", "retention", "E[ĝ] cosine", "loss",
+                    "freeze share"):
+            table.add_column(col, justify="left" if col == "policy" else "right")
+        for r in totals:
+            table.add_row(str(r.step), r.policy, _fmt(r.cosine, ".6f"),
+                          _fmt(r.retention, ".6f"), _fmt(r.expected_cosine, ".6f"),
+                          _fmt(r.loss, ".4f"), _fmt(r.freeze_share, ".4f"))
+        console = Console(width=120)
+        console.print(table)
+        console.print(f"wrote {path}")
