@@ -236,7 +236,8 @@ def load_corpus(text: str | Path | None = None, *, folder: Path | None = None) -
     return Corpus(source, path, hashlib.sha256(raw).hexdigest(), data)
 
 
-def _check_room(part: Tensor, length: int, what: str, source: str) -> None:
+def require_length(part: Tensor, length: int, what: str, source: str) -> None:
+    """Raise a :class:`TextError` unless ``part`` holds one window of ``length``."""
     if len(part) < length:
         raise TextError(f"text {source}: its {what} text has {len(part)} tokens, fewer than one "
                         f"window of {length}; give a longer text or a shorter --context")
@@ -246,7 +247,7 @@ def sample_windows(part: Tensor, windows: int, length: int, generator: torch.Gen
                    source: str = "text", what: str = "training") -> Tensor:
     """``windows`` windows of ``length`` ids at offsets drawn from ``generator``, as int64
     ``(windows, length)``; ``what`` names ``part`` in the error when it is too short."""
-    _check_room(part, length, what, source)
+    require_length(part, length, what, source)
     starts = torch.randint(0, len(part) - length + 1, (windows,), generator=generator)
     return part[starts[:, None] + torch.arange(length)].long()
 
@@ -254,7 +255,7 @@ def sample_windows(part: Tensor, windows: int, length: int, generator: torch.Gen
 def fixed_windows(part: Tensor, windows: int, length: int, source: str = "text") -> Tensor:
     """``windows`` windows of ``length`` bytes at evenly spaced offsets (the first at 0), as
     int64 ``(windows, length)``: the same batch every time."""
-    _check_room(part, length, "validation (last 10%)", source)
+    require_length(part, length, "validation (last 10%)", source)
     last = len(part) - length
     starts = torch.tensor([last * i // max(1, windows - 1) for i in range(windows)])
     return part[starts[:, None] + torch.arange(length)].long()

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 import typer.main
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from driftcli.arith.policy import get_policy
@@ -164,6 +164,21 @@ def test_operand_rates_are_clip_rate_and_underflow_rate_by_role(text: Path,
     assert rates["clip_rate_activation"] > 0  # tanh activations near 1 clip under the floor rule
 
 
+def test_logging_rates_does_not_change_the_run(text: Path, tmp_path: Path) -> None:
+    """The capture at logged steps leaves the step alone: with and without logging, the
+    same losses and identical weights and optimizer state."""
+    args = ("--steps", "3", "--policy", "mxfp8_e4m3")
+    logged = trained(tmp_path / "a" / "run", text, *args, "--log-every", "1")
+    silent = trained(tmp_path / "b" / "run", text, *args, "--log-every", "0")
+    a, _ = read_table(logged / "train.parquet")
+    b, _ = read_table(silent / "train.parquet")
+    assert a.clip_rate_weight.notna().all() and b.clip_rate_weight.isna().all()
+    assert a.loss.tolist() == b.loss.tolist()
+    name = "step-000003.safetensors"  # the config (log_every) differs; the tensors do not
+    mine, theirs = load_file(logged / name), load_file(silent / name)
+    assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 def test_measure_cast_logs_rates_in_an_exact_run(text: Path, tmp_path: Path) -> None:
     plain = trained(tmp_path / "plain", text, "--steps", "2", "--log-every", "1")
     watched = trained(tmp_path / "watched", text, "--steps", "2", "--log-every", "1",
@@ -302,6 +317,8 @@ def test_bad_input_is_one_line_exit_2(text: Path, tmp_path: Path) -> None:
                            "5000")[::2], "fewer than one window of 5001")
     _one_line_error(*drift("train", "--model", "transformer", "--d-model", "10", "--heads", "4",
                            "--out", tmp_path / "x", "--text", text)[::2], "multiple of heads")
+    _one_line_error(*drift("train", "--heads", "4", "--out", tmp_path / "x", "--text",
+                           text)[::2], "--heads set the transformer's shape")
 
 
 # --- docs --------------------------------------------------------------------------------------

@@ -18,7 +18,14 @@ from driftcli.io.tables import provenance, write_table
 from driftcli.measures.grad_cosine import ALL_PARAMETERS
 from driftcli.measures.probe import CHECKPOINTS, PROBE_FILE, ProbeRow, Storage, probe
 from driftcli.models.dump import dump_operands
-from driftcli.models.nets import Activation, MLPConfig, ModelConfig, ModelKind, TransformerConfig
+from driftcli.models.nets import (
+    Activation,
+    MLPConfig,
+    ModelConfig,
+    ModelError,
+    ModelKind,
+    TransformerConfig,
+)
 from driftcli.models.train import OptimizerKind, Schedule, TrainConfig, TrainResult, train
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
@@ -47,14 +54,22 @@ def _fmt(value: float | None, spec: str = ".4f") -> str:
 
 def model_config(model: ModelKind, width: int | None, layers: int | None,
                  context: int | None, embed: int | None, heads: int | None,
-                 activation: Activation) -> ModelConfig:
-    """The model config the train options describe (unset sizes take the defaults)."""
+                 activation: Activation | None) -> ModelConfig:
+    """The model config the train options describe (unset sizes take the defaults); an
+    option of the other model family is an error rather than silently ignored."""
     given = {k: v for k, v in (("layers", layers), ("context", context)) if v is not None}
     if model is ModelKind.MLP:
+        wrong = [o for o, v in (("--heads", heads), ("--activation", activation)) if v is not None]
+        if wrong:
+            raise ModelError(f"{', '.join(wrong)} set the transformer's shape; add --model "
+                             "transformer or leave them out")
         extra = {k: v for k, v in (("hidden", width), ("embed", embed)) if v is not None}
         return MLPConfig(**given, **extra)
-    extra = {k: v for k, v in (("d_model", width), ("heads", heads)) if v is not None}
-    return TransformerConfig(**given, **extra, activation=activation)
+    if embed is not None:
+        raise ModelError("--embed sets the MLP's byte embedding; the transformer's is --d-model")
+    extra = {k: v for k, v in (("d_model", width), ("heads", heads),
+                               ("activation", activation)) if v is not None}
+    return TransformerConfig(**given, **extra)
 
 
 def train_summary(result: TrainResult) -> dict[str, Any]:
@@ -85,8 +100,8 @@ def train_command(
         metavar="E", min=1, help="MLP: embedding width per byte (default 16).")] = None,
     heads: Annotated[int | None, typer.Option(
         metavar="H", min=1, help="Transformer: attention heads (default 4).")] = None,
-    activation: Annotated[Activation, typer.Option(
-        help="Transformer: the MLP's nonlinearity.")] = Activation.GELU,
+    activation: Annotated[Activation | None, typer.Option(
+        help="Transformer: the MLP's nonlinearity (default gelu).")] = None,
     batch: Annotated[int, typer.Option(metavar="B", min=1, help="Windows per step.")] = 32,
     lr: Annotated[float | None, typer.Option(
         metavar="LR", help="Learning rate (default 3e-3 adamw, 0.1 sgd).")] = None,

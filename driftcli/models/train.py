@@ -57,7 +57,7 @@ from driftcli.models.nets import (
     next_byte_loss,
 )
 from driftcli.modes import Rounding, parse_choice
-from driftcli.text import Corpus, fixed_windows, load_corpus, sample_windows
+from driftcli.text import Corpus, fixed_windows, load_corpus, require_length, sample_windows
 
 Tensor = torch.Tensor
 
@@ -359,7 +359,7 @@ def train(config: TrainConfig, out: str | Path, text: str | Path | None = None, 
     corpus = corpus if corpus is not None else load_corpus(text)
     length = config.model.context + 1
     val = fixed_windows(corpus.validation, config.eval_windows, length, corpus.source)
-    sample_windows(corpus.train, 1, length, torch.Generator(), corpus.source)  # room check
+    require_length(corpus.train, length, "training", corpus.source)
     _prepare(run, overwrite)
     watched = measure is not None or any(
         _operand_cast(policy, None, s) is not None
