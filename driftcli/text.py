@@ -200,6 +200,14 @@ class Corpus:
     data: Tensor
     """The text's UTF-8 bytes, uint8."""
 
+    def describe(self) -> dict[str, str]:
+        """Where the text came from, as run metadata records it: the source, the resolved path
+        of a file (so a later command finds it from any folder), the sha256."""
+        out = {"source": self.source, "sha256": self.sha256}
+        if self.source != CORPUS_NAME:
+            out["path"] = str(self.path.resolve())
+        return out
+
     @property
     def split(self) -> int:
         """The first byte of the validation split (the last 10%)."""
@@ -214,6 +222,24 @@ class Corpus:
     def validation(self) -> Tensor:
         """The validation split: the last 10% of the bytes."""
         return self.data[self.split:]
+
+
+def recorded_corpus(recorded: dict[str, str], what: str) -> Corpus:
+    """The text a run recorded (:meth:`Corpus.describe`), checked against its sha256; ``what``
+    names the checkpoint in errors."""
+    source = recorded.get("source")
+    if not source:
+        raise TextError(f"{what} does not record its text; give one with --text FILE")
+    if source == CORPUS_NAME:
+        corpus = load_corpus(None)
+    else:
+        resolved = Path(recorded.get("path") or source)
+        corpus = load_corpus(resolved if resolved.is_file() else source)
+    if recorded.get("sha256") and corpus.sha256 != recorded["sha256"]:
+        raise TextError(f"text {source} has changed since the run (sha256 "
+                        f"{corpus.sha256[:12]}…, the run read {recorded['sha256'][:12]}…); "
+                        "give the run's text with --text FILE")
+    return corpus
 
 
 def load_corpus(text: str | Path | None = None, *, folder: Path | None = None) -> Corpus:

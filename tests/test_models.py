@@ -31,7 +31,7 @@ from driftcli.models import (
 )
 from driftcli.models.checkpoint import DriftCheckpoint, read_info
 from driftcli.models.nets import ModelError, count_matmuls
-from driftcli.models.train import optimizer_buffers
+from driftcli.models.training import optimizer_buffers
 from driftcli.text import (
     CORPUS_SHA256,
     WHEEL,

@@ -34,7 +34,7 @@ from driftcli.models import (
 )
 from driftcli.models.dump import dump_operands
 from driftcli.models.nets import count_matmuls
-from driftcli.models.train import operand_rates
+from driftcli.models.training import operand_rates
 
 runner = CliRunner()
 
@@ -106,6 +106,7 @@ def test_checkpoint_state_rebuilds_the_run(text: Path, tmp_path: Path) -> None:
     assert ck.step == 5 and ck.config == MLPConfig(context=8, embed=16, hidden=16, layers=1)
     assert ck.state["policy"] == "exact" and ck.state["train"]["schedule"] == "cosine"
     assert ck.state["text"]["source"] == str(text)
+    assert ck.state["text"]["path"] == str(text.resolve())
     frame, _ = read_table(run / "train.parquet")
     # warm-up 0.005, 0.01, then half a cosine down to a tenth of the rate at the last step
     assert frame.lr.tolist()[:2] == [0.005, 0.01] and frame.lr.iloc[-1] == pytest.approx(1e-3)
@@ -270,6 +271,23 @@ def test_probe_rows_per_checkpoint_policy_and_parameter(text: Path, tmp_path: Pa
         ["step", "policy"]).numel.sum().values).all()
     assert [r["step"] for r in json.loads(out)["rows"]] == [0] * 3 + [3] * 3 + [6] * 3
     assert prov["draws"] == 3 and len(prov["inputs"]) == 3
+
+
+def test_a_run_finds_its_text_from_any_folder(text: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "verse.txt").write_bytes(text.read_bytes())
+    monkeypatch.chdir(here)
+    trained(Path("run"), Path("verse.txt"), "--steps", "2")  # a relative text path
+    monkeypatch.chdir(tmp_path)
+    assert len(probe(here / "run", ["exact"], windows=2)) == 6
+    code, _, err = drift("dump", here / "run" / "step-000002.safetensors", "--out",
+                         tmp_path / "d.safetensors", "-q")
+    assert code == 0, err
+    (here / "verse.txt").write_text("another text entirely " * 100)
+    _one_line_error(*drift("probe", here / "run", "-p", "exact")[::2],
+                    "has changed since the run", "--text FILE")
 
 
 def test_finer_storage_freezes_fewer_weights(text: Path, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from driftcli.models.nets import (
     ModelKind,
     TransformerConfig,
 )
-from driftcli.models.train import OptimizerKind, Schedule, TrainConfig, TrainResult, train
+from driftcli.models.training import OptimizerKind, Schedule, TrainConfig, TrainResult, train
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]

@@ -38,9 +38,9 @@ from driftcli.io.tables import column
 from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_cosine
 from driftcli.models.checkpoint import DriftCheckpoint, load_checkpoint
 from driftcli.models.nets import next_byte_loss
-from driftcli.models.train import deterministic
+from driftcli.models.training import deterministic
 from driftcli.modes import parse_choice
-from driftcli.text import CORPUS_NAME, Corpus, fixed_windows, load_corpus
+from driftcli.text import Corpus, fixed_windows, load_corpus, recorded_corpus
 
 Tensor = torch.Tensor
 
@@ -202,16 +202,7 @@ def probe_corpus(ck: DriftCheckpoint, text: str | Path | None) -> Corpus:
     (checked against the sha256 the checkpoint recorded)."""
     if text is not None:
         return load_corpus(text)
-    recorded = ck.state.get("text") or {}
-    source = recorded.get("source")
-    if not source:
-        raise ProbeError(f"{ck.path} does not record its text; give one with --text FILE")
-    corpus = load_corpus(None if source == CORPUS_NAME else source)
-    if recorded.get("sha256") and corpus.sha256 != recorded["sha256"]:
-        raise ProbeError(f"text {source} has changed since the run (sha256 {corpus.sha256[:12]}"
-                         f"…, the run read {recorded['sha256'][:12]}…); give the run's text "
-                         "with --text FILE")
-    return corpus
+    return recorded_corpus(ck.state.get("text") or {}, str(ck.path))
 
 
 def probe_batch(ck: DriftCheckpoint, corpus: Corpus, windows: int | None = None) -> Tensor:

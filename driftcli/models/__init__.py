@@ -26,7 +26,7 @@ from driftcli.models.nets import (
     count_parameters,
     next_byte_loss,
 )
-from driftcli.models.train import (
+from driftcli.models.training import (
     OptimizerKind,
     Schedule,
     TrainConfig,

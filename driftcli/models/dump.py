@@ -26,8 +26,8 @@ from driftcli.errors import DriftError
 from driftcli.io.capture import capture
 from driftcli.io.checkpoints import CausalLM, load_causal_lm
 from driftcli.models.checkpoint import read_info
-from driftcli.models.train import deterministic
-from driftcli.text import CORPUS_NAME, load_corpus, sample_windows
+from driftcli.models.training import deterministic
+from driftcli.text import load_corpus, recorded_corpus, sample_windows
 
 Tensor = torch.Tensor
 
@@ -67,15 +67,13 @@ def dump_operands(checkpoint: str | Path, out: str | Path, text: str | Path | No
         config, state = read_info(path)
         step = int(state.get("step", 0))
         context = context or config.context
-        source = (state.get("text") or {}).get("source")
-        if text is None and source is not None:
-            text = None if source == CORPUS_NAME else source
-        elif text is None:
-            raise DriftError(f"dump: {path} records no text; give one with --text FILE")
+        corpus = (load_corpus(text) if text is not None
+                  else recorded_corpus(state.get("text") or {}, str(path)))
     elif text is None:
         raise DriftError(f"dump: give the text for {path} with --text FILE")
+    else:
+        corpus = load_corpus(text)
     context = context or 128
-    corpus = load_corpus(text)
     if lm.tokenize is None:
         raise DriftError(f"dump: {path} has no tokenizer to read text {corpus.source} with")
     if lm.kind == "drift":

@@ -366,7 +366,7 @@ def train(config: TrainConfig, out: str | Path, text: str | Path | None = None, 
         for s in ("forward.lhs", "forward.rhs", "dgrad.lhs"))
     base_state = {"seed": config.seed, "policy": policy.name, "policy_spec": policy.describe(),
                   "train": config.to_json(),
-                  "text": {"source": corpus.source, "sha256": corpus.sha256}}
+                  "text": corpus.describe()}
     rows: list[TrainRow] = []
     checkpoints: list[Path] = []
     diverged_at: int | None = None
@@ -473,8 +473,7 @@ def _write_run_json(result: TrainResult, config: TrainConfig, corpus: Corpus,
     last = result.rows[-1] if result.rows else None
     vals = [r.val_loss for r in result.rows if r.val_loss is not None]
     data = {"run": result.run.name, "config": config.to_json(), "policy_spec": policy.describe(),
-            "text": {"source": corpus.source, "sha256": corpus.sha256,
-                     "bytes": len(corpus.data)},
+            "text": {**corpus.describe(), "bytes": len(corpus.data)},
             "parameters": result.parameters, "steps_done": result.steps_done,
             "diverged_at": result.diverged_at, "final_loss": last.loss if last else None,
             "final_val_loss": vals[-1] if vals else None,
