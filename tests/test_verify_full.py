@@ -1,4 +1,5 @@
-"""The full verify-formats run: every code, every pair, 0 disagreements (about 3 min on 2 cores)."""
+"""The full verify-formats run: every code, every pair, every matmul cell, 0 disagreements (4 min
+on 2 idle cores before the matmul cells, which add about 80 s of CPU)."""
 
 from __future__ import annotations
 
