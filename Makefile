@@ -4,8 +4,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-DEMO_CASTS := -c fp8_e4m3 -c mxfp8_e4m3 -c mxfp8_e4m3_ceil -c nvfp4
-
 .PHONY: demo test lint setup clean
 
 $(STAMP): pyproject.toml
@@ -18,14 +16,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/drift formats
-	$(BIN)/drift formats --presets
-	$(BIN)/drift verify-formats --quick --out drift-out
-	$(BIN)/python examples/make_checkpoint.py drift-out/example.safetensors
-	$(BIN)/drift clip-rate drift-out/example.safetensors $(DEMO_CASTS) --out drift-out
-	$(BIN)/drift underflow-rate drift-out/example.safetensors $(DEMO_CASTS) --out drift-out
-	$(BIN)/drift error-bias drift-out/example.safetensors $(DEMO_CASTS) --out drift-out
-	$(BIN)/drift report drift-out --html drift-out/report.html
+	$(BIN)/drift demo --out drift-out
 
 test: $(STAMP)
 	$(BIN)/ruff check driftcli tests benchmarks examples

@@ -67,6 +67,7 @@ def main() -> None:
 # the command modules register themselves on import
 from driftcli.cli import (  # noqa: E402, F401
     accum_cmd,
+    demo_cmd,
     formats_cmd,
     grad_cosine_cmd,
     measure_cmds,
