@@ -116,6 +116,11 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp
             sr_bits: int) -> Tensor:
     """Round ``x`` (+ ``residual``, a sticky tail below x's last bit) onto the target grid.
 
+    The residual is folded in as a sticky bit below the first dropped bit, so it is exact
+    only when the rounding drops at least one bit of ``x``: the source must be wider than
+    the target at ``x``'s binade (``add`` rounds float64 sums onto formats of at most 24
+    significant bits; a float32 ``x`` with a residual onto float32 is not supported).
+
     With ``scale_exp`` the grid of each element is the format's grid times ``2**scale_exp``:
     the cast of ``x / 2**k`` followed by the multiplication back, with no rounding in either.
     """
