@@ -37,6 +37,15 @@ rhs = "none"
 [wgrad]
 lhs = "none"
 EOF
+cat > "$OUT/wx_mxfp4.toml" <<'EOF'
+# the complement: the backward casts W (dgrad) and X (wgrad) but leaves dY uncast
+name = "mxfp4_e2m1-backward-no-dy"
+preset = "mxfp4_e2m1"
+[dgrad]
+lhs = "none"
+[wgrad]
+rhs = "none"
+EOF
 cat > "$OUT/fwd_mxfp8.toml" <<'EOF'
 name = "mxfp8_e4m3-forward-only"
 preset = "mxfp8_e4m3"
@@ -81,6 +90,12 @@ for seed in 0 1 2; do
     drift train --model mlp --policy exact --lr 0.03 --diverge-factor 2 --steps 300 --seed $seed --log-every 0 --eval-every 100 --threads 1 --out "$OUT/c/exact-s$seed" --overwrite -q
     wait $pid
 done
+# the complement of the dY-only arm, two seeds at a time
+drift train --model mlp --policy "$OUT/wx_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 300 --seed 0 --log-every 50 --eval-every 100 --threads 1 --out "$OUT/c/mxfp4-nody-s0" --overwrite -q &
+pid=$!
+drift train --model mlp --policy "$OUT/wx_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 300 --seed 1 --log-every 50 --eval-every 100 --threads 1 --out "$OUT/c/mxfp4-nody-s1" --overwrite -q
+wait $pid
+drift train --model mlp --policy "$OUT/wx_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 300 --seed 2 --log-every 50 --eval-every 100 --threads 1 --out "$OUT/c/mxfp4-nody-s2" --overwrite -q
 
 # ---------------------------------------------------------------- (d): SR against RNE over a run
 for seed in 0 1 2; do
@@ -166,6 +181,9 @@ def runs(folder):
                                "max_loss_after_100": round(float(t.loss[t.step > 100].max()), 4),
                                "last20_mean_loss": round(float(t.loss.iloc[-20:].mean()), 4),
                                "seconds_per_step": j["seconds_per_step"]}
+        for col in ("clip_rate_gradient", "underflow_rate_gradient", "clip_rate_activation"):
+            x = t[col].dropna() if col in t else pd.Series(dtype=float)
+            res[rj.parent.name][f"mean_{col}"] = None if x.empty else round(float(x.mean()), 4)
     return res
 
 S["c"] = runs("c"); S["d"] = runs("d")
@@ -198,7 +216,8 @@ for k in ("c", "d"):
     print(f"== ({k}) runs")
     for n, v in S[k].items():
         print(f"  {n:22s} diverged_at {str(v['diverged_at']):5s} steps {v['steps_done']:3d} final {v['final_loss']:.4f}"
-              f" val {v['final_val_loss']} min {v['min_loss']:.4f} max>100 {v['max_loss_after_100']:.4f} last20 {v['last20_mean_loss']:.4f}")
+              f" val {v['final_val_loss']} min {v['min_loss']:.4f} max>100 {v['max_loss_after_100']:.4f} last20 {v['last20_mean_loss']:.4f}"
+              f" | dY clip {v['mean_clip_rate_gradient']} dY underflow {v['mean_underflow_rate_gradient']}")
 print(f"== total {seconds} s before the summary")
 EOF
 log "done: $OUT/summary.json"
