@@ -56,3 +56,20 @@ def test_every_command_is_documented() -> None:
     assert names
     for name in names:
         assert f"drift {name}" in docs, f"docs/ never shows 'drift {name}'"
+
+
+def test_the_demo_script_runs_registered_commands_with_options_they_accept(
+        tmp_path: Path) -> None:
+    from driftcli.cli.demo_cmd import CASTS, script
+
+    names = {c.name or c.callback.__name__ for c in app.registered_commands}
+    lines = script(tmp_path, None)
+    assert [argv[0] for argv in lines] == ["train", "dump", "clip-rate", "underflow-rate",
+                                           "error-bias", "grad-cosine", "verify-formats",
+                                           "report"]
+    assert {argv[0] for argv in lines} <= names
+    assert "mxfp8_e4m3_floor+1" in CASTS and lines[2].count("-c") == len(CASTS)
+    for argv in lines:  # every option is one the command knows: --help of each lists it
+        help_text = runner.invoke(app, [argv[0], "--help"], terminal_width=200).output
+        for opt in (a for a in argv[1:] if a.startswith("-")):
+            assert opt in help_text, f"drift {argv[0]} has no option {opt}"
