@@ -310,3 +310,39 @@ def test_the_demo_checkpoint_shows_what_the_docs_say(tmp_path: Path) -> None:
     assert rows_by(under, "nvfp4")["gradients.layers.1"].underflow_rate > 0.5
     assert rows_by(under, "mxfp8_e4m3")["gradients.layers.1"].underflow_rate < 0.01
     assert rows_by(clip, "nvfp4")["*"].n_skipped == 1
+
+
+class _Custom:
+    """A class a weights-only load refuses."""
+
+    def __init__(self) -> None:
+        self.w = torch.ones(2)
+
+
+def _bad_inputs(tmp_path: Path) -> dict[str, Path]:
+    good = tmp_path / "good.safetensors"
+    save_file({"w": torch.ones(4, 32)}, str(good))
+    data = good.read_bytes()
+    pickled = tmp_path / "model.pt"
+    torch.save({"obj": _Custom()}, pickled)
+    header = tmp_path / "header.safetensors"
+    header.write_bytes(len(b"{not json").to_bytes(8, "little") + b"{not json")
+    truncated = tmp_path / "cut.safetensors"
+    truncated.write_bytes(data[:-64])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    return {"pickle": pickled, "header": header, "truncated": truncated, "empty": empty,
+            "missing": tmp_path / "nope.safetensors"}
+
+
+@pytest.mark.parametrize(("kind", "says"), [
+    ("pickle", "unpickling"), ("header", "header"), ("truncated", "truncated"),
+    ("empty", "no tensor files"), ("missing", "nope.safetensors")])
+def test_bad_inputs_are_exit_2_with_one_error_line(tmp_path: Path, kind: str, says: str) -> None:
+    path = _bad_inputs(tmp_path)[kind]
+    result = runner.invoke(app, ["clip-rate", str(path), "-c", "mxfp8_e4m3", "--out",
+                                 str(tmp_path / "out"), "--quiet"])
+    assert result.exit_code == 2
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and says in errors[0], errors
+    assert "Traceback" not in result.output
