@@ -58,7 +58,8 @@ def test_every_quoted_drift_command_is_in_the_script():
     assert commands, "the doc quotes no drift command"
     script = _normalize(SCRIPT.read_text(encoding="utf-8"))
     missing = [c for c in commands if c not in script]
-    assert not missing, f"commands quoted in docs/findings.md but not run by examples/findings.sh: {missing}"
+    assert not missing, (
+        f"commands quoted in docs/findings.md but not run by examples/findings.sh: {missing}")
 
 
 def test_script_parses():
