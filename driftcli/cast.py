@@ -262,15 +262,23 @@ def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int |
     them from ``seed``. With ``return_info`` a :class:`QuantInfo` comes back.
     """
     c = parse_cast(cast_or_spec)
+    random_bits = _checked_bits("quantize", x, c, seed, random_bits, sr_bits)
+    return _quantize(x, c, axis, random_bits, sr_bits, return_info)
+
+
+def _checked_bits(what: str, x: Tensor, c: Cast, seed: int | None, random_bits: Tensor | None,
+                  sr_bits: int) -> Tensor | None:
+    """Check ``x`` is a float tensor; the random bits a stochastic cast reads (drawn from
+    ``seed`` when not given), checked against ``x``'s shape."""
     if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
-        raise DriftError(f"quantize needs a floating-point tensor, not {x.dtype}")
+        raise DriftError(f"{what} needs a floating-point tensor, not {x.dtype}")
     if c.rounding is Rounding.SR and random_bits is None:
         if seed is None:
             raise DriftError("stochastic rounding needs seed= or random_bits=")
         random_bits = fast.draw_random_bits(x.shape, seed, sr_bits, x.device)
     if random_bits is not None:
         fast.check_random_bits(random_bits, x.shape, sr_bits)
-    return _quantize(x, c, axis, random_bits, sr_bits, return_info)
+    return random_bits
 
 
 def _scales(amax: Tensor, tensor_amax: Tensor, c: Cast, job: int = 0) -> tuple[Tensor, Tensor]:
@@ -592,14 +600,7 @@ def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
     tensors), so the compiler is used when that, not this one tensor, is worth it.
     """
     c = parse_cast(cast_or_spec)
-    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
-        raise DriftError(f"cast_stats needs a floating-point tensor, not {x.dtype}")
-    if c.rounding is Rounding.SR and random_bits is None:
-        if seed is None:
-            raise DriftError("stochastic rounding needs seed= or random_bits=")
-        random_bits = fast.draw_random_bits(x.shape, seed, sr_bits, x.device)
-    if random_bits is not None:
-        fast.check_random_bits(random_bits, x.shape, sr_bits)
+    random_bits = _checked_bits("cast_stats", x, c, seed, random_bits, sr_bits)
     fused = _fused_stats(x, c, axis, random_bits, sr_bits, tensor_amax,
                          max(job_elements, x.numel()), want_values)
     if fused is not None:
