@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -469,9 +469,9 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
         nonfinite_blocks=b.bad_blocks, tensor_scale=b.tensor_scale)
 
 
-_SUMS = ("finite", "clipped", "clip_excess", "abs_sum", "underflowed", "subnormal", "lost",
-         "nonzero", "xx", "ee", "ex", "e_sum")
-"""What :func:`_sums_pass` adds up, in the order of its result."""
+_ROUNDED = ("nonzero", "underflowed", "subnormal", "lost", "xx", "ee", "ex", "e_sum")
+"""The :class:`CastStats` fields that need the rounded values (``None`` without them), in
+the order :func:`_sums_pass` adds them up."""
 
 
 def _rounded(blocks: Tensor, bits: Tensor | None, scale: Tensor, *, tgt: object,
@@ -491,44 +491,108 @@ def _rounded(blocks: Tensor, bits: Tensor | None, scale: Tensor, *, tgt: object,
 def _sums_pass(blocks: Tensor, r: Tensor, scale: Tensor, nonfinite: Tensor, limits: Tensor, *,
                pow2: bool, blocked: bool, elem: tuple[float, ...],
                want_q: bool) -> tuple[Tensor, Tensor | None]:
-    """The sums of :class:`CastStats` from the rounded rows ``r`` of :func:`_rounded`, in one
-    compiled pass: the masks of :func:`_masks` are never stored. Only whole-tensor sums: a
-    per-row reduction among them makes the compiler loop row by row, ten times slower
-    (which groups clipped comes from the rows' extremes instead, see :func:`_extremes`).
+    """The sums of :class:`CastStats` that need the rounded rows ``r`` of :func:`_rounded`
+    (:data:`_ROUNDED`), in one compiled pass: the masks of :func:`_masks` are never stored.
+    Only whole-tensor sums: a per-row reduction among them makes the compiler loop row by
+    row, ten times slower. (Clipping needs no rounding: :func:`_clip_pass` counts it.)
 
     ``limits`` holds, per row of a power-of-two scaling, ``max·s``, ``min·s`` and
     ``smallest_normal·s`` (exact in the rounding dtype); ``elem`` the same three unscaled.
     """
-    e_max, e_min, e_small = elem
+    e_small = elem[2]
     if pow2:
         q = r
-        work = blocks.to(limits.dtype)
-        clipped = (work > limits[:, 0:1]) | (work < limits[:, 1:2])
         subnormal = (q != 0) & (q.to(limits.dtype).abs() < limits[:, 2:3])
     else:
-        y = blocks / scale[:, None]  # the same IEEE division the cast made
         q = r * scale[:, None]
-        clipped = (y > e_max) | (y < e_min)
         subnormal = (r != 0) & (r.abs() < e_small)
     finite = torch.isfinite(blocks)
     if blocked:
         q = torch.where(nonfinite[:, None], torch.nan, q)
-        clipped = clipped & ~nonfinite[:, None]
-    clipped = clipped & finite
     subnormal = subnormal & torch.isfinite(q)
     xd, qd = blocks.double(), q.double()
     valid = finite & torch.isfinite(qd)
     e = torch.where(valid, qd - xd, 0.0)
     xv = torch.where(valid, xd, 0.0)
-    mags = torch.where(finite, xd.abs(), 0.0)
-    top = (scale.double() * e_max)[:, None] if not pow2 else limits[:, 0:1].double()
+    nonzero = (blocks != 0) & finite
     sums = torch.stack([
-        finite.sum().double(), clipped.sum().double(),
-        torch.where(clipped, mags - top, 0.0).sum(), mags.sum(),
-        ((blocks != 0) & finite & (q == 0)).sum().double(), subnormal.sum().double(),
-        (finite & ~valid).sum().double(), ((blocks != 0) & finite).sum().double(),
-        (xv * xv).sum(), (e * e).sum(), (e * xv).sum(), e.sum()])
+        nonzero.sum().double(), (nonzero & (q == 0)).sum().double(), subnormal.sum().double(),
+        (finite & ~valid).sum().double(), (xv * xv).sum(), (e * e).sum(), (e * xv).sum(),
+        e.sum()])
     return sums, (q if want_q else None)
+
+
+def _abs_sum(x: Tensor) -> Tensor:
+    """Σ|x| in float64: NaN or inf when ``x`` holds one (then :func:`slice_facts` masks)."""
+    return x.abs().double().sum()
+
+
+@dataclass(frozen=True)
+class _ClipRule:
+    """How an element pass tells a clip: the constants of its compiled graph."""
+
+    pow2: bool
+    """Compare ``x`` with the exact ``M·s`` and ``min·s`` of a power-of-two scale in
+    ``limits``; else divide as the cast does."""
+    blocked: bool
+    """A NaN or inf makes its whole block NaN: none of it clips."""
+    e_max: float
+    e_min: float
+
+
+def _clipped(blocks: Tensor, scale: Tensor, limits: Tensor, rule: _ClipRule) -> Tensor:
+    """|x / s| > M, element by element (NaN and inf excluded)."""
+    if rule.pow2:
+        work = blocks.to(limits.dtype)
+        out = (work > limits[:, 0:1]) | (work < limits[:, 1:2])
+    else:
+        y = blocks / scale[:, None]
+        out = (y > rule.e_max) | (y < rule.e_min)
+    return out & torch.isfinite(blocks)
+
+
+def _clip_pass(blocks: Tensor, scale: Tensor, limits: Tensor, nonfinite: Tensor, *,
+               rule: _ClipRule) -> Tensor:
+    """Clipped elements and Σ over them of |x| - M·s, in one compiled pass of whole-tensor
+    sums (see :func:`_sums_pass` on per-row ones)."""
+    clipped = _clipped(blocks, scale, limits, rule)
+    if rule.blocked:
+        clipped = clipped & ~nonfinite[:, None]
+    top = limits[:, 0:1].double() if rule.pow2 else (scale.double() * rule.e_max)[:, None]
+    return torch.stack([clipped.sum().double(),
+                        torch.where(clipped, blocks.abs().double() - top, 0.0).sum()])
+
+
+GATHER_SHARE = 4
+"""Clipping is counted on a copy of the candidate rows when they are fewer than one row in
+this many, else on all rows in place (copying then costs more than it saves)."""
+
+
+def _rows(t: Tensor, rows: Tensor) -> Tensor:
+    return t.index_select(0, rows)  # 10x faster than t[rows] here
+
+
+def _clip_sums(blocks: Tensor, candidates: Tensor, scale: Tensor, limits: Tensor,
+               nonfinite: Tensor, job: int, rule: _ClipRule) -> Tensor | None:
+    """:func:`_clip_pass` over the rows that may clip: no other row can."""
+    if int(candidates.sum()) * GATHER_SHARE >= blocks.shape[0]:
+        return fast.run_compiled(_clip_pass, job, blocks, scale, limits, nonfinite, rule=rule)
+    rows = candidates.nonzero()[:, 0]
+    return fast.run_compiled(_clip_pass, job, _rows(blocks, rows), _rows(scale, rows),
+                             _rows(limits, rows) if rule.pow2 else limits,
+                             _rows(nonfinite, rows), rule=rule)
+
+
+def _rows_clipping(blocks: Tensor, sure: int, maybe: Tensor, scale: Tensor, limits: Tensor,
+                   rule: _ClipRule) -> int:
+    """Rows holding a clipped element: the ``sure`` ones of :func:`_row_pass` and those of
+    the ``maybe`` rows that do, settled element by element."""
+    rows = maybe.nonzero()[:, 0]
+    if rows.numel() == 0:
+        return sure
+    clipped = _clipped(_rows(blocks, rows), _rows(scale, rows),
+                       _rows(limits, rows) if rule.pow2 else limits, rule)
+    return sure + int(clipped.any(dim=1).sum())
 
 
 @dataclass(frozen=True)
@@ -537,14 +601,15 @@ class CastStats:
 
     ``x`` is the input, ``q`` its cast, ``s`` the scale of each element's group, ``M``
     the element format's largest finite value, ``e = q - x``. Slices of one tensor add
-    with :meth:`merge`.
+    with :meth:`merge`. The fields that need ``q`` are ``None`` when the counting skipped
+    the rounding (``cast_stats(..., rounded=False)``).
     """
 
     numel: int
     """Elements of the input."""
     nonfinite: int
     """Input elements that are NaN or ±inf."""
-    nonzero: int
+    nonzero: int | None
     """Finite, nonzero input elements."""
     groups: int
     """Scale groups: blocks, tiles, channels; 1 for a tensor scale or no scaling."""
@@ -556,53 +621,69 @@ class CastStats:
     """Σ over clipped elements of |x| - M·s."""
     abs_sum: float
     """Σ |x| over finite elements."""
-    underflowed: int
+    underflowed: int | None
     """x finite and nonzero, q zero."""
-    subnormal: int
+    subnormal: int | None
     """q finite and nonzero with |q / s| below the element format's smallest normal."""
     scale_clamped: int
     """Scale groups whose scale fell outside the scale format and was clamped."""
     nonfinite_groups: int
     """Scale groups holding a NaN or inf (block scalings make the whole group NaN)."""
-    lost: int
+    lost: int | None
     """Finite elements whose cast is not finite (a NaN block, or overflow under ``ieee``)."""
-    xx: float
+    xx: float | None
     """Σ x² over elements where x and q are finite."""
-    ee: float
+    ee: float | None
     """Σ e² over the same elements."""
-    ex: float
+    ex: float | None
     """Σ e·x over the same elements."""
-    e_sum: float
+    e_sum: float | None
     """Σ e over the same elements."""
 
     @staticmethod
     def merge(parts: list[CastStats], per_tensor: bool) -> CastStats:
         """The stats of a whole tensor from those of its slices; ``per_tensor`` when the
-        cast has one scale for the whole tensor (each slice then counted that one group)."""
+        cast has one scale for the whole tensor (each slice then counted that one group).
+        A field is ``None`` when any slice's is."""
         if not parts:
             return CastStats(*(0 for _ in _STAT_FIELDS))  # type: ignore[arg-type]
-        total = {f: sum(getattr(p, f) for p in parts) for f in _STAT_FIELDS}
+        total = {f: _total([getattr(p, f) for p in parts]) for f in _STAT_FIELDS}
         if per_tensor:
             for f in ("groups", "clipped_groups", "scale_clamped", "nonfinite_groups"):
                 total[f] = min(total[f], 1)
         return CastStats(**total)
 
 
+def _total(values: list[Any]) -> Any:
+    return None if any(v is None for v in values) else sum(values)
+
+
 def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
                random_bits: Tensor | None = None, seed: int | None = None,
                sr_bits: int = DEFAULT_SR_BITS, tensor_amax: float | None = None,
-               job_elements: int = 0, want_values: bool = True) -> tuple[CastStats, Tensor | None]:
+               job_elements: int = 0, want_values: bool = True, rounded: bool = True,
+               facts: SliceFacts | None = None) -> tuple[CastStats, Tensor | None]:
     """Cast ``x`` and count what happened (:class:`CastStats`); also the dequantized values.
 
     ``tensor_amax`` is the amax of the whole tensor when ``x`` is one slice of it (see
     :func:`finite_amax`), so per-tensor and two-level scales match the whole tensor's.
     ``job_elements`` is the size of the whole job the call is part of (a scan of many
     tensors), so the compiler is used when that, not this one tensor, is worth it.
+    ``rounded=False`` counts only what needs no rounding (clipping, scales, non-finite
+    inputs): several times faster; the other fields are ``None`` and no values come back,
+    and a stochastic cast needs no seed. ``facts`` are ``x``'s :func:`slice_facts`, when
+    several casts of ``x`` share them.
     """
     c = parse_cast(cast_or_spec)
+    if not rounded:
+        if want_values:
+            raise DriftError("cast_stats: values need the rounding; pass want_values=False "
+                             "with rounded=False")
+        c = replace(c, rounding=Rounding.RTZ)  # clipping and scales do not depend on it
+        seed = random_bits = None
     random_bits = _checked_bits("cast_stats", x, c, seed, random_bits, sr_bits)
     fused = _fused_stats(x, c, axis, random_bits, sr_bits, tensor_amax,
-                         max(job_elements, x.numel()), want_values)
+                         max(job_elements, x.numel()), want_values, rounded, facts)
     if fused is not None:
         return fused
     b = _cast_blocks(x, c, axis, random_bits, sr_bits, tensor_amax)
@@ -624,6 +705,8 @@ def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
         scale_clamped=int(b.clamped.sum()), nonfinite_groups=int(b.bad_blocks.sum()),
         lost=int((m.finite & ~valid).sum()), xx=float((xv * xv).sum()),
         ee=float((e * e).sum()), ex=float((e * xv).sum()), e_sum=float(e.sum()))
+    if not rounded:
+        return replace(stats, **dict.fromkeys(_ROUNDED)), None
     return stats, b.back(b.q).to(x.dtype)
 
 
@@ -635,23 +718,101 @@ TENSOR_ROW = 1 << 12
 zeros add nothing to any sum)."""
 
 
-def _extremes(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per row: amax (as :func:`_stats`), the largest and smallest finite values, and
-    whether the row holds a NaN or inf."""
-    finite = torch.isfinite(blocks)
-    top = torch.where(finite, blocks, -torch.inf).amax(dim=1)
-    bottom = torch.where(finite, blocks, torch.inf).amin(dim=1)
-    amax = torch.maximum(top, -bottom).clamp(min=0).abs()  # 0 for a row with nothing finite
-    return amax, top, bottom, ~finite.all(dim=1)
+def _abs_max(blocks: Tensor) -> Tensor:
+    """Each row's largest magnitude: NaN where the row holds a NaN, inf where it holds an
+    inf and no NaN (max propagates NaN)."""
+    return blocks.abs().amax(dim=1)
 
 
-def _row_pass(amax: Tensor, row_max: Tensor, row_min: Tensor, nonfinite: Tensor,
-              tensor_amax: Tensor, div: Tensor, *, plan: ScalePlan, pow2: bool, wide: bool,
-              blocked: bool, ends: tuple[float, float, float]) -> tuple[Tensor, Tensor, Tensor]:
-    """Everything per row, in one compiled graph: the scales, the limits :func:`_sums_pass`
-    compares with, and counts of the rows that clip, whose scale clamped, that hold a NaN or
-    inf. A row clips if and only if its largest or smallest finite value does: the cast is
-    monotone, and these are the same comparisons as per element."""
+def _row_amax(blocks: Tensor, job: int,
+              raw: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+    """Each row's amax over its finite elements and which rows hold a NaN or inf (as
+    :func:`driftcli.scaling.block_stats`), from one compiled NaN-propagating reduction (or
+    its result ``raw``, shared from :class:`SliceFacts`); only the rows that hold a NaN or
+    inf are reduced again, masked. None when the compiler is not used."""
+    a = raw if raw is not None else fast.run_compiled(_abs_max, job, blocks)
+    if a is None:
+        return None
+    bad = ~torch.isfinite(a)
+    rows = bad.nonzero()[:, 0]
+    if rows.numel():
+        a = a.clone()
+        a[rows] = block_stats(blocks.index_select(0, rows)).amax
+    return a, bad
+
+
+@dataclass(frozen=True)
+class SliceFacts:
+    """What every cast of one tensor, or one slice of it, shares: read from it once (see
+    :func:`slice_facts`) instead of once per cast."""
+
+    finite: int
+    """Finite elements."""
+    abs_sum: float
+    """Σ|x| over them, in float64."""
+    chunk: int = 0
+    """Elements per entry of ``amax``; 0 without it."""
+    amax: Tensor | None = None
+    """Per run of ``chunk`` consecutive elements of the flattened input, its largest
+    magnitude: NaN where the run holds a NaN, inf where an inf (as :func:`_abs_max`).
+    A cast whose scale groups are whole runs of these (blocks along the last axis, a
+    tensor scale) takes its groups' amax from it."""
+
+    def group_amax(self, x: Tensor, c: Cast, axis: int) -> Tensor | None:
+        """The raw amax of each row of ``c``'s block layout of ``x``, or None where the
+        layout is not made of whole runs."""
+        if self.amax is None or x.dim() == 0:
+            return None
+        s = c.scaling
+        if s.granularity is Granularity.TENSOR:
+            k = TENSOR_ROW
+        elif s.granularity is Granularity.BLOCK and axis % x.dim() == x.dim() - 1 and \
+                x.shape[-1] % s.block == 0:
+            k = s.block
+        else:
+            return None
+        if k % self.chunk:
+            return None
+        r = k // self.chunk
+        a = self.amax
+        if a.numel() % r:  # a tensor scale's last row is zero padded, and so is this
+            a = torch.nn.functional.pad(a, (0, -a.numel() % r))
+        return a.view(-1, r).amax(dim=1) if r > 1 else a
+
+
+def slice_facts(x: Tensor, chunk: int = 0, job: int = 0,
+                amax: Tensor | None = None) -> SliceFacts:
+    """The :class:`SliceFacts` of ``x``: its runs of ``chunk`` elements' amax (given as
+    ``amax``, or computed when ``chunk`` divides ``x.numel()``), its finite count and
+    Σ|x|; compiled when ``job`` (elements of the work this is part of) makes that worth it.
+    """
+    flat = x.reshape(-1).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    if amax is None and chunk and flat.numel() and flat.numel() % chunk == 0:
+        blocks = flat.view(-1, chunk)
+        amax = fast.run_compiled(_abs_max, job, blocks) if job else None
+        amax = amax if amax is not None else _abs_max(blocks)
+    total = fast.run_compiled(_abs_sum, job, flat) if job else None
+    total = total if total is not None else _abs_sum(flat)
+    if flat.numel() == 0 or bool(torch.isfinite(total)):
+        finite, abs_sum = flat.numel(), float(total)
+    else:  # a NaN or inf: count and add up the finite elements only
+        ok = torch.isfinite(flat)
+        finite, abs_sum = int(ok.sum()), float(torch.where(ok, flat.abs(), 0.0).double().sum())
+    return SliceFacts(finite, abs_sum, chunk if amax is not None else 0, amax)
+
+
+def _row_pass(amax: Tensor, row_amax: Tensor, nonfinite: Tensor, tensor_amax: Tensor,
+              div: Tensor, *, plan: ScalePlan, pow2: bool, wide: bool, blocked: bool,
+              ends: tuple[float, float, float]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Everything per row, in one compiled graph: the scales from ``amax``, the limits
+    the element passes compare with, counts of the rows whose scale clamped and that hold a
+    NaN or inf, and per row which sides of the range its amax lies beyond (1: above ``M``,
+    2: below ``min``, 3: both; 0 for a NaN block).
+
+    The cast is monotone and odd, so a row clips if and only if its largest magnitude
+    ``row_amax`` does, on the side of its sign: beyond both ``M`` and ``-min`` it surely
+    clips, beyond neither it cannot, in between (only where the range is not symmetric, as
+    int8's) it may, and :func:`_rows_clipping` looks."""
     scale, clamped = _plan_scales(amax, tensor_amax, div, plan=plan)
     e_max, e_min, e_small = ends
     if pow2:
@@ -659,21 +820,25 @@ def _row_pass(amax: Tensor, row_max: Tensor, row_min: Tensor, nonfinite: Tensor,
         unit = ((scale.long() + 1023) << 52).view(torch.float64)
         limits = torch.stack([unit * e_max, unit * e_min, unit * e_small], dim=1)
         limits = limits if wide else limits.to(amax.dtype)  # exact: the grid fits float32
-        ldt = limits.dtype
-        clips = (row_max.to(ldt) > limits[:, 0]) | (row_min.to(ldt) < limits[:, 1])
+        top = row_amax.to(limits.dtype)
+        above, below = top > limits[:, 0], -top < limits[:, 1]
     else:
         limits = torch.zeros(1, 3, dtype=amax.dtype, device=amax.device)
-        clips = (row_max / scale > e_max) | (row_min / scale < e_min)
+        above, below = row_amax / scale > e_max, -row_amax / scale < e_min
     bad = nonfinite if blocked else torch.zeros_like(nonfinite)
-    counts = torch.stack([(clips & ~bad).sum(), (clamped & ~bad).sum(), bad.sum()])
-    return scale, limits, counts
+    counts = torch.stack([(clamped & ~bad).sum(), bad.sum()])
+    # one small output, not three masks: each output of its own re-derives the scales
+    side = torch.where(bad, 0, above.to(torch.int8) + 2 * below.to(torch.int8))
+    return scale, limits, counts, side
 
 
 def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: int,
-                 tensor_amax: float | None, job: int,
-                 want_q: bool) -> tuple[CastStats, Tensor | None] | None:
-    """:func:`cast_stats` as one compiled pass for block, tile and tensor scalings; None
-    where that does not apply or the compiler is not used (then the eager path runs)."""
+                 tensor_amax: float | None, job: int, want_q: bool, rounded: bool,
+                 facts: SliceFacts | None) -> tuple[CastStats, Tensor | None] | None:
+    """:func:`cast_stats` as compiled passes for block, tile and tensor scalings: row amax,
+    row scales, the element cast with its sums (when ``rounded``), clipping on the rows
+    that can clip. None where that does not apply or the compiler is not used (then the
+    eager path runs)."""
     s, elem = c.scaling, c.format
     per_tensor = s.granularity is Granularity.TENSOR
     if not (s.blocked or per_tensor) or x.numel() == 0 or fast.compiled(_sums_pass, job) is None:
@@ -693,48 +858,57 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
         blocks, back = to_blocks(work, s, axis)
         blocks = blocks.contiguous()
         rbits = None if bits is None else to_blocks(bits, s, axis)[0].contiguous()
-    stats = fast.run_compiled(_extremes, job, blocks)
-    if stats is None:
+    facts = facts or slice_facts(work, job=job)
+    got = _row_amax(blocks, job, facts.group_amax(work, c, axis))
+    if got is None:
         return None
-    amax, row_max, row_min, nonfinite = stats
-    top = _tensor_amax(amax, tensor_amax)
-    if per_tensor:
-        amax = top.expand_as(amax)
+    row_amax, nonfinite = got
+    top = _tensor_amax(row_amax, tensor_amax)
+    amax = top.expand_as(row_amax) if per_tensor else row_amax
     pow2 = bool(s.rule is not None and s.rule.power_of_two)
     wide = pow2 and _wide(amax, c)
     plan = ScalePlan.of(elem, s)
-    rows = fast.run_compiled(
-        _row_pass, job, amax, row_max, row_min, nonfinite, top, plan.divisors(amax), plan=plan,
-        pow2=pow2, wide=wide, blocked=s.blocked,
-        ends=(float(elem.max), float(elem.min), float(elem.smallest_normal)))
+    ends = (float(elem.max), float(elem.min), float(elem.smallest_normal))
+    rows = fast.run_compiled(_row_pass, job, amax, row_amax, nonfinite, top,
+                             plan.divisors(amax), plan=plan, pow2=pow2, wide=wide,
+                             blocked=s.blocked, ends=ends)
     if rows is None:
         return None
-    scale, limits, row_counts = rows
-    r = fast.run_compiled(
-        _rounded, job, blocks, rbits, scale, tgt=fast.target_of(elem), rounding=c.rounding,
-        overflow=c.overflow, sr_bits=sr_bits, pow2=pow2, wide=wide)
-    if r is None:
-        return None
-    out = fast.run_compiled(
-        _sums_pass, job, blocks, r, scale, nonfinite, limits, pow2=pow2, blocked=s.blocked,
-        elem=(float(elem.max), float(elem.min), float(elem.smallest_normal)), want_q=want_q)
-    if out is None:
-        return None
-    sums, q = out
-    v = dict(zip(_SUMS, (float(t) for t in sums.tolist()), strict=True))
-    counts = {k: int(v[k]) for k in ("finite", "clipped", "underflowed", "subnormal", "lost",
-                                     "nonzero")}
-    groups, n_clamped, n_bad = (int(t) for t in row_counts.tolist())
+    scale, limits, row_counts, side = rows
+    n_clamped, n_bad = (int(t) for t in row_counts.tolist())
+    candidates = side != 0
+    rule = _ClipRule(pow2, s.blocked, ends[0], ends[1])
+    clipped_rows = _rows_clipping(blocks, int((side == 3).sum()), candidates & (side != 3),
+                                  scale, limits, rule)
+    v: dict[str, Any] = dict.fromkeys(_ROUNDED)
+    v["abs_sum"], clipped, excess = facts.abs_sum, 0, 0.0
+    if clipped_rows:
+        part = _clip_sums(blocks, candidates, scale, limits, nonfinite, job, rule)
+        if part is None:
+            return None
+        clipped, excess = part.tolist()
+    q = None
+    if rounded:
+        r = fast.run_compiled(
+            _rounded, job, blocks, rbits, scale, tgt=fast.target_of(elem), rounding=c.rounding,
+            overflow=c.overflow, sr_bits=sr_bits, pow2=pow2, wide=wide)
+        out = None if r is None else fast.run_compiled(
+            _sums_pass, job, blocks, r, scale, nonfinite, limits, pow2=pow2,
+            blocked=s.blocked, elem=ends, want_q=want_q)
+        if out is None:
+            return None
+        sums, q = out
+        got = dict(zip(_ROUNDED, sums.tolist(), strict=True))
+        v |= {k: val if k in ("xx", "ee", "ex", "e_sum") else int(val) for k, val in got.items()}
+    clipped = int(clipped)
     stats_ = CastStats(
-        numel=x.numel(), nonfinite=blocks.numel() - counts["finite"], nonzero=counts["nonzero"],
-        groups=1 if per_tensor else blocks.shape[0],
-        clipped=counts["clipped"],
-        clipped_groups=min(counts["clipped"], 1) if per_tensor else groups,
-        clip_excess=v["clip_excess"], abs_sum=v["abs_sum"], underflowed=counts["underflowed"],
-        subnormal=counts["subnormal"],
+        numel=x.numel(), nonfinite=x.numel() - facts.finite, nonzero=v["nonzero"],
+        groups=1 if per_tensor else blocks.shape[0], clipped=clipped,
+        clipped_groups=min(clipped, 1) if per_tensor else clipped_rows, clip_excess=excess,
+        abs_sum=v["abs_sum"], underflowed=v["underflowed"], subnormal=v["subnormal"],
         scale_clamped=min(n_clamped, 1) if per_tensor else n_clamped,
-        nonfinite_groups=n_bad, lost=counts["lost"], xx=v["xx"], ee=v["ee"],
-        ex=v["ex"], e_sum=v["e_sum"])
+        nonfinite_groups=n_bad, lost=v["lost"], xx=v["xx"], ee=v["ee"], ex=v["ex"],
+        e_sum=v["e_sum"])
     return stats_, (None if q is None else back(q).to(x.dtype))
 
 
@@ -744,8 +918,8 @@ def finite_amax(x: Tensor, job: int = 0) -> float:
     if x.numel() == 0:
         return 0.0
     flat = x.reshape(1, -1).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    stats = fast.run_compiled(_stats, job, flat) if job else None
-    return float((stats if stats is not None else _stats(flat))[0][0])
+    got = _row_amax(flat, job) if job else None
+    return float((got if got is not None else _stats(flat))[0][0])
 
 
 def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,

@@ -289,9 +289,12 @@ def run_compiled(fn: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) 
         return None
     try:
         # each format, mode and policy is its own graph: allow many, and when even that runs
-        # out, fail loudly into the chunked eager path rather than dynamo's whole-tensor eager
+        # out, fail loudly into the chunked eager path rather than dynamo's whole-tensor eager.
+        # Float arguments (a format's max) are constants of the graph: unspecialised, they
+        # become tensor inputs and the element loops stop vectorising (5x slower here)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                        fail_on_recompile_limit_hit=True):
+                                        fail_on_recompile_limit_hit=True,
+                                        specialize_float=True):
             return fast_fn(*args, **kwargs)
     except Exception:  # any compiler failure means: stay eager, same answer
         _BROKEN.add(fn)

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from driftcli.cast import CastStats, cast_stats, finite_amax, parse_cast
 from driftcli.cli import app
+from driftcli.errors import DriftError
 from driftcli.io.tables import read_table, schema_of
 from driftcli.measures import MEASURES
 from driftcli.measures.scan import ScanOptions, row_alignment, scan
@@ -173,8 +174,9 @@ def test_large_tensors_are_read_in_aligned_slices(tmp_path: Path) -> None:
     path = tmp_path / "big.safetensors"
     save_file({"x": x}, str(path))
     casts = ["fp8_e4m3", "mxfp8_e4m3", "nvfp4_2d", "nvfp4"]
-    for axis in (-1, 0):
-        small = scan([path], casts, options=ScanOptions(chunk_elements=256, axis=axis))
+    for axis, held in ((-1, 0), (0, 0), (-1, 1 << 20)):
+        small = scan([path], casts, options=ScanOptions(chunk_elements=256, axis=axis,
+                                                        whole_bytes=held))
         whole = scan([path], casts, options=ScanOptions(axis=axis))
         for a, b in zip(small.results, whole.results, strict=True):
             for f in a.draws[0].__dataclass_fields__:
@@ -270,6 +272,62 @@ def test_the_compiled_one_pass_sums_equal_the_eager_masks(spec: str, low: int) -
     for f in eager.__dataclass_fields__:
         a, b = getattr(eager, f), getattr(fused, f)
         assert (a == b) if isinstance(a, int) else b == pytest.approx(a, rel=1e-12), f
+
+
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "mxfp8_e4m3", "nvfp4", "mxfp6_e3m2:sr:ieee",
+                                  "mxint8", "float8_e4m3fn:tensor:float8_e8m0fnu:floor",
+                                  "float8_e4m3fn:block32:float32:floor"])
+@pytest.mark.parametrize("compile_mode", ["never", "always"])
+def test_counting_without_rounding_gives_the_same_clip_counts(spec: str,
+                                                              compile_mode: str) -> None:
+    from driftcli import rounding
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 128, generator=gen) * torch.logspace(-30, 6, 128)
+    x[:2] *= 2.0**-100
+    # int8's range is not symmetric: 127.5 * 2**k clips, -127.5 * 2**k does not
+    x[10, :32] = 0.5
+    x[10, 0] = 127.5 / 64
+    x[11, :32] = -0.5
+    x[11, 0] = -127.5 / 64
+    x[20, 127], x[21, 127] = 1.95 * 2.0**30, -1.8 * 2.0**30  # clip under a floor tensor scale
+    x[5, 7], x[9, 0], x[12, 3], x[13, 100] = math.nan, math.inf, -math.inf, 0.0
+    rounding.set_compile("never")
+    try:
+        full, _ = cast_stats(x, spec, seed=2)
+        rounding.set_compile(compile_mode)
+        clip, values = cast_stats(x, spec, want_values=False, rounded=False)
+    finally:
+        rounding.set_compile("auto")
+    assert values is None
+    assert full.nonfinite == 3
+    assert full.clipped > 0 or spec == "fp8_e4m3"  # amax scaling leaves nothing to clip
+    for f in full.__dataclass_fields__:
+        a, b = getattr(full, f), getattr(clip, f)
+        if f in ("nonzero", "underflowed", "subnormal", "lost", "xx", "ee", "ex", "e_sum"):
+            assert b is None, f
+        else:
+            assert (a == b) if isinstance(a, int) else b == pytest.approx(a, rel=1e-12), f
+
+
+def test_the_asymmetric_int8_range_is_settled_element_by_element() -> None:
+    x = torch.zeros(2, 32)
+    x[0, 0], x[1, 0] = 127.5, -127.5  # the scale is 1 in both blocks (floor rule, emax 6)
+    for mode in ("never", "always"):
+        from driftcli import rounding
+
+        rounding.set_compile(mode)
+        try:
+            st, _ = cast_stats(x, "mxint8", want_values=False, rounded=False)
+        finally:
+            rounding.set_compile("auto")
+        assert (st.clipped, st.clipped_groups) == (1, 1), mode
+        assert st.clip_excess == 0.5
+
+
+def test_values_need_the_rounding() -> None:
+    with pytest.raises(DriftError, match="want_values=False"):
+        cast_stats(torch.ones(4), "mxfp8_e4m3", rounded=False)
 
 
 def _sums_pass_compiled() -> bool:

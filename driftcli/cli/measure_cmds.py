@@ -74,7 +74,8 @@ _M_MMAP_THRESHOLD = -3
 
 
 def _scan_with_progress(paths: list[Path], casts: list[str], options: ScanOptions,
-                        include: list[str], exclude: list[str], quiet: bool) -> Scan:
+                        include: list[str], exclude: list[str], quiet: bool,
+                        rounded: bool) -> Scan:
     _bound_memory()
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
@@ -87,7 +88,7 @@ def _scan_with_progress(paths: list[Path], casts: list[str], options: ScanOption
             bar.update(task, completed=done, total=total, description=name[-40:])
 
         return scan(paths, casts, options=options, include=include, exclude=exclude,
-                    progress=advance)
+                    progress=advance, rounded=rounded)
 
 
 def _fmt(value: Any) -> str:
@@ -145,7 +146,8 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
          as_json: bool) -> None:
     m = MEASURES[name]
     out.mkdir(parents=True, exist_ok=True)  # fail now, not after the scan
-    s = _scan_with_progress(inputs, casts, options, include or [], exclude or [], quiet)
+    s = _scan_with_progress(inputs, casts, options, include or [], exclude or [], quiet,
+                            m.rounded)
     prov = provenance(s.files, seed=options.seed, device=options.device.value,
                       fast_hash=fast_hash, extra={"casts": casts, "axis": options.axis,
                                                   "draws": options.draws})

@@ -41,4 +41,5 @@ def columns(draws: tuple[CastStats, ...], expected: CastStats | None) -> dict[st
 
 
 MEASURE = Measure("clip-rate", ClipRateRow, columns,
-                  "Share of each tensor that clips at the element format's max, per cast.")
+                  "Share of each tensor that clips at the element format's max, per cast.",
+                  rounded=False)

@@ -90,6 +90,9 @@ class Measure:
     columns: Columns
     summary: str
     """One line for ``--help``."""
+    rounded: bool = True
+    """Whether its columns need the rounded values; clip-rate's do not, and skips the
+    rounding."""
 
     def _nulls(self) -> dict[str, Any]:
         base = {f.name for f in fields(TensorCastRow)}
@@ -121,4 +124,4 @@ class Measure:
             exclude: Sequence[str] = (), progress: Progress | None = None) -> list[Any]:
         """Scan ``paths`` under ``casts`` and return this measure's rows."""
         return self.rows(scan(paths, casts, options=options, include=include, exclude=exclude,
-                              progress=progress))
+                              progress=progress, rounded=self.rounded))

@@ -21,7 +21,16 @@ from pathlib import Path
 
 import torch
 
-from driftcli.cast import Cast, CastStats, cast_stats, finite_amax, parse_cast
+from driftcli.cast import (
+    TENSOR_ROW,
+    Cast,
+    CastStats,
+    _row_amax,
+    cast_stats,
+    finite_amax,
+    parse_cast,
+    slice_facts,
+)
 from driftcli.errors import DriftError
 from driftcli.io.readers import Inputs, ReadError, TensorRef, open_inputs
 from driftcli.modes import Rounding
@@ -32,6 +41,12 @@ Tensor = torch.Tensor
 CHUNK_ELEMENTS = 1 << 22
 """Elements per slice (16 MiB of float32): large enough to amortise per-call costs,
 small enough that a few copies of it are nothing next to a checkpoint."""
+
+WHOLE_BYTES = 1 << 28
+"""A tensor of up to this many stored bytes (256 MiB) is read once, whole, and sliced in
+memory; a larger one is read slice by slice, and once more first where a cast needs its
+amax. Reading twice costs more than the casts of clip-rate; holding a tensor of this size
+stays within the memory a scan is allowed (three times the largest tensor, plus 300 MB)."""
 
 Progress = Callable[[int, int, str], None]
 """Called after each tensor with the bytes done so far, the bytes in all, and its name."""
@@ -58,6 +73,8 @@ class ScanOptions:
     """Where the casts run."""
     chunk_elements: int = CHUNK_ELEMENTS
     """Elements per slice of a large tensor."""
+    whole_bytes: int = WHOLE_BYTES
+    """Stored bytes up to which a tensor is read whole (see :data:`WHOLE_BYTES`)."""
 
 
 @dataclass(frozen=True)
@@ -139,31 +156,68 @@ def _error_sums(x: Tensor, mean: Tensor, base: CastStats) -> CastStats:
                                ex=float((e * xv).sum()), e_sum=float(e.sum()))
 
 
+class _Staging:
+    """One byte buffer every read of a scan goes into, grown to the largest read: memory
+    already touched reads about five times faster than fresh pages."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+    def at_least(self, n: int) -> Tensor:
+        if self.buf.numel() < n:
+            self.buf = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self.buf = torch.empty(n, dtype=torch.uint8)
+        return self.buf
+
+
 def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
-                    job: int) -> list[Result]:
-    """Every cast of one tensor, reading it slice by slice."""
+                    job: int, rounded: bool, staging: _Staging) -> list[Result]:
+    """Every cast of one tensor, reading it slice by slice; without ``rounded``, only what
+    needs no rounding (one draw: clipping does not depend on it)."""
     slices = _slices(ref, casts, opts)
+    held = len(slices) > 1 and ref.nbytes <= opts.whole_bytes
+    whole = ref.read(into=staging.at_least(ref.nbytes)) if held else None
+    row_bytes = ref.nbytes // max(1, ref.shape[0] if ref.shape else 1)
+    slice_bytes = max(b - a for a, b in slices) * row_bytes
+
+    def read(start: int, stop: int) -> Tensor:
+        if whole is not None:
+            return _widen(whole[start:stop], opts.device)
+        into = staging.at_least(slice_bytes)
+        return _widen(ref.read(start, stop, into=into) if ref.shape else ref.read(into=into),
+                      opts.device)
+
+    chunk = _facts_chunk(ref, casts, opts, slices)
+    runs = None  # the held tensor's run amaxes, shared by its slices' facts
+    if whole is not None and chunk:
+        runs = slice_facts(_widen(whole, opts.device), chunk, job).amax
     amax = None
-    if any(_needs_tensor_amax(c) for c in casts):
-        if len(slices) == 1:
-            amax = None  # the slice is the whole tensor: the cast reads its own amax
+    if len(slices) > 1 and any(_needs_tensor_amax(c) for c in casts):
+        # one slice is the whole tensor, and a cast reads its own amax
+        if runs is not None and whole is not None:
+            amax = _finite_max(_widen(whole, opts.device), chunk, runs, job)
         else:
-            amax = max(finite_amax(_widen(ref.read(a, b), opts.device), job)
-                       for a, b in slices)
-    parts: list[list[list[CastStats]]] = [[[] for _ in range(_n_draws(c, opts))] for c in casts]
+            amax = finite_amax(_widen(whole, opts.device), job) if whole is not None else \
+                max(finite_amax(read(a, b), job) for a, b in slices)
+    row_elems = ref.numel // ref.shape[0] if ref.shape and ref.shape[0] else 1
+    draws = [_n_draws(c, opts) if rounded else 1 for c in casts]
+    parts: list[list[list[CastStats]]] = [[[] for _ in range(n)] for n in draws]
     expected: list[list[CastStats]] = [[] for _ in casts]
     for start, stop in slices:
-        x = _widen(ref.read(start, stop) if ref.shape else ref.read(), opts.device)
+        x = read(start, stop)
+        own = None if runs is None else \
+            runs[start * row_elems // chunk:stop * row_elems // chunk]
+        facts = slice_facts(x, chunk, job, own)
         for ci, c in enumerate(casts):
-            n = _n_draws(c, opts)
+            n = draws[ci]
             total: Tensor | None = None
             first: CastStats | None = None
             for d in range(n):
                 seed = _draw_seed(opts.seed, ref.source, ref.name, c, d, start)
-                sr = c.rounding is Rounding.SR
+                sr = rounded and c.rounding is Rounding.SR
                 st, q = cast_stats(x, c, axis=opts.axis, tensor_amax=amax,
                                    seed=seed if sr else None, job_elements=job,
-                                   want_values=sr)
+                                   want_values=sr, rounded=rounded, facts=facts)
                 parts[ci][d].append(st)
                 if q is not None and sr:
                     total = q.double() if total is None else total + q.double()
@@ -176,6 +230,38 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         exp = CastStats.merge(expected[ci], _per_tensor(c)) if expected[ci] else None
         out.append(Result(inp, ref, ref.source, c, draws, exp))
     return out
+
+
+def _facts_chunk(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
+                 slices: list[tuple[int, int]]) -> int:
+    """The run length whose amaxes every flat layout among ``casts`` (a tensor scale, blocks
+    along the last axis) is made of, dividing every slice; 0 when there is none worth a
+    pass of its own."""
+    shape = ref.shape
+    if not shape:
+        return 0
+    runs = []
+    for c in casts:
+        g, k = c.scaling.granularity, c.scaling.block
+        if g is Granularity.TENSOR:
+            runs.append(TENSOR_ROW)
+        elif g is Granularity.BLOCK and opts.axis % len(shape) == len(shape) - 1 and \
+                shape[-1] % k == 0:
+            runs.append(k)
+    row = ref.numel // shape[0] if shape[0] else 1
+    chunk = math.gcd(*runs, *((b - a) * row for a, b in slices)) if runs else 0
+    return chunk if chunk >= MIN_RUN else 0
+
+
+MIN_RUN = 8
+"""Shorter runs share too little to be worth their own pass: each cast then reads its own."""
+
+
+def _finite_max(whole: Tensor, chunk: int, runs: Tensor, job: int) -> float:
+    """The largest finite magnitude of ``whole`` from its runs' raw amaxes."""
+    got = _row_amax(whole.reshape(-1, chunk), job, runs)
+    return float(got[0].max()) if got is not None and runs.numel() else \
+        finite_amax(whole, job)
 
 
 def _n_draws(c: Cast, opts: ScanOptions) -> int:
@@ -209,8 +295,12 @@ def _check_device(device: Device) -> None:
 
 def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
          options: ScanOptions | None = None, include: Sequence[str] = (),
-         exclude: Sequence[str] = (), progress: Progress | None = None) -> Scan:
+         exclude: Sequence[str] = (), progress: Progress | None = None,
+         rounded: bool = True) -> Scan:
     """Cast every selected floating-point tensor of ``paths`` with every cast and count.
+
+    ``rounded=False`` counts only what needs no rounding (see
+    :func:`driftcli.cast.cast_stats`): what clip-rate needs, several times faster.
 
     Missing paths and folders without tensor files raise at once; a file or tensor that
     cannot be read becomes a :class:`Result` with ``error`` set and the rest go on.
@@ -226,6 +316,7 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     opened = [(str(p), open_inputs([p], include, exclude)) for p in paths]
     todo = total_bytes([i for _, i in opened])
     done = 0
+    staging = _Staging()
     results: list[Result] = []
     skipped: dict[str, int] = {}
     for inp, inputs in opened:
@@ -236,7 +327,8 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
             if not ref.is_float:
                 continue
             try:
-                results.extend(_tensor_results(inp, ref, parsed, options, todo // 4))
+                results.extend(_tensor_results(inp, ref, parsed, options, todo // 4,
+                                                rounded, staging))
             except ReadError as err:
                 results.extend(Result(inp, ref, ref.source, c, (), None, str(err))
                                for c in parsed)
