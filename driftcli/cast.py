@@ -572,10 +572,10 @@ def _rows(t: Tensor, rows: Tensor) -> Tensor:
     return t.index_select(0, rows)  # 10x faster than t[rows] here
 
 
-def _clip_sums(blocks: Tensor, candidates: Tensor, scale: Tensor, limits: Tensor,
-               nonfinite: Tensor, job: int, rule: _ClipRule) -> Tensor | None:
+def _clip_sums(blocks: Tensor, candidates: Tensor, n_candidates: int, scale: Tensor,
+               limits: Tensor, nonfinite: Tensor, job: int, rule: _ClipRule) -> Tensor | None:
     """:func:`_clip_pass` over the rows that may clip: no other row can."""
-    if int(candidates.sum()) * GATHER_SHARE >= blocks.shape[0]:
+    if n_candidates * GATHER_SHARE >= blocks.shape[0]:
         return fast.run_compiled(_clip_pass, job, blocks, scale, limits, nonfinite, rule=rule)
     rows = candidates.nonzero()[:, 0]
     return fast.run_compiled(_clip_pass, job, _rows(blocks, rows), _rows(scale, rows),
@@ -724,15 +724,18 @@ def _abs_max(blocks: Tensor) -> Tensor:
     return blocks.abs().amax(dim=1)
 
 
-def _row_amax(blocks: Tensor, job: int,
-              raw: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+def _row_amax(blocks: Tensor, job: int, raw: Tensor | None = None,
+              all_finite: bool = False) -> tuple[Tensor, Tensor] | None:
     """Each row's amax over its finite elements and which rows hold a NaN or inf (as
     :func:`driftcli.scaling.block_stats`), from one compiled NaN-propagating reduction (or
     its result ``raw``, shared from :class:`SliceFacts`); only the rows that hold a NaN or
-    inf are reduced again, masked. None when the compiler is not used."""
+    inf are reduced again, masked (none when ``all_finite`` says so). None when the
+    compiler is not used."""
     a = raw if raw is not None else fast.run_compiled(_abs_max, job, blocks)
     if a is None:
         return None
+    if all_finite:
+        return a, torch.zeros(a.shape, dtype=torch.bool, device=a.device)
     bad = ~torch.isfinite(a)
     rows = bad.nonzero()[:, 0]
     if rows.numel():
@@ -780,17 +783,30 @@ class SliceFacts:
         return a.view(-1, r).amax(dim=1) if r > 1 else a
 
 
+def _flat(x: Tensor) -> Tensor:
+    return x.reshape(-1).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+
+def run_amax(x: Tensor, chunk: int, job: int = 0) -> Tensor | None:
+    """The largest magnitude of each run of ``chunk`` consecutive elements of ``x``
+    flattened, NaN or inf where a run holds one (as :attr:`SliceFacts.amax`); None unless
+    ``chunk`` divides ``x.numel()``. Compiled when ``job`` makes that worth it."""
+    flat = _flat(x)
+    if not chunk or not flat.numel() or flat.numel() % chunk:
+        return None
+    blocks = flat.view(-1, chunk)
+    amax = fast.run_compiled(_abs_max, job, blocks) if job else None
+    return amax if amax is not None else _abs_max(blocks)
+
+
 def slice_facts(x: Tensor, chunk: int = 0, job: int = 0,
                 amax: Tensor | None = None) -> SliceFacts:
-    """The :class:`SliceFacts` of ``x``: its runs of ``chunk`` elements' amax (given as
-    ``amax``, or computed when ``chunk`` divides ``x.numel()``), its finite count and
-    Σ|x|; compiled when ``job`` (elements of the work this is part of) makes that worth it.
+    """The :class:`SliceFacts` of ``x``: its :func:`run_amax` (given as ``amax``, or
+    computed), its finite count and Σ|x|; compiled when ``job`` (elements of the work this
+    is part of) makes that worth it.
     """
-    flat = x.reshape(-1).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    if amax is None and chunk and flat.numel() and flat.numel() % chunk == 0:
-        blocks = flat.view(-1, chunk)
-        amax = fast.run_compiled(_abs_max, job, blocks) if job else None
-        amax = amax if amax is not None else _abs_max(blocks)
+    flat = _flat(x)
+    amax = amax if amax is not None else run_amax(flat, chunk, job)
     total = fast.run_compiled(_abs_sum, job, flat) if job else None
     total = total if total is not None else _abs_sum(flat)
     if flat.numel() == 0 or bool(torch.isfinite(total)):
@@ -859,7 +875,7 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
         blocks = blocks.contiguous()
         rbits = None if bits is None else to_blocks(bits, s, axis)[0].contiguous()
     facts = facts or slice_facts(work, job=job)
-    got = _row_amax(blocks, job, facts.group_amax(work, c, axis))
+    got = _row_amax(blocks, job, facts.group_amax(work, c, axis), facts.finite == x.numel())
     if got is None:
         return None
     row_amax, nonfinite = got
@@ -878,12 +894,17 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     n_clamped, n_bad = (int(t) for t in row_counts.tolist())
     candidates = side != 0
     rule = _ClipRule(pow2, s.blocked, ends[0], ends[1])
-    clipped_rows = _rows_clipping(blocks, int((side == 3).sum()), candidates & (side != 3),
-                                  scale, limits, rule)
+    n_candidates = int(candidates.sum())
+    if ends[1] == -ends[0]:  # a symmetric range: every candidate clips
+        clipped_rows = n_candidates
+    else:
+        clipped_rows = _rows_clipping(blocks, int((side == 3).sum()), candidates & (side != 3),
+                                      scale, limits, rule)
     v: dict[str, Any] = dict.fromkeys(_ROUNDED)
     v["abs_sum"], clipped, excess = facts.abs_sum, 0, 0.0
     if clipped_rows:
-        part = _clip_sums(blocks, candidates, scale, limits, nonfinite, job, rule)
+        part = _clip_sums(blocks, candidates, n_candidates, scale, limits, nonfinite, job,
+                          rule)
         if part is None:
             return None
         clipped, excess = part.tolist()
@@ -912,12 +933,17 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     return stats_, (None if q is None else back(q).to(x.dtype))
 
 
-def finite_amax(x: Tensor, job: int = 0) -> float:
-    """The largest finite magnitude in ``x`` (0 when there is none), as scales read it;
-    compiled when ``job`` (elements of the work this is part of) makes that worth it."""
+def finite_amax(x: Tensor, job: int = 0, runs: Tensor | None = None) -> float:
+    """The largest finite magnitude in ``x`` (0 when there is none), as scales read it, from
+    its :func:`run_amax` ``runs`` when given; compiled when ``job`` (elements of the work
+    this is part of) makes that worth it."""
     if x.numel() == 0:
         return 0.0
-    flat = x.reshape(1, -1).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    if runs is not None and runs.numel():
+        got = _row_amax(_flat(x).view(runs.numel(), -1), job, runs)
+        if got is not None:
+            return float(got[0].max())
+    flat = _flat(x).view(1, -1)
     got = _row_amax(flat, job) if job else None
     return float((got if got is not None else _stats(flat))[0][0])
 

@@ -310,6 +310,36 @@ def test_counting_without_rounding_gives_the_same_clip_counts(spec: str,
             assert (a == b) if isinstance(a, int) else b == pytest.approx(a, rel=1e-12), f
 
 
+@pytest.mark.parametrize("spec", ["fp8_e4m3", "mxfp8_e4m3", "nvfp4", "nvfp4_2d", "mxint8",
+                                  "float8_e4m3fn:tensor:float8_e8m0fnu:floor"])
+@pytest.mark.parametrize("rounded", [True, False])
+def test_casts_sharing_slice_facts_count_the_same(spec: str, rounded: bool) -> None:
+    from driftcli import rounding
+    from driftcli.cast import slice_facts
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(48, 96, generator=gen) * torch.exp(2 * torch.randn(48, 96, generator=gen))
+    x[3, 17], x[30, 64], x[31, 5] = math.nan, math.inf, -math.inf  # 48*96 is no 4096s
+    x[40, 95] = 1.95 * 2.0**20
+    rounding.set_compile("never")
+    try:
+        alone, _ = cast_stats(x, spec, seed=3, want_values=False, rounded=rounded)
+        rounding.set_compile("always")
+        facts = slice_facts(x, 16, 1 << 30)
+        shared, _ = cast_stats(x, spec, seed=3, want_values=False, rounded=rounded,
+                               facts=facts)
+    finally:
+        rounding.set_compile("auto")
+    derived = facts.group_amax(x, parse_cast(spec), -1)
+    assert (derived is None) == (spec == "nvfp4_2d")  # tiles are not runs of the flat tensor
+    assert facts.finite == 48 * 96 - 3
+    assert alone.clipped > 0 or spec == "fp8_e4m3"  # amax scaling leaves nothing to clip
+    for f in alone.__dataclass_fields__:
+        a, b = getattr(alone, f), getattr(shared, f)
+        assert (a == b) if isinstance(a, int) or a is None else \
+            b == pytest.approx(a, rel=1e-12), f
+
+
 def test_the_asymmetric_int8_range_is_settled_element_by_element() -> None:
     x = torch.zeros(2, 32)
     x[0, 0], x[1, 0] = 127.5, -127.5  # the scale is 1 in both blocks (floor rule, emax 6)

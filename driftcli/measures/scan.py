@@ -25,10 +25,10 @@ from driftcli.cast import (
     TENSOR_ROW,
     Cast,
     CastStats,
-    _row_amax,
     cast_stats,
     finite_amax,
     parse_cast,
+    run_amax,
     slice_facts,
 )
 from driftcli.errors import DriftError
@@ -188,17 +188,13 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
                       opts.device)
 
     chunk = _facts_chunk(ref, casts, opts, slices)
-    runs = None  # the held tensor's run amaxes, shared by its slices' facts
-    if whole is not None and chunk:
-        runs = slice_facts(_widen(whole, opts.device), chunk, job).amax
+    # the held tensor's run amaxes: its amax and every slice's share them
+    runs = run_amax(_widen(whole, opts.device), chunk, job) if whole is not None else None
     amax = None
     if len(slices) > 1 and any(_needs_tensor_amax(c) for c in casts):
         # one slice is the whole tensor, and a cast reads its own amax
-        if runs is not None and whole is not None:
-            amax = _finite_max(_widen(whole, opts.device), chunk, runs, job)
-        else:
-            amax = finite_amax(_widen(whole, opts.device), job) if whole is not None else \
-                max(finite_amax(read(a, b), job) for a, b in slices)
+        amax = finite_amax(_widen(whole, opts.device), job, runs) if whole is not None else \
+            max(finite_amax(read(a, b), job) for a, b in slices)
     row_elems = ref.numel // ref.shape[0] if ref.shape and ref.shape[0] else 1
     draws = [_n_draws(c, opts) if rounded else 1 for c in casts]
     parts: list[list[list[CastStats]]] = [[[] for _ in range(n)] for n in draws]
@@ -255,13 +251,6 @@ def _facts_chunk(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
 
 MIN_RUN = 8
 """Shorter runs share too little to be worth their own pass: each cast then reads its own."""
-
-
-def _finite_max(whole: Tensor, chunk: int, runs: Tensor, job: int) -> float:
-    """The largest finite magnitude of ``whole`` from its runs' raw amaxes."""
-    got = _row_amax(whole.reshape(-1, chunk), job, runs)
-    return float(got[0].max()) if got is not None and runs.numel() else \
-        finite_amax(whole, job)
 
 
 def _n_draws(c: Cast, opts: ScanOptions) -> int:
