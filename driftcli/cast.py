@@ -538,6 +538,8 @@ class _ClipRule:
     """A NaN or inf makes its whole block NaN: none of it clips."""
     e_max: float
     e_min: float
+    split: bool = False
+    """Sum the excess |x| - M·s as two float32 parts, see :func:`_clip_pass`."""
 
 
 def _clipped(blocks: Tensor, scale: Tensor, limits: Tensor, rule: _ClipRule) -> Tensor:
@@ -553,14 +555,33 @@ def _clipped(blocks: Tensor, scale: Tensor, limits: Tensor, rule: _ClipRule) -> 
 
 def _clip_pass(blocks: Tensor, scale: Tensor, limits: Tensor, nonfinite: Tensor, *,
                rule: _ClipRule) -> Tensor:
-    """Clipped elements and Σ over them of |x| - M·s, in one compiled pass of whole-tensor
-    sums (see :func:`_sums_pass` on per-row ones)."""
+    """Clipped elements, Σ over them of |x| - M·s, and how many of them the split sum could
+    not take exactly, in one compiled pass of whole-tensor sums (see :func:`_sums_pass` on
+    per-row ones).
+
+    Each term |x| - M·s is exact in float64, but float64 work per element is slow here.
+    With ``rule.split`` (float32 input) it is summed as (|x| - t) - d, ``t`` = M·s rounded
+    to float32 and ``d`` = M·s - t: ``|x| - t`` is exact in float32 where |x| <= 2t
+    (Sterbenz; |x| > M·s keeps it above t/2), and ``d`` (a few bits) is a float32 unless
+    ``t`` is subnormal or infinite. Elements where either fails are counted in the third
+    sum, and the caller then sums them all in float64 instead."""
     clipped = _clipped(blocks, scale, limits, rule)
     if rule.blocked:
         clipped = clipped & ~nonfinite[:, None]
-    top = limits[:, 0:1].double() if rule.pow2 else (scale.double() * rule.e_max)[:, None]
+    exact = limits[:, 0:1].double() if rule.pow2 else (scale.double() * rule.e_max)[:, None]
+    if not rule.split:
+        return torch.stack([clipped.sum().double(),
+                            torch.where(clipped, blocks.abs().double() - exact, 0.0).sum(),
+                            torch.zeros((), dtype=torch.float64, device=blocks.device)])
+    t = exact.float()
+    d = (exact - t.double()).float()
+    mags = blocks.abs()
+    whole = (d.double() == exact - t.double()) & torch.isfinite(t) & (t != 0)
+    unsafe = clipped & ((mags > 2 * t) | ~whole)
     return torch.stack([clipped.sum().double(),
-                        torch.where(clipped, blocks.abs().double() - top, 0.0).sum()])
+                        torch.where(clipped, mags - t, 0.0).double().sum()
+                        - torch.where(clipped, d, 0.0).double().sum(),
+                        unsafe.sum().double()])
 
 
 GATHER_SHARE = 4
@@ -904,10 +925,13 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     v["abs_sum"], clipped, excess = facts.abs_sum, 0, 0.0
     if clipped_rows:
         part = _clip_sums(blocks, candidates, n_candidates, scale, limits, nonfinite, job,
-                          rule)
+                          replace(rule, split=work.dtype == torch.float32 and not wide))
+        if part is not None and part[2]:
+            part = _clip_sums(blocks, candidates, n_candidates, scale, limits, nonfinite, job,
+                              rule)
         if part is None:
             return None
-        clipped, excess = part.tolist()
+        clipped, excess, _ = part.tolist()
     q = None
     if rounded:
         r = fast.run_compiled(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -338,6 +339,29 @@ def test_casts_sharing_slice_facts_count_the_same(spec: str, rounded: bool) -> N
         a, b = getattr(alone, f), getattr(shared, f)
         assert (a == b) if isinstance(a, int) or a is None else \
             b == pytest.approx(a, rel=1e-12), f
+
+
+def test_clip_excess_far_beyond_a_clamped_scale_is_summed_exactly() -> None:
+    from driftcli import rounding
+
+    # an E5M2 power-of-two scale stops at 2**15: values near 1e14 clip by a factor of 1e7,
+    # where |x| - M·s is no longer exact in float32 and the float64 sum must take over
+    gen = torch.Generator().manual_seed(8)
+    x = torch.full((64, 64), 0.5)  # these rows do not clip
+    x[:8] = torch.randn(8, 64, generator=gen) * 1e14
+    spec = "float8_e4m3fn:block32:float8_e5m2:floor"
+    rounding.set_compile("never")
+    try:
+        eager, _ = cast_stats(x, spec, want_values=False, rounded=False)
+        rounding.set_compile("always")
+        fused, _ = cast_stats(x, spec, want_values=False, rounded=False)
+    finally:
+        rounding.set_compile("auto")
+    assert eager.clipped == fused.clipped > 400 and eager.scale_clamped == 16
+    exact = sum(abs(Fraction(v)) - 448 * 2**15 for v in x[:8].reshape(-1).tolist()
+                if abs(v) > 448 * 2**15)
+    assert eager.clip_excess == pytest.approx(float(exact), rel=1e-15)
+    assert fused.clip_excess == pytest.approx(float(exact), rel=1e-15)
 
 
 def test_the_asymmetric_int8_range_is_settled_element_by_element() -> None:
