@@ -2,10 +2,11 @@
 underflow-rate and error-bias.
 
 Each tensor is read once, in row slices of about :data:`CHUNK_ELEMENTS` elements
-aligned to the cast's scale groups, and every cast is applied to each slice while
-it is in memory, so memory stays bounded by a slice, not a checkpoint. Per-tensor
-and two-level scales need the whole tensor's amax first: for a tensor read in
-several slices that costs one extra read. A tensor that cannot be read becomes a
+(:data:`COUNT_CHUNK_ELEMENTS` when nothing is rounded) aligned to the cast's scale
+groups, and every cast is applied to each slice while it is in memory, so memory stays
+bounded by a slice and a held tensor (:data:`WHOLE_BYTES`), not a checkpoint. Per-tensor
+and two-level scales need the whole tensor's amax first: a held tensor gives it at
+once, a larger one is read once more for it. A tensor that cannot be read becomes a
 result with an error; the others are still measured.
 """
 
@@ -39,8 +40,13 @@ from driftcli.scaling import Granularity, ScaleRule
 Tensor = torch.Tensor
 
 CHUNK_ELEMENTS = 1 << 22
-"""Elements per slice (16 MiB of float32): large enough to amortise per-call costs,
-small enough that a few copies of it are nothing next to a checkpoint."""
+"""Elements per slice (16 MiB of float32) when every element is rounded: large enough to
+amortise per-call costs, small enough that a few copies of it are nothing next to a
+checkpoint."""
+
+COUNT_CHUNK_ELEMENTS = 1 << 24
+"""Elements per slice when only clipping is counted (no rounding): its temporaries are per
+row of a scale group, so a slice can be four times larger, and fewer calls cost less."""
 
 WHOLE_BYTES = 1 << 28
 """A tensor of up to this many stored bytes (256 MiB) is read once, whole, and sliced in
@@ -71,8 +77,9 @@ class ScanOptions:
     """Seed of the stochastic draws."""
     device: Device = Device.CPU
     """Where the casts run."""
-    chunk_elements: int = CHUNK_ELEMENTS
-    """Elements per slice of a large tensor."""
+    chunk_elements: int | None = None
+    """Elements per slice of a large tensor; None: :data:`CHUNK_ELEMENTS`, or
+    :data:`COUNT_CHUNK_ELEMENTS` for a scan that does not round."""
     whole_bytes: int = WHOLE_BYTES
     """Stored bytes up to which a tensor is read whole (see :data:`WHOLE_BYTES`)."""
 
@@ -122,15 +129,15 @@ def row_alignment(shape: tuple[int, ...], c: Cast, axis: int) -> int | None:
 
 def _slices(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions) -> list[tuple[int, int]]:
     """Row ranges of dim 0 that every cast can take separately."""
-    shape = ref.shape
-    if len(shape) == 0 or ref.numel <= opts.chunk_elements:
+    shape, chunk = ref.shape, opts.chunk_elements or CHUNK_ELEMENTS
+    if len(shape) == 0 or ref.numel <= chunk:
         return [(0, shape[0] if shape else 0)]
     aligns = [row_alignment(shape, c, opts.axis) for c in casts]
     if any(a is None for a in aligns):
         return [(0, shape[0])]
     align = math.lcm(*(a for a in aligns if a is not None))
     row_elems = max(1, ref.numel // shape[0])
-    rows = max(align, opts.chunk_elements // row_elems // align * align)
+    rows = max(align, chunk // row_elems // align * align)
     return [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
 
 
@@ -174,6 +181,9 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
                     job: int, rounded: bool, staging: _Staging) -> list[Result]:
     """Every cast of one tensor, reading it slice by slice; without ``rounded``, only what
     needs no rounding (one draw: clipping does not depend on it)."""
+    if opts.chunk_elements is None:
+        opts = dataclasses.replace(
+            opts, chunk_elements=CHUNK_ELEMENTS if rounded else COUNT_CHUNK_ELEMENTS)
     slices = _slices(ref, casts, opts)
     held = len(slices) > 1 and ref.nbytes <= opts.whole_bytes
     whole = ref.read(into=staging.at_least(ref.nbytes)) if held else None
