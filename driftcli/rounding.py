@@ -257,8 +257,10 @@ def _compiler_present() -> bool:
     return True
 
 
-RECOMPILE_LIMIT = 64
-"""Compiled variants per function (format x mode x policy x argument kinds) before eager."""
+RECOMPILE_LIMIT = 256
+"""Compiled variants per function (format x mode x policy x argument kinds) before eager: a
+format's constants (its max, smallest normal) are part of each variant, so a scan of many
+casts needs several per cast."""
 _COMPILED: dict[Callable[..., Any], Any] = {}
 _BROKEN: set[Callable[..., Any]] = set()
 """Functions whose compiled version failed once: they stay eager in this process."""
