@@ -366,7 +366,7 @@ def _cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_b
                  tensor_amax: float | None) -> _Blocked:
     """The cast of every scale group of ``x``; ``tensor_amax`` stands in for the tensor's own
     amax when ``x`` is one slice of a larger tensor (per-tensor and two-level scales)."""
-    work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    work = working(x)
     elem, s = c.format, c.scaling
     blocks, back = to_blocks(work, s, axis)
     blocks = blocks.contiguous()
@@ -765,6 +765,22 @@ def _row_amax(blocks: Tensor, job: int, raw: Tensor | None = None,
     return a, bad
 
 
+def run_length(shape: tuple[int, ...], c: Cast, axis: int) -> int:
+    """How many consecutive elements of the flattened tensor each of ``c``'s scale groups
+    is (a last one zero padded): :data:`TENSOR_ROW` for a tensor scale (as the fused pass
+    folds it), the block for blocks along the last axis that divide it; 0 for any other
+    layout (tiles, channels, blocks along another axis)."""
+    s = c.scaling
+    if not shape:
+        return 0
+    if s.granularity is Granularity.TENSOR:
+        return TENSOR_ROW
+    if s.granularity is Granularity.BLOCK and axis % len(shape) == len(shape) - 1 and \
+            shape[-1] % s.block == 0:
+        return s.block
+    return 0
+
+
 @dataclass(frozen=True)
 class SliceFacts:
     """What every cast of one tensor, or one slice of it, shares: read from it once (see
@@ -785,17 +801,8 @@ class SliceFacts:
     def group_amax(self, x: Tensor, c: Cast, axis: int) -> Tensor | None:
         """The raw amax of each row of ``c``'s block layout of ``x``, or None where the
         layout is not made of whole runs."""
-        if self.amax is None or x.dim() == 0:
-            return None
-        s = c.scaling
-        if s.granularity is Granularity.TENSOR:
-            k = TENSOR_ROW
-        elif s.granularity is Granularity.BLOCK and axis % x.dim() == x.dim() - 1 and \
-                x.shape[-1] % s.block == 0:
-            k = s.block
-        else:
-            return None
-        if k % self.chunk:
+        k = run_length(tuple(x.shape), c, axis)
+        if self.amax is None or not k or k % self.chunk:
             return None
         r = k // self.chunk
         a = self.amax
@@ -804,8 +811,19 @@ class SliceFacts:
         return a.view(-1, r).amax(dim=1) if r > 1 else a
 
 
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype casts work in: float64 stays, every other float widens exactly to
+    float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def working(x: Tensor) -> Tensor:
+    """``x`` in its :func:`working_dtype`."""
+    return x.to(working_dtype(x.dtype))
+
+
 def _flat(x: Tensor) -> Tensor:
-    return x.reshape(-1).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return working(x).reshape(-1)
 
 
 def run_amax(x: Tensor, chunk: int, job: int = 0) -> Tensor | None:
@@ -880,7 +898,7 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     per_tensor = s.granularity is Granularity.TENSOR
     if not (s.blocked or per_tensor) or x.numel() == 0 or fast.compiled(_sums_pass, job) is None:
         return None
-    work = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    work = working(x)
     if per_tensor:
         n = work.numel()
         pad = -n % TENSOR_ROW

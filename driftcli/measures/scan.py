@@ -23,14 +23,15 @@ from pathlib import Path
 import torch
 
 from driftcli.cast import (
-    TENSOR_ROW,
     Cast,
     CastStats,
     cast_stats,
     finite_amax,
     parse_cast,
     run_amax,
+    run_length,
     slice_facts,
+    working_dtype,
 )
 from driftcli.errors import DriftError
 from driftcli.io.readers import Inputs, ReadError, TensorRef, open_inputs
@@ -142,9 +143,9 @@ def _slices(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions) -> list[tu
 
 
 def _widen(x: Tensor, device: Device) -> Tensor:
-    """Exact widening: half-width floats to float32 (float64 stays float64)."""
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return x.to(device=device.value, dtype=wide)
+    """Exact widening: half-width floats to float32 (float64 stays float64), in one copy
+    onto the scan's device."""
+    return x.to(device=device.value, dtype=working_dtype(x.dtype))
 
 
 def _draw_seed(seed: int, *parts: object) -> int:
@@ -199,12 +200,14 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
 
     chunk = _facts_chunk(ref, casts, opts, slices)
     # the held tensor's run amaxes: its amax and every slice's share them
-    runs = run_amax(_widen(whole, opts.device), chunk, job) if whole is not None else None
+    wide_whole = None if whole is None else _widen(whole, opts.device)
+    runs = None if wide_whole is None else run_amax(wide_whole, chunk, job)
     amax = None
     if len(slices) > 1 and any(_needs_tensor_amax(c) for c in casts):
         # one slice is the whole tensor, and a cast reads its own amax
-        amax = finite_amax(_widen(whole, opts.device), job, runs) if whole is not None else \
+        amax = finite_amax(wide_whole, job, runs) if wide_whole is not None else \
             max(finite_amax(read(a, b), job) for a, b in slices)
+    del wide_whole  # a half-width tensor's float32 copy: slices widen their own
     row_elems = ref.numel // ref.shape[0] if ref.shape and ref.shape[0] else 1
     draws = [_n_draws(c, opts) if rounded else 1 for c in casts]
     parts: list[list[list[CastStats]]] = [[[] for _ in range(n)] for n in draws]
@@ -244,18 +247,11 @@ def _facts_chunk(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
     along the last axis) is made of, dividing every slice; 0 when there is none worth a
     pass of its own."""
     shape = ref.shape
-    if not shape:
+    runs = [k for c in casts if (k := run_length(shape, c, opts.axis))]
+    if not runs:
         return 0
-    runs = []
-    for c in casts:
-        g, k = c.scaling.granularity, c.scaling.block
-        if g is Granularity.TENSOR:
-            runs.append(TENSOR_ROW)
-        elif g is Granularity.BLOCK and opts.axis % len(shape) == len(shape) - 1 and \
-                shape[-1] % k == 0:
-            runs.append(k)
     row = ref.numel // shape[0] if shape[0] else 1
-    chunk = math.gcd(*runs, *((b - a) * row for a, b in slices)) if runs else 0
+    chunk = math.gcd(*runs, *((b - a) * row for a, b in slices))
     return chunk if chunk >= MIN_RUN else 0
 
 
