@@ -18,6 +18,9 @@ command (``drift clip-rate FILE -c ... --quiet``) in a child process and reports
 its wall time and peak resident memory against the largest tensor, and the time
 the provenance sha256 of the input takes (``--fast-hash`` skips it).
 
+Like the command, the process backs large tensors with huge pages where Linux offers them
+(:func:`driftcli.measures.scan.use_huge_pages`); ``THP_MEM_ALLOC_ENABLE=0`` turns that off.
+
 Run ``python benchmarks/bench_scan.py --help`` for the options.
 """
 
@@ -36,6 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from driftcli.measures import MEASURES
+from driftcli.measures.scan import use_huge_pages
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_casts import interleaved, machine
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                         "drift-bench-scan.safetensors", help="checkpoint to build or reuse")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
+    huge = use_huge_pages()  # as the drift command does, before the first tensor
     if not args.file.exists():
         print(f"building {args.file} …", flush=True)
         build(args.file)
@@ -132,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(torch.Size(s).numel() * 4 for s in shapes().values())
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
-          f"{info['threads']} threads, commit {info['commit']}")
+          f"{info['threads']} threads, commit {info['commit']}, "
+          f"huge pages {'on' if huge else 'off'}")
     print(f"checkpoint: {args.file} ({size / 1e9:.3f} GB, {len(shapes())} tensors, "
           f"largest {largest / 1e6:.0f} MB)")
     measure = MEASURES["clip-rate"]

@@ -975,6 +975,12 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     return stats_, (None if q is None else back(q).to(x.dtype))
 
 
+def runs_compiled(job_elements: int) -> bool:
+    """Whether :func:`cast_stats` runs its compiled passes in a job of this many elements
+    (else it casts eagerly, with temporaries of several times its input)."""
+    return fast.compiled(_sums_pass, job_elements) is not None
+
+
 def finite_amax(x: Tensor, job: int = 0, runs: Tensor | None = None) -> float:
     """The largest finite magnitude in ``x`` (0 when there is none), as scales read it, from
     its :func:`run_amax` ``runs`` when given; compiled when ``job`` (elements of the work

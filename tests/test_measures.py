@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from driftcli.cli import app
 from driftcli.errors import DriftError
 from driftcli.io.tables import read_table, schema_of
 from driftcli.measures import MEASURES
-from driftcli.measures.scan import ScanOptions, row_alignment, scan
+from driftcli.measures.scan import ScanOptions, row_alignment, scan, use_huge_pages
 
 runner = CliRunner()
 F32 = np.float32
@@ -167,6 +168,60 @@ def test_slices_add_up_to_the_whole_tensor() -> None:
         merged = CastStats.merge(parts, c.scaling.granularity.value == "tensor")
         for f in whole.__dataclass_fields__:
             assert getattr(merged, f) == pytest.approx(getattr(whole, f), rel=1e-12), (spec, f)
+
+
+@pytest.mark.parametrize(("switch", "given", "on", "left"), [
+    ("always [madvise] never\n", None, True, "1"),
+    ("[always] madvise never\n", None, True, "1"),
+    ("always madvise [never]\n", None, False, None),
+    (None, None, False, None),  # no such file: not Linux, or no huge pages
+    ("always [madvise] never\n", "0", False, "0"),  # the user's choice stands
+    ("always madvise [never]\n", "1", True, "1"),
+])
+def test_huge_pages_are_asked_for_only_where_offered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switch: str | None, given: str | None,
+        on: bool, left: str | None) -> None:
+    path = tmp_path / "enabled"
+    if switch is not None:
+        path.write_text(switch)
+    if given is None:
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", given)
+    assert use_huge_pages(path) is on
+    assert os.environ.get("THP_MEM_ALLOC_ENABLE") == left
+
+
+def test_eager_clip_counting_keeps_the_small_slices(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counting without rounding takes large slices only where the compiled passes run:
+    eagerly it is a full cast, with temporaries of several times the slice."""
+    from driftcli import rounding
+    from driftcli.measures import scan as scan_mod
+
+    path = tmp_path / "x.safetensors"
+    save_file({"x": torch.randn(64, 64, generator=torch.Generator().manual_seed(3))}, str(path))
+    monkeypatch.setattr(scan_mod, "CHUNK_ELEMENTS", 512)
+    monkeypatch.setattr(scan_mod, "COUNT_CHUNK_ELEMENTS", 2048)
+    sizes: list[int] = []
+
+    def counted(x: torch.Tensor, *args: object, **kwargs: object) -> object:
+        sizes.append(x.numel())
+        return cast_stats(x, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(scan_mod, "cast_stats", counted)
+    got = {}
+    try:
+        for mode in ("never", "always"):
+            rounding.set_compile(mode)
+            sizes.clear()
+            got[mode] = scan([path], ["mxfp8_e4m3"], rounded=False).results[0].draws[0]
+            got[mode + " slices"] = max(sizes)
+        assert scan_mod.runs_compiled(1)
+    finally:
+        rounding.set_compile("auto")
+    assert got["never slices"] == 512 and got["always slices"] == 2048
+    assert got["never"] == got["always"]
 
 
 def test_large_tensors_are_read_in_aligned_slices(tmp_path: Path) -> None:

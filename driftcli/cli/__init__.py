@@ -61,6 +61,9 @@ def command(name: str) -> Callable[[F], F]:
 
 def main() -> None:
     """Console-script entry point."""
+    from driftcli.measures.scan import use_huge_pages
+
+    use_huge_pages()  # before torch's first allocation, which reads it
     sys.exit(app())
 
 

@@ -2,7 +2,7 @@
 underflow-rate and error-bias.
 
 Each tensor is read once, in row slices of about :data:`CHUNK_ELEMENTS` elements
-(:data:`COUNT_CHUNK_ELEMENTS` when nothing is rounded) aligned to the cast's scale
+(:data:`COUNT_CHUNK_ELEMENTS` when compiled passes round nothing) aligned to the cast's scale
 groups, and every cast is applied to each slice while it is in memory, so memory stays
 bounded by a slice and a held tensor (:data:`WHOLE_BYTES`), not a checkpoint. Per-tensor
 and two-level scales need the whole tensor's amax first: a held tensor gives it at
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -30,6 +31,7 @@ from driftcli.cast import (
     parse_cast,
     run_amax,
     run_length,
+    runs_compiled,
     slice_facts,
     working_dtype,
 )
@@ -46,8 +48,10 @@ amortise per-call costs, small enough that a few copies of it are nothing next t
 checkpoint."""
 
 COUNT_CHUNK_ELEMENTS = 1 << 24
-"""Elements per slice when only clipping is counted (no rounding): its temporaries are per
-row of a scale group, so a slice can be four times larger, and fewer calls cost less."""
+"""Elements per slice when only clipping is counted (no rounding) by the compiled passes:
+their temporaries are per row of a scale group, so a slice can be four times larger, and
+fewer calls cost less. (Eagerly, clipping is counted on a full cast, whose float64
+temporaries keep the slice at :data:`CHUNK_ELEMENTS`.)"""
 
 WHOLE_BYTES = 1 << 28
 """A tensor of up to this many stored bytes (256 MiB) is read once, whole, and sliced in
@@ -80,7 +84,7 @@ class ScanOptions:
     """Where the casts run."""
     chunk_elements: int | None = None
     """Elements per slice of a large tensor; None: :data:`CHUNK_ELEMENTS`, or
-    :data:`COUNT_CHUNK_ELEMENTS` for a scan that does not round."""
+    :data:`COUNT_CHUNK_ELEMENTS` for a compiled scan that does not round."""
     whole_bytes: int = WHOLE_BYTES
     """Stored bytes up to which a tensor is read whole (see :data:`WHOLE_BYTES`)."""
 
@@ -183,8 +187,9 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
     """Every cast of one tensor, reading it slice by slice; without ``rounded``, only what
     needs no rounding (one draw: clipping does not depend on it)."""
     if opts.chunk_elements is None:
+        counted = not rounded and runs_compiled(job)
         opts = dataclasses.replace(
-            opts, chunk_elements=CHUNK_ELEMENTS if rounded else COUNT_CHUNK_ELEMENTS)
+            opts, chunk_elements=COUNT_CHUNK_ELEMENTS if counted else CHUNK_ELEMENTS)
     slices = _slices(ref, casts, opts)
     held = len(slices) > 1 and ref.nbytes <= opts.whole_bytes
     whole = ref.read(into=staging.at_least(ref.nbytes)) if held else None
@@ -281,6 +286,32 @@ class Scan:
     def errors(self) -> list[Result]:
         """Results that could not be measured."""
         return [r for r in self.results if r.error is not None]
+
+
+THP_SWITCH = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+"""Where Linux says whether it offers transparent huge pages."""
+
+
+def use_huge_pages(switch: Path = THP_SWITCH) -> bool:
+    """Ask torch to back its CPU tensors of 2 MiB and more with transparent huge pages
+    (``THP_MEM_ALLOC_ENABLE=1``) where Linux offers them, unless the environment already
+    sets it; True when it is on.
+
+    A scan reads each tensor into fresh memory and makes per-row temporaries: in 4 KiB
+    pages that is about 70,000 page faults per GB scanned, a fifth of a clip-rate scan's
+    time (see ``docs/performance.md``). Torch reads the setting at its first allocation in
+    the process, so this takes effect only when called before that: the drift command
+    calls it first; a notebook calls it before making any tensor, or sets the variable.
+    """
+    key = "THP_MEM_ALLOC_ENABLE"
+    if key not in os.environ:
+        try:
+            offered = "[never]" not in switch.read_text()
+        except OSError:  # not Linux, or a kernel without huge pages
+            offered = False
+        if offered:
+            os.environ[key] = "1"
+    return os.environ.get(key) == "1"
 
 
 def _check_device(device: Device) -> None:
