@@ -84,14 +84,23 @@ def plain_read(path: Path) -> float:
 
 
 def copy_read(path: Path) -> float:
-    """The file read into fresh memory in 16 MiB pieces and summed: a read that copies, as
-    drift's readers do (they never keep the file mapped)."""
+    """The file read into memory in 16 MiB pieces and summed: a read that copies, as
+    drift's readers do (they never keep the file mapped).
+
+    It sums on one thread: with two, waking the second after every read made this read
+    bimodal from one process to the next (about 3.5 or 10 GB/s here); one thread gives the
+    fast one every time."""
     total = 0.0
     buf = bytearray(16 << 20)
-    with path.open("rb") as fh:
-        fh.seek(8 + int.from_bytes(fh.read(8), "little"))
-        while n := fh.readinto(buf):
-            total += float(torch.frombuffer(buf, dtype=torch.float32, count=n // 4).sum())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with path.open("rb") as fh:
+            fh.seek(8 + int.from_bytes(fh.read(8), "little"))
+            while n := fh.readinto(buf):
+                total += float(torch.frombuffer(buf, dtype=torch.float32, count=n // 4).sum())
+    finally:
+        torch.set_num_threads(threads)
     return total
 
 
