@@ -3,6 +3,7 @@ from accumulation, drift dumps, and the command line."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -392,7 +393,8 @@ def test_cli_measures_a_dump(dumped: tuple, tmp_path: Path) -> None:
     df, prov = read_table(tmp_path / "accum-error.parquet")
     assert sorted(df["matmul"]) == sorted(f"{layer}/{role}" for layer in ("fc1", "<root>")
                                           for role in ("forward", "dgrad", "wgrad"))
-    assert prov["inputs"][0]["path"] == str(path) and "sha256" in prov["inputs"][0]
+    assert prov["inputs"][0]["path"] == str(path)
+    assert prov["inputs"][0]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_cli_measures_what_a_truncated_dump_still_holds(dumped: tuple, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ kind registered in a test."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.util
 import json
 import math
@@ -260,6 +261,8 @@ def test_cli_text_and_batch(tiny_kind: Path, tmp_path: Path) -> None:
     assert prov["seed"] == 4 and prov["batch_shape"] == [2, 24] and prov["draws"] == 3
     assert prov["policies"] == ["exact", "nvfp4", "mxfp4_e2m1:sr"]
     assert [i["path"] for i in prov["inputs"]] == [str(tiny_kind / "tiny.pt"), str(text)]
+    assert [i["sha256"] for i in prov["inputs"]] == [
+        hashlib.sha256(p.read_bytes()).hexdigest() for p in (tiny_kind / "tiny.pt", text)]
     agg = df[df.parameter == ALL_PARAMETERS].set_index("policy")
     assert agg.loc["exact", "cosine"] == pytest.approx(1, abs=1e-12)
     assert agg.loc["mxfp4_e2m1:sr", "draws"] == 3 and agg.loc["nvfp4", "draws"] == 1

@@ -3,6 +3,7 @@ and rate equals the value worked out by hand from the planted numbers."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -259,11 +260,19 @@ def test_cli_writes_three_tables_with_schema_and_provenance(ckpt: Path, tmp_path
         assert len(df) == 2 * 7  # 6 float tensors + the all-tensors row, per cast
         assert prov["inputs"][0]["path"] == str(ckpt)
         assert prov["inputs"][0]["size"] == ckpt.stat().st_size
-        assert len(prov["inputs"][0]["sha256"]) == 64
+        assert prov["inputs"][0]["sha256"] == hashlib.sha256(ckpt.read_bytes()).hexdigest()
         assert prov["casts"] == ["mxfp8_e4m3", "nvfp4"] and prov["axis"] == -1
     df, _ = read_table(out / "clip-rate.parquet")
     w = df[(df.tensor == "w") & (df.cast == str(parse_cast("mxfp8_e4m3")))].iloc[0]
     assert w["clipped"] == 3 and w["shape"] == "[2, 32]"
+
+
+def test_the_scan_names_its_files_before_it_reads_a_tensor(ckpt: Path) -> None:
+    events: list[tuple[str, object]] = []
+    s = scan([ckpt.parent], ["fp8_e4m3"], on_open=lambda files: events.append(("open", files)),
+             progress=lambda done, total, name: events.append(("tensor", name)))
+    assert events[0] == ("open", s.files) and s.files == [ckpt]
+    assert [kind for kind, _ in events[1:]] == ["tensor"] * (len(events) - 1) != []
 
 
 def test_cli_json_summary_names_the_worst(ckpt: Path, tmp_path: Path) -> None:

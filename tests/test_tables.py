@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -10,7 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from driftcli.errors import DriftError
-from driftcli.io.tables import provenance, read_table, schema_of, write_table
+from driftcli.io.tables import (
+    file_identity,
+    identify_in_background,
+    provenance,
+    read_table,
+    schema_of,
+    write_table,
+)
 from driftcli.verify import VerifyRow
 
 
@@ -34,6 +42,22 @@ def test_roundtrip_with_provenance(tmp_path: Path) -> None:
     assert prov["inputs"][0]["sha256"] == (
         "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")  # sha256("abc")
     assert [p.name for p in path.parent.iterdir()] == ["verify-formats.parquet"]  # no temp left
+
+
+def test_identities_worked_out_in_the_background_are_the_plain_ones(tmp_path: Path) -> None:
+    paths = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    for i, p in enumerate(paths):
+        p.write_bytes(bytes(range(256)) * (3000 + i))  # several reads of 1 MiB each
+    got = identify_in_background(paths)()
+    assert got == [file_identity(p) for p in paths]
+    assert got[1]["sha256"] == hashlib.sha256(paths[1].read_bytes()).hexdigest()
+    fast = identify_in_background(paths, fast_hash=True)()
+    assert fast == [file_identity(p, fast_hash=True) for p in paths]
+    assert "sha256" not in fast[0] and fast[0]["size"] == 256 * 3000
+    assert provenance(paths, identities=got)["inputs"] == got
+    missing = identify_in_background([paths[0], tmp_path / "gone.bin"])
+    with pytest.raises(FileNotFoundError, match=r"gone\.bin"):
+        missing()
 
 
 def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:

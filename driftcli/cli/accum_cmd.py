@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from driftcli.cli import EXIT_USAGE, command
-from driftcli.io.tables import provenance, write_table
+from driftcli.io.tables import identify_in_background, provenance, write_table
 from driftcli.measures.accum_error import (
     AccumErrorRow,
     Dist,
@@ -131,6 +131,7 @@ def accum_error_cmd(
     shapes = (synthetic_shapes([parse_shape(s) for s in shape or ()], k or ())
               if shape or k else None)
     out.mkdir(parents=True, exist_ok=True)  # fail now, not after the matmuls
+    identities = identify_in_background(dumps or ())  # beside the matmuls
     console = Console(stderr=True)
     live = not quiet and not as_json and console.is_terminal
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
@@ -145,7 +146,8 @@ def accum_error_cmd(
     prov = provenance(dumps or (), seed=seed, extra={
         "specs": [str(s) for s in specs], "shapes": None if shapes is None else
         [list(s) for s in shapes], "dists": None if dist is None else [d.value for d in dist],
-        "reference": "Sum2 (compensated) sum of exact float64 products; see ref_bound_ulps"})
+        "reference": "Sum2 (compensated) sum of exact float64 products; see ref_bound_ulps"},
+        identities=identities())
     path = write_table(out / f"{AccumErrorRow.TABLE}.parquet", AccumErrorRow, rows, prov)
     summary = summarize(rows, path)
     if as_json:

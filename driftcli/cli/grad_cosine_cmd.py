@@ -22,7 +22,7 @@ from driftcli.io.checkpoints import (
     next_token_loss,
     text_batch,
 )
-from driftcli.io.tables import provenance, write_table
+from driftcli.io.tables import identify_in_background, provenance, write_table
 from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_cosine
 
 OUT = Path("drift-out")
@@ -113,12 +113,13 @@ def grad_cosine_command(
     out.mkdir(parents=True, exist_ok=True)
     lm = load_causal_lm(checkpoint)
     ids, source = _batch(lm, text, batch, tokens, windows)
+    identities = identify_in_background([*lm.files, source])  # beside the gradients
     rows = grad_cosine(lm.model, ids, next_token_loss(lm.logits), resolved, draws=draws,
                        seed=seed, checkpoint=str(checkpoint))
     prov = provenance([*lm.files, source], seed=seed, extra={
         "checkpoint_kind": lm.kind, "policies": policy, "draws": draws,
         "batch_shape": list(ids.shape), "tokens": tokens if text is not None else None,
-        "windows": windows if text is not None else None})
+        "windows": windows if text is not None else None}, identities=identities())
     path = write_table(out / f"{GradCosineRow.TABLE}.parquet", GradCosineRow, rows, prov)
     summary = summarize(rows, path)
     if as_json:

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from driftcli.cast import parse_cast
 from driftcli.cli import EXIT_USAGE, command
-from driftcli.io.tables import provenance, write_table
+from driftcli.io.tables import identify_in_background, provenance, write_table
 from driftcli.measures import MEASURES
 from driftcli.measures.common import ALL_TENSORS, Measure
 from driftcli.measures.scan import Device, Scan, ScanOptions, scan
@@ -75,7 +75,7 @@ _M_MMAP_THRESHOLD = -3
 
 def _scan_with_progress(paths: list[Path], casts: list[str], options: ScanOptions,
                         include: list[str], exclude: list[str], quiet: bool,
-                        rounded: bool) -> Scan:
+                        rounded: bool, on_open: Callable[[list[Path]], None]) -> Scan:
     _bound_memory()
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
@@ -88,7 +88,7 @@ def _scan_with_progress(paths: list[Path], casts: list[str], options: ScanOption
             bar.update(task, completed=done, total=total, description=name[-40:])
 
         return scan(paths, casts, options=options, include=include, exclude=exclude,
-                    progress=advance, rounded=rounded)
+                    progress=advance, rounded=rounded, on_open=on_open)
 
 
 def _fmt(value: Any) -> str:
@@ -146,11 +146,14 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
          as_json: bool) -> None:
     m = MEASURES[name]
     out.mkdir(parents=True, exist_ok=True)  # fail now, not after the scan
-    s = _scan_with_progress(inputs, casts, options, include or [], exclude or [], quiet,
-                            m.rounded)
+    identities: list[Callable[[], list[dict[str, Any]]]] = []  # hashing, from the inputs opening
+    s = _scan_with_progress(
+        inputs, casts, options, include or [], exclude or [], quiet, m.rounded,
+        lambda files: identities.append(identify_in_background(files, fast_hash)))
     prov = provenance(s.files, seed=options.seed, device=options.device.value,
                       fast_hash=fast_hash, extra={"casts": casts, "axis": options.axis,
-                                                  "draws": options.draws})
+                                                  "draws": options.draws},
+                      identities=identities[0]())
     rows = m.rows(s)
     path = write_table(out / f"{m.name}.parquet", m.row_type, rows, prov)
     summary = _summary(m, rows, path, casts)

@@ -18,9 +18,10 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import types
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -105,9 +106,42 @@ def file_identity(path: Path, fast_hash: bool = False) -> dict[str, Any]:
     return ident
 
 
+def identify_in_background(paths: Sequence[Path],
+                           fast_hash: bool = False) -> Callable[[], list[dict[str, Any]]]:
+    """Start :func:`file_identity` of every path on a thread of its own and go on: sha256
+    reads and hashes with the GIL released, so it runs beside a scan (and beside its
+    compilation, which keeps one core busy). The function returned waits for the thread
+    and gives the identities in order, or raises the ``OSError`` it met. The thread is a
+    daemon, so a command that fails meanwhile does not wait for it."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["ids"] = [file_identity(Path(p), fast_hash) for p in paths]
+        except OSError as exc:  # raised where the caller asks for the result
+            box["error"] = exc
+
+    thread = threading.Thread(target=work, name="drift-identify", daemon=True)
+    thread.start()
+
+    def result() -> list[dict[str, Any]]:
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        if "ids" not in box:
+            raise DriftError("hashing the inputs failed (the error is printed above); "
+                             "--fast-hash identifies them by size and mtime instead")
+        return box["ids"]
+
+    return result
+
+
 def provenance(inputs: Sequence[Path] = (), *, seed: int | None = None, device: str = "cpu",
-               fast_hash: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Where a table came from: drift version and commit, command, inputs, torch, seed, time."""
+               fast_hash: bool = False, extra: dict[str, Any] | None = None,
+               identities: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Where a table came from: drift version and commit, command, inputs, torch, seed, time.
+    ``identities`` are the inputs' :func:`file_identity`, where they are worked out already
+    (see :func:`identify_in_background`)."""
     import torch
 
     from driftcli import __version__
@@ -116,7 +150,8 @@ def provenance(inputs: Sequence[Path] = (), *, seed: int | None = None, device: 
         "drift_version": __version__,
         "git_commit": _git_commit(),
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-        "inputs": [file_identity(Path(p), fast_hash) for p in inputs],
+        "inputs": list(identities) if identities is not None else
+        [file_identity(Path(p), fast_hash) for p in inputs],
         "hash": "size+mtime" if fast_hash else "sha256",
         "torch_version": torch.__version__,
         "python": platform.python_version(),

@@ -322,11 +322,13 @@ def _check_device(device: Device) -> None:
 def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
          options: ScanOptions | None = None, include: Sequence[str] = (),
          exclude: Sequence[str] = (), progress: Progress | None = None,
-         rounded: bool = True) -> Scan:
+         rounded: bool = True, on_open: Callable[[list[Path]], None] | None = None) -> Scan:
     """Cast every selected floating-point tensor of ``paths`` with every cast and count.
 
     ``rounded=False`` counts only what needs no rounding (see
     :func:`driftcli.cast.cast_stats`): what clip-rate needs, several times faster.
+    ``on_open`` is called with every file the scan reads (:attr:`Scan.files`) once all are
+    open, before the first tensor is read: the command starts hashing them then.
 
     Missing paths and folders without tensor files raise at once; a file or tensor that
     cannot be read becomes a :class:`Result` with ``error`` set and the rest go on.
@@ -341,6 +343,8 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     parsed = [parse_cast(c) for c in casts]
     opened = [(str(p), open_inputs([p], include, exclude)) for p in paths]
     todo = total_bytes([i for _, i in opened])
+    if on_open is not None:
+        on_open([f for _, i in opened for f in i.files])
     done = 0
     staging = _Staging()
     results: list[Result] = []
