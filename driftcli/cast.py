@@ -887,6 +887,16 @@ def _row_pass(amax: Tensor, row_amax: Tensor, nonfinite: Tensor, tensor_amax: Te
     return scale, limits, counts, side
 
 
+def runs_compiled(c: Cast, job_elements: int) -> bool:
+    """Whether :func:`cast_stats` casts with ``c`` in compiled passes in a job of this many
+    elements: block, tile and tensor scalings, where the compiler is used. Otherwise it casts
+    eagerly (unscaled and per-channel casts too), with float64 temporaries of several times
+    its input."""
+    s = c.scaling
+    return (s.blocked or s.granularity is Granularity.TENSOR) and \
+        fast.compiled(_sums_pass, job_elements) is not None
+
+
 def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: int,
                  tensor_amax: float | None, job: int, want_q: bool, rounded: bool,
                  facts: SliceFacts | None) -> tuple[CastStats, Tensor | None] | None:
@@ -896,7 +906,7 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     eager path runs)."""
     s, elem = c.scaling, c.format
     per_tensor = s.granularity is Granularity.TENSOR
-    if not (s.blocked or per_tensor) or x.numel() == 0 or fast.compiled(_sums_pass, job) is None:
+    if x.numel() == 0 or not runs_compiled(c, job):
         return None
     work = working(x)
     if per_tensor:
@@ -973,12 +983,6 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
         nonfinite_groups=n_bad, lost=v["lost"], xx=v["xx"], ee=v["ee"], ex=v["ex"],
         e_sum=v["e_sum"])
     return stats_, (None if q is None else back(q).to(x.dtype))
-
-
-def runs_compiled(job_elements: int) -> bool:
-    """Whether :func:`cast_stats` runs its compiled passes in a job of this many elements
-    (else it casts eagerly, with temporaries of several times its input)."""
-    return fast.compiled(_sums_pass, job_elements) is not None
 
 
 def finite_amax(x: Tensor, job: int = 0, runs: Tensor | None = None) -> float:

@@ -129,8 +129,8 @@ def identify_in_background(paths: Sequence[Path],
         if "error" in box:
             raise box["error"]
         if "ids" not in box:
-            raise DriftError("hashing the inputs failed (the error is printed above); "
-                             "--fast-hash identifies them by size and mtime instead")
+            raise DriftError("hashing the inputs for provenance failed; the error is "
+                             "printed above")
         return box["ids"]
 
     return result
