@@ -338,13 +338,17 @@ def _stats(blocks: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _wide(amax: Tensor, c: Cast) -> bool:
-    """Whether a power-of-two scaled grid leaves float32's range for some block (then float64).
+    """Whether a power-of-two scaled grid leaves float32's range for some block (then float64);
+    an unscaled cast's grid is its format's own (a scale of 2**0).
 
     The extreme exponents bound every block's, as the rules are monotone in amax."""
-    positive = torch.where(amax > 0, amax, torch.inf)
-    ends = torch.stack([positive.min(), amax.max()]).nan_to_num(posinf=1.0)
-    k, _ = pow2_exponents(torch.where(ends > 0, ends, 1.0), c.format, c.scaling)
-    return int(k.min()) + c.format.qmin < -149 or int(k.max()) + c.format.emax >= 128
+    low = high = 0
+    if c.scaling.granularity is not Granularity.NONE:
+        positive = torch.where(amax > 0, amax, torch.inf)
+        ends = torch.stack([positive.min(), amax.max()]).nan_to_num(posinf=1.0)
+        k, _ = pow2_exponents(torch.where(ends > 0, ends, 1.0), c.format, c.scaling)
+        low, high = int(k.min()), int(k.max())
+    return low + c.format.qmin < -149 or high + c.format.emax >= 128
 
 
 @dataclass(frozen=True)
@@ -738,6 +742,10 @@ TENSOR_ROW = 1 << 12
 """Row length a per-tensor scaled tensor is folded into for the fused pass (zero padded:
 zeros add nothing to any sum)."""
 
+_WHOLE = (Granularity.TENSOR, Granularity.NONE)
+"""Granularities whose one scale (a tensor's, or 2**0) the fused pass folds into rows of
+:data:`TENSOR_ROW`."""
+
 
 def _abs_max(blocks: Tensor) -> Tensor:
     """Each row's largest magnitude: NaN where the row holds a NaN, inf where it holds an
@@ -767,13 +775,13 @@ def _row_amax(blocks: Tensor, job: int, raw: Tensor | None = None,
 
 def run_length(shape: tuple[int, ...], c: Cast, axis: int) -> int:
     """How many consecutive elements of the flattened tensor each of ``c``'s scale groups
-    is (a last one zero padded): :data:`TENSOR_ROW` for a tensor scale (as the fused pass
-    folds it), the block for blocks along the last axis that divide it; 0 for any other
+    is (a last one zero padded): :data:`TENSOR_ROW` for a tensor scale or none (as the fused
+    pass folds them), the block for blocks along the last axis that divide it; 0 for any other
     layout (tiles, channels, blocks along another axis)."""
     s = c.scaling
     if not shape:
         return 0
-    if s.granularity is Granularity.TENSOR:
+    if s.granularity in _WHOLE:
         return TENSOR_ROW
     if s.granularity is Granularity.BLOCK and axis % len(shape) == len(shape) - 1 and \
             shape[-1] % s.block == 0:
@@ -857,9 +865,10 @@ def slice_facts(x: Tensor, chunk: int = 0, job: int = 0,
 
 
 def _row_pass(amax: Tensor, row_amax: Tensor, nonfinite: Tensor, tensor_amax: Tensor,
-              div: Tensor, *, plan: ScalePlan, pow2: bool, wide: bool, blocked: bool,
+              div: Tensor, *, plan: ScalePlan | None, pow2: bool, wide: bool, blocked: bool,
               ends: tuple[float, float, float]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Everything per row, in one compiled graph: the scales from ``amax``, the limits
+    """Everything per row, in one compiled graph: the scales from ``amax`` (2**0 for an
+    unscaled cast, ``plan`` None), the limits
     the element passes compare with, counts of the rows whose scale clamped and that hold a
     NaN or inf, and per row which sides of the range its amax lies beyond (1: above ``M``,
     2: below ``min``, 3: both; 0 for a NaN block).
@@ -868,7 +877,11 @@ def _row_pass(amax: Tensor, row_amax: Tensor, nonfinite: Tensor, tensor_amax: Te
     ``row_amax`` does, on the side of its sign: beyond both ``M`` and ``-min`` it surely
     clips, beyond neither it cannot, in between (only where the range is not symmetric, as
     int8's) it may, and :func:`_rows_clipping` looks."""
-    scale, clamped = _plan_scales(amax, tensor_amax, div, plan=plan)
+    if plan is None:
+        scale = torch.zeros(amax.shape, dtype=torch.long, device=amax.device)
+        clamped = torch.zeros(amax.shape, dtype=torch.bool, device=amax.device)
+    else:
+        scale, clamped = _plan_scales(amax, tensor_amax, div, plan=plan)
     e_max, e_min, e_small = ends
     if pow2:
         # 2**k from its bits: every k a scale format allows is a normal float64
@@ -889,11 +902,10 @@ def _row_pass(amax: Tensor, row_amax: Tensor, nonfinite: Tensor, tensor_amax: Te
 
 def runs_compiled(c: Cast, job_elements: int) -> bool:
     """Whether :func:`cast_stats` casts with ``c`` in compiled passes in a job of this many
-    elements: block, tile and tensor scalings, where the compiler is used. Otherwise it casts
-    eagerly (unscaled and per-channel casts too), with float64 temporaries of several times
-    its input."""
+    elements: every granularity but channels, where the compiler is used. Otherwise it casts
+    eagerly, with float64 temporaries of several times its input."""
     s = c.scaling
-    return (s.blocked or s.granularity is Granularity.TENSOR) and \
+    return (s.blocked or s.granularity in _WHOLE) and \
         fast.compiled(_sums_pass, job_elements) is not None
 
 
@@ -905,7 +917,7 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     that can clip. None where that does not apply or the compiler is not used (then the
     eager path runs)."""
     s, elem = c.scaling, c.format
-    per_tensor = s.granularity is Granularity.TENSOR
+    per_tensor = s.granularity in _WHOLE
     if x.numel() == 0 or not runs_compiled(c, job):
         return None
     work = working(x)
@@ -930,13 +942,14 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     row_amax, nonfinite = got
     top = _tensor_amax(row_amax, tensor_amax)
     amax = top.expand_as(row_amax) if per_tensor else row_amax
-    pow2 = bool(s.rule is not None and s.rule.power_of_two)
+    unscaled = s.granularity is Granularity.NONE
+    pow2 = unscaled or bool(s.rule is not None and s.rule.power_of_two)
     wide = pow2 and _wide(amax, c)
-    plan = ScalePlan.of(elem, s)
+    plan = None if unscaled else ScalePlan.of(elem, s)
+    div = amax.new_zeros(2) if plan is None else plan.divisors(amax)
     ends = (float(elem.max), float(elem.min), float(elem.smallest_normal))
-    rows = fast.run_compiled(_row_pass, job, amax, row_amax, nonfinite, top,
-                             plan.divisors(amax), plan=plan, pow2=pow2, wide=wide,
-                             blocked=s.blocked, ends=ends)
+    rows = fast.run_compiled(_row_pass, job, amax, row_amax, nonfinite, top, div, plan=plan,
+                             pow2=pow2, wide=wide, blocked=s.blocked, ends=ends)
     if rows is None:
         return None
     scale, limits, row_counts, side = rows
