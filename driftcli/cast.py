@@ -900,25 +900,23 @@ def _row_pass(amax: Tensor, row_amax: Tensor, nonfinite: Tensor, tensor_amax: Te
     return scale, limits, counts, side
 
 
-def runs_compiled(c: Cast, job_elements: int) -> bool:
-    """Whether :func:`cast_stats` casts with ``c`` in compiled passes in a job of this many
-    elements: every granularity but channels, where the compiler is used. Otherwise it casts
-    eagerly, with float64 temporaries of several times its input."""
-    s = c.scaling
-    return (s.blocked or s.granularity in _WHOLE) and \
-        fast.compiled(_sums_pass, job_elements) is not None
+def runs_compiled(job_elements: int) -> bool:
+    """Whether :func:`cast_stats` casts in compiled passes in a job of this many elements
+    (every cast does where the compiler is used); else it casts eagerly, with float64
+    temporaries of several times its input."""
+    return fast.compiled(_sums_pass, job_elements) is not None
 
 
 def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: int,
                  tensor_amax: float | None, job: int, want_q: bool, rounded: bool,
                  facts: SliceFacts | None) -> tuple[CastStats, Tensor | None] | None:
-    """:func:`cast_stats` as compiled passes for block, tile and tensor scalings: row amax,
-    row scales, the element cast with its sums (when ``rounded``), clipping on the rows
-    that can clip. None where that does not apply or the compiler is not used (then the
-    eager path runs)."""
+    """:func:`cast_stats` as compiled passes: row amax, row scales (one row per block, tile
+    or channel; an unscaled or tensor-scaled tensor folded into rows of :data:`TENSOR_ROW`),
+    the element cast with its sums (when ``rounded``), clipping on the rows that can clip.
+    None for an empty input or where the compiler is not used (then the eager path runs)."""
     s, elem = c.scaling, c.format
     per_tensor = s.granularity in _WHOLE
-    if x.numel() == 0 or not runs_compiled(c, job):
+    if x.numel() == 0 or not runs_compiled(job):
         return None
     work = working(x)
     if per_tensor:

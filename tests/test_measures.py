@@ -195,15 +195,14 @@ def test_huge_pages_are_asked_for_only_where_offered(
 
 
 @pytest.mark.skipif(not _compiler_present(), reason="no C++ compiler: every cast is eager")
-@pytest.mark.parametrize(("casts", "large"), [(["mxfp8_e4m3"], True), (["nvfp4", "fp8_e4m3"], True),
-                                             (["float8_e4m3fn", "bfloat16"], True),
-                                             (["mxfp8_e4m3", "float8_e4m3fn:channel"], False)])
+@pytest.mark.parametrize("casts", [["mxfp8_e4m3"], ["nvfp4", "fp8_e4m3"],
+                                   ["float8_e4m3fn", "bfloat16"],
+                                   ["mxfp8_e4m3", "float8_e4m3fn:channel"]])
 def test_eager_clip_counting_keeps_the_small_slices(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch,
-                                                    casts: list[str], large: bool) -> None:
-    """Counting without rounding takes large slices only where the compiled passes run
-    for every cast: eagerly it is a full cast, with temporaries of several times the slice
-    (per-channel casts are always eager)."""
+                                                    casts: list[str]) -> None:
+    """Counting without rounding takes large slices only where the compiled passes run:
+    eagerly it is a full cast, with temporaries of several times the slice."""
     from driftcli import rounding
     from driftcli.measures import scan as scan_mod
 
@@ -227,7 +226,7 @@ def test_eager_clip_counting_keeps_the_small_slices(tmp_path: Path,
             got[mode + " slices"] = max(sizes)
     finally:
         rounding.set_compile("auto")
-    assert got["never slices"] == 512 and got["always slices"] == (2048 if large else 512)
+    assert got["never slices"] == 512 and got["always slices"] == 2048
     assert got["never"] == got["always"]
 
 
@@ -323,7 +322,10 @@ def test_bad_input_is_one_line_exit_2(ckpt: Path, tmp_path: Path, args: list[str
                                            ("float8_e4m3fn:block32:float32:floor", -38),
                                            ("float8_e4m3fn", -12), ("float8_e5m2:sr:ieee", -12),
                                            ("bfloat16", -45), ("int8", -3),
-                                           ("float4_e2m1fn:rtz", -3)])
+                                           ("float4_e2m1fn:rtz", -3),
+                                           ("float8_e4m3fn:channel", -12),
+                                           ("int8:channel:float32:amax", -30),
+                                           ("float8_e5m2:channel:float8_e8m0fnu:floor:sr", -30)])
 def test_the_compiled_one_pass_sums_equal_the_eager_masks(spec: str, low: int) -> None:
     from driftcli import rounding
 
@@ -352,7 +354,8 @@ def test_the_compiled_one_pass_sums_equal_the_eager_masks(spec: str, low: int) -
 @pytest.mark.parametrize("spec", ["fp8_e4m3", "mxfp8_e4m3", "nvfp4", "mxfp6_e3m2:sr:ieee",
                                   "mxint8", "float8_e4m3fn:tensor:float8_e8m0fnu:floor",
                                   "float8_e4m3fn:block32:float32:floor", "float8_e4m3fn",
-                                  "float8_e5m2:ieee", "int8", "float4_e2m1fn"])
+                                  "float8_e5m2:ieee", "int8", "float4_e2m1fn",
+                                  "float8_e4m3fn:channel", "int8:channel:float32:amax"])
 @pytest.mark.parametrize("compile_mode", ["never", "always"])
 def test_counting_without_rounding_gives_the_same_clip_counts(spec: str,
                                                               compile_mode: str) -> None:

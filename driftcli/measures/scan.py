@@ -187,7 +187,7 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
     """Every cast of one tensor, reading it slice by slice; without ``rounded``, only what
     needs no rounding (one draw: clipping does not depend on it)."""
     if opts.chunk_elements is None:
-        counted = not rounded and all(runs_compiled(c, job) for c in casts)
+        counted = not rounded and runs_compiled(job)
         opts = dataclasses.replace(
             opts, chunk_elements=COUNT_CHUNK_ELEMENTS if counted else CHUNK_ELEMENTS)
     slices = _slices(ref, casts, opts)
