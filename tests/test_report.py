@@ -806,3 +806,29 @@ def test_ci_script_runs_end_to_end(tmp_path: Path) -> None:
     assert (tmp_path / "report.html").stat().st_size > 10_000
     assert "clip-rate: clip_rate (higher is worse)" in proc.stdout
     assert "OK: 3 rule(s) hold" in proc.stdout
+
+
+def test_the_report_names_casts_as_they_were_given(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from driftcli.cast import parse_cast
+
+    save_file({"w": torch.linspace(-500, 500, 4096).reshape(16, 256)},
+              str(tmp_path / "m.safetensors"))
+    nv, mx = str(parse_cast("nvfp4")), str(parse_cast("mxfp8_e4m3"))
+    out = tmp_path / "out"
+    done = runner.invoke(app, ["clip-rate", str(tmp_path / "m.safetensors"), "-c", "nvfp4",
+                               "-c", mx, "--out", str(out), "--quiet"])
+    assert done.exit_code == 0, done.output
+    md, js = tmp_path / "r.md", tmp_path / "r.json"
+    assert report(str(out), "--markdown", str(md), "--json", str(js)).exit_code == 0
+    text = md.read_text()
+    assert f"- names: nvfp4 = {nv}" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert any(line.startswith("| nvfp4 | 1 |") for line in rows)
+    assert any(line.startswith(f"| {mx} | 1 |") for line in rows)  # given as its spec
+    assert not any(line.startswith(f"| {nv} |") for line in rows)
+    clip = json.loads(js.read_text())["tables"][0]
+    assert clip["names"] == {"cast": {nv: "nvfp4"}}  # JSON keeps the values as written
+    assert {g["group"]["cast"] for g in clip["groups"]} == {nv, mx}

@@ -99,10 +99,16 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def cast_names(given: list[str]) -> dict[str, str]:
+    """Each cast's canonical spec → the name the user gave it, where they differ (a preset
+    reads better than its canonical spec): the summary and the report show these names."""
+    return {spec: g for g in given if (spec := str(parse_cast(g))) != g}
+
+
 def _summary(m: Measure, rows: list[Any], path: Path, given: list[str]) -> dict[str, Any]:
     """Per input and cast: the all-tensors headline and the worst tensors; casts are named
-    as the user gave them (a preset reads better than its canonical spec)."""
-    label = {str(parse_cast(g)): g for g in given}
+    as the user gave them (see :func:`cast_names`)."""
+    label = cast_names(given)
     head = m.row_type.HEADLINE
     out: dict[str, Any] = {"table": str(path), "measure": m.name, "headline": head, "casts": []}
     for agg in (r for r in rows if r.tensor == ALL_TENSORS):
@@ -152,7 +158,8 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
         lambda files: identities.append(identify_in_background(files, fast_hash)))
     prov = provenance(s.files, seed=options.seed, device=options.device.value,
                       fast_hash=fast_hash, extra={"casts": casts, "axis": options.axis,
-                                                  "draws": options.draws},
+                                                  "draws": options.draws,
+                                                  "names": {"cast": cast_names(casts)}},
                       identities=identities[0]())
     rows = m.rows(s)
     path = write_table(out / f"{m.name}.parquet", m.row_type, rows, prov)

@@ -60,7 +60,7 @@ def headers(summary: TableSummary, vary: list[str]) -> list[str]:
 def cells(summary: TableSummary, group: GroupSummary, vary: list[str]) -> list[str]:
     """One summary table row."""
     g = dict(group.group)
-    row = [fmt(g[c]) for c in vary] + [str(group.n_rows)]
+    row = [fmt(summary.shown(c, g[c])) for c in vary] + [str(group.n_rows)]
     if summary.layout.has_aggregate:
         row.append(fmt(group.aggregate_value(summary.headline)))
     worst = ", ".join(f"{w.name} {fmt(w.value)}" for w in group.worst)
@@ -85,7 +85,10 @@ def about(summary: TableSummary) -> Iterator[str]:
         yield f"inputs: {', '.join(p.inputs)}"
     _, fixed = varying(summary)
     if fixed:
-        yield "for all rows: " + ", ".join(f"{c}={fmt(v)}" for c, v in fixed)
+        yield "for all rows: " + ", ".join(f"{c}={fmt(summary.shown(c, v))}" for c, v in fixed)
+    named = [f"{name} = {value}" for m in summary.names.values() for value, name in m.items()]
+    if named:
+        yield "names: " + "; ".join(named)
     if not summary.known_row_type:
         yield ("this drift has no row type for this table; summarized from the keys, headline "
                "and direction its schema declares")
@@ -95,7 +98,8 @@ def failures(summary: TableSummary) -> Iterator[str]:
     """Lines for rows that could not be measured."""
     for g in summary.groups:
         for f in g.failed:
-            yield f"not measured: {f.name}{' (' + g.label + ')' if g.label else ''}: {f.error}"
+            label = summary.label(g)
+            yield f"not measured: {f.name}{' (' + label + ')' if label else ''}: {f.error}"
 
 
 def violation_head(v: Violation) -> str:

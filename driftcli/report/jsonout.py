@@ -42,7 +42,7 @@ def _table(s: TableSummary) -> dict[str, Any]:
         "table": s.name, "path": s.path, "headline": s.headline,
         "higher_is_worse": s.higher_is_worse, "keys": list(s.keys), "rows": s.n_rows,
         "item": s.layout.item, "group_by": list(s.layout.groups),
-        "known_row_type": s.known_row_type,
+        "known_row_type": s.known_row_type, "names": s.names,
         "provenance": {"drift_version": p.drift_version, "git_commit": p.git_commit,
                        "utc": p.utc, "command": p.command, "inputs": list(p.inputs)},
         "groups": [_group(g) for g in s.groups],

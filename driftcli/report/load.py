@@ -63,6 +63,31 @@ class Table:
         """Column names in schema order."""
         return list(self.frame.columns)
 
+    @property
+    def names(self) -> dict[str, dict[str, str]]:
+        """What the report calls key values, where the writing command recorded it
+        (provenance ``names``: column → value → name, e.g. a cast's canonical spec → the
+        preset the user gave). Only what is shown changes: expressions and baselines read
+        the values as written."""
+        got = self.provenance.get("names")
+        if not isinstance(got, dict):
+            return {}
+        return {str(c): {str(v): str(n) for v, n in m.items()} for c, m in got.items()
+                if isinstance(m, dict)}
+
+    def shown(self) -> pd.DataFrame:
+        """The frame with its named values (see :attr:`names`) replaced by their names."""
+        names = {c: m for c, m in self.names.items() if c in self.frame.columns}
+        if not names:
+            return self.frame
+        return self.frame.assign(**{c: self.frame[c].map(lambda v, m=m: shown(m, v))
+                                    for c, m in names.items()})
+
+
+def shown(names: dict[str, str], value: Any) -> Any:
+    """``value`` as the report shows it: its name in ``names``, or itself."""
+    return names.get(value, value) if isinstance(value, str) else value
+
 
 @dataclass(frozen=True)
 class Skipped:

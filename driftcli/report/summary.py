@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from driftcli.report.load import ALL_ROWS, Table
+from driftcli.report.load import ALL_ROWS, Table, shown
 
 WORST = 3
 """Rows named as the worst in each group, unless asked otherwise."""
@@ -107,11 +107,6 @@ class GroupSummary:
     """The group's ``*`` row as (column, value) pairs, where the table has one."""
     failed: tuple[Failed, ...]
 
-    @property
-    def label(self) -> str:
-        """``cast=mxfp8_e4m3 source=model.safetensors``-style label (empty for no groups)."""
-        return " ".join(f"{k}={v}" for k, v in self.group)
-
     def aggregate_value(self, column: str) -> Any:
         """A column of the aggregate row, or None."""
         return dict(self.aggregate or ()).get(column)
@@ -164,6 +159,17 @@ class TableSummary:
     headline_doc: str
     constants: tuple[tuple[str, Any], ...] = ()
     """Key columns with one value in every row, and that value (shown once)."""
+    names: dict[str, dict[str, str]] = field(default_factory=dict)
+    """What key values are called where they are shown (:attr:`Table.names`)."""
+
+    def shown(self, column: str, value: Any) -> Any:
+        """A value of ``column`` as shown: its name, or itself."""
+        return shown(self.names.get(column, {}), value)
+
+    def label(self, group: GroupSummary) -> str:
+        """``cast=mxfp8_e4m3 source=model.safetensors``-style label of one of its groups
+        (empty for no groups)."""
+        return " ".join(f"{k}={self.shown(k, v)}" for k, v in group.group)
 
     @property
     def worst_label(self) -> str:
@@ -233,4 +239,5 @@ def summarize(table: Table, worst: int = WORST) -> TableSummary:
         higher_is_worse=table.higher_is_worse, keys=table.keys, layout=lay,
         n_rows=len(frame), provenance=Provenance.of(table.provenance), groups=tuple(groups),
         known_row_type=table.row_type is not None,
-        headline_doc=table.docs.get(table.headline, ""), constants=constants)
+        headline_doc=table.docs.get(table.headline, ""), constants=constants,
+        names=table.names)
