@@ -915,11 +915,11 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     the element cast with its sums (when ``rounded``), clipping on the rows that can clip.
     None for an empty input or where the compiler is not used (then the eager path runs)."""
     s, elem = c.scaling, c.format
-    per_tensor = s.granularity in _WHOLE
+    one_scale = s.granularity in _WHOLE  # one scale for the tensor, or none
     if x.numel() == 0 or not runs_compiled(job):
         return None
     work = working(x)
-    if per_tensor:
+    if one_scale:
         n = work.numel()
         pad = -n % TENSOR_ROW
         flat = work.reshape(-1)
@@ -939,7 +939,7 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
         return None
     row_amax, nonfinite = got
     top = _tensor_amax(row_amax, tensor_amax)
-    amax = top.expand_as(row_amax) if per_tensor else row_amax
+    amax = top.expand_as(row_amax) if one_scale else row_amax
     unscaled = s.granularity is Granularity.NONE
     pow2 = unscaled or bool(s.rule is not None and s.rule.power_of_two)
     wide = pow2 and _wide(amax, c)
@@ -987,10 +987,10 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     clipped = int(clipped)
     stats_ = CastStats(
         numel=x.numel(), nonfinite=x.numel() - facts.finite, nonzero=v["nonzero"],
-        groups=1 if per_tensor else blocks.shape[0], clipped=clipped,
-        clipped_groups=min(clipped, 1) if per_tensor else clipped_rows, clip_excess=excess,
+        groups=1 if one_scale else blocks.shape[0], clipped=clipped,
+        clipped_groups=min(clipped, 1) if one_scale else clipped_rows, clip_excess=excess,
         abs_sum=v["abs_sum"], underflowed=v["underflowed"], subnormal=v["subnormal"],
-        scale_clamped=min(n_clamped, 1) if per_tensor else n_clamped,
+        scale_clamped=min(n_clamped, 1) if one_scale else n_clamped,
         nonfinite_groups=n_bad, lost=v["lost"], xx=v["xx"], ee=v["ee"], ex=v["ex"],
         e_sum=v["e_sum"])
     return stats_, (None if q is None else back(q).to(x.dtype))

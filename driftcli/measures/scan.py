@@ -57,7 +57,7 @@ WHOLE_BYTES = 1 << 28
 """A tensor of up to this many stored bytes (256 MiB) is read once, whole, and sliced in
 memory; a larger one is read slice by slice, and once more first where a cast needs its
 amax. Reading twice costs more than the casts of clip-rate; holding a tensor of this size
-stays within the memory a scan is allowed (three times the largest tensor, plus 300 MB)."""
+keeps a scan within three times the largest tensor, beyond what the process needs anyway."""
 
 Progress = Callable[[int, int, str], None]
 """Called after each tensor with the bytes done so far, the bytes in all, and its name."""
@@ -298,8 +298,8 @@ def use_huge_pages(switch: Path = THP_SWITCH) -> bool:
     sets it; True when it is on.
 
     A scan reads each tensor into fresh memory and makes per-row temporaries: in 4 KiB
-    pages that is about 70,000 page faults per GB scanned, a fifth of a clip-rate scan's
-    time (see ``docs/performance.md``). Torch reads the setting at its first allocation in
+    pages that is about 70,000 page faults per GB scanned, about 15 % of a clip-rate
+    scan's time (see ``docs/performance.md``). Torch reads the setting at its first allocation in
     the process, so this takes effect only when called before that: the drift command
     calls it first; a notebook calls it before making any tensor, or sets the variable.
     """

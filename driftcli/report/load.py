@@ -75,7 +75,7 @@ class Table:
         return {str(c): {str(v): str(n) for v, n in m.items()} for c, m in got.items()
                 if isinstance(m, dict)}
 
-    def shown(self) -> pd.DataFrame:
+    def display_frame(self) -> pd.DataFrame:
         """The frame with its named values (see :attr:`names`) replaced by their names."""
         names = {c: m for c, m in self.names.items() if c in self.frame.columns}
         if not names:

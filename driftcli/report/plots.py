@@ -178,7 +178,7 @@ def by_item(table: Table, column: str) -> Plot | None:
     item = lay.item
     if item is None:
         return None
-    frame = table.shown()
+    frame = table.display_frame()
     rows = frame[frame[item].astype(object) != ALL_ROWS]
     aggregates = frame[frame[item].astype(object) == ALL_ROWS]
     values = _numeric(rows, column)
@@ -250,7 +250,7 @@ def by_item(table: Table, column: str) -> Plot | None:
 def scatter(table: Table, spec: Scatter) -> Plot | None:
     """``spec.y`` against ``spec.x``, one point per row, one colour per group."""
     lay = layout(table)
-    frame = table.shown()
+    frame = table.display_frame()
     xs, ys = _numeric(frame, spec.x), _numeric(frame, spec.y)
     ok = xs.notna() & ys.notna() & np.isfinite(xs) & np.isfinite(ys)
     if not ok.any():
@@ -285,7 +285,7 @@ def by_step(table: Table) -> list[Plot]:
     """Each measured column against step (headline first), one line per group; only the
     aggregate rows where the table has them."""
     lay = layout(table)
-    frame = table.shown()
+    frame = table.display_frame()
     if lay.has_aggregate and lay.item is not None:
         frame = frame[frame[lay.item].astype(object) == ALL_ROWS]
     measured = [c for c in table.columns if c not in table.keys and c != STEP
@@ -321,7 +321,7 @@ def by_step(table: Table) -> list[Plot]:
 def by_group(table: Table) -> Plot | None:
     """The headline per group as bars: the total for a count, the worst value otherwise."""
     lay = layout(table)
-    frame = table.shown()
+    frame = table.display_frame()
     head = table.headline
     values = _numeric(frame, head)
     if values.notna().sum() == 0:
