@@ -688,7 +688,8 @@ def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
                sr_bits: int = DEFAULT_SR_BITS, tensor_amax: float | None = None,
                job_elements: int = 0, want_values: bool = True, rounded: bool = True,
                facts: SliceFacts | None = None) -> tuple[CastStats, Tensor | None]:
-    """Cast ``x`` and count what happened (:class:`CastStats`); also the dequantized values.
+    """Cast ``x`` and count what happened (:class:`CastStats`); also the dequantized values
+    (None with ``want_values=False``).
 
     ``tensor_amax`` is the amax of the whole tensor when ``x`` is one slice of it (see
     :func:`finite_amax`), so per-tensor and two-level scales match the whole tensor's.
@@ -732,7 +733,7 @@ def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
         ee=float((e * e).sum()), ex=float((e * xv).sum()), e_sum=float(e.sum()))
     if not rounded:
         return replace(stats, **dict.fromkeys(_ROUNDED)), None
-    return stats, b.back(b.q).to(x.dtype)
+    return stats, (b.back(b.q).to(x.dtype) if want_values else None)
 
 
 _STAT_FIELDS = tuple(CastStats.__dataclass_fields__)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from driftcli.cast import CastStats, cast_stats, finite_amax, parse_cast
+from driftcli.cast import CastStats, cast_stats, finite_amax, parse_cast, quantize
 from driftcli.cli import app
 from driftcli.errors import DriftError
 from driftcli.io.tables import read_table, schema_of
@@ -455,6 +455,20 @@ def test_the_asymmetric_int8_range_is_settled_element_by_element() -> None:
             rounding.set_compile("auto")
         assert (st.clipped, st.clipped_groups) == (1, 1), mode
         assert st.clip_excess == 0.5
+
+
+def test_values_come_back_only_when_wanted() -> None:
+    from driftcli import rounding
+
+    x = torch.linspace(-3, 3, 64).reshape(2, 32)
+    rounding.set_compile("never")  # the eager path: the fused one never makes them unasked
+    try:
+        wanted, q = cast_stats(x, "mxfp8_e4m3")
+        unwanted, none = cast_stats(x, "mxfp8_e4m3", want_values=False)
+    finally:
+        rounding.set_compile("auto")
+    assert none is None and wanted == unwanted
+    assert q is not None and torch.equal(q, quantize(x, "mxfp8_e4m3"))
 
 
 def test_values_need_the_rounding() -> None:
