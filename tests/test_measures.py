@@ -249,6 +249,51 @@ def test_large_tensors_are_read_in_aligned_slices(tmp_path: Path) -> None:
     assert row_alignment((48, 64), parse_cast("float8_e4m3fn:channel"), 0) is None
 
 
+@pytest.mark.parametrize("mode", ["never", pytest.param("always", marks=pytest.mark.skipif(
+    not _compiler_present(), reason="no C++ compiler: every cast is eager"))])
+@pytest.mark.parametrize("rounded", [False, True])
+def test_channels_along_the_first_axis_are_cut_along_the_last(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rounded: bool, mode: str) -> None:
+    """A channel spanning dim 0 cannot be cut there: a held tensor is cut along its last
+    dim (tiles kept whole), so its transposed copy is made one slice at a time."""
+    from driftcli import rounding
+    from driftcli.measures import scan as scan_mod
+
+    monkeypatch.setattr(rounding, "_compile_mode", mode)
+
+    torch.manual_seed(2)
+    x = torch.randn(48, 64) * torch.logspace(-6, 4, 64)
+    x[7, 9] = math.nan
+    path = tmp_path / "x.safetensors"
+    save_file({"x": x}, str(path))
+    casts = ["float8_e4m3fn:channel", "fp8_e4m3", "nvfp4_2d", "mxfp8_e4m3"]
+    shapes: list[tuple[int, ...]] = []
+
+    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+        shapes.append(tuple(t.shape))
+        return cast_stats(t, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(scan_mod, "cast_stats", counted)
+    cut = scan([path], casts, rounded=rounded,
+               options=ScanOptions(chunk_elements=256, axis=0))
+    assert set(shapes) == {(48, 16)} and len(shapes) == 4 * len(casts)
+    shapes.clear()
+    whole = scan([path], casts, rounded=rounded, options=ScanOptions(axis=0))
+    assert set(shapes) == {(48, 64)}
+    for a, b in zip(cut.results, whole.results, strict=True):
+        for f in a.draws[0].__dataclass_fields__:
+            got, want = getattr(a.draws[0], f), getattr(b.draws[0], f)
+            assert got == (want if want is None else pytest.approx(want, rel=1e-12)), \
+                (a.cast, f)
+    assert cut.results[0].draws[0].groups == 64
+    assert cut.results[0].draws[0].nonfinite_groups == 0  # a channel scale: not a block's
+    # too large to hold: read whole, as one slice
+    shapes.clear()
+    scan([path], casts[:1], rounded=rounded,
+         options=ScanOptions(chunk_elements=256, axis=0, whole_bytes=1024))
+    assert shapes == [(48, 64)]
+
+
 def test_cli_writes_three_tables_with_schema_and_provenance(ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     for name in ("clip-rate", "underflow-rate", "error-bias"):

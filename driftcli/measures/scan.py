@@ -132,18 +132,43 @@ def row_alignment(shape: tuple[int, ...], c: Cast, axis: int) -> int | None:
     return 1
 
 
-def _slices(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions) -> list[tuple[int, int]]:
-    """Row ranges of dim 0 that every cast can take separately."""
+def column_alignment(c: Cast) -> int:
+    """How many entries of the last dimension a slice along it must be a multiple of, for
+    scale groups along the first (``--axis 0``): a tile spans the last dimension too; a
+    block or channel lies within one entry of it."""
+    return c.scaling.block if c.scaling.granularity is Granularity.TILE else 1
+
+
+@dataclass(frozen=True)
+class _Slicing:
+    """Where a tensor is cut: ranges of its first dimension, or of its last (``dim`` -1)."""
+
+    dim: int
+    ranges: list[tuple[int, int]]
+
+
+def _ranges(n: int, per_entry: int, chunk: int, align: int) -> list[tuple[int, int]]:
+    step = max(align, chunk // max(1, per_entry) // align * align)
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def _slices(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions) -> _Slicing:
+    """Ranges that every cast can take separately: of dim 0, or, where a channel spans dim 0
+    (``--axis 0``) and the tensor is held whole, of the last dim; else the whole tensor."""
     shape, chunk = ref.shape, opts.chunk_elements or CHUNK_ELEMENTS
+    whole = _Slicing(0, [(0, shape[0] if shape else 0)])
     if len(shape) == 0 or ref.numel <= chunk:
-        return [(0, shape[0] if shape else 0)]
+        return whole
     aligns = [row_alignment(shape, c, opts.axis) for c in casts]
-    if any(a is None for a in aligns):
-        return [(0, shape[0])]
-    align = math.lcm(*(a for a in aligns if a is not None))
-    row_elems = max(1, ref.numel // shape[0])
-    rows = max(align, chunk // row_elems // align * align)
-    return [(r, min(r + rows, shape[0])) for r in range(0, shape[0], rows)]
+    if all(a is not None for a in aligns):
+        return _Slicing(0, _ranges(shape[0], ref.numel // max(1, shape[0]),
+                                   chunk, math.lcm(*(a for a in aligns if a is not None))))
+    if len(shape) < 2 or ref.nbytes > opts.whole_bytes:
+        return whole  # one channel is the whole tensor, or it is read whole anyway
+    # each channel is a fibre along dim 0: cutting the last dim keeps it whole, and the held
+    # tensor's transposed copy (for the cast's rows) is then made one slice at a time
+    return _Slicing(-1, _ranges(shape[-1], ref.numel // max(1, shape[-1]), chunk,
+                                math.lcm(*(column_alignment(c) for c in casts))))
 
 
 def _widen(x: Tensor, device: Device) -> Tensor:
@@ -190,7 +215,8 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         counted = not rounded and runs_compiled(job)
         opts = dataclasses.replace(
             opts, chunk_elements=COUNT_CHUNK_ELEMENTS if counted else CHUNK_ELEMENTS)
-    slices = _slices(ref, casts, opts)
+    slicing = _slices(ref, casts, opts)
+    slices = slicing.ranges
     held = len(slices) > 1 and ref.nbytes <= opts.whole_bytes
     whole = ref.read(into=staging.at_least(ref.nbytes)) if held else None
     row_bytes = ref.nbytes // max(1, ref.shape[0] if ref.shape else 1)
@@ -198,12 +224,14 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
 
     def read(start: int, stop: int) -> Tensor:
         if whole is not None:
-            return _widen(whole[start:stop], opts.device)
+            cut = whole[start:stop] if slicing.dim == 0 else whole[..., start:stop]
+            return _widen(cut, opts.device)
         into = staging.at_least(slice_bytes)
         return _widen(ref.read(start, stop, into=into) if ref.shape else ref.read(into=into),
                       opts.device)
 
-    chunk = _facts_chunk(ref, casts, opts, slices)
+    # runs of the flattened tensor are not runs of a slice of its last dim
+    chunk = _facts_chunk(ref, casts, opts, slices) if slicing.dim == 0 else 0
     # the held tensor's run amaxes: its amax and every slice's share them
     wide_whole = None if whole is None else _widen(whole, opts.device)
     runs = None if wide_whole is None else run_amax(wide_whole, chunk, job)
