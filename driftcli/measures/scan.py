@@ -3,7 +3,8 @@ underflow-rate and error-bias.
 
 Each tensor is read once, in row slices of about :data:`CHUNK_ELEMENTS` elements
 (:data:`COUNT_CHUNK_ELEMENTS` when compiled passes round nothing) aligned to the cast's scale
-groups, and every cast is applied to each slice while it is in memory, so memory stays
+groups (a held tensor whose channels span its first dimension is cut along its last), and
+every cast is applied to each slice while it is in memory, so memory stays
 bounded by a slice and a held tensor (:data:`WHOLE_BYTES`), not a checkpoint. Per-tensor
 and two-level scales need the whole tensor's amax first: a held tensor gives it at
 once, a larger one is read once more for it. A tensor that cannot be read becomes a
