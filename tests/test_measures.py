@@ -287,6 +287,15 @@ def test_channels_along_the_first_axis_are_cut_along_the_last(
                 (a.cast, f)
     assert cut.results[0].draws[0].groups == 64
     assert cut.results[0].draws[0].nonfinite_groups == 0  # a channel scale: not a block's
+    # one tile spans the last dim: no cut is possible there either
+    narrow = tmp_path / "narrow.safetensors"
+    save_file({"x": x[:, :16].contiguous()}, str(narrow))
+    shapes.clear()
+    one = scan([narrow], casts, rounded=rounded, options=ScanOptions(chunk_elements=256, axis=0))
+    assert set(shapes) == {(48, 16)}
+    assert [r.draws for r in one.results] == \
+        [r.draws for r in scan([narrow], casts, rounded=rounded,
+                               options=ScanOptions(axis=0)).results]
     # too large to hold: read whole, as one slice
     shapes.clear()
     scan([path], casts[:1], rounded=rounded,

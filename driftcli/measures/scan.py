@@ -168,8 +168,9 @@ def _slices(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions) -> _Slicin
         return whole  # one channel is the whole tensor, or it is read whole anyway
     # each channel is a fibre along dim 0: cutting the last dim keeps it whole, and the held
     # tensor's transposed copy (for the cast's rows) is then made one slice at a time
-    return _Slicing(-1, _ranges(shape[-1], ref.numel // max(1, shape[-1]), chunk,
-                                math.lcm(*(column_alignment(c) for c in casts))))
+    columns = _ranges(shape[-1], ref.numel // max(1, shape[-1]), chunk,
+                      math.lcm(*(column_alignment(c) for c in casts)))
+    return _Slicing(-1, columns) if len(columns) > 1 else whole  # (one tile spans it)
 
 
 def _widen(x: Tensor, device: Device) -> Tensor:
