@@ -219,26 +219,30 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
             opts, chunk_elements=COUNT_CHUNK_ELEMENTS if counted else CHUNK_ELEMENTS)
     slicing = _slices(ref, casts, opts)
     slices = slicing.ranges
-    held = len(slices) > 1 and ref.nbytes <= opts.whole_bytes
+    by_rows = slicing.dim == 0
+    # cuts of the last dim are only ever taken from the held tensor (the reader reads rows)
+    held = len(slices) > 1 and (ref.nbytes <= opts.whole_bytes or not by_rows)
     whole = ref.read(into=staging.at_least(ref.nbytes)) if held else None
     row_bytes = ref.nbytes // max(1, ref.shape[0] if ref.shape else 1)
-    slice_bytes = max(b - a for a, b in slices) * row_bytes
+    slice_bytes = max(b - a for a, b in slices) * row_bytes if by_rows else ref.nbytes
 
     def read(start: int, stop: int) -> Tensor:
         if whole is not None:
-            cut = whole[start:stop] if slicing.dim == 0 else whole[..., start:stop]
-            return _widen(cut, opts.device)
+            return _widen(whole[start:stop] if by_rows else whole[..., start:stop], opts.device)
         into = staging.at_least(slice_bytes)
         return _widen(ref.read(start, stop, into=into) if ref.shape else ref.read(into=into),
                       opts.device)
 
     # runs of the flattened tensor are not runs of a slice of its last dim
-    chunk = _facts_chunk(ref, casts, opts, slices) if slicing.dim == 0 else 0
-    # the held tensor's run amaxes: its amax and every slice's share them
-    wide_whole = None if whole is None else _widen(whole, opts.device)
+    chunk = _facts_chunk(ref, casts, opts, slices) if by_rows else 0
+    need_amax = len(slices) > 1 and any(_needs_tensor_amax(c) for c in casts)
+    # the held tensor's run amaxes: its amax and every slice's share them; without either,
+    # a half-width tensor's float32 copy would be made for nothing
+    wide_whole = None if whole is None or not (chunk or need_amax) else \
+        _widen(whole, opts.device)
     runs = None if wide_whole is None else run_amax(wide_whole, chunk, job)
     amax = None
-    if len(slices) > 1 and any(_needs_tensor_amax(c) for c in casts):
+    if need_amax:
         # one slice is the whole tensor, and a cast reads its own amax
         amax = finite_amax(wide_whole, job, runs) if wide_whole is not None else \
             max(finite_amax(read(a, b), job) for a, b in slices)
