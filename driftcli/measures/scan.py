@@ -149,7 +149,7 @@ class _Slicing:
 
 
 def _ranges(n: int, per_entry: int, chunk: int, align: int) -> list[tuple[int, int]]:
-    step = max(align, chunk // max(1, per_entry) // align * align)
+    step = max(align, chunk // per_entry // align * align)
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
@@ -162,13 +162,13 @@ def _slices(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions) -> _Slicin
         return whole
     aligns = [row_alignment(shape, c, opts.axis) for c in casts]
     if all(a is not None for a in aligns):
-        return _Slicing(0, _ranges(shape[0], ref.numel // max(1, shape[0]),
-                                   chunk, math.lcm(*(a for a in aligns if a is not None))))
+        return _Slicing(0, _ranges(shape[0], ref.numel // shape[0], chunk,
+                                   math.lcm(*(a for a in aligns if a is not None))))
     if len(shape) < 2 or ref.nbytes > opts.whole_bytes:
         return whole  # one channel is the whole tensor, or it is read whole anyway
     # each channel is a fibre along dim 0: cutting the last dim keeps it whole, and the held
     # tensor's transposed copy (for the cast's rows) is then made one slice at a time
-    columns = _ranges(shape[-1], ref.numel // max(1, shape[-1]), chunk,
+    columns = _ranges(shape[-1], ref.numel // shape[-1], chunk,
                       math.lcm(*(column_alignment(c) for c in casts)))
     return _Slicing(-1, columns) if len(columns) > 1 else whole  # (one tile spans it)
 
