@@ -281,17 +281,25 @@ def test_einsum_decomposition_matches_torch(eq: str, sa: tuple[int, ...],
     a = torch.randn(sa, dtype=F64, generator=g, requires_grad=True)
     b = torch.randn(sb, dtype=F64, generator=g, requires_grad=True)
     ref = torch.einsum(eq, a, b)
-    ref_grads = torch.autograd.grad(ref.sum(), (a, b))
     with arithmetic("exact") as mode:
         out = torch.einsum(eq, a, b)
-    grads = torch.autograd.grad(out.sum(), (a, b))
-    assert out.shape == ref.shape
-    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
-    for gr, r in zip(grads, ref_grads, strict=True):
-        assert torch.allclose(gr, r, rtol=1e-12, atol=1e-12)
+    assert torch.equal(out, ref)  # exact runs the einsum as written: the same bits
     outer = eq == "ij,ik->jk"  # contracts over i of length 1: an outer product, left plain
     assert mode.routed["torch.einsum"] == (0 if outer else 1)
     assert sum(mode.plain.values()) == (1 if outer else 0)
+    # the decomposition into one batched matmul runs under a policy that simulates: float32
+    # operands and products, so it agrees with torch's float32 einsum to float32 rounding
+    # (a few ulps over K <= 4); a wrong permutation or a wrong summed index is off by O(1)
+    a32, b32 = (t.detach().float().requires_grad_() for t in (a, b))
+    ref32 = torch.einsum(eq, a32, b32)
+    ref_grads = torch.autograd.grad(ref32.sum(), (a32, b32))
+    with arithmetic("float32"):
+        out = torch.einsum(eq, a32, b32)
+    grads = torch.autograd.grad(out.sum(), (a32, b32))
+    assert out.shape == ref32.shape
+    assert torch.allclose(out, ref32, rtol=1e-5, atol=1e-5)
+    for gr, r in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(gr, r, rtol=1e-5, atol=1e-5)
 
 
 def test_einsum_under_a_cast_policy_is_the_cast_matmul() -> None:
@@ -325,15 +333,25 @@ def test_sdpa_decomposition_matches_torch(case: dict) -> None:
     kwargs = dict(attn_mask=mask, is_causal=case.get("is_causal", False),
                   scale=case.get("scale"), enable_gqa=bool(case.get("gqa")))
     ref = F.scaled_dot_product_attention(qt, k, v, **kwargs)
-    ref_grads = torch.autograd.grad(ref.square().sum(), (qt, k, v))
     with arithmetic("exact") as mode:
         out = F.scaled_dot_product_attention(qt, k, v, **kwargs)
-    grads = torch.autograd.grad(out.square().sum(), (qt, k, v))
     assert mode.routed == {"F.scaled_dot_product_attention.qk": 1,
                            "F.scaled_dot_product_attention.pv": 1}
-    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(out, ref)  # exact runs sdpa as written: the same bits
+    # the decomposition (scale, masks, GQA, softmax, two matmuls) runs under a policy that
+    # simulates: in float32 it agrees with torch's float32 sdpa to float32 rounding through
+    # a softmax of 7 terms (about 1e-6 relative); a wrong mask or scale is off by O(1)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (qt, k, v))
+    kw32 = {**kwargs, "attn_mask": mask.float() if mask is not None and mask.dtype == F64
+            else mask}
+    ref32 = F.scaled_dot_product_attention(q32, k32, v32, **kw32)
+    ref_grads = torch.autograd.grad(ref32.square().sum(), (q32, k32, v32))
+    with arithmetic("float32"):
+        out = F.scaled_dot_product_attention(q32, k32, v32, **kw32)
+    grads = torch.autograd.grad(out.square().sum(), (q32, k32, v32))
+    assert torch.allclose(out, ref32, rtol=1e-5, atol=1e-5)
     for gr, r in zip(grads, ref_grads, strict=True):
-        assert torch.allclose(gr, r, rtol=1e-11, atol=1e-12)
+        assert torch.allclose(gr, r, rtol=1e-4, atol=1e-5)
     with arithmetic("mxfp8_e4m3"):
         cast_out = F.scaled_dot_product_attention(qt, k, v, **kwargs)
     assert 1e-4 < far(cast_out, ref) < 0.2

@@ -135,9 +135,15 @@ def test_divergence_is_recorded_and_stops_the_run(text: Path, tmp_path: Path) ->
 
 
 def test_non_finite_loss_is_a_divergence(text: Path, tmp_path: Path) -> None:
+    # lr * weight_decay * w overflows float32 in the first update, so every nonzero weight is
+    # ±inf at step 2 (IEEE overflow, the same on every CPU), and sums of infinities of both
+    # signs are NaN in any order: the step-2 loss is non-finite by construction. (lr alone,
+    # say 1e30, left a finite 1e29 loss on one CPU and NaN on another.)
     result = train(TrainConfig(MLPConfig(context=4, embed=4, hidden=8, layers=1), steps=20,
-                               batch=4, optimizer="sgd", lr=1e30, momentum=0.0),
+                               batch=4, optimizer="sgd", lr=1e30, weight_decay=1e30,
+                               momentum=0.0),
                    tmp_path / "run", text)
+    assert result.diverged_at == 2
     assert result.diverged_at is not None
     assert not math.isfinite(result.rows[-1].loss) and result.rows[-1].grad_norm is None
 

@@ -283,9 +283,13 @@ def _sdpa(mode: ArithmeticMode, name: str, func: Handler, query: Tensor, key: Te
           value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
           is_causal: bool = False, scale: float | None = None,
           enable_gqa: bool = False) -> Tensor:
-    if mode._kept or mode._plain_reason(query, key) is not None:
-        reason = "kept in high precision" if mode._kept else mode._plain_reason(query, key)
-        mode.plain[f"{name} ({reason})"] += 1
+    reason = "kept in high precision" if mode._kept else mode._plain_reason(query, key)
+    if reason is not None or mode.policy.exact:
+        if reason is not None:
+            mode.plain[f"{name} ({reason})"] += 1
+        else:  # under exact the very torch op runs: its result is the model's own, bit for bit
+            mode.routed.update((f"{name}.qk", f"{name}.pv"))
+            mode.matmuls += 2
         return func(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                     is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if dropout_p:
@@ -337,7 +341,7 @@ def _einsum(mode: ArithmeticMode, name: str, func: Handler, equation: str,
             "einsums")
     a, b = operands
     terms, out = _parse_einsum(equation, a.dim(), b.dim())
-    return _einsum_product(mode, name, func, equation, a, b, terms, out)
+    return _einsum_product(mode, name, lambda: func(equation, a, b), a, b, terms, out)
 
 
 def _parse_einsum(equation: str, ndim_a: int, ndim_b: int) -> tuple[list[str], str]:
@@ -383,8 +387,10 @@ def _parse_einsum(equation: str, ndim_a: int, ndim_b: int) -> tuple[list[str], s
     return terms, out
 
 
-def _einsum_product(mode: ArithmeticMode, name: str, func: Handler, equation: str, a: Tensor,
-                    b: Tensor, terms: list[str], out: str) -> Tensor:
+def _einsum_product(mode: ArithmeticMode, name: str, as_written: Callable[[], Tensor],
+                    a: Tensor, b: Tensor, terms: list[str], out: str) -> Tensor:
+    """The einsum as one batched matmul under the policy; ``as_written`` (the einsum itself)
+    wherever the policy does not apply, so that ``exact`` is the model's own op."""
     ta, tb = terms
     # indices only one operand has and the output lacks are summed over first
     a_sum = [i for i, c in enumerate(ta) if c not in tb and c not in out]
@@ -398,7 +404,7 @@ def _einsum_product(mode: ArithmeticMode, name: str, func: Handler, equation: st
     contract = [c for c in ta if c in tb and c not in out]
     if not contract:
         mode.plain[f"{name} (no contracted index)"] += 1
-        return func(f"{ta},{tb}->{out}", a, b)
+        return as_written()
     batch = [c for c in out if c in ta and c in tb]
     a_free = [c for c in ta if c not in tb]
     b_free = [c for c in tb if c not in ta]
@@ -416,6 +422,8 @@ def _einsum_product(mode: ArithmeticMode, name: str, func: Handler, equation: st
         *[size_a[c] for c in batch], M, K)
     rhs = b.permute(*[tb.index(c) for c in batch + contract + b_free]).reshape(
         *[size_b[c] for c in batch], K, N)
+    if mode.passthrough(lhs, rhs, name):
+        return as_written()
     prod = mode.product(lhs, rhs, name)
     sizes = [max(size_a[c], size_b[c]) for c in batch]
     prod = prod.reshape(*sizes, *[size_a[c] for c in a_free], *[size_b[c] for c in b_free])
