@@ -30,6 +30,14 @@ class ChoiceError(DriftError, ValueError):
 
 
 def close_matches(word: str, choices: Iterable[str], n: int = 3) -> str:
-    """Return ``"; did you mean a, b?"`` for the closest choices, or an empty string."""
-    found = difflib.get_close_matches(word, list(choices), n=n, cutoff=0.5)
+    """Return ``"; did you mean a, b?"`` for the closest choices, or an empty string.
+
+    Choices that extend what was typed come first, shortest first (``fp8`` is the start of
+    ``fp8_e4m3``, however close ``fp16`` is in spelling), then the closest in spelling.
+    """
+    pool = list(dict.fromkeys(choices))
+    found = sorted((c for c in pool if word and c.startswith(word) and c != word),
+                   key=lambda c: (len(c), pool.index(c)))[:n]
+    found += [c for c in difflib.get_close_matches(word, pool, n=n, cutoff=0.5)
+              if c not in found][:n - len(found)]
     return f"; did you mean {', '.join(found)}?" if found else ""

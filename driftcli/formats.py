@@ -316,6 +316,13 @@ _CUSTOM = re.compile(r"e(\d+)m(\d+)(?:b(-?\d+))?")
 MAX_CUSTOM_EBITS, MAX_CUSTOM_MBITS = 8, 23
 
 
+def _same_widths(ebits: int, mbits: int) -> list[str]:
+    """The registered floats of at most 8 bits with these exponent and mantissa widths: a
+    custom ``eXmY`` of their widths would read as one of them (``e4m3`` as float8_e4m3fn)."""
+    return [f.name for f in _NAMED
+            if not f.integer and f.bits <= 8 and (f.ebits, f.mbits) == (ebits, mbits)]
+
+
 def _custom(name: str) -> Format | None:
     match = _CUSTOM.fullmatch(name)
     if match is None:
@@ -328,7 +335,15 @@ def _custom(name: str) -> Format | None:
             f"custom format {name!r} is impossible: exponent bits must be 2..{MAX_CUSTOM_EBITS} "
             f"and mantissa bits 1..{MAX_CUSTOM_MBITS} (an IEEE-like format needs a mantissa bit "
             "to tell NaN from inf); for example e4m3, e8m13 or e5m2b16")
-    canonical = f"e{ebits}m{mbits}" + ("" if bias == default_bias else f"b{bias}")
+    standard = _same_widths(ebits, mbits)
+    if standard and match[3] is None:
+        raise FormatSpecError(
+            f"format {name!r} is ambiguous: name the standard format of these widths "
+            f"({' or '.join(standard)}), or the IEEE-like custom float (±inf, NaN in the top "
+            f"exponent), spelled e{ebits}m{mbits}b{default_bias}")
+    # a bias equal to the default is dropped, unless the name alone would be ambiguous
+    implied = bias == default_bias and not standard
+    canonical = f"e{ebits}m{mbits}" + ("" if implied else f"b{bias}")
     fmt = _ieee(canonical, ebits, mbits, bias)
     if fmt.emin < -126 or fmt.emax > 127:
         raise FormatSpecError(

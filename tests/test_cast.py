@@ -199,3 +199,18 @@ def test_stochastic_casts_need_bits_and_are_reproducible() -> None:
         drift.parse_cast("mxfp4_e2m1:block16")
     a = quantize(x, "float4_e2m1fn:block32:sr", seed=1)
     assert torch.equal(a, quantize(x, "float4_e2m1fn:block32:sr", seed=1))
+
+
+@pytest.mark.parametrize(("typed", "first"), [("fp8", "fp8_e4m3"), ("mxfp4", "mxfp4_e2m1"),
+                                              ("nvfp", "nvfp4"), ("float8_e4m3", "float8_e4m3fn")])
+def test_an_unknown_name_suggests_what_it_begins_first(typed: str, first: str) -> None:
+    """``fp8`` is the start of fp8_e4m3: that comes before fp16, which is closer in spelling."""
+    with pytest.raises(CastSpecError, match=f"did you mean {first}[,?]"):
+        drift.parse_cast(typed)
+
+
+def test_an_ambiguous_custom_name_is_refused_as_a_cast() -> None:
+    result = CliRunner().invoke(app, ["formats", "--cast", "e4m3"])
+    assert result.exit_code == 2
+    assert "'e4m3' is ambiguous" in result.output and "float8_e4m3fn" in result.output
+    assert "e4m3b7" in result.output and len(result.output.strip().splitlines()) == 1

@@ -78,7 +78,26 @@ def test_custom_formats() -> None:
     assert FORMATS["e5m10"].max == FORMATS["float16"].max
     biased = get_format("e5m2b16")
     assert biased.name == "e5m2b16" and biased.bias == 16
-    assert get_format("e5m2b15").name == "e5m2"  # the default bias is not spelled out
+    assert get_format("e3m4b3").name == "e3m4"  # the default bias is not spelled out...
+    # ...unless the widths are a standard format's: then the bias says it is the custom one
+    assert get_format("e5m2b15").name == "e5m2b15"
+
+
+@pytest.mark.parametrize(("name", "standard"), [
+    ("e4m3", "float8_e4m3fn or float8_e4m3fnuz"), ("e5m2", "float8_e5m2 or float8_e5m2fnuz"),
+    ("e3m2", "float6_e3m2fn"), ("e2m3", "float6_e2m3fn"), ("e2m1", "float4_e2m1fn")])
+def test_custom_names_of_standard_widths_are_refused_naming_both(name: str,
+                                                                 standard: str) -> None:
+    """``e4m3`` alone would silently be an IEEE-like float (inf, max 240), not the OCP
+    float8_e4m3fn a user means (max 448): it is refused, naming both spellings."""
+    ebits, mbits = int(name[1]), int(name[3])
+    bias = (1 << (ebits - 1)) - 1
+    with pytest.raises(FormatSpecError, match=f"'{name}' is ambiguous") as err:
+        get_format(name)
+    assert f"({standard})" in str(err.value) and f"spelled {name}b{bias}" in str(err.value)
+    custom = get_format(f"{name}b{bias}")
+    assert custom.has_inf and custom.name == f"{name}b{bias}"
+    assert get_format(f"{name}b{bias}") == FORMATS[custom.name]  # the name round-trips
 
 
 @pytest.mark.parametrize("spec", ["e9m3", "e1m3", "e4m0", "e4m24", "e8m7b200", "e8m7b100"])

@@ -77,7 +77,7 @@ def test_a_reference_that_loses_the_sign_of_zero_is_caught(monkeypatch: pytest.M
 
 
 def test_unknown_and_impossible_formats_exit_2(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["verify-formats", "-f", "e4m3", "-f", "float8_e4m3", "--out",
+    result = runner.invoke(app, ["verify-formats", "-f", "e3m4", "-f", "float8_e4m3", "--out",
                                  str(tmp_path)])
     assert result.exit_code == 2
     assert "error: unknown format 'float8_e4m3'" in result.output
