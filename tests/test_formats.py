@@ -90,7 +90,7 @@ def test_custom_names_of_standard_widths_are_refused_naming_both(name: str,
                                                                  standard: str) -> None:
     """``e4m3`` alone would silently be an IEEE-like float (inf, max 240), not the OCP
     float8_e4m3fn a user means (max 448): it is refused, naming both spellings."""
-    ebits, mbits = int(name[1]), int(name[3])
+    ebits = int(name[1])
     bias = (1 << (ebits - 1)) - 1
     with pytest.raises(FormatSpecError, match=f"'{name}' is ambiguous") as err:
         get_format(name)

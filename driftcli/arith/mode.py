@@ -341,7 +341,8 @@ def _einsum(mode: ArithmeticMode, name: str, func: Handler, equation: str,
             "einsums")
     a, b = operands
     terms, out = _parse_einsum(equation, a.dim(), b.dim())
-    return _einsum_product(mode, name, lambda: func(equation, a, b), a, b, terms, out)
+    return _einsum_product(mode, name, equation, lambda: func(equation, a, b), a, b, terms,
+                           out)
 
 
 def _parse_einsum(equation: str, ndim_a: int, ndim_b: int) -> tuple[list[str], str]:
@@ -387,8 +388,9 @@ def _parse_einsum(equation: str, ndim_a: int, ndim_b: int) -> tuple[list[str], s
     return terms, out
 
 
-def _einsum_product(mode: ArithmeticMode, name: str, as_written: Callable[[], Tensor],
-                    a: Tensor, b: Tensor, terms: list[str], out: str) -> Tensor:
+def _einsum_product(mode: ArithmeticMode, name: str, equation: str,
+                    as_written: Callable[[], Tensor], a: Tensor, b: Tensor, terms: list[str],
+                    out: str) -> Tensor:
     """The einsum as one batched matmul under the policy; ``as_written`` (the einsum itself)
     wherever the policy does not apply, so that ``exact`` is the model's own op."""
     ta, tb = terms
