@@ -248,13 +248,18 @@ def set_compile(mode: str) -> None:
 
 
 @cache
-def _compiler_present() -> bool:
+def compile_unavailable() -> str | None:
+    """Why drift does not use ``torch.compile`` in this process, or None when it does."""
     if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
-        return False
+        return "no C++ compiler: every cast is eager"
+    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+        # inductor then writes scalar C++, which for these kernels (torch 2.13) still names
+        # at::vec and does not build: each would fail once and fall back, slower than eager
+        return "ATEN_CPU_CAPABILITY=default: inductor's scalar C++ does not build, so eager"
     # keep inductor's cache between runs, under the user's cache directory
     cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_home, "drift", "inductor"))
-    return True
+    return None
 
 
 RECOMPILE_LIMIT = 256
@@ -274,7 +279,7 @@ def compiled(fn: Callable[..., Any], numel: int) -> Callable[..., Any] | None:
                          f"use one of {', '.join(_COMPILE_MODES)}")
     use = numel > 0 and (_compile_mode == "always" or (
         _compile_mode == "auto" and numel >= COMPILE_MIN_ELEMENTS))
-    if not use or fn in _BROKEN or not _compiler_present():
+    if not use or fn in _BROKEN or compile_unavailable() is not None:
         return None
     if fn not in _COMPILED:
         try:

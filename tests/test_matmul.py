@@ -413,6 +413,8 @@ def test_the_float32_layout_truncation_equals_the_rounding_kernel(name: str,
 def test_compiled_and_eager_accumulation_agree() -> None:
     """The compiled step function (forced) gives the eager bits: the float32-layout path, the
     generic kernel in float32 with a short last chunk, and the float64 path."""
+    if (why := fast.compile_unavailable()) is not None:
+        pytest.xfail(f"{why}: nothing compiled to compare")
     gen = torch.Generator().manual_seed(10)
     a, b = torch.randn(6, 20, generator=gen), torch.randn(20, 7, generator=gen)
     k = mm.STEPS_PER_CALL  # one compiled variant per spec: whole calls of k steps

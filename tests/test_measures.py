@@ -23,7 +23,7 @@ from driftcli.errors import DriftError
 from driftcli.io.tables import read_table, schema_of
 from driftcli.measures import MEASURES
 from driftcli.measures.scan import ScanOptions, row_alignment, scan, use_huge_pages
-from driftcli.rounding import _compiler_present
+from driftcli.rounding import compile_unavailable
 
 runner = CliRunner()
 F32 = np.float32
@@ -194,7 +194,7 @@ def test_huge_pages_are_asked_for_only_where_offered(
     assert os.environ.get("THP_MEM_ALLOC_ENABLE") == left
 
 
-@pytest.mark.skipif(not _compiler_present(), reason="no C++ compiler: every cast is eager")
+@pytest.mark.skipif(compile_unavailable() is not None, reason=str(compile_unavailable()))
 @pytest.mark.parametrize("casts", [["mxfp8_e4m3"], ["nvfp4", "fp8_e4m3"],
                                    ["float8_e4m3fn", "bfloat16"],
                                    ["mxfp8_e4m3", "float8_e4m3fn:channel"]])
@@ -250,7 +250,7 @@ def test_large_tensors_are_read_in_aligned_slices(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["never", pytest.param("always", marks=pytest.mark.skipif(
-    not _compiler_present(), reason="no C++ compiler: every cast is eager"))])
+    compile_unavailable() is not None, reason=str(compile_unavailable())))])
 @pytest.mark.parametrize("rounded", [False, True])
 def test_channels_along_the_first_axis_are_cut_along_the_last(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rounded: bool, mode: str) -> None:
@@ -332,6 +332,19 @@ def test_the_scan_names_its_files_before_it_reads_a_tensor(ckpt: Path) -> None:
              progress=lambda done, total, name: events.append(("tensor", name)))
     assert events[0] == ("open", s.files) and s.files == [ckpt]
     assert [kind for kind, _ in events[1:]] == ["tensor"] * (len(events) - 1) != []
+
+
+def test_progress_counts_bytes_within_a_tensor(tmp_path: Path) -> None:
+    """A tensor read in slices moves the bar slice by slice, not only when it is done."""
+    path = tmp_path / "one.safetensors"
+    save_file({"big": torch.randn(64, 32), "small": torch.randn(3)}, path)
+    seen: list[tuple[int, int, str]] = []
+    scan([path], ["mxfp8_e4m3", "fp8_e4m3"], options=ScanOptions(chunk_elements=16 * 32),
+         progress=lambda done, total, name: seen.append((done, total, name)))
+    big = [done for done, _, name in seen if name == "big"]
+    assert big[:4] == [16 * 32 * 4 * k for k in (1, 2, 3, 4)]  # four slices of 16 rows
+    assert seen[-1] == (64 * 32 * 4 + 3 * 4,) * 2 + ("small",)
+    assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
 
 
 def test_cli_json_summary_names_the_worst(ckpt: Path, tmp_path: Path) -> None:

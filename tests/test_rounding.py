@@ -106,8 +106,8 @@ def test_bad_inputs_raise_drift_errors() -> None:
 
 def test_compiled_kernel_is_bit_identical_to_eager() -> None:
     """torch.compile (dynamic shapes, inductor C++) against eager on boundary-heavy inputs."""
-    if not rounding._compiler_present():
-        pytest.xfail("no C++ compiler: drift falls back to eager, nothing to compare")
+    if (why := rounding.compile_unavailable()) is not None:
+        pytest.xfail(f"{why}: nothing compiled to compare")
     x = torch.cat([_probe_inputs(), torch.randn(3001)])  # an odd length: dynamic shapes
     bits = rounding.draw_random_bits(x.shape, 11)
     cases = [("float8_e4m3fn", "rne", "saturate"), ("float4_e2m1fn", "rup", "ieee"),
@@ -128,8 +128,8 @@ def test_compiled_kernel_is_bit_identical_to_eager() -> None:
 
 def test_compiled_scaled_casts_are_bit_identical_to_eager() -> None:
     """The fused compiled path of quantize (amax, scale rule, cast in one kernel) against eager."""
-    if not rounding._compiler_present():
-        pytest.xfail("no C++ compiler: drift falls back to eager, nothing to compare")
+    if (why := rounding.compile_unavailable()) is not None:
+        pytest.xfail(f"{why}: nothing compiled to compare")
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(96, 200, generator=gen) * torch.exp2(torch.randint(-30, 30, (96, 1),
                                                                        generator=gen))

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from driftcli.cli import EXIT_USAGE, command
-from driftcli.io.tables import identify_in_background, provenance, write_table
+from driftcli.io.tables import check_writable, identify_in_background, provenance, write_table
 from driftcli.measures.accum_error import (
     AccumErrorRow,
     Dist,
@@ -130,7 +130,7 @@ def accum_error_cmd(
     specs = choose_specs(spec or (), acc or (), order or (), cast)
     shapes = (synthetic_shapes([parse_shape(s) for s in shape or ()], k or ())
               if shape or k else None)
-    out.mkdir(parents=True, exist_ok=True)  # fail now, not after the matmuls
+    check_writable(out)  # fail now, not after the matmuls
     identities = identify_in_background(dumps or ())  # beside the matmuls
     console = Console(stderr=True)
     live = not quiet and not as_json and console.is_terminal

@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from driftcli.cli import app, command
+from driftcli.io.tables import check_writable
 
 CASTS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp8_e4m3_floor+1", "mxfp8_e4m3_ceil", "nvfp4")
 """Per-tensor FP8, OCP MX FP8 with the floor rule, one binade of headroom, the ceil rule,
@@ -54,6 +55,8 @@ def demo(
 ) -> None:
     """Train, dump, measure, compare gradients, verify and report, in about two minutes."""
     from driftcli.text import default_corpus
+
+    check_writable(out)
 
     # one thread per command: on a small model, more threads cost more than they give
     os.environ.setdefault("OMP_NUM_THREADS", "1")

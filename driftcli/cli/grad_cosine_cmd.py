@@ -22,7 +22,7 @@ from driftcli.io.checkpoints import (
     next_token_loss,
     text_batch,
 )
-from driftcli.io.tables import identify_in_background, provenance, write_table
+from driftcli.io.tables import check_writable, identify_in_background, provenance, write_table
 from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_cosine
 
 OUT = Path("drift-out")
@@ -110,7 +110,7 @@ def grad_cosine_command(
 ) -> None:
     """Gradient under each policy against the exact float64 gradient (cosine, retention)."""
     resolved = [get_policy(p) for p in policy]  # fail now, not after loading the model
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out)  # fail now, not after the gradients
     lm = load_causal_lm(checkpoint)
     ids, source = _batch(lm, text, batch, tokens, windows)
     identities = identify_in_background([*lm.files, source])  # beside the gradients

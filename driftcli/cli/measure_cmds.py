@@ -25,7 +25,12 @@ from rich.table import Table
 
 from driftcli.cast import parse_cast
 from driftcli.cli import EXIT_USAGE, command
-from driftcli.io.tables import identify_in_background, provenance, write_table
+from driftcli.io.tables import (
+    check_writable,
+    identify_in_background,
+    provenance,
+    write_table,
+)
 from driftcli.measures import MEASURES
 from driftcli.measures.common import ALL_TENSORS, Measure
 from driftcli.measures.scan import Device, Scan, ScanOptions, scan
@@ -151,7 +156,7 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
          include: list[str] | None, exclude: list[str] | None, fast_hash: bool, quiet: bool,
          as_json: bool) -> None:
     m = MEASURES[name]
-    out.mkdir(parents=True, exist_ok=True)  # fail now, not after the scan
+    check_writable(out)  # fail now, not after the scan
     identities: list[Callable[[], list[dict[str, Any]]]] = []  # hashing, from the inputs opening
     s = _scan_with_progress(
         inputs, casts, options, include or [], exclude or [], quiet, m.rounded,
@@ -162,7 +167,16 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
                                                   "names": {"cast": cast_names(casts)}},
                       identities=identities[0]())
     rows = m.rows(s)
-    path = write_table(out / f"{m.name}.parquet", m.row_type, rows, prov)
+    path = out / f"{m.name}.parquet"
+    if len(s.errors) == len(s.results):  # nothing measured: an earlier table stays as it was
+        bad = {(r.source, r.ref.name if r.ref else "") for r in s.errors}
+        first = s.errors[0]
+        kept = f"; {path} from an earlier run is kept" if path.exists() else ""
+        typer.echo(f"error: nothing could be measured: {len(bad)} tensor(s) or file(s) "
+                   f"failed, first {first.source} {first.ref.name if first.ref else ''}: "
+                   f"{first.error}; no table written{kept}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    write_table(path, m.row_type, rows, prov)
     summary = _summary(m, rows, path, casts)
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))

@@ -9,6 +9,7 @@ import typer
 
 from driftcli.cli import EXIT_FOUND, command
 from driftcli.report import html, jsonout, markdown, terminal
+from driftcli.report.baseline import MatchBy
 from driftcli.report.model import CHANGE_PCT, Options, make_report
 from driftcli.report.summary import WORST
 
@@ -44,6 +45,9 @@ def report(
         metavar="PCT", min=0,
         help="With --baseline: exit 1 if a headline got worse by more than PCT percent.")
     ] = None,
+    match_by: Annotated[MatchBy, typer.Option(
+        help="With --baseline: match rows' inputs by path as recorded, file name, or not at "
+             "all (tensor: by tensor name, whatever file holds it).")] = MatchBy.NAME,
     change_threshold: Annotated[float, typer.Option(
         metavar="PCT", min=0, help="With --baseline: list headline changes beyond PCT percent.")
     ] = CHANGE_PCT,
@@ -54,7 +58,8 @@ def report(
     if fail_on_regression is not None and baseline is None:
         raise typer.BadParameter("needs --baseline PATH", param_hint="--fail-on-regression")
     options = Options(rules=tuple(fail_on or ()), baseline=baseline,
-                      change_pct=change_threshold, fail_pct=fail_on_regression, worst=worst)
+                      change_pct=change_threshold, fail_pct=fail_on_regression, worst=worst,
+                      match_by=match_by)
     result = make_report(paths, options)
     terminal.render(result)
     for path, renderer in ((markdown_file, markdown.render), (json_file, jsonout.render),

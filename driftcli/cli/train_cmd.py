@@ -14,7 +14,7 @@ from rich.table import Table
 
 from driftcli.arith.policy import get_policy
 from driftcli.cli import command
-from driftcli.io.tables import provenance, write_table
+from driftcli.io.tables import check_writable, provenance, write_table
 from driftcli.measures.grad_cosine import ALL_PARAMETERS
 from driftcli.measures.probe import CHECKPOINTS, PROBE_FILE, ProbeRow, Storage, probe
 from driftcli.models.dump import dump_operands
@@ -142,6 +142,7 @@ def train_command(
         log_every=log_every, eval_every=eval_every, diverge_factor=diverge_factor,
         threads=threads, measure_cast=measure_cast)
     get_policy(policy)  # fail now, not after loading the text
+    check_writable(out)
     with _progress(quiet, f"train {out.name}") as bar:
         task = bar.add_task("", total=steps)
 
@@ -191,6 +192,7 @@ def dump_command(
     as_json: AsJson = False,
 ) -> None:
     """Record every matmul operand of one forward and backward step into a drift dump."""
+    check_writable(out, folder=False)
     result = dump_operands(checkpoint, out, text, windows=batch, context=context, seed=seed,
                            policy=policy, threads=threads)
     summary = {"dump": str(result.path), "checkpoint": str(checkpoint), "kind": result.kind,

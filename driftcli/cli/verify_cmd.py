@@ -13,7 +13,7 @@ from rich.table import Table
 
 from driftcli import verify as v
 from driftcli.cli import EXIT_FOUND, command
-from driftcli.io.tables import provenance, write_table
+from driftcli.io.tables import check_writable, provenance, write_table
 
 DEFAULT_JOBS = min(2, os.cpu_count() or 1)
 OUT = Path("drift-out")
@@ -33,7 +33,7 @@ def verify_formats(
 ) -> None:
     """Compare every simulated format with the exact rational oracle; exit 1 on any difference."""
     formats = v.element_formats(format_names)
-    out.mkdir(parents=True, exist_ok=True)  # fail now, not after minutes of checks
+    check_writable(out)  # fail now, not after minutes of checks
     console = Console(stderr=True)
     with console.status("verifying…") as status:
         outcomes = v.verify(formats, v.Plan(quick=quick), jobs=jobs,

@@ -61,7 +61,8 @@ amax. Reading twice costs more than the casts of clip-rate; holding a tensor of 
 keeps a scan within three times the largest tensor, beyond what the process needs anyway."""
 
 Progress = Callable[[int, int, str], None]
-"""Called after each tensor with the bytes done so far, the bytes in all, and its name."""
+"""Called as a scan goes, after each slice of a tensor, with the bytes done so far, the bytes
+in all, and the tensor's name."""
 
 
 class Device(StrEnum):
@@ -210,9 +211,11 @@ class _Staging:
 
 
 def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
-                    job: int, rounded: bool, staging: _Staging) -> list[Result]:
+                    job: int, rounded: bool, staging: _Staging,
+                    advance: Callable[[int], None]) -> list[Result]:
     """Every cast of one tensor, reading it slice by slice; without ``rounded``, only what
-    needs no rounding (one draw: clipping does not depend on it)."""
+    needs no rounding (one draw: clipping does not depend on it). ``advance`` is told the
+    tensor's bytes done after each slice."""
     if opts.chunk_elements is None:
         counted = not rounded and runs_compiled(job)
         opts = dataclasses.replace(
@@ -251,6 +254,7 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
     draws = [_n_draws(c, opts) if rounded else 1 for c in casts]
     parts: list[list[list[CastStats]]] = [[[] for _ in range(n)] for n in draws]
     expected: list[list[CastStats]] = [[] for _ in casts]
+    extent = slices[-1][1] or 1  # the length of the dimension the slices cut
     for start, stop in slices:
         x = read(start, stop)
         own = None if runs is None else \
@@ -272,6 +276,7 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
                     first = first or st
             if total is not None and first is not None:
                 expected[ci].append(_error_sums(x, total / n, first))
+        advance(ref.nbytes * stop // extent)
     out = []
     for ci, c in enumerate(casts):
         draws = tuple(CastStats.merge(p, _per_tensor(c)) for p in parts[ci])
@@ -348,6 +353,23 @@ def use_huge_pages(switch: Path = THP_SWITCH) -> bool:
     return os.environ.get(key) == "1"
 
 
+class NothingToMeasure(DriftError):
+    """No input holds a selected floating-point tensor: a scan would write an empty table."""
+
+
+def nothing_to_measure(inp: str, inputs: Inputs) -> str | None:
+    """Why ``inp`` gives the scan nothing to measure (no selected floating-point tensor and
+    no file that failed), or None when it does."""
+    if inputs.errors or any(r.is_float for r in inputs.tensors):
+        return None
+    if not inputs.tensors:
+        return (f"no tensor of {inp} is selected (--include/--exclude left out all "
+                f"{inputs.excluded}); loosen the globs")
+    dtypes = ", ".join(sorted({r.dtype for r in inputs.tensors}))
+    return (f"no floating-point tensors in {inp} ({len(inputs.tensors)} skipped: dtypes "
+            f"{dtypes}); drift measures float tensors only")
+
+
 def _check_device(device: Device) -> None:
     if device is Device.CUDA and not torch.cuda.is_available():
         raise DriftError("--device cuda: no CUDA device is available here; use --device cpu")
@@ -376,6 +398,9 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     _check_device(options.device)
     parsed = [parse_cast(c) for c in casts]
     opened = [(str(p), open_inputs([p], include, exclude)) for p in paths]
+    empty = {inp: why for inp, inputs in opened if (why := nothing_to_measure(inp, inputs))}
+    if len(empty) == len(opened):
+        raise NothingToMeasure("; ".join(empty.values()))
     todo = total_bytes([i for _, i in opened])
     if on_open is not None:
         on_open([f for _, i in opened for f in i.files])
@@ -384,21 +409,24 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     results: list[Result] = []
     skipped: dict[str, int] = {}
     for inp, inputs in opened:
-        for source, message in inputs.errors:
+        for source, message in [*inputs.errors, *([(inp, empty[inp])] if inp in empty else [])]:
             results.extend(Result(inp, None, source, c, (), None, message) for c in parsed)
         skipped[inp] = sum(not ref.is_float for ref in inputs.tensors)
         for ref in inputs.tensors:
             if not ref.is_float:
                 continue
+            def advance(within: int, before: int = done, ref: TensorRef = ref) -> None:
+                if progress is not None:
+                    progress(before + within, todo, ref.name)
+
             try:
                 results.extend(_tensor_results(inp, ref, parsed, options, todo // 4,
-                                                rounded, staging))
+                                                rounded, staging, advance))
             except ReadError as err:
                 results.extend(Result(inp, ref, ref.source, c, (), None, str(err))
                                for c in parsed)
+            advance(ref.nbytes)  # also for a tensor that failed part way
             done += ref.nbytes
-            if progress is not None:
-                progress(done, todo, ref.name)
     return Scan(tuple(results), skipped, tuple(i for _, i in opened))
 
 
