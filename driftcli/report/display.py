@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from driftcli.report.baseline import Change
-from driftcli.report.model import Report
+from driftcli.report.load import InputState
+from driftcli.report.model import Mix, Mixed, Report
 from driftcli.report.summary import GroupSummary, TableSummary
 from driftcli.report.thresholds import Violation
 
@@ -67,16 +68,46 @@ def cells(summary: TableSummary, group: GroupSummary, vary: list[str]) -> list[s
     return [*row, fmt(group.median), fmt(group.worst_value), worst or "-"]
 
 
+STALE = "[STALE]"
+"""Ends the title of a table whose inputs have changed since it was written."""
+
+
 def title(summary: TableSummary) -> str:
-    """``clip-rate: clip_rate (higher is worse)``."""
+    """``clip-rate: clip_rate (higher is worse)``, and :data:`STALE` for a stale table."""
     direction = "higher is worse" if summary.higher_is_worse else "higher is better"
-    return f"{summary.name}: {summary.headline} ({direction})"
+    return (f"{summary.name}: {summary.headline} ({direction})"
+            + (f" {STALE}" if summary.stale else ""))
+
+
+def _noun(summary: TableSummary, n: int) -> str:
+    item = summary.layout.item or "row"
+    return f"{n} {item}{'' if n == 1 else 's'}"
+
+
+def no_values(summary: TableSummary) -> Iterator[str]:
+    """Rows measured without a headline value, per group: why the rows column counts fewer
+    than the measurement's tensors."""
+    vary, _ = varying(summary)
+    for g in summary.groups:
+        if not g.no_value:
+            continue
+        where = dict(g.group)
+        label = " ".join(f"{c}={fmt(summary.shown(c, where[c]))}" for c in vary)
+        by_reason: dict[str | None, list[str]] = {}
+        for v in g.no_value:
+            by_reason.setdefault(v.reason, []).append(v.name)
+        named = "; ".join(", ".join(_listed(names)) + (f" ({why})" if why else "")
+                          for why, names in by_reason.items())
+        yield (f"no {summary.headline} for {_noun(summary, len(g.no_value))}"
+               f"{' under ' + label if label else ''}, not counted in rows: {named}")
 
 
 def about(summary: TableSummary) -> Iterator[str]:
-    """Lines under a table's title: file, headline meaning, provenance, inputs, fixed groups."""
+    """Lines under a table's title: file, rows without a headline value, headline meaning,
+    provenance, inputs, fixed groups."""
     p = summary.provenance
     yield f"file {summary.path}, {summary.n_rows} rows, written by {p.line}"
+    yield from no_values(summary)
     if summary.headline_doc:
         yield f"{summary.headline}: {summary.headline_doc}"
     if p.command:
@@ -92,6 +123,35 @@ def about(summary: TableSummary) -> Iterator[str]:
     if not summary.known_row_type:
         yield ("this drift has no row type for this table; summarized from the keys, headline "
                "and direction its schema declares")
+
+
+def freshness(summary: TableSummary) -> Iterator[str]:
+    """A line per input that is not the file the table measured, and one naming the inputs
+    that are not here to check."""
+    for c in summary.changed:
+        yield (f"stale: {c.path} is not the file this table measured ({c.why}); re-run "
+               + (summary.provenance.command or "the measurement"))
+    missing = [c.path for c in summary.inputs if c.state is InputState.MISSING]
+    if missing:
+        yield f"not checked for changes (not found here): {', '.join(_listed(missing, 'inputs'))}"
+
+
+def mixed_line(m: Mixed) -> str:
+    """One way the report's tables are from different runs."""
+    parts = "; ".join(f"{what}: {', '.join(tables)}" for what, tables in m.parts)
+    if m.kind is Mix.BUILDS:
+        return f"mixed runs: tables written by {len(m.parts)} drift builds: {parts}"
+    if m.kind is Mix.INPUTS:
+        return f"mixed runs: {m.subject} was {len(m.parts)} different files: {parts}"
+    return f"mixed runs: tables written {m.subject} apart: {parts}"
+
+
+def warnings(report: Report) -> Iterator[str]:
+    """Report-wide warnings: tables from different runs, and the stale tables."""
+    yield from (mixed_line(m) for m in report.mixed)
+    if report.stale:
+        yield (f"stale: {len(report.stale)} table(s) whose inputs changed since they were "
+               f"written: {', '.join(s.path for s in report.stale)}")
 
 
 def failures(summary: TableSummary) -> Iterator[str]:
@@ -151,9 +211,17 @@ class Block:
     lines: tuple[str, ...]
 
 
-def _listed(items: list[str], what: str) -> list[str]:
+def _listed(items: list[str], what: str = "") -> list[str]:
     more = len(items) - LISTED
-    return items[:LISTED] + ([f"... and {more} more {what}"] if more > 0 else [])
+    return items[:LISTED] + ([f"... and {more} more{' ' + what if what else ''}"]
+                             if more > 0 else [])
+
+
+def baseline_head(report: Report) -> str:
+    """``baseline PATH (inputs matched by name)``."""
+    comp = report.comparison
+    how = f" (inputs matched by {comp.match_by.value})" if comp is not None else ""
+    return f"baseline {report.options.baseline}{how}"
 
 
 def baseline_blocks(report: Report) -> tuple[Block, ...]:

@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any
 
+from driftcli.report import display as d
 from driftcli.report.model import Report
 from driftcli.report.summary import GroupSummary, TableSummary
 
@@ -33,6 +34,7 @@ def _group(g: GroupSummary) -> dict[str, Any]:
         "worst_rows": [{"name": w.name, "value": w.value} for w in g.worst],
         "aggregate": dict(g.aggregate) if g.aggregate is not None else None,
         "not_measured": [{"name": f.name, "error": f.error} for f in g.failed],
+        "no_value": [{"name": v.name, "reason": v.reason} for v in g.no_value],
     }
 
 
@@ -46,6 +48,9 @@ def _table(s: TableSummary) -> dict[str, Any]:
         "provenance": {"drift_version": p.drift_version, "git_commit": p.git_commit,
                        "utc": p.utc, "command": p.command, "inputs": list(p.inputs)},
         "groups": [_group(g) for g in s.groups],
+        "stale": s.stale,
+        "inputs_checked": [{"path": c.path, "state": c.state.value, "why": c.why}
+                           for c in s.inputs],
     }
 
 
@@ -60,13 +65,18 @@ def to_dict(report: Report) -> dict[str, Any]:
         "violations": [{"rule": v.rule, "table": v.table, "path": v.path, "rows": v.n_rows,
                         "shown": [dict(r) for r in v.rows]} for v in report.violations],
         "baseline": None,
+        "stale": [s.path for s in report.stale],
+        "mixed_runs": [{"kind": m.kind.value, "subject": m.subject,
+                        "parts": [{"what": w, "tables": list(ts)} for w, ts in m.parts],
+                        "line": d.mixed_line(m)} for m in report.mixed],
     }
     comp = report.comparison
     if comp is not None:
         opts = report.options
         pct = opts.change_pct if opts.fail_pct is None else min(opts.change_pct, opts.fail_pct)
         out["baseline"] = {
-            "path": str(opts.baseline), "change_pct": pct, "fail_pct": opts.fail_pct,
+            "path": str(opts.baseline), "match_by": comp.match_by.value,
+            "change_pct": pct, "fail_pct": opts.fail_pct,
             "new_tables": list(comp.new_tables), "missing_tables": list(comp.missing_tables),
             "regressions": len(report.regressions),
             "tables": [{

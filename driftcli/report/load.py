@@ -1,20 +1,29 @@
-"""Reading drift tables for a report: finding them, and checking each against its row type.
+"""Reading drift tables for a report: finding them, checking each against its row type, and
+checking the inputs it recorded against the files now at their paths.
 
 A table knows its own name, key columns, headline and direction from its schema metadata
 (``driftcli.io.tables.schema_of`` writes them), so a report can summarize a table from a
 drift it has never heard of. Where this drift has the table's row type, the file's columns
 must be the row type's columns: a table from an older or newer drift with other columns is
 refused with a message saying so, rather than summarized wrongly.
+
+A table whose input has changed since (a dump overwritten by a later run) is *stale*:
+:func:`check_inputs` compares each recorded input's size, then its mtime (tables written
+with ``--fast-hash``) or its sha256. Hashing reads the whole file, so it is skipped where
+the file's mtime and ctime are both older than the table: the file has not been written or
+replaced since it was hashed (ctime cannot be set back by a copy that keeps the mtime).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import functools
 import importlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from driftcli.errors import DriftError
-from driftcli.io.tables import PROVENANCE_KEY, TABLE_KEY, read_table, schema_of
+from driftcli.io.tables import PROVENANCE_KEY, TABLE_KEY, file_identity, read_table, schema_of
 
 ALL_ROWS = "*"
 """The key value of a row that aggregates the others (``driftcli.measures.common.ALL_TENSORS``
@@ -268,3 +277,78 @@ def load(paths: Sequence[Path]) -> Loaded:
         raise DriftError(f"no drift tables in {named}; run a measurement first (e.g. drift "
                          "clip-rate MODEL --cast mxfp8_e4m3 --out DIR) and report DIR")
     return Loaded(tuple(tables), tuple(skipped))
+
+
+class InputState(StrEnum):
+    """What the file now at a recorded input's path is."""
+
+    SAME = "same"
+    """The file the table measured (same size, and same sha256 or mtime)."""
+    CHANGED = "changed"
+    """Another file: the table is stale."""
+    MISSING = "missing"
+    """Not found (or unreadable) here: not checked. Paths are as the measurement's command
+    line gave them, relative to the folder it ran in."""
+
+
+@dataclass(frozen=True)
+class InputCheck:
+    """One recorded input against the file now at its path."""
+
+    path: str
+    state: InputState
+    why: str = ""
+    """What differs (a changed input) or why it could not be checked."""
+    hashed: bool = False
+    """Whether the check had to read and hash the file."""
+
+
+Hashes = dict[tuple[str, int, int, int], str]
+"""sha256 by (resolved path, size, mtime_ns, ctime_ns): each file hashed once a report."""
+
+
+def _written(prov: dict[str, Any]) -> float | None:
+    try:
+        return dt.datetime.fromisoformat(str(prov["utc"])).timestamp()
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def _check(ident: dict[str, Any], written: float | None, hashes: Hashes) -> InputCheck | None:
+    path, size, sha = ident.get("path"), ident.get("size"), ident.get("sha256")
+    mtime = ident.get("mtime")
+    if not isinstance(path, str) or not isinstance(size, int) or not (sha or mtime):
+        return None  # nothing recorded to compare with
+    p = Path(path)
+    try:
+        st = p.stat()
+        if st.st_size != size:
+            return InputCheck(path, InputState.CHANGED, f"size {st.st_size:,} bytes, was {size:,}")
+        if not sha:
+            now = file_identity(p, fast_hash=True)["mtime"]
+            return (InputCheck(path, InputState.SAME) if now == mtime else
+                    InputCheck(path, InputState.CHANGED, f"modified {now}, was {mtime}"))
+        if p.is_dir():
+            return InputCheck(path, InputState.CHANGED, "now a folder")
+        if written is not None and max(st.st_mtime, st.st_ctime) < written:
+            return InputCheck(path, InputState.SAME)  # not written to since it was hashed
+        key = (str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if key not in hashes:
+            hashes[key] = file_identity(p)["sha256"]
+    except OSError as exc:
+        return InputCheck(path, InputState.MISSING, exc.strerror or str(exc))
+    if hashes[key] != sha:
+        return InputCheck(path, InputState.CHANGED, "sha256 differs", hashed=True)
+    return InputCheck(path, InputState.SAME, hashed=True)
+
+
+def check_inputs(table: Table, hashes: Hashes | None = None) -> tuple[InputCheck, ...]:
+    """Each input ``table`` recorded with its size and sha256 or mtime, against the file now
+    at its path (see the module docstring); inputs recorded without them are left out.
+    ``hashes`` shares the sha256s worked out between calls."""
+    written = _written(table.provenance)
+    hashes = {} if hashes is None else hashes
+    inputs = table.provenance.get("inputs")
+    checks = (_check(i, written, hashes) for i in (inputs if isinstance(inputs, list) else ())
+              if isinstance(i, dict))
+    return tuple(c for c in checks if c is not None)

@@ -30,6 +30,10 @@ def render(report: Report) -> str:
     """The whole report as Markdown text."""
     verdict = d.verdict(report)
     out = ["# drift report", "", f"**{verdict}**" if report.failed else verdict, ""]
+    warnings = list(d.warnings(report))
+    if warnings:
+        out += [f"- :warning: {_cell(line)}" for line in warnings]
+        out.append("")
     if report.violations:
         out += ["## Broken rules", ""]
         for v in report.violations:
@@ -46,10 +50,14 @@ def render(report: Report) -> str:
                       (d.cells(summary, g, vary) for g in summary.groups))
         out.append("")
         out += [f"- {_cell(line)}" for line in d.about(summary)]
+        out += [f"- {':warning: ' if line.startswith('stale') else ''}{_cell(line)}"
+                for line in d.freshness(summary)]
         out += [f"- :x: {_cell(line)}" for line in d.failures(summary)]
         out.append("")
     if report.comparison is not None:
-        out += [f"## Baseline {_code(str(report.options.baseline))}", ""]
+        comp = report.comparison
+        out += [f"## Baseline {_code(str(report.options.baseline))}", "",
+                f"Inputs matched by {comp.match_by.value}.", ""]
         for s in report.baseline_skipped:
             out.append(f"- skipped {_code(str(s.path))}: {s.reason}")
         for block in d.baseline_blocks(report):

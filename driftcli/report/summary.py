@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from driftcli.report.load import ALL_ROWS, Table, shown
+from driftcli.report.load import ALL_ROWS, InputCheck, InputState, Table, shown
 
 WORST = 3
 """Rows named as the worst in each group, unless asked otherwise."""
@@ -35,6 +35,10 @@ STEP = "step"
 """The key column of per-step tables (training runs, probes)."""
 ERROR = "error"
 """A column, where a table has it, holding why a row could not be measured."""
+EMPTY = (("numel", "no elements"), ("n_finite", "no finite elements"),
+         ("n_nonzero", "no nonzero elements"))
+"""Count columns whose 0 says why a row has no headline: drift's headlines are ratios, null
+where there is nothing to divide by (an all-zero tensor has no underflow rate)."""
 
 
 def plain(value: Any) -> Any:
@@ -91,6 +95,15 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class NoValue:
+    """A row that was measured but has no headline value (drift's headlines are ratios,
+    null where there is nothing to divide by), and why, where a count column says."""
+
+    name: str
+    reason: str | None
+
+
+@dataclass(frozen=True)
 class GroupSummary:
     """One group of a table (one cast, one policy, ...)."""
 
@@ -106,6 +119,8 @@ class GroupSummary:
     aggregate: tuple[tuple[str, Any], ...] | None
     """The group's ``*`` row as (column, value) pairs, where the table has one."""
     failed: tuple[Failed, ...]
+    no_value: tuple[NoValue, ...] = ()
+    """Rows measured without a headline value: not in ``n_rows``, the median or the worst."""
 
     def aggregate_value(self, column: str) -> Any:
         """A column of the aggregate row, or None."""
@@ -161,6 +176,19 @@ class TableSummary:
     """Key columns with one value in every row, and that value (shown once)."""
     names: dict[str, dict[str, str]] = field(default_factory=dict)
     """What key values are called where they are shown (:attr:`Table.names`)."""
+    inputs: tuple[InputCheck, ...] = ()
+    """The recorded inputs against the files now at their paths (:func:`check_inputs`;
+    empty where they were not checked)."""
+
+    @property
+    def changed(self) -> tuple[InputCheck, ...]:
+        """Inputs that are not the files the table measured."""
+        return tuple(c for c in self.inputs if c.state is InputState.CHANGED)
+
+    @property
+    def stale(self) -> bool:
+        """Whether an input has changed since the table was written."""
+        return bool(self.changed)
 
     def shown(self, column: str, value: Any) -> Any:
         """A value of ``column`` as shown: its name, or itself."""
@@ -184,6 +212,10 @@ def _name(row: pd.Series, columns: Sequence[str]) -> str:
     return " ".join(parts) if parts else "(row)"
 
 
+def _why_empty(row: pd.Series) -> str | None:
+    return next((why for c, why in EMPTY if c in row.index and plain(row[c]) == 0), None)
+
+
 def _group(frame: pd.DataFrame, lay: Layout, table: Table, key: tuple[tuple[str, Any], ...],
            worst: int) -> GroupSummary:
     head = table.headline
@@ -200,21 +232,25 @@ def _group(frame: pd.DataFrame, lay: Layout, table: Table, key: tuple[tuple[str,
         frame = frame[~bad]
     values = pd.to_numeric(frame[head], errors="coerce").astype(float)
     ok = values.notna()
+    no_value = tuple(NoValue(_name(r, lay.names), _why_empty(r))
+                     for _, r in frame[~ok].iterrows())
     frame, values = frame[ok], values[ok]
     if values.empty:
-        return GroupSummary(key, 0, None, None, (), agg, failed)
+        return GroupSummary(key, 0, None, None, (), agg, failed, no_value)
     order = values.sort_values(ascending=not table.higher_is_worse, kind="stable")
     best = values.min() if table.higher_is_worse else values.max()
     named = tuple(Named(_name(frame.loc[i], lay.names), float(v)) for i, v in order.items()
                   if v != best)[:worst]
     extreme = values.max() if table.higher_is_worse else values.min()
     return GroupSummary(key, len(values), float(values.median()), float(extreme), named, agg,
-                        failed)
+                        failed, no_value)
 
 
-def summarize(table: Table, worst: int = WORST) -> TableSummary:
+def summarize(table: Table, worst: int = WORST,
+              inputs: tuple[InputCheck, ...] = ()) -> TableSummary:
     """Summarize one table: per group, the headline's median and worst value, the worst rows
-    by name, the aggregate row and the rows that could not be measured."""
+    by name, the aggregate row, the rows that could not be measured and those without a
+    headline value; ``inputs`` are its inputs checked (:func:`check_inputs`)."""
     lay = layout(table)
     frame = table.frame
     same = [k for k in table.keys
@@ -240,4 +276,4 @@ def summarize(table: Table, worst: int = WORST) -> TableSummary:
         n_rows=len(frame), provenance=Provenance.of(table.provenance), groups=tuple(groups),
         known_row_type=table.row_type is not None,
         headline_doc=table.docs.get(table.headline, ""), constants=constants,
-        names=table.names)
+        names=table.names, inputs=inputs)

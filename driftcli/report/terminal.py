@@ -1,5 +1,5 @@
 """The report in the terminal: one rich table per measurement, then broken rules, the
-baseline comparison and the verdict."""
+baseline comparison, the warnings (stale tables, mixed runs) and the verdict."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def render(report: Report, console: Console | None = None) -> None:
         out.print(table)
         for line in d.about(summary):
             out.print(f"  {escape(line)}")
+        for line in d.freshness(summary):
+            style = "red" if line.startswith("stale") else "yellow"
+            out.print(f"  [{style}]{escape(line)}[/{style}]")
         for line in d.failures(summary):
             out.print(f"  [red]{escape(line)}[/red]")
         out.print()
@@ -41,7 +44,7 @@ def render(report: Report, console: Console | None = None) -> None:
         if v.n_rows > len(v.rows):
             out.print(f"    ... and {v.n_rows - len(v.rows)} more row(s)")
     if report.comparison is not None:
-        out.print(f"[bold]baseline {escape(str(report.options.baseline))}[/bold]")
+        out.print(f"[bold]{escape(d.baseline_head(report))}[/bold]")
         for s in report.baseline_skipped:
             out.print(f"  [yellow]skipped[/yellow] {escape(str(s.path))}: {escape(s.reason)}")
         for block in d.baseline_blocks(report):
@@ -50,5 +53,7 @@ def render(report: Report, console: Console | None = None) -> None:
                 style = "red" if line.startswith("regression") else ""
                 text = escape(line)
                 out.print(f"    [{style}]{text}[/{style}]" if style else f"    {text}")
+    for line in d.warnings(report):
+        out.print(f"[yellow]{escape(line)}[/yellow]")
     verdict = d.verdict(report)
     out.print(f"[red]{escape(verdict)}[/red]" if report.failed else escape(verdict))
