@@ -1,6 +1,7 @@
 """The report as one self-contained HTML page: inline CSS, figures as base64 PNG data URIs,
 no script, and a Content-Security-Policy that forbids the browser any other load, so the
-page can be opened from a CI artifact with no network."""
+page can be opened from a CI artifact with no network. One :class:`~plots.Palette` styles
+every figure, so a cast has one colour on the whole page."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from html import escape
 
 from driftcli.report import display as d
 from driftcli.report.model import Report
-from driftcli.report.plots import Plot, figures
+from driftcli.report.plots import Note, Palette, Plot, figures
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 
@@ -27,6 +28,7 @@ th { background: #f4f4f6; } td.num { text-align: right; font-variant-numeric: ta
 .regression, .error { color: #b91c1c; } .about { color: #555; margin: 0; padding-left: 1.2em; }
 figure { margin: 1.2em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figcaption { color: #555; font-size: 13px; max-width: 60em; }
+.note { color: #555; font-size: 13px; }
 code { background: #f4f4f6; padding: 0 3px; border-radius: 3px; }
 footer { margin-top: 3em; color: #888; font-size: 12px; }
 """
@@ -36,7 +38,9 @@ def _anchor(name: str, n: int) -> str:
     return f"t{n}-" + re.sub(r"[^A-Za-z0-9_-]", "-", name)
 
 
-def _figure(plot: Plot) -> str:
+def _figure(plot: Plot | Note) -> str:
+    if isinstance(plot, Note):
+        return f'<p class="note"><b>{escape(plot.title)}.</b> {escape(plot.text)}</p>'
     data = base64.b64encode(plot.png).decode("ascii")
     return (f'<figure><img src="data:image/png;base64,{data}" alt="{escape(plot.alt)}" '
             f'title="{escape(plot.title)}"><figcaption><b>{escape(plot.title)}.</b> '
@@ -63,6 +67,7 @@ def render(report: Report) -> str:
             body.append(f'<li class="error">{escape(d.violation_head(v))}<ul>{rows}{more}'
                         "</ul></li>")
         body.append("</ul>")
+    palette = Palette()
     for n, (summary, table) in enumerate(zip(report.summaries, report.tables, strict=True)):
         vary, _ = d.varying(summary)
         heads = d.headers(summary, vary)
@@ -84,7 +89,7 @@ def render(report: Report) -> str:
         if fails:
             body.append('<ul class="error">' + "".join(f"<li>{escape(f)}</li>" for f in fails)
                         + "</ul>")
-        body += [_figure(p) for p in figures(table)]
+        body += [_figure(p) for p in figures(table, palette)]
         body.append("</section>")
     if report.comparison is not None:
         body.append(f"<h2>Baseline <code>{escape(str(report.options.baseline))}</code></h2>")
