@@ -1,7 +1,7 @@
 """The reference models, their checkpoints, the update-freeze arithmetic and the text corpus:
 causal byte-level models whose every matmul the arithmetic mode sees, checkpoints that rebuild
-an identical model from the file alone, the next optimizer update as torch computes it, ulps
-from the bits, and the corpus cleaning rules on a small play written here."""
+an identical model from the file alone, the next optimizer update as torch computes it (ulps and
+the freeze rule: test_probe.py), and the corpus cleaning rules on a small play written here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -18,7 +17,7 @@ from safetensors.torch import save_file
 from driftcli.arith.mode import arithmetic
 from driftcli.errors import DriftError
 from driftcli.io.checkpoints import CheckpointError, load_causal_lm
-from driftcli.measures.probe import Storage, next_update, storage_ulp
+from driftcli.measures.probe import next_update
 from driftcli.models import (
     ByteTokenizer,
     MLPConfig,
@@ -228,21 +227,6 @@ def test_next_update_is_the_step_torch_takes(kind: str, tmp_path: Path) -> None:
         tol = 4 * eps * (before[n].abs().double() + predicted[n].abs()) + 1e-12
         assert ((predicted[n] - actual).abs() <= tol).all(), n
         assert predicted[n].abs().max() > 0
-
-
-def test_storage_ulp_from_the_bits() -> None:
-    w = torch.tensor([1.0, 1.5, 0.75, -3.0, 2.0**-130, 0.0, 1.9999])
-    assert storage_ulp(w, Storage.BFLOAT16).tolist() == [
-        2**-7, 2**-7, 2**-8, 2**-6, 2**-133, 2**-133, 2**-6]  # 1.9999 rounds to 2 in bf16
-    rng = np.random.default_rng(7)
-    x = (rng.standard_normal(2000) * np.exp2(rng.integers(-30, 30, 2000))).astype(np.float32)
-    for storage, dtype in ((Storage.FLOAT32, np.float32), (Storage.FLOAT16, np.float16)):
-        with np.errstate(over="ignore"):
-            rounded = x.astype(dtype)
-        keep = np.isfinite(rounded)
-        expected = np.abs(np.spacing(rounded[keep])).astype(np.float64)
-        got = storage_ulp(torch.from_numpy(x), storage).numpy()[keep]
-        assert np.array_equal(got, expected), storage
 
 
 # --- text --------------------------------------------------------------------------------------

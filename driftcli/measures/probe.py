@@ -8,14 +8,24 @@ validation text, evenly spaced, the same for every checkpoint), without changing
   against the exact float64 gradient g (cosine, retention, norm_ratio, rel_error, and for
   stochastic policies the ``expected_`` metrics of the mean gradient over the draws), per
   parameter and over all parameters (``parameter = "*"``), and the loss each policy gives;
-- the update-freeze share: the fraction of weights whose update would be lost in storage.
+- the update-freeze share: the fraction of weights whose update storage would lose.
   The update is the one the run's optimizer would take next from ĝ: AdamW (or SGD with
   momentum) continued from the moments saved in the checkpoint, at the learning rate of the
-  run's next step (its schedule), with its weight decay. A weight w is frozen when
-  ``|Δw| < ulp(w)/2``, where ``ulp(w)`` is the spacing of the storage format (bfloat16 by
-  default) in the binade of w rounded to that format, read from the exponent bits of the
-  rounded value (subnormals and zero take the smallest normal binade's spacing). For a
-  stochastic policy the share is the mean over the draws.
+  run's next step (its schedule), with its weight decay. With ``w_s`` the weight rounded to
+  the storage format (bfloat16 by default; nearest even), a weight is frozen when
+  ``round(w_s + Δw) == w_s``, the sum taken exactly. That holds when ``Δw`` falls short of
+  half the gap from ``w_s`` to its neighbour on ``Δw``'s side (``Δw = 0`` included), or
+  equals it and ``w_s`` has the even significand. Below a power of two the gap is half the
+  one above; the largest finite value's gap up is its binade's spacing (a sum reaching half
+  of it overflows to inf); zero's gaps are the smallest subnormal; values compare as numbers
+  (−0 = +0), and a weight that overflows storage to ±inf stays there.
+  :func:`update_lost_exact` is the rule one value at a time in exact rationals;
+  :func:`update_lost` is the vectorized one, tested against it. For a stochastic policy the
+  share is the mean over the draws.
+
+The checkpoints probed must be one run's (same model config, recorded text and training
+settings: :func:`run_checkpoints` refuses others, naming two that differ), taken in the order
+of the step each records.
 """
 
 from __future__ import annotations
@@ -25,21 +35,24 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from driftcli import oracle
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import ArithmeticPolicy, get_policy, with_seed
 from driftcli.errors import DriftError
+from driftcli.formats import NAN, Exact, Kind, get_format
 from driftcli.io.tables import column
 from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_cosine
-from driftcli.models.checkpoint import DriftCheckpoint, load_checkpoint
-from driftcli.models.nets import next_byte_loss
+from driftcli.models.checkpoint import DriftCheckpoint, load_checkpoint, read_info
+from driftcli.models.nets import ModelConfig, next_byte_loss
 from driftcli.models.training import deterministic
-from driftcli.modes import parse_choice
+from driftcli.modes import Overflow, Rounding, parse_choice
 from driftcli.text import Corpus, fixed_windows, load_corpus, recorded_corpus
 
 Tensor = torch.Tensor
@@ -69,19 +82,75 @@ _LAYOUT: dict[Storage, tuple[torch.dtype, torch.dtype, int, int]] = {
 """Per storage format: dtype, integer view, exponent bits, mantissa bits."""
 
 
-def storage_ulp(w: Tensor, storage: Storage | str) -> Tensor:
-    """The spacing of ``storage`` at each element of ``w`` once rounded to it (float64).
+def storage_gaps(w_s: Tensor, storage: Storage | str) -> tuple[Tensor, Tensor]:
+    """The gaps (float64) from each finite value ``w_s`` (a tensor of the storage dtype) down to
+    the next value of ``storage`` below it and up to the next above, read from the bits.
 
-    Read from the bits: the biased exponent field ``E`` of the rounded value gives the binade,
-    and the spacing in it is ``2**(E - bias - mantissa_bits)``; subnormals and zero (``E = 0``)
-    have the spacing of the lowest normal binade. A power of two is the bottom of its own
-    binade, so its ulp is the spacing above it.
+    With ``E`` the biased exponent field, the spacing of the binade is
+    ``2**(max(E, 1) - bias - mantissa_bits)`` (subnormals and zero share the lowest normal
+    binade's). A nonzero power of two above that binade (mantissa field 0, ``E > 1``) has a
+    binade half as fine on its side toward zero. The largest finite value's gap away from zero
+    is its binade's spacing: IEEE rounding overflows to inf from half of it on. Every gap is a
+    power of two, so exact in float64. Values are not checked: an inf or NaN gets a number.
     """
-    dtype, view, ebits, mbits = _LAYOUT[Storage(storage)]
-    bits = w.to(dtype).view(view).to(torch.int64) & ((1 << (ebits + mbits)) - 1)
-    exponent = torch.clamp(bits >> mbits, min=1)
+    _, view, ebits, mbits = _LAYOUT[Storage(storage)]
+    bits = w_s.view(view).to(torch.int64) & ((1 << (ebits + mbits)) - 1)
+    exponent, mantissa = bits >> mbits, bits & ((1 << mbits) - 1)
     bias = (1 << (ebits - 1)) - 1
-    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float64), exponent - bias - mbits)
+    away = torch.ldexp(torch.ones_like(bits, dtype=torch.float64),
+                       torch.clamp(exponent, min=1) - bias - mbits)
+    toward = torch.where((mantissa == 0) & (exponent > 1), away / 2, away)
+    negative = w_s < 0
+    return torch.where(negative, away, toward), torch.where(negative, toward, away)
+
+
+def update_lost(w: Tensor, dw: Tensor, storage: Storage | str) -> Tensor:
+    """Whether storage loses each update ``dw`` of ``w`` (module docs): with ``w_s`` the weight
+    rounded to ``storage``, whether ``w_s + dw``, exact, rounds to nearest even back to ``w_s``.
+
+    ``w`` holds float32 or narrower values (drift train keeps its weights in float32); it is
+    not taken from float64 because torch rounds float64 to the half-width types through
+    float32, a double rounding. ``dw`` is compared in float64 with half the gap on its side
+    (:func:`storage_gaps`), which is exact: no sum is rounded twice.
+    """
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"update_lost takes float32 weights, not {w.dtype}")
+    dtype, view, _, _ = _LAYOUT[Storage(storage)]
+    w_s = w.to(dtype)
+    down, up = storage_gaps(w_s, storage)
+    even = (w_s.view(view) & 1) == 0  # the significand's last bit is the code's
+    d = dw.to(torch.float64)
+    half_up, half_down = up / 2, down / 2
+    kept = ((d == 0)
+            | ((d > 0) & ((d < half_up) | ((d == half_up) & even)))
+            | ((d < 0) & ((-d < half_down) | ((-d == half_down) & even))))
+    value = w_s.to(torch.float64)
+    # inf + a finite update stays inf; NaN equals nothing, so it never counts as kept
+    special = (value == value) & (torch.isfinite(d) | (d == value))
+    return torch.where(torch.isfinite(value), kept, special)
+
+
+def _exact(x: float) -> Exact:
+    if math.isnan(x):
+        return NAN
+    if math.isinf(x):
+        return Exact(Kind.INF, x < 0)
+    return Exact(Kind.FINITE, math.copysign(1.0, x) < 0, abs(Fraction(x)))
+
+
+def update_lost_exact(w: float, dw: float, storage: Storage | str) -> bool:
+    """:func:`update_lost` for one weight, in exact rationals: the reference it is tested
+    against. ``w`` is rounded to ``storage``, ``dw`` added exactly, the sum rounded again
+    (nearest even, overflow to inf), and the two compared as values (−0 = +0, NaN equal to
+    nothing)."""
+    fmt = get_format(Storage(storage).value)
+    w_s = oracle.round_exact(fmt, _exact(w), Rounding.RNE, Overflow.IEEE)
+    moved = oracle.round_exact(fmt, oracle.total(w_s, _exact(dw)), Rounding.RNE, Overflow.IEEE)
+    if Kind.NAN in (w_s.kind, moved.kind):
+        return False
+    if Kind.INF in (w_s.kind, moved.kind):
+        return moved == w_s
+    return moved.value == w_s.value
 
 
 def next_update(ck: DriftCheckpoint, name: str, w: Tensor, g: Tensor) -> Tensor:
@@ -150,9 +219,9 @@ class ProbeRow:
     storage: str = column("Format the weights are taken to be stored in")
     optimizer: str = column("The run's optimizer, continued from its saved buffers")
     lr: float = column("Learning rate of the run's next step (the update probed)")
-    freeze_share: float = column("Share of weights whose next update from the policy's "
-                                 "gradient is below half an ulp of the weight in storage (mean "
-                                 "over draws)")
+    freeze_share: float = column("Share of weights that storage keeps unchanged under the next "
+                                 "update from the policy's gradient: w_s + Δw, exact, rounds "
+                                 "back to w_s (mean over draws)")
 
 
 def _gradient(model: nn.Module, params: list[Tensor], batch: Tensor) -> list[Tensor]:
@@ -162,31 +231,71 @@ def _gradient(model: nn.Module, params: list[Tensor], batch: Tensor) -> list[Ten
             for g, p in zip(grads, params, strict=True)]
 
 
-def freeze_counts(ck: DriftCheckpoint, policy: ArithmeticPolicy, batch: Tensor, *,
-                  draws: int, seed: int, storage: Storage) -> dict[str, float]:
-    """Per parameter and ``*``: the share of weights the next update leaves unchanged in
-    ``storage``, from the gradient under ``policy`` (the mean over draws if stochastic)."""
+def next_updates(ck: DriftCheckpoint, policy: ArithmeticPolicy, batch: Tensor, *,
+                 seed: int = 0) -> dict[str, Tensor]:
+    """Per trainable parameter, the update (float64) the run's optimizer would take next
+    (:func:`next_update`) from the gradient under ``policy`` on ``batch``, computed on a float64
+    copy of the checkpoint's model; a stochastic policy draws with ``seed``."""
     ref = copy.deepcopy(ck.model).double()
     named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    ulps = {n: storage_ulp(p.detach().float(), storage) for n, p in named}
+    with arithmetic(with_seed(policy, seed), model=ref):
+        grads = _gradient(ref, params, batch.long())
+    return {name: next_update(ck, name, p.detach(), g)
+            for (name, p), g in zip(named, grads, strict=True)}
+
+
+def freeze_counts(ck: DriftCheckpoint, policy: ArithmeticPolicy, batch: Tensor, *,
+                  draws: int, seed: int, storage: Storage) -> dict[str, float]:
+    """Per parameter and ``*``: the share of weights the next update leaves unchanged in
+    ``storage`` (:func:`update_lost`), from the gradient under ``policy`` (the mean over draws
+    if stochastic)."""
+    weights = {n: p.detach() for n, p in ck.model.named_parameters() if p.requires_grad}
     n = draws if policy.stochastic else 1
-    frozen = {name: 0.0 for name, _ in named}
+    frozen = dict.fromkeys(weights, 0.0)
     for d in range(n):
-        with arithmetic(with_seed(policy, seed + d), model=ref):
-            grads = _gradient(ref, params, batch.long())
-        for (name, p), g in zip(named, grads, strict=True):
-            u = next_update(ck, name, p.detach(), g)
-            frozen[name] += float((u.abs() < ulps[name] / 2).sum()) / n
-    total = sum(p.numel() for p in params)
-    out = {name: frozen[name] / p.numel() for name, p in named}
-    out[ALL_PARAMETERS] = sum(frozen.values()) / total
+        for name, u in next_updates(ck, policy, batch, seed=seed + d).items():
+            frozen[name] += int(update_lost(weights[name], u, storage).sum()) / n
+    out = {name: frozen[name] / w.numel() for name, w in weights.items()}
+    out[ALL_PARAMETERS] = sum(frozen.values()) / sum(w.numel() for w in weights.values())
     return out
 
 
+def _first_difference(what: str, x: dict[str, Any], y: dict[str, Any]) -> str | None:
+    for key in sorted(set(x) | set(y)):
+        if x.get(key) != y.get(key):
+            return f"{what} {key} {x.get(key)!r} against {y.get(key)!r}"
+    return None
+
+
+def _settings(state: dict[str, Any]) -> dict[str, Any]:
+    # the model's shape is the config's, compared on its own
+    return {k: v for k, v in (state.get("train") or {}).items() if k != "model"}
+
+
+def _difference(a: tuple[ModelConfig, dict[str, Any]],
+                b: tuple[ModelConfig, dict[str, Any]]) -> str | None:
+    """What tells two checkpoints' runs apart, in words; None when they may be one run's."""
+    (config_a, state_a), (config_b, state_b) = a, b
+    if config_a.kind is not config_b.kind:
+        return f"model {config_a.kind.value} against {config_b.kind.value}"
+    text_a, text_b = state_a.get("text") or {}, state_b.get("text") or {}
+    text = None
+    # the content decides where it is recorded: the same text read from another path gives
+    # the same probe batch
+    if (text_a.get("sha256") or text_a.get("source")) != (text_b.get("sha256")
+                                                         or text_b.get("source")):
+        text = (f"recorded text {text_a.get('source')!r} (sha256 "
+                f"{str(text_a.get('sha256'))[:12]}…) against {text_b.get('source')!r} (sha256 "
+                f"{str(text_b.get('sha256'))[:12]}…)")
+    return (_first_difference("model config", config_a.to_json(), config_b.to_json()) or text
+            or _first_difference("training setting", _settings(state_a), _settings(state_b)))
+
+
 def run_checkpoints(run: str | Path, pattern: str = CHECKPOINTS) -> list[Path]:
-    """The checkpoints of ``run`` matching ``pattern`` (a glob inside the run folder), in
-    step order."""
+    """The checkpoints of ``run`` matching ``pattern`` (a glob inside the run folder), in the
+    order of the step each records, checked to be one run's: the same model config, training
+    settings and recorded text, and no step twice. Only the metadata is read."""
     folder = Path(run)
     if not folder.is_dir():
         raise ProbeError(f"run {folder} is not a folder; give the --out folder of drift train")
@@ -194,7 +303,22 @@ def run_checkpoints(run: str | Path, pattern: str = CHECKPOINTS) -> list[Path]:
     if not found:
         raise ProbeError(f"run {folder} has no checkpoint matching {pattern!r}; train with "
                          "--checkpoint-every N or give another --checkpoints glob")
-    return found
+    info = {p: read_info(p) for p in found}
+    first = found[0]
+    for path in found[1:]:
+        why = _difference(info[first], info[path])
+        if why:
+            raise ProbeError(f"{first.name} and {path.name} in {folder} are not from one run "
+                             f"({why}); probe one run's checkpoints at a time (move the others "
+                             "out, or choose with --checkpoints GLOB)")
+    steps: dict[int, Path] = {}
+    for path in found:
+        step = int(info[path][1].get("step", 0))
+        if step in steps:
+            raise ProbeError(f"{steps[step].name} and {path.name} in {folder} both hold step "
+                             f"{step}; keep one of them, or choose with --checkpoints GLOB")
+        steps[step] = path
+    return [steps[s] for s in sorted(steps)]
 
 
 def probe_corpus(ck: DriftCheckpoint, text: str | Path | None) -> Corpus:
