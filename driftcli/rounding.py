@@ -247,15 +247,30 @@ def set_compile(mode: str) -> None:
     _compile_mode = mode
 
 
+CHECKED_VECTOR_ISAS = ("avx512",)
+"""Vector ISAs on which inductor's code for drift's kernels is checked bit for bit against
+eager (the compiled-against-eager tests); on any other, drift stays eager."""
+_ISA_FAULTS = {
+    "avx2": "torch 2.13 selects the wrong lanes in integer where(): every value can be wrong",
+    "scalar": "ATEN_CPU_CAPABILITY=default asks for it, and it does not build",
+}
+"""What goes wrong with inductor's code for drift's kernels on other ISAs (torch 2.13)."""
+
+
 @cache
 def compile_unavailable() -> str | None:
     """Why drift does not use ``torch.compile`` in this process, or None when it does."""
     if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
         return "no C++ compiler: every cast is eager"
-    if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
-        # inductor then writes scalar C++, which for these kernels (torch 2.13) still names
-        # at::vec and does not build: each would fail once and fall back, slower than eager
-        return "ATEN_CPU_CAPABILITY=default: inductor's scalar C++ does not build, so eager"
+    from torch._inductor import cpu_vec_isa
+
+    picked = cpu_vec_isa.pick_vec_isa()
+    # AVX-512 with VNNI or AMX is AVX-512 code with more instructions at hand
+    isa = ("scalar" if not picked else
+           "avx512" if isinstance(picked, cpu_vec_isa.VecAVX512) else str(picked))
+    if isa not in CHECKED_VECTOR_ISAS:
+        why = _ISA_FAULTS.get(isa, "its output is not checked against eager on this ISA")
+        return f"inductor's {isa} code is not used ({why}), so every cast is eager"
     # keep inductor's cache between runs, under the user's cache directory
     cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_home, "drift", "inductor"))

@@ -46,7 +46,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     "lhs=mxfp8_e4m3,rhs=mxfp8_e4m3,acc=bfloat16:rtz,order=chunked:128",
     "lhs=nvfp4,rhs=mxfp4_e2m1,acc=e8m13,order=pairwise,out=bf16",
     "lhs=mxfp8_e4m3,rhs=mxfp4_e2m1,acc=float16:rtz,order=chunked:64,scale=block",
-    "acc=e5m2,order=sequential,lhs=float8_e4m3fn:tensor:amax:rtz",
+    "acc=e5m2b15,order=sequential,lhs=float8_e4m3fn:tensor:amax:rtz",
 ])
 def test_spec_strings_round_trip(text: str) -> None:
     spec = parse_matmul_spec(text)

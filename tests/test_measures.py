@@ -396,6 +396,8 @@ def test_bad_input_is_one_line_exit_2(ckpt: Path, tmp_path: Path, args: list[str
 def test_the_compiled_one_pass_sums_equal_the_eager_masks(spec: str, low: int) -> None:
     from driftcli import rounding
 
+    if (why := rounding.compile_unavailable()) is not None:
+        pytest.xfail(f"{why}: nothing compiled to compare")
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(96, 160, generator=gen) * torch.logspace(low, 6, 160)
     x[:4] *= 2.0**-100  # scaled grids below float32's smallest subnormal, where a scale allows

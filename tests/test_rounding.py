@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -144,3 +149,32 @@ def test_compiled_scaled_casts_are_bit_identical_to_eager() -> None:
             assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32)), spec
     finally:
         rounding.set_compile("auto")
+
+
+GUARD_CHECK = """
+import sys, torch
+import torch._inductor.config as inductor
+inductor.cpp.simdlen = 256  # inductor's AVX2 code, on any x86-64 CPU
+import driftcli as drift
+from driftcli import rounding
+x = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 3
+rounding.set_compile("never")
+eager = drift.round_to_format(x, "bfloat16")
+rounding.set_compile("always")
+again = drift.round_to_format(x, "bfloat16")
+print(rounding.compile_unavailable())
+print(torch.equal(eager.view(torch.int32), again.view(torch.int32)), len(rounding._COMPILED))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AVX2 is x86 code")
+def test_inductors_avx2_code_is_never_used() -> None:
+    """torch 2.13's AVX2 code for these kernels selects the wrong lanes in integer where()
+    (every bfloat16 rounding wrong): drift must stay eager there, with the reason."""
+    if str(rounding.compile_unavailable()).startswith("no C++ compiler"):
+        pytest.xfail("no C++ compiler: no inductor code to guard against")
+    proc = subprocess.run([sys.executable, "-c", GUARD_CHECK], capture_output=True, text=True,
+                          check=True, env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
+    reason, outcome = proc.stdout.strip().splitlines()[-2:]
+    assert reason.startswith("inductor's avx2 code is not used (torch 2.13 selects the wrong")
+    assert outcome == "True 0"  # the same bits, and nothing was compiled
