@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
+import subprocess
+import sys
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+import driftcli
 from driftcli.errors import DriftError
 from driftcli.io.readers import DUMP_KEY, Inputs, ReadError, TensorRef, open_inputs
+from driftcli.measures.scan import scan
 
 # a warning here means a reader took a shortcut (e.g. a tensor over a read-only mapping)
 pytestmark = pytest.mark.filterwarnings("error")
@@ -310,17 +317,141 @@ def test_npz_member_names_and_object_arrays_refused(tmp_path: Path) -> None:
     assert "arbitrary unpickling" in messages[str(tmp_path / "objs.npy")]
 
 
-def test_truncated_npy_lists_the_tensor_and_read_raises(tmp_path: Path) -> None:
+def _npy_bytes(shape: tuple[int, ...], data: bytes, descr: str = "<f4") -> bytes:
+    """An .npy file whose header says ``shape`` over whatever ``data`` really is."""
+    fh = io.BytesIO()
+    np.lib.format.write_array_header_1_0(fh, {"descr": descr, "fortran_order": False,
+                                              "shape": shape})
+    return fh.getvalue() + data
+
+
+def test_truncated_npy_is_an_error_naming_the_tensor(tmp_path: Path) -> None:
     np.save(tmp_path / "x.npy", np.arange(100, dtype=np.float32))
     data = (tmp_path / "x.npy").read_bytes()
     (tmp_path / "x.npy").write_bytes(data[:-40])
+    inputs = open_inputs([tmp_path / "x.npy"])
+    assert inputs.tensors == ()
+    assert inputs.errors == ((str(tmp_path / "x.npy"), f"{tmp_path / 'x.npy'}: tensor x needs "
+                              "bytes 128..528 but the file has 488 bytes (truncated?); re-save "
+                              "or re-download it"),)
+
+
+def test_npy_truncated_after_listing_raises_on_read(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.arange(100, dtype=np.float32))
     [ref] = open_inputs([tmp_path / "x.npy"]).tensors
-    assert ref.shape == (100,)
-    with pytest.raises(ReadError, match=r"x\.npy: tensor x needs bytes \d+\.\.\d+ but the file"):
+    (tmp_path / "x.npy").write_bytes((tmp_path / "x.npy").read_bytes()[:-40])
+    with pytest.raises(ReadError, match=r"x\.npy: tensor x needs bytes 128\.\.528 but the file "
+                                        r"has 488 bytes"):
         ref.read(0, 2)
 
 
-# --- safetensors: truncation and corruption -------------------------------------------------
+@pytest.mark.parametrize(("shape", "error"), [
+    ((1 << 40, 1 << 40), "tensor big needs bytes 128..4835703278458516698824832 but the file "
+                         "has 136 bytes (truncated?)"),
+    ((-1, 2), "corrupt .npy header in {path} (shape (-1, 2) is not a tuple of non-negative "
+              "integers)"),
+])
+def test_npy_shape_is_checked_against_the_bytes_before_any_allocation(
+        tmp_path: Path, shape: tuple[int, ...], error: str) -> None:
+    path = tmp_path / "big.npy"
+    path.write_bytes(_npy_bytes(shape, bytes(8)))
+    inputs = open_inputs([path])
+    assert inputs.tensors == ()
+    [(source, message)] = inputs.errors
+    assert source == str(path) and error.format(path=path) in message
+
+
+def test_npy_header_that_does_not_parse_is_a_clean_error(tmp_path: Path) -> None:
+    head = "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4"  # unclosed
+    head += " " * (-(len(head) + 11) % 64) + "\n"
+    path = tmp_path / "x.npy"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(head)) + head.encode()
+                     + bytes(48))
+    # numpy's header parser raises tokenize's TokenError here, which is no ValueError
+    [(source, message)] = open_inputs([path]).errors
+    assert source == str(path)
+    assert message.startswith(f"corrupt .npy header in {path} (the header does not parse "
+                              "(TokenError: ")
+
+
+_FILE_SIZE, _COMPRESS_SIZE = ("<I", 24), ("<I", 20)
+"""Fields of a zip central directory entry: (struct format, offset)."""
+
+
+def _patch_central(archive: Path, member: str, field: tuple[str, int], value: int) -> None:
+    """Set one field of ``member``'s entry in the zip's central directory."""
+    data = bytearray(archive.read_bytes())
+    at = data.index(b"PK\x01\x02")  # the first entry
+    while True:
+        (name_len, extra, comment) = struct.unpack_from("<HHH", data, at + 28)
+        if data[at + 46:at + 46 + name_len].decode() == member:
+            struct.pack_into(field[0], data, at + field[1], value)
+            archive.write_bytes(bytes(data))
+            return
+        at += 46 + name_len + extra + comment
+
+
+def test_npz_member_sizes_are_checked_and_the_others_still_listed(tmp_path: Path) -> None:
+    good = seeded((3, 2), seed=8).numpy()
+    path = tmp_path / "run.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("good.npy", _npy_bytes(good.shape, good.tobytes()))
+        zf.writestr("liar.npy", _npy_bytes((1 << 40, 1 << 40), bytes(8)))  # shape over 8 bytes
+        zf.writestr("claims.npy", _npy_bytes((2,), bytes(8)))
+        zf.writestr("packed.npy", _npy_bytes((4,), bytes(16)), zipfile.ZIP_DEFLATED)
+        zf.writestr("bz.npy", _npy_bytes((4,), bytes(16)), zipfile.ZIP_BZIP2)
+        zf.writestr("notes.txt", b"not an array")
+        zf.writestr("long.npy", _npy_bytes((4,), bytes(16)))
+    _patch_central(path, "claims.npy", _FILE_SIZE, 1 << 30)  # stored, yet 1 GiB in 136 bytes
+    _patch_central(path, "long.npy", _COMPRESS_SIZE, 1 << 20)
+    _patch_central(path, "long.npy", _FILE_SIZE, 1 << 20)
+    inputs = open_inputs([path])
+    assert names(inputs) == ["good", "packed"]
+    assert np.array_equal(by_name(inputs)["good"].read().numpy(), good)
+    assert by_name(inputs)["packed"].read().tolist() == [0.0] * 4
+    size = path.stat().st_size
+    assert [m for _, m in inputs.errors] == [f"{path}: member {m}; re-save it with numpy.savez"
+                                             for m in [
+        "liar.npy holds 136 bytes, but its header's shape [1099511627776, 1099511627776] "
+        "needs 4835703278458516698824832",
+        "claims.npy is stored uncompressed, yet claims 1073741824 bytes in 136",
+        "bz.npy is compressed with zip method 12; numpy.savez writes stored or deflated "
+        "members",
+        "notes.txt is not an .npy array",
+        f"long.npy runs past the end of the archive ({size} bytes; truncated?)"]]
+    assert open_inputs([path], include=["good", "packed"]).errors == ()
+
+
+def test_deflated_npz_member_cannot_claim_more_than_deflate_holds(tmp_path: Path) -> None:
+    path = tmp_path / "z.npz"
+    np.savez_compressed(path, z=np.zeros(1 << 20, np.float32))  # 4 MiB of zeros, deflated
+    [ref] = open_inputs([path]).tensors
+    assert ref.read(-2).tolist() == [0.0, 0.0]  # a real ratio of about 1000 is fine
+    info = zipfile.ZipFile(path).getinfo("z.npy")
+    _patch_central(path, "z.npy", _FILE_SIZE, 1033 * info.compress_size)
+    [(_, message)] = open_inputs([path]).errors
+    assert f"member z.npy claims {1033 * info.compress_size} bytes, more than its " \
+           f"{info.compress_size} deflated bytes can hold" in message
+
+
+# --- safetensors: the header as strictly as the safetensors library ---------------------
+
+
+def refused_by_safetensors(path: Path) -> bool:
+    """Whether the safetensors library refuses the file (reading every tensor)."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                f.get_tensor(key)
+    except SafetensorError:
+        return True
+    return False
+
+
+def raw_text(path: Path, text: bytes, data: bytes, delta: int = 0) -> Path:
+    """A safetensors file from header bytes as they are, its length field off by ``delta``."""
+    path.write_bytes(struct.pack("<Q", len(text) + delta) + text + data)
+    return path
 
 
 def _offsets(path: Path) -> tuple[int, dict[str, list[int]]]:
@@ -329,16 +460,202 @@ def _offsets(path: Path) -> tuple[int, dict[str, list[int]]]:
     return 8 + n, {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
 
 
-def test_truncated_safetensors(tmp_path: Path) -> None:
-    tensors = {k: seeded((4, 8), seed=i) for i, k in enumerate(["a", "b", "c"])}
+_TWO = {"u": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+        "h": {"dtype": "F16", "shape": [2], "data_offsets": [4, 8]}}
+# the data starts with a space, so the JSON still parses with the length one byte too long
+_TWO_DATA = b" \x00\x80\x3f" + struct.pack("<2e", 1.5, -2.0)
+
+
+@pytest.mark.parametrize(("delta", "detail"), [
+    (-1, "the file holds 9 bytes of data after the header but the tensors' data_offsets "
+         "cover 8 (a wrong header length, or bytes appended)"),
+    (1, "the tensors need 8 bytes of data but the file holds 7 after a header that ends in 2 "
+        "spaces (truncated, or a header length too long)"),
+])
+def test_header_length_one_byte_off_is_a_file_error(tmp_path: Path, delta: int,
+                                                    detail: str) -> None:
+    text = json.dumps(_TWO).encode() + b" "  # one space of padding: it parses one byte short
+    sound = raw_text(tmp_path / "sound.safetensors", text, _TWO_DATA)
+    assert not refused_by_safetensors(sound)
+    refs = by_name(open_inputs([sound]))
+    assert refs["u"].read().tolist() == [32, 0, 128, 63] and refs["h"].read().tolist() == [
+        1.5, -2.0]
+    path = raw_text(tmp_path / "x.safetensors", text, _TWO_DATA, delta)
+    assert refused_by_safetensors(path)
+    inputs = open_inputs([path])
+    assert inputs.tensors == ()  # every tensor would be read one byte off
+    assert inputs.errors == ((str(path), f"corrupt safetensors header in {path}: {detail}; "
+                              "re-save or re-download it"),)
+
+
+@pytest.mark.parametrize(("offsets", "data_len", "detail"), [
+    ({"a": [0, 8], "b": [4, 12]}, 12,
+     "tensor 'b' (data_offsets [4, 12]) overlaps tensor 'a', which ends at 8"),
+    ({"a": [0, 8], "b": [12, 20]}, 20, "bytes 8..12 of the data belong to no tensor (a gap "
+                                       "before tensor 'b')"),
+    ({"a": [4, 12], "b": [12, 20]}, 20, "bytes 0..4 of the data belong to no tensor (a gap "
+                                        "before tensor 'a')"),
+    ({"a": [0, 8], "b": [8, 16]}, 20, "the file holds 20 bytes of data after the header but "
+                                      "the tensors' data_offsets cover 16"),
+    ({"a": [0, 8], "b": [16, 8]}, 16, "tensor 'b' has data_offsets [16, 8], which end before "
+                                      "they begin"),
+])
+def test_offsets_that_do_not_tile_the_data_are_a_file_error(
+        tmp_path: Path, offsets: dict[str, list[int]], data_len: int, detail: str) -> None:
+    header = {k: {"dtype": "F32", "shape": [2], "data_offsets": v} for k, v in offsets.items()}
+    path = raw_safetensors(tmp_path / "x.safetensors", header, bytes(data_len))
+    assert refused_by_safetensors(path)
+    inputs = open_inputs([path])
+    assert inputs.tensors == ()
+    [(source, message)] = inputs.errors
+    assert source == str(path)
+    assert message.startswith(f"corrupt safetensors header in {path}: {detail}")
+
+
+def _three(tmp_path: Path, middle: dict[str, object], middle_bytes: int) -> Path:
+    """a (F32), the entry under test, c (BF16), in that order, their ranges tiling the data."""
+    a, c = struct.pack("<2f", 1.5, -2.0), struct.pack("<2H", 0x3F80, 0xC000)  # bf16 1, -2
+    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "m": {**middle, "data_offsets": [8, 8 + middle_bytes]},
+              "c": {"dtype": "BF16", "shape": [2], "data_offsets": [8 + middle_bytes,
+                                                                    12 + middle_bytes]}}
+    return raw_safetensors(tmp_path / "x.safetensors", header,
+                           a + bytes(range(middle_bytes)) + c)
+
+
+@pytest.mark.parametrize(("middle", "middle_bytes", "detail"), [
+    ({"dtype": "F99", "shape": [2]}, 8, 'has dtype code "F99", which safetensors does not '
+                                        "define"),
+    ({"dtype": "f32", "shape": [2]}, 8, 'has dtype code "f32", which safetensors does not '
+                                        "define"),
+    ({"shape": [2]}, 8, "has dtype code null, which safetensors does not define"),
+    ({"dtype": "F32", "shape": [3]}, 8, "has 8 data bytes but shape [3] of F32 needs 12"),
+    ({"dtype": "F32", "shape": [1]}, 8, "has 8 data bytes but shape [1] of F32 needs 4"),
+    ({"dtype": "I64", "shape": [3]}, 16, "has 16 data bytes but shape [3] of I64 needs 24"),
+    ({"dtype": "F32", "shape": [-2]}, 8, "has shape [-2], not a list of non-negative "
+                                         "integers"),
+    ({"dtype": "F32", "shape": [2.0]}, 8, "has shape [2.0], not a list of non-negative "
+                                          "integers"),
+    ({"dtype": "U8", "shape": [True, 8]}, 8, "has shape [true, 8], not a list of "
+                                             "non-negative integers"),
+    ({"dtype": "F32", "shape": [1 << 40, 1 << 40]}, 8,
+     "has 8 data bytes but shape [1099511627776, 1099511627776] of F32 needs more than 8"),
+    ({"dtype": "F4", "shape": [3]}, 2, "has shape [3] of F4, which is not a whole number of "
+                                       "bytes"),
+])
+def test_a_wrong_entry_in_a_sound_layout_is_an_error_for_that_tensor(
+        tmp_path: Path, middle: dict[str, object], middle_bytes: int, detail: str) -> None:
+    path = _three(tmp_path, middle, middle_bytes)
+    assert refused_by_safetensors(path)
+    inputs = open_inputs([path])
+    # the layout leaves no doubt where the neighbours' bytes are
+    assert names(inputs) == ["a", "c"]
+    refs = by_name(inputs)
+    assert refs["a"].read().tolist() == [1.5, -2.0] and refs["c"].read().tolist() == [1.0, -2.0]
+    assert inputs.errors == ((str(path), f"{path}: tensor 'm' {detail}; the file is corrupt, "
+                              "re-save or re-download it"),)
+    assert inputs.excluded == 0
+    dropped = open_inputs([path], exclude=["m"])  # a broken tensor left out is not an error
+    assert dropped.errors == () and dropped.excluded == 1
+
+
+def test_scan_gives_an_error_row_for_the_broken_tensor_and_measures_the_others(
+        tmp_path: Path) -> None:
+    # an integer tensor: scan skips those unread, so only the listing can tell it is broken
+    path = _three(tmp_path, {"dtype": "I64", "shape": [3]}, 16)
+    found = scan([path], ["fp8_e4m3"])
+    assert [(r.ref.name if r.ref else None, r.error is None) for r in found.results] == [
+        (None, False), ("a", True), ("c", True)]
+    [bad] = found.errors
+    assert bad.source == str(path) and "tensor 'm' has 16 data bytes but shape [3] of I64 " \
+                                       "needs 24" in (bad.error or "")
+    assert found.skipped == {str(path): 0}
+
+
+def test_a_huge_shape_finishes_fast_in_little_memory(tmp_path: Path) -> None:
+    path = _three(tmp_path, {"dtype": "F32", "shape": [1 << 40, 1 << 40]}, 16)
+    warm = tmp_path / "warm.safetensors"
+    save_file({"x": seeded((64, 64))}, warm)
+    # a fresh interpreter, warmed up on a sound file (torch's threads and caches), then held
+    # to 256 MiB of address space beyond what it has: a buffer (or a list of row ranges)
+    # sized from the shape cannot be made there
+    code = """if True:
+        import json, resource, sys, time
+        from driftcli.measures.scan import scan
+        scan([sys.argv[2]], ["fp8_e4m3"])
+        vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20),) * 2)
+        start = time.perf_counter()
+        found = scan([sys.argv[1]], ["fp8_e4m3"])
+        print(json.dumps({"seconds": time.perf_counter() - start,
+                          "errors": [r.error for r in found.errors],
+                          "measured": [r.ref.name for r in found.results if r.error is None]}))
+    """
+    env = {**os.environ, "PYTHONPATH": str(Path(driftcli.__file__).parents[1])}
+    run = subprocess.run([sys.executable, "-c", code, str(path), str(warm)],
+                         capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["measured"] == ["a", "c"]
+    assert out["errors"] == [f"{path}: tensor 'm' has 16 data bytes but shape [1099511627776, "
+                             "1099511627776] of F32 needs more than 16; the file is corrupt, "
+                             "re-save or re-download it"]
+    assert out["seconds"] < 5  # refused at listing, in milliseconds; 5 s for a loaded machine
+
+
+def _saved(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor], int, dict[str, list[int]]]:
+    tensors = {k: seeded((4, 8), seed=i) for i, k in enumerate(["a", "b", "cc"])}
     path = tmp_path / "t.safetensors"
     save_file(tensors, path)
     start, offsets = _offsets(path)
-    second = sorted(offsets, key=lambda k: offsets[k][0])[1]
+    return path, tensors, start, offsets
+
+
+def test_truncated_safetensors_lists_the_tensors_still_whole(tmp_path: Path) -> None:
+    path, tensors, start, offsets = _saved(tmp_path)
+    first, second, third = sorted(offsets, key=lambda k: offsets[k][0])
     cut = start + sum(offsets[second]) // 2  # the middle of the 2nd tensor's data
     path.write_bytes(path.read_bytes()[:cut])
+    assert refused_by_safetensors(path)
     inputs = open_inputs([path])
-    assert inputs.errors == () and len(inputs.tensors) == 3  # still listed
+    # far more bytes are missing than the header's padding: no header length could explain
+    # it, so the layout stands and the first tensor is where it says
+    assert names(inputs) == [first]
+    assert same_bits(inputs.tensors[0].read(), tensors[first])
+    assert inputs.errors == tuple(
+        (str(path), f"{path}: tensor {name} needs bytes {start + offsets[name][0]}.."
+                    f"{start + offsets[name][1]} but the file has {cut} bytes (truncated?); "
+                    "re-save or re-download it") for name in (second, third))
+    assert open_inputs([path], include=[first]).errors == ()
+
+
+def test_a_shortfall_a_header_length_could_explain_is_a_file_error(tmp_path: Path) -> None:
+    path, _, start, _ = _saved(tmp_path)
+    padding = start - 8 - len(path.read_bytes()[8:start].rstrip(b" "))
+    assert padding == 7  # the library pads the header to a multiple of 8 with spaces
+    data = path.read_bytes()
+    for short in range(1, padding + 1):
+        # as if the length said `short` bytes more than the header: they would be data
+        path.write_bytes(data[:-short])
+        assert refused_by_safetensors(path)
+        inputs = open_inputs([path])
+        assert inputs.tensors == ()
+        assert inputs.errors == ((str(path), f"corrupt safetensors header in {path}: the "
+                                  f"tensors need 384 bytes of data but the file holds "
+                                  f"{384 - short} after a header that ends in 7 spaces "
+                                  "(truncated, or a header length too long); re-save or "
+                                  "re-download it"),)
+    path.write_bytes(data[:-padding - 1])  # one byte more than any such lie: a truncation
+    assert len(open_inputs([path]).tensors) == 2
+
+
+def test_safetensors_truncated_after_listing_raises_on_read(tmp_path: Path) -> None:
+    path, tensors, start, offsets = _saved(tmp_path)
+    inputs = open_inputs([path])
+    assert inputs.errors == () and len(inputs.tensors) == 3
+    second = sorted(offsets, key=lambda k: offsets[k][0])[1]
+    cut = start + sum(offsets[second]) // 2
+    path.write_bytes(path.read_bytes()[:cut])
     first, mid, last = inputs.tensors
     assert mid.name == second
     assert same_bits(first.read(), tensors[first.name])
@@ -351,18 +668,6 @@ def test_truncated_safetensors(tmp_path: Path) -> None:
                                   "re-download it")
 
 
-def test_offsets_that_disagree_with_shape_raise_on_read(tmp_path: Path) -> None:
-    path = raw_safetensors(tmp_path / "x.safetensors", {
-        "ok": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},
-        "short": {"dtype": "F32", "shape": [2, 2], "data_offsets": [4, 16]},
-    }, struct.pack("<2e", 1.5, -2.0) + bytes(12))
-    refs = by_name(open_inputs([path]))
-    assert refs["ok"].read().tolist() == [1.5, -2.0]
-    with pytest.raises(ReadError, match=r"tensor short has 12 data bytes but shape \[2, 2\] "
-                                        r"of float32 needs 16"):
-        refs["short"].read()
-
-
 @pytest.mark.parametrize(("content", "detail"), [
     (struct.pack("<Q", 9) + b"{not json", "the header is not JSON"),
     (struct.pack("<Q", 1 << 40) + b"{}", "header length 1099511627776 runs past the end of "
@@ -370,7 +675,9 @@ def test_offsets_that_disagree_with_shape_raise_on_read(tmp_path: Path) -> None:
     (b"\x01\x02", "the file has 2 bytes, too few for the 8-byte length"),
     (struct.pack("<Q", 2) + b"[]", "the header is not a JSON object"),
     (struct.pack("<Q", 37) + b'{"x": {"dtype": "F32", "shape": [1]}}', "entry 'x' needs dtype"),
-    (struct.pack("<Q", 3) + b'"\xff"', "the header is not JSON"),
+    (struct.pack("<Q", 3) + b'"\xff"', "the header is not UTF-8 (byte 1 of it: invalid start "
+                                       "byte)"),
+    (struct.pack("<Q", 1003) + b"[" * 1000 + b"]]]", "the header is not JSON (RecursionError"),
 ])
 def test_corrupt_safetensors_header_goes_to_errors(tmp_path: Path, content: bytes,
                                                    detail: str) -> None:
@@ -384,6 +691,98 @@ def test_corrupt_safetensors_header_goes_to_errors(tmp_path: Path, content: byte
     assert source == str(tmp_path / "bad.safetensors")
     assert message.startswith(f"corrupt safetensors header in {source}: {detail}")
     assert "\n" not in message
+
+
+def _header(text: str, encoding: str = "utf-8") -> bytes:
+    """Header text with each ``@`` standing for a sound F32 entry over 8 bytes."""
+    return text.replace("@", '"dtype": "F32", "shape": [2], "data_offsets": [0, 8]').encode(
+        encoding)
+
+
+# header texts that Python's json reads and serde_json (so safetensors) refuses, or both read
+_REFUSED = {
+    "utf-16": _header('{"a": {@}}', "utf-16"),
+    "byte order mark": _header('\ufeff{"a": {@}}'),
+    "NaN in an unknown field": _header('{"a": {@, "note": NaN}}'),
+    "number out of range": _header('{"a": {@, "note": 1e400}}'),
+    "a field twice": _header('{"a": {"dtype": "F16", @}}'),
+    "__metadata__ twice": _header('{"__metadata__": {}, "__metadata__": {}, "a": {@}}'),
+    "half a surrogate pair": _header('{"\\ud800": {@}}'),
+    "minus zero": _header('{"a": {"dtype": "F32", "shape": [-0, 2], "data_offsets": [0, 0]}, '
+                          '"b": {@}}'),
+    "metadata not strings": _header('{"__metadata__": {"n": 1}, "a": {@}}'),
+    "trailing bytes": _header('{"a": {@}}\x00'),
+}
+_READ = {
+    "spaces around": _header('\n {"a": {@}} \t\r\n'),
+    "unknown field": _header('{"a": {@, "note": [1, {"k": null}]}}'),
+    "a name twice (the last counts)": _header(
+        '{"a": {"dtype": "I32", "shape": [1], "data_offsets": [0, 4]}, "a": {@}}'),
+    "metadata null": _header('{"__metadata__": null, "a": {@}}'),
+    "escaped key": _header('{"\\u005f_metadata__": {"k": "v"}, "\\ud83d\\ude00": {@}}'),
+}
+
+
+@pytest.mark.parametrize(("text", "refused"), [
+    *((pytest.param(t, True, id=k)) for k, t in _REFUSED.items()),
+    *((pytest.param(t, False, id=k)) for k, t in _READ.items()),
+])
+def test_header_json_is_read_as_safetensors_reads_it(tmp_path: Path, text: bytes,
+                                                     refused: bool) -> None:
+    path = raw_text(tmp_path / "x.safetensors", text, struct.pack("<2f", 1.5, -2.0))
+    assert refused_by_safetensors(path) == refused
+    inputs = open_inputs([path])
+    if refused:
+        assert inputs.errors != ()
+        return
+    assert inputs.errors == ()
+    with safe_open(str(path), "pt") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    got = {r.name: r.read() for r in inputs.tensors}
+    assert list(got) == list(want) and all(same_bits(got[k], want[k]) for k in want)
+
+
+def test_a_broken_tensor_in_a_shard_is_its_own_error_not_a_misplaced_one(
+        tmp_path: Path) -> None:
+    _sharded(tmp_path)
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    raw_safetensors(shard, {"head": {"dtype": "Q8", "shape": [2], "data_offsets": [0, 2]},
+                            "stray": {"dtype": "Q8", "shape": [2], "data_offsets": [2, 4]}},
+                    b"\x01\x02\x03\x04")
+    inputs = open_inputs([tmp_path])  # (the index does not put "stray" there: not read)
+    assert sorted(names(inputs)) == ["embed", "layer.0"]
+    assert inputs.errors == ((str(shard), f"{shard}: tensor 'head' has dtype code \"Q8\", which "
+                              "safetensors does not define; the file is corrupt, re-save or "
+                              "re-download it"),)
+
+
+# --- PyTorch zip archives -------------------------------------------------------------------
+
+
+def test_truncated_or_damaged_pt_archive_is_a_clean_error(tmp_path: Path) -> None:
+    path = tmp_path / "w.pt"
+    torch.save({"w": seeded((8, 8))}, path)
+    whole = path.read_bytes()
+    for cut in (4, 100, len(whole) // 2, len(whole) - 23, len(whole) - 1):
+        path.write_bytes(whole[:cut])
+        [(source, message)] = open_inputs([path]).errors
+        assert source == str(path)
+        assert message.startswith(f"{path} is a truncated or damaged zip archive ("), cut
+        assert message.endswith("); re-save it with torch.save or re-download it")
+    # a directory entry whose member would run past the end of the file
+    data = bytearray(whole)
+    at = data.index(b"PK\x01\x02")
+    struct.pack_into("<I", data, at + 20, len(whole) + 1)  # its compressed size
+    path.write_bytes(bytes(data))
+    [(_, message)] = open_inputs([path]).errors
+    assert "truncated or damaged zip archive" in message and "runs past the end" in message
+    # a directory entry needing a zip version zipfile lacks: NotImplementedError there
+    data = bytearray(whole)
+    struct.pack_into("<H", data, at + 6, 147)
+    path.write_bytes(bytes(data))
+    [(_, message)] = open_inputs([path]).errors
+    assert message.startswith(f"{path} is a truncated or damaged zip archive "
+                              "(NotImplementedError: zip file version 14.7)")
 
 
 # --- folders and shards ---------------------------------------------------------------------

@@ -7,12 +7,16 @@ PyTorch ``.pt`` / ``.pth`` / ``.bin`` state dicts (``weights_only`` only), NumPy
 :class:`TensorRef` whose :meth:`TensorRef.read` copies rows ``[start, stop)`` of
 dim 0 into a fresh tensor, so memory stays bounded by the rows asked for.
 
-Failures are kept as local as the file allows: a missing path raises at once; a
-file that cannot be opened (corrupt header, refused pickle) becomes one entry of
-:attr:`Inputs.errors` and the other files are still listed; a tensor whose data
-is missing or inconsistent is still listed and its ``read`` raises
-:class:`ReadError`. The formats and the drift dump metadata are described in
-``docs/inputs.md``.
+Every header is checked before anything is read from it (safetensors as strictly as the
+safetensors library; ``.npy`` / ``.npz`` shapes against the bytes really there), so no
+buffer is ever sized from an unverified shape. Failures are kept as local as the file's
+layout allows: a missing path raises at once; a file that cannot be opened, or whose
+layout is in doubt (a corrupt header, offsets that overlap or leave gaps, a refused
+pickle), becomes one entry of :attr:`Inputs.errors` and the other files are still listed;
+one entry that is wrong inside a sound layout (an unknown dtype code, a shape that does not
+match its bytes) is an entry naming that tensor, and its neighbours are listed. A file that
+shrinks after it was listed makes ``read`` raise :class:`ReadError`. The formats, these
+rules and the drift dump metadata are described in ``docs/inputs.md``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import re
 import struct
 import sys
 import threading
+import tokenize
 import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -65,6 +70,9 @@ _SAFETENSORS_DTYPES = {
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
     "BOOL": "bool", "C64": "complex64",
 }
+# Bits per element of the codes torch has no element type for; with the table above, these
+# are every code safetensors defines (its crate's Dtype::bitsize).
+_SAFETENSORS_SUB_BYTE = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 # numpy (kind, itemsize) -> torch dtype name; anything else keeps numpy's own name.
 _NUMPY_DTYPES = {
@@ -167,7 +175,7 @@ class TensorRef:
         """Rows [start, stop) along dim 0 (the whole tensor for 0-d), in the stored dtype, as a
         tensor that owns its memory (not a view into a file mapping that stays open). Raises
         ReadError naming the file and tensor when the data is missing or corrupt (e.g. a
-        truncated file, byte offsets inconsistent with shape and dtype).
+        file truncated since it was listed: the listing checked it then).
 
         ``start`` and ``stop`` follow Python slicing: negative values count from the end and
         bounds past the end are clipped, so ``t.read(a, b)`` equals ``full[a:b]``. ``into``
@@ -194,9 +202,19 @@ class Inputs:
     tensors: tuple[TensorRef, ...]
     """Selected tensors, float and non-float, in path order, then file order."""
     errors: tuple[tuple[str, str], ...]
-    """``(source, one-line message)`` per file (or part of one) that could not be read."""
+    """``(source, one-line message)`` per file, or tensor of one, that could not be read."""
     excluded: int
-    """Tensors dropped by ``include`` / ``exclude``."""
+    """Tensors dropped by ``include`` / ``exclude`` (readable or not)."""
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Something in one file that cannot be read: the file's metadata, or one tensor."""
+
+    message: str
+    tensor: str | None = None
+    """The tensor it is about: reported only where that tensor is selected (by include /
+    exclude, and by an index for its shard), like the tensor itself."""
 
 
 # --- reading bytes --------------------------------------------------------------------------
@@ -214,9 +232,9 @@ def _row_shape(ref: TensorRef, start: int, stop: int) -> tuple[int, ...]:
     return (stop - start, *ref.shape[1:]) if ref.shape else ()
 
 
-def _truncated(ref: TensorRef, begin: int, end: int, size: int) -> ReadError:
-    return ReadError(f"{ref.source}: tensor {ref.name} needs bytes {begin}..{end} but the file "
-                     f"has {size} bytes (truncated?); re-save or re-download it")
+def _truncated(source: str, name: str, begin: int, end: int, size: int) -> str:
+    return (f"{source}: tensor {name} needs bytes {begin}..{end} but the file has {size} bytes "
+            "(truncated?); re-save or re-download it")
 
 
 def _fill(fh: IO[bytes], buf: torch.Tensor) -> int:
@@ -251,28 +269,26 @@ class _ByteRange:
 
     def read(self, ref: TensorRef, start: int, stop: int,
              into: torch.Tensor | None) -> torch.Tensor:
+        # the listing checked ``length`` against the shape and the file; here the file is
+        # checked again (it may have shrunk since), before any buffer is made
         dtype = _element_type(ref)
-        need = ref.numel * dtype.itemsize
-        if need != self.length:
-            raise ReadError(f"{ref.source}: tensor {ref.name} has {self.length} data bytes but "
-                            f"shape {list(ref.shape)} of {ref.dtype} needs {need}; the file is "
-                            "corrupt, re-save or re-download it")
         row = math.prod(ref.shape[1:]) * dtype.itemsize
-        buf = _byte_buffer((stop - start) * row, into)
+        end = self.offset + self.length
         try:
             # positioned reads, not mmap: a file truncated under a mapping kills the process
             # with SIGBUS, and no mapping outlives the call
             with open(self.path, "rb", buffering=0) as fh:
                 size = os.fstat(fh.fileno()).st_size
-                if self.offset + self.length > size:
-                    raise _truncated(ref, self.offset, self.offset + self.length, size)
+                if end > size:
+                    raise ReadError(_truncated(ref.source, ref.name, self.offset, end, size))
+                buf = _byte_buffer((stop - start) * row, into)
                 fh.seek(self.offset + start * row)
                 got = _fill(fh, buf)
         except OSError as exc:
             raise ReadError(f"{ref.source}: cannot read tensor {ref.name}: "
                             f"{exc.strerror or exc}") from exc
         if got < buf.numel():  # the file shrank after the size check
-            raise _truncated(ref, self.offset, self.offset + self.length, size)
+            raise ReadError(_truncated(ref.source, ref.name, self.offset, end, size))
         return _typed(buf, dtype, _row_shape(ref, start, stop), self.swap)
 
 
@@ -287,8 +303,84 @@ def _is_count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the offset where its data starts."""
+def _shown(x: Any) -> str:
+    """A JSON value for a one-line message, cut short (a corrupt header can hold anything)."""
+    text = json.dumps(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# The safetensors crate reads its header with serde_json into typed fields. Python's json
+# module accepts more; these hooks refuse what serde refuses, so both read a file alike.
+_FIELDS = ("__metadata__", "dtype", "shape", "data_offsets")
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) < len(pairs):  # a repeated tensor name is allowed (the last one counts)
+        keys = [k for k, _ in pairs]
+        twice = [k for k in _FIELDS if keys.count(k) > 1]
+        if twice:
+            raise ValueError(f"key {twice[0]!r} appears twice in one object")
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if math.isinf(x):
+        raise ValueError(f"number {text} is out of range")
+    return x
+
+
+def _integer(text: str) -> int | float:
+    # serde reads -0 as a float, which is refused where a count is due
+    return -0.0 if text == "-0" else int(text)
+
+
+def _header_json(path: Path, raw: bytes) -> dict[str, Any]:
+    """The header bytes as safetensors reads them: UTF-8 (never another encoding guessed
+    from the bytes), strict JSON (no NaN, no number out of range, no field named twice, no
+    half surrogate pair), one object; spaces before and after it are padding."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _corrupt(path, f"the header is not UTF-8 (byte {exc.start} of it: "
+                             f"{exc.reason})") from exc
+    try:
+        header = json.loads(text, object_pairs_hook=_json_object, parse_constant=_no_constant,
+                            parse_float=_finite, parse_int=_integer)
+        if _SURROGATE.search(text):  # rare: only then is the (costlier) check made
+            json.dumps(header, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:  # a ValueError too, so caught first
+        raise _corrupt(path, "a string of the header holds half of a UTF-16 surrogate "
+                             "pair") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
+        raise _corrupt(path, f"the header is not JSON ({_first_line(exc)})") from exc
+    if not isinstance(header, dict):
+        raise _corrupt(path, "the header is not a JSON object")
+    return header
+
+
+@dataclass(frozen=True)
+class _SafetensorsHeader:
+    """A safetensors file's header as read, before any of its entries is checked."""
+
+    entries: dict[str, Any]
+    """The header's JSON object."""
+    data_start: int
+    """Where the data starts in the file."""
+    size: int
+    """The file's size."""
+    padding: int
+    """Whitespace bytes that end the header: up to as many data bytes would look the same
+    there, had the header length been that much too long."""
+
+
+def _safetensors_header(path: Path) -> _SafetensorsHeader:
     try:
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
@@ -304,13 +396,93 @@ def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
             raw = fh.read(n)
     except OSError as exc:
         raise ReadError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise _corrupt(path, f"the header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise _corrupt(path, "the header is not a JSON object")
-    return header, 8 + n
+    padding = len(raw) - len(raw.rstrip(b" \t\n\r"))  # JSON's whitespace
+    return _SafetensorsHeader(_header_json(path, raw), 8 + n, size, padding)
+
+
+def _data_offsets(path: Path, name: str, entry: Any) -> tuple[int, int]:
+    """An entry's ``data_offsets``; raises for an entry without two byte counts (where its
+    bytes are, and so where every other tensor's are, is unknown)."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise _corrupt(path, f"entry {name!r} needs dtype, shape and data_offsets "
+                             f"[begin, end], not {_shown(entry)}")
+    return offsets[0], offsets[1]
+
+
+def _check_layout(path: Path, ordered: list[tuple[str, tuple[int, int]]],
+                  head: _SafetensorsHeader) -> None:
+    """Raise unless the byte ranges (in offset order) tile the data as the format requires:
+    the first at 0, each where the one before ends, the last at the end of the file.
+
+    A file only shorter than that reads as truncated, and is refused only where a header
+    length too long would look the same (the shortfall no more than the whitespace that
+    ends the header, which would then be data). Anything else puts every tensor in doubt:
+    a header length off, an overlap, a gap shift or cut every tensor after it."""
+    data_bytes = head.size - head.data_start
+    at, before = 0, None
+    for name, (begin, end) in ordered:
+        if end < begin:
+            raise _corrupt(path, f"tensor {name!r} has data_offsets [{begin}, {end}], which "
+                                 "end before they begin")
+        if begin > at:
+            raise _corrupt(path, f"bytes {at}..{begin} of the data belong to no tensor (a "
+                                 f"gap before tensor {name!r})")
+        if begin < at:
+            raise _corrupt(path, f"tensor {name!r} (data_offsets [{begin}, {end}]) overlaps "
+                                 f"tensor {before!r}, which ends at {at}")
+        at, before = end, name
+    if data_bytes < at <= data_bytes + head.padding:
+        raise _corrupt(path, f"the tensors need {at} bytes of data but the file holds "
+                             f"{data_bytes} after a header that ends in {head.padding} spaces "
+                             "(truncated, or a header length too long)")
+    if at < data_bytes:
+        raise _corrupt(path, f"the file holds {data_bytes} bytes of data after the header but "
+                             f"the tensors' data_offsets cover {at} (a wrong header length, or "
+                             "bytes appended)")
+
+
+def _safetensors_bits(code: Any) -> int | None:
+    """Bits per element of a safetensors dtype code; None for a code it does not define."""
+    if not isinstance(code, str):
+        return None
+    if code in _SAFETENSORS_SUB_BYTE:
+        return _SAFETENSORS_SUB_BYTE[code]
+    name = _SAFETENSORS_DTYPES.get(code)
+    dtype = None if name is None else _torch_dtype(name)
+    return None if dtype is None else 8 * dtype.itemsize
+
+
+def _elements(shape: list[int], most: int) -> int | None:
+    """``prod(shape)``, or None once it passes ``most``: a corrupt shape never becomes a
+    huge product (nor a slow one, over millions of entries)."""
+    if 0 in shape:
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+        if n > most:
+            return None
+    return n
+
+
+def _entry_problem(entry: dict[str, Any], span: int) -> str | None:
+    """What is wrong with one entry whose byte range is sound: its dtype code or its shape
+    (which must need exactly the ``span`` bytes it has); None when nothing is."""
+    code, shape = entry.get("dtype"), entry.get("shape")
+    bits = _safetensors_bits(code)
+    if bits is None:
+        return f"has dtype code {_shown(code)}, which safetensors does not define"
+    if not (isinstance(shape, list) and all(map(_is_count, shape))):
+        return f"has shape {_shown(shape)}, not a list of non-negative integers"
+    n = _elements(shape, 8 * span)
+    need = None if n is None else n * bits
+    if need is not None and need % 8:
+        return f"has shape {_shown(shape)} of {code}, which is not a whole number of bytes"
+    if need != 8 * span:
+        needs = f"more than {span}" if need is None else str(need // 8)
+        return f"has {span} data bytes but shape {_shown(shape)} of {code} needs {needs}"
+    return None
 
 
 def _dump_fields(path: Path, meta: dict[str, str] | None,
@@ -321,8 +493,8 @@ def _dump_fields(path: Path, meta: dict[str, str] | None,
     without = "; its tensors are listed without role, layer, operand and step"
     try:
         dump = json.loads(meta[DUMP_KEY])
-    except (TypeError, ValueError) as exc:
-        return {}, [f"drift dump metadata in {path} is not JSON ({exc}){without}"]
+    except (TypeError, ValueError, RecursionError) as exc:
+        return {}, [f"drift dump metadata in {path} is not JSON ({_first_line(exc)}){without}"]
     if not isinstance(dump, dict) or dump.get("version") != DUMP_VERSION:
         version = dump.get("version") if isinstance(dump, dict) else None
         return {}, [f"drift dump metadata in {path} has version {version!r}; this drift reads "
@@ -348,32 +520,38 @@ def _dump_fields(path: Path, meta: dict[str, str] | None,
     return fields, problems
 
 
-def _safetensors_refs(path: Path) -> tuple[list[TensorRef], list[str]]:
-    """The tensors of a safetensors file in data order, and problems with its metadata."""
-    header, data_start = _safetensors_header(path)
+def _safetensors_refs(path: Path) -> tuple[list[TensorRef], list[_Problem]]:
+    """The tensors of a safetensors file in data order, and problems with its entries and
+    metadata. The file as a whole is refused (raises) where its header or byte layout is
+    wrong; one entry's wrong dtype code or shape inside a sound layout, or its bytes cut
+    off by a truncation, is a problem for that tensor only."""
+    head = _safetensors_header(path)
+    header, data_start = head.entries, head.data_start
     meta = header.pop("__metadata__", None)
     if meta is not None and not (isinstance(meta, dict)
                                  and all(isinstance(v, str) for v in meta.values())):
         raise _corrupt(path, "__metadata__ is not an object of strings")
-    entries = []
-    for name, e in header.items():
-        ok = (isinstance(e, dict) and isinstance(e.get("dtype"), str)
-              and isinstance(e.get("shape"), list) and all(map(_is_count, e["shape"]))
-              and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
-              and all(map(_is_count, e["data_offsets"]))
-              and e["data_offsets"][0] <= e["data_offsets"][1])
-        if not ok:
-            raise _corrupt(path, f"entry {name!r} needs dtype, shape and data_offsets "
-                                 f"[begin, end], not {json.dumps(e)}")
-        entries.append((e["data_offsets"][0], name, e))
-    fields, problems = _dump_fields(path, meta, set(header))
+    spans = {name: _data_offsets(path, name, e) for name, e in header.items()}
+    ordered = sorted(spans.items(), key=lambda kv: (kv[1], kv[0]))
+    _check_layout(path, ordered, head)
+    fields, notes = _dump_fields(path, meta, set(header))
+    problems = [_Problem(note) for note in notes]
     refs = []
-    for begin, name, e in sorted(entries, key=lambda t: (t[0], t[1])):
-        end = e["data_offsets"][1]
+    for name, (begin, end) in ordered:
+        why = _entry_problem(header[name], end - begin)
+        if why is not None:
+            problems.append(_Problem(f"{path}: tensor {name!r} {why}; the file is corrupt, "
+                                     "re-save or re-download it", name))
+            continue
+        if data_start + end > head.size:  # truncated: listed, its bytes would not be there
+            problems.append(_Problem(_truncated(str(path), name, data_start + begin,
+                                                data_start + end, head.size), name))
+            continue
+        code = header[name]["dtype"]
         reader = _ByteRange(path, data_start + begin, end - begin, swap=sys.byteorder == "big")
-        refs.append(TensorRef(str(path), name, _SAFETENSORS_DTYPES.get(e["dtype"], e["dtype"]),
-                              tuple(e["shape"]), **fields.get(name, {}), _reader=reader,
-                              _nbytes=end - begin))
+        refs.append(TensorRef(str(path), name, _SAFETENSORS_DTYPES.get(code, code),
+                              tuple(header[name]["shape"]), **fields.get(name, {}),
+                              _reader=reader, _nbytes=end - begin))
     return refs, problems
 
 
@@ -391,7 +569,7 @@ def _read_index(path: Path) -> _Index:
         index = json.loads(path.read_bytes())
     except OSError as exc:
         raise ReadError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ReadError(f"corrupt safetensors index {path}: not JSON ({exc}); re-download it, "
                         "or give the shard files themselves") from exc
     wmap = index.get("weight_map") if isinstance(index, dict) else None
@@ -456,10 +634,32 @@ class _TorchCache:
             return self._tensors
 
 
-def _load_torch(path: Path) -> dict[str, torch.Tensor]:
-    # mmap needs the zip format of torch >= 1.6; older files are loaded whole
+def _torch_zip(path: Path) -> bool:
+    """Whether ``path`` is a torch file of the zip format (torch >= 1.6), as torch tells
+    (by its first bytes); raises where that archive is truncated or damaged, so torch is
+    never handed one: its directory must read, and each member must lie inside the file."""
     try:
-        mmap = zipfile.is_zipfile(path)
+        with open(path, "rb") as fh:
+            if fh.read(4) != b"PK\x03\x04":
+                return False
+            size = os.fstat(fh.fileno()).st_size
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if info.header_offset + info.compress_size > size:
+                    raise zipfile.BadZipFile(f"member {info.filename} runs past the end of "
+                                             f"the file ({size} bytes)")
+    except OSError as exc:
+        raise ReadError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except _ZIP_ERRORS as exc:
+        raise ReadError(f"{path} is a truncated or damaged zip archive ({_first_line(exc)}); "
+                        "re-save it with torch.save or re-download it") from exc
+    return True
+
+
+def _load_torch(path: Path) -> dict[str, torch.Tensor]:
+    # mmap needs the zip format; older files are loaded whole
+    mmap = _torch_zip(path)
+    try:
         obj = torch.load(path, weights_only=True, mmap=mmap, map_location="cpu")
     except pickle.UnpicklingError as exc:
         text = str(exc)
@@ -509,7 +709,7 @@ class _TorchEntry:
                             f"({_first_line(exc)})") from exc
 
 
-def _torch_refs(path: Path) -> tuple[list[TensorRef], list[str]]:
+def _torch_refs(path: Path) -> tuple[list[TensorRef], list[_Problem]]:
     refs = [TensorRef(str(path), name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
                       _reader=_TorchEntry(path, name))
             for name, t in _TORCH_FILES.load(path).items()]
@@ -532,13 +732,23 @@ def _npy_header(fh: IO[bytes]) -> _NpyHeader:
     """Parse an ``.npy`` header (raises ValueError on a bad one)."""
     fmt = np.lib.format
     version = fmt.read_magic(fh)
-    if version == (1, 0):
-        shape, fortran, dtype = fmt.read_array_header_1_0(fh)
-    elif version == (2, 0):
-        shape, fortran, dtype = fmt.read_array_header_2_0(fh)
-    else:
-        raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported")
+    try:
+        if version == (1, 0):
+            shape, fortran, dtype = fmt.read_array_header_1_0(fh)
+        elif version == (2, 0):
+            shape, fortran, dtype = fmt.read_array_header_2_0(fh)
+        else:
+            raise ValueError(f".npy format version {version[0]}.{version[1]} is not supported")
+    except (SyntaxError, tokenize.TokenError, RecursionError) as exc:
+        # numpy parses the header as a Python literal and lets these through
+        raise ValueError(f"the header does not parse ({_first_line(exc)})") from exc
+    if not all(map(_is_count, shape)):  # numpy checks only that they are ints
+        raise ValueError(f"shape {shape} is not a tuple of non-negative integers")
     return _NpyHeader(dtype, tuple(shape), fortran, fh.tell())
+
+
+def _npy_nbytes(head: _NpyHeader) -> int:
+    return math.prod(head.shape) * head.dtype.itemsize
 
 
 def _numpy_dtype_name(dtype: np.dtype[Any]) -> str:
@@ -547,7 +757,7 @@ def _numpy_dtype_name(dtype: np.dtype[Any]) -> str:
 
 def _npy_ref(source: str, name: str, head: _NpyHeader, reader: _Reader) -> TensorRef:
     return TensorRef(source, name, _numpy_dtype_name(head.dtype), head.shape, _reader=reader,
-                     _nbytes=math.prod(head.shape) * head.dtype.itemsize)
+                     _nbytes=_npy_nbytes(head))
 
 
 def _refuse_objects(what: str) -> str:
@@ -576,24 +786,31 @@ class _NpyFortran:
         return _typed(buf, dtype, _row_shape(ref, start, stop), not part.dtype.isnative)
 
 
-def _npy_refs(path: Path) -> tuple[list[TensorRef], list[str]]:
+def _npy_refs(path: Path) -> tuple[list[TensorRef], list[_Problem]]:
     try:
         with open(path, "rb") as fh:
             head = _npy_header(fh)
+            size = os.fstat(fh.fileno()).st_size
     except OSError as exc:
         raise ReadError(f"cannot read {path}: {exc.strerror or exc}") from exc
     except ValueError as exc:
-        raise ReadError(f"corrupt .npy header in {path} ({exc}); re-save it with "
-                        "numpy.save") from exc
+        # numpy's messages can run over lines
+        raise ReadError(f"corrupt .npy header in {path} ({' '.join(str(exc).split())}); "
+                        "re-save it with numpy.save") from exc
     if head.dtype.hasobject:
         raise ReadError(_refuse_objects(str(path)))
-    nbytes = math.prod(head.shape) * head.dtype.itemsize
+    nbytes = _npy_nbytes(head)
+    if head.offset + nbytes > size:  # numpy, too, accepts bytes after the data
+        return [], [_Problem(_truncated(str(path), path.stem, head.offset,
+                                        head.offset + nbytes, size), path.stem)]
     reader: _Reader = (_NpyFortran(path) if head.fortran
                        else _ByteRange(path, head.offset, nbytes, not head.dtype.isnative))
     return [_npy_ref(str(path), path.stem, head, reader)], []
 
 
-_ZIP_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+# zipfile raises RuntimeError for an encrypted member, and its NotImplementedError for a
+# method or zip version it lacks
+_ZIP_ERRORS = (OSError, EOFError, ValueError, RuntimeError, zipfile.BadZipFile, zlib.error)
 
 
 @dataclass(frozen=True)
@@ -632,25 +849,71 @@ class _NpzMember:
         return _typed(buf, dtype, _row_shape(ref, start, stop), not head.dtype.isnative)
 
 
-def _npz_refs(path: Path) -> tuple[list[TensorRef], list[str]]:
+# deflate's largest expansion: one 258-byte match per two bits at best
+_DEFLATE_MOST = 1032
+
+
+def _member_problem(info: zipfile.ZipInfo, archive: int) -> str | None:
+    """What makes an archive member's sizes impossible, before any of it is read: the sizes
+    bound what reading it can produce, so they bound every buffer made for it."""
+    if info.header_offset + info.compress_size > archive:
+        return f"runs past the end of the archive ({archive} bytes; truncated?)"
+    if info.compress_type == zipfile.ZIP_STORED:
+        if info.file_size != info.compress_size:
+            return (f"is stored uncompressed, yet claims {info.file_size} bytes in "
+                    f"{info.compress_size}")
+    elif info.compress_type == zipfile.ZIP_DEFLATED:
+        if info.file_size > _DEFLATE_MOST * info.compress_size:
+            return (f"claims {info.file_size} bytes, more than its {info.compress_size} "
+                    "deflated bytes can hold")
+    else:
+        return (f"is compressed with zip method {info.compress_type}; numpy.savez writes "
+                "stored or deflated members")
+    return None
+
+
+def _npz_member(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo,
+                archive: int) -> TensorRef | _Problem:
+    """One member of an ``.npz`` archive, listed, or what is wrong with it."""
+    name = info.filename.removesuffix(".npy")
+
+    def problem(what: str) -> _Problem:
+        return _Problem(f"{path}: member {info.filename} {what}; re-save it with numpy.savez",
+                        name)
+
+    if not info.filename.endswith(".npy"):
+        # np.savez writes nothing else; a name damaged in the directory looks like this too
+        return problem("is not an .npy array")
+    sizes = _member_problem(info, archive)
+    if sizes is not None:
+        return problem(sizes)
+    try:
+        with zf.open(info) as fh:
+            head = _npy_header(fh)
+    except _ZIP_ERRORS as exc:
+        return problem(f"has no readable .npy header ({_first_line(exc)})")
+    if head.dtype.hasobject:
+        return _Problem(_refuse_objects(f"{path}: member {info.filename}"), name)
+    need = head.offset + _npy_nbytes(head)
+    if need > info.file_size:
+        return problem(f"holds {info.file_size} bytes, but its header's shape "
+                       f"{list(head.shape)} needs {need}")
+    return _npy_ref(str(path), name, head, _NpzMember(path, info.filename))
+
+
+def _npz_refs(path: Path) -> tuple[list[TensorRef], list[_Problem]]:
     refs, problems = [], []
     try:
+        archive = path.stat().st_size
         with zipfile.ZipFile(path) as zf:
             for info in zf.infolist():
-                if not info.filename.endswith(".npy"):
-                    continue  # np.savez writes only .npy members
-                name = info.filename.removesuffix(".npy")
-                try:
-                    with zf.open(info) as fh:
-                        head = _npy_header(fh)
-                except _ZIP_ERRORS as exc:
-                    problems.append(f"{path}: member {info.filename} has no readable .npy "
-                                    f"header ({_first_line(exc)}); re-save it with numpy.savez")
-                    continue
-                if head.dtype.hasobject:
-                    problems.append(_refuse_objects(f"{path}: member {info.filename}"))
-                    continue
-                refs.append(_npy_ref(str(path), name, head, _NpzMember(path, info.filename)))
+                # members are found through the archive's directory, each on its own: one
+                # damaged member leaves the others in no doubt
+                got = _npz_member(path, zf, info, archive)
+                if isinstance(got, TensorRef):
+                    refs.append(got)
+                else:
+                    problems.append(got)
     except _ZIP_ERRORS as exc:
         raise ReadError(f"cannot read {path} as .npz ({_first_line(exc)}); re-save it with "
                         "numpy.savez") from exc
@@ -668,7 +931,7 @@ def _is_tensor_file(path: Path) -> bool:
     return _is_index(path) or path.name.lower().endswith(TENSOR_SUFFIXES)
 
 
-_Opener = Callable[[Path], tuple[list[TensorRef], list[str]]]
+_Opener = Callable[[Path], tuple[list[TensorRef], list[_Problem]]]
 
 
 def _opener(path: Path) -> _Opener:
@@ -713,7 +976,10 @@ class _Collector:
         self.seen: set[Path] = set()
         self.files: list[Path] = []
         self.tensors: list[TensorRef] = []
-        self.errors: list[tuple[str, str]] = []
+        self.errors: list[tuple[str, _Problem]] = []
+
+    def fail(self, source: Path, message: str) -> None:
+        self.errors.append((str(source), _Problem(message)))
 
     def first_time(self, path: Path) -> bool:
         key = path.resolve()
@@ -722,21 +988,23 @@ class _Collector:
         self.seen.add(key)
         return True
 
-    def open(self, path: Path, only: set[str] | None = None) -> list[TensorRef] | None:
-        """List ``path``'s tensors (those named in ``only`` when given); None if it fails."""
+    def open(self, path: Path, only: set[str] | None = None) -> set[str] | None:
+        """List ``path``'s tensors (those named in ``only`` when given); the names it holds,
+        readable or not, or None if it fails as a whole."""
         if not self.first_time(path):
-            return []
+            return set()
         self.files.append(path)
         try:
             refs, problems = _opener(path)(path)
         except ReadError as exc:
-            self.errors.append((str(path), str(exc)))
+            self.fail(path, str(exc))
             return None
-        self.errors.extend((str(path), p) for p in problems)
         if only is not None:
             refs = [r for r in refs if r.name in only]
+            problems = [p for p in problems if p.tensor is None or p.tensor in only]
+        self.errors.extend((str(path), p) for p in problems)
         self.tensors.extend(refs)
-        return refs
+        return {r.name for r in refs} | {p.tensor for p in problems if p.tensor is not None}
 
     def open_index(self, index: _Index) -> None:
         if not self.first_time(index.path):
@@ -744,19 +1012,19 @@ class _Collector:
         self.files.append(index.path)
         for shard, names in index.shards.items():
             if not shard.is_file():
-                self.errors.append((str(index.path), f"{index.path} lists shard {shard.name}, "
-                                    "which does not exist; download the missing shard"))
+                self.fail(index.path, f"{index.path} lists shard {shard.name}, which does not "
+                                      "exist; download the missing shard")
                 continue
             if shard.resolve() in self.seen:
                 continue  # already read, as a file given on its own or through another index
-            refs = self.open(shard, only=names)
-            if refs is None:
+            held = self.open(shard, only=names)
+            if held is None:
                 continue  # the shard's own error is recorded
-            missing = sorted(names - {r.name for r in refs})
+            missing = sorted(names - held)
             if missing:
-                self.errors.append((str(index.path), f"{index.path} puts {len(missing)} "
-                                    f"tensor(s) in {shard.name}, which does not hold them "
-                                    f"(first: {missing[0]}); re-download the checkpoint"))
+                self.fail(index.path, f"{index.path} puts {len(missing)} tensor(s) in "
+                                      f"{shard.name}, which does not hold them (first: "
+                                      f"{missing[0]}); re-download the checkpoint")
 
 
 def _plan(files: Iterable[Path], collector: _Collector) -> list[Path | _Index]:
@@ -774,7 +1042,7 @@ def _plan(files: Iterable[Path], collector: _Collector) -> list[Path | _Index]:
             # its shards are still read as plain files, unless another index names them
             if collector.first_time(f):
                 collector.files.append(f)
-                collector.errors.append((str(f), str(exc)))
+                collector.fail(f, str(exc))
             continue
         items.append(index)
         shards.update(s.resolve() for s in index.shards)
@@ -807,5 +1075,10 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
             else:
                 collector.open(item)
     kept = [r for r in collector.tensors if _selected(r.name, include, exclude)]
+    # a problem with one tensor goes where the tensor would: into the errors, or excluded
+    shown = [(source, p) for source, p in collector.errors
+             if p.tensor is None or _selected(p.tensor, include, exclude)]
+    dropped = len(collector.errors) - len(shown)
     return Inputs(files=tuple(collector.files), tensors=tuple(kept),
-                  errors=tuple(collector.errors), excluded=len(collector.tensors) - len(kept))
+                  errors=tuple((source, p.message) for source, p in shown),
+                  excluded=len(collector.tensors) - len(kept) + dropped)
