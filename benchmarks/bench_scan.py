@@ -19,7 +19,7 @@ its wall time and peak resident memory against the largest tensor, and the time
 the provenance sha256 of the input takes (``--fast-hash`` skips it).
 
 Like the command, the process backs large tensors with huge pages where Linux offers them
-(:func:`driftcli.measures.scan.use_huge_pages`); ``THP_MEM_ALLOC_ENABLE=0`` turns that off.
+(:func:`driftcli.memory.use_huge_pages`); ``THP_MEM_ALLOC_ENABLE=0`` turns that off.
 
 Run ``python benchmarks/bench_scan.py --help`` for the options.
 """
@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from driftcli.measures import MEASURES
-from driftcli.measures.scan import use_huge_pages
+from driftcli.memory import use_huge_pages
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_casts import interleaved, machine

@@ -14,42 +14,25 @@ The public API::
         model(batch).sum().backward()
 """
 
-from driftcli.arith.matmul import MatmulSpec, matmul
-from driftcli.arith.mode import arithmetic
-from driftcli.arith.policy import ArithmeticPolicy, BackwardState, get_policy, policy_from_toml
-from driftcli.cast import PRESETS, Cast, parse_cast, quantize
-from driftcli.errors import DriftError
-from driftcli.formats import FORMATS, Format, get_format
-from driftcli.io.capture import capture
-from driftcli.measures.grad_cosine import grad_cosine
-from driftcli.modes import Overflow, Rounding
-from driftcli.rounding import add, multiply, round_to_format, stochastic_round
+from driftcli._version import __version__
+from driftcli.lazy import exports
 
-__version__ = "0.1.0"
+_API = {
+    "FORMATS": "driftcli.formats", "Format": "driftcli.formats", "get_format": "driftcli.formats",
+    "PRESETS": "driftcli.spec", "Cast": "driftcli.spec", "parse_cast": "driftcli.spec",
+    "Overflow": "driftcli.modes", "Rounding": "driftcli.modes",
+    "DriftError": "driftcli.errors",
+    "quantize": "driftcli.cast",
+    "add": "driftcli.rounding", "multiply": "driftcli.rounding",
+    "round_to_format": "driftcli.rounding", "stochastic_round": "driftcli.rounding",
+    "MatmulSpec": "driftcli.arith.matmul", "matmul": "driftcli.arith.matmul",
+    "arithmetic": "driftcli.arith.mode",
+    "ArithmeticPolicy": "driftcli.arith.policy", "BackwardState": "driftcli.arith.policy",
+    "get_policy": "driftcli.arith.policy", "policy_from_toml": "driftcli.arith.policy",
+    "capture": "driftcli.io.capture",
+    "grad_cosine": "driftcli.measures.grad_cosine",
+}
+"""Each public name and its module, imported on first use (see :mod:`driftcli.lazy`)."""
 
-__all__ = [
-    "FORMATS",
-    "PRESETS",
-    "ArithmeticPolicy",
-    "BackwardState",
-    "Cast",
-    "DriftError",
-    "Format",
-    "MatmulSpec",
-    "Overflow",
-    "Rounding",
-    "__version__",
-    "add",
-    "arithmetic",
-    "capture",
-    "get_format",
-    "get_policy",
-    "grad_cosine",
-    "matmul",
-    "multiply",
-    "parse_cast",
-    "policy_from_toml",
-    "quantize",
-    "round_to_format",
-    "stochastic_round",
-]
+__getattr__ = exports(globals(), _API)
+__all__ = ["__version__", *sorted(_API)]

@@ -25,6 +25,10 @@ class FormatSpecError(DriftError, ValueError):
     """A custom format (``eXmY``, ``eXmYbZ``) whose widths or bias are impossible."""
 
 
+class CastSpecError(DriftError, ValueError):
+    """A cast or scaling that cannot be built as asked."""
+
+
 class ChoiceError(DriftError, ValueError):
     """A value outside a fixed set of choices (rounding mode, overflow policy, …)."""
 

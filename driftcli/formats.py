@@ -334,7 +334,7 @@ def _custom(name: str) -> Format | None:
         raise FormatSpecError(
             f"custom format {name!r} is impossible: exponent bits must be 2..{MAX_CUSTOM_EBITS} "
             f"and mantissa bits 1..{MAX_CUSTOM_MBITS} (an IEEE-like format needs a mantissa bit "
-            "to tell NaN from inf); for example e4m3, e8m13 or e5m2b16")
+            "to tell NaN from inf); for example e3m4, e8m13 or e5m2b16")
     standard = _same_widths(ebits, mbits)
     if standard and match[3] is None:
         raise FormatSpecError(

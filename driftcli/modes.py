@@ -1,4 +1,6 @@
-"""Rounding modes and overflow policies: the two choices every cast makes."""
+"""The choices a cast makes, as str enums: rounding mode, overflow policy, scale granularity
+and scale rule (and the few other choices the command line offers). Nothing here imports
+torch: the oracle and ``drift --help`` read them."""
 
 from __future__ import annotations
 
@@ -39,6 +41,77 @@ class Overflow(StrEnum):
     IEEE = "ieee"
     """As IEEE 754: ±inf where the format has it (±max when the mode rounds toward zero),
     NaN where it has only NaN, ±max where it has neither."""
+
+
+class Granularity(StrEnum):
+    """Which elements share one scale."""
+
+    NONE = "none"
+    """No scaling: the bare cast, scale 1."""
+    TENSOR = "tensor"
+    """One scale for the whole tensor."""
+    CHANNEL = "channel"
+    """One scale per slice along the axis (per row of a weight, for the last axis)."""
+    BLOCK = "block"
+    """One scale per ``k`` consecutive elements along the axis (MX: 32, NVFP4: 16)."""
+    TILE = "tile"
+    """One scale per ``k x k`` tile spanning the axis and the last other axis (for a matrix
+    and the last axis: rows and columns; NVFP4 weights: 16)."""
+
+
+class ScaleRule(StrEnum):
+    """How a scale is chosen from the amax of the elements that share it."""
+
+    FLOOR = "floor"
+    """OCP MX v1.0: ``2**(floor(log2 amax) - emax_elem)``; the largest values can clip."""
+    CEIL = "ceil"
+    """``2**ceil(log2(amax / max_elem))``: nothing clips (NVIDIA's MXFP8 recipe)."""
+    EVEN = "even"
+    """amax rounded to the element's mantissa width (ties away) first, then ``floor``."""
+    AMAX = "amax"
+    """Real-valued ``amax / max_elem`` in float32, kept as is (current scaling)."""
+    AMAX_RNE = "amax-rne"
+    """``amax / max_elem`` rounded to nearest into the scale format."""
+    AMAX_UP = "amax-up"
+    """``amax / max_elem`` rounded up into the scale format (nothing clips)."""
+    TWO_LEVEL = "two-level"
+    """A float32 tensor scale over block scales in the scale format (NVFP4)."""
+
+    @property
+    def power_of_two(self) -> bool:
+        """Whether the rule picks a power of two (an integer exponent)."""
+        return self in (ScaleRule.FLOOR, ScaleRule.CEIL, ScaleRule.EVEN)
+
+
+class Device(StrEnum):
+    """Where casts run."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Storage(StrEnum):
+    """Formats the weights could be stored in, for the update-freeze share."""
+
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
+class Dist(StrEnum):
+    """How a synthetic operand's elements are drawn (A and B alike, independently)."""
+
+    NORMAL = "normal"
+    """N(0, 1): signed, cancelling sums."""
+    UNIFORM = "uniform"
+    """U(-1, 1): bounded, signed."""
+    LOGNORMAL = "lognormal"
+    """A random sign times exp(N(0, 1)): heavy-tailed, a few products dominate a sum."""
+    HALFNORMAL = "halfnormal"
+    """|N(0, 1)|: all positive (like post-ReLU values without the zeros), so every sum grows
+    with K and a narrow accumulator swamps."""
+    TANH = "tanh"
+    """tanh(2·N(0, 1)): values piling up just under ±1, as saturated tanh activations do."""
 
 
 E = TypeVar("E", bound=Enum)

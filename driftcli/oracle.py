@@ -208,7 +208,7 @@ def cast_block(values: list[Exact], elem: Format, scale_format: Format, rule: st
                scale_only: bool = False) -> tuple[list[Exact], Exact, bool]:
     """One block (or tensor, or channel) cast exactly: ``(dequantized, scale, clamped)``.
 
-    ``rule`` is a :class:`driftcli.scaling.ScaleRule` value; ``blocked`` says a
+    ``rule`` is a :class:`driftcli.modes.ScaleRule` value; ``blocked`` says a
     NaN or inf member makes the whole block NaN (block and tile scalings);
     ``tensor_amax`` is the whole tensor's amax for the two-level rule (default: this block's);
     ``scale_only`` skips the elements.

@@ -35,96 +35,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import cache
 
 import torch
 
-from driftcli.errors import DriftError
+from driftcli.errors import CastSpecError
 from driftcli.formats import Format, pow2
-from driftcli.modes import Overflow, Rounding
+from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule
 from driftcli.rounding import round_fused, target_of
+from driftcli.spec import Scaling
 
 Tensor = torch.Tensor
-
-
-class CastSpecError(DriftError, ValueError):
-    """A cast or scaling that cannot be built as asked."""
-
-
-class Granularity(StrEnum):
-    """Which elements share one scale."""
-
-    NONE = "none"
-    """No scaling: the bare cast, scale 1."""
-    TENSOR = "tensor"
-    """One scale for the whole tensor."""
-    CHANNEL = "channel"
-    """One scale per slice along the axis (per row of a weight, for the last axis)."""
-    BLOCK = "block"
-    """One scale per ``k`` consecutive elements along the axis (MX: 32, NVFP4: 16)."""
-    TILE = "tile"
-    """One scale per ``k x k`` tile spanning the axis and the last other axis (for a matrix
-    and the last axis: rows and columns; NVFP4 weights: 16)."""
-
-
-class ScaleRule(StrEnum):
-    """How a scale is chosen from the amax of the elements that share it."""
-
-    FLOOR = "floor"
-    """OCP MX v1.0: ``2**(floor(log2 amax) - emax_elem)``; the largest values can clip."""
-    CEIL = "ceil"
-    """``2**ceil(log2(amax / max_elem))``: nothing clips (NVIDIA's MXFP8 recipe)."""
-    EVEN = "even"
-    """amax rounded to the element's mantissa width (ties away) first, then ``floor``."""
-    AMAX = "amax"
-    """Real-valued ``amax / max_elem`` in float32, kept as is (current scaling)."""
-    AMAX_RNE = "amax-rne"
-    """``amax / max_elem`` rounded to nearest into the scale format."""
-    AMAX_UP = "amax-up"
-    """``amax / max_elem`` rounded up into the scale format (nothing clips)."""
-    TWO_LEVEL = "two-level"
-    """A float32 tensor scale over block scales in the scale format (NVFP4)."""
-
-    @property
-    def power_of_two(self) -> bool:
-        """Whether the rule picks a power of two (an integer exponent)."""
-        return self in (ScaleRule.FLOOR, ScaleRule.CEIL, ScaleRule.EVEN)
-
-
-@dataclass(frozen=True)
-class Scaling:
-    """Granularity, block size, scale format, rule and headroom binades (``floor+k``)."""
-
-    granularity: Granularity = Granularity.NONE
-    block: int = 0
-    scale_format: Format | None = None
-    rule: ScaleRule | None = None
-    headroom: int = 0
-
-    def __post_init__(self) -> None:
-        blocked = self.granularity in (Granularity.BLOCK, Granularity.TILE)
-        if blocked and self.block < 1:
-            raise CastSpecError(f"{self.granularity.value} scaling needs a size, e.g. block32")
-        if not blocked and self.block:
-            raise CastSpecError(f"{self.granularity.value} scaling takes no block size")
-        if self.granularity is Granularity.NONE:
-            if self.scale_format is not None or self.rule is not None or self.headroom:
-                raise CastSpecError("an unscaled cast takes no scale format, rule or headroom")
-            return
-        if self.scale_format is None or self.rule is None:
-            raise CastSpecError("a scaled cast needs a scale format and a rule")
-        if self.headroom and self.rule is not ScaleRule.FLOOR:
-            raise CastSpecError(f"headroom (+{self.headroom}) applies to the floor rule only")
-        if self.headroom < 0:
-            raise CastSpecError("headroom must be a positive number of binades")
-        if self.rule is ScaleRule.TWO_LEVEL and not blocked:
-            raise CastSpecError("the two-level rule needs block or tile granularity")
-
-    @property
-    def blocked(self) -> bool:
-        """Whether scales are per block or tile (which makes nonfinite blocks NaN)."""
-        return self.granularity in (Granularity.BLOCK, Granularity.TILE)
 
 
 # --- blocking --------------------------------------------------------------------------------

@@ -59,19 +59,11 @@ import torch
 from driftcli import codec, oracle
 from driftcli import rounding as fast
 from driftcli.arith import MatmulSpec, matmul, matmul_spec
-from driftcli.cast import PRESETS, Cast
 from driftcli.formats import FORMATS, Exact, Format, Kind, get_format, pow2
 from driftcli.io.tables import column
-from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
-from driftcli.scaling import (
-    Granularity,
-    ScaleRule,
-    Scaling,
-    block_stats,
-    pow2_exponents,
-    real_scales,
-    two_level_scales,
-)
+from driftcli.modes import DEFAULT_SR_BITS, Granularity, Overflow, Rounding, ScaleRule
+from driftcli.scaling import block_stats, pow2_exponents, real_scales, two_level_scales
+from driftcli.spec import PRESETS, Cast, Scaling
 
 Tensor = torch.Tensor
 

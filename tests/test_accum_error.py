@@ -18,7 +18,6 @@ from torch import nn
 from typer.testing import CliRunner
 
 from driftcli import oracle
-from driftcli.cast import parse_cast
 from driftcli.cli import app
 from driftcli.errors import DriftError
 from driftcli.formats import FORMATS, Exact, get_format
@@ -27,7 +26,6 @@ from driftcli.io.tables import read_table, schema_of
 from driftcli.measures.accum_error import (
     DEFAULT_SPECS,
     AccumErrorRow,
-    Dist,
     Problem,
     accum_error,
     choose_specs,
@@ -35,10 +33,13 @@ from driftcli.measures.accum_error import (
     exact_matmul,
     measure,
     parse_shape,
+    sample,
     spec_label,
     synthetic_shapes,
     ulp,
 )
+from driftcli.modes import Dist
+from driftcli.spec import parse_cast
 
 runner = CliRunner()
 
@@ -200,7 +201,7 @@ def test_all_positive_sums_swamp_with_negative_bias(sweep: dict) -> None:
 
 def test_casts_are_told_apart_from_accumulation() -> None:
     gen = torch.Generator().manual_seed(1)
-    a, b = Dist.NORMAL.sample((8, 256), gen), Dist.NORMAL.sample((256, 8), gen)
+    a, b = sample(Dist.NORMAL, (8, 256), gen), sample(Dist.NORMAL, (256, 8), gen)
     p = Problem.of("t", "normal", a, b)
     rows = measure(p, ["lhs=fp8_e4m3,rhs=fp8_e4m3,acc=float32,order=sequential",
                        "lhs=fp8_e4m3:sr,rhs=fp8_e4m3:sr,acc=float32,order=sequential",
@@ -227,7 +228,7 @@ def test_non_finite_operands_become_an_error_row() -> None:
 
 def test_every_distribution_draws_what_it_says() -> None:
     for dist in Dist:
-        x = dist.sample((20000,), torch.Generator().manual_seed(0)).double()
+        x = sample(dist, (20000,), torch.Generator().manual_seed(0)).double()
         assert x.dtype == torch.float64 and torch.isfinite(x).all()
         positive = (x > 0).double().mean()
         if dist is Dist.HALFNORMAL:
@@ -236,16 +237,16 @@ def test_every_distribution_draws_what_it_says() -> None:
             assert 0.45 < positive < 0.55
         if dist in (Dist.UNIFORM, Dist.TANH):
             assert x.abs().max() < 1
-    tanh = Dist.TANH.sample((20000,), torch.Generator().manual_seed(0))
-    uniform = Dist.UNIFORM.sample((20000,), torch.Generator().manual_seed(0))
+    tanh = sample(Dist.TANH, (20000,), torch.Generator().manual_seed(0))
+    uniform = sample(Dist.UNIFORM, (20000,), torch.Generator().manual_seed(0))
     assert (tanh.abs() > 0.9).float().mean() > 2 * (uniform.abs() > 0.9).float().mean()
 
     def kurtosis(t: torch.Tensor) -> float:
         t = t.double()
         return float(((t - t.mean()) ** 4).mean() / t.var() ** 2)
 
-    normal = Dist.NORMAL.sample((20000,), torch.Generator().manual_seed(0))
-    assert kurtosis(Dist.LOGNORMAL.sample((20000,), torch.Generator().manual_seed(0))) > \
+    normal = sample(Dist.NORMAL, (20000,), torch.Generator().manual_seed(0))
+    assert kurtosis(sample(Dist.LOGNORMAL, (20000,), torch.Generator().manual_seed(0))) > \
         3 * kurtosis(normal)
 
 

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import driftcli as drift
-from driftcli.cast import PRESETS, Cast, QuantInfo, quantize
+from driftcli.cast import QuantInfo, quantize
 from driftcli.cli import app
+from driftcli.errors import CastSpecError
 from driftcli.formats import FORMATS
-from driftcli.modes import Overflow, Rounding
-from driftcli.scaling import CastSpecError, Granularity, ScaleRule, Scaling
+from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule
+from driftcli.spec import PRESETS, Cast, Scaling
 
 
 def info(x: torch.Tensor, spec: str, **kw: object) -> QuantInfo:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from driftcli import FORMATS
@@ -69,7 +70,166 @@ def test_the_demo_script_runs_registered_commands_with_options_they_accept(
                                            "report"]
     assert {argv[0] for argv in lines} <= names
     assert "mxfp8_e4m3_floor+1" in CASTS and lines[2].count("-c") == len(CASTS)
-    for argv in lines:  # every option is one the command knows: --help of each lists it
+    from driftcli.cli.demo_cmd import NEXT
+
+    for argv in [*lines, *NEXT]:  # every option is one the command knows: its --help lists it
         help_text = runner.invoke(app, [argv[0], "--help"], terminal_width=200).output
         for opt in (a for a in argv[1:] if a.startswith("-")):
             assert opt in help_text, f"drift {argv[0]} has no option {opt}"
+
+
+def _commands() -> list[str]:
+    from driftcli.cli import SECTIONS
+
+    return [name for _, names in SECTIONS for name in names]
+
+
+def test_help_groups_every_command_once_in_sections() -> None:
+    from driftcli.cli import SECTIONS
+
+    registered = {c.name for c in app.registered_commands}
+    assert sorted(_commands()) == sorted(registered)  # each in exactly one section
+    text = runner.invoke(app, ["--help"], terminal_width=100).output
+    where = [text.index(f"\n{title}:\n") for title, _ in SECTIONS]
+    assert where == sorted(where) and "Commands:" not in text
+    for (title, names), start in zip(SECTIONS, where, strict=True):
+        block = text[start + 1:].split("\n\n")[0]
+        assert [line.split()[0] for line in block.splitlines()[1:]] == list(names), title
+
+
+def test_usage_lines_and_arguments_read_as_unix_tools_write_them() -> None:
+    for name in _commands():
+        text = runner.invoke(app, [name, "--help"], terminal_width=100).output
+        usage = text.splitlines()[0]
+        assert usage.startswith(f"Usage: drift {name} [OPTIONS]"), usage
+        for odd in ("{", "}", "[[", "]...]", "<list[", "<Path>", "<path>"):
+            assert odd not in text, f"drift {name} --help shows {odd!r}"
+    assert runner.invoke(app, ["clip-rate", "--help"]).output.startswith(
+        "Usage: drift clip-rate [OPTIONS] INPUT...\n")
+    assert runner.invoke(app, ["accum-error", "--help"]).output.startswith(
+        "Usage: drift accum-error [OPTIONS] [DUMP]...\n")
+    assert runner.invoke(app, ["probe", "--help"]).output.startswith(
+        "Usage: drift probe [OPTIONS] RUN\n")
+
+
+def test_every_option_and_argument_has_help() -> None:
+    import typer
+
+    group = typer.main.get_command(app)
+    ctx = group.make_context("drift", [], resilient_parsing=True)
+    missing = [f"{name} {p.name}" for name in _commands()
+               for p in group.get_command(ctx, name).params if not getattr(p, "help", None)]
+    assert not missing
+
+
+def test_short_help_is_one_whole_sentence() -> None:
+    text = runner.invoke(app, ["--help"], terminal_width=80).output
+    listed = [line for line in text.split("Options:")[1].splitlines()
+              if line.startswith("  ") and "--help" not in line]
+    assert len(listed) == len(_commands())
+    assert all(line.endswith(".") and not line.endswith("...") for line in listed), listed
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["probe", "/no/such/run", "-p", "exact"],
+     "error: Invalid value for 'RUN': dir '/no/such/run' does not exist; see drift probe --help"),
+    (["probe", ".", "-p", "exact", "--storage", "fp8"],
+     "error: Invalid value for '--storage': Value error, 'fp8' is not one of 'bfloat16', "
+     "'float16', 'float32'; see drift probe --help"),
+    (["probe", ".", "-p", "exact", "--draws", "0"],
+     "error: Invalid value for '--draws': Input should be greater than or equal to 1; see "
+     "drift probe --help"),
+    (["train"], "error: Missing option '--out'; see drift train --help"),
+    (["no-such-command"], "error: No such command 'no-such-command'; see drift --help"),
+])
+def test_usage_errors_are_one_error_line(argv: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "driftcli", *argv], capture_output=True,
+                          text=True, check=False, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr == message + "\n" and proc.stdout == ""
+
+
+def test_the_cli_reference_is_what_the_commands_print() -> None:
+    from driftcli.cli.reference import reference
+
+    page = (ROOT / "docs" / "cli-reference.md").read_text(encoding="utf-8")
+    assert page == reference(), ("docs/cli-reference.md is stale: run "
+                                 "python -m driftcli.cli.reference > docs/cli-reference.md")
+    for name in _commands():
+        assert f"$ drift {name} --help" in page
+
+
+HEAVY = ("torch", "pandas", "pyarrow", "numpy", "matplotlib", "safetensors")
+NO_TORCH = """
+import sys
+sys.argv = ["drift", *sys.argv[1:]]
+from driftcli.cli import main
+try:
+    main()
+except SystemExit as done:
+    code = done.code
+print("\\nEXIT", code, [m for m in {heavy!r} if m in sys.modules])
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["formats"], ["formats", "--presets"],
+                                  ["formats", "--cast", "nvfp4"],
+                                  *([name, "--help"] for name in _commands())],
+                         ids=" ".join)
+def test_help_and_formats_never_import_torch(argv: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH.format(heavy=HEAVY), *argv],
+                          capture_output=True, text=True, check=True, cwd=ROOT)
+    assert proc.stdout.splitlines()[-1] == "EXIT 0 []", proc.stdout[-300:] + proc.stderr
+
+
+def test_a_warning_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    import driftcli.spec
+
+    real = driftcli.spec.parse_cast
+
+    def warned(spec: str) -> object:
+        warnings.warn("something to know", UserWarning, stacklevel=1)
+        return real(spec)
+
+    monkeypatch.setattr(driftcli.spec, "parse_cast", warned)
+    result = runner.invoke(app, ["formats", "--cast", "nvfp4"])
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert lines[0] == "warning: something to know" and "UserWarning" not in result.output
+    assert lines[1].startswith("nvfp4 = float4_e2m1fn:block16")
+
+
+def test_the_error_examples_in_the_docs_are_what_the_cli_prints() -> None:
+    import itertools
+    import shlex
+
+    examples = []
+    for page in ("cli.md", "formats.md"):
+        lines = (ROOT / "docs" / page).read_text(encoding="utf-8").splitlines()
+        examples += [(line[2:], nxt) for line, nxt in itertools.pairwise(lines)
+                     if line.startswith("$ drift ") and nxt.startswith("error: ")]
+    assert len(examples) >= 6
+    for command, error in examples:
+        proc = subprocess.run([sys.executable, "-m", "driftcli", *shlex.split(command)[1:]],
+                              capture_output=True, text=True, check=False, cwd=ROOT)
+        assert proc.returncode == 2, command
+        assert proc.stderr.rstrip("\n") == error, command
+
+
+def test_the_demo_ends_with_what_to_run_on_your_own_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from driftcli.cli import demo_cmd
+
+    monkeypatch.setattr(demo_cmd, "script", lambda out, text: [["formats", "--cast", "nvfp4"]])
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be.")
+    result = runner.invoke(app, ["demo", "--out", str(tmp_path / "out"), "--text", str(text)])
+    assert result.exit_code == 0
+    tail = result.output.splitlines()[-4:]
+    assert tail[0].startswith("next, on your own checkpoint")
+    assert tail[1:] == [
+        "  drift clip-rate MODEL.safetensors -c mxfp8_e4m3 -c mxfp8_e4m3_ceil -c nvfp4",
+        "  drift error-bias MODEL.safetensors -c mxfp8_e4m3 -c nvfp4",
+        "  drift report drift-out --fail-on 'clip-rate:clip_rate > 0.01'"]

@@ -17,13 +17,15 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from driftcli.cast import CastStats, cast_stats, finite_amax, parse_cast, quantize
+from driftcli.cast import CastStats, cast_stats, finite_amax, quantize
 from driftcli.cli import app
 from driftcli.errors import DriftError
 from driftcli.io.tables import read_table, schema_of
 from driftcli.measures import MEASURES
-from driftcli.measures.scan import ScanOptions, row_alignment, scan, use_huge_pages
+from driftcli.measures.scan import ScanOptions, row_alignment, scan
+from driftcli.memory import use_huge_pages
 from driftcli.rounding import compile_unavailable
+from driftcli.spec import parse_cast
 
 runner = CliRunner()
 F32 = np.float32

@@ -29,7 +29,8 @@ from driftcli.models import (
     save_checkpoint,
 )
 from driftcli.models.checkpoint import DriftCheckpoint, read_info
-from driftcli.models.nets import ModelError, count_matmuls
+from driftcli.models.config import ModelError
+from driftcli.models.nets import count_matmuls
 from driftcli.models.training import optimizer_buffers
 from driftcli.text import (
     CORPUS_SHA256,

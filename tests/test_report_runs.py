@@ -128,7 +128,7 @@ def test_docs_baseline_error_example_is_what_the_cli_prints(
 
 
 def test_match_by_modes_compare_the_input_column_as_documented() -> None:
-    from driftcli.report.baseline import MatchBy
+    from driftcli.report.options import MatchBy
 
     assert [m.value for m in MatchBy] == ["path", "name", "tensor"]
     src = "runs/week49/model.safetensors"

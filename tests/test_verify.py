@@ -127,7 +127,7 @@ def test_floor_where_ceil_is_asked_is_caught(monkeypatch: pytest.MonkeyPatch) ->
     import dataclasses
 
     import driftcli.cast
-    from driftcli.scaling import ScaleRule
+    from driftcli.modes import ScaleRule
 
     real = driftcli.cast.pow2_exponents
     real_plan = driftcli.cast.plan_pow2_exponents

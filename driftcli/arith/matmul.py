@@ -4,7 +4,7 @@
 (leading dimensions broadcast as in ``torch.matmul``) is computed as:
 
 1. each operand is taken as float32 (a float64 tensor is rounded to nearest even first;
-   bfloat16 and float16 widen exactly), then cast with its :class:`~driftcli.cast.Cast`
+   bfloat16 and float16 widen exactly), then cast with its :class:`~driftcli.spec.Cast`
    along K: A along its last axis, B along its second-to-last (rows of A's blocks and
    columns of B's blocks run along K);
 2. every product of two cast operands is exact: each operand is a float32 value (at most
@@ -39,11 +39,11 @@ from typing import cast
 import torch
 
 from driftcli import rounding as fast
-from driftcli.cast import Cast, QuantInfo, parse_cast, quantize
+from driftcli.cast import QuantInfo, quantize
 from driftcli.errors import DriftError, close_matches
 from driftcli.formats import FORMATS, Format, get_format
-from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding, parse_choice
-from driftcli.scaling import Granularity
+from driftcli.modes import DEFAULT_SR_BITS, Granularity, Overflow, Rounding, parse_choice
+from driftcli.spec import Cast, parse_cast
 
 Tensor = torch.Tensor
 

@@ -7,24 +7,15 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from rich.table import Table
 
 from driftcli.cli import EXIT_USAGE, command
-from driftcli.io.tables import check_writable, identify_in_background, provenance, write_table
-from driftcli.measures.accum_error import (
-    AccumErrorRow,
-    Dist,
-    accum_error,
-    choose_specs,
-    parse_shape,
-    spec_label,
-    synthetic_shapes,
-)
+from driftcli.modes import Dist
+
+if TYPE_CHECKING:
+    from driftcli.measures.accum_error import AccumErrorRow
 
 OUT = Path("drift-out")
 WORST = 20
@@ -43,6 +34,8 @@ def summarize(rows: list[AccumErrorRow], path: Path) -> dict[str, Any]:
     """Per spec over every measured matmul: median and max rel_error, the largest mean and max
     ulps, the median bias and the worst matmul; specs ordered worst (largest max rel_error)
     first."""
+    from driftcli.measures.accum_error import AccumErrorRow, spec_label
+
     by_spec: dict[str, list[AccumErrorRow]] = {}
     for r in rows:
         if r.error is None and r.rel_error is not None:
@@ -70,6 +63,9 @@ def summarize(rows: list[AccumErrorRow], path: Path) -> dict[str, Any]:
 
 
 def _print(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title="accum-error: rel_error per spec over all matmuls, worst first")
     # the mean ulps, not the max: an output whose exact value cancels to near zero has a tiny
     # ulp, so the max over outputs mostly says how close to zero the closest output came
@@ -126,7 +122,23 @@ def accum_error_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")] = False,
 ) -> None:
-    """Error of simulated matmuls against the exact product, by accumulator, order and K."""
+    """Error of simulated matmuls against the exact product.
+
+    By accumulator format, order and K, on synthetic operands or on a dump's matmuls.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from driftcli.io.outputs import check_writable
+    from driftcli.io.tables import identify_in_background, provenance, write_table
+    from driftcli.measures.accum_error import (
+        AccumErrorRow,
+        accum_error,
+        choose_specs,
+        parse_shape,
+        synthetic_shapes,
+    )
+
     specs = choose_specs(spec or (), acc or (), order or (), cast)
     shapes = (synthetic_shapes([parse_shape(s) for s in shape or ()], k or ())
               if shape or k else None)

@@ -10,6 +10,7 @@ formats (quick plan), and report to the terminal and to ``OUT/report.html``.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -17,12 +18,16 @@ from typing import Annotated
 import typer
 
 from driftcli.cli import app, command
-from driftcli.io.tables import check_writable
 
 CASTS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp8_e4m3_floor+1", "mxfp8_e4m3_ceil", "nvfp4")
 """Per-tensor FP8, OCP MX FP8 with the floor rule, one binade of headroom, the ceil rule,
 and NVFP4."""
 STEPS = 300
+NEXT = (["clip-rate", "MODEL.safetensors", "-c", "mxfp8_e4m3", "-c", "mxfp8_e4m3_ceil", "-c",
+         "nvfp4"],
+        ["error-bias", "MODEL.safetensors", "-c", "mxfp8_e4m3", "-c", "nvfp4"],
+        ["report", "drift-out", "--fail-on", "clip-rate:clip_rate > 0.01"])
+"""What the demo suggests next, on the user's own checkpoint."""
 
 
 def script(out: Path, text: Path | None, steps: int = STEPS) -> list[list[str]]:
@@ -53,7 +58,8 @@ def demo(
     text: Annotated[Path | None, typer.Option(
         metavar="FILE", help="Train on this text (default: Shakespeare, fetched once).")] = None,
 ) -> None:
-    """Train, dump, measure, compare gradients, verify and report, in about two minutes."""
+    """Train, dump, measure, verify and report on one short run."""
+    from driftcli.io.outputs import check_writable
     from driftcli.text import default_corpus
 
     check_writable(out)
@@ -68,3 +74,7 @@ def demo(
         code = app(argv, standalone_mode=False)  # a typer.Exit comes back as its code
         if code:
             raise typer.Exit(int(code))
+    typer.echo("\nnext, on your own checkpoint (safetensors, a .pt state dict, a Hugging Face "
+               "folder):", err=True)
+    for argv in NEXT:
+        typer.echo(f"  drift {shlex.join(argv)}", err=True)

@@ -6,12 +6,8 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from driftcli.cast import PRESETS, parse_cast
 from driftcli.cli import command
-from driftcli.formats import FORMATS, describe
 
 
 @command("formats")
@@ -24,7 +20,16 @@ def formats(
         "--cast", metavar="SPEC", help="Show the canonical form of a cast spec (repeatable).")
     ] = None,
 ) -> None:
-    """List every named format: widths, bias, range and special values; or the cast presets."""
+    """List the formats, the cast presets, or a spec's form.
+
+    Every named format with its widths, bias, range and special values.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from driftcli.formats import FORMATS, describe
+    from driftcli.spec import PRESETS, parse_cast
+
     if casts:
         rows = [{"spec": spec, "canonical": str(parse_cast(spec))} for spec in casts]
         if as_json:

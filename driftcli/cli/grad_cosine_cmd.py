@@ -6,24 +6,16 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from driftcli.arith.policy import get_policy
 from driftcli.cli import command
 from driftcli.errors import DriftError
-from driftcli.io.checkpoints import (
-    CausalLM,
-    load_batch,
-    load_causal_lm,
-    next_token_loss,
-    text_batch,
-)
-from driftcli.io.tables import check_writable, identify_in_background, provenance, write_table
-from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_cosine
+
+if TYPE_CHECKING:
+    from driftcli.io.checkpoints import CausalLM
+    from driftcli.measures.grad_cosine import GradCosineRow
 
 OUT = Path("drift-out")
 WORST = 3
@@ -32,6 +24,8 @@ WORST = 3
 
 def _batch(lm: CausalLM, text: Path | None, batch: Path | None, tokens: int,
            windows: int) -> tuple[Any, Path]:
+    from driftcli.io.checkpoints import load_batch, text_batch
+
     if (text is None) == (batch is None):
         raise DriftError("give the batch as exactly one of --text FILE (tokenized with the "
                          "checkpoint's tokenizer) or --batch FILE (safetensors input_ids)")
@@ -43,6 +37,8 @@ def _batch(lm: CausalLM, text: Path | None, batch: Path | None, tokens: int,
 
 def summarize(rows: list[GradCosineRow], path: Path) -> dict[str, Any]:
     """Per policy: the all-parameters metrics and the parameters with the lowest cosine."""
+    from driftcli.measures.grad_cosine import ALL_PARAMETERS
+
     out: dict[str, Any] = {"table": str(path), "policies": []}
     for agg in (r for r in rows if r.parameter == ALL_PARAMETERS):
         params = [r for r in rows if r.policy == agg.policy and r.parameter != ALL_PARAMETERS
@@ -64,6 +60,9 @@ def _fmt(value: float | None, spec: str = ".6f") -> str:
 
 
 def _print(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title=f"grad-cosine: {summary['checkpoint']} (all parameters)")
     for col in ("policy", "cosine", "retention", "norm_ratio", "rel_error", "loss", "draws",
                 "lowest cosine"):
@@ -108,7 +107,17 @@ def grad_cosine_command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
-    """Gradient under each policy against the exact float64 gradient (cosine, retention)."""
+    """Gradient under a policy against the exact gradient.
+
+    Cosine, retention, norm ratio and relative error against the float64 gradient, per
+    parameter and over all parameters.
+    """
+    from driftcli.arith.policy import get_policy
+    from driftcli.io.checkpoints import load_causal_lm, next_token_loss
+    from driftcli.io.outputs import check_writable
+    from driftcli.io.tables import identify_in_background, provenance, write_table
+    from driftcli.measures.grad_cosine import GradCosineRow, grad_cosine
+
     resolved = [get_policy(p) for p in policy]  # fail now, not after loading the model
     check_writable(out)  # fail now, not after the gradients
     lm = load_causal_lm(checkpoint)

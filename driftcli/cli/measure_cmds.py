@@ -3,37 +3,20 @@ one Parquet table each, with the same inputs and options."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
 
-from driftcli.cast import parse_cast
 from driftcli.cli import EXIT_USAGE, command
-from driftcli.io.tables import (
-    check_writable,
-    identify_in_background,
-    provenance,
-    write_table,
-)
-from driftcli.measures import MEASURES
-from driftcli.measures.common import ALL_TENSORS, Measure
-from driftcli.measures.scan import Device, Scan, ScanOptions, scan
+from driftcli.modes import Device
+
+if TYPE_CHECKING:
+    from driftcli.measures.common import Measure
+    from driftcli.measures.scan import Scan, ScanOptions
 
 OUT = Path("drift-out")
 WORST = 3
@@ -59,29 +42,23 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no 
 AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
 
 
-MMAP_THRESHOLD = 4 << 20
-"""Allocations at least this big are mapped anew and returned on free (see _bound_memory)."""
-
-
-def _bound_memory() -> None:
-    """Keep a long scan's memory near one slice's worth. glibc raises its mmap threshold to
-    the size of every large block freed (up to 32 MiB), so slice-sized buffers of varying
-    sizes then come from the heap, which fragments: three casts over a 1 GB checkpoint grew
-    to 1.6 GB resident. A fixed threshold maps them anew each time (0.55 GB there)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    except (OSError, AttributeError):  # not glibc: its allocator, its behaviour
-        pass
-
-
-_M_MMAP_THRESHOLD = -3
-
-
 def _scan_with_progress(paths: list[Path], casts: list[str], options: ScanOptions,
                         include: list[str], exclude: list[str], quiet: bool,
                         rounded: bool, on_open: Callable[[list[Path]], None]) -> Scan:
-    _bound_memory()
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from driftcli.measures.scan import scan
+    from driftcli.memory import bound_memory
+
+    bound_memory()
     console = Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn())
@@ -107,12 +84,16 @@ def _fmt(value: Any) -> str:
 def cast_names(given: list[str]) -> dict[str, str]:
     """Each cast's canonical spec → the name the user gave it, where they differ (a preset
     reads better than its canonical spec): the summary and the report show these names."""
+    from driftcli.spec import parse_cast
+
     return {spec: g for g in given if (spec := str(parse_cast(g))) != g}
 
 
 def _summary(m: Measure, rows: list[Any], path: Path, given: list[str]) -> dict[str, Any]:
     """Per input and cast: the all-tensors headline and the worst tensors; casts are named
     as the user gave them (see :func:`cast_names`)."""
+    from driftcli.measures.common import ALL_TENSORS
+
     label = cast_names(given)
     head = m.row_type.HEADLINE
     out: dict[str, Any] = {"table": str(path), "measure": m.name, "headline": head, "casts": []}
@@ -132,6 +113,9 @@ def _summary(m: Measure, rows: list[Any], path: Path, given: list[str]) -> dict[
 
 
 def _print(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     head = summary["headline"]
     table = Table(title=f"{summary['measure']}: {head} (all tensors, and the worst)")
     for col in ("cast", "tensors", head, "worst tensors"):
@@ -155,6 +139,10 @@ def _print(summary: dict[str, Any]) -> None:
 def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: ScanOptions,
          include: list[str] | None, exclude: list[str] | None, fast_hash: bool, quiet: bool,
          as_json: bool) -> None:
+    from driftcli.io.outputs import check_writable
+    from driftcli.io.tables import identify_in_background, provenance, write_table
+    from driftcli.measures import MEASURES
+
     m = MEASURES[name]
     check_writable(out)  # fail now, not after the scan
     identities: list[Callable[[], list[dict[str, Any]]]] = []  # hashing, from the inputs opening
@@ -191,22 +179,35 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
         raise typer.Exit(EXIT_USAGE)
 
 
-def _register(name: str) -> Callable[..., None]:
-    def measure_command(
-        inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
-        device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
-        fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
-    ) -> None:
-        _run(name, inputs, cast, out, ScanOptions(axis=axis, device=device), include,
-             exclude, fast_hash, quiet, as_json)
+def _options(axis: int, device: Device, draws: int = 1, seed: int = 0) -> ScanOptions:
+    from driftcli.measures.scan import ScanOptions
 
-    measure_command.__doc__ = MEASURES[name].summary
-    command(name)(measure_command)
-    return measure_command
+    return ScanOptions(axis=axis, draws=draws, seed=seed, device=device)
 
 
-clip_rate = _register("clip-rate")
-underflow_rate = _register("underflow-rate")
+@command("clip-rate")
+def clip_rate(
+    inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
+    device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
+    fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
+) -> None:
+    """Share of each tensor that clips, per cast.
+
+    An element clips when its scaled magnitude is above the element format's max.
+    """
+    _run("clip-rate", inputs, cast, out, _options(axis, device), include, exclude, fast_hash,
+         quiet, as_json)
+
+
+@command("underflow-rate")
+def underflow_rate(
+    inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
+    device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
+    fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
+) -> None:
+    """Share of nonzero values that flush to zero, per cast."""
+    _run("underflow-rate", inputs, cast, out, _options(axis, device), include, exclude,
+         fast_hash, quiet, as_json)
 
 
 @command("error-bias")
@@ -218,7 +219,9 @@ def error_bias(
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
 ) -> None:
-    """Size of the cast error and which way it points (bias), per cast."""
-    _run("error-bias", inputs, cast, out,
-         ScanOptions(axis=axis, draws=draws, seed=seed, device=device), include, exclude,
-         fast_hash, quiet, as_json)
+    """Size of the cast error and its bias, per cast.
+
+    The bias says which way the error points: along the tensor (it shrinks or grows).
+    """
+    _run("error-bias", inputs, cast, out, _options(axis, device, draws, seed), include,
+         exclude, fast_hash, quiet, as_json)

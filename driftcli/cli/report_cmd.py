@@ -8,10 +8,7 @@ from typing import Annotated
 import typer
 
 from driftcli.cli import EXIT_FOUND, command
-from driftcli.report import html, jsonout, markdown, terminal
-from driftcli.report.baseline import MatchBy
-from driftcli.report.model import CHANGE_PCT, Options, make_report
-from driftcli.report.summary import WORST
+from driftcli.report.options import CHANGE_PCT, WORST, MatchBy, Options
 
 OutFile = Annotated[Path | None, typer.Option(metavar="FILE", dir_okay=False)]
 
@@ -54,9 +51,20 @@ def report(
     worst: Annotated[int, typer.Option(
         metavar="N", min=0, help="Worst rows named per group.")] = WORST,
 ) -> None:
-    """Summarize drift tables per measurement and cast or policy; exit 1 on broken rules."""
+    """Summarize drift tables; gate CI with rules and baselines.
+
+    Per measurement and cast or policy; exit 1 when a rule breaks.
+    """
+    from driftcli.io.outputs import check_writable
+    from driftcli.report import html, jsonout, markdown, terminal
+    from driftcli.report.model import make_report
+
     if fail_on_regression is not None and baseline is None:
         raise typer.BadParameter("needs --baseline PATH", param_hint="--fail-on-regression")
+    for option, file in (("--markdown", markdown_file), ("--json", json_file),
+                         ("--html", html_file)):
+        if file is not None:
+            check_writable(file, option=option, folder=False)  # before reading any table
     options = Options(rules=tuple(fail_on or ()), baseline=baseline,
                       change_pct=change_threshold, fail_pct=fail_on_regression, worst=worst,
                       match_by=match_by)

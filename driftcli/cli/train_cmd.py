@@ -5,28 +5,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from driftcli.arith.policy import get_policy
 from driftcli.cli import command
-from driftcli.io.tables import check_writable, provenance, write_table
-from driftcli.measures.grad_cosine import ALL_PARAMETERS
-from driftcli.measures.probe import CHECKPOINTS, PROBE_FILE, ProbeRow, Storage, probe
-from driftcli.models.dump import dump_operands
-from driftcli.models.nets import (
+from driftcli.models.config import (
+    CHECKPOINTS,
     Activation,
     MLPConfig,
     ModelConfig,
     ModelError,
     ModelKind,
+    OptimizerKind,
+    Schedule,
     TransformerConfig,
 )
-from driftcli.models.training import OptimizerKind, Schedule, TrainConfig, TrainResult, train
+from driftcli.modes import Storage
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from driftcli.models.training import TrainResult
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
@@ -42,6 +42,9 @@ DEFAULT_LR = {OptimizerKind.ADAMW: 3e-3, OptimizerKind.SGD: 0.1}
 
 
 def _progress(quiet: bool, what: str) -> Progress:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     console = Console(stderr=True)
     return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
@@ -111,7 +114,9 @@ def train_command(
         metavar="N", min=0, help="Linear warm-up steps; divergence is checked after them.")
     ] = 0,
     optimizer: Annotated[OptimizerKind, typer.Option(help="Optimizer.")] = OptimizerKind.ADAMW,
-    weight_decay: Annotated[float, typer.Option(metavar="WD", min=0.0)] = 0.0,
+    weight_decay: Annotated[float, typer.Option(
+        metavar="WD", min=0.0,
+        help="Decoupled weight decay (AdamW) or L2 added to the gradient (SGD).")] = 0.0,
     checkpoint_every: Annotated[int, typer.Option(
         metavar="N", min=0, help="Checkpoint at step 0 and every N steps (0: the last only).")
     ] = 0,
@@ -133,7 +138,17 @@ def train_command(
     quiet: Quiet = False,
     as_json: AsJson = False,
 ) -> None:
-    """Train a tanh MLP or a small transformer on text under an arithmetic policy."""
+    """Train a small model on text under an arithmetic policy.
+
+    The tanh MLP language model or a small transformer.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from driftcli.arith.policy import get_policy
+    from driftcli.io.outputs import check_writable
+    from driftcli.models.training import TrainConfig, train
+
     config = TrainConfig(
         model=model_config(model, width, layers, context, embed, heads, activation),
         policy=policy, steps=steps, seed=seed, batch=batch,
@@ -191,7 +206,13 @@ def dump_command(
     quiet: Quiet = False,
     as_json: AsJson = False,
 ) -> None:
-    """Record every matmul operand of one forward and backward step into a drift dump."""
+    """Record every matmul operand of one training step.
+
+    One forward and backward step, into a drift dump.
+    """
+    from driftcli.io.outputs import check_writable
+    from driftcli.models.dump import dump_operands
+
     check_writable(out, folder=False)
     result = dump_operands(checkpoint, out, text, windows=batch, context=context, seed=seed,
                            policy=policy, threads=threads)
@@ -235,7 +256,18 @@ def probe_command(
     quiet: Quiet = False,
     as_json: AsJson = False,
 ) -> None:
-    """Gradient metrics, loss and update-freeze share of other policies at a run's checkpoints."""
+    """Other policies' gradients at a run's own checkpoints.
+
+    Gradient metrics, loss and update-freeze share, per checkpoint and policy.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from driftcli.arith.policy import get_policy
+    from driftcli.io.tables import provenance, write_table
+    from driftcli.measures.grad_cosine import ALL_PARAMETERS
+    from driftcli.measures.probe import PROBE_FILE, ProbeRow, probe
+
     resolved = [get_policy(p) for p in policy]  # fail now, not after loading a checkpoint
     with _progress(quiet, f"probe {run.name}") as bar:
         task = bar.add_task("", total=None)
@@ -246,7 +278,7 @@ def probe_command(
         rows = probe(run, resolved, draws=draws, seed=seed, checkpoints=checkpoints,
                      storage=storage, windows=batch, text=text, threads=threads,
                      progress=advance)
-    files = sorted({run / r.checkpoint for r in rows})
+    files = list(dict.fromkeys(run / r.checkpoint for r in rows))  # in step order
     prov = provenance(files, seed=seed, extra={"policies": policy, "draws": draws,
                                                "storage": storage.value,
                                                "checkpoints": checkpoints})

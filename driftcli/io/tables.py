@@ -18,7 +18,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import threading
 import types
 import typing
@@ -162,38 +161,6 @@ def provenance(inputs: Sequence[Path] = (), *, seed: int | None = None, device: 
         "utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         **(extra or {}),
     }
-
-
-class OutputError(DriftError):
-    """An output path a command cannot write to."""
-
-
-def _nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def check_writable(path: Path, *, option: str = "--out", folder: bool = True) -> None:
-    """Raise :class:`OutputError` unless ``path`` (a folder, or with ``folder=False`` a file)
-    can be written, creating nothing: a command checks its output before any work, and a run
-    that fails leaves no empty folder behind. What is missing is made when the output is
-    written."""
-    if path.exists() and path.is_dir() != folder:
-        raise OutputError(
-            f"{option} {path} is a file; {option} names a folder (the tables go in it)"
-            if folder else f"{option} {path} is a folder; {option} names the file to write")
-    base = _nearest_existing(path if folder else path.parent)
-    if not base.is_dir():
-        raise OutputError(f"{option} {path}: {base} is a file, so nothing can be made under "
-                          f"it; choose another {option}")
-    try:
-        with tempfile.TemporaryFile(dir=base):
-            pass
-    except OSError as err:
-        raise OutputError(f"{option} {path}: cannot write in {base} ({err.strerror or err}); "
-                          f"choose a {option} you can write to") from None
 
 
 def write_table(path: Path, row_type: type, rows: Iterable[Any], prov: dict[str, Any]) -> Path:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -49,13 +48,14 @@ from driftcli.arith.matmul import (
     parse_matmul_spec,
     parse_order,
 )
-from driftcli.cast import Cast, quantize
+from driftcli.cast import quantize
 from driftcli.errors import DriftError
 from driftcli.formats import Format, get_format
 from driftcli.io.readers import TensorRef, open_inputs
 from driftcli.io.tables import column
 from driftcli.measures.common import ratio
-from driftcli.modes import Rounding, parse_choice
+from driftcli.modes import Dist, Rounding, parse_choice
+from driftcli.spec import Cast
 
 Tensor = torch.Tensor
 
@@ -74,35 +74,7 @@ DEFAULT_ORDERS = ("sequential", "pairwise", "chunked:128", "native")
 """The orders of the default grid; ``native`` pairs with float32 only."""
 
 
-class Dist(StrEnum):
-    """How a synthetic operand's elements are drawn (A and B alike, independently)."""
 
-    NORMAL = "normal"
-    """N(0, 1): signed, cancelling sums."""
-    UNIFORM = "uniform"
-    """U(-1, 1): bounded, signed."""
-    LOGNORMAL = "lognormal"
-    """A random sign times exp(N(0, 1)): heavy-tailed, a few products dominate a sum."""
-    HALFNORMAL = "halfnormal"
-    """|N(0, 1)|: all positive (like post-ReLU values without the zeros), so every sum grows
-    with K and a narrow accumulator swamps."""
-    TANH = "tanh"
-    """tanh(2·N(0, 1)): values piling up just under ±1, as saturated tanh activations do."""
-
-    def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
-        """A float32 tensor of ``shape`` drawn from this distribution."""
-        if self is Dist.UNIFORM:
-            return (torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1).float()
-        z = torch.randn(shape, generator=generator, dtype=torch.float64)
-        if self is Dist.NORMAL:
-            return z.float()
-        if self is Dist.HALFNORMAL:
-            return z.abs().float()
-        if self is Dist.TANH:
-            return torch.tanh(2 * z).float()
-        # LOGNORMAL: the sign from a second, independent draw
-        sign = torch.randn(shape, generator=generator, dtype=torch.float64).sign()
-        return (sign * torch.exp(z)).float()
 
 
 @dataclass(frozen=True)
@@ -174,6 +146,23 @@ class ExactProduct:
     def value(self) -> Tensor:
         """``hi + lo`` rounded to float64."""
         return self.hi + self.lo
+
+
+
+def sample(dist: Dist, shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+    """A float32 tensor of ``shape`` drawn from ``dist``."""
+    if dist is Dist.UNIFORM:
+        return (torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1).float()
+    z = torch.randn(shape, generator=generator, dtype=torch.float64)
+    if dist is Dist.NORMAL:
+        return z.float()
+    if dist is Dist.HALFNORMAL:
+        return z.abs().float()
+    if dist is Dist.TANH:
+        return torch.tanh(2 * z).float()
+    # LOGNORMAL: the sign from a second, independent draw
+    sign = torch.randn(shape, generator=generator, dtype=torch.float64).sign()
+    return (sign * torch.exp(z)).float()
 
 
 def gamma(n: int) -> float:
@@ -407,8 +396,8 @@ def synthetic_problems(shapes: Sequence[tuple[int, int, int]], dists: Sequence[D
     for dist in (parse_choice(Dist, d, "distribution") for d in dists):
         for m, k, n in shapes:
             gen = torch.Generator().manual_seed(seed)
-            a = dist.sample((m, k), gen)
-            b = dist.sample((k, n), gen)
+            a = sample(dist, (m, k), gen)
+            b = sample(dist, (k, n), gen)
             yield Problem.of(SYNTHETIC, dist.value, a, b, dist=dist.value)
 
 

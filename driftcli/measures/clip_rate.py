@@ -40,6 +40,4 @@ def columns(draws: tuple[CastStats, ...], expected: CastStats | None) -> dict[st
             "clip_mass": ratio(st.clip_excess, st.abs_sum)}
 
 
-MEASURE = Measure("clip-rate", ClipRateRow, columns,
-                  "Share of each tensor that clips at the element format's max, per cast.",
-                  rounded=False)
+MEASURE = Measure("clip-rate", ClipRateRow, columns, rounded=False)

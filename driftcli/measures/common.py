@@ -9,9 +9,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from driftcli.cast import Cast, CastStats
+from driftcli.cast import CastStats
 from driftcli.io.tables import column
 from driftcli.measures.scan import Progress, Result, Scan, ScanOptions, iter_groups, scan
+from driftcli.spec import Cast
 
 ALL_TENSORS = "*"
 """The ``tensor`` of the row that aggregates every selected tensor of an input."""
@@ -88,8 +89,6 @@ class Measure:
     name: str
     row_type: type
     columns: Columns
-    summary: str
-    """One line for ``--help``."""
     rounded: bool = True
     """Whether its columns need the rounded values; clip-rate's do not, and skips the
     rounding."""

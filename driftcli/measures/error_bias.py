@@ -74,5 +74,4 @@ def columns(draws: tuple[CastStats, ...], expected: CastStats | None) -> dict[st
     return {**out, "n_lost": draws[0].lost, "draws": len(draws)}
 
 
-MEASURE = Measure("error-bias", ErrorBiasRow, columns,
-                  "Size of the cast error and which way it points (bias), per cast.")
+MEASURE = Measure("error-bias", ErrorBiasRow, columns)

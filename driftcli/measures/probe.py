@@ -34,7 +34,6 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar
@@ -50,28 +49,19 @@ from driftcli.formats import NAN, Exact, Kind, get_format
 from driftcli.io.tables import column
 from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_cosine
 from driftcli.models.checkpoint import DriftCheckpoint, load_checkpoint, read_info
-from driftcli.models.nets import ModelConfig, next_byte_loss
+from driftcli.models.config import CHECKPOINTS, ModelConfig
+from driftcli.models.nets import next_byte_loss
 from driftcli.models.training import deterministic
-from driftcli.modes import Overflow, Rounding, parse_choice
+from driftcli.modes import Overflow, Rounding, Storage, parse_choice
 from driftcli.text import Corpus, fixed_windows, load_corpus, recorded_corpus
 
 Tensor = torch.Tensor
 
 PROBE_FILE = "probe.parquet"
-CHECKPOINTS = "step-*.safetensors"
-"""The checkpoints of a run, as ``drift train`` names them."""
 
 
 class ProbeError(DriftError, ValueError):
     """A run, checkpoint or probe setting that cannot be used."""
-
-
-class Storage(StrEnum):
-    """Formats the weights could be stored in, for the update-freeze share."""
-
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-    FLOAT32 = "float32"
 
 
 _LAYOUT: dict[Storage, tuple[torch.dtype, torch.dtype, int, int]] = {

@@ -16,20 +16,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 import torch
 
 from driftcli.cast import (
-    Cast,
     CastStats,
     cast_stats,
     finite_amax,
-    parse_cast,
     run_amax,
     run_length,
     runs_compiled,
@@ -38,8 +34,8 @@ from driftcli.cast import (
 )
 from driftcli.errors import DriftError
 from driftcli.io.readers import Inputs, ReadError, TensorRef, open_inputs
-from driftcli.modes import Rounding
-from driftcli.scaling import Granularity, ScaleRule
+from driftcli.modes import Device, Granularity, Rounding, ScaleRule
+from driftcli.spec import Cast, parse_cast
 
 Tensor = torch.Tensor
 
@@ -63,13 +59,6 @@ keeps a scan within three times the largest tensor, beyond what the process need
 Progress = Callable[[int, int, str], None]
 """Called as a scan goes, after each slice of a tensor, with the bytes done so far, the bytes
 in all, and the tensor's name."""
-
-
-class Device(StrEnum):
-    """Where casts run."""
-
-    CPU = "cpu"
-    CUDA = "cuda"
 
 
 @dataclass(frozen=True)
@@ -325,32 +314,6 @@ class Scan:
     def errors(self) -> list[Result]:
         """Results that could not be measured."""
         return [r for r in self.results if r.error is not None]
-
-
-THP_SWITCH = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-"""Where Linux says whether it offers transparent huge pages."""
-
-
-def use_huge_pages(switch: Path = THP_SWITCH) -> bool:
-    """Ask torch to back its CPU tensors of 2 MiB and more with transparent huge pages
-    (``THP_MEM_ALLOC_ENABLE=1``) where Linux offers them, unless the environment already
-    sets it; True when it is on.
-
-    A scan reads each tensor into fresh memory and makes per-row temporaries: in 4 KiB
-    pages that is about 70,000 page faults per GB scanned, about 15 % of a clip-rate
-    scan's time (see ``docs/performance.md``). Torch reads the setting at its first allocation in
-    the process, so this takes effect only when called before that: the drift command
-    calls it first; a notebook calls it before making any tensor, or sets the variable.
-    """
-    key = "THP_MEM_ALLOC_ENABLE"
-    if key not in os.environ:
-        try:
-            offered = "[never]" not in switch.read_text()
-        except OSError:  # not Linux, or a kernel without huge pages
-            offered = False
-        if offered:
-            os.environ[key] = "1"
-    return os.environ.get(key) == "1"
 
 
 class NothingToMeasure(DriftError):

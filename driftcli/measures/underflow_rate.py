@@ -45,5 +45,4 @@ def columns(draws: tuple[CastStats, ...], expected: CastStats | None) -> dict[st
             "subnormal": st.subnormal, "n_blocks": st.groups, "scale_clamped": st.scale_clamped}
 
 
-MEASURE = Measure("underflow-rate", UnderflowRateRow, columns,
-                  "Share of each tensor's nonzero values that flush to zero, per cast.")
+MEASURE = Measure("underflow-rate", UnderflowRateRow, columns)

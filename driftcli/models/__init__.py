@@ -8,52 +8,20 @@ language model and a small transformer, byte-level, with checkpoints that rebuil
     ck = load_checkpoint(result.checkpoints[-1])     # ck.model, ck.config, ck.state
 """
 
-from driftcli.models.checkpoint import (
-    DriftCheckpoint,
-    is_drift_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from driftcli.models.nets import (
-    VOCAB,
-    Activation,
-    ByteTokenizer,
-    MLPConfig,
-    ModelConfig,
-    ModelKind,
-    TransformerConfig,
-    build_model,
-    count_parameters,
-    next_byte_loss,
-)
-from driftcli.models.training import (
-    OptimizerKind,
-    Schedule,
-    TrainConfig,
-    TrainResult,
-    TrainRow,
-    train,
-)
+from driftcli.lazy import exports
 
-__all__ = [
-    "VOCAB",
-    "Activation",
-    "ByteTokenizer",
-    "DriftCheckpoint",
-    "MLPConfig",
-    "ModelConfig",
-    "ModelKind",
-    "OptimizerKind",
-    "Schedule",
-    "TrainConfig",
-    "TrainResult",
-    "TrainRow",
-    "TransformerConfig",
-    "build_model",
-    "count_parameters",
-    "is_drift_checkpoint",
-    "load_checkpoint",
-    "next_byte_loss",
-    "save_checkpoint",
-    "train",
-]
+_API = {
+    **dict.fromkeys(("DriftCheckpoint", "is_drift_checkpoint", "load_checkpoint",
+                     "save_checkpoint"), "driftcli.models.checkpoint"),
+    **dict.fromkeys(("VOCAB", "Activation", "MLPConfig", "ModelConfig", "ModelKind",
+                     "OptimizerKind", "Schedule", "TransformerConfig"),
+                    "driftcli.models.config"),
+    **dict.fromkeys(("ByteTokenizer", "build_model", "count_parameters", "next_byte_loss"),
+                    "driftcli.models.nets"),
+    **dict.fromkeys(("TrainConfig", "TrainResult", "TrainRow", "train"),
+                    "driftcli.models.training"),
+}
+"""Each name and its module, imported on first use (the configs need no torch)."""
+
+__getattr__ = exports(globals(), _API)
+__all__ = sorted(_API)

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from driftcli.models.nets import ModelConfig, ModelError, build_model, config_from_json
+from driftcli.models.config import ModelConfig, ModelError, config_from_json
+from driftcli.models.nets import build_model
 
 Tensor = torch.Tensor
 

@@ -19,27 +19,22 @@ Every matmul is an ``nn.Linear`` or a ``@``; the embeddings are lookups, not mat
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from enum import StrEnum
 from itertools import pairwise
-from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from driftcli.errors import DriftError
-from driftcli.modes import parse_choice
+from driftcli.models.config import (
+    VOCAB,
+    Activation,
+    MLPConfig,
+    ModelConfig,
+    ModelError,
+    TransformerConfig,
+)
 
 Tensor = torch.Tensor
-
-VOCAB = 256
-"""Byte-level vocabulary: every byte value is a token."""
-
-
-class ModelError(DriftError, ValueError):
-    """A model configuration or input that cannot be used."""
-
 
 class ByteTokenizer:
     """Text to its UTF-8 bytes and back: no files, no special tokens, vocabulary 256."""
@@ -56,102 +51,6 @@ class ByteTokenizer:
         """Ids back to text (invalid UTF-8 sequences become U+FFFD)."""
         values = ids.tolist() if isinstance(ids, Tensor) else ids
         return bytes(int(i) for i in values).decode("utf-8", errors="replace")
-
-
-class ModelKind(StrEnum):
-    """The reference model families."""
-
-    MLP = "mlp"
-    """The tanh MLP language model over a fixed context window."""
-    TRANSFORMER = "transformer"
-    """A small pre-norm causal transformer."""
-
-
-class Activation(StrEnum):
-    """The nonlinearity of the transformer's MLP."""
-
-    GELU = "gelu"
-    TANH = "tanh"
-
-
-def _positive(name: str, **values: int) -> None:
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ModelError(f"{name}: {key} must be a positive integer, not {value!r}")
-
-
-@dataclass(frozen=True)
-class MLPConfig:
-    """The tanh MLP language model's shape."""
-
-    context: int = 16
-    """Bytes the model sees before the one it predicts."""
-    embed: int = 16
-    """Embedding width of each byte."""
-    hidden: int = 128
-    """Width of every hidden tanh layer."""
-    layers: int = 2
-    """Hidden tanh layers."""
-    vocab: int = VOCAB
-
-    kind: ClassVar[ModelKind] = ModelKind.MLP
-
-    def __post_init__(self) -> None:
-        _positive("mlp", context=self.context, embed=self.embed, hidden=self.hidden,
-                  layers=self.layers, vocab=self.vocab)
-
-    def to_json(self) -> dict[str, Any]:
-        """The config as a JSON object, its kind included."""
-        return {"kind": self.kind.value, **asdict(self)}
-
-
-@dataclass(frozen=True)
-class TransformerConfig:
-    """The small transformer's shape."""
-
-    context: int = 64
-    """Longest sequence (positions with an embedding)."""
-    d_model: int = 64
-    """Residual width."""
-    layers: int = 2
-    """Transformer blocks."""
-    heads: int = 4
-    """Attention heads; must divide ``d_model``."""
-    mlp_ratio: int = 4
-    """MLP hidden width over ``d_model``."""
-    activation: Activation = Activation.GELU
-    vocab: int = VOCAB
-
-    kind: ClassVar[ModelKind] = ModelKind.TRANSFORMER
-
-    def __post_init__(self) -> None:
-        _positive("transformer", context=self.context, d_model=self.d_model,
-                  layers=self.layers, heads=self.heads, mlp_ratio=self.mlp_ratio,
-                  vocab=self.vocab)
-        object.__setattr__(self, "activation",
-                           parse_choice(Activation, self.activation, "activation"))
-        if self.d_model % self.heads:
-            raise ModelError(f"transformer: d_model {self.d_model} is not a multiple of heads "
-                             f"{self.heads}; choose heads dividing it (e.g. --heads 4)")
-
-    def to_json(self) -> dict[str, Any]:
-        """The config as a JSON object, its kind included."""
-        return {"kind": self.kind.value, **asdict(self), "activation": self.activation.value}
-
-
-ModelConfig = MLPConfig | TransformerConfig
-
-
-def config_from_json(data: dict[str, Any]) -> ModelConfig:
-    """A config from :meth:`MLPConfig.to_json` / :meth:`TransformerConfig.to_json` output."""
-    fields = dict(data)
-    kind = parse_choice(ModelKind, str(fields.pop("kind", "")), "model kind")
-    cls: type[MLPConfig] | type[TransformerConfig] = (
-        MLPConfig if kind is ModelKind.MLP else TransformerConfig)
-    try:
-        return cls(**fields)
-    except TypeError as err:
-        raise ModelError(f"{kind.value} config {data}: {err}") from None
 
 
 def _check_ids(ids: Tensor, context: int | None) -> None:

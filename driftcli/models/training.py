@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,20 +42,16 @@ from torch import nn
 
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import ArithmeticPolicy, Role, get_policy, with_seed
-from driftcli.cast import Cast, CastStats, cast_stats, parse_cast
+from driftcli.cast import CastStats, cast_stats
 from driftcli.errors import DriftError
 from driftcli.io.capture import DUMP_KEY, capture
 from driftcli.io.tables import column, provenance, write_table
 from driftcli.measures import clip_rate, underflow_rate
 from driftcli.models.checkpoint import save_checkpoint
-from driftcli.models.nets import (
-    MLPConfig,
-    ModelConfig,
-    build_model,
-    count_parameters,
-    next_byte_loss,
-)
+from driftcli.models.config import MLPConfig, ModelConfig, OptimizerKind, Schedule
+from driftcli.models.nets import build_model, count_parameters, next_byte_loss
 from driftcli.modes import Rounding, parse_choice
+from driftcli.spec import Cast, parse_cast
 from driftcli.text import Corpus, fixed_windows, load_corpus, require_length, sample_windows
 
 Tensor = torch.Tensor
@@ -70,24 +65,6 @@ ROLES = ("activation", "weight", "gradient")
 
 class TrainError(DriftError, ValueError):
     """A training setting or run folder that cannot be used."""
-
-
-class Schedule(StrEnum):
-    """How the learning rate moves over a run (after a linear warm-up from 0)."""
-
-    CONSTANT = "constant"
-    """The base rate after the warm-up."""
-    COSINE = "cosine"
-    """Half a cosine from the base rate down to a tenth of it at the last step."""
-
-
-class OptimizerKind(StrEnum):
-    """The optimizers a run can use."""
-
-    ADAMW = "adamw"
-    """torch.optim.AdamW; its moments are saved in every checkpoint."""
-    SGD = "sgd"
-    """torch.optim.SGD with momentum; the momentum buffer is saved in every checkpoint."""
 
 
 def checkpoint_name(step: int) -> str:

@@ -13,21 +13,18 @@ One job per module: :mod:`~driftcli.report.load` finds and checks tables,
     print(markdown.render(report)); exit(1 if report.failed else 0)
 """
 
-from driftcli.report.expr import ExpressionError, Rule, parse_rule
-from driftcli.report.load import SchemaError, Table, load
-from driftcli.report.model import Options, Report, make_report
-from driftcli.report.summary import TableSummary, summarize
+from driftcli.lazy import exports
 
-__all__ = [
-    "ExpressionError",
-    "Options",
-    "Report",
-    "Rule",
-    "SchemaError",
-    "Table",
-    "TableSummary",
-    "load",
-    "make_report",
-    "parse_rule",
-    "summarize",
-]
+_API = {
+    "ExpressionError": "driftcli.report.expr", "Rule": "driftcli.report.expr",
+    "parse_rule": "driftcli.report.expr",
+    "SchemaError": "driftcli.report.load", "Table": "driftcli.report.load",
+    "load": "driftcli.report.load",
+    "Options": "driftcli.report.options",
+    "Report": "driftcli.report.model", "make_report": "driftcli.report.model",
+    "TableSummary": "driftcli.report.summary", "summarize": "driftcli.report.summary",
+}
+"""Each name and its module, imported on first use (pandas is not needed to read options)."""
+
+__getattr__ = exports(globals(), _API)
+__all__ = sorted(_API)

@@ -7,47 +7,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
-from pathlib import PurePosixPath
 from typing import Any
 
 import pandas as pd
 
 from driftcli.errors import DriftError
 from driftcli.report.load import Table
+from driftcli.report.options import INPUT_KEYS, MatchBy
 from driftcli.report.summary import plain
 
 Key = tuple[tuple[str, Any], ...]
 
-INPUT_KEYS = ("source", "checkpoint")
-"""Key columns that hold the path of the input a row measured (per-tensor measurements,
-accum-error; grad-cosine)."""
-
-
 class BaselineError(DriftError):
     """A baseline comparison that cannot be made, or that compared nothing."""
-
-
-class MatchBy(StrEnum):
-    """How a row's input (its ``source`` or ``checkpoint`` key) is matched with the
-    baseline's; every other key column always matches exactly."""
-
-    PATH = "path"
-    """The path as the measurement recorded it (as given on its command line)."""
-    NAME = "name"
-    """The file name alone: runs whose checkpoints lie in different folders match."""
-    TENSOR = "tensor"
-    """Not at all: rows match by tensor (or parameter) name and the other keys, whatever
-    file holds them (last week's ``ckpt-48.safetensors`` against this week's
-    ``ckpt-49.safetensors``)."""
-
-    def compared(self, column: str, value: Any) -> Any:
-        """What of a key cell is compared: the input's path, its file name, or nothing."""
-        if column not in INPUT_KEYS or self is MatchBy.PATH or value is None:
-            return value
-        if self is MatchBy.TENSOR:
-            return None
-        return PurePosixPath(str(value).replace("\\", "/")).name or value
 
 
 @dataclass(frozen=True)

@@ -14,35 +14,18 @@ from typing import Any
 from driftcli.report.baseline import (
     Change,
     Comparison,
-    MatchBy,
     TableComparison,
     compare,
     require_compared,
 )
 from driftcli.report.load import Hashes, Loaded, Skipped, Table, check_inputs, load
-from driftcli.report.summary import WORST, Provenance, TableSummary, summarize
+from driftcli.report.options import Options
+from driftcli.report.summary import Provenance, TableSummary, summarize
 from driftcli.report.thresholds import Violation, check, parse_rules
 
-CHANGE_PCT = 1.0
-"""Headline changes listed against a baseline when larger than this many percent."""
 RUN_GAP = dt.timedelta(hours=12)
 """Tables written more than this long after the one before are from another session: drift's
 own runs (a demo, a CI job) write their tables minutes apart."""
-
-
-@dataclass(frozen=True)
-class Options:
-    """What the report was asked for."""
-
-    rules: tuple[str, ...] = ()
-    baseline: Path | None = None
-    change_pct: float = CHANGE_PCT
-    """List baseline changes beyond this many percent."""
-    fail_pct: float | None = None
-    """Fail on regressions beyond this many percent (None: do not fail on regressions)."""
-    worst: int = WORST
-    match_by: MatchBy = MatchBy.NAME
-    """How rows' inputs are matched with the baseline's."""
 
 
 class Mix(StrEnum):
@@ -180,12 +163,13 @@ def _span(delta: dt.timedelta) -> str:
     return f"{hours:.1f} hours" if hours < 48 else f"{hours / 24:.1f} days"
 
 
-def make_report(paths: Sequence[Path], options: Options = Options()) -> Report:
+def make_report(paths: Sequence[Path], options: Options | None = None) -> Report:
     """Read the tables under ``paths`` and build the report: summaries (with each table's
     inputs checked against the files on disk), rule checks, the baseline comparison and
     how the tables are from different runs. Rules are parsed before any file is read, so a
     malformed rule fails fast; a baseline that matches nothing raises
     :class:`~driftcli.report.baseline.BaselineError`."""
+    options = options or Options()
     rules = parse_rules(options.rules)
     loaded = load(paths)
     base: Loaded | None = load([options.baseline]) if options.baseline is not None else None

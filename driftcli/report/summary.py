@@ -26,9 +26,8 @@ import numpy as np
 import pandas as pd
 
 from driftcli.report.load import ALL_ROWS, InputCheck, InputState, Table, shown
+from driftcli.report.options import WORST
 
-WORST = 3
-"""Rows named as the worst in each group, unless asked otherwise."""
 MAX_GROUPS = 24
 """A key column with more values than this is not used to group a table without an item."""
 STEP = "step"

@@ -1,0 +1,68 @@
+"""Fresh-process start-up of every drift command that does no work: ``drift --help``, each
+``drift CMD --help`` and ``drift formats``, beside a bare Python and ``import torch`` measured
+in the same run, so the figures are ratios against this machine's own floor and ceiling.
+
+Each command runs ``--runs`` times in a new process (the console script, as a user runs it);
+the table gives the median wall time, its ratio to ``python -c pass`` and to ``import torch``,
+and whether torch was imported (read from ``-X importtime``).
+
+    python benchmarks/bench_startup.py [--runs 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+DRIFT = shutil.which("drift", path=str(BIN)) or "drift"
+COMMANDS = ("clip-rate", "underflow-rate", "error-bias", "accum-error", "grad-cosine",
+            "verify-formats", "formats", "report", "train", "dump", "probe", "demo")
+
+
+def _wall(argv: list[str], runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True,
+                       env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _imports_torch(argv: list[str]) -> bool:
+    proc = subprocess.run([sys.executable, "-X", "importtime", DRIFT, *argv[1:]],
+                          capture_output=True, text=True, check=True)
+    return any(line.rstrip().endswith("| torch") for line in proc.stderr.splitlines())
+
+
+def main() -> None:
+    """Print the table (markdown) of start-up times."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=15)
+    runs = parser.parse_args().runs
+    bare = _wall([sys.executable, "-c", "pass"], runs)
+    torch = _wall([sys.executable, "-c", "import torch"], runs)
+    cases = [[DRIFT, "--help"], [DRIFT, "formats"],
+             *([DRIFT, name, "--help"] for name in COMMANDS)]
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}; median of {runs} fresh processes")
+    print(f"python -c pass: {bare:.3f} s; python -c 'import torch': {torch:.3f} s\n")
+    print("| command | s | x bare python | x import torch | imports torch |")
+    print("|---|---:|---:|---:|---|")
+    for argv in cases:
+        t = _wall(argv, runs)
+        label = " ".join(["drift", *argv[1:]])
+        print(f"| `{label}` | {t:.3f} | {t / bare:.1f} | {t / torch:.2f} | "
+              f"{'yes' if _imports_torch(argv) else 'no'} |")
+
+
+if __name__ == "__main__":
+    main()
