@@ -412,3 +412,35 @@ def test_cli_measures_what_a_truncated_dump_still_holds(dumped: tuple, tmp_path:
     bad = df[df["error"].notna()]
     assert len(bad) == 1 and bad["rel_error"].isna().all()
     assert (df[df["error"].isna()]["rel_error"] > 0).all() and len(df) > 1
+
+
+def test_the_documented_default_run_reproduces(tmp_path: Path) -> None:
+    """docs/accum-error.md's `drift accum-error` table, row by row: drift's own orders to the
+    digits shown (their arithmetic is the same on every CPU; only the float64 norms of the
+    metrics are torch's reductions, far below the third digit). order=native is torch.matmul's
+    float32 and differs by CPU, as the page says: its errors within 30 % (float32 orders here
+    differ by up to 13 % from each other; a wrong accumulator is off by orders of magnitude),
+    and its bias, noise around zero, only below 1e-8."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "accum-error.md").read_text()
+    block = page.split("$ drift accum-error\n")[1].split("```")[0]
+    shown = {}
+    for line in block.splitlines():
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        if line.startswith("│") and cells[0].startswith("acc="):
+            shown[cells[0]] = cells[1:6]
+    assert len(shown) == 13
+    res = runner.invoke(app, ["accum-error", "--out", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    got = {s["label"]: s for s in json.loads(res.stdout)["specs"]}
+    assert sorted(got) == sorted(shown)
+    for label, cells in shown.items():
+        s = got[label]
+        values = (s["median_rel_error"], s["max_rel_error"], s["mean_abs_error_ulps"],
+                  s["median_bias"])
+        assert int(cells[0]) == s["matmuls"]
+        if "order=native" in label:
+            for cell, value in zip(cells[1:4], values[:3], strict=True):
+                assert abs(value - float(cell)) <= 0.3 * float(cell), (label, cell, value)
+            assert abs(values[3]) < 1e-8
+        else:
+            assert [f"{v:.3g}" for v in values] == cells[1:], label

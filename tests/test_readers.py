@@ -21,12 +21,18 @@ from safetensors.torch import save_file
 import driftcli
 from driftcli.errors import DriftError
 from driftcli.io.readers import DUMP_KEY, Inputs, ReadError, TensorRef, open_inputs
+from driftcli.measures import MEASURES
 from driftcli.measures.scan import scan
 
 # a warning here means a reader took a shortcut (e.g. a tensor over a read-only mapping)
 pytestmark = pytest.mark.filterwarnings("error")
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def errs(inputs: Inputs) -> tuple[tuple[str, str], ...]:
+    """The (source, message) of each error of ``inputs``."""
+    return tuple((e.source, e.message) for e in inputs.errors)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -139,7 +145,7 @@ def test_every_kind_reads_back_bit_for_bit(tmp_path: Path, kind: str) -> None:
         tensors |= {"e4m3": from_bits(list(range(256)), torch.float8_e4m3fn),
                     "e5m2": from_bits(list(range(256)), torch.float8_e5m2)}
     inputs = write(kind, tmp_path, tensors)
-    assert inputs.errors == () and inputs.excluded == 0
+    assert errs(inputs) == () and inputs.excluded == 0
     assert sorted(names(inputs)) == sorted(tensors)
     for ref in inputs.tensors:
         want = tensors[ref.name]
@@ -274,7 +280,7 @@ def test_pickled_custom_class_is_refused_and_others_still_read(tmp_path: Path,
     inputs = open_inputs([tmp_path])
     assert [(r.source, r.name) for r in inputs.tensors] == [(str(tmp_path / "b.pt"), "w")]
     assert inputs.files == (tmp_path / "a.pt", tmp_path / "b.pt")
-    [(source, message)] = inputs.errors
+    [(source, message)] = errs(inputs)
     assert source == str(tmp_path / "a.pt")
     assert "a.pt needs arbitrary unpickling" in message and "Custom" in message
     assert "drift refuses (it can run code)" in message
@@ -286,10 +292,10 @@ def test_garbage_pt_goes_to_errors(tmp_path: Path) -> None:
     (tmp_path / "empty.pt").write_bytes(b"")
     inputs = open_inputs([tmp_path / "junk.bin", tmp_path / "empty.pt"])
     assert inputs.tensors == ()
-    assert [s for s, _ in inputs.errors] == [str(tmp_path / "junk.bin"), str(tmp_path / "empty.pt")]
-    assert all("as a PyTorch file" in m and "\n" not in m for _, m in inputs.errors)
-    assert "Unsupported operand" in inputs.errors[0][1]  # damaged, not refused
-    assert not any("unpickling" in m for _, m in inputs.errors)
+    assert [s for s, _ in errs(inputs)] == [str(tmp_path / "junk.bin"), str(tmp_path / "empty.pt")]
+    assert all("as a PyTorch file" in m and "\n" not in m for _, m in errs(inputs))
+    assert "Unsupported operand" in errs(inputs)[0][1]  # damaged, not refused
+    assert not any("unpickling" in m for _, m in errs(inputs))
 
 
 def test_pt_rewritten_after_listing_raises_on_read(tmp_path: Path) -> None:
@@ -312,7 +318,7 @@ def test_npz_member_names_and_object_arrays_refused(tmp_path: Path) -> None:
     inputs = open_inputs([tmp_path / "run.npz", tmp_path / "objs.npy"])
     assert names(inputs) == ["good"]
     assert np.array_equal(inputs.tensors[0].read().numpy(), good)
-    messages = dict(inputs.errors)
+    messages = dict(errs(inputs))
     assert "member bad.npy holds Python objects" in messages[str(tmp_path / "run.npz")]
     assert "arbitrary unpickling" in messages[str(tmp_path / "objs.npy")]
 
@@ -331,7 +337,7 @@ def test_truncated_npy_is_an_error_naming_the_tensor(tmp_path: Path) -> None:
     (tmp_path / "x.npy").write_bytes(data[:-40])
     inputs = open_inputs([tmp_path / "x.npy"])
     assert inputs.tensors == ()
-    assert inputs.errors == ((str(tmp_path / "x.npy"), f"{tmp_path / 'x.npy'}: tensor x needs "
+    assert errs(inputs) == ((str(tmp_path / "x.npy"), f"{tmp_path / 'x.npy'}: tensor x needs "
                               "bytes 128..528 but the file has 488 bytes (truncated?); re-save "
                               "or re-download it"),)
 
@@ -357,7 +363,7 @@ def test_npy_shape_is_checked_against_the_bytes_before_any_allocation(
     path.write_bytes(_npy_bytes(shape, bytes(8)))
     inputs = open_inputs([path])
     assert inputs.tensors == ()
-    [(source, message)] = inputs.errors
+    [(source, message)] = errs(inputs)
     assert source == str(path) and error.format(path=path) in message
 
 
@@ -368,7 +374,7 @@ def test_npy_header_that_does_not_parse_is_a_clean_error(tmp_path: Path) -> None
     path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(head)) + head.encode()
                      + bytes(48))
     # numpy's header parser raises tokenize's TokenError here, which is no ValueError
-    [(source, message)] = open_inputs([path]).errors
+    [(source, message)] = errs(open_inputs([path]))
     assert source == str(path)
     assert message.startswith(f"corrupt .npy header in {path} (the header does not parse "
                               "(TokenError: ")
@@ -410,7 +416,7 @@ def test_npz_member_sizes_are_checked_and_the_others_still_listed(tmp_path: Path
     assert np.array_equal(by_name(inputs)["good"].read().numpy(), good)
     assert by_name(inputs)["packed"].read().tolist() == [0.0] * 4
     size = path.stat().st_size
-    assert [m for _, m in inputs.errors] == [f"{path}: member {m}; re-save it with numpy.savez"
+    assert [m for _, m in errs(inputs)] == [f"{path}: member {m}; re-save it with numpy.savez"
                                              for m in [
         "liar.npy holds 136 bytes, but its header's shape [1099511627776, 1099511627776] "
         "needs 4835703278458516698824832",
@@ -419,7 +425,7 @@ def test_npz_member_sizes_are_checked_and_the_others_still_listed(tmp_path: Path
         "members",
         "notes.txt is not an .npy array",
         f"long.npy runs past the end of the archive ({size} bytes; truncated?)"]]
-    assert open_inputs([path], include=["good", "packed"]).errors == ()
+    assert errs(open_inputs([path], include=["good", "packed"])) == ()
 
 
 def test_deflated_npz_member_cannot_claim_more_than_deflate_holds(tmp_path: Path) -> None:
@@ -429,7 +435,7 @@ def test_deflated_npz_member_cannot_claim_more_than_deflate_holds(tmp_path: Path
     assert ref.read(-2).tolist() == [0.0, 0.0]  # a real ratio of about 1000 is fine
     info = zipfile.ZipFile(path).getinfo("z.npy")
     _patch_central(path, "z.npy", _FILE_SIZE, 1033 * info.compress_size)
-    [(_, message)] = open_inputs([path]).errors
+    [(_, message)] = errs(open_inputs([path]))
     assert f"member z.npy claims {1033 * info.compress_size} bytes, more than its " \
            f"{info.compress_size} deflated bytes can hold" in message
 
@@ -484,7 +490,7 @@ def test_header_length_one_byte_off_is_a_file_error(tmp_path: Path, delta: int,
     assert refused_by_safetensors(path)
     inputs = open_inputs([path])
     assert inputs.tensors == ()  # every tensor would be read one byte off
-    assert inputs.errors == ((str(path), f"corrupt safetensors header in {path}: {detail}; "
+    assert errs(inputs) == ((str(path), f"corrupt safetensors header in {path}: {detail}; "
                               "re-save or re-download it"),)
 
 
@@ -507,7 +513,7 @@ def test_offsets_that_do_not_tile_the_data_are_a_file_error(
     assert refused_by_safetensors(path)
     inputs = open_inputs([path])
     assert inputs.tensors == ()
-    [(source, message)] = inputs.errors
+    [(source, message)] = errs(inputs)
     assert source == str(path)
     assert message.startswith(f"corrupt safetensors header in {path}: {detail}")
 
@@ -552,11 +558,11 @@ def test_a_wrong_entry_in_a_sound_layout_is_an_error_for_that_tensor(
     assert names(inputs) == ["a", "c"]
     refs = by_name(inputs)
     assert refs["a"].read().tolist() == [1.5, -2.0] and refs["c"].read().tolist() == [1.0, -2.0]
-    assert inputs.errors == ((str(path), f"{path}: tensor 'm' {detail}; the file is corrupt, "
+    assert errs(inputs) == ((str(path), f"{path}: tensor 'm' {detail}; the file is corrupt, "
                               "re-save or re-download it"),)
     assert inputs.excluded == 0
     dropped = open_inputs([path], exclude=["m"])  # a broken tensor left out is not an error
-    assert dropped.errors == () and dropped.excluded == 1
+    assert errs(dropped) == () and dropped.excluded == 1
 
 
 def test_scan_gives_an_error_row_for_the_broken_tensor_and_measures_the_others(
@@ -570,6 +576,11 @@ def test_scan_gives_an_error_row_for_the_broken_tensor_and_measures_the_others(
     assert bad.source == str(path) and "tensor 'm' has 16 data bytes but shape [3] of I64 " \
                                        "needs 24" in (bad.error or "")
     assert found.skipped == {str(path): 0}
+    # the table's error row names the tensor, not just the file
+    assert bad.name == "m"
+    rows = MEASURES["clip-rate"].rows(found)
+    assert [(r.tensor, r.error is not None) for r in rows] == [
+        ("m", True), ("a", False), ("c", False), ("*", True)]
 
 
 def test_a_huge_shape_finishes_fast_in_little_memory(tmp_path: Path) -> None:
@@ -622,11 +633,11 @@ def test_truncated_safetensors_lists_the_tensors_still_whole(tmp_path: Path) -> 
     # it, so the layout stands and the first tensor is where it says
     assert names(inputs) == [first]
     assert same_bits(inputs.tensors[0].read(), tensors[first])
-    assert inputs.errors == tuple(
+    assert errs(inputs) == tuple(
         (str(path), f"{path}: tensor {name} needs bytes {start + offsets[name][0]}.."
                     f"{start + offsets[name][1]} but the file has {cut} bytes (truncated?); "
                     "re-save or re-download it") for name in (second, third))
-    assert open_inputs([path], include=[first]).errors == ()
+    assert errs(open_inputs([path], include=[first])) == ()
 
 
 def test_a_shortfall_a_header_length_could_explain_is_a_file_error(tmp_path: Path) -> None:
@@ -640,7 +651,7 @@ def test_a_shortfall_a_header_length_could_explain_is_a_file_error(tmp_path: Pat
         assert refused_by_safetensors(path)
         inputs = open_inputs([path])
         assert inputs.tensors == ()
-        assert inputs.errors == ((str(path), f"corrupt safetensors header in {path}: the "
+        assert errs(inputs) == ((str(path), f"corrupt safetensors header in {path}: the "
                                   f"tensors need 384 bytes of data but the file holds "
                                   f"{384 - short} after a header that ends in 7 spaces "
                                   "(truncated, or a header length too long); re-save or "
@@ -652,7 +663,7 @@ def test_a_shortfall_a_header_length_could_explain_is_a_file_error(tmp_path: Pat
 def test_safetensors_truncated_after_listing_raises_on_read(tmp_path: Path) -> None:
     path, tensors, start, offsets = _saved(tmp_path)
     inputs = open_inputs([path])
-    assert inputs.errors == () and len(inputs.tensors) == 3
+    assert errs(inputs) == () and len(inputs.tensors) == 3
     second = sorted(offsets, key=lambda k: offsets[k][0])[1]
     cut = start + sum(offsets[second]) // 2
     path.write_bytes(path.read_bytes()[:cut])
@@ -687,7 +698,7 @@ def test_corrupt_safetensors_header_goes_to_errors(tmp_path: Path, content: byte
     assert [(r.source, r.name) for r in inputs.tensors] == [(str(tmp_path / "good.safetensors"),
                                                             "w")]
     assert inputs.files == (tmp_path / "bad.safetensors", tmp_path / "good.safetensors")
-    [(source, message)] = inputs.errors
+    [(source, message)] = errs(inputs)
     assert source == str(tmp_path / "bad.safetensors")
     assert message.startswith(f"corrupt safetensors header in {source}: {detail}")
     assert "\n" not in message
@@ -733,9 +744,9 @@ def test_header_json_is_read_as_safetensors_reads_it(tmp_path: Path, text: bytes
     assert refused_by_safetensors(path) == refused
     inputs = open_inputs([path])
     if refused:
-        assert inputs.errors != ()
+        assert errs(inputs) != ()
         return
-    assert inputs.errors == ()
+    assert errs(inputs) == ()
     with safe_open(str(path), "pt") as f:
         want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     got = {r.name: r.read() for r in inputs.tensors}
@@ -751,7 +762,7 @@ def test_a_broken_tensor_in_a_shard_is_its_own_error_not_a_misplaced_one(
                     b"\x01\x02\x03\x04")
     inputs = open_inputs([tmp_path])  # (the index does not put "stray" there: not read)
     assert sorted(names(inputs)) == ["embed", "layer.0"]
-    assert inputs.errors == ((str(shard), f"{shard}: tensor 'head' has dtype code \"Q8\", which "
+    assert errs(inputs) == ((str(shard), f"{shard}: tensor 'head' has dtype code \"Q8\", which "
                               "safetensors does not define; the file is corrupt, re-save or "
                               "re-download it"),)
 
@@ -765,7 +776,7 @@ def test_truncated_or_damaged_pt_archive_is_a_clean_error(tmp_path: Path) -> Non
     whole = path.read_bytes()
     for cut in (4, 100, len(whole) // 2, len(whole) - 23, len(whole) - 1):
         path.write_bytes(whole[:cut])
-        [(source, message)] = open_inputs([path]).errors
+        [(source, message)] = errs(open_inputs([path]))
         assert source == str(path)
         assert message.startswith(f"{path} is a truncated or damaged zip archive ("), cut
         assert message.endswith("); re-save it with torch.save or re-download it")
@@ -774,13 +785,13 @@ def test_truncated_or_damaged_pt_archive_is_a_clean_error(tmp_path: Path) -> Non
     at = data.index(b"PK\x01\x02")
     struct.pack_into("<I", data, at + 20, len(whole) + 1)  # its compressed size
     path.write_bytes(bytes(data))
-    [(_, message)] = open_inputs([path]).errors
+    [(_, message)] = errs(open_inputs([path]))
     assert "truncated or damaged zip archive" in message and "runs past the end" in message
     # a directory entry needing a zip version zipfile lacks: NotImplementedError there
     data = bytearray(whole)
     struct.pack_into("<H", data, at + 6, 147)
     path.write_bytes(bytes(data))
-    [(_, message)] = open_inputs([path]).errors
+    [(_, message)] = errs(open_inputs([path]))
     assert message.startswith(f"{path} is a truncated or damaged zip archive "
                               "(NotImplementedError: zip file version 14.7)")
 
@@ -812,7 +823,7 @@ def test_sharded_folder_reads_each_shard_once(tmp_path: Path) -> None:
         inputs = open_inputs(paths)
         assert sorted(names(inputs)) == sorted(tensors), paths  # nothing counted twice
         assert len(inputs.files) == len(set(inputs.files)) == 3
-        assert inputs.errors == ()
+        assert errs(inputs) == ()
     refs = by_name(open_inputs([tmp_path / "ckpt"]))
     assert refs["head"].source == str(tmp_path / "ckpt" / "model-00002-of-00002.safetensors")
     assert same_bits(refs["head"].read(1, 3), tensors["head"][1:3])
@@ -828,8 +839,8 @@ def test_index_with_a_missing_shard_or_misplaced_tensor(tmp_path: Path) -> None:
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     inputs = open_inputs([tmp_path])
     assert sorted(names(inputs)) == ["embed", "layer.0"]
-    assert [s for s, _ in inputs.errors] == [str(index), str(index)]
-    misplaced, missing = (m for _, m in inputs.errors)  # in shard order
+    assert [s for s, _ in errs(inputs)] == [str(index), str(index)]
+    misplaced, missing = (m for _, m in errs(inputs))  # in shard order
     assert "puts 1 tensor(s) in model-00001-of-00002.safetensors, which does not hold them " \
            "(first: lost)" in misplaced
     assert "lists shard model-00002-of-00002.safetensors, which does not exist" in missing
@@ -840,7 +851,7 @@ def test_unreadable_index_leaves_its_shards_to_be_read_directly(tmp_path: Path) 
     (tmp_path / "model.safetensors.index.json").write_text("{oops")
     inputs = open_inputs([tmp_path])
     assert sorted(names(inputs)) == sorted(tensors)
-    [(source, message)] = inputs.errors
+    [(source, message)] = errs(inputs)
     assert source.endswith("model.safetensors.index.json") and "not JSON" in message
 
 
@@ -851,7 +862,7 @@ def test_hugging_face_folder_ignores_non_tensor_files(tmp_path: Path) -> None:
     weights = {"model.embed_tokens.weight": seeded((8, 4), torch.bfloat16, seed=13)}
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     inputs = open_inputs([tmp_path])
-    assert inputs.files == (tmp_path / "model.safetensors",) and inputs.errors == ()
+    assert inputs.files == (tmp_path / "model.safetensors",) and errs(inputs) == ()
     [ref] = inputs.tensors
     assert ref.name == "model.embed_tokens.weight" and ref.role is None
     assert same_bits(ref.read(), weights[ref.name])
@@ -922,7 +933,7 @@ def test_dump_metadata_fills_role_layer_operand_step(tmp_path: Path) -> None:
                    "l0.dy": {"role": "gradient", "layer": "l0", "operand": "grad_output",
                              "step": 3}}))
     inputs = open_inputs([path])
-    assert inputs.errors == ()
+    assert errs(inputs) == ()
     refs = by_name(inputs)
     assert (refs["l0.x"].role, refs["l0.x"].layer, refs["l0.x"].operand, refs["l0.x"].step) == (
         "activation", "l0", "a", 3)
@@ -946,7 +957,7 @@ def test_bad_dump_metadata_is_reported_and_tensors_kept(tmp_path: Path, meta: di
     inputs = open_inputs([path])
     [ref] = inputs.tensors
     assert ref.role is None and ref.read().tolist() == [1.0, 1.0]
-    [(source, message)] = inputs.errors
+    [(source, message)] = errs(inputs)
     assert source == str(path) and detail in message
     assert message.endswith("its tensors are listed without role, layer, operand and step")
 

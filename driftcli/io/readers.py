@@ -36,7 +36,7 @@ import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -193,6 +193,16 @@ class TensorRef:
         return self._reader.read(self, start, stop, into)
 
 
+class InputError(NamedTuple):
+    """A file, or one tensor of it, that cannot be read."""
+
+    source: str
+    message: str
+    """One line naming what is wrong (and the tensor, where it is one)."""
+    tensor: str | None = None
+    """The tensor it is about; None when it is the whole file."""
+
+
 @dataclass(frozen=True)
 class Inputs:
     """What :func:`open_inputs` found under its paths."""
@@ -201,8 +211,8 @@ class Inputs:
     """Every tensor or index file opened, including those listed in ``errors``."""
     tensors: tuple[TensorRef, ...]
     """Selected tensors, float and non-float, in path order, then file order."""
-    errors: tuple[tuple[str, str], ...]
-    """``(source, one-line message)`` per file, or tensor of one, that could not be read."""
+    errors: tuple[InputError, ...]
+    """Each file, or tensor of one, that could not be read."""
     excluded: int
     """Tensors dropped by ``include`` / ``exclude`` (readable or not)."""
 
@@ -1080,5 +1090,5 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
              if p.tensor is None or _selected(p.tensor, include, exclude)]
     dropped = len(collector.errors) - len(shown)
     return Inputs(files=tuple(collector.files), tensors=tuple(kept),
-                  errors=tuple((source, p.message) for source, p in shown),
+                  errors=tuple(InputError(source, p.message, p.tensor) for source, p in shown),
                   excluded=len(collector.tensors) - len(kept) + dropped)

@@ -528,8 +528,8 @@ def dump_problems(paths: Sequence[str | Path], include: Sequence[str] = (),
     """The matmuls recorded in drift dumps (written by :func:`driftcli.io.capture.capture`),
     in file order; a file or tensor that cannot be read becomes a problem with ``error``."""
     found = open_inputs(paths, include, exclude)
-    for source, message in found.errors:
-        yield Problem(source, "(unreadable file)", None, None, error=message)
+    for e in found.errors:
+        yield Problem(e.source, e.tensor or "(unreadable file)", None, None, error=e.message)
     by_source: dict[str, list[TensorRef]] = {}
     for ref in found.tensors:
         by_source.setdefault(ref.source, []).append(ref)

@@ -68,7 +68,7 @@ def _tensor_base(r: Result) -> dict[str, Any]:
     ref = r.ref
     st = r.draws[0] if r.draws else None
     return {
-        "source": r.source, "tensor": ref.name if ref else "(unreadable file)",
+        "source": r.source, "tensor": ref.name if ref else r.name or "(unreadable file)",
         "role": ref.role if ref else None, "layer": ref.layer if ref else None,
         "operand": ref.operand if ref else None, "step": ref.step if ref else None,
         "dtype": ref.dtype if ref else None,

@@ -33,7 +33,7 @@ from driftcli.cast import (
     working_dtype,
 )
 from driftcli.errors import DriftError
-from driftcli.io.readers import Inputs, ReadError, TensorRef, open_inputs
+from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
 from driftcli.modes import Device, Granularity, Rounding, ScaleRule
 from driftcli.spec import Cast, parse_cast
 
@@ -95,6 +95,9 @@ class Result:
     expected: CastStats | None
     """A stochastic cast: the error sums of the mean of the draws (counts as draw 0)."""
     error: str | None = None
+    name: str | None = None
+    """For an error without ``ref`` (the tensor could not even be listed): its name, if the
+    error is about one tensor."""
 
 
 def _per_tensor(c: Cast) -> bool:
@@ -372,8 +375,9 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     results: list[Result] = []
     skipped: dict[str, int] = {}
     for inp, inputs in opened:
-        for source, message in [*inputs.errors, *([(inp, empty[inp])] if inp in empty else [])]:
-            results.extend(Result(inp, None, source, c, (), None, message) for c in parsed)
+        for e in [*inputs.errors, *([InputError(inp, empty[inp])] if inp in empty else [])]:
+            results.extend(Result(inp, None, e.source, c, (), None, e.message, e.tensor)
+                           for c in parsed)
         skipped[inp] = sum(not ref.is_float for ref in inputs.tensors)
         for ref in inputs.tensors:
             if not ref.is_float:
