@@ -1,5 +1,5 @@
 """drift report: summaries, Markdown, JSON, HTML, --fail-on rules, baselines, the expression
-language (fuzzed), and the HTML page in headless Chromium."""
+language (fuzzed), and (the HTML page: tests/test_report_html.py)."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ def test_check_inputs_by_mtime_for_fast_hash_tables(tmp_path: Path) -> None:
 def test_a_stale_table_is_marked_in_every_output(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A real measurement, then its input overwritten with other values of the same size
-    (the demo rewriting a dump): the table is stale in the terminal, Markdown and JSON."""
+    (the demo rewriting a dump): the table is stale in the terminal, Markdown, JSON and HTML."""
     import torch
     from safetensors.torch import save_file
 
@@ -239,8 +239,8 @@ def test_a_stale_table_is_marked_in_every_output(tmp_path: Path,
     size = model.stat().st_size
     save_file({"w": torch.linspace(-2, 2, 512).reshape(4, 128)}, str(model))
     assert model.stat().st_size == size
-    md, js = tmp_path / "r.md", tmp_path / "r.json"
-    result = report(str(out), "--markdown", str(md), "--json", str(js))
+    md, js, page = tmp_path / "r.md", tmp_path / "r.json", tmp_path / "r.html"
+    result = report(str(out), "--markdown", str(md), "--json", str(js), "--html", str(page))
     assert result.exit_code == 0, result.output  # a warning, not a failure
     assert "clip-rate: clip_rate (higher is worse) [STALE]" in result.output
     assert (f"  stale: {model} is not the file this table measured (sha256 differs); re-run "
@@ -250,6 +250,12 @@ def test_a_stale_table_is_marked_in_every_output(tmp_path: Path,
     text = md.read_text()
     assert "## clip-rate: clip_rate (higher is worse) [STALE]" in text
     assert f"- :warning: stale: {model} is not the file this table measured" in text
+    html = page.read_text()
+    assert "clip-rate: clip_rate (higher is worse) [STALE]</h2>" in html
+    assert (f'<li class="error">stale: {model} is not the file this table measured '
+            "(sha256 differs)") in html
+    assert (f'<ul class="error"><li>stale: 1 table(s) whose inputs changed since they were '
+            f"written: {out / 'clip-rate.parquet'}</li>") in html
     data = json.loads(js.read_text())
     assert data["stale"] == [str(out / "clip-rate.parquet")]
     assert data["tables"][0]["stale"] is True
@@ -290,8 +296,8 @@ def test_tables_from_different_runs_are_said_to_be(tmp_path: Path) -> None:
     new_sha = new["inputs"][0]["sha256"][:12]
     first = str(out / "accum" / "clip-rate.parquet")
     second = str(out / "clip-rate.parquet")
-    md, js = tmp_path / "r.md", tmp_path / "r.json"
-    result = report(str(out), "--markdown", str(md), "--json", str(js))
+    md, js, page = tmp_path / "r.md", tmp_path / "r.json", tmp_path / "r.html"
+    result = report(str(out), "--markdown", str(md), "--json", str(js), "--html", str(page))
     assert result.exit_code == 0, result.output
     lines = [
         f"mixed runs: tables written by 2 drift builds: drift 0.1.0 (aaaaaaaaaa): {first}; "

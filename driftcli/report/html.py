@@ -54,6 +54,10 @@ def render(report: Report) -> str:
     verdict = d.verdict(report)
     cls = "fail" if report.failed else "ok"
     body = [f"<h1>drift report</h1><p class=\"verdict {cls}\">{escape(verdict)}</p>"]
+    warned = list(d.warnings(report))  # tables from different runs, stale tables
+    if warned:
+        body.append('<ul class="error">' + "".join(f"<li>{escape(w)}</li>" for w in warned)
+                    + "</ul>")
     body.append("<nav><ul>" + "".join(
         f'<li><a href="#{_anchor(s.name, n)}">{escape(s.name)}</a> '
         f"<code>{escape(s.path)}</code></li>" for n, s in enumerate(report.summaries))
@@ -74,7 +78,9 @@ def render(report: Report) -> str:
         body.append(f'<section id="{_anchor(summary.name, n)}">'
                     f"<h2>{escape(d.title(summary))}</h2>")
         body.append('<ul class="about">' + "".join(f"<li>{escape(line)}</li>"
-                                                   for line in d.about(summary)) + "</ul>")
+                                                   for line in d.about(summary))
+                    + "".join(f'<li class="error">{escape(line)}</li>'
+                              for line in d.freshness(summary)) + "</ul>")
         rows = []
         for g in summary.groups:
             tds = []
