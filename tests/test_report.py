@@ -1,5 +1,5 @@
-"""drift report: summaries, Markdown, JSON, HTML, --fail-on rules, baselines, the expression
-language (fuzzed), and (the HTML page: tests/test_report_html.py)."""
+"""drift report: summaries, Markdown, JSON, --fail-on rules, baselines and the expression
+language (fuzzed); the HTML page is tests/test_report_html.py."""
 
 from __future__ import annotations
 
