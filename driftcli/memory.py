@@ -18,11 +18,11 @@ def use_huge_pages(switch: Path = THP_SWITCH) -> bool:
     (``THP_MEM_ALLOC_ENABLE=1``) where Linux offers them, unless the environment already
     sets it; True when it is on.
 
-    A scan reads each tensor into fresh memory and makes per-row temporaries: in 4 KiB
-    pages that is about 70,000 page faults per GB scanned, about 15 % of a clip-rate
-    scan's time (see ``docs/performance.md``). Torch reads the setting at its first allocation in
-    the process, so this takes effect only when called before that: the drift command
-    calls it first; a notebook calls it before making any tensor, or sets the variable.
+    A scan reads each tensor into fresh memory and makes per-row temporaries: in 4 KiB pages
+    the page faults are a large share of a clip-rate scan's time (measured in
+    ``docs/performance.md``). Torch reads the setting at its first allocation in the process,
+    so this takes effect only when called before that: the drift command calls it first; a
+    notebook calls it before making any tensor, or sets the variable.
     """
     key = "THP_MEM_ALLOC_ENABLE"
     if key not in os.environ:
@@ -42,8 +42,9 @@ MMAP_THRESHOLD = 4 << 20
 def bound_memory() -> None:
     """Keep a long scan's memory near one slice's worth. glibc raises its mmap threshold to
     the size of every large block freed (up to 32 MiB), so slice-sized buffers of varying
-    sizes then come from the heap, which fragments: three casts over a 1 GB checkpoint grew
-    to 1.6 GB resident. A fixed threshold maps them anew each time (0.55 GB there)."""
+    sizes then come from the heap, which fragments and grows a scan's resident memory well
+    past its slices; a fixed threshold maps them anew each time (the figures are in
+    ``docs/performance.md``)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
