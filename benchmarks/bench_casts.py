@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 import driftcli
-from driftcli import rounding
+from driftcli import compiling
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_BITS = 16
@@ -218,11 +218,8 @@ class _LimitWatch(logging.Handler):
 
 
 def compiler_failed() -> bool:
-    """Whether drift has given up compiling its rounding kernel in this process (private state)."""
-    broken = getattr(rounding, "_BROKEN", None)
-    if broken is not None:
-        return getattr(rounding, "_kernel", None) in broken
-    return bool(getattr(rounding, "_broken", False))
+    """Whether drift has given up compiling a kernel in this process."""
+    return compiling.fell_back()
 
 
 def graphs_compiled() -> int:
@@ -306,18 +303,18 @@ def run(inputs: dict[str, torch.Tensor], formats: list[driftcli.Format], modes: 
     seen: set[str] = set()
     for mode in modes:
         for fmt in formats:
-            compiling = mode == "always" or (
+            compiles = mode == "always" or (
                 mode == "auto" and next(iter(inputs.values())).numel()
-                >= rounding.COMPILE_MIN_ELEMENTS)
-            if compiling and reset:
+                >= compiling.COMPILE_MIN_ELEMENTS)
+            if compiles and reset:
                 import torch._dynamo
 
                 torch._dynamo.reset()
             for input_name, x in inputs.items():
-                rounding.set_compile(mode)
-                before = graphs_compiled() if compiling else 0
+                compiling.set_compile(mode)
+                before = graphs_compiled() if compiles else 0
                 t = measure(x, fmt, repeat)
-                if not compiling:
+                if not compiles:
                     path = "eager" if mode == "never" else "auto (eager)"
                 elif compiler_failed():
                     path = "eager (compiler failed)"
@@ -330,9 +327,9 @@ def run(inputs: dict[str, torch.Tensor], formats: list[driftcli.Format], modes: 
                 if path == "compiled":
                     seen.add(fmt.name)
                 identical: bool | None = None
-                if check and compiling:
+                if check and compiles:
                     got = driftcli.round_to_format(x, fmt, rounding="rne", overflow="saturate")
-                    rounding.set_compile("never")
+                    compiling.set_compile("never")
                     ref = driftcli.round_to_format(x, fmt, rounding="rne", overflow="saturate")
                     identical = same_bits(got, ref)
                     del got, ref

@@ -63,7 +63,7 @@ def stories_case(tokens: int) -> Case | None:
         return None
     if not STORIES.is_dir():
         return None
-    from driftcli.io.checkpoints import load_causal_lm, next_token_loss, text_batch
+    from driftcli.models.loaders import load_causal_lm, next_token_loss, text_batch
 
     lm = load_causal_lm(STORIES)
     ids = text_batch(lm, TEXT * (1 + tokens // 40), tokens)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import driftcli
-from driftcli import rounding
+from driftcli import compiling
 from driftcli.arith import MatmulSpec, matmul, matmul_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     acc = torch.randn(n, n)
     copy_out = torch.empty_like(acc)
     rows = []
-    rounding.set_compile("auto")  # n**3 >= 2**25 element-steps: the step function compiles
+    compiling.set_compile("auto")  # n**3 >= 2**25 element-steps: the step function compiles
     for name in args.specs:
         spec = SPECS[name]
         calls: dict[str, Callable[[], object]] = {
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             "matmul": lambda: torch.matmul(a, b),
         }
         if spec.order.value == "native":
-            calls["base"] = lambda: torch.matmul(driftcli.quantize(a, CAST, axis=-1),
-                                                 driftcli.quantize(b, CAST, axis=-2))
+            calls["base"] = lambda: torch.matmul(driftcli.quantization(a, CAST, axis=-1),
+                                                 driftcli.quantization(b, CAST, axis=-2))
         else:
             calls["copy"] = lambda: copy_out.copy_(acc)
         m = interleaved(calls, args.repeat)
@@ -117,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
             equal = same_bits(got, calls["base"]())  # type: ignore[arg-type]
         else:
             base_s = passes(spec, n) * m["copy"]
-            rounding.set_compile("never")
+            compiling.set_compile("never")
             rows_a = a[: args.check_rows]
             equal = same_bits(got[: args.check_rows], matmul(rows_a, b, spec))
-            rounding.set_compile("auto")
+            compiling.set_compile("auto")
         row = {"spec": name, "canonical": str(spec), "drift_s": m["cast"],
                "matmul_s": m["matmul"], "vs_matmul": m["cast"] / m["matmul"],
                "base_s": base_s, "vs_base": m["cast"] / base_s, "warmup_s": m["warmup"],
-               "bit_equal": equal, "compiled": simulated._steps not in rounding._BROKEN}
+               "bit_equal": equal, "compiled": not compiling.fell_back(simulated._steps)}
         rows.append(row)
         print(f"{name:20s} {m['cast']:8.3f} {m['matmul']:9.4f} {row['vs_matmul']:9.1f} "
               f"{base_s:8.4f} {row['vs_base']:7.1f} {m['warmup']:10.2f} {equal!s:>9s}",

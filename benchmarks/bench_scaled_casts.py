@@ -1,6 +1,6 @@
 """Throughput of drift's scaled casts, side by side with torch baselines in one process.
 
-Times ``driftcli.quantize(x, spec)`` (and with ``return_info=True``) for the
+Times ``driftcli.quantization(x, spec)`` (and with ``return_info=True``) for the
 casts ``fp8_e4m3``, ``mxfp8_e4m3``, ``mxfp4_e2m1`` and ``nvfp4`` on 2**24
 standard-normal float32 values shaped (4096, 4096), eager and compiled, and
 prints Me/s with two ratios measured in the same process, interleaved round by
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import driftcli
-from driftcli import rounding
+from driftcli import compiling
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_casts import interleaved, machine, same_bits, set_malloc
@@ -35,7 +35,7 @@ TARGET = 0.25  # MX and NVFP4 fake-quant, compiled, against clone()
 def measure(x: torch.Tensor, spec: str, info: bool, repeat: int) -> dict[str, float]:
     """Warm-up seconds of the cast and medians of interleaved rounds of cast, clone, native."""
     calls: dict[str, Callable[[], object]] = {
-        "cast": lambda: driftcli.quantize(x, spec, return_info=info),
+        "cast": lambda: driftcli.quantization(x, spec, return_info=info),
         "clone": x.clone,
         "native": lambda: x.to(torch.float8_e4m3fn).float(),
     }
@@ -68,16 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         for with_info in (False, True):
             eager_out = None
             for mode in ("never", "always"):
-                rounding.set_compile(mode)
+                compiling.set_compile(mode)
                 m = measure(x, spec, with_info, args.repeat)
-                out = driftcli.quantize(x, spec, return_info=with_info)
+                out = driftcli.quantization(x, spec, return_info=with_info)
                 values = out.values if with_info else out  # type: ignore[union-attr]
                 if mode == "never":
                     eager_out, equal = values, None
                 else:
                     equal = same_bits(eager_out, values)  # type: ignore[arg-type]
                 path = "eager" if mode == "never" else (
-                    "compiled" if not rounding._BROKEN else "fallback")
+                    "compiled" if not compiling.fell_back() else "fallback")
                 row = {"spec": spec, "info": with_info, "path": path,
                        "meps": x.numel() / m["cast"] / 1e6, "vs_clone": m["clone"] / m["cast"],
                        "vs_native": m["native"] / m["cast"], "warmup_s": m["warmup"],
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{spec:12s} {with_info!s:5s} {path:9s} {row['meps']:8.1f} "
                       f"{row['vs_clone']:8.3f} {row['vs_native']:9.3f} {m['warmup']:10.2f} "
                       f"{'' if equal is None else str(equal):>9s}", flush=True)
-    rounding.set_compile("auto")
+    compiling.set_compile("auto")
     targeted = [r for r in rows if r["path"] == "compiled" and not r["info"]
                 and r["spec"] != "fp8_e4m3"]
     if targeted:

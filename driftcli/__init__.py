@@ -19,10 +19,10 @@ from driftcli.lazy import exports
 
 _API = {
     "FORMATS": "driftcli.formats", "Format": "driftcli.formats", "get_format": "driftcli.formats",
-    "PRESETS": "driftcli.spec", "Cast": "driftcli.spec", "parse_cast": "driftcli.spec",
+    "PRESETS": "driftcli.cast", "Cast": "driftcli.cast", "parse_cast": "driftcli.cast",
     "Overflow": "driftcli.modes", "Rounding": "driftcli.modes",
     "DriftError": "driftcli.errors",
-    "quantize": "driftcli.cast",
+    "quantize": "driftcli.quantization",
     "add": "driftcli.rounding", "multiply": "driftcli.rounding",
     "round_to_format": "driftcli.rounding", "stochastic_round": "driftcli.rounding",
     "MatmulSpec": "driftcli.arith.matmul", "matmul": "driftcli.arith.matmul",

@@ -1,836 +1,245 @@
-"""Casts applied: ``quantize`` and the statistics of a cast, on torch tensors. The casts
-themselves (a format, a scaling, a rounding mode, an overflow policy), their spec strings
-and presets are :mod:`driftcli.spec`.
+"""Casts as settings: a format, a scaling, a rounding mode and an overflow policy; the spec
+strings and the presets. Nothing here imports torch (``drift formats`` and ``--help`` use it).
+
+A cast spec is colon-separated parts, the element format first; the other
+parts may come in any order and are recognised by their words::
+
+    float8_e4m3fn:block32:float8_e8m0fnu:floor:rne:saturate     (the canonical form)
+    float8_e4m3fn:block32                                        (the same, by defaults)
+    float4_e2m1fn:block16:float8_e4m3fn:two-level                (NVFP4)
+    float8_e4m3fn:tensor:amax                                    (per-tensor current scaling)
+    mxfp8_e4m3_floor+1                                           (a preset)
+    mxfp4_e2m1:sr                                                (a preset, rounding changed)
+
+Granularity: ``none`` ``tensor`` ``channel`` ``block<k>`` ``tile<k>``. Rule:
+``floor`` ``floor+<k>`` ``ceil`` ``even`` ``amax`` ``amax-rne`` ``amax-up``
+``two-level``. Scale format: any format name. Rounding: ``rne`` ``rna``
+``rtz`` ``rup`` ``rdown`` ``sr``. Overflow: ``saturate`` ``ieee``. Defaults:
+no scaling; with a granularity, ``floor`` for blocks and tiles and ``amax``
+for tensors and channels; the scale format ``float8_e8m0fnu`` for
+power-of-two rules, ``float8_e4m3fn`` for ``two-level``, ``float32`` for the
+``amax`` rules; ``rne``; ``saturate``. ``str(cast)`` writes every part, in
+the order above, and ``parse_cast(str(c)) == c``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+import re
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
-import torch
-
-from driftcli import rounding as fast
-from driftcli.errors import DriftError
-from driftcli.modes import DEFAULT_SR_BITS, Granularity, Overflow, Rounding, ScaleRule
-from driftcli.scaling import (
-    ScalePlan,
-    block_stats,
-    plan_pow2_exponents,
-    plan_real_scales,
-    plan_two_level_scales,
-    pow2_exponents,
-    to_blocks,
-    two_level_scales,
-)
-from driftcli.spec import Cast, parse_cast
-
-Tensor = torch.Tensor
-
-
-# --- quantize ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class QuantInfo:
-    """What a cast did, element by element and block by block."""
-
-    values: Tensor
-    """The dequantized values, shaped and typed like the input."""
-    clipped: Tensor
-    """|x / s| above the element format's max (before saturation)."""
-    underflowed: Tensor
-    """x nonzero and finite, the result zero."""
-    subnormal: Tensor
-    """The result nonzero and, divided by its scale, below the element's smallest normal."""
-    nonfinite: Tensor
-    """The input element is NaN or ±inf."""
-    scales: Tensor
-    """The scale each block was divided by (float64; NaN for a nonfinite block)."""
-    scale_clamped: Tensor
-    """Per block: the rule's scale fell outside the scale format and was clamped."""
-    nonfinite_blocks: Tensor
-    """Per block: it held NaN or inf (block scalings make all its elements NaN)."""
-    tensor_scale: float | None = None
-    """The float32 tensor scale of a two-level cast."""
-
-
-def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int | None = None,
-             random_bits: Tensor | None = None, sr_bits: int = DEFAULT_SR_BITS,
-             return_info: bool = False) -> Tensor | QuantInfo:
-    """Cast ``x`` as the spec says and return the dequantized values (same shape and dtype).
-
-    ``axis`` is the axis blocks run along (the contraction axis of a matmul).
-    Stochastic rounding reads ``random_bits`` (shaped like ``x``) or draws
-    them from ``seed``. With ``return_info`` a :class:`QuantInfo` comes back.
-    """
-    c = parse_cast(cast_or_spec)
-    random_bits = _checked_bits("quantize", x, c, seed, random_bits, sr_bits)
-    return _quantize(x, c, axis, random_bits, sr_bits, return_info)
-
-
-def _checked_bits(what: str, x: Tensor, c: Cast, seed: int | None, random_bits: Tensor | None,
-                  sr_bits: int) -> Tensor | None:
-    """Check ``x`` is a float tensor; the random bits a stochastic cast reads (drawn from
-    ``seed`` when not given), checked against ``x``'s shape."""
-    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
-        raise DriftError(f"{what} needs a floating-point tensor, not {x.dtype}")
-    if c.rounding is Rounding.SR and random_bits is None:
-        if seed is None:
-            raise DriftError("stochastic rounding needs seed= or random_bits=")
-        random_bits = fast.draw_random_bits(x.shape, seed, sr_bits, x.device)
-    if random_bits is not None:
-        fast.check_random_bits(random_bits, x.shape, sr_bits)
-    return random_bits
-
-
-def _scales(amax: Tensor, tensor_amax: Tensor, c: Cast, job: int = 0) -> tuple[Tensor, Tensor]:
-    """Each row's scale (the exponent ``k`` of ``2**k``, or the divisor) and if it clamped;
-    compiled when ``job`` (elements of the work this is part of) makes that worth it."""
-    plan = ScalePlan.of(c.format, c.scaling)
-    div = plan.divisors(amax)
-    out = fast.run_compiled(_plan_scales, job, amax, tensor_amax, div, plan=plan) \
-        if job else None
-    return out if out is not None else _plan_scales(amax, tensor_amax, div, plan=plan)
-
-
-def _plan_scales(amax: Tensor, tensor_amax: Tensor, div: Tensor, *,
-                 plan: ScalePlan) -> tuple[Tensor, Tensor]:
-    if plan.rule.power_of_two:
-        return plan_pow2_exponents(amax, plan)
-    if plan.rule is ScaleRule.TWO_LEVEL:
-        two = plan_two_level_scales(amax, tensor_amax, div, plan)
-        return two.divisor, two.clamped
-    return plan_real_scales(amax, div, plan)
-
-
-def _apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, nonfinite: Tensor, *,
-           tgt: object, rounding: Rounding, overflow: Overflow, sr_bits: int, pow2: bool,
-           blocked: bool, wide: bool) -> Tensor:
-    """The element cast of every row under its scale: plain tensors and hashable constants
-    only, so a compiler sees one graph."""
-    if pow2:
-        # a scaled grid beyond float32's range is rounded in float64, then stored as float32
-        work = blocks.double() if wide else blocks
-        q = fast.round_fused(work, tgt, rounding, overflow, bits, scale[:, None],
-                             sr_bits).to(blocks.dtype)
-    else:
-        y = (blocks / scale[:, None]).contiguous()
-        q = fast.round_fused(y, tgt, rounding, overflow, bits, None, sr_bits) * scale[:, None]
-    if blocked:
-        q = torch.where(nonfinite[:, None], torch.nan, q)
-    return q
-
-
-def _scaled_values(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,
-                   tensor_amax: Tensor, *, c: Cast, sr_bits: int,
-                   wide: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Dequantized rows, each row's scale and whether it clamped, from the rows' amax."""
-    scale, clamped = _scales(amax, tensor_amax, c)
-    s = c.scaling
-    q = _apply(blocks, bits, scale, nonfinite, tgt=fast.target_of(c.format),
-               rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits,
-               pow2=bool(s.rule is not None and s.rule.power_of_two), blocked=s.blocked,
-               wide=wide)
-    return q, scale, clamped
-
-
-def _stats(blocks: Tensor) -> tuple[Tensor, Tensor]:
-    stats = block_stats(blocks)
-    return stats.amax, stats.nonfinite
-
-
-def _wide(amax: Tensor, c: Cast) -> bool:
-    """Whether a power-of-two scaled grid leaves float32's range for some block (then float64);
-    an unscaled cast's grid is its format's own (a scale of 2**0).
-
-    The extreme exponents bound every block's, as the rules are monotone in amax."""
-    low = high = 0
-    if c.scaling.granularity is not Granularity.NONE:
-        positive = torch.where(amax > 0, amax, torch.inf)
-        ends = torch.stack([positive.min(), amax.max()]).nan_to_num(posinf=1.0)
-        k, _ = pow2_exponents(torch.where(ends > 0, ends, 1.0), c.format, c.scaling)
-        low, high = int(k.min()), int(k.max())
-    return low + c.format.qmin < -149 or high + c.format.emax >= 128
+from driftcli.errors import CastSpecError, DriftError, FormatSpecError, close_matches
+from driftcli.formats import FORMATS, Format, get_format
+from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule
 
 
 @dataclass(frozen=True)
-class _Blocked:
-    """A cast done in block layout: one row per scale group."""
+class Scaling:
+    """Granularity, block size, scale format, rule and headroom binades (``floor+k``)."""
 
-    blocks: Tensor
-    q: Tensor
-    scales: Tensor
-    """Each row's scale as a float64 divisor (NaN for a nonfinite block)."""
-    clamped: Tensor
-    bad_blocks: Tensor
-    back: Callable[[Tensor], Tensor]
-    bits: Tensor | None
-    tensor_scale: float | None
+    granularity: Granularity = Granularity.NONE
+    block: int = 0
+    scale_format: Format | None = None
+    rule: ScaleRule | None = None
+    headroom: int = 0
 
+    def __post_init__(self) -> None:
+        blocked = self.granularity in (Granularity.BLOCK, Granularity.TILE)
+        if blocked and self.block < 1:
+            raise CastSpecError(f"{self.granularity.value} scaling needs a size, e.g. block32")
+        if not blocked and self.block:
+            raise CastSpecError(f"{self.granularity.value} scaling takes no block size")
+        if self.granularity is Granularity.NONE:
+            if self.scale_format is not None or self.rule is not None or self.headroom:
+                raise CastSpecError("an unscaled cast takes no scale format, rule or headroom")
+            return
+        if self.scale_format is None or self.rule is None:
+            raise CastSpecError("a scaled cast needs a scale format and a rule")
+        if self.headroom and self.rule is not ScaleRule.FLOOR:
+            raise CastSpecError(f"headroom (+{self.headroom}) applies to the floor rule only")
+        if self.headroom < 0:
+            raise CastSpecError("headroom must be a positive number of binades")
+        if self.rule is ScaleRule.TWO_LEVEL and not blocked:
+            raise CastSpecError("the two-level rule needs block or tile granularity")
 
-def _cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bits: int,
-                 tensor_amax: float | None) -> _Blocked:
-    """The cast of every scale group of ``x``; ``tensor_amax`` stands in for the tensor's own
-    amax when ``x`` is one slice of a larger tensor (per-tensor and two-level scales)."""
-    work = working(x)
-    elem, s = c.format, c.scaling
-    blocks, back = to_blocks(work, s, axis)
-    blocks = blocks.contiguous()
-    bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
-    n_rows = blocks.shape[0]
-    no_blocks = torch.zeros(n_rows, dtype=torch.bool, device=blocks.device)
-    rule = s.rule
-    pow2 = rule is not None and rule.power_of_two
-    tensor_scale = None
-    if s.granularity is Granularity.NONE or blocks.numel() == 0:
-        q = fast._round(blocks, None, elem, c.rounding, c.overflow, bits, sr_bits, blocks.dtype)
-        ones = torch.ones(n_rows, dtype=torch.float64, device=blocks.device)
-        return _Blocked(blocks, q, ones, no_blocks, no_blocks,
-                        back, bits, None)
-    out = None
-    n = blocks.numel() if s.blocked else 0  # only block and tile scalings compile
-    stats = fast.run_compiled(_stats, n, blocks)
-    if stats is not None:  # compiled: amax pass, scales per block eagerly, element pass
-        amax, nonfinite = stats
-        top = _tensor_amax(amax, tensor_amax)
-        scale, clamped = _scales(amax, top, c, n)
-        q = fast.run_compiled(
-            _apply, n, blocks, bits, scale, nonfinite, tgt=fast.target_of(elem),
-            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits, pow2=pow2,
-            blocked=True, wide=pow2 and _wide(amax, c))
-        out = None if q is None else (q, scale, clamped)
-    if out is None:
-        amax, nonfinite = _stats(blocks)
-        top = _tensor_amax(amax, tensor_amax)
-        if s.granularity is Granularity.TENSOR:
-            amax = top.expand_as(amax)
-        static = {"c": c, "sr_bits": sr_bits, "wide": pow2 and _wide(amax, c)}
-        # eagerly, in cache-sized slices (tensor and channel scalings always: one long row
-        # per tensor or channel has tripped dynamo's shape specialisation)
-        out = _sliced(blocks, bits, amax, nonfinite, top, static)
-    q, scale, clamped = out
-    bad_blocks = nonfinite if s.blocked else no_blocks
-    clamped = clamped & ~bad_blocks  # a NaN block's scale is NaN, not clamped
-    scales = torch.ldexp(torch.ones_like(scale, dtype=torch.float64), scale.double()) \
-        if pow2 else scale.double()
-    if s.blocked:
-        scales = torch.where(bad_blocks, torch.nan, scales)
-    if rule is ScaleRule.TWO_LEVEL:
-        tensor_scale = float(two_level_scales(amax[:1], top, elem, s).tensor_scale)
-    return _Blocked(blocks, q, scales, clamped, bad_blocks, back, bits, tensor_scale)
+    @property
+    def blocked(self) -> bool:
+        """Whether scales are per block or tile (which makes nonfinite blocks NaN)."""
+        return self.granularity in (Granularity.BLOCK, Granularity.TILE)
 
-
-def _tensor_amax(amax: Tensor, given: float | None) -> Tensor:
-    return amax.max() if given is None else torch.tensor(given, dtype=amax.dtype,
-                                                         device=amax.device)
 
 
 @dataclass(frozen=True)
-class _Masks:
-    """Per-element facts of a cast, in block layout."""
+class Cast:
+    """How one tensor is cast: element format, scaling, rounding, overflow."""
 
-    finite: Tensor
-    clipped: Tensor
-    underflowed: Tensor
-    subnormal: Tensor
+    format: Format
+    scaling: Scaling = field(default_factory=Scaling)
+    rounding: Rounding = Rounding.RNE
+    overflow: Overflow = Overflow.SATURATE
+
+    def __post_init__(self) -> None:
+        s = self.scaling
+        if s.rule is ScaleRule.TWO_LEVEL and s.scale_format is not None and (
+                s.scale_format.max * self.format.max > FORMATS["float32"].max):
+            raise CastSpecError(
+                f"two-level scaling needs a scale format whose max times {self.format.name}'s "
+                f"max fits a float32 (the tensor scale is amax / that product); "
+                f"{s.scale_format.name} does not: use float8_e4m3fn as NVFP4 does")
+
+    def __str__(self) -> str:
+        s = self.scaling
+        parts = [self.format.name]
+        if s.granularity is Granularity.NONE:
+            parts.append("none")
+        else:
+            size = str(s.block) if s.block else ""
+            rule = f"{s.rule}+{s.headroom}" if s.headroom else str(s.rule)
+            scale_name = s.scale_format.name if s.scale_format is not None else ""
+            parts += [f"{s.granularity}{size}", scale_name, rule]
+        return ":".join([*parts, self.rounding.value, self.overflow.value])
 
 
-def _masks(b: _Blocked, c: Cast, sr_bits: int) -> _Masks:
-    """Which elements clipped, underflowed, came out subnormal: the definitions of design §9,
-    with s the scale each element's block was divided by."""
-    elem, s = c.format, c.scaling
-    blocks, q, scales = b.blocks, b.q, b.scales
-    finite = torch.isfinite(blocks)
-    if s.rule is not None and s.rule.power_of_two:
-        exps = (torch.frexp(scales)[1] - 1).double()[:, None]  # scales are powers of two
-        top = torch.ldexp(torch.full_like(exps, float(elem.max)), exps)
-        bottom = torch.ldexp(torch.full_like(exps, float(elem.min)), exps)
-        small = torch.ldexp(torch.full_like(exps, float(elem.smallest_normal)), exps)
-        wide_blocks = blocks.double()
-        clipped = (wide_blocks > top) | (wide_blocks < bottom)
-        subnormal = (q != 0) & (q.double().abs() < small)
+# --- presets ----------------------------------------------------------------------------------
+
+E8M0 = FORMATS["float8_e8m0fnu"]
+
+
+def _mx(elem: str, rule: ScaleRule = ScaleRule.FLOOR, headroom: int = 0) -> Cast:
+    return Cast(FORMATS[elem], Scaling(Granularity.BLOCK, 32, E8M0, rule, headroom))
+
+
+_MX = {"mxfp8_e4m3": "float8_e4m3fn", "mxfp8_e5m2": "float8_e5m2",
+       "mxfp6_e3m2": "float6_e3m2fn", "mxfp6_e2m3": "float6_e2m3fn",
+       "mxfp4_e2m1": "float4_e2m1fn", "mxint8": "int8"}
+_NVFP4 = (FORMATS["float4_e2m1fn"], FORMATS["float8_e4m3fn"])
+
+PRESETS: dict[str, tuple[Cast, str]] = {
+    "bf16": (Cast(FORMATS["bfloat16"], overflow=Overflow.IEEE),
+             "plain bfloat16 cast, no scaling (overflow to inf, as torch)"),
+    "fp16": (Cast(FORMATS["float16"], overflow=Overflow.IEEE),
+             "plain float16 cast, no scaling (overflow to inf, as torch)"),
+    "fp8_e4m3": (Cast(FORMATS["float8_e4m3fn"],
+                      Scaling(Granularity.TENSOR, 0, FORMATS["float32"], ScaleRule.AMAX)),
+                 "FP8 E4M3 with one float32 scale amax/448 per tensor (current scaling)"),
+    "fp8_e5m2": (Cast(FORMATS["float8_e5m2"],
+                      Scaling(Granularity.TENSOR, 0, FORMATS["float32"], ScaleRule.AMAX)),
+                 "FP8 E5M2 with one float32 scale amax/57344 per tensor (current scaling)"),
+    "fp8_e4m3_unscaled": (Cast(FORMATS["float8_e4m3fn"]), "the bare FP8 E4M3 cast, scale 1"),
+    **{name: (_mx(elem), f"OCP MX: {elem} in blocks of 32, E8M0 scale, floor rule")
+       for name, elem in _MX.items()},
+    **{f"{name}_ceil": (_mx(elem, ScaleRule.CEIL), f"{name} with the scale rounded up (ceil)")
+       for name, elem in _MX.items()},
+    **{f"{name}_even": (_mx(elem, ScaleRule.EVEN), f"{name} with the even rule")
+       for name, elem in _MX.items()},
+    **{f"{name}_floor+1": (_mx(elem, headroom=1), f"{name} with one binade of headroom")
+       for name, elem in _MX.items()},
+    "nvfp4": (Cast(_NVFP4[0], Scaling(Granularity.BLOCK, 16, _NVFP4[1], ScaleRule.TWO_LEVEL)),
+              "NVFP4: FP4 E2M1 in blocks of 16, E4M3 block scales under a float32 tensor scale"),
+    "nvfp4_2d": (Cast(_NVFP4[0], Scaling(Granularity.TILE, 16, _NVFP4[1], ScaleRule.TWO_LEVEL)),
+                 "NVFP4 with 16x16 tiles (as for weights)"),
+}
+"""Every preset: its cast and what it means."""
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+_GRANULARITY = re.compile(r"(none|tensor|channel)|(block|tile)(\d+)")
+_RULE = re.compile(r"(.+?)(?:\+(\d+))?")
+"""A rule part: a :class:`ScaleRule` member's name, optionally ``+<headroom>``; the names are
+the members' (read at parse time, so the grammar is the enum)."""
+
+
+class _Parts(NamedTuple):
+    granularity: tuple[Granularity, int] | None
+    rule: tuple[ScaleRule, int] | None
+    scale_format: Format | None
+    rounding: Rounding | None
+    overflow: Overflow | None
+
+
+def _bad(spec: str, part: str, why: str, hint: str = "") -> CastSpecError:
+    return CastSpecError(f"cast spec {spec!r}: {why} {part!r}{hint}; write FORMAT[:GRANULARITY]"
+                         "[:SCALE_FORMAT][:RULE][:ROUNDING][:OVERFLOW], e.g. "
+                         "float8_e4m3fn:block32:floor, or a preset (drift formats --presets)")
+
+
+def _classify(spec: str, parts: list[str]) -> _Parts:
+    found: dict[str, object] = {}
+
+    def put(kind: str, value: object, part: str) -> None:
+        if kind in found:
+            raise _bad(spec, part, f"a second {kind}")
+        found[kind] = value
+
+    for part in parts:
+        if g := _GRANULARITY.fullmatch(part):
+            gran = Granularity(g[1] or g[2])
+            put("granularity", (gran, int(g[3] or 0)), part)
+        elif (r := _RULE.fullmatch(part)) and r[1] in ScaleRule.__members__.values():
+            put("rule", (ScaleRule(r[1]), int(r[2] or 0)), part)
+        elif part in Rounding.__members__.values():
+            put("rounding", Rounding(part), part)
+        elif part in Overflow.__members__.values():
+            put("overflow", Overflow(part), part)
+        elif part in FORMATS or re.fullmatch(r"e\d+m\d+(b-?\d+)?", part):
+            try:
+                put("scale format", get_format(part), part)
+            except FormatSpecError as err:
+                raise CastSpecError(f"cast spec {spec!r}: scale format: {err}") from None
+        else:
+            words = ["none", "tensor", "channel", "block32", "tile16", *list(ScaleRule),
+                     *list(Rounding), *list(Overflow), *FORMATS]
+            guess = close_matches(part, words).removeprefix("; ")
+            raise _bad(spec, part, "unknown part", f" ({guess})" if guess else "")
+    return _Parts(found.get("granularity"), found.get("rule"),  # type: ignore[arg-type]
+                  found.get("scale format"), found.get("rounding"),  # type: ignore[arg-type]
+                  found.get("overflow"))  # type: ignore[arg-type]
+
+
+def parse_cast(spec: str | Cast) -> Cast:
+    """A :class:`Cast` from a preset name or a spec string (see the module docs)."""
+    if isinstance(spec, Cast):
+        return spec
+    if spec in PRESETS:
+        return PRESETS[spec][0]
+    head, *rest = spec.strip().split(":")
+    if head in PRESETS:  # a preset with its rounding or overflow changed: mxfp4_e2m1:sr
+        base = PRESETS[head][0]
+        p = _classify(spec, rest)
+        if p.granularity or p.rule or p.scale_format:
+            raise _bad(spec, ":".join(rest), "a preset fixes its scaling; write the full spec "
+                       f"({base}) to change it, not")
+        return replace(base, rounding=p.rounding or base.rounding,
+                       overflow=p.overflow or base.overflow)
+    try:
+        elem = get_format(head)
+    except FormatSpecError as err:
+        raise CastSpecError(f"cast spec {spec!r}: {err}") from None
+    except DriftError:
+        raise CastSpecError(
+            f"cast spec {spec!r}: unknown format or preset {head!r}"
+            f"{close_matches(head, [*PRESETS, *FORMATS])} (see drift formats --presets)") from None
+    p = _classify(spec, rest)
+    gran, size = p.granularity or (Granularity.NONE, 0)
+    if gran is Granularity.NONE:
+        if p.rule is not None or p.scale_format is not None:
+            raise _bad(spec, ":".join(rest), "a rule or scale format needs a granularity, not")
+        scaling = Scaling()
     else:
-        y, qy = blocks, q
-        if s.granularity is not Granularity.NONE:  # the same float division the cast made
-            y = (blocks / scales.to(blocks.dtype)[:, None]).contiguous()
-            qy = fast._round(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits, y.dtype)
-        clipped = (y > float(elem.max)) | (y < float(elem.min))
-        subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
-    underflowed = (blocks != 0) & finite & (q == 0)
-    clipped = clipped & finite & ~b.bad_blocks[:, None]
-    return _Masks(finite, clipped, underflowed, subnormal & torch.isfinite(q))
-
-
-def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
-              sr_bits: int, want_info: bool) -> Tensor | QuantInfo:
-    """The cast; the masks only when asked (they cost more passes than the cast itself)."""
-    b = _cast_blocks(x, c, axis, random_bits, sr_bits, None)
-    if not want_info:
-        return b.back(b.q).to(x.dtype)
-    m = _masks(b, c, sr_bits)
-    return QuantInfo(
-        values=b.back(b.q).to(x.dtype), clipped=b.back(m.clipped),
-        underflowed=b.back(m.underflowed), subnormal=b.back(m.subnormal),
-        nonfinite=b.back(~m.finite), scales=b.scales, scale_clamped=b.clamped,
-        nonfinite_blocks=b.bad_blocks, tensor_scale=b.tensor_scale)
-
-
-_ROUNDED = ("nonzero", "underflowed", "subnormal", "lost", "xx", "ee", "ex", "e_sum")
-"""The :class:`CastStats` fields that need the rounded values (``None`` without them), in
-the order :func:`_sums_pass` adds them up."""
-
-
-def _rounded(blocks: Tensor, bits: Tensor | None, scale: Tensor, *, tgt: object,
-             rounding: Rounding, overflow: Overflow, sr_bits: int, pow2: bool,
-             wide: bool) -> Tensor:
-    """The element cast of every row, before its scale is multiplied back in for real-valued
-    scales (``q / s``), or with it for powers of two (``q``). Stored, not recomputed: a
-    compiler otherwise repeats the whole rounding once per sum that reads it."""
-    if pow2:
-        work = blocks.double() if wide else blocks
-        return fast.round_fused(work, tgt, rounding, overflow, bits, scale[:, None],
-                                sr_bits).to(blocks.dtype)
-    y = blocks / scale[:, None]
-    return fast.round_fused(y, tgt, rounding, overflow, bits, None, sr_bits)
-
-
-def _sums_pass(blocks: Tensor, r: Tensor, scale: Tensor, nonfinite: Tensor, limits: Tensor, *,
-               pow2: bool, blocked: bool, elem: tuple[float, ...],
-               want_q: bool) -> tuple[Tensor, Tensor | None]:
-    """The sums of :class:`CastStats` that need the rounded rows ``r`` of :func:`_rounded`
-    (:data:`_ROUNDED`), in one compiled pass: the masks of :func:`_masks` are never stored.
-    Only whole-tensor sums: a per-row reduction among them makes the compiler loop row by
-    row, ten times slower. (Clipping needs no rounding: :func:`_clip_pass` counts it.)
-
-    ``limits`` holds, per row of a power-of-two scaling, ``max·s``, ``min·s`` and
-    ``smallest_normal·s`` (exact in the rounding dtype); ``elem`` the same three unscaled.
-    """
-    e_small = elem[2]
-    if pow2:
-        q = r
-        subnormal = (q != 0) & (q.to(limits.dtype).abs() < limits[:, 2:3])
-    else:
-        q = r * scale[:, None]
-        subnormal = (r != 0) & (r.abs() < e_small)
-    finite = torch.isfinite(blocks)
-    if blocked:
-        q = torch.where(nonfinite[:, None], torch.nan, q)
-    subnormal = subnormal & torch.isfinite(q)
-    xd, qd = blocks.double(), q.double()
-    valid = finite & torch.isfinite(qd)
-    e = torch.where(valid, qd - xd, 0.0)
-    xv = torch.where(valid, xd, 0.0)
-    nonzero = (blocks != 0) & finite
-    sums = torch.stack([
-        nonzero.sum().double(), (nonzero & (q == 0)).sum().double(), subnormal.sum().double(),
-        (finite & ~valid).sum().double(), (xv * xv).sum(), (e * e).sum(), (e * xv).sum(),
-        e.sum()])
-    return sums, (q if want_q else None)
-
-
-def _abs_sum(x: Tensor) -> Tensor:
-    """Σ|x| in float64: NaN or inf when ``x`` holds one (then :func:`slice_facts` masks)."""
-    return x.abs().double().sum()
-
-
-@dataclass(frozen=True)
-class _ClipRule:
-    """How an element pass tells a clip: the constants of its compiled graph."""
-
-    pow2: bool
-    """Compare ``x`` with the exact ``M·s`` and ``min·s`` of a power-of-two scale in
-    ``limits``; else divide as the cast does."""
-    blocked: bool
-    """A NaN or inf makes its whole block NaN: none of it clips."""
-    e_max: float
-    e_min: float
-    split: bool = False
-    """Sum the excess |x| - M·s as two float32 parts, see :func:`_clip_pass`."""
-
-
-def _clipped(blocks: Tensor, scale: Tensor, limits: Tensor, rule: _ClipRule) -> Tensor:
-    """|x / s| > M, element by element (NaN and inf excluded)."""
-    if rule.pow2:
-        work = blocks.to(limits.dtype)
-        out = (work > limits[:, 0:1]) | (work < limits[:, 1:2])
-    else:
-        y = blocks / scale[:, None]
-        out = (y > rule.e_max) | (y < rule.e_min)
-    return out & torch.isfinite(blocks)
-
-
-def _clip_pass(blocks: Tensor, scale: Tensor, limits: Tensor, nonfinite: Tensor, *,
-               rule: _ClipRule) -> Tensor:
-    """Clipped elements, Σ over them of |x| - M·s, and how many of them the split sum could
-    not take exactly, in one compiled pass of whole-tensor sums (see :func:`_sums_pass` on
-    per-row ones).
-
-    Each term |x| - M·s is exact in float64, but float64 work per element is slow here.
-    With ``rule.split`` (float32 input) it is summed as (|x| - t) - d, ``t`` = M·s rounded
-    to float32 and ``d`` = M·s - t: ``|x| - t`` is exact in float32 where |x| <= 2t
-    (Sterbenz; |x| > M·s keeps it above t/2), and ``d`` (a few bits) is a float32 unless
-    ``t`` is subnormal or infinite. Elements where either fails are counted in the third
-    sum, and the caller then sums them all in float64 instead."""
-    clipped = _clipped(blocks, scale, limits, rule)
-    if rule.blocked:
-        clipped = clipped & ~nonfinite[:, None]
-    exact = limits[:, 0:1].double() if rule.pow2 else (scale.double() * rule.e_max)[:, None]
-    if not rule.split:
-        return torch.stack([clipped.sum().double(),
-                            torch.where(clipped, blocks.abs().double() - exact, 0.0).sum(),
-                            torch.zeros((), dtype=torch.float64, device=blocks.device)])
-    t = exact.float()
-    d = (exact - t.double()).float()
-    mags = blocks.abs()
-    whole = (d.double() == exact - t.double()) & torch.isfinite(t) & (t != 0)
-    unsafe = clipped & ((mags > 2 * t) | ~whole)
-    return torch.stack([clipped.sum().double(),
-                        torch.where(clipped, mags - t, 0.0).double().sum()
-                        - torch.where(clipped, d, 0.0).double().sum(),
-                        unsafe.sum().double()])
-
-
-GATHER_SHARE = 4
-"""Clipping is counted on a copy of the candidate rows when they are fewer than one row in
-this many, else on all rows in place (copying then costs more than it saves)."""
-
-
-def _rows(t: Tensor, rows: Tensor) -> Tensor:
-    return t.index_select(0, rows)  # 10x faster than t[rows] here
-
-
-def _clip_sums(blocks: Tensor, candidates: Tensor, n_candidates: int, scale: Tensor,
-               limits: Tensor, nonfinite: Tensor, job: int, rule: _ClipRule) -> Tensor | None:
-    """:func:`_clip_pass` over the rows that may clip: no other row can."""
-    if n_candidates * GATHER_SHARE >= blocks.shape[0]:
-        return fast.run_compiled(_clip_pass, job, blocks, scale, limits, nonfinite, rule=rule)
-    rows = candidates.nonzero()[:, 0]
-    return fast.run_compiled(_clip_pass, job, _rows(blocks, rows), _rows(scale, rows),
-                             _rows(limits, rows) if rule.pow2 else limits,
-                             _rows(nonfinite, rows), rule=rule)
-
-
-def _rows_clipping(blocks: Tensor, sure: int, maybe: Tensor, scale: Tensor, limits: Tensor,
-                   rule: _ClipRule) -> int:
-    """Rows holding a clipped element: the ``sure`` ones of :func:`_row_pass` and those of
-    the ``maybe`` rows that do, settled element by element."""
-    rows = maybe.nonzero()[:, 0]
-    if rows.numel() == 0:
-        return sure
-    clipped = _clipped(_rows(blocks, rows), _rows(scale, rows),
-                       _rows(limits, rows) if rule.pow2 else limits, rule)
-    return sure + int(clipped.any(dim=1).sum())
-
-
-@dataclass(frozen=True)
-class CastStats:
-    """Exact counts and float64 sums of one cast over a tensor or one slice of it.
-
-    ``x`` is the input, ``q`` its cast, ``s`` the scale of each element's group, ``M``
-    the element format's largest finite value, ``e = q - x``. Slices of one tensor add
-    with :meth:`merge`. The fields that need ``q`` are ``None`` when the counting skipped
-    the rounding (``cast_stats(..., rounded=False)``).
-    """
-
-    numel: int
-    """Elements of the input."""
-    nonfinite: int
-    """Input elements that are NaN or ±inf."""
-    nonzero: int | None
-    """Finite, nonzero input elements."""
-    groups: int
-    """Scale groups: blocks, tiles, channels; 1 for a tensor scale or no scaling."""
-    clipped: int
-    """Finite elements with |x / s| > M."""
-    clipped_groups: int
-    """Scale groups holding at least one clipped element."""
-    clip_excess: float
-    """Σ over clipped elements of |x| - M·s."""
-    abs_sum: float
-    """Σ |x| over finite elements."""
-    underflowed: int | None
-    """x finite and nonzero, q zero."""
-    subnormal: int | None
-    """q finite and nonzero with |q / s| below the element format's smallest normal."""
-    scale_clamped: int
-    """Scale groups whose scale fell outside the scale format and was clamped."""
-    nonfinite_groups: int
-    """Scale groups holding a NaN or inf (block scalings make the whole group NaN)."""
-    lost: int | None
-    """Finite elements whose cast is not finite (a NaN block, or overflow under ``ieee``)."""
-    xx: float | None
-    """Σ x² over elements where x and q are finite."""
-    ee: float | None
-    """Σ e² over the same elements."""
-    ex: float | None
-    """Σ e·x over the same elements."""
-    e_sum: float | None
-    """Σ e over the same elements."""
-
-    @staticmethod
-    def merge(parts: list[CastStats], per_tensor: bool) -> CastStats:
-        """The stats of a whole tensor from those of its slices; ``per_tensor`` when the
-        cast has one scale for the whole tensor (each slice then counted that one group).
-        A field is ``None`` when any slice's is."""
-        if not parts:
-            return CastStats(*(0 for _ in _STAT_FIELDS))  # type: ignore[arg-type]
-        total = {f: _total([getattr(p, f) for p in parts]) for f in _STAT_FIELDS}
-        if per_tensor:
-            for f in ("groups", "clipped_groups", "scale_clamped", "nonfinite_groups"):
-                total[f] = min(total[f], 1)
-        return CastStats(**total)
-
-
-def _total(values: list[Any]) -> Any:
-    return None if any(v is None for v in values) else sum(values)
-
-
-def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
-               random_bits: Tensor | None = None, seed: int | None = None,
-               sr_bits: int = DEFAULT_SR_BITS, tensor_amax: float | None = None,
-               job_elements: int = 0, want_values: bool = True, rounded: bool = True,
-               facts: SliceFacts | None = None) -> tuple[CastStats, Tensor | None]:
-    """Cast ``x`` and count what happened (:class:`CastStats`); also the dequantized values
-    (None with ``want_values=False``).
-
-    ``tensor_amax`` is the amax of the whole tensor when ``x`` is one slice of it (see
-    :func:`finite_amax`), so per-tensor and two-level scales match the whole tensor's.
-    ``job_elements`` is the size of the whole job the call is part of (a scan of many
-    tensors), so the compiler is used when that, not this one tensor, is worth it.
-    ``rounded=False`` counts only what needs no rounding (clipping, scales, non-finite
-    inputs): several times faster; the other fields are ``None`` and no values come back,
-    and a stochastic cast needs no seed. ``facts`` are ``x``'s :func:`slice_facts`, when
-    several casts of ``x`` share them.
-    """
-    c = parse_cast(cast_or_spec)
-    if not rounded:
-        if want_values:
-            raise DriftError("cast_stats: values need the rounding; pass want_values=False "
-                             "with rounded=False")
-        c = replace(c, rounding=Rounding.RTZ)  # clipping and scales do not depend on it
-        seed = random_bits = None
-    random_bits = _checked_bits("cast_stats", x, c, seed, random_bits, sr_bits)
-    fused = _fused_stats(x, c, axis, random_bits, sr_bits, tensor_amax,
-                         max(job_elements, x.numel()), want_values, rounded, facts)
-    if fused is not None:
-        return fused
-    b = _cast_blocks(x, c, axis, random_bits, sr_bits, tensor_amax)
-    m = _masks(b, c, sr_bits)
-    xd, qd = b.blocks.double(), b.q.double()
-    scale = b.scales[:, None]
-    valid = m.finite & torch.isfinite(qd)
-    e = torch.where(valid, qd - xd, 0.0)
-    xv = torch.where(valid, xd, 0.0)
-    mags = torch.where(m.finite, xd.abs(), 0.0)
-    excess = torch.where(m.clipped, mags - float(c.format.max) * scale, 0.0)
-    n_nonfinite = int((~m.finite).sum())
-    stats = CastStats(
-        numel=x.numel(), nonfinite=n_nonfinite,
-        nonzero=int(((xd != 0) & m.finite).sum()), groups=b.blocks.shape[0] if x.numel() else 0,
-        clipped=int(m.clipped.sum()), clipped_groups=int(m.clipped.any(dim=1).sum()),
-        clip_excess=float(excess.sum()), abs_sum=float(mags.sum()),
-        underflowed=int(m.underflowed.sum()), subnormal=int(m.subnormal.sum()),
-        scale_clamped=int(b.clamped.sum()), nonfinite_groups=int(b.bad_blocks.sum()),
-        lost=int((m.finite & ~valid).sum()), xx=float((xv * xv).sum()),
-        ee=float((e * e).sum()), ex=float((e * xv).sum()), e_sum=float(e.sum()))
-    if not rounded:
-        return replace(stats, **dict.fromkeys(_ROUNDED)), None
-    return stats, (b.back(b.q).to(x.dtype) if want_values else None)
-
-
-_STAT_FIELDS = tuple(CastStats.__dataclass_fields__)
-
-
-TENSOR_ROW = 1 << 12
-"""Row length a per-tensor scaled tensor is folded into for the fused pass (zero padded:
-zeros add nothing to any sum)."""
-
-_WHOLE = (Granularity.TENSOR, Granularity.NONE)
-"""Granularities whose one scale (a tensor's, or 2**0) the fused pass folds into rows of
-:data:`TENSOR_ROW`."""
-
-
-def _abs_max(blocks: Tensor) -> Tensor:
-    """Each row's largest magnitude: NaN where the row holds a NaN, inf where it holds an
-    inf and no NaN (max propagates NaN)."""
-    return blocks.abs().amax(dim=1)
-
-
-def _row_amax(blocks: Tensor, job: int, raw: Tensor | None = None,
-              all_finite: bool = False) -> tuple[Tensor, Tensor] | None:
-    """Each row's amax over its finite elements and which rows hold a NaN or inf (as
-    :func:`driftcli.scaling.block_stats`), from one compiled NaN-propagating reduction (or
-    its result ``raw``, shared from :class:`SliceFacts`); only the rows that hold a NaN or
-    inf are reduced again, masked (none when ``all_finite`` says so). None when the
-    compiler is not used."""
-    a = raw if raw is not None else fast.run_compiled(_abs_max, job, blocks)
-    if a is None:
-        return None
-    if all_finite:
-        return a, torch.zeros(a.shape, dtype=torch.bool, device=a.device)
-    bad = ~torch.isfinite(a)
-    rows = bad.nonzero()[:, 0]
-    if rows.numel():
-        a = a.clone()
-        a[rows] = block_stats(blocks.index_select(0, rows)).amax
-    return a, bad
-
-
-def run_length(shape: tuple[int, ...], c: Cast, axis: int) -> int:
-    """How many consecutive elements of the flattened tensor each of ``c``'s scale groups
-    is (a last one zero padded): :data:`TENSOR_ROW` for a tensor scale or none (as the fused
-    pass folds them), the block for blocks along the last axis that divide it; 0 for any other
-    layout (tiles, channels, blocks along another axis)."""
-    s = c.scaling
-    if not shape:
-        return 0
-    if s.granularity in _WHOLE:
-        return TENSOR_ROW
-    if s.granularity is Granularity.BLOCK and axis % len(shape) == len(shape) - 1 and \
-            shape[-1] % s.block == 0:
-        return s.block
-    return 0
-
-
-@dataclass(frozen=True)
-class SliceFacts:
-    """What every cast of one tensor, or one slice of it, shares: read from it once (see
-    :func:`slice_facts`) instead of once per cast."""
-
-    finite: int
-    """Finite elements."""
-    abs_sum: float
-    """Σ|x| over them, in float64."""
-    chunk: int = 0
-    """Elements per entry of ``amax``; 0 without it."""
-    amax: Tensor | None = None
-    """Per run of ``chunk`` consecutive elements of the flattened input, its largest
-    magnitude: NaN where the run holds a NaN, inf where an inf (as :func:`_abs_max`).
-    A cast whose scale groups are whole runs of these (blocks along the last axis, a
-    tensor scale) takes its groups' amax from it."""
-
-    def group_amax(self, x: Tensor, c: Cast, axis: int) -> Tensor | None:
-        """The raw amax of each row of ``c``'s block layout of ``x``, or None where the
-        layout is not made of whole runs."""
-        k = run_length(tuple(x.shape), c, axis)
-        if self.amax is None or not k or k % self.chunk:
-            return None
-        r = k // self.chunk
-        a = self.amax
-        if a.numel() % r:  # a tensor scale's last row is zero padded, and so is this
-            a = torch.nn.functional.pad(a, (0, -a.numel() % r))
-        return a.view(-1, r).amax(dim=1) if r > 1 else a
-
-
-def working_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype casts work in: float64 stays, every other float widens exactly to
-    float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def working(x: Tensor) -> Tensor:
-    """``x`` in its :func:`working_dtype`."""
-    return x.to(working_dtype(x.dtype))
-
-
-def _flat(x: Tensor) -> Tensor:
-    return working(x).reshape(-1)
-
-
-def run_amax(x: Tensor, chunk: int, job: int = 0) -> Tensor | None:
-    """The largest magnitude of each run of ``chunk`` consecutive elements of ``x``
-    flattened, NaN or inf where a run holds one (as :attr:`SliceFacts.amax`); None unless
-    ``chunk`` divides ``x.numel()``. Compiled when ``job`` makes that worth it."""
-    flat = _flat(x)
-    if not chunk or not flat.numel() or flat.numel() % chunk:
-        return None
-    blocks = flat.view(-1, chunk)
-    amax = fast.run_compiled(_abs_max, job, blocks) if job else None
-    return amax if amax is not None else _abs_max(blocks)
-
-
-def slice_facts(x: Tensor, chunk: int = 0, job: int = 0,
-                amax: Tensor | None = None) -> SliceFacts:
-    """The :class:`SliceFacts` of ``x``: its :func:`run_amax` (given as ``amax``, or
-    computed), its finite count and Σ|x|; compiled when ``job`` (elements of the work this
-    is part of) makes that worth it.
-    """
-    flat = _flat(x)
-    amax = amax if amax is not None else run_amax(flat, chunk, job)
-    total = fast.run_compiled(_abs_sum, job, flat) if job else None
-    total = total if total is not None else _abs_sum(flat)
-    if flat.numel() == 0 or bool(torch.isfinite(total)):
-        finite, abs_sum = flat.numel(), float(total)
-    else:  # a NaN or inf: count and add up the finite elements only
-        ok = torch.isfinite(flat)
-        finite, abs_sum = int(ok.sum()), float(torch.where(ok, flat.abs(), 0.0).double().sum())
-    return SliceFacts(finite, abs_sum, chunk if amax is not None else 0, amax)
-
-
-def _row_pass(amax: Tensor, row_amax: Tensor, nonfinite: Tensor, tensor_amax: Tensor,
-              div: Tensor, *, plan: ScalePlan | None, pow2: bool, wide: bool, blocked: bool,
-              ends: tuple[float, float, float]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Everything per row, in one compiled graph: the scales from ``amax`` (2**0 for an
-    unscaled cast, ``plan`` None), the limits
-    the element passes compare with, counts of the rows whose scale clamped and that hold a
-    NaN or inf, and per row which sides of the range its amax lies beyond (1: above ``M``,
-    2: below ``min``, 3: both; 0 for a NaN block).
-
-    The cast is monotone and odd, so a row clips if and only if its largest magnitude
-    ``row_amax`` does, on the side of its sign: beyond both ``M`` and ``-min`` it surely
-    clips, beyond neither it cannot, in between (only where the range is not symmetric, as
-    int8's) it may, and :func:`_rows_clipping` looks."""
-    if plan is None:
-        scale = torch.zeros(amax.shape, dtype=torch.long, device=amax.device)
-        clamped = torch.zeros(amax.shape, dtype=torch.bool, device=amax.device)
-    else:
-        scale, clamped = _plan_scales(amax, tensor_amax, div, plan=plan)
-    e_max, e_min, e_small = ends
-    if pow2:
-        # 2**k from its bits: every k a scale format allows is a normal float64
-        unit = ((scale.long() + 1023) << 52).view(torch.float64)
-        limits = torch.stack([unit * e_max, unit * e_min, unit * e_small], dim=1)
-        limits = limits if wide else limits.to(amax.dtype)  # exact: the grid fits float32
-        top = row_amax.to(limits.dtype)
-        above, below = top > limits[:, 0], -top < limits[:, 1]
-    else:
-        limits = torch.zeros(1, 3, dtype=amax.dtype, device=amax.device)
-        above, below = row_amax / scale > e_max, -row_amax / scale < e_min
-    bad = nonfinite if blocked else torch.zeros_like(nonfinite)
-    counts = torch.stack([(clamped & ~bad).sum(), bad.sum()])
-    # one small output, not three masks: each output of its own re-derives the scales
-    side = torch.where(bad, 0, above.to(torch.int8) + 2 * below.to(torch.int8))
-    return scale, limits, counts, side
-
-
-def runs_compiled(job_elements: int) -> bool:
-    """Whether :func:`cast_stats` casts in compiled passes in a job of this many elements
-    (every cast does where the compiler is used); else it casts eagerly, with float64
-    temporaries of several times its input."""
-    return fast.compiled(_sums_pass, job_elements) is not None
-
-
-def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: int,
-                 tensor_amax: float | None, job: int, want_q: bool, rounded: bool,
-                 facts: SliceFacts | None) -> tuple[CastStats, Tensor | None] | None:
-    """:func:`cast_stats` as compiled passes: row amax, row scales (one row per block, tile
-    or channel; an unscaled or tensor-scaled tensor folded into rows of :data:`TENSOR_ROW`),
-    the element cast with its sums (when ``rounded``), clipping on the rows that can clip.
-    None for an empty input or where the compiler is not used (then the eager path runs)."""
-    s, elem = c.scaling, c.format
-    one_scale = s.granularity in _WHOLE  # one scale for the tensor, or none
-    if x.numel() == 0 or not runs_compiled(job):
-        return None
-    work = working(x)
-    if one_scale:
-        n = work.numel()
-        pad = -n % TENSOR_ROW
-        flat = work.reshape(-1)
-        blocks = (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).reshape(-1, TENSOR_ROW)
-        rbits = None if bits is None else torch.nn.functional.pad(
-            bits.reshape(-1), (0, pad)).reshape(-1, TENSOR_ROW)
-
-        def back(t: Tensor) -> Tensor:
-            return t.reshape(-1)[:n].reshape(x.shape)
-    else:
-        blocks, back = to_blocks(work, s, axis)
-        blocks = blocks.contiguous()
-        rbits = None if bits is None else to_blocks(bits, s, axis)[0].contiguous()
-    facts = facts or slice_facts(work, job=job)
-    got = _row_amax(blocks, job, facts.group_amax(work, c, axis), facts.finite == x.numel())
-    if got is None:
-        return None
-    row_amax, nonfinite = got
-    top = _tensor_amax(row_amax, tensor_amax)
-    amax = top.expand_as(row_amax) if one_scale else row_amax
-    unscaled = s.granularity is Granularity.NONE
-    pow2 = unscaled or bool(s.rule is not None and s.rule.power_of_two)
-    wide = pow2 and _wide(amax, c)
-    plan = None if unscaled else ScalePlan.of(elem, s)
-    div = amax.new_zeros(2) if plan is None else plan.divisors(amax)
-    ends = (float(elem.max), float(elem.min), float(elem.smallest_normal))
-    rows = fast.run_compiled(_row_pass, job, amax, row_amax, nonfinite, top, div, plan=plan,
-                             pow2=pow2, wide=wide, blocked=s.blocked, ends=ends)
-    if rows is None:
-        return None
-    scale, limits, row_counts, side = rows
-    n_clamped, n_bad = (int(t) for t in row_counts.tolist())
-    candidates = side != 0
-    rule = _ClipRule(pow2, s.blocked, ends[0], ends[1])
-    n_candidates = int(candidates.sum())
-    if ends[1] == -ends[0]:  # a symmetric range: every candidate clips
-        clipped_rows = n_candidates
-    else:
-        clipped_rows = _rows_clipping(blocks, int((side == 3).sum()), candidates & (side != 3),
-                                      scale, limits, rule)
-    v: dict[str, Any] = dict.fromkeys(_ROUNDED)
-    v["abs_sum"], clipped, excess = facts.abs_sum, 0, 0.0
-    if clipped_rows:
-        part = _clip_sums(blocks, candidates, n_candidates, scale, limits, nonfinite, job,
-                          replace(rule, split=work.dtype == torch.float32 and not wide))
-        if part is not None and part[2]:
-            part = _clip_sums(blocks, candidates, n_candidates, scale, limits, nonfinite, job,
-                              rule)
-        if part is None:
-            return None
-        clipped, excess, _ = part.tolist()
-    q = None
-    if rounded:
-        r = fast.run_compiled(
-            _rounded, job, blocks, rbits, scale, tgt=fast.target_of(elem), rounding=c.rounding,
-            overflow=c.overflow, sr_bits=sr_bits, pow2=pow2, wide=wide)
-        out = None if r is None else fast.run_compiled(
-            _sums_pass, job, blocks, r, scale, nonfinite, limits, pow2=pow2,
-            blocked=s.blocked, elem=ends, want_q=want_q)
-        if out is None:
-            return None
-        sums, q = out
-        got = dict(zip(_ROUNDED, sums.tolist(), strict=True))
-        v |= {k: val if k in ("xx", "ee", "ex", "e_sum") else int(val) for k, val in got.items()}
-    clipped = int(clipped)
-    stats_ = CastStats(
-        numel=x.numel(), nonfinite=x.numel() - facts.finite, nonzero=v["nonzero"],
-        groups=1 if one_scale else blocks.shape[0], clipped=clipped,
-        clipped_groups=min(clipped, 1) if one_scale else clipped_rows, clip_excess=excess,
-        abs_sum=v["abs_sum"], underflowed=v["underflowed"], subnormal=v["subnormal"],
-        scale_clamped=min(n_clamped, 1) if one_scale else n_clamped,
-        nonfinite_groups=n_bad, lost=v["lost"], xx=v["xx"], ee=v["ee"], ex=v["ex"],
-        e_sum=v["e_sum"])
-    return stats_, (None if q is None else back(q).to(x.dtype))
-
-
-def finite_amax(x: Tensor, job: int = 0, runs: Tensor | None = None) -> float:
-    """The largest finite magnitude in ``x`` (0 when there is none), as scales read it, from
-    its :func:`run_amax` ``runs`` when given; compiled when ``job`` (elements of the work
-    this is part of) makes that worth it."""
-    if x.numel() == 0:
-        return 0.0
-    if runs is not None and runs.numel():
-        got = _row_amax(_flat(x).view(runs.numel(), -1), job, runs)
-        if got is not None:
-            return float(got[0].max())
-    flat = _flat(x).view(1, -1)
-    got = _row_amax(flat, job) if job else None
-    return float((got if got is not None else _stats(flat))[0][0])
-
-
-def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,
-            tensor_amax: Tensor, static: dict[str, object]) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_scaled_values` eagerly, on cache-sized slices (3x faster than whole tensors)."""
-    n_rows, n_cols = blocks.shape
-    col_step = min(n_cols, fast.EAGER_CHUNK)
-    row_step = max(1, fast.EAGER_CHUNK // col_step)
-    q = torch.empty_like(blocks)
-    scales, clamps = [], []
-    for r in range(0, n_rows, row_step):
-        rows = slice(r, r + row_step)
-        for col in range(0, n_cols, col_step):
-            cols = slice(col, col + col_step)
-            part = None if bits is None else bits[rows, cols].contiguous()
-            q[rows, cols], scale, clamped = _scaled_values(
-                blocks[rows, cols].contiguous(), part, amax[rows], nonfinite[rows], tensor_amax,
-                **static)  # type: ignore[arg-type]
-        scales.append(scale)
-        clamps.append(clamped)
-    return q, torch.cat(scales), torch.cat(clamps)
+        rule, headroom = p.rule or (
+            (ScaleRule.FLOOR, 0) if gran in (Granularity.BLOCK, Granularity.TILE)
+            else (ScaleRule.AMAX, 0))
+        if headroom and rule is not ScaleRule.FLOOR:
+            raise _bad(spec, f"{rule}+{headroom}", "headroom applies to floor only, not")
+        default_scale = ("float8_e8m0fnu" if rule.power_of_two else
+                         "float8_e4m3fn" if rule is ScaleRule.TWO_LEVEL else "float32")
+        try:
+            scaling = Scaling(gran, size, p.scale_format or FORMATS[default_scale], rule,
+                              headroom)
+        except CastSpecError as err:
+            raise CastSpecError(f"cast spec {spec!r}: {err}") from None
+    try:
+        return Cast(elem, scaling, p.rounding or Rounding.RNE, p.overflow or Overflow.SATURATE)
+    except CastSpecError as err:
+        raise CastSpecError(f"cast spec {spec!r}: {err}") from None

@@ -4,6 +4,7 @@ torch: the oracle and ``drift --help`` read them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum, StrEnum
 from typing import TypeVar
 
@@ -60,27 +61,54 @@ class Granularity(StrEnum):
 
 
 class ScaleRule(StrEnum):
-    """How a scale is chosen from the amax of the elements that share it."""
+    """How a scale is chosen from the amax of the elements that share it.
 
-    FLOOR = "floor"
+    A member is a value that carries its implementations: its name, the one fact both
+    implementations share (:attr:`power_of_two`), its fast implementation
+    ``driftcli.scaling.FAST_RULES[rule]`` (torch) and its exact one
+    ``driftcli.oracle.EXACT_RULES[rule]`` (``Fraction``). A power-of-two rule implements its
+    exponent ``k`` (headroom and clamping are shared), any other rule its divisor. The tables
+    live beside the code they name, keyed by member, and each module checks on import that
+    every member has an entry (:func:`check_rule_table`): a member without both cannot be
+    imported, and ``verify-formats`` loops over the members, so one with both is verified. The
+    enum itself stays here, free of torch, for the oracle and ``drift --help``; looking the
+    implementations up from here would import upward.
+    """
+
+    power_of_two: bool
+    """Whether the rule picks a power of two ``2**k`` (an integer exponent): elements are then
+    rounded onto the element grid times ``2**k``, nothing divided; otherwise each element is
+    divided by a real scale in float32."""
+
+    def __new__(cls, value: str, power_of_two: bool) -> ScaleRule:
+        rule = str.__new__(cls, value)
+        rule._value_ = value
+        rule.power_of_two = power_of_two
+        return rule
+
+    FLOOR = "floor", True
     """OCP MX v1.0: ``2**(floor(log2 amax) - emax_elem)``; the largest values can clip."""
-    CEIL = "ceil"
+    CEIL = "ceil", True
     """``2**ceil(log2(amax / max_elem))``: nothing clips (NVIDIA's MXFP8 recipe)."""
-    EVEN = "even"
+    EVEN = "even", True
     """amax rounded to the element's mantissa width (ties away) first, then ``floor``."""
-    AMAX = "amax"
+    AMAX = "amax", False
     """Real-valued ``amax / max_elem`` in float32, kept as is (current scaling)."""
-    AMAX_RNE = "amax-rne"
+    AMAX_RNE = "amax-rne", False
     """``amax / max_elem`` rounded to nearest into the scale format."""
-    AMAX_UP = "amax-up"
+    AMAX_UP = "amax-up", False
     """``amax / max_elem`` rounded up into the scale format (nothing clips)."""
-    TWO_LEVEL = "two-level"
+    TWO_LEVEL = "two-level", False
     """A float32 tensor scale over block scales in the scale format (NVFP4)."""
 
-    @property
-    def power_of_two(self) -> bool:
-        """Whether the rule picks a power of two (an integer exponent)."""
-        return self in (ScaleRule.FLOOR, ScaleRule.CEIL, ScaleRule.EVEN)
+
+def check_rule_table(table: Mapping[ScaleRule, object], name: str) -> None:
+    """Raise unless every :class:`ScaleRule` member has an entry in the implementation table
+    ``name`` (each implementation module calls this on its table when imported)."""
+    missing = [rule.value for rule in ScaleRule if rule not in table]
+    if missing:
+        raise NotImplementedError(f"{name} has no entry for the scale rule(s) "
+                                  f"{', '.join(missing)}: add one for each")
 
 
 class Device(StrEnum):

@@ -26,11 +26,13 @@ Rounding a value ``x`` to a format:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fractions import Fraction
 from functools import lru_cache
+from typing import cast
 
 from driftcli.formats import NAN, Exact, Format, Kind, pow2
-from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
+from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding, ScaleRule, check_rule_table
 
 
 def binade(mag: Fraction) -> int:
@@ -162,30 +164,6 @@ def times(x: Exact, factor: Fraction) -> Exact:
     return Exact(x.kind, x.negative, x.mag * factor) if x.kind is Kind.FINITE else x
 
 
-def pow2_scale_exponent(amax: Fraction, elem: Format, rule: str, headroom: int,
-                        low: int, high: int) -> tuple[int, bool]:
-    """The exponent ``k`` of a power-of-two scale, clamped to ``[low, high]``; and if it clamped.
-
-    ``floor``: ``floor(log2 amax) - emax_elem``; ``ceil``: the smallest ``k`` with
-    ``max_elem * 2**k >= amax``; ``even``: ``floor`` of amax rounded (ties away) to the
-    element's mantissa width. ``headroom`` binades are added on top.
-    """
-    if amax == 0:
-        return low, False
-    k = binade(amax) - elem.emax
-    if rule == "ceil":
-        while elem.max * pow2(k) < amax:
-            k += 1
-        while elem.max * pow2(k - 1) >= amax:
-            k -= 1
-    elif rule == "even":
-        quantum = pow2(binade(amax) - elem.mbits)
-        rounded = (amax / quantum + HALF).__floor__() * quantum
-        k = binade(rounded) - elem.emax
-    k += headroom
-    return min(max(k, low), high), not low <= k <= high
-
-
 def into_scale_format(raw: Fraction, fmt: Format,
                       mode: Rounding | None) -> tuple[Fraction, bool]:
     """A real scale ``raw > 0`` rounded into the scale format (None: kept), and whether it was
@@ -200,7 +178,96 @@ def into_scale_format(raw: Fraction, fmt: Format,
     return (fmt.max if over else max(scale, fmt.smallest_positive)), over or low
 
 
-def cast_block(values: list[Exact], elem: Format, scale_format: Format, rule: str,
+ExponentRule = Callable[[Fraction, Format], int]
+"""A power-of-two rule's exact implementation: the exponent ``k`` of the scale ``2**k`` of a
+block of amax > 0 with this element format, before the headroom and the clamp to the scale
+format that :func:`pow2_scale_exponent` adds for every such rule."""
+
+DivisorRule = Callable[[Fraction, Fraction, Format, Format, Format], tuple[Fraction, bool]]
+"""Any other rule's: from a block's amax (0 included), the tensor's amax, the element format,
+the scale format and float32, the divisor of the block's elements and whether its scale was
+clamped (ignored for an all-zero block)."""
+
+
+def floor_exponent(amax: Fraction, elem: Format) -> int:
+    """``floor``: ``floor(log2 amax) - emax_elem`` (OCP MX v1.0)."""
+    return binade(amax) - elem.emax
+
+
+def ceil_exponent(amax: Fraction, elem: Format) -> int:
+    """``ceil``: the smallest ``k`` with ``max_elem * 2**k >= amax``."""
+    k = floor_exponent(amax, elem)
+    while elem.max * pow2(k) < amax:
+        k += 1
+    while elem.max * pow2(k - 1) >= amax:
+        k -= 1
+    return k
+
+
+def even_exponent(amax: Fraction, elem: Format) -> int:
+    """``even``: ``floor`` of amax rounded (ties away) to the element's mantissa width."""
+    quantum = pow2(binade(amax) - elem.mbits)
+    return floor_exponent((amax / quantum + HALF).__floor__() * quantum, elem)
+
+
+def real_rule(mode: Rounding | None) -> DivisorRule:
+    """The rule ``fl32(amax / max_elem)`` rounded into the scale format by ``mode`` (None: kept
+    as computed); an all-zero block gets the scale format's smallest value."""
+
+    def divisor(amax: Fraction, tensor_amax: Fraction, elem: Format, scale_format: Format,
+                float32: Format) -> tuple[Fraction, bool]:
+        raw = fl32(times(Exact.of(amax), 1 / elem.max), float32).mag
+        scale, clamped = into_scale_format(raw, scale_format, mode)
+        return (scale if amax else scale_format.smallest_positive), clamped
+
+    return divisor
+
+
+def two_level_divisor(amax: Fraction, tensor_amax: Fraction, elem: Format,
+                      scale_format: Format, float32: Format) -> tuple[Fraction, bool]:
+    """``two-level`` (NVFP4): the float32 tensor scale ``S = fl32(tensor_amax / fl32(Ms *
+    max_elem))`` (at least float32's smallest normal; 1 for an all-zero tensor), the block
+    scale ``fl32(fl32(amax / max_elem) / S)`` rounded to nearest into the scale format, and the
+    divisor ``fl32(block scale * S)``."""
+    if tensor_amax == 0:
+        tensor_scale = Fraction(1)
+    else:
+        denominator = fl32(Exact.of(scale_format.max * elem.max), float32).mag
+        tensor_scale = max(fl32(Exact.of(tensor_amax / denominator), float32).mag,
+                           float32.smallest_normal)
+    raw = fl32(times(fl32(times(Exact.of(amax), 1 / elem.max), float32), 1 / tensor_scale),
+               float32).mag
+    block_scale, clamped = into_scale_format(raw, scale_format, Rounding.RNE)
+    if not amax:
+        block_scale = scale_format.smallest_positive
+    return fl32(Exact.of(block_scale * tensor_scale), float32).mag, clamped
+
+
+EXACT_RULES: dict[ScaleRule, ExponentRule | DivisorRule] = {
+    ScaleRule.FLOOR: floor_exponent,
+    ScaleRule.CEIL: ceil_exponent,
+    ScaleRule.EVEN: even_exponent,
+    ScaleRule.AMAX: real_rule(None),
+    ScaleRule.AMAX_RNE: real_rule(Rounding.RNE),
+    ScaleRule.AMAX_UP: real_rule(Rounding.RUP),
+    ScaleRule.TWO_LEVEL: two_level_divisor,
+}
+"""Each scale rule's exact implementation: an :data:`ExponentRule` for a power-of-two rule, a
+:data:`DivisorRule` for any other (see :class:`~driftcli.modes.ScaleRule`)."""
+check_rule_table(EXACT_RULES, "driftcli.oracle.EXACT_RULES")
+
+
+def pow2_scale_exponent(amax: Fraction, elem: Format, rule: ScaleRule, headroom: int,
+                        low: int, high: int) -> tuple[int, bool]:
+    """The exponent ``k`` of a power-of-two rule's scale, ``headroom`` binades added, clamped to
+    ``[low, high]``; and whether it clamped. An all-zero block gets ``low``."""
+    if amax == 0:
+        return low, False
+    k = cast(ExponentRule, EXACT_RULES[rule])(amax, elem) + headroom
+    return min(max(k, low), high), not low <= k <= high
+
+
+def cast_block(values: list[Exact], elem: Format, scale_format: Format, rule: ScaleRule,
                headroom: int, blocked: bool, float32: Format,
                rounding: Rounding = Rounding.RNE, overflow: Overflow = Overflow.SATURATE,
                randoms: list[int] | None = None, sr_bits: int = DEFAULT_SR_BITS,
@@ -208,9 +275,9 @@ def cast_block(values: list[Exact], elem: Format, scale_format: Format, rule: st
                scale_only: bool = False) -> tuple[list[Exact], Exact, bool]:
     """One block (or tensor, or channel) cast exactly: ``(dequantized, scale, clamped)``.
 
-    ``rule`` is a :class:`driftcli.modes.ScaleRule` value; ``blocked`` says a
+    The scale comes from ``rule``'s entry in :data:`EXACT_RULES`; ``blocked`` says a
     NaN or inf member makes the whole block NaN (block and tile scalings);
-    ``tensor_amax`` is the whole tensor's amax for the two-level rule (default: this block's);
+    ``tensor_amax`` is the whole tensor's amax (default: this block's);
     ``scale_only`` skips the elements.
     """
     randoms = randoms or [0] * len(values)
@@ -219,42 +286,27 @@ def cast_block(values: list[Exact], elem: Format, scale_format: Format, rule: st
         return [NAN] * len(values), NAN, False
     amax = max(finite, default=Fraction(0))
 
-    def cast(v: Exact, r: int) -> Exact:
+    def cast_element(v: Exact, r: int) -> Exact:
         return round_exact(elem, v, rounding, overflow, r, sr_bits)
 
-    smallest = scale_format.smallest_positive
-    if rule in ("floor", "ceil", "even"):
-        low = binade(smallest)
+    if rule.power_of_two:
+        low = binade(scale_format.smallest_positive)
         k, clamped = pow2_scale_exponent(amax, elem, rule, headroom, low, scale_format.emax)
         scale = pow2(k)
         if scale_only:
             return [], Exact.of(scale), clamped
         # the dequantized value, stored as a float32 (2**128 overflows to inf)
-        return ([fl32(times(cast(times(v, 1 / scale), r), scale), float32)
+        return ([fl32(times(cast_element(times(v, 1 / scale), r), scale), float32)
                  for v, r in zip(values, randoms, strict=True)], Exact.of(scale), clamped)
-    top = Exact.of(elem.max)
-    if rule == "two-level":
-        tensor_amax = amax if tensor_amax is None else tensor_amax  # a one-block tensor
-        if tensor_amax == 0:
-            tensor_scale = Fraction(1)
-        else:
-            denominator = fl32(Exact.of(scale_format.max * elem.max), float32).mag
-            tensor_scale = max(fl32(Exact.of(tensor_amax / denominator), float32).mag,
-                               float32.smallest_normal)
-        raw = fl32(times(fl32(times(Exact.of(amax), 1 / top.mag), float32), 1 / tensor_scale),
-                   float32).mag
-        block_scale, clamped = into_scale_format(raw, scale_format, Rounding.RNE)
-        divisor = fl32(Exact.of((block_scale if amax else smallest) * tensor_scale), float32).mag
-    else:
-        raw = fl32(times(Exact.of(amax), 1 / top.mag), float32).mag
-        mode = {"amax": None, "amax-rne": Rounding.RNE, "amax-up": Rounding.RUP}[rule]
-        scale, clamped = into_scale_format(raw, scale_format, mode)
-        divisor = scale if amax else smallest
+    tensor_amax = amax if tensor_amax is None else tensor_amax  # a one-block tensor
+    divisor, clamped = cast(DivisorRule, EXACT_RULES[rule])(amax, tensor_amax, elem,
+                                                             scale_format, float32)
     clamped = clamped and amax != 0
     if scale_only:
         return [], Exact.of(divisor), clamped
-    return ([fl32(times(cast(fl32(times(v, 1 / divisor), float32), r), divisor), float32)
-             for v, r in zip(values, randoms, strict=True)], Exact.of(divisor), clamped)
+    return ([fl32(times(cast_element(fl32(times(v, 1 / divisor), float32), r), divisor),
+                  float32) for v, r in zip(values, randoms, strict=True)],
+            Exact.of(divisor), clamped)
 
 
 # --- dot products ---------------------------------------------------------------------------

@@ -14,16 +14,15 @@ uses to check this module on every code and every pair of codes.
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, cast
 
 import torch
 
+from driftcli import compiling
 from driftcli.errors import DriftError
+from driftcli.exact import two_sum
 from driftcli.formats import FORMATS, Format, get_format
 from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding, parse_choice
 
@@ -54,7 +53,7 @@ _F64 = _Source(torch.float64, torch.int64, 11, 52)
 
 
 @dataclass(frozen=True)
-class _Target:
+class Target:
     """The integers of a format that the kernel needs; hashable, so compiled kernels cache on it."""
 
     emin: int
@@ -71,7 +70,7 @@ class _Target:
 
     @classmethod
     @cache
-    def of(cls, fmt: Format) -> _Target:
+    def of(cls, fmt: Format) -> Target:
         smallest = fmt.smallest_positive
         return cls(fmt.emin, fmt.mbits, fmt.qmax, fmt.max_significand, fmt.min_significand,
                    fmt.signed, fmt.has_inf, fmt.has_nan, fmt.has_zero, fmt.has_neg_zero,
@@ -112,7 +111,7 @@ def _assemble(src: _Source, mag: Tensor, qexp: Tensor) -> Tensor:
 
 
 def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp: Tensor | None,
-            *, src: _Source, tgt: _Target, rounding: Rounding, overflow: Overflow,
+            *, src: _Source, tgt: Target, rounding: Rounding, overflow: Overflow,
             sr_bits: int) -> Tensor:
     """Round ``x`` (+ ``residual``, a sticky tail below x's last bit) onto the target grid.
 
@@ -171,7 +170,7 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp
     elif rounding is Rounding.RDOWN:
         away = inexact & neg
     else:
-        draws = cast(Tensor, random)  # _round checked that sr comes with its random bits
+        draws = cast(Tensor, random)  # round_values checked that sr comes with its random bits
         head = torch.where(s >= sr_bits, dropped >> torch.clamp(s - sr_bits, max=W - 1),
                            dropped << torch.clamp(sr_bits - s, min=0, max=W - 1))
         away = (head + draws.to(it)) >= (1 << sr_bits)
@@ -225,113 +224,15 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp
     return out.view(src.fdtype)
 
 
-# --- the compiled path -------------------------------------------------------------------
-
-_COMPILE_MODES = ("auto", "always", "never")
-COMPILE_MIN_ELEMENTS = 1 << 25
-"""In ``auto``, compile only for a single call this large: eager takes about a second here,
-the first kernel in a fresh process about 20 s and each new variant about 2 s."""
-_compile_mode = os.environ.get("DRIFT_COMPILE", "auto")
-
-
-def set_compile(mode: str) -> None:
-    """Choose when rounding uses ``torch.compile``: ``auto`` (large calls), ``always``, ``never``.
-
-    The compiled kernel gives results bit-identical to the eager one; when
-    compilation is unavailable (no C++ compiler, an unsupported platform)
-    drift falls back to eager without a word.
-    """
-    global _compile_mode
-    if mode not in _COMPILE_MODES:
-        raise DriftError(f"unknown compile mode {mode!r}; choose from {', '.join(_COMPILE_MODES)}")
-    _compile_mode = mode
-
-
-CHECKED_VECTOR_ISAS = ("avx512",)
-"""Vector ISAs on which inductor's code for drift's kernels is checked bit for bit against
-eager (the compiled-against-eager tests); on any other, drift stays eager."""
-_ISA_FAULTS = {
-    "avx2": "torch 2.13 selects the wrong lanes in integer where(): every value can be wrong",
-    "scalar": "ATEN_CPU_CAPABILITY=default asks for it, and it does not build",
-}
-"""What goes wrong with inductor's code for drift's kernels on other ISAs (torch 2.13)."""
-
-
-@cache
-def compile_unavailable() -> str | None:
-    """Why drift does not use ``torch.compile`` in this process, or None when it does."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
-        return "no C++ compiler: every cast is eager"
-    from torch._inductor import cpu_vec_isa
-
-    picked = cpu_vec_isa.pick_vec_isa()
-    # AVX-512 with VNNI or AMX is AVX-512 code with more instructions at hand
-    isa = ("scalar" if not picked else
-           "avx512" if isinstance(picked, cpu_vec_isa.VecAVX512) else str(picked))
-    if isa not in CHECKED_VECTOR_ISAS:
-        why = _ISA_FAULTS.get(isa, "its output is not checked against eager on this ISA")
-        return f"inductor's {isa} code is not used ({why}), so every cast is eager"
-    # keep inductor's cache between runs, under the user's cache directory
-    cache_home = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_home, "drift", "inductor"))
-    return None
-
-
-RECOMPILE_LIMIT = 256
-"""Compiled variants per function (format x mode x policy x argument kinds) before eager: a
-format's constants (its max, smallest normal) are part of each variant, so a scan of many
-casts needs several per cast."""
-_COMPILED: dict[Callable[..., Any], Any] = {}
-_BROKEN: set[Callable[..., Any]] = set()
-"""Functions whose compiled version failed once: they stay eager in this process."""
-
-
-def compiled(fn: Callable[..., Any], numel: int) -> Callable[..., Any] | None:
-    """``fn`` compiled (dynamic shapes), when the compile policy wants it for ``numel`` elements
-    (0: never) and compilation works here; otherwise None, and the caller runs eagerly."""
-    if _compile_mode not in _COMPILE_MODES:
-        raise DriftError(f"DRIFT_COMPILE={_compile_mode!r} is not a compile mode; "
-                         f"use one of {', '.join(_COMPILE_MODES)}")
-    use = numel > 0 and (_compile_mode == "always" or (
-        _compile_mode == "auto" and numel >= COMPILE_MIN_ELEMENTS))
-    if not use or fn in _BROKEN or compile_unavailable() is not None:
-        return None
-    if fn not in _COMPILED:
-        try:
-            _COMPILED[fn] = torch.compile(fn, dynamic=True)
-        except (RuntimeError, ImportError):  # pragma: no cover - platform without inductor
-            return None
-    return _COMPILED[fn]
-
-
-def run_compiled(fn: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` compiled if :func:`compiled` says so; None when it did not run compiled."""
-    fast_fn = compiled(fn, numel)
-    if fast_fn is None:
-        return None
-    try:
-        # each format, mode and policy is its own graph: allow many, and when even that runs
-        # out, fail loudly into the chunked eager path rather than dynamo's whole-tensor eager.
-        # Float arguments (a format's max) are constants of the graph: unspecialised, they
-        # become tensor inputs and the element loops stop vectorising (5x slower here)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                        fail_on_recompile_limit_hit=True,
-                                        specialize_float=True):
-            return fast_fn(*args, **kwargs)
-    except Exception:  # any compiler failure means: stay eager, same answer
-        _BROKEN.add(fn)
-        return None
-
-
 def _run(x: Tensor, residual: Tensor | None, random: Tensor | None,
          scale_exp: Tensor | None = None, **static: Any) -> Tensor:
-    out = run_compiled(_kernel, x.numel(), x, residual, random, scale_exp, **static)
+    out = compiling.run_compiled(_kernel, x.numel(), x, residual, random, scale_exp, **static)
     return out if out is not None else _eager(x, residual, random, scale_exp, **static)
 
 
 EAGER_CHUNK = 1 << 18
-"""Elements per eager step: the kernel's ~40 elementwise passes then stay in cache (4x faster
-here on 2**24 elements than one pass over the whole tensor)."""
+"""Elements per eager step: the kernel's ~40 elementwise passes then stay in cache (several
+times faster than one pass over the whole tensor; docs/performance.md)."""
 
 
 def _eager(x: Tensor, residual: Tensor | None, random: Tensor | None,
@@ -399,12 +300,14 @@ def round_to_format(x: Tensor, fmt: str | Format, *, rounding: Rounding | str = 
     fmt = get_format(fmt)
     mode = parse_choice(Rounding, rounding, "rounding mode")
     policy = parse_choice(Overflow, overflow, "overflow policy")
-    return _round(x, None, fmt, mode, policy, random_bits, sr_bits, result_dtype(x.dtype, fmt))
+    return round_values(x, None, fmt, mode, policy, random_bits, sr_bits,
+                        result_dtype(x.dtype, fmt))
 
 
-def _round(x: Tensor, residual: Tensor | None, fmt: Format, mode: Rounding, policy: Overflow,
-           random_bits: Tensor | None, sr_bits: int, out_dtype: torch.dtype,
-           scale_exp: Tensor | None = None, wide: bool = False) -> Tensor:
+def round_values(x: Tensor, residual: Tensor | None, fmt: Format, mode: Rounding,
+                 policy: Overflow, random_bits: Tensor | None, sr_bits: int,
+                 out_dtype: torch.dtype, scale_exp: Tensor | None = None,
+                 wide: bool = False) -> Tensor:
     """Round ``x`` (+ ``residual``) onto ``fmt``'s grid (times ``2**scale_exp``).
 
     ``wide`` works in float64 (for scaled grids beyond float32's range).
@@ -420,24 +323,35 @@ def _round(x: Tensor, residual: Tensor | None, fmt: Format, mode: Rounding, poli
         random = random_bits.to(src.idtype).contiguous()
     if scale_exp is not None:
         scale_exp = scale_exp.to(src.idtype)
-    out = _run(work, residual, random, scale_exp, src=src, tgt=_Target.of(fmt), rounding=mode,
+    out = _run(work, residual, random, scale_exp, src=src, tgt=Target.of(fmt), rounding=mode,
                overflow=policy, sr_bits=sr_bits)
     return out.to(out_dtype)
 
 
-def target_of(fmt: Format) -> _Target:
+def target_of(fmt: Format) -> Target:
     """The kernel's constants for ``fmt`` (hashable; pass it into compiled functions)."""
-    return _Target.of(fmt)
+    return Target.of(fmt)
 
 
-def round_fused(x: Tensor, fmt: Format | _Target, rounding: Rounding, overflow: Overflow,
+def round_sum(s: Tensor, r: Tensor, tgt: Target, rounding: Rounding, *, wide: bool,
+              eager: bool) -> Tensor:
+    """``s + r`` rounded once onto ``tgt``'s grid, with ``r`` the exact error of ``s`` (see
+    :func:`driftcli.exact.two_sum`), overflowing to inf as IEEE addition does: one step of a
+    simulated accumulator. ``wide`` for float64 sums; ``eager`` for the chunked eager kernel
+    (outside a compiled function; inside one, the one-pass kernel is the compiled code)."""
+    kernel = _eager if eager else _kernel
+    return kernel(s.contiguous(), r.contiguous(), None, None, src=_F64 if wide else _F32,
+                  tgt=tgt, rounding=rounding, overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
+
+
+def round_fused(x: Tensor, fmt: Format | Target, rounding: Rounding, overflow: Overflow,
                 random: Tensor | None = None, scale_exp: Tensor | None = None,
                 sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
     """The kernel itself on a contiguous float32 or float64 tensor, for larger functions that
     are compiled whole: no argument checks, no chunking, the result in ``x``'s dtype. Inside
     a compiled function pass ``target_of(fmt)``, made outside it."""
     src = _F64 if x.dtype == torch.float64 else _F32
-    tgt = fmt if isinstance(fmt, _Target) else _Target.of(fmt)
+    tgt = fmt if isinstance(fmt, Target) else Target.of(fmt)
     return _kernel(x, None, None if random is None else random.to(src.idtype),
                    None if scale_exp is None else scale_exp.to(src.idtype), src=src,
                    tgt=tgt, rounding=rounding, overflow=overflow, sr_bits=sr_bits)
@@ -477,7 +391,7 @@ def multiply(a: Tensor, b: Tensor, fmt: str | Format, *, rounding: Rounding | st
     """
     a64, b64 = _two_operand(a, b)
     fmt = get_format(fmt)
-    return _round(a64 * b64, None, fmt, parse_choice(Rounding, rounding, "rounding mode"),
+    return round_values(a64 * b64, None, fmt, parse_choice(Rounding, rounding, "rounding mode"),
                   parse_choice(Overflow, overflow, "overflow policy"), random_bits, sr_bits,
                   result_dtype(torch.promote_types(a.dtype, b.dtype), fmt))
 
@@ -496,12 +410,10 @@ def add(a: Tensor, b: Tensor, fmt: str | Format, *, rounding: Rounding | str = R
     a64, b64 = _two_operand(a, b)
     fmt = get_format(fmt)
     mode = parse_choice(Rounding, rounding, "rounding mode")
-    s = a64 + b64
-    bb = s - a64
-    r = (a64 - (s - bb)) + (b64 - bb)
+    s, r = two_sum(a64, b64)
     r = torch.where(torch.isfinite(s), r, torch.zeros_like(r))
     sa, sb = torch.signbit(a64), torch.signbit(b64)
     zero_negative = (sa & sb) | ((sa != sb) & (mode is Rounding.RDOWN))
     s = torch.where(s == 0, torch.where(zero_negative, -0.0, 0.0).to(s.dtype), s)
-    return _round(s, r, fmt, mode, parse_choice(Overflow, overflow, "overflow policy"),
+    return round_values(s, r, fmt, mode, parse_choice(Overflow, overflow, "overflow policy"),
                   random_bits, sr_bits, result_dtype(torch.promote_types(a.dtype, b.dtype), fmt))

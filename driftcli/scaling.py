@@ -2,7 +2,9 @@
 
 A :class:`Scaling` has a granularity (which elements share a scale), a scale
 format and a scale rule. The axis the blocks run along is not stored: the
-caller (a matmul, a measurement) supplies it.
+caller (a matmul, a measurement) supplies it. Each rule's torch implementation
+is its entry in :data:`FAST_RULES` (the exact one is in
+:data:`driftcli.oracle.EXACT_RULES`).
 
 Where every division happens (bit-exactness against a recipe depends on it):
 
@@ -36,14 +38,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import cast
 
 import torch
 
+from driftcli.cast import Scaling
 from driftcli.errors import CastSpecError
 from driftcli.formats import Format, pow2
-from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule
+from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule, check_rule_table
 from driftcli.rounding import round_fused, target_of
-from driftcli.spec import Scaling
 
 Tensor = torch.Tensor
 
@@ -191,21 +194,21 @@ def pow2_exponents(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor
 
 
 def plan_pow2_exponents(amax: Tensor, plan: ScalePlan) -> tuple[Tensor, Tensor]:
-    """:func:`pow2_exponents` from a :class:`ScalePlan`."""
-    rule = plan.rule
+    """:func:`pow2_exponents` from a :class:`ScalePlan`: the rule's :data:`ExponentRule`, then
+    the headroom and the clamp every power-of-two rule shares."""
     zero = amax == 0
     e, significand = binade_and_significand(torch.where(zero, torch.ones_like(amax), amax))
-    k = e - plan.elem_emax  # floor(log2 amax) - emax_elem
-    if rule is ScaleRule.CEIL:
-        # amax > max * 2**k, both significands in [1, 2): compare them
-        k = k + (significand > plan.elem_max_significand).long()
-    elif rule is ScaleRule.EVEN:
-        # the significand rounds (ties away) to 2 at the element's mantissa width
-        k = k + (significand >= plan.even_threshold).long()
-    k = k + plan.headroom
+    k = cast(ExponentRule, FAST_RULES[plan.rule])(e, significand, plan) + plan.headroom
     clamped = ((k < plan.low) | (k > plan.high)) & ~zero
     k = torch.where(zero, torch.full_like(k, plan.low), torch.clamp(k, plan.low, plan.high))
     return k, clamped
+
+
+def plan_divisors(amax: Tensor, tensor_amax: Tensor, div: Tensor,
+                  plan: ScalePlan) -> tuple[Tensor, Tensor]:
+    """Each block's divisor under a rule that is not a power of two (its :data:`DivisorRule`),
+    and whether its scale was clamped; ``div`` is :meth:`ScalePlan.divisors`."""
+    return cast(DivisorRule, FAST_RULES[plan.rule])(amax, tensor_amax, div, plan)
 
 
 def _scale_format(scaling: Scaling) -> Format:
@@ -230,10 +233,6 @@ def _into_scale_format(raw: Tensor, plan: ScalePlan,
     return scale, over | low
 
 
-_REAL_MODES = {ScaleRule.AMAX: None, ScaleRule.AMAX_RNE: Rounding.RNE,
-               ScaleRule.AMAX_UP: Rounding.RUP}
-
-
 def real_scales(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor, Tensor]:
     """Real-valued scales ``fl(amax / M)`` (optionally rounded into the scale format), clamped.
 
@@ -244,11 +243,9 @@ def real_scales(amax: Tensor, elem: Format, scaling: Scaling) -> tuple[Tensor, T
 
 
 def plan_real_scales(amax: Tensor, div: Tensor, plan: ScalePlan) -> tuple[Tensor, Tensor]:
-    """:func:`real_scales` from a :class:`ScalePlan` and its :meth:`~ScalePlan.divisors`."""
-    raw = amax / div[0]  # one IEEE division in amax's dtype (M is exact there)
-    scale, clamped = _into_scale_format(raw, plan, _REAL_MODES[plan.rule])
-    zero = amax == 0
-    return torch.where(zero, plan.smallest, scale), clamped & ~zero
+    """:func:`real_scales` from a :class:`ScalePlan` and its :meth:`~ScalePlan.divisors`: the
+    divisors of a rule that reads no tensor amax."""
+    return plan_divisors(amax, amax, div, plan)
 
 
 @dataclass(frozen=True)
@@ -279,3 +276,67 @@ def plan_two_level_scales(amax: Tensor, tensor_amax: Tensor, div: Tensor,
     zero = amax == 0
     block = torch.where(zero, plan.smallest, block)
     return TwoLevel(block * tensor_scale, block, tensor_scale, clamped & ~zero)
+
+
+# --- the rules -------------------------------------------------------------------------------
+
+ExponentRule = Callable[[Tensor, Tensor, ScalePlan], Tensor]
+"""A power-of-two rule's fast implementation: each block's scale exponent ``k`` (int64) from
+its amax's binade ``floor(log2 amax)`` (int64) and significand (in [1, 2)), before the
+headroom and the clamp to the scale format that :func:`plan_pow2_exponents` adds."""
+
+DivisorRule = Callable[[Tensor, Tensor, Tensor, ScalePlan], tuple[Tensor, Tensor]]
+"""Any other rule's: from the blocks' amax, the tensor's amax (``amax`` itself where the rule
+reads none), :meth:`ScalePlan.divisors` and the plan, each block's divisor (the scale
+format's smallest value for an all-zero block) and whether its scale was clamped."""
+
+
+def _floor(e: Tensor, significand: Tensor, plan: ScalePlan) -> Tensor:
+    """``floor(log2 amax) - emax_elem``."""
+    return e - plan.elem_emax
+
+
+def _ceil(e: Tensor, significand: Tensor, plan: ScalePlan) -> Tensor:
+    """The smallest ``k`` with ``M * 2**k >= amax``."""
+    # amax > max * 2**k, both significands in [1, 2): compare them
+    return e - plan.elem_emax + (significand > plan.elem_max_significand).long()
+
+
+def _even(e: Tensor, significand: Tensor, plan: ScalePlan) -> Tensor:
+    """``floor`` of amax rounded (ties away) to the element's mantissa width."""
+    # the significand rounds (ties away) to 2 at the element's mantissa width
+    return e - plan.elem_emax + (significand >= plan.even_threshold).long()
+
+
+def real_rule(mode: Rounding | None) -> DivisorRule:
+    """The rule ``fl(amax / M)`` rounded into the scale format by ``mode`` (None: kept as
+    computed), one IEEE division in amax's dtype (M is exact there)."""
+
+    def divisors(amax: Tensor, tensor_amax: Tensor, div: Tensor,
+                 plan: ScalePlan) -> tuple[Tensor, Tensor]:
+        scale, clamped = _into_scale_format(amax / div[0], plan, mode)
+        zero = amax == 0
+        return torch.where(zero, plan.smallest, scale), clamped & ~zero
+
+    return divisors
+
+
+def _two_level(amax: Tensor, tensor_amax: Tensor, div: Tensor,
+               plan: ScalePlan) -> tuple[Tensor, Tensor]:
+    two = plan_two_level_scales(amax, tensor_amax, div, plan)
+    return two.divisor, two.clamped
+
+
+FAST_RULES: dict[ScaleRule, ExponentRule | DivisorRule] = {
+    ScaleRule.FLOOR: _floor,
+    ScaleRule.CEIL: _ceil,
+    ScaleRule.EVEN: _even,
+    ScaleRule.AMAX: real_rule(None),
+    ScaleRule.AMAX_RNE: real_rule(Rounding.RNE),
+    ScaleRule.AMAX_UP: real_rule(Rounding.RUP),
+    ScaleRule.TWO_LEVEL: _two_level,
+}
+"""Each scale rule's fast implementation: an :data:`ExponentRule` for a power-of-two rule, a
+:data:`DivisorRule` for any other (see :class:`~driftcli.modes.ScaleRule`; the exact ones are
+:data:`driftcli.oracle.EXACT_RULES`)."""
+check_rule_table(FAST_RULES, "driftcli.scaling.FAST_RULES")

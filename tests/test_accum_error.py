@@ -18,8 +18,10 @@ from torch import nn
 from typer.testing import CliRunner
 
 from driftcli import oracle
+from driftcli.cast import parse_cast
 from driftcli.cli import app
 from driftcli.errors import DriftError
+from driftcli.exact import exact_matmul
 from driftcli.formats import FORMATS, Exact, get_format
 from driftcli.io.capture import capture
 from driftcli.io.tables import read_table, schema_of
@@ -30,7 +32,6 @@ from driftcli.measures.accum_error import (
     accum_error,
     choose_specs,
     dump_problems,
-    exact_matmul,
     measure,
     parse_shape,
     sample,
@@ -39,7 +40,6 @@ from driftcli.measures.accum_error import (
     ulp,
 )
 from driftcli.modes import Dist
-from driftcli.spec import parse_cast
 
 runner = CliRunner()
 

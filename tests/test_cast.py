@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import driftcli as drift
-from driftcli.cast import QuantInfo, quantize
+from driftcli.cast import PRESETS, Cast, Scaling
 from driftcli.cli import app
 from driftcli.errors import CastSpecError
 from driftcli.formats import FORMATS
 from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule
-from driftcli.spec import PRESETS, Cast, Scaling
+from driftcli.quantization import QuantInfo, quantize
 
 
 def info(x: torch.Tensor, spec: str, **kw: object) -> QuantInfo:

@@ -23,12 +23,12 @@ from typer.testing import CliRunner
 
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import get_policy
-from driftcli.cast import cast_stats
 from driftcli.cli import app
-from driftcli.io import checkpoints
-from driftcli.io.checkpoints import CausalLM, CheckpointKind, next_token_loss
 from driftcli.io.tables import read_table, schema_of
 from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_cosine
+from driftcli.measures.stats import cast_stats
+from driftcli.models import loaders
+from driftcli.models.loaders import CausalLM, CheckpointKind, next_token_loss
 
 runner = CliRunner()
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "stories260K-hf"
@@ -174,12 +174,12 @@ NO_HF_REASON = ("the HF checkpoint needs driftcli[hf] (transformers) and the sha
 
 @pytest.fixture(scope="module")
 def stories() -> CausalLM:
-    return checkpoints.load_causal_lm(STORIES)
+    return loaders.load_causal_lm(STORIES)
 
 
 @pytest.mark.skipif(NO_HF, reason=NO_HF_REASON)
 def test_stories260k_under_the_policies(stories: CausalLM) -> None:
-    ids = checkpoints.text_batch(stories, STORY, 48)
+    ids = loaders.text_batch(stories, STORY, 48)
     loss = next_token_loss(stories.logits)
     with arithmetic("mxfp8_e4m3", model=stories.model) as mode:
         loss(stories.model, ids).backward()
@@ -242,7 +242,7 @@ def tiny_kind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                         lambda text: [b % 64 for b in text.encode()], (path / "tiny.pt",))
 
     kind = CheckpointKind("tiny", lambda p: (p / "tiny.pt").is_file(), load, "a tiny.pt folder")
-    monkeypatch.setattr(checkpoints, "KINDS", [*checkpoints.KINDS, kind])
+    monkeypatch.setattr(loaders, "KINDS", [*loaders.KINDS, kind])
     return folder
 
 
@@ -313,8 +313,8 @@ def test_hf_folder_without_transformers_names_the_extra(tmp_path: Path,
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    real = checkpoints.importlib.util.find_spec
-    monkeypatch.setattr(checkpoints.importlib.util, "find_spec",
+    real = loaders.importlib.util.find_spec
+    monkeypatch.setattr(loaders.importlib.util, "find_spec",
                         lambda name, *a: None if name == "transformers" else real(name, *a))
     text = tmp_path / "t.txt"
     text.write_text(STORY)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from driftcli import FORMATS, oracle, quantize
+from driftcli import FORMATS, compiling, oracle, quantize
 from driftcli import rounding as fast
 from driftcli.arith import (
     MatmulSpec,
@@ -404,16 +404,15 @@ def test_the_float32_layout_truncation_equals_the_rounding_kernel(name: str,
         r = torch.where(ok, sign * gap * frac, 0.0).float()
         got = mm.truncate_float32(s, r, drop, mode)
         # the reference rounds the same exact value from float64, as drift.add does
-        want = fast._kernel(s.double(), r.double(), None, None, src=fast._F64,
-                            tgt=fast.target_of(fmt), rounding=mode, overflow=Overflow.IEEE,
-                            sr_bits=16).float()
+        want = fast.round_sum(s.double(), r.double(), fast.target_of(fmt), mode, wide=True,
+                              eager=False).float()
         assert _same(got, want), (name, mode, frac)
 
 
 def test_compiled_and_eager_accumulation_agree() -> None:
     """The compiled step function (forced) gives the eager bits: the float32-layout path, the
     generic kernel in float32 with a short last chunk, and the float64 path."""
-    if (why := fast.compile_unavailable()) is not None:
+    if (why := compiling.compile_unavailable()) is not None:
         pytest.xfail(f"{why}: nothing compiled to compare")
     gen = torch.Generator().manual_seed(10)
     a, b = torch.randn(6, 20, generator=gen), torch.randn(20, 7, generator=gen)
@@ -426,12 +425,12 @@ def test_compiled_and_eager_accumulation_agree() -> None:
              (a, b, matmul_spec(lhs="nvfp4", rhs="nvfp4", accumulator="e8m13",
                                 order=f"chunked:{k}"))]
     try:
-        fast.set_compile("never")
+        compiling.set_compile("never")
         eager = [matmul(x, y, s) for x, y, s in cases]
-        fast.set_compile("always")
+        compiling.set_compile("always")
         compiled = [matmul(x, y, s) for x, y, s in cases]
     finally:
-        fast.set_compile("auto")
-    assert mm._steps not in fast._BROKEN, "the step function did not compile here"
+        compiling.set_compile("auto")
+    assert not compiling.fell_back(mm._steps), "the step function did not compile here"
     for (_, _, s), e, c in zip(cases, eager, compiled, strict=True):
         assert _same(e, c), str(s)

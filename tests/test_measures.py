@@ -17,15 +17,17 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from driftcli.cast import CastStats, cast_stats, finite_amax, quantize
+from driftcli import compiling
+from driftcli.cast import parse_cast
 from driftcli.cli import app
+from driftcli.compiling import compile_unavailable
 from driftcli.errors import DriftError
 from driftcli.io.tables import read_table, schema_of
 from driftcli.measures import MEASURES
 from driftcli.measures.scan import ScanOptions, row_alignment, scan
+from driftcli.measures.stats import CastStats, cast_stats, finite_amax
 from driftcli.memory import use_huge_pages
-from driftcli.rounding import compile_unavailable
-from driftcli.spec import parse_cast
+from driftcli.quantization import quantize
 
 runner = CliRunner()
 F32 = np.float32
@@ -205,7 +207,6 @@ def test_eager_clip_counting_keeps_the_small_slices(tmp_path: Path,
                                                     casts: list[str]) -> None:
     """Counting without rounding takes large slices only where the compiled passes run:
     eagerly it is a full cast, with temporaries of several times the slice."""
-    from driftcli import rounding
     from driftcli.measures import scan as scan_mod
 
     path = tmp_path / "x.safetensors"
@@ -222,12 +223,12 @@ def test_eager_clip_counting_keeps_the_small_slices(tmp_path: Path,
     got = {}
     try:
         for mode in ("never", "always"):
-            rounding.set_compile(mode)
+            compiling.set_compile(mode)
             sizes.clear()
             got[mode] = [r.draws[0] for r in scan([path], casts, rounded=False).results]
             got[mode + " slices"] = max(sizes)
     finally:
-        rounding.set_compile("auto")
+        compiling.set_compile("auto")
     assert got["never slices"] == 512 and got["always slices"] == 2048
     assert got["never"] == got["always"]
 
@@ -258,10 +259,9 @@ def test_channels_along_the_first_axis_are_cut_along_the_last(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rounded: bool, mode: str) -> None:
     """A channel spanning dim 0 cannot be cut there: a held tensor is cut along its last
     dim (tiles kept whole), so its transposed copy is made one slice at a time."""
-    from driftcli import rounding
     from driftcli.measures import scan as scan_mod
 
-    monkeypatch.setattr(rounding, "_compile_mode", mode)
+    monkeypatch.setattr(compiling, "_compile_mode", mode)
 
     torch.manual_seed(2)
     x = torch.randn(48, 64) * torch.logspace(-6, 4, 64)
@@ -396,21 +396,20 @@ def test_bad_input_is_one_line_exit_2(ckpt: Path, tmp_path: Path, args: list[str
                                            ("int8:channel:float32:amax", -30),
                                            ("float8_e5m2:channel:float8_e8m0fnu:floor:sr", -30)])
 def test_the_compiled_one_pass_sums_equal_the_eager_masks(spec: str, low: int) -> None:
-    from driftcli import rounding
 
-    if (why := rounding.compile_unavailable()) is not None:
+    if (why := compiling.compile_unavailable()) is not None:
         pytest.xfail(f"{why}: nothing compiled to compare")
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(96, 160, generator=gen) * torch.logspace(low, 6, 160)
     x[:4] *= 2.0**-100  # scaled grids below float32's smallest subnormal, where a scale allows
     x[5, 7], x[9, 0], x[11, 3] = math.nan, math.inf, 0.0
     try:
-        rounding.set_compile("never")
+        compiling.set_compile("never")
         eager, q_eager = cast_stats(x, spec, seed=2)
-        rounding.set_compile("always")
+        compiling.set_compile("always")
         fused, q_fused = cast_stats(x, spec, seed=2)
     finally:
-        rounding.set_compile("auto")
+        compiling.set_compile("auto")
     assert _sums_pass_compiled()
     assert q_eager is not None and q_fused is not None
     assert torch.equal(q_eager.view(torch.int32), q_fused.view(torch.int32))
@@ -430,7 +429,6 @@ def test_the_compiled_one_pass_sums_equal_the_eager_masks(spec: str, low: int) -
 @pytest.mark.parametrize("compile_mode", ["never", "always"])
 def test_counting_without_rounding_gives_the_same_clip_counts(spec: str,
                                                               compile_mode: str) -> None:
-    from driftcli import rounding
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(64, 128, generator=gen) * torch.logspace(-30, 6, 128)
@@ -442,13 +440,13 @@ def test_counting_without_rounding_gives_the_same_clip_counts(spec: str,
     x[11, 0] = -127.5 / 64
     x[20, 127], x[21, 127] = 1.95 * 2.0**30, -1.8 * 2.0**30  # clip under a floor tensor scale
     x[5, 7], x[9, 0], x[12, 3], x[13, 100] = math.nan, math.inf, -math.inf, 0.0
-    rounding.set_compile("never")
+    compiling.set_compile("never")
     try:
         full, _ = cast_stats(x, spec, seed=2)
-        rounding.set_compile(compile_mode)
+        compiling.set_compile(compile_mode)
         clip, values = cast_stats(x, spec, want_values=False, rounded=False)
     finally:
-        rounding.set_compile("auto")
+        compiling.set_compile("auto")
     assert values is None
     assert full.nonfinite == 3
     assert full.clipped > 0 or spec == "fp8_e4m3"  # amax scaling leaves nothing to clip
@@ -464,22 +462,21 @@ def test_counting_without_rounding_gives_the_same_clip_counts(spec: str,
                                   "float8_e4m3fn:tensor:float8_e8m0fnu:floor"])
 @pytest.mark.parametrize("rounded", [True, False])
 def test_casts_sharing_slice_facts_count_the_same(spec: str, rounded: bool) -> None:
-    from driftcli import rounding
-    from driftcli.cast import slice_facts
+    from driftcli.measures.stats import slice_facts
 
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(48, 96, generator=gen) * torch.exp(2 * torch.randn(48, 96, generator=gen))
     x[3, 17], x[30, 64], x[31, 5] = math.nan, math.inf, -math.inf  # 48*96 is no 4096s
     x[40, 95] = 1.95 * 2.0**20
-    rounding.set_compile("never")
+    compiling.set_compile("never")
     try:
         alone, _ = cast_stats(x, spec, seed=3, want_values=False, rounded=rounded)
-        rounding.set_compile("always")
+        compiling.set_compile("always")
         facts = slice_facts(x, 16, 1 << 30)
         shared, _ = cast_stats(x, spec, seed=3, want_values=False, rounded=rounded,
                                facts=facts)
     finally:
-        rounding.set_compile("auto")
+        compiling.set_compile("auto")
     derived = facts.group_amax(x, parse_cast(spec), -1)
     assert (derived is None) == (spec == "nvfp4_2d")  # tiles are not runs of the flat tensor
     assert facts.finite == 48 * 96 - 3
@@ -491,7 +488,6 @@ def test_casts_sharing_slice_facts_count_the_same(spec: str, rounded: bool) -> N
 
 
 def test_clip_excess_far_beyond_a_clamped_scale_is_summed_exactly() -> None:
-    from driftcli import rounding
 
     # an E5M2 power-of-two scale stops at 2**15: values near 1e14 clip by a factor of 1e7,
     # where |x| - M·s is no longer exact in float32 and the float64 sum must take over
@@ -499,13 +495,13 @@ def test_clip_excess_far_beyond_a_clamped_scale_is_summed_exactly() -> None:
     x = torch.full((64, 64), 0.5)  # these rows do not clip
     x[:8] = torch.randn(8, 64, generator=gen) * 1e14
     spec = "float8_e4m3fn:block32:float8_e5m2:floor"
-    rounding.set_compile("never")
+    compiling.set_compile("never")
     try:
         eager, _ = cast_stats(x, spec, want_values=False, rounded=False)
-        rounding.set_compile("always")
+        compiling.set_compile("always")
         fused, _ = cast_stats(x, spec, want_values=False, rounded=False)
     finally:
-        rounding.set_compile("auto")
+        compiling.set_compile("auto")
     assert eager.clipped == fused.clipped > 400 and eager.scale_clamped == 16
     exact = sum(abs(Fraction(v)) - 448 * 2**15 for v in x[:8].reshape(-1).tolist()
                 if abs(v) > 448 * 2**15)
@@ -517,27 +513,25 @@ def test_the_asymmetric_int8_range_is_settled_element_by_element() -> None:
     x = torch.zeros(2, 32)
     x[0, 0], x[1, 0] = 127.5, -127.5  # the scale is 1 in both blocks (floor rule, emax 6)
     for mode in ("never", "always"):
-        from driftcli import rounding
 
-        rounding.set_compile(mode)
+        compiling.set_compile(mode)
         try:
             st, _ = cast_stats(x, "mxint8", want_values=False, rounded=False)
         finally:
-            rounding.set_compile("auto")
+            compiling.set_compile("auto")
         assert (st.clipped, st.clipped_groups) == (1, 1), mode
         assert st.clip_excess == 0.5
 
 
 def test_values_come_back_only_when_wanted() -> None:
-    from driftcli import rounding
 
     x = torch.linspace(-3, 3, 64).reshape(2, 32)
-    rounding.set_compile("never")  # the eager path: the fused one never makes them unasked
+    compiling.set_compile("never")  # the eager path: the fused one never makes them unasked
     try:
         wanted, q = cast_stats(x, "mxfp8_e4m3")
         unwanted, none = cast_stats(x, "mxfp8_e4m3", want_values=False)
     finally:
-        rounding.set_compile("auto")
+        compiling.set_compile("auto")
     assert none is None and wanted == unwanted
     assert q is not None and torch.equal(q, quantize(x, "mxfp8_e4m3"))
 
@@ -548,10 +542,9 @@ def test_values_need_the_rounding() -> None:
 
 
 def _sums_pass_compiled() -> bool:
-    from driftcli import rounding
-    from driftcli.cast import _sums_pass
+    from driftcli.measures.stats import _sums_pass
 
-    return _sums_pass in rounding._COMPILED and _sums_pass not in rounding._BROKEN
+    return compiling.was_compiled(_sums_pass)
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,6 @@ from safetensors.torch import save_file
 
 from driftcli.arith.mode import arithmetic
 from driftcli.errors import DriftError
-from driftcli.io.checkpoints import CheckpointError, load_causal_lm
-from driftcli.measures.probe import next_update
 from driftcli.models import (
     ByteTokenizer,
     MLPConfig,
@@ -30,8 +28,10 @@ from driftcli.models import (
 )
 from driftcli.models.checkpoint import DriftCheckpoint, read_info
 from driftcli.models.config import ModelError
+from driftcli.models.loaders import CheckpointError, load_causal_lm
 from driftcli.models.nets import count_matmuls
-from driftcli.models.training import optimizer_buffers
+from driftcli.runs.probe import next_update
+from driftcli.runs.training import optimizer_buffers
 from driftcli.text import (
     CORPUS_SHA256,
     WHEEL,

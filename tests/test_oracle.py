@@ -9,13 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from driftcli import FORMATS
-from driftcli.formats import NAN, Exact, Kind
-from driftcli.modes import Overflow, Rounding
-from driftcli.oracle import binade, product, round_exact, total
+from driftcli.formats import NAN, Exact, Format, Kind
+from driftcli.modes import Overflow, Rounding, ScaleRule
+from driftcli.oracle import binade, cast_block, pow2_scale_exponent, product, round_exact, total
 
 POS0, NEG0 = Exact.of(0), Exact.of(0, negative_zero=True)
 THREE, MINUS_THREE = Exact.of(3), Exact.of(-3)
 E4M3 = FORMATS["float8_e4m3fn"]
+FP4, F32, E8M0 = FORMATS["float4_e2m1fn"], FORMATS["float32"], FORMATS["float8_e8m0fnu"]
 
 
 def test_products_take_the_xor_sign_even_at_zero() -> None:
@@ -109,3 +110,48 @@ def test_results_are_values_of_the_format_and_neighbours_of_the_input(
     assert below <= got.value <= above
     if mode is Rounding.RTZ:
         assert abs(got.value) <= abs(value)
+
+
+@pytest.mark.parametrize(("amax", "floor", "ceil", "even"), [
+    (Fraction(4), 0, 0, 0),
+    (Fraction(5), 0, 0, 0),  # 6 · 2**0 holds it; even rounds it to 6 (quantum 2): binade 2
+    (Fraction(13, 2), 0, 1, 0),  # floor clips it, ceil does not; even rounds it to 6
+    (Fraction(7), 0, 1, 1),  # even rounds it (ties away) to 8: the next binade
+    (Fraction(1, 3), -4, -4, -4),  # binade -2; 6 · 2**-4 = 3/8 holds it
+    (Fraction(9, 20), -4, -3, -3),  # 3/8 does not; even rounds it to 1/2
+])
+def test_power_of_two_rules_on_fp4_blocks(amax: Fraction, floor: int, ceil: int,
+                                           even: int) -> None:
+    """Each rule's exponent, looked up by its member: FP4's max is 6, emax_elem 2, 1 mantissa
+    bit (design: floor(log2 amax) − 2; the smallest k with 6 · 2**k ≥ amax; floor of amax
+    rounded to 2 significant bits)."""
+    for rule, k in ((ScaleRule.FLOOR, floor), (ScaleRule.CEIL, ceil), (ScaleRule.EVEN, even)):
+        assert pow2_scale_exponent(amax, FP4, rule, 0, -127, 127) == (k, False), rule
+        scale = cast_block([Exact.of(amax)], FP4, E8M0, rule, 0, True, F32, scale_only=True)[1]
+        assert scale == Exact.of(Fraction(2) ** k), rule
+
+
+def test_headroom_zero_blocks_and_clamping_are_shared_by_power_of_two_rules() -> None:
+    assert pow2_scale_exponent(Fraction(7), FP4, ScaleRule.FLOOR, 2, -127, 127) == (2, False)
+    assert pow2_scale_exponent(Fraction(7), FP4, ScaleRule.CEIL, 0, -127, 0) == (0, True)
+    assert pow2_scale_exponent(Fraction(1, 3), FP4, ScaleRule.FLOOR, 0, -3, 8) == (-3, True)
+    assert pow2_scale_exponent(Fraction(0), FP4, ScaleRule.CEIL, 0, -127, 127) == (-127, False)
+
+
+@pytest.mark.parametrize(("rule", "scale_format", "amax", "tensor_amax", "divisor"), [
+    (ScaleRule.AMAX, F32, Fraction(3), None, Fraction(1, 2)),  # fl32(3 / 6), exact
+    (ScaleRule.AMAX_RNE, E8M0, Fraction(8, 5), None, Fraction(1, 4)),  # 4/15 to nearest
+    (ScaleRule.AMAX_UP, E8M0, Fraction(8, 5), None, Fraction(1, 2)),  # 4/15 up
+    (ScaleRule.AMAX_UP, E8M0, Fraction(0), None, Fraction(1, 2**127)),  # all zero: smallest
+    # NVFP4: S = fl32(2688 / (448 · 6)) = 1, block scale 3/6 = 0.5 in E4M3, divisor 0.5
+    (ScaleRule.TWO_LEVEL, E4M3, Fraction(3), Fraction(2688), Fraction(1, 2)),
+    # S = 336 / 2688 = 1/8: block scale fl32(fl32(3/6) / S) = 4, divisor fl32(4 · 1/8)
+    (ScaleRule.TWO_LEVEL, E4M3, Fraction(3), Fraction(336), Fraction(1, 2)),
+    (ScaleRule.TWO_LEVEL, E4M3, Fraction(0), Fraction(0), Fraction(1, 512)),  # S = 1
+])
+def test_divisor_rules_on_fp4_blocks(rule: ScaleRule, scale_format: Format, amax: Fraction,
+                                     tensor_amax: Fraction | None, divisor: Fraction) -> None:
+    """The real-valued and two-level rules' divisors (scaling.md's formulas), by member."""
+    _, scale, clamped = cast_block([Exact.of(amax)], FP4, scale_format, rule, 0, True, F32,
+                                   tensor_amax=tensor_amax, scale_only=True)
+    assert scale == Exact.of(divisor) and not clamped

@@ -28,11 +28,11 @@ from driftcli.arith.policy import (
     policy_from_toml,
     uniform_policy,
 )
-from driftcli.cast import quantize
+from driftcli.cast import PRESETS, parse_cast
 from driftcli.errors import DriftError
 from driftcli.modes import Rounding
+from driftcli.quantization import quantize
 from driftcli.rounding import draw_random_bits
-from driftcli.spec import PRESETS, parse_cast
 
 F64 = torch.float64
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "policies"

@@ -17,7 +17,14 @@ from test_train import _one_line_error, drift, trained
 
 from driftcli.arith.policy import get_policy
 from driftcli.io.tables import read_table
-from driftcli.measures.probe import (
+from driftcli.models import (
+    MLPConfig,
+    TransformerConfig,
+    load_checkpoint,
+    save_checkpoint,
+)
+from driftcli.runs import TrainConfig, train
+from driftcli.runs.probe import (
     ProbeError,
     ProbeRow,
     Storage,
@@ -29,14 +36,6 @@ from driftcli.measures.probe import (
     storage_gaps,
     update_lost,
     update_lost_exact,
-)
-from driftcli.models import (
-    MLPConfig,
-    TrainConfig,
-    TransformerConfig,
-    load_checkpoint,
-    save_checkpoint,
-    train,
 )
 
 text = test_train.text  # the same made-up verse, a module fixture here too

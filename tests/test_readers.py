@@ -903,6 +903,36 @@ def test_missing_paths_and_empty_folders_raise_at_once(tmp_path: Path) -> None:
     assert issubclass(ReadError, DriftError)
 
 
+def test_a_new_kind_of_file_is_one_entry_in_the_kinds(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kind of file is a FileKind (its endings, and how one file is listed) in
+    collect.KINDS: with that one entry folders find it, messages name it, and its tensors are
+    listed and read like any other's."""
+    from driftcli.io.readers import collect
+    from driftcli.io.readers.core import ByteRange, FileKind
+
+    def raw_refs(path: Path) -> tuple[list[TensorRef], list]:  # raw float32, one per file
+        n = path.stat().st_size
+        return [TensorRef(str(path), path.stem, "float32", (n // 4,),
+                          _reader=ByteRange(path, 0, n))], []
+
+    run = tmp_path / "run"
+    run.mkdir()
+    values = seeded((6,))
+    (run / "w.raw").write_bytes(values.numpy().tobytes())
+    (tmp_path / "notes.txt").write_text("x")
+    known = r"\(\.safetensors, \.safetensors\.index\.json, \.pt, \.pth, \.bin, \.npz, \.npy"
+    with pytest.raises(ReadError, match=rf"no tensor files {known}\) under"):
+        open_inputs([run])
+    monkeypatch.setattr(collect, "KINDS", [*collect.KINDS, FileKind("raw", (".raw",), raw_refs)])
+    inputs = open_inputs([run])
+    assert [(r.source, r.name) for r in inputs.tensors] == [(str(run / "w.raw"), "w")]
+    assert same_bits(inputs.tensors[0].read(), values)
+    assert same_bits(inputs.tensors[0].read(2, 5), values[2:5])
+    with pytest.raises(ReadError, match=rf"drift reads {known}, \.raw\) files"):
+        open_inputs([tmp_path / "notes.txt"])
+
+
 # --- selection and dumps --------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import driftcli as drift
-from driftcli import rounding
+from driftcli import compiling, rounding
 from driftcli.errors import DriftError
 from driftcli.verify import float32_inputs
 
@@ -111,7 +111,7 @@ def test_bad_inputs_raise_drift_errors() -> None:
 
 def test_compiled_kernel_is_bit_identical_to_eager() -> None:
     """torch.compile (dynamic shapes, inductor C++) against eager on boundary-heavy inputs."""
-    if (why := rounding.compile_unavailable()) is not None:
+    if (why := compiling.compile_unavailable()) is not None:
         pytest.xfail(f"{why}: nothing compiled to compare")
     x = torch.cat([_probe_inputs(), torch.randn(3001)])  # an odd length: dynamic shapes
     bits = rounding.draw_random_bits(x.shape, 11)
@@ -119,21 +119,21 @@ def test_compiled_kernel_is_bit_identical_to_eager() -> None:
              ("bfloat16", "sr", "ieee"), ("float8_e8m0fnu", "rne", "ieee")]
     try:
         for name, mode, overflow in cases:
-            rounding.set_compile("never")
+            compiling.set_compile("never")
             eager = drift.round_to_format(x, name, rounding=mode, overflow=overflow,
                                           random_bits=bits)
-            rounding.set_compile("always")
+            compiling.set_compile("always")
             compiled = drift.round_to_format(x, name, rounding=mode, overflow=overflow,
                                              random_bits=bits)
-            assert not rounding._BROKEN, "the compiled kernel failed and fell back to eager"
+            assert not compiling.fell_back(), "the compiled kernel failed and fell back to eager"
             assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32)), name
     finally:
-        rounding.set_compile("auto")
+        compiling.set_compile("auto")
 
 
 def test_compiled_scaled_casts_are_bit_identical_to_eager() -> None:
     """The fused compiled path of quantize (amax, scale rule, cast in one kernel) against eager."""
-    if (why := rounding.compile_unavailable()) is not None:
+    if (why := compiling.compile_unavailable()) is not None:
         pytest.xfail(f"{why}: nothing compiled to compare")
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(96, 200, generator=gen) * torch.exp2(torch.randint(-30, 30, (96, 1),
@@ -141,14 +141,14 @@ def test_compiled_scaled_casts_are_bit_identical_to_eager() -> None:
     x[3, 7], x[4, 0], x[5] = float("nan"), float("inf"), 0.0
     try:
         for spec in ("mxfp8_e4m3", "mxfp4_e2m1_ceil:sr", "nvfp4", "fp8_e4m3"):
-            rounding.set_compile("never")
+            compiling.set_compile("never")
             eager = drift.quantize(x, spec, seed=1)
-            rounding.set_compile("always")
+            compiling.set_compile("always")
             compiled = drift.quantize(x, spec, seed=1)
-            assert not rounding._BROKEN, spec
+            assert not compiling.fell_back(), spec
             assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32)), spec
     finally:
-        rounding.set_compile("auto")
+        compiling.set_compile("auto")
 
 
 GUARD_CHECK = """
@@ -156,14 +156,14 @@ import sys, torch
 import torch._inductor.config as inductor
 inductor.cpp.simdlen = 256  # inductor's AVX2 code, on any x86-64 CPU
 import driftcli as drift
-from driftcli import rounding
+from driftcli import compiling
 x = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 3
-rounding.set_compile("never")
+compiling.set_compile("never")
 eager = drift.round_to_format(x, "bfloat16")
-rounding.set_compile("always")
+compiling.set_compile("always")
 again = drift.round_to_format(x, "bfloat16")
-print(rounding.compile_unavailable())
-print(torch.equal(eager.view(torch.int32), again.view(torch.int32)), len(rounding._COMPILED))
+print(compiling.compile_unavailable())
+print(torch.equal(eager.view(torch.int32), again.view(torch.int32)), compiling.compiled_names())
 """
 
 
@@ -171,10 +171,10 @@ print(torch.equal(eager.view(torch.int32), again.view(torch.int32)), len(roundin
 def test_inductors_avx2_code_is_never_used() -> None:
     """torch 2.13's AVX2 code for these kernels selects the wrong lanes in integer where()
     (every bfloat16 rounding wrong): drift must stay eager there, with the reason."""
-    if str(rounding.compile_unavailable()).startswith("no C++ compiler"):
+    if str(compiling.compile_unavailable()).startswith("no C++ compiler"):
         pytest.xfail("no C++ compiler: no inductor code to guard against")
     proc = subprocess.run([sys.executable, "-c", GUARD_CHECK], capture_output=True, text=True,
                           check=True, env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
     reason, outcome = proc.stdout.strip().splitlines()[-2:]
     assert reason.startswith("inductor's avx2 code is not used (torch 2.13 selects the wrong")
-    assert outcome == "True 0"  # the same bits, and nothing was compiled
+    assert outcome == "True []"  # the same bits, and nothing was compiled

@@ -21,20 +21,18 @@ from typer.testing import CliRunner
 from driftcli.arith.policy import get_policy
 from driftcli.cli import app
 from driftcli.io.tables import read_table
-from driftcli.measures.probe import ProbeRow, probe
 from driftcli.models import (
     MLPConfig,
-    TrainConfig,
-    TrainRow,
     TransformerConfig,
     build_model,
     count_parameters,
     load_checkpoint,
-    train,
 )
-from driftcli.models.dump import dump_operands
 from driftcli.models.nets import count_matmuls
-from driftcli.models.training import operand_rates
+from driftcli.runs import TrainConfig, TrainRow, train
+from driftcli.runs.dump import dump_operands
+from driftcli.runs.probe import ProbeRow, probe
+from driftcli.runs.training import operand_rates
 
 runner = CliRunner()
 

@@ -1,4 +1,5 @@
-"""verify-formats: it passes on the real fast path and catches planted faults."""
+"""verify-formats: it passes on the real fast path, catches planted faults, and verifies every
+scale rule, a new one included, with no edit of its own."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from driftcli import FORMATS, oracle
+from driftcli import FORMATS, oracle, quantization, scaling
 from driftcli import rounding as fast
 from driftcli.cli import app
 from driftcli.formats import Exact, Kind
 from driftcli.io.tables import read_table
-from driftcli.modes import Rounding
-from driftcli.verify import Plan, verify
+from driftcli.modes import Rounding, ScaleRule, check_rule_table
+from driftcli.verify import Plan, block_casts, blocks, check_cast, element_formats, verify
 
 runner = CliRunner()
 
@@ -39,7 +40,7 @@ def test_a_planted_wrong_tie_rule_is_caught(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Ties away instead of ties to even, for one format: verify-formats fails, only there."""
     real = fast._kernel
-    planted = fast._Target.of(FORMATS["float8_e4m3fn"])
+    planted = fast.Target.of(FORMATS["float8_e4m3fn"])
 
     def wrong(*args: object, **kw: object) -> object:
         if kw["tgt"] == planted and kw["rounding"] is Rounding.RNE:
@@ -111,13 +112,10 @@ def _log2_shortcut_plan(amax, plan):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("where", ["cast", "verify"])
 def test_a_planted_log2_scale_rule_is_caught(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted in quantize (the elements) or in the scale path alone (the block scales)."""
-    import driftcli.cast
-    import driftcli.verify
-
     if where == "cast":
-        monkeypatch.setattr(driftcli.cast, "plan_pow2_exponents", _log2_shortcut_plan)
+        monkeypatch.setattr(quantization, "plan_pow2_exponents", _log2_shortcut_plan)
     else:
-        monkeypatch.setattr(driftcli.verify, "pow2_exponents", _log2_shortcut)
+        monkeypatch.setattr(blocks, "pow2_exponents", _log2_shortcut)
     outcomes = verify([FORMATS["float4_e2m1fn"]], Plan(quick=True))
     failing = {o.check for o in outcomes if o.n_failed}
     assert failing == ({"blocks"} if where == "cast" else {"block scales"})
@@ -126,11 +124,8 @@ def test_a_planted_log2_scale_rule_is_caught(where: str, monkeypatch: pytest.Mon
 def test_floor_where_ceil_is_asked_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
-    import driftcli.cast
-    from driftcli.modes import ScaleRule
-
-    real = driftcli.cast.pow2_exponents
-    real_plan = driftcli.cast.plan_pow2_exponents
+    real = quantization.pow2_exponents
+    real_plan = quantization.plan_pow2_exponents
 
     def floor_instead(amax, elem, scaling):  # type: ignore[no-untyped-def]
         return real(amax, elem, dataclasses.replace(scaling, rule=ScaleRule.FLOOR))
@@ -138,11 +133,11 @@ def test_floor_where_ceil_is_asked_is_caught(monkeypatch: pytest.MonkeyPatch) ->
     def floor_instead_plan(amax, plan):  # type: ignore[no-untyped-def]
         return real_plan(amax, dataclasses.replace(plan, rule=ScaleRule.FLOOR))
 
-    monkeypatch.setattr(driftcli.cast, "plan_pow2_exponents", floor_instead_plan)
-    monkeypatch.setattr(driftcli.verify, "pow2_exponents", floor_instead)
-    ceil = next(c for c in driftcli.verify.block_casts(FORMATS["float8_e4m3fn"])
+    monkeypatch.setattr(quantization, "plan_pow2_exponents", floor_instead_plan)
+    monkeypatch.setattr(blocks, "pow2_exponents", floor_instead)
+    ceil = next(c for c in block_casts(FORMATS["float8_e4m3fn"])
                 if c.scaling.rule is ScaleRule.CEIL)
-    outcomes = list(driftcli.verify.check_cast(FORMATS["float8_e4m3fn"], ceil, Plan(quick=True)))
+    outcomes = list(check_cast(FORMATS["float8_e4m3fn"], ceil, Plan(quick=True)))
     assert [o.check for o in outcomes] == ["blocks", "block scales"]
     assert all(o.n_failed > 0 for o in outcomes)
 
@@ -167,3 +162,102 @@ def test_pairwise_where_sequential_is_asked_is_caught(tmp_path: Path,
     assert len(others) > 0 and int(others.n_failed.sum()) == 0
     rows = df[(df.kind == "disagreement") & (df.check == "matmul")]
     assert rows.operands.str.contains("element").all()
+
+
+# --- every scale rule is verified, a new one with no edit of verify-formats -------------------
+
+def _add_rule(monkeypatch: pytest.MonkeyPatch, name: str, value: str,
+              power_of_two: bool) -> ScaleRule:
+    """Extend ScaleRule by one member for this test only, as a line in modes.py would (enums
+    take no new members once built, so the member maps are patched; undone after the test)."""
+    rule = ScaleRule._new_member_(ScaleRule, value, power_of_two)  # type: ignore[attr-defined]
+    rule._name_ = name
+    rule.__objclass__ = ScaleRule  # type: ignore[misc]
+    monkeypatch.setitem(ScaleRule._member_map_, name, rule)
+    monkeypatch.setitem(ScaleRule._value2member_map_, value, rule)
+    monkeypatch.setattr(ScaleRule, "_member_names_", [*ScaleRule._member_names_, name])
+    return rule
+
+
+def _register_floor2(monkeypatch: pytest.MonkeyPatch, fast_headroom: int = 2) -> ScaleRule:
+    """A throwaway rule, ``floor2``: floor with 2 binades of headroom written as its own rule,
+    added the way a new rule is: a member, its fast exponent, its exact exponent. The fast one
+    adds ``fast_headroom`` binades (not 2: a planted fault)."""
+    rule = _add_rule(monkeypatch, "FLOOR2", "floor2", power_of_two=True)
+    monkeypatch.setitem(scaling.FAST_RULES, rule,
+                        lambda e, significand, plan: e - plan.elem_emax + fast_headroom)
+    monkeypatch.setitem(oracle.EXACT_RULES, rule,
+                        lambda amax, elem: oracle.binade(amax) - elem.emax + 2)
+    return rule
+
+
+@pytest.fixture
+def floor2(monkeypatch: pytest.MonkeyPatch) -> ScaleRule:
+    return _register_floor2(monkeypatch)
+
+
+def _rules_checked(fmt_name: str, monkeypatch: pytest.MonkeyPatch) -> set[ScaleRule]:
+    """The rules whose casts the blocks suite runs in the full plan (recorded, not run)."""
+    seen = []
+
+    def record(fmt: object, c: object, plan: object, random: bool = True) -> list[object]:
+        seen.append(c)
+        return []
+
+    with monkeypatch.context() as m:
+        m.setattr(blocks, "check_cast", record)
+        list(blocks.check_blocks(FORMATS[fmt_name], Plan()))
+    return {c.scaling.rule for c in seen}  # type: ignore[attr-defined]
+
+
+def test_every_scale_rule_is_verified(floor2: ScaleRule,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every member, the throwaway one too, has a cast in the blocks suite of every element
+    format it runs on; a list of casts that predates a member would miss it, and this sees it."""
+    signed = [f.name for f in element_formats() if f.bits <= 8 and f.signed and f.name in FORMATS]
+    assert len(signed) == 9  # FP8 (4), FP6 (2), FP4, int8, int4
+    for name in signed:
+        assert _rules_checked(name, monkeypatch) == set(ScaleRule), name
+    real = blocks.block_casts
+    monkeypatch.setattr(blocks, "block_casts",  # the planted fault: a hand-written list
+                        lambda fmt: [c for c in real(fmt) if c.scaling.rule is not floor2])
+    assert set(ScaleRule) - _rules_checked("float4_e2m1fn", monkeypatch) == {floor2}
+
+
+def test_every_scale_rule_has_a_fast_and_an_exact_implementation() -> None:
+    """Both tables cover every member (each module checks its own on import), and the check
+    names a member that is missing."""
+    for rule in ScaleRule:
+        assert rule in scaling.FAST_RULES and rule in oracle.EXACT_RULES, rule
+    check_rule_table(dict.fromkeys(ScaleRule), "a full table")
+    with pytest.raises(NotImplementedError, match=r"^a table has no entry for the scale rule\(s\) "
+                                                  r"even: add one for each$"):
+        check_rule_table({r: None for r in ScaleRule if r is not ScaleRule.EVEN}, "a table")
+
+
+@pytest.mark.parametrize("fast_headroom", [2, 1])
+def test_a_new_scale_rule_is_verified_with_no_other_edit(
+        fast_headroom: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``floor2`` (a member, its fast and its exact exponent, nothing else) is checked by the
+    full run exactly as ``floor+2``, the same rule spelled with headroom, is: the same two cells
+    with the same counts, and 0 disagreements. With a fast exponent one binade short, only its
+    two cells fail."""
+    rule = _register_floor2(monkeypatch, fast_headroom)
+    # fewer random blocks, to keep the full plan of one format to seconds: the rule's cells
+    # still get the constructed blocks, random blocks and random scales
+    monkeypatch.setattr(blocks, "BLOCK_FULL_SAMPLE", 32)
+    monkeypatch.setattr(blocks, "BLOCK_SCALE_SAMPLE", 800)
+    monkeypatch.setattr(blocks, "REAL_SCALE_SAMPLE", 800)
+    code, df = _run(tmp_path, "-f", "float4_e2m1fn")
+    summary = df[df.kind == "summary"]
+    spec = "float4_e2m1fn:block32:float8_e8m0fnu:{}:rne:saturate"
+    new = summary[summary.operation == spec.format(rule)].set_index("check")
+    old = summary[summary.operation == spec.format("floor+2")].set_index("check")
+    assert list(new.index) == list(old.index) == ["blocks", "block scales"]
+    assert (new.n_checked == old.n_checked).all() and new.n_checked.min() >= 800
+    failing = summary[summary.n_failed > 0]
+    if fast_headroom == 2:
+        assert code == 0 and failing.empty
+    else:
+        assert code == 1
+        assert set(failing.operation) == {spec.format(rule)} and len(failing) == 2

@@ -41,11 +41,11 @@ import torch
 
 from driftcli.arith.matmul import MatmulSpec, Order, ScaleApplication, matmul
 from driftcli.arith.policy import ArithmeticPolicy, BackwardState, Role
-from driftcli.cast import quantize
+from driftcli.cast import Cast
 from driftcli.errors import DriftError
 from driftcli.modes import DEFAULT_SR_BITS, Rounding
+from driftcli.quantization import quantize
 from driftcli.rounding import draw_random_bits
-from driftcli.spec import Cast
 
 Tensor = torch.Tensor
 

@@ -4,7 +4,7 @@
 (leading dimensions broadcast as in ``torch.matmul``) is computed as:
 
 1. each operand is taken as float32 (a float64 tensor is rounded to nearest even first;
-   bfloat16 and float16 widen exactly), then cast with its :class:`~driftcli.spec.Cast`
+   bfloat16 and float16 widen exactly), then cast with its :class:`~driftcli.cast.Cast`
    along K: A along its last axis, B along its second-to-last (rows of A's blocks and
    columns of B's blocks run along K);
 2. every product of two cast operands is exact: each operand is a float32 value (at most
@@ -38,12 +38,14 @@ from typing import cast
 
 import torch
 
+from driftcli import compiling
 from driftcli import rounding as fast
-from driftcli.cast import QuantInfo, quantize
+from driftcli.cast import Cast, parse_cast
 from driftcli.errors import DriftError, close_matches
+from driftcli.exact import two_sum
 from driftcli.formats import FORMATS, Format, get_format
-from driftcli.modes import DEFAULT_SR_BITS, Granularity, Overflow, Rounding, parse_choice
-from driftcli.spec import Cast, parse_cast
+from driftcli.modes import Granularity, Rounding, parse_choice
+from driftcli.quantization import QuantInfo, quantize
 
 Tensor = torch.Tensor
 
@@ -523,7 +525,7 @@ def _float32_exact(qa: Tensor, qb: Tensor, spec: MatmulSpec) -> bool:
 class _Rule:
     """How one accumulator step rounds; hashable, so a compiled step specializes on it."""
 
-    target: object
+    target: fast.Target
     """The rounding kernel's constants for the accumulator format."""
     rounding: Rounding
     wide: bool
@@ -583,19 +585,14 @@ def _round_sum(acc: Tensor, term: Tensor, rule: _Rule) -> Tensor:
 
     ``s = fl(acc + term)`` carries IEEE's sign for an exact zero (+0 for x + (-x) and
     (+0) + (-0), -0 for (-0) + (-0)), and TwoSum's ``r`` is its exact error."""
-    s = acc + term
+    s, r = two_sum(acc, term)
     if rule.drop == 0 and rule.rounding is Rounding.RNE:
         return s
-    bb = s - acc
-    r = (acc - (s - bb)) + (term - bb)
     if rule.wide:  # inf or NaN: no residual (float32 work is chosen only where sums are finite)
         r = torch.where(torch.isfinite(s), r, torch.zeros_like(r))
     if rule.drop is not None:
         return truncate_float32(s, r, rule.drop, rule.rounding)
-    kernel = fast._eager if rule.eager else fast._kernel
-    return kernel(s.contiguous(), r.contiguous(), None, None,
-                  src=fast._F64 if rule.wide else fast._F32, tgt=rule.target,
-                  rounding=rule.rounding, overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
+    return fast.round_sum(s, r, rule.target, rule.rounding, wide=rule.wide, eager=rule.eager)
 
 
 def _steps(acc: Tensor, a: Tensor, b: Tensor, live: Tensor | None, *, rule: _Rule,
@@ -615,13 +612,13 @@ STEPS_PER_CALL = 8
 def _run_steps(acc: Tensor, terms: _Terms, index: Tensor, live: Tensor | None, rule: _Rule,
                work: int) -> Tensor:
     """:func:`_steps` over the terms ``index``, compiled when drift's compile policy wants it
-    for ``work`` element-steps (see :func:`driftcli.rounding.set_compile`), else eagerly."""
+    for ``work`` element-steps (see :func:`driftcli.compiling.set_compile`), else eagerly."""
     a, b = terms.factors(index)
     count = index.shape[0]
     # the rule's integers (shift amounts, masks) must be constants of the compiled code, or
     # its loops do not vectorize; tensor shapes stay dynamic
     with torch._dynamo.config.patch(specialize_int=True):
-        out = fast.run_compiled(_steps, work, acc, a.contiguous(), b.contiguous(), live,
+        out = compiling.run_compiled(_steps, work, acc, a.contiguous(), b.contiguous(), live,
                                 rule=_Rule(rule.target, rule.rounding, rule.wide, rule.drop,
                                            False), count=count)
     return out if out is not None else _steps(acc, a, b, live, rule=rule, count=count)

@@ -14,7 +14,7 @@ forward's operands (:class:`BackwardState`). ``with driftcli.arithmetic(policy):
 to any model (:mod:`driftcli.arith.mode`).
 
 Policies come from presets (``exact``, ``float32`` and one per cast preset of
-:data:`driftcli.spec.PRESETS`), from a cast spec (every operand cast with it), or from a TOML
+:data:`driftcli.cast.PRESETS`), from a cast spec (every operand cast with it), or from a TOML
 file (:func:`policy_from_toml`; docs/arithmetic.md describes the format).
 """
 
@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from driftcli.arith.matmul import MatmulSpec, Order, matmul_spec
+from driftcli.cast import PRESETS, Cast, parse_cast
 from driftcli.errors import DriftError, close_matches
 from driftcli.modes import Rounding, parse_choice
-from driftcli.spec import PRESETS, Cast, parse_cast
 
 
 class PolicyError(DriftError, ValueError):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from driftcli.cli import EXIT_USAGE, command
+from driftcli.cli.app import EXIT_USAGE, command
 from driftcli.modes import Dist
 
 if TYPE_CHECKING:

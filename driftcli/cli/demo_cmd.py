@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from driftcli.cli import app, command
+from driftcli.cli.app import app, command
 
 CASTS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp8_e4m3_floor+1", "mxfp8_e4m3_ceil", "nvfp4")
 """Per-tensor FP8, OCP MX FP8 with the floor rule, one binade of headroom, the ceil rule,

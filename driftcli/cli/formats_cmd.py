@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from driftcli.cli import command
+from driftcli.cli.app import command
 
 
 @command("formats")
@@ -27,8 +27,8 @@ def formats(
     from rich.console import Console
     from rich.table import Table
 
+    from driftcli.cast import PRESETS, parse_cast
     from driftcli.formats import FORMATS, describe
-    from driftcli.spec import PRESETS, parse_cast
 
     if casts:
         rows = [{"spec": spec, "canonical": str(parse_cast(spec))} for spec in casts]

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from driftcli.cli import command
+from driftcli.cli.app import command
 from driftcli.errors import DriftError
 
 if TYPE_CHECKING:
-    from driftcli.io.checkpoints import CausalLM
     from driftcli.measures.grad_cosine import GradCosineRow
+    from driftcli.models.loaders import CausalLM
 
 OUT = Path("drift-out")
 WORST = 3
@@ -24,7 +24,7 @@ WORST = 3
 
 def _batch(lm: CausalLM, text: Path | None, batch: Path | None, tokens: int,
            windows: int) -> tuple[Any, Path]:
-    from driftcli.io.checkpoints import load_batch, text_batch
+    from driftcli.models.loaders import load_batch, text_batch
 
     if (text is None) == (batch is None):
         raise DriftError("give the batch as exactly one of --text FILE (tokenized with the "
@@ -113,10 +113,10 @@ def grad_cosine_command(
     parameter and over all parameters.
     """
     from driftcli.arith.policy import get_policy
-    from driftcli.io.checkpoints import load_causal_lm, next_token_loss
     from driftcli.io.outputs import check_writable
     from driftcli.io.tables import identify_in_background, provenance, write_table
     from driftcli.measures.grad_cosine import GradCosineRow, grad_cosine
+    from driftcli.models.loaders import load_causal_lm, next_token_loss
 
     resolved = [get_policy(p) for p in policy]  # fail now, not after loading the model
     check_writable(out)  # fail now, not after the gradients

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from driftcli.cli import EXIT_USAGE, command
+from driftcli.cli.app import EXIT_USAGE, command
 from driftcli.modes import Device
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def _fmt(value: Any) -> str:
 def cast_names(given: list[str]) -> dict[str, str]:
     """Each cast's canonical spec → the name the user gave it, where they differ (a preset
     reads better than its canonical spec): the summary and the report show these names."""
-    from driftcli.spec import parse_cast
+    from driftcli.cast import parse_cast
 
     return {spec: g for g in given if (spec := str(parse_cast(g))) != g}
 

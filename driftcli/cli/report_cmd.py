@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from driftcli.cli import EXIT_FOUND, command
+from driftcli.cli.app import EXIT_FOUND, command
 from driftcli.report.options import CHANGE_PCT, WORST, MatchBy, Options
 
 OutFile = Annotated[Path | None, typer.Option(metavar="FILE", dir_okay=False)]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from driftcli.cli import command
+from driftcli.cli.app import command
 from driftcli.models.config import (
     CHECKPOINTS,
     Activation,
@@ -26,7 +26,7 @@ from driftcli.modes import Storage
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from driftcli.models.training import TrainResult
+    from driftcli.runs.training import TrainResult
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
@@ -147,7 +147,7 @@ def train_command(
 
     from driftcli.arith.policy import get_policy
     from driftcli.io.outputs import check_writable
-    from driftcli.models.training import TrainConfig, train
+    from driftcli.runs.training import TrainConfig, train
 
     config = TrainConfig(
         model=model_config(model, width, layers, context, embed, heads, activation),
@@ -211,7 +211,7 @@ def dump_command(
     One forward and backward step, into a drift dump.
     """
     from driftcli.io.outputs import check_writable
-    from driftcli.models.dump import dump_operands
+    from driftcli.runs.dump import dump_operands
 
     check_writable(out, folder=False)
     result = dump_operands(checkpoint, out, text, windows=batch, context=context, seed=seed,
@@ -266,7 +266,7 @@ def probe_command(
     from driftcli.arith.policy import get_policy
     from driftcli.io.tables import provenance, write_table
     from driftcli.measures.grad_cosine import ALL_PARAMETERS
-    from driftcli.measures.probe import PROBE_FILE, ProbeRow, probe
+    from driftcli.runs.probe import PROBE_FILE, ProbeRow, probe
 
     resolved = [get_policy(p) for p in policy]  # fail now, not after loading a checkpoint
     with _progress(quiet, f"probe {run.name}") as bar:

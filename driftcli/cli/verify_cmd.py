@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from driftcli.cli import EXIT_FOUND, command
+from driftcli.cli.app import EXIT_FOUND, command
 
 DEFAULT_JOBS = min(2, os.cpu_count() or 1)
 OUT = Path("drift-out")

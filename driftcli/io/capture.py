@@ -6,96 +6,49 @@
         model(batch).sum().backward()
     cap.names   # ("fc1/activation", "fc1/weight", "fc1/gradient", ...)
 
-A ``torch.overrides.TorchFunctionMode`` sees every ``F.linear`` (so every ``nn.Linear``),
-``torch.matmul`` / ``@``, ``torch.mm``, ``torch.bmm``, ``torch.addmm``, ``torch.baddbmm`` and
-``torch.addbmm``, and copies its two operands; a hook on the product's output copies the
-gradient that flows into it. Forward pre/post hooks on every submodule keep a stack of the
-modules running, so each operand knows its layer. Nothing the model computes is changed: the
-mode calls each function exactly as the model did and the gradient hooks return ``None``.
+A ``torch.overrides.TorchFunctionMode`` sees every call of a function in the table of
+intercepted matmuls, :data:`driftcli.arith.intercept.MATMULS`, the one the arithmetic mode
+routes through a policy: ``F.linear`` (so every ``nn.Linear``), ``torch.matmul`` / ``@``,
+``torch.mm``, ``torch.bmm``, ``torch.mv``, ``torch.addmm``, ``torch.baddbmm``, ``torch.einsum``
+and ``F.scaled_dot_product_attention``. Each call's products are found by the route the mode
+casts them with, so a dump's operands are the operands a policy casts: most calls multiply
+two of their own arguments, which are copied; an einsum is recorded as its batched matmul and
+an sdpa call as its two matmuls (``q·kᵀ`` and ``p·v``), computed beside the call. A hook on
+the call's output copies the gradient that flows into each product. Forward pre/post hooks on
+every submodule keep a stack of the modules running, so each operand knows its layer.
+Nothing the model computes is changed: the mode calls each function exactly as the model did
+and the gradient hooks return ``None``. The functions the table refuses are counted, unrecorded.
 
 The dump is one safetensors file whose metadata key ``drift.dump`` holds JSON
-``{"version": 1, "tensors": {name: {"role", "layer", "operand", "step"}}}``; see
-``docs/capture.md`` for the names and the operand strings.
+``{"version": 1, "tensors": {name: {"role", "layer", "operand", "step"}}}``
+(:mod:`driftcli.io.dumps`); see ``docs/capture.md`` for the names and the operand strings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
-from enum import StrEnum
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from driftcli.arith.intercept import OUTSIDE, ROOT, Intercepted, UnsupportedMatmulError, lookup
 from driftcli.errors import DriftError
+from driftcli.io.dumps import DUMP_KEY, DUMP_VERSION, ROLES, DumpEntry, Role
 from driftcli.modes import parse_choice
 
-DUMP_KEY = "drift.dump"
-"""The safetensors metadata key holding a dump's JSON description."""
-DUMP_VERSION = 1
-"""The version of that JSON; a reader refuses versions it does not know."""
-ROOT = "<root>"
-"""The layer name of matmuls the model's own ``forward`` runs (its qualified name is ``""``)."""
-OUTSIDE = "<outside>"
-"""The layer name of matmuls run inside the ``with`` but outside any module of the model."""
-
-
-class Role(StrEnum):
-    """What a captured tensor is to the training step."""
-
-    ACTIVATION = "activation"
-    """An operand that is not a parameter of the model (an input, a hidden state, q or k)."""
-    WEIGHT = "weight"
-    """A parameter of the model (or a view of one, such as ``W.T``), recorded once per layer."""
-    GRADIENT = "gradient"
-    """The gradient flowing into a matmul's output during backward (dY)."""
-
-
-ALL_ROLES: tuple[Role, ...] = tuple(Role)
-"""Every role: what ``capture`` records by default."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DumpEntry:
-    """The metadata of one tensor in a drift dump."""
-
-    role: Role
-    """Activation, weight or gradient."""
-    layer: str
-    """Qualified module name (``blocks.0.attn``), or ``<root>`` / ``<outside>``."""
-    operand: str
-    """Space-separated ``pass.side`` tokens naming which matmul operands the tensor feeds:
-    pass is ``forward``, ``dgrad`` or ``wgrad``, side ``lhs`` or ``rhs`` (design §6)."""
-    step: int | None
-    """The training step given to ``capture``, or ``None``."""
-
-    def to_json(self) -> dict[str, Any]:
-        """This entry as the JSON object stored in the dump's metadata."""
-        return {"role": self.role.value, "layer": self.layer, "operand": self.operand,
-                "step": self.step}
-
-
-@dataclasses.dataclass(frozen=True)
-class _MatmulKind:
-    """Where a function's two matmul operands sit and which backward matmuls they feed."""
-
-    lhs: tuple[int, str]
-    """Position and keyword name of the left operand."""
-    rhs: tuple[int, str]
-    """Position and keyword name of the right operand."""
-    operands: tuple[str, str, str]
-    """Operand strings of the lhs, the rhs and the output gradient."""
+Tensor = torch.Tensor
 
 
 # y = x·Wᵀ with W stored (out, in), as F.linear does: dgrad dX = dY·W, wgrad dW = dYᵀ·X.
@@ -103,52 +56,61 @@ _LINEAR_OPERANDS = ("forward.lhs wgrad.rhs", "forward.rhs dgrad.rhs", "dgrad.lhs
 # C = A·B: dgrad (the lhs's gradient) dA = dC·Bᵀ, wgrad (the rhs's gradient) dB = Aᵀ·dC.
 _MATMUL_OPERANDS = ("forward.lhs wgrad.lhs", "forward.rhs dgrad.rhs", "dgrad.lhs wgrad.rhs")
 
-_LINEAR = _MatmulKind((0, "input"), (1, "weight"), _LINEAR_OPERANDS)
-_PLAIN = _MatmulKind((0, "input"), (1, "other"), _MATMUL_OPERANDS)
-_MM = _MatmulKind((0, "input"), (1, "mat2"), _MATMUL_OPERANDS)
-_ADDMM = _MatmulKind((1, "mat1"), (2, "mat2"), _MATMUL_OPERANDS)
-_BATCHED_ADD = _MatmulKind((1, "batch1"), (2, "batch2"), _MATMUL_OPERANDS)
 
-_MATMULS: dict[Callable[..., Any], _MatmulKind] = {
-    F.linear: _LINEAR,
-    torch.matmul: _PLAIN,
-    torch.Tensor.matmul: _PLAIN,
-    torch.Tensor.__matmul__: _PLAIN,  # `a @ b` reaches the mode as Tensor.matmul today
-    torch.mm: _MM,
-    torch.Tensor.mm: _MM,
-    torch.bmm: _MM,
-    torch.Tensor.bmm: _MM,
-    torch.addmm: _ADDMM,
-    torch.Tensor.addmm: _ADDMM,
-    torch.baddbmm: _BATCHED_ADD,
-    torch.Tensor.baddbmm: _BATCHED_ADD,
-    torch.addbmm: _BATCHED_ADD,
-    torch.Tensor.addbmm: _BATCHED_ADD,
-}
+@dataclasses.dataclass(frozen=True)
+class _Product:
+    """One product a call makes: its two operands and, where capture computed it beside the
+    call, its result (whose gradient the call's backward does not reach)."""
 
-# Functions that multiply matrices but whose operands capture does not record. Python-level
-# ones (multi_head_attention_forward, einsum, tensordot) run their inner matmuls with the mode
-# switched off, so those are invisible too; each call is counted and reported at exit.
-_UNRECORDED: dict[Callable[..., Any], str] = {
-    F.scaled_dot_product_attention: "torch.nn.functional.scaled_dot_product_attention",
-    F.multi_head_attention_forward: "torch.nn.functional.multi_head_attention_forward",
-    F.bilinear: "torch.nn.functional.bilinear",
-    torch.einsum: "torch.einsum",
-    torch.tensordot: "torch.tensordot",
-    torch.mv: "torch.mv",
-    torch.Tensor.mv: "torch.Tensor.mv",
-    torch.addmv: "torch.addmv",
-    torch.chain_matmul: "torch.chain_matmul",
-    torch.linalg.multi_dot: "torch.linalg.multi_dot",
-}
+    lhs: Any
+    rhs: Any
+    out: Tensor | None
 
 
-def _lookup(table: Mapping[Any, Any], func: Any) -> Any:
-    """``table.get(func)``, tolerating the odd unhashable callable a mode may be handed."""
-    try:
-        return table.get(func)
-    except TypeError:
-        return None
+class _Products:
+    """Capture's :class:`~driftcli.arith.intercept.Engine`: it notes the products a route
+    makes and casts nothing.
+
+    For a route that multiplies two of the call's arguments, the first ``passthrough`` names
+    them and the call runs as written. A decomposed route (``decomposed``) runs beside the
+    call, each product plain, so the products are those the mode would cast."""
+
+    def __init__(self, decomposed: bool) -> None:
+        self.decomposed = decomposed
+        self.found: list[_Product] = []
+
+    def passthrough(self, a: Any, b: Any, name: str,
+                    products: tuple[str, ...] | None = None) -> bool:
+        """Whether the call runs as written: yes, and ``a`` and ``b`` are its operands, unless
+        the route decomposes it."""
+        if self.decomposed:
+            return False
+        self.found.append(_Product(a, b, None))
+        return True
+
+    def note_plain(self, name: str, reason: str) -> None:
+        """Nothing to note: a call run as written for the route's own reason makes no
+        product."""
+
+    def product(self, a: Tensor, b: Tensor, name: str) -> Tensor:
+        """``a @ b`` as torch computes it, noted."""
+        out = torch.matmul(a, b)
+        self.found.append(_Product(a, b, out))
+        return out
+
+
+def _not_run(*args: Any, **kwargs: Any) -> None:
+    """Stands in for the function a route calls as written: capture has called it already."""
+    return None
+
+
+@contextlib.contextmanager
+def _beside(grad: bool) -> Iterator[None]:
+    """Where a decomposed call runs beside the real one: out of sight of every mode (an outer
+    arithmetic mode would count its products as the model's), recording autograd only where
+    its products' gradients are wanted."""
+    with torch._C.DisableTorchFunction(), torch.set_grad_enabled(grad):
+        yield
 
 
 def _in_backward() -> bool:
@@ -164,11 +126,6 @@ def _snapshot(t: torch.Tensor) -> torch.Tensor:
     """A detached, contiguous CPU copy in the tensor's own dtype, immune to later in-place ops."""
     return t.detach().resolve_conj().resolve_neg().to(
         "cpu", memory_format=torch.contiguous_format, copy=True)
-
-
-def _argument(args: tuple[Any, ...], kwargs: Mapping[str, Any], where: tuple[int, str]) -> Any:
-    position, keyword = where
-    return args[position] if position < len(args) else kwargs.get(keyword)
 
 
 @dataclasses.dataclass
@@ -205,11 +162,9 @@ class _CaptureMode(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        kind = _lookup(_MATMULS, func)
-        if kind is not None:
-            self._capture._matmul(kind, args, kwargs, out)
-        elif (name := _lookup(_UNRECORDED, func)) is not None:
-            self._capture._unrecorded[name] += 1
+        entry = lookup(func)
+        if entry is not None:
+            self._capture._call(entry, args, kwargs, out)
         return out
 
 
@@ -296,19 +251,49 @@ class Capture:
             return Role.WEIGHT
         return Role.ACTIVATION
 
-    def _matmul(self, kind: _MatmulKind, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                out: Any) -> None:
-        """Record the operands of one matmul the model just ran, and hook its output."""
+    def _call(self, entry: Intercepted, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+              out: Any) -> None:
+        """Record the operands of the products of one call the model just ran (``out`` is
+        its result), and hook the gradients that flow into them."""
+        if entry.route is None:
+            self._unrecorded[entry.name] += 1
+            return
         if _in_backward():
             return
+        grads = Role.GRADIENT in self.roles and isinstance(out, Tensor) and out.requires_grad
+        found = _Products(entry.decomposed)
+        try:
+            with _beside(grads) if entry.decomposed else contextlib.nullcontext():
+                side = entry.route(found, entry.name, _not_run, *args, **kwargs)
+        except UnsupportedMatmulError:  # a call the mode refuses (dropout, out=): not its casts
+            self._unrecorded[entry.name] += 1
+            return
+        operands = _LINEAR_OPERANDS if entry.linear else _MATMUL_OPERANDS
         frame = self._stack[-1] if self._stack else self._outside
+        pending: list[tuple[Tensor, _Record]] = []
+        for product in found.found:
+            gradient = self._product(frame, product.lhs, product.rhs, operands)
+            if not grads or (product.out is not None and not product.out.requires_grad):
+                continue
+            self._records.append(gradient)  # each gradient next to its product
+            if product.out is None:
+                self._hook(out, gradient)
+            else:
+                pending.append((product.out, gradient))
+        if pending:
+            self._hook_beside(out, side, pending)
+
+    def _product(self, frame: _Frame, lhs: Any, rhs: Any,
+                 operands: tuple[str, str, str]) -> _Record:
+        """Record the two operands of one product; its gradient's record, still empty (kept
+        only where a gradient is hooked into it)."""
         index = frame.matmuls
         frame.matmuls += 1
-        operands = (_argument(args, kwargs, kind.lhs), _argument(args, kwargs, kind.rhs))
-        roles = tuple(self._role(t) for t in operands)
+        pair = (lhs, rhs)
+        roles = tuple(self._role(t) for t in pair)
         # name by role where that tells the two apart, else by side (q @ k.T: lhs, rhs)
         labels = (roles[0].value, roles[1].value) if roles[0] != roles[1] else ("lhs", "rhs")
-        for t, role, label, operand in zip(operands, roles, labels, kind.operands, strict=False):
+        for t, role, label, operand in zip(pair, roles, labels, operands, strict=False):
             if role not in self.roles or not isinstance(t, torch.Tensor):
                 continue
             if role is Role.WEIGHT:
@@ -319,15 +304,33 @@ class Capture:
                 self._weights_seen.add(key)
             self._records.append(_Record(frame.layer, frame.call, index, label, role, operand,
                                          [_snapshot(t)]))
-        if Role.GRADIENT in self.roles and isinstance(out, torch.Tensor) and out.requires_grad:
-            record = _Record(frame.layer, frame.call, index, "gradient", Role.GRADIENT,
-                             kind.operands[2], [])
-            self._records.append(record)
+        return _Record(frame.layer, frame.call, index, "gradient", Role.GRADIENT, operands[2], [])
 
-            def keep(grad: torch.Tensor) -> None:
-                record.tensors.append(_snapshot(grad))
+    def _hook(self, out: Tensor, record: _Record) -> None:
+        """Copy the gradient reaching ``out``, the product itself, into ``record``."""
 
-            self._handles.append(out.register_hook(keep))
+        def keep(grad: Tensor) -> None:
+            record.tensors.append(_snapshot(grad))
+
+        self._handles.append(out.register_hook(keep))
+
+    def _hook_beside(self, out: Tensor, side: Tensor,
+                     pending: list[tuple[Tensor, _Record]]) -> None:
+        """Copy the gradients of products computed beside the call: when the gradient of its
+        output ``out`` arrives, carry it back through ``side`` (the same function of the same
+        arguments, decomposed) to each product."""
+        products = [p for p, _ in pending]
+
+        def keep(grad: Tensor) -> None:
+            with torch._C.DisableTorchFunction():
+                # retain_graph: another backward over the model's graph comes here again
+                got = torch.autograd.grad(side, products, grad, retain_graph=True,
+                                          allow_unused=True)
+            for (_, record), g in zip(pending, got, strict=True):
+                if g is not None:
+                    record.tensors.append(_snapshot(g))
+
+        self._handles.append(out.register_hook(keep))
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -376,13 +379,13 @@ class Capture:
         self.unrecorded = MappingProxyType(dict(self._unrecorded))
         if self._unrecorded:
             calls = ", ".join(f"{f} ×{n}" for f, n in sorted(self._unrecorded.items()))
-            warnings.warn(f"capture did not record the operands of {calls}; only F.linear, "
-                          "matmul/@, mm, bmm, addmm, baddbmm and addbmm are recorded",
+            warnings.warn(f"capture did not record the operands of {calls}: drift cannot see "
+                          "their products, or a policy refuses the call (see docs/capture.md)",
                           stacklevel=3)
 
 
 def capture(model: nn.Module, path: str | os.PathLike[str], *,
-            roles: Iterable[str | Role] | str = ALL_ROLES, step: int | None = None) -> Capture:
+            roles: Iterable[str | Role] | str = ROLES, step: int | None = None) -> Capture:
     """Record every matmul operand of ``model``'s forward and backward into a drift dump.
 
     Use as ``with capture(model, path) as cap: model(x).sum().backward()``. On a clean exit

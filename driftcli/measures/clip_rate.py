@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from driftcli.cast import CastStats
 from driftcli.io.tables import column
 from driftcli.measures.common import Measure, TensorCastRow, ratio
+from driftcli.measures.stats import CastStats
 
 
 @dataclass(frozen=True)

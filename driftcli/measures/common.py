@@ -9,10 +9,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from driftcli.cast import CastStats
+from driftcli.cast import Cast
 from driftcli.io.tables import column
 from driftcli.measures.scan import Progress, Result, Scan, ScanOptions, iter_groups, scan
-from driftcli.spec import Cast
+from driftcli.measures.stats import CastStats
 
 ALL_TENSORS = "*"
 """The ``tensor`` of the row that aggregates every selected tensor of an input."""

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Any, ClassVar
 
-from driftcli.cast import CastStats
 from driftcli.io.tables import column
 from driftcli.measures.common import Measure, TensorCastRow, ratio
+from driftcli.measures.stats import CastStats
 
 METRICS = ("rel_error", "sqnr_db", "bias", "alignment", "mean_error")
 

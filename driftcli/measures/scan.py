@@ -22,20 +22,22 @@ from pathlib import Path
 
 import torch
 
-from driftcli.cast import (
+from driftcli.cast import Cast, parse_cast
+from driftcli.errors import DriftError
+from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
+from driftcli.measures.stats import (
     CastStats,
     cast_stats,
+    error_sums,
+    error_terms,
     finite_amax,
     run_amax,
     run_length,
     runs_compiled,
     slice_facts,
-    working_dtype,
 )
-from driftcli.errors import DriftError
-from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
 from driftcli.modes import Device, Granularity, Rounding, ScaleRule
-from driftcli.spec import Cast, parse_cast
+from driftcli.quantization import working_dtype
 
 Tensor = torch.Tensor
 
@@ -180,17 +182,14 @@ def _draw_seed(seed: int, *parts: object) -> int:
 
 def _error_sums(x: Tensor, mean: Tensor, base: CastStats) -> CastStats:
     """``base`` with its error sums replaced by those of ``mean`` (the expected cast)."""
-    xd, qd = x.double(), mean.double()
-    valid = torch.isfinite(xd) & torch.isfinite(qd)
-    e = torch.where(valid, qd - xd, 0.0)
-    xv = torch.where(valid, xd, 0.0)
-    return dataclasses.replace(base, xx=float((xv * xv).sum()), ee=float((e * e).sum()),
-                               ex=float((e * xv).sum()), e_sum=float(e.sum()))
+    _, e, xv = error_terms(x, mean)
+    xx, ee, ex, e_sum = (float(t) for t in error_sums(e, xv))
+    return dataclasses.replace(base, xx=xx, ee=ee, ex=ex, e_sum=e_sum)
 
 
 class _Staging:
     """One byte buffer every read of a scan goes into, grown to the largest read: memory
-    already touched reads about five times faster than fresh pages."""
+    already touched reads several times faster than fresh pages (docs/performance.md)."""
 
     def __init__(self) -> None:
         self.buf = torch.empty(0, dtype=torch.uint8)
@@ -348,7 +347,7 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     """Cast every selected floating-point tensor of ``paths`` with every cast and count.
 
     ``rounded=False`` counts only what needs no rounding (see
-    :func:`driftcli.cast.cast_stats`): what clip-rate needs, several times faster.
+    :func:`driftcli.measures.stats.cast_stats`): what clip-rate needs, several times faster.
     ``on_open`` is called with every file the scan reads (:attr:`Scan.files`) once all are
     open, before the first tensor is read: the command starts hashing them then.
 

@@ -1,11 +1,12 @@
 """The small reference models ``drift train``, ``drift probe`` and ``drift dump`` use: a tanh MLP
 language model and a small transformer, byte-level, with checkpoints that rebuild them alone::
 
-    from driftcli.models import MLPConfig, TrainConfig, train, load_checkpoint
+    from driftcli.models import MLPConfig, build_model, load_checkpoint
 
-    result = train(TrainConfig(MLPConfig(hidden=64), policy="mxfp8_e4m3", steps=100),
-                   "runs/mx", text="input.txt")
-    ck = load_checkpoint(result.checkpoints[-1])     # ck.model, ck.config, ck.state
+    model = build_model(MLPConfig(hidden=64))
+    ck = load_checkpoint("runs/mx/step-000100.safetensors")   # ck.model, ck.config, ck.state
+
+Training runs of them are :mod:`driftcli.runs`.
 """
 
 from driftcli.lazy import exports
@@ -18,8 +19,6 @@ _API = {
                     "driftcli.models.config"),
     **dict.fromkeys(("ByteTokenizer", "build_model", "count_parameters", "next_byte_loss"),
                     "driftcli.models.nets"),
-    **dict.fromkeys(("TrainConfig", "TrainResult", "TrainRow", "train"),
-                    "driftcli.models.training"),
 }
 """Each name and its module, imported on first use (the configs need no torch)."""
 

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from driftcli.errors import DriftError
+from driftcli.models.checkpoint import load_checkpoint
+from driftcli.models.nets import ByteTokenizer
 
 Tensor = torch.Tensor
 Logits = Callable[[nn.Module, Tensor], Tensor]
@@ -108,9 +110,6 @@ def _drift_logits(model: nn.Module, ids: Tensor) -> Tensor:
 
 
 def _load_drift(path: Path) -> CausalLM:
-    from driftcli.models.checkpoint import load_checkpoint
-    from driftcli.models.nets import ByteTokenizer
-
     try:
         ck = load_checkpoint(path)
     except DriftError as err:

@@ -1,6 +1,6 @@
 """``drift dump``: one training step of a checkpoint, every matmul operand recorded.
 
-The checkpoint (a drift model, or any kind :func:`driftcli.io.checkpoints.load_causal_lm`
+The checkpoint (a drift model, or any kind :func:`driftcli.models.loaders.load_causal_lm`
 reads) runs one batch forward and backward inside :func:`driftcli.io.capture.capture`: the
 activations and weights of every forward matmul and the gradient flowing into every matmul's
 output, with role, layer and operand in the dump's metadata, ready for ``clip-rate``,
@@ -24,9 +24,9 @@ from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import get_policy
 from driftcli.errors import DriftError
 from driftcli.io.capture import capture
-from driftcli.io.checkpoints import CausalLM, load_causal_lm
 from driftcli.models.checkpoint import read_info
-from driftcli.models.training import deterministic
+from driftcli.models.loaders import CausalLM, load_causal_lm
+from driftcli.runs.training import deterministic
 from driftcli.text import load_corpus, recorded_corpus, sample_windows
 
 Tensor = torch.Tensor

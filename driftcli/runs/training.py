@@ -12,7 +12,7 @@ holds the batch's loss, the gradient's and the update's norms and the learning r
 ``eval_every`` steps the validation loss; every ``log_every`` steps (and at step 1) the clip
 and underflow rates of the matmul operands by role. Those are the rates the policy's own
 casts meet: the step runs inside :func:`driftcli.io.capture.capture`, and each captured operand
-goes through :func:`driftcli.cast.cast_stats` (the code behind ``drift clip-rate`` and
+goes through :func:`driftcli.measures.stats.cast_stats` (the code behind ``drift clip-rate`` and
 ``drift underflow-rate``) with the cast the policy applies to it, blocked along the axis that
 matmul contracts; counts are summed over a role's tensors.
 
@@ -42,25 +42,23 @@ from torch import nn
 
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import ArithmeticPolicy, Role, get_policy, with_seed
-from driftcli.cast import CastStats, cast_stats
+from driftcli.cast import Cast, parse_cast
 from driftcli.errors import DriftError
-from driftcli.io.capture import DUMP_KEY, capture
+from driftcli.io.capture import capture
+from driftcli.io.dumps import DUMP_KEY, ROLES
 from driftcli.io.tables import column, provenance, write_table
 from driftcli.measures import clip_rate, underflow_rate
+from driftcli.measures.stats import CastStats, cast_stats
 from driftcli.models.checkpoint import save_checkpoint
-from driftcli.models.config import MLPConfig, ModelConfig, OptimizerKind, Schedule
+from driftcli.models.config import CHECKPOINTS, MLPConfig, ModelConfig, OptimizerKind, Schedule
 from driftcli.models.nets import build_model, count_parameters, next_byte_loss
 from driftcli.modes import Rounding, parse_choice
-from driftcli.spec import Cast, parse_cast
 from driftcli.text import Corpus, fixed_windows, load_corpus, require_length, sample_windows
 
 Tensor = torch.Tensor
 
 TABLE_FILE = "train.parquet"
 RUN_FILE = "run.json"
-CHECKPOINT_GLOB = "step-*.safetensors"
-ROLES = ("activation", "weight", "gradient")
-"""Operand roles whose rates the table logs (those of a drift dump)."""
 
 
 class TrainError(DriftError, ValueError):
@@ -306,7 +304,7 @@ def optimizer_buffers(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str,
 
 def _prepare(run: Path, overwrite: bool) -> None:
     old = [p for p in (run / TABLE_FILE, run / RUN_FILE, run / "probe.parquet") if p.exists()]
-    old += sorted(run.glob(CHECKPOINT_GLOB)) if run.is_dir() else []
+    old += sorted(run.glob(CHECKPOINTS)) if run.is_dir() else []
     if old and not overwrite:
         raise TrainError(f"run folder {run} already holds a run ({old[0].name}); give a new "
                          "--out or --overwrite to replace it")

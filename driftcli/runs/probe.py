@@ -51,8 +51,8 @@ from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_co
 from driftcli.models.checkpoint import DriftCheckpoint, load_checkpoint, read_info
 from driftcli.models.config import CHECKPOINTS, ModelConfig
 from driftcli.models.nets import next_byte_loss
-from driftcli.models.training import deterministic
 from driftcli.modes import Overflow, Rounding, Storage, parse_choice
+from driftcli.runs.training import deterministic
 from driftcli.text import Corpus, fixed_windows, load_corpus, recorded_corpus
 
 Tensor = torch.Tensor

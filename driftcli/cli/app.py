@@ -1,0 +1,183 @@
+"""The ``drift`` app: the typer group and the one place that turns errors into exit codes.
+
+This package is the only place that prints or exits. Library errors
+(:class:`DriftError`) become ``error: …`` on stderr and exit code 2, and so do the usage
+errors the framework finds (a missing folder, an unknown choice); set ``DRIFT_DEBUG=1`` to
+see the traceback instead. Python warnings print as one ``warning: …`` line.
+
+The command modules import only what their options need (typer, rich and drift's
+torch-free modules); the library is imported when a command runs, so ``drift --help``,
+``drift CMD --help`` and ``drift formats`` start without torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import typer
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+from typer.core import TyperCommand, TyperGroup
+
+from driftcli.errors import DriftError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_FOUND = 1
+"""The measurement ran and found what it was asked to fail on."""
+EXIT_USAGE = 2
+"""Bad input or usage."""
+
+SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Measure", ("clip-rate", "underflow-rate", "error-bias", "accum-error", "grad-cosine")),
+    ("Verify", ("verify-formats", "formats")),
+    ("Report", ("report",)),
+    ("Train and probe", ("train", "dump", "probe")),
+    ("Try it", ("demo",)),
+)
+"""How ``drift --help`` groups the commands, in this order."""
+
+
+def _usage_name(param: Any) -> str:
+    """An argument as usage lines write it: ``INPUT...``, ``[DUMP]...``."""
+    name = (param.metavar or param.name.upper()).rstrip(".").strip("[]")
+    many = "..." if param.nargs != 1 else ""
+    return f"{name}{many}" if param.required else f"[{name}]{many}"
+
+
+class DriftCommand(TyperCommand):
+    """A command whose usage line and argument list read as Unix tools write them."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        return pieces + [_usage_name(p) for p in self.get_params(ctx)
+                         if p.param_type_name == "argument"]
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        args, opts = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                # the name as in the usage line, without typer's <list[Path]>
+                args.append((_usage_name(param).strip("[]").replace("]", ""), record[1]))
+            else:
+                opts.append(record)
+        for title, rows in (("Arguments", args), ("Options", opts)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+class DriftGroup(TyperGroup):
+    """The ``drift`` group: commands listed by section, and every usage error one line."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        ordered = [name for _, names in SECTIONS for name in names]
+        return ordered + sorted(set(self.commands) - set(ordered))
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        width = formatter.width - 6 - max(len(n) for n in self.commands)
+        listed = set()
+        for title, names in (*SECTIONS, ("Other", tuple(self.list_commands(ctx)))):
+            rows = [(n, self.commands[n].get_short_help_str(width)) for n in names
+                    if n in self.commands and n not in listed]
+            listed.update(n for n, _ in rows)
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except UsageError as err:
+            if isinstance(err, NoArgsIsHelpError):  # bare `drift`: the help, as asked
+                typer.echo(err.ctx.get_help() if err.ctx is not None else "")
+            else:
+                hint = f"; see {err.ctx.command_path} --help" if err.ctx is not None else ""
+                typer.echo(f"error: {err.format_message().rstrip('.')}{hint}", err=True)
+            code = EXIT_USAGE
+        except ClickException as err:
+            typer.echo(f"error: {err.format_message()}", err=True)
+            code = err.exit_code
+        except typer.Abort:
+            typer.echo("error: aborted", err=True)
+            code = EXIT_FOUND
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+app = typer.Typer(
+    name="drift",
+    cls=DriftGroup,
+    help="Measure what low-precision formats, scaling and rounding do to your tensors.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def fail(message: str) -> typer.Exit:
+    """Print ``error: message`` to stderr and return the exit to raise (code 2)."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(EXIT_USAGE)
+
+
+def _warning_line(message: Warning | str, category: type[Warning], filename: str,
+                  lineno: int, file: Any = None, line: str | None = None) -> None:
+    typer.echo(f"warning: {message}", err=True)
+
+
+def command(name: str) -> Callable[[F], F]:
+    """Register a command whose DriftErrors become a one-line error and exit code 2, and
+    whose Python warnings print as one ``warning:`` line each."""
+
+    def register(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            debug = os.environ.get("DRIFT_DEBUG") == "1"
+            quiet_third_parties()
+            try:
+                with warnings.catch_warnings():
+                    if not debug:
+                        warnings.showwarning = _warning_line
+                    return fn(*args, **kwargs)
+            except (DriftError, OSError) as err:  # OSError: an input or output path
+                if debug:
+                    raise
+                raise fail(str(err)) from None
+
+        app.command(name, cls=DriftCommand)(wrapper)
+        return fn
+
+    return register
+
+
+def quiet_third_parties() -> None:
+    """Keep the progress bars and notices of Hugging Face libraries (transformers' "Loading
+    weights" bar) off a drift command's output, unless the environment asks for them."""
+    for key in ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
+        os.environ.setdefault(key, "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "transformers" in sys.modules:  # imported already: its settings are read
+        logging = sys.modules["transformers"].utils.logging
+        logging.disable_progress_bar()
+        logging.set_verbosity_error()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    from driftcli.memory import use_huge_pages
+
+    use_huge_pages()  # before torch's first allocation, which reads it
+    sys.exit(app(prog_name="drift"))

@@ -1,0 +1,1 @@
+"""Reading tensors (readers/), recording a step's matmul operands (capture), drift dumps, tables."""

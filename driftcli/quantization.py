@@ -1,0 +1,310 @@
+"""``quantize``: a cast applied to a torch tensor, and the per-element facts of it.
+
+A :class:`~driftcli.cast.Cast` says how (element format, scaling, rounding, overflow); here the
+tensor is cut into its scale groups (:func:`~driftcli.scaling.to_blocks`), each group's scale is
+chosen by its rule, and every element is rounded onto the format's grid times that scale
+(:mod:`driftcli.rounding`). Large inputs run the same steps compiled (see
+:mod:`driftcli.compiling`), with the same bits. :mod:`driftcli.measures.stats` counts what a
+cast did from the same block layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from driftcli import compiling
+from driftcli import rounding as fast
+from driftcli.cast import Cast, parse_cast
+from driftcli.errors import DriftError
+from driftcli.modes import DEFAULT_SR_BITS, Granularity, Overflow, Rounding, ScaleRule
+from driftcli.scaling import (
+    ScalePlan,
+    block_stats,
+    plan_divisors,
+    plan_pow2_exponents,
+    pow2_exponents,
+    to_blocks,
+    two_level_scales,
+)
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class QuantInfo:
+    """What a cast did, element by element and block by block."""
+
+    values: Tensor
+    """The dequantized values, shaped and typed like the input."""
+    clipped: Tensor
+    """|x / s| above the element format's max (before saturation)."""
+    underflowed: Tensor
+    """x nonzero and finite, the result zero."""
+    subnormal: Tensor
+    """The result nonzero and, divided by its scale, below the element's smallest normal."""
+    nonfinite: Tensor
+    """The input element is NaN or ±inf."""
+    scales: Tensor
+    """The scale each block was divided by (float64; NaN for a nonfinite block)."""
+    scale_clamped: Tensor
+    """Per block: the rule's scale fell outside the scale format and was clamped."""
+    nonfinite_blocks: Tensor
+    """Per block: it held NaN or inf (block scalings make all its elements NaN)."""
+    tensor_scale: float | None = None
+    """The float32 tensor scale of a two-level cast."""
+
+
+def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int | None = None,
+             random_bits: Tensor | None = None, sr_bits: int = DEFAULT_SR_BITS,
+             return_info: bool = False) -> Tensor | QuantInfo:
+    """Cast ``x`` as the spec says and return the dequantized values (same shape and dtype).
+
+    ``axis`` is the axis blocks run along (the contraction axis of a matmul).
+    Stochastic rounding reads ``random_bits`` (shaped like ``x``) or draws
+    them from ``seed``. With ``return_info`` a :class:`QuantInfo` comes back.
+    """
+    c = parse_cast(cast_or_spec)
+    random_bits = checked_bits("quantize", x, c, seed, random_bits, sr_bits)
+    return _quantize(x, c, axis, random_bits, sr_bits, return_info)
+
+
+def checked_bits(what: str, x: Tensor, c: Cast, seed: int | None, random_bits: Tensor | None,
+                  sr_bits: int) -> Tensor | None:
+    """Check ``x`` is a float tensor; the random bits a stochastic cast reads (drawn from
+    ``seed`` when not given), checked against ``x``'s shape."""
+    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
+        raise DriftError(f"{what} needs a floating-point tensor, not {x.dtype}")
+    if c.rounding is Rounding.SR and random_bits is None:
+        if seed is None:
+            raise DriftError("stochastic rounding needs seed= or random_bits=")
+        random_bits = fast.draw_random_bits(x.shape, seed, sr_bits, x.device)
+    if random_bits is not None:
+        fast.check_random_bits(random_bits, x.shape, sr_bits)
+    return random_bits
+
+
+def _scales(amax: Tensor, tensor_amax: Tensor, c: Cast, job: int = 0) -> tuple[Tensor, Tensor]:
+    """Each row's scale (the exponent ``k`` of ``2**k``, or the divisor) and if it clamped;
+    compiled when ``job`` (elements of the work this is part of) makes that worth it."""
+    plan = ScalePlan.of(c.format, c.scaling)
+    div = plan.divisors(amax)
+    out = compiling.run_compiled(plan_scales, job, amax, tensor_amax, div, plan=plan) \
+        if job else None
+    return out if out is not None else plan_scales(amax, tensor_amax, div, plan=plan)
+
+
+def plan_scales(amax: Tensor, tensor_amax: Tensor, div: Tensor, *,
+                 plan: ScalePlan) -> tuple[Tensor, Tensor]:
+    """Each block's scale under the plan's rule (an exponent for power-of-two rules, a divisor
+    for the others) and whether it was clamped: the rule's own fast implementation."""
+    if plan.rule.power_of_two:
+        return plan_pow2_exponents(amax, plan)
+    return plan_divisors(amax, tensor_amax, div, plan)
+
+
+def _apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, nonfinite: Tensor, *,
+           tgt: fast.Target, rounding: Rounding, overflow: Overflow, sr_bits: int, pow2: bool,
+           blocked: bool, wide: bool) -> Tensor:
+    """The element cast of every row under its scale: plain tensors and hashable constants
+    only, so a compiler sees one graph."""
+    if pow2:
+        # a scaled grid beyond float32's range is rounded in float64, then stored as float32
+        work = blocks.double() if wide else blocks
+        q = fast.round_fused(work, tgt, rounding, overflow, bits, scale[:, None],
+                             sr_bits).to(blocks.dtype)
+    else:
+        y = (blocks / scale[:, None]).contiguous()
+        q = fast.round_fused(y, tgt, rounding, overflow, bits, None, sr_bits) * scale[:, None]
+    if blocked:
+        q = torch.where(nonfinite[:, None], torch.nan, q)
+    return q
+
+
+def _scaled_values(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,
+                   tensor_amax: Tensor, *, c: Cast, sr_bits: int,
+                   wide: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Dequantized rows, each row's scale and whether it clamped, from the rows' amax."""
+    scale, clamped = _scales(amax, tensor_amax, c)
+    s = c.scaling
+    q = _apply(blocks, bits, scale, nonfinite, tgt=fast.target_of(c.format),
+               rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits,
+               pow2=bool(s.rule is not None and s.rule.power_of_two), blocked=s.blocked,
+               wide=wide)
+    return q, scale, clamped
+
+
+def amax_and_nonfinite(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    stats = block_stats(blocks)
+    return stats.amax, stats.nonfinite
+
+
+def needs_wide(amax: Tensor, c: Cast) -> bool:
+    """Whether a power-of-two scaled grid leaves float32's range for some block (then float64);
+    an unscaled cast's grid is its format's own (a scale of 2**0).
+
+    The extreme exponents bound every block's, as the rules are monotone in amax."""
+    low = high = 0
+    if c.scaling.granularity is not Granularity.NONE:
+        positive = torch.where(amax > 0, amax, torch.inf)
+        ends = torch.stack([positive.min(), amax.max()]).nan_to_num(posinf=1.0)
+        k, _ = pow2_exponents(torch.where(ends > 0, ends, 1.0), c.format, c.scaling)
+        low, high = int(k.min()), int(k.max())
+    return low + c.format.qmin < -149 or high + c.format.emax >= 128
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A cast done in block layout: one row per scale group."""
+
+    blocks: Tensor
+    q: Tensor
+    scales: Tensor
+    """Each row's scale as a float64 divisor (NaN for a nonfinite block)."""
+    clamped: Tensor
+    bad_blocks: Tensor
+    back: Callable[[Tensor], Tensor]
+    bits: Tensor | None
+    tensor_scale: float | None
+
+
+def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bits: int,
+                 tensor_amax: float | None) -> Blocked:
+    """The cast of every scale group of ``x``; ``tensor_amax`` stands in for the tensor's own
+    amax when ``x`` is one slice of a larger tensor (per-tensor and two-level scales)."""
+    work = working(x)
+    elem, s = c.format, c.scaling
+    blocks, back = to_blocks(work, s, axis)
+    blocks = blocks.contiguous()
+    bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
+    n_rows = blocks.shape[0]
+    no_blocks = torch.zeros(n_rows, dtype=torch.bool, device=blocks.device)
+    rule = s.rule
+    pow2 = rule is not None and rule.power_of_two
+    tensor_scale = None
+    if s.granularity is Granularity.NONE or blocks.numel() == 0:
+        q = fast.round_values(blocks, None, elem, c.rounding, c.overflow, bits, sr_bits,
+                              blocks.dtype)
+        ones = torch.ones(n_rows, dtype=torch.float64, device=blocks.device)
+        return Blocked(blocks, q, ones, no_blocks, no_blocks, back, bits, None)
+    out = None
+    n = blocks.numel() if s.blocked else 0  # only block and tile scalings compile
+    stats = compiling.run_compiled(amax_and_nonfinite, n, blocks)
+    if stats is not None:  # compiled: amax pass, scales per block eagerly, element pass
+        amax, nonfinite = stats
+        top = tensor_amax_of(amax, tensor_amax)
+        scale, clamped = _scales(amax, top, c, n)
+        q = compiling.run_compiled(
+            _apply, n, blocks, bits, scale, nonfinite, tgt=fast.target_of(elem),
+            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits, pow2=pow2,
+            blocked=True, wide=pow2 and needs_wide(amax, c))
+        out = None if q is None else (q, scale, clamped)
+    if out is None:
+        amax, nonfinite = amax_and_nonfinite(blocks)
+        top = tensor_amax_of(amax, tensor_amax)
+        if s.granularity is Granularity.TENSOR:
+            amax = top.expand_as(amax)
+        static = {"c": c, "sr_bits": sr_bits, "wide": pow2 and needs_wide(amax, c)}
+        # eagerly, in cache-sized slices (tensor and channel scalings always: one long row
+        # per tensor or channel has tripped dynamo's shape specialisation)
+        out = _sliced(blocks, bits, amax, nonfinite, top, static)
+    q, scale, clamped = out
+    bad_blocks = nonfinite if s.blocked else no_blocks
+    clamped = clamped & ~bad_blocks  # a NaN block's scale is NaN, not clamped
+    scales = torch.ldexp(torch.ones_like(scale, dtype=torch.float64), scale.double()) \
+        if pow2 else scale.double()
+    if s.blocked:
+        scales = torch.where(bad_blocks, torch.nan, scales)
+    if rule is ScaleRule.TWO_LEVEL:
+        tensor_scale = float(two_level_scales(amax[:1], top, elem, s).tensor_scale)
+    return Blocked(blocks, q, scales, clamped, bad_blocks, back, bits, tensor_scale)
+
+
+def tensor_amax_of(amax: Tensor, given: float | None) -> Tensor:
+    return amax.max() if given is None else torch.tensor(given, dtype=amax.dtype,
+                                                         device=amax.device)
+
+
+@dataclass(frozen=True)
+class Masks:
+    """Per-element facts of a cast, in block layout."""
+
+    finite: Tensor
+    clipped: Tensor
+    underflowed: Tensor
+    subnormal: Tensor
+
+
+def element_masks(b: Blocked, c: Cast, sr_bits: int) -> Masks:
+    """Which elements clipped, underflowed, came out subnormal: the definitions of design §9,
+    with s the scale each element's block was divided by."""
+    elem, s = c.format, c.scaling
+    blocks, q, scales = b.blocks, b.q, b.scales
+    finite = torch.isfinite(blocks)
+    if s.rule is not None and s.rule.power_of_two:
+        exps = (torch.frexp(scales)[1] - 1).double()[:, None]  # scales are powers of two
+        top = torch.ldexp(torch.full_like(exps, float(elem.max)), exps)
+        bottom = torch.ldexp(torch.full_like(exps, float(elem.min)), exps)
+        small = torch.ldexp(torch.full_like(exps, float(elem.smallest_normal)), exps)
+        wide_blocks = blocks.double()
+        clipped = (wide_blocks > top) | (wide_blocks < bottom)
+        subnormal = (q != 0) & (q.double().abs() < small)
+    else:
+        y, qy = blocks, q
+        if s.granularity is not Granularity.NONE:  # the same float division the cast made
+            y = (blocks / scales.to(blocks.dtype)[:, None]).contiguous()
+            qy = fast.round_values(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits,
+                                   y.dtype)
+        clipped = (y > float(elem.max)) | (y < float(elem.min))
+        subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
+    underflowed = (blocks != 0) & finite & (q == 0)
+    clipped = clipped & finite & ~b.bad_blocks[:, None]
+    return Masks(finite, clipped, underflowed, subnormal & torch.isfinite(q))
+
+
+def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
+              sr_bits: int, want_info: bool) -> Tensor | QuantInfo:
+    """The cast; the masks only when asked (they cost more passes than the cast itself)."""
+    b = cast_blocks(x, c, axis, random_bits, sr_bits, None)
+    if not want_info:
+        return b.back(b.q).to(x.dtype)
+    m = element_masks(b, c, sr_bits)
+    return QuantInfo(
+        values=b.back(b.q).to(x.dtype), clipped=b.back(m.clipped),
+        underflowed=b.back(m.underflowed), subnormal=b.back(m.subnormal),
+        nonfinite=b.back(~m.finite), scales=b.scales, scale_clamped=b.clamped,
+        nonfinite_blocks=b.bad_blocks, tensor_scale=b.tensor_scale)
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype casts work in: float64 stays, every other float widens exactly to
+    float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def working(x: Tensor) -> Tensor:
+    """``x`` in its :func:`working_dtype`."""
+    return x.to(working_dtype(x.dtype))
+
+
+def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,
+            tensor_amax: Tensor, static: dict[str, object]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_scaled_values` eagerly, on cache-sized slices (faster than whole tensors)."""
+    n_rows, n_cols = blocks.shape
+    col_step = min(n_cols, fast.EAGER_CHUNK)
+    row_step = max(1, fast.EAGER_CHUNK // col_step)
+    q = torch.empty_like(blocks)
+    scales, clamps = [], []
+    for r in range(0, n_rows, row_step):
+        rows = slice(r, r + row_step)
+        for col in range(0, n_cols, col_step):
+            cols = slice(col, col + col_step)
+            part = None if bits is None else bits[rows, cols].contiguous()
+            q[rows, cols], scale, clamped = _scaled_values(
+                blocks[rows, cols].contiguous(), part, amax[rows], nonfinite[rows], tensor_amax,
+                **static)  # type: ignore[arg-type]
+        scales.append(scale)
+        clamps.append(clamped)
+    return q, torch.cat(scales), torch.cat(clamps)

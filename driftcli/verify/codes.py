@@ -1,0 +1,56 @@
+"""The ``codes`` suite: every code decodes to the reference value and round-trips."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from driftcli import codec
+from driftcli import rounding as fast
+from driftcli.formats import Format
+from driftcli.modes import DEFAULT_SR_BITS
+from driftcli.verify.compare import (
+    FAILURE_CAP,
+    Outcome,
+    Plan,
+    cells,
+    hex_code,
+    judge,
+    round_all,
+    to_float,
+)
+
+
+def check_codes(fmt: Format, plan: Plan) -> Iterator[Outcome]:
+    """Every code decodes to the reference value and round-trips through every cast."""
+    if fmt.bits > 16:
+        return
+    reference = [v for _, v in fmt.values()]
+    codes = torch.arange(1 << fmt.bits)
+    decoded = codec.decode(codes, fmt)
+    out = Outcome(fmt.name, "codes", "decode", "-", "-")
+    judge(out, torch.tensor([to_float(v) for v in reference], dtype=torch.float64), decoded,
+           lambda i: hex_code(fmt, i))
+    yield out
+    # a value on the grid is its own rounding under every mode and policy
+    finite = torch.isfinite(decoded)
+    exact_codes = codes.clone()
+    nan = codec.nan_code(fmt)
+    if nan is not None:
+        exact_codes[torch.isnan(decoded)] = nan
+    for mode, policy in cells(fmt, plan):
+        out = Outcome(fmt.name, "codes", "roundtrip", mode.value, policy.value)
+        bits = torch.full(codes.shape, (1 << DEFAULT_SR_BITS) - 1, dtype=torch.int32)
+        got = fast.round_to_format(decoded, fmt, rounding=mode, overflow=policy,
+                                   random_bits=bits)
+        expected = round_all(fmt, reference, mode, policy, (1 << DEFAULT_SR_BITS) - 1)
+        judge(out, expected, got, lambda i: hex_code(fmt, i))
+        back = codec.encode(torch.where(finite, got, decoded), fmt) if out.n_failed == 0 \
+            else exact_codes
+        wrong = (back != exact_codes) & finite
+        out.n_failed += int(wrong.sum())
+        for i in wrong.nonzero().flatten()[:FAILURE_CAP].tolist():
+            out.failures.append((hex_code(fmt, i), hex_code(fmt, i), hex_code(fmt, int(back[i]))))
+        yield out
+

@@ -1,0 +1,137 @@
+"""The package's shape: the public API resolves to what it names, whatever was imported first."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pkgutil
+import types
+
+import driftcli
+
+
+def _every_module() -> list[str]:
+    return [m.name for m in pkgutil.walk_packages(driftcli.__path__, "driftcli.")
+            if not m.name.endswith("__main__")]
+
+
+def test_the_public_api_is_not_shadowed_by_a_submodule() -> None:
+    """A lazily exported name that is also a submodule's name would turn into that module once
+    the submodule is imported (``driftcli.quantize`` the function, or ``driftcli/quantize.py``):
+    import every module, then every public name must still be what its module defines."""
+    for name in _every_module():
+        importlib.import_module(name)
+    for name in driftcli.__all__:
+        value = getattr(driftcli, name)
+        assert not isinstance(value, types.ModuleType), f"driftcli.{name} is a module"
+        if name != "__version__":
+            home = importlib.import_module(driftcli._API[name])
+            assert value is getattr(home, name), name
+
+
+LAYERS = (
+    ("errors", "_version", "lazy"),
+    ("formats", "modes", "text", "compiling", "exact", "memory"),
+    ("cast", "oracle", "codec"),
+    ("rounding",),
+    ("scaling",),
+    ("quantization",),
+    ("arith",),
+    ("io",),
+    ("models",),
+    ("measures", "verify"),
+    ("runs",),
+    ("report",),
+    ("cli", "__main__"),
+)
+"""drift's layers, bottom first: a module imports only from its own layer or those below
+(docs/architecture.md). Names are the top-level modules and packages of driftcli."""
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each module's module-level imports of other drift modules (imports inside functions, as
+    the CLI makes them to start without torch, and ``TYPE_CHECKING`` blocks are not edges)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(driftcli.__file__).parent
+    names = {m: m for m in _every_module()} | {"driftcli": "driftcli"}
+    edges: dict[str, set[str]] = {}
+    for name in [*_every_module(), "driftcli"]:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None
+        path = Path(spec.origin)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                target = package.rsplit(".", node.level - 1)[0] + (f".{node.module}"
+                                                                  if node.module else "")
+            elif isinstance(node, ast.ImportFrom):
+                target = node.module or ""
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in names}
+                continue
+            else:
+                continue
+            subs = {f"{target}.{a.name}" for a in node.names} & names.keys()
+            if subs:  # from a package, its modules
+                found |= subs
+            elif target in names:
+                found.add(target)
+        assert root.is_dir()
+        edges[name] = found - {name}
+    return edges
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"{module} is in no layer of LAYERS: add it (and to "
+                         "docs/architecture.md)")
+
+
+def test_imports_go_only_downward() -> None:
+    upward = [f"{a} -> {b}" for a, targets in _module_imports().items() if a != "driftcli"
+              for b in targets if b != "driftcli" and _layer(b) > _layer(a)]
+    assert not upward
+
+
+def test_there_is_no_import_circle() -> None:
+    edges = _module_imports()
+    state: dict[str, int] = {}
+    circles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                circles.append([*path[path.index(nxt):], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert not circles
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    import ast
+    from pathlib import Path
+
+    bad = []
+    for name in _every_module():
+        path = Path(importlib.util.find_spec(name).origin)  # type: ignore[union-attr, arg-type]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("driftcli"):
+                bad += [f"{name}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in ("fast", "rounding", "compiling", "scaling")
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{name}: {node.value.id}.{node.attr}")
+    assert not bad
