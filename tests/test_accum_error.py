@@ -28,16 +28,18 @@ from driftcli.io.tables import read_table, schema_of
 from driftcli.measures.accum_error import (
     DEFAULT_SPECS,
     AccumErrorRow,
-    Problem,
     accum_error,
     choose_specs,
-    dump_problems,
     measure,
+    spec_label,
+    ulp,
+)
+from driftcli.measures.accum_problems import (
+    Problem,
+    dump_problems,
     parse_shape,
     sample,
-    spec_label,
     synthetic_shapes,
-    ulp,
 )
 from driftcli.modes import Dist
 

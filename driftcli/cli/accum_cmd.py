@@ -131,13 +131,8 @@ def accum_error_cmd(
 
     from driftcli.io.outputs import check_writable
     from driftcli.io.tables import identify_in_background, provenance, write_table
-    from driftcli.measures.accum_error import (
-        AccumErrorRow,
-        accum_error,
-        choose_specs,
-        parse_shape,
-        synthetic_shapes,
-    )
+    from driftcli.measures.accum_error import AccumErrorRow, accum_error, choose_specs
+    from driftcli.measures.accum_problems import parse_shape, synthetic_shapes
 
     specs = choose_specs(spec or (), acc or (), order or (), cast)
     shapes = (synthetic_shapes([parse_shape(s) for s in shape or ()], k or ())

@@ -11,8 +11,9 @@ from typing import Any
 
 from driftcli.cast import Cast
 from driftcli.io.tables import column
-from driftcli.measures.scan import Progress, Result, Scan, ScanOptions, iter_groups, scan
+from driftcli.measures.scan import Result, Scan, ScanOptions, iter_groups, scan
 from driftcli.measures.stats import CastStats
+from driftcli.progress import Progress
 
 ALL_TENSORS = "*"
 """The ``tensor`` of the row that aggregates every selected tensor of an input."""

@@ -43,15 +43,10 @@ METRICS = ("cosine", "retention", "norm_ratio", "rel_error")
 
 
 @dataclass(frozen=True)
-class GradCosineRow:
-    """One parameter tensor (or all of them) under one policy: ĝ against the exact g."""
+class GradientColumns:
+    """The columns of every gradient measurement (grad-cosine, probe): the policy and the
+    parameter, and ĝ against the exact g."""
 
-    TABLE: ClassVar[str] = "grad-cosine"
-    KEYS: ClassVar[tuple[str, ...]] = ("checkpoint", "policy", "parameter")
-    HEADLINE: ClassVar[str] = "cosine"
-    HIGHER_IS_WORSE: ClassVar[bool] = False
-
-    checkpoint: str = column("The model: a checkpoint path, or the name the caller gave")
     policy: str = column("Policy name as given (a preset, a cast spec, a policy file's name)")
     policy_spec: str = column("Every setting of the policy: each role's matmul spec, the "
                               "backward state, the modules kept in high precision")
@@ -75,6 +70,21 @@ class GradCosineRow:
                                                "gradient")
     expected_rel_error: float | None = column("Stochastic policies: rel_error of the mean "
                                               "gradient")
+
+
+@dataclass(frozen=True)
+class _Model:
+    checkpoint: str = column("The model: a checkpoint path, or the name the caller gave")
+
+
+@dataclass(frozen=True)
+class GradCosineRow(GradientColumns, _Model):
+    """One parameter tensor (or all of them) under one policy: ĝ against the exact g."""
+
+    TABLE: ClassVar[str] = "grad-cosine"
+    KEYS: ClassVar[tuple[str, ...]] = ("checkpoint", "policy", "parameter")
+    HEADLINE: ClassVar[str] = "cosine"
+    HIGHER_IS_WORSE: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from driftcli.measures.stats import (
     slice_facts,
 )
 from driftcli.modes import Device, Granularity, Rounding, ScaleRule
+from driftcli.progress import Progress
 from driftcli.quantization import working_dtype
 
 Tensor = torch.Tensor
@@ -58,9 +59,6 @@ memory; a larger one is read slice by slice, and once more first where a cast ne
 amax. Reading twice costs more than the casts of clip-rate; holding a tensor of this size
 keeps a scan within three times the largest tensor, beyond what the process needs anyway."""
 
-Progress = Callable[[int, int, str], None]
-"""Called as a scan goes, after each slice of a tensor, with the bytes done so far, the bytes
-in all, and the tensor's name."""
 
 
 @dataclass(frozen=True)

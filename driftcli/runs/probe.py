@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -47,11 +47,17 @@ from driftcli.arith.policy import ArithmeticPolicy, get_policy, with_seed
 from driftcli.errors import DriftError
 from driftcli.formats import NAN, Exact, Kind, get_format
 from driftcli.io.tables import column
-from driftcli.measures.grad_cosine import ALL_PARAMETERS, GradCosineRow, grad_cosine
+from driftcli.measures.grad_cosine import (
+    ALL_PARAMETERS,
+    GradCosineRow,
+    GradientColumns,
+    grad_cosine,
+)
 from driftcli.models.checkpoint import DriftCheckpoint, load_checkpoint, read_info
 from driftcli.models.config import CHECKPOINTS, ModelConfig
 from driftcli.models.nets import next_byte_loss
 from driftcli.modes import Overflow, Rounding, Storage, parse_choice
+from driftcli.progress import Progress
 from driftcli.runs.training import deterministic
 from driftcli.text import Corpus, fixed_windows, load_corpus, recorded_corpus
 
@@ -172,40 +178,22 @@ def next_update(ck: DriftCheckpoint, name: str, w: Tensor, g: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class ProbeRow:
-    """One parameter (or all of them) at one checkpoint under one policy."""
+class _Checkpoint:
+    run: str = column("The run folder's name")
+    checkpoint: str = column("The checkpoint file")
+    step: int = column("The training step of the checkpoint's weights")
+
+
+@dataclass(frozen=True)
+class ProbeRow(GradientColumns, _Checkpoint):
+    """One parameter (or all of them) at one checkpoint under one policy (the gradient columns
+    are measured on the run's probe batch)."""
 
     TABLE: ClassVar[str] = "probe"
     KEYS: ClassVar[tuple[str, ...]] = ("run", "step", "policy", "parameter")
     HEADLINE: ClassVar[str] = "cosine"
     HIGHER_IS_WORSE: ClassVar[bool] = False
 
-    run: str = column("The run folder's name")
-    checkpoint: str = column("The checkpoint file")
-    step: int = column("The training step of the checkpoint's weights")
-    policy: str = column("Policy name as given")
-    policy_spec: str = column("Every setting of the policy")
-    parameter: str = column("Parameter name; '*' for the row over all parameters together")
-    shape: str | None = column("Shape as a JSON list; null in the all-parameters row")
-    numel: int = column("Elements (all parameters in the all-parameters row)")
-    cosine: float | None = column("⟨ĝ, g⟩ / (‖ĝ‖‖g‖) of the policy's gradient against the "
-                                  "exact one (mean over draws); null when a norm is 0")
-    retention: float | None = column("⟨ĝ, g⟩ / ‖g‖²: share of the exact gradient kept along its "
-                                     "own direction (mean over draws)")
-    norm_ratio: float | None = column("‖ĝ‖ / ‖g‖ (mean over draws)")
-    rel_error: float | None = column("‖ĝ - g‖ / ‖g‖ (mean over draws)")
-    expected_cosine: float | None = column("Stochastic policies: cosine of the mean gradient "
-                                           "over the draws; null otherwise")
-    expected_retention: float | None = column("Stochastic policies: retention of the mean "
-                                              "gradient")
-    expected_norm_ratio: float | None = column("Stochastic policies: norm_ratio of the mean "
-                                               "gradient")
-    expected_rel_error: float | None = column("Stochastic policies: rel_error of the mean "
-                                              "gradient")
-    grad_norm_exact: float = column("‖g‖, the exact gradient's norm on the probe batch")
-    loss: float = column("Loss on the probe batch under the policy (mean over draws)")
-    loss_exact: float = column("Loss on the probe batch of the exact float64 model")
-    draws: int = column("Gradients drawn: 1 unless the policy casts stochastically")
     storage: str = column("Format the weights are taken to be stored in")
     optimizer: str = column("The run's optimizer, continued from its saved buffers")
     lr: float = column("Learning rate of the run's next step (the update probed)")
@@ -327,8 +315,6 @@ def probe_batch(ck: DriftCheckpoint, corpus: Corpus, windows: int | None = None)
     return fixed_windows(corpus.validation, n, ck.config.context + 1, corpus.source)
 
 
-Progress = Callable[[int, int, str], None]
-"""Called after each checkpoint with the checkpoints done, in all, and the file's name."""
 
 
 def probe(run: str | Path, policies: Sequence[ArithmeticPolicy | str], *, draws: int = 8,

@@ -210,7 +210,7 @@ class TrainResult:
         return self.seconds / max(1, len(self.rows))
 
 
-Progress = Callable[[int, int, float], None]
+StepProgress = Callable[[int, int, float], None]
 """Called after each step with the step, the steps in all and the step's loss."""
 
 
@@ -323,7 +323,7 @@ def _norm(tensors: list[Tensor]) -> float:
 # --- the run -----------------------------------------------------------------------------------
 
 def train(config: TrainConfig, out: str | Path, text: str | Path | None = None, *,
-          overwrite: bool = False, progress: Progress | None = None,
+          overwrite: bool = False, progress: StepProgress | None = None,
           corpus: Corpus | None = None) -> TrainResult:
     """Train ``config.model`` on ``text`` (a file; None: the Shakespeare corpus) into the run
     folder ``out``: ``train.parquet``, ``run.json`` and ``step-NNNNNN.safetensors``
