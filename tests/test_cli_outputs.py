@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from driftcli.cli import app, measure_cmds
+from driftcli.cli import app
+from driftcli.measures import scan as scan_module
 from driftcli.measures.scan import NothingToMeasure, scan
 
 runner = CliRunner()
@@ -46,7 +47,7 @@ def no_scan(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the scan ran before --out was checked")
 
-    monkeypatch.setattr(measure_cmds, "_scan_with_progress", refuse)
+    monkeypatch.setattr(scan_module, "scan", refuse)
 
 
 def test_out_naming_a_file_is_refused_before_any_work(good: Path, tmp_path: Path,

@@ -192,8 +192,10 @@ class PolicyMatmul(torch.autograd.Function):
         a_shape, b_shape = ctx.shapes
         # our own matmuls must not reach a TorchFunctionMode (the arithmetic mode included)
         with torch._C.DisableTorchFunction():
-            da = _dgrad(a, b, dc, call, a_shape) if ctx.needs_input_grad[0] else None
-            db = _wgrad(a, b, dc, call, b_shape) if ctx.needs_input_grad[1] else None
+            da = (_backward(call, Role.DGRAD, dc, b, a_shape) if ctx.needs_input_grad[0]
+                  else None)
+            db = (_backward(call, Role.WGRAD, dc, a, b_shape) if ctx.needs_input_grad[1]
+                  else None)
         return da, db, None
 
 
@@ -203,42 +205,33 @@ def _forward_bits_seed(call: MatmulCall, forward_slot: Slot, own_slot: Slot) -> 
     return call.seed(own_slot if fresh else forward_slot)
 
 
-def _dgrad(a: Tensor, b: Tensor, dc: Tensor, call: MatmulCall, a_shape: torch.Size) -> Tensor:
-    """``dA = dC·Bᵀ`` summed over the dimensions A was broadcast over."""
-    spec = call.policy.dgrad
+def _backward(call: MatmulCall, role: Role, dc: Tensor, saved: Tensor,
+              shape: torch.Size) -> Tensor:
+    """The gradient of the operand of ``shape`` from the other, ``saved``, one: ``dA = dC·Bᵀ``
+    (dgrad, ``saved`` is B) or ``dB = Aᵀ·dC`` (wgrad, ``saved`` is A), summed over the
+    dimensions that operand was broadcast over. ``dC`` is cast with fresh random bits; the
+    saved operand reuses the forward's (see :func:`_forward_bits_seed`)."""
+    spec = call.policy.spec(role)
+    slots = ROLE_SLOTS[role]
+    grad_first = role is Role.DGRAD  # dC is the left operand of the dgrad, the right of the wgrad
     batch = dc.shape[:-2]
-    reduce = _reduced(a_shape, batch)
-    bt = b.transpose(-1, -2)
-    lhs = _fold(dc, batch, reduce, lhs=True)
-    rhs = _fold(bt, batch, reduce, lhs=False)
-    lhs_bits = rhs_bits = None
+    reduce = _reduced(shape, batch)
+    other = saved.transpose(-1, -2)
+    pair = (dc, other) if grad_first else (other, dc)
+    folded = (_fold(pair[0], batch, reduce, lhs=True), _fold(pair[1], batch, reduce, lhs=False))
+    bits: list[Tensor | None] = [None, None]
     if spec is not None:
-        lhs_bits = _bits(spec.lhs, lhs.shape, call.seed(Slot.DGRAD_LHS), dc.device)
-        raw = _bits(spec.rhs, b.shape, _forward_bits_seed(call, Slot.FORWARD_RHS,
-                                                           Slot.DGRAD_RHS), b.device)
-        rhs_bits = None if raw is None else _fold(raw.transpose(-1, -2), batch, reduce, False)
-    da = role_product(lhs, rhs, spec, lhs_bits=lhs_bits, rhs_bits=rhs_bits,
-                      out_seed=call.seed(Slot.DGRAD_OUT), dtype=dc.dtype)
-    return da.reshape(a_shape)
-
-
-def _wgrad(a: Tensor, b: Tensor, dc: Tensor, call: MatmulCall, b_shape: torch.Size) -> Tensor:
-    """``dB = Aᵀ·dC`` summed over the dimensions B was broadcast over."""
-    spec = call.policy.wgrad
-    batch = dc.shape[:-2]
-    reduce = _reduced(b_shape, batch)
-    at = a.transpose(-1, -2)
-    lhs = _fold(at, batch, reduce, lhs=True)
-    rhs = _fold(dc, batch, reduce, lhs=False)
-    lhs_bits = rhs_bits = None
-    if spec is not None:
-        raw = _bits(spec.lhs, a.shape, _forward_bits_seed(call, Slot.FORWARD_LHS,
-                                                           Slot.WGRAD_LHS), a.device)
-        lhs_bits = None if raw is None else _fold(raw.transpose(-1, -2), batch, reduce, True)
-        rhs_bits = _bits(spec.rhs, rhs.shape, call.seed(Slot.WGRAD_RHS), dc.device)
-    db = role_product(lhs, rhs, spec, lhs_bits=lhs_bits, rhs_bits=rhs_bits,
-                      out_seed=call.seed(Slot.WGRAD_OUT), dtype=dc.dtype)
-    return db.reshape(b_shape)
+        casts = (spec.lhs, spec.rhs)
+        mine, theirs = (0, 1) if grad_first else (1, 0)
+        bits[mine] = _bits(casts[mine], folded[mine].shape, call.seed(slots[mine]), dc.device)
+        forward = Slot.FORWARD_RHS if grad_first else Slot.FORWARD_LHS
+        raw = _bits(casts[theirs], saved.shape, _forward_bits_seed(call, forward, slots[theirs]),
+                    saved.device)
+        bits[theirs] = None if raw is None else _fold(raw.transpose(-1, -2), batch, reduce,
+                                                      lhs=not grad_first)
+    out = role_product(folded[0], folded[1], spec, lhs_bits=bits[0], rhs_bits=bits[1],
+                       out_seed=call.seed(slots[2]), dtype=dc.dtype)
+    return out.reshape(shape)
 
 
 def policy_matmul(a: Tensor, b: Tensor, policy: ArithmeticPolicy, *, index: int = 0) -> Tensor:

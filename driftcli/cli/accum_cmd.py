@@ -3,63 +3,21 @@ accumulator format, order and K, on synthetic operands or on the matmuls of drif
 
 from __future__ import annotations
 
-import json
-import math
-import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from driftcli.cli.app import EXIT_USAGE, command
+from driftcli.cli.app import command
+from driftcli.cli.run import Bar, fmt, progress_bar, publish
 from driftcli.modes import Dist
 
 if TYPE_CHECKING:
-    from driftcli.measures.accum_error import AccumErrorRow
+    pass
 
 OUT = Path("drift-out")
 WORST = 20
 """Specs listed in the summary, worst first."""
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return "inf" if math.isinf(value) else f"{value:.3g}"
-    return str(value)
-
-
-def summarize(rows: list[AccumErrorRow], path: Path) -> dict[str, Any]:
-    """Per spec over every measured matmul: median and max rel_error, the largest mean and max
-    ulps, the median bias and the worst matmul; specs ordered worst (largest max rel_error)
-    first."""
-    from driftcli.measures.accum_error import AccumErrorRow, spec_label
-
-    by_spec: dict[str, list[AccumErrorRow]] = {}
-    for r in rows:
-        if r.error is None and r.rel_error is not None:
-            by_spec.setdefault(r.spec, []).append(r)
-    specs = []
-    for spec, group in by_spec.items():
-        worst = max(group, key=lambda r: r.rel_error or 0.0)
-        biases = [r.bias for r in group if r.bias is not None]
-        specs.append({
-            "spec": spec, "label": spec_label(spec), "matmuls": len(group),
-            "median_rel_error": statistics.median(r.rel_error or 0.0 for r in group),
-            "max_rel_error": worst.rel_error,
-            "mean_abs_error_ulps": max(r.mean_abs_error_ulps or 0.0 for r in group),
-            "max_abs_error_ulps": max(r.max_abs_error_ulps or 0.0 for r in group),
-            "median_bias": statistics.median(biases) if biases else None,
-            "worst": {"source": worst.source, "matmul": worst.matmul, "m": worst.m,
-                      "k": worst.k, "n": worst.n, "rel_error": worst.rel_error}})
-    specs.sort(key=lambda s: s["max_rel_error"], reverse=True)
-    errors = list({(r.source, r.matmul): {"source": r.source, "matmul": r.matmul,
-                                          "error": r.error}
-                   for r in rows if r.error is not None}.values())
-    return {"table": str(path), "measure": AccumErrorRow.TABLE,
-            "headline": AccumErrorRow.HEADLINE, "rows": len(rows), "specs": specs,
-            "errors": errors}
 
 
 def _print(summary: dict[str, Any]) -> None:
@@ -75,9 +33,9 @@ def _print(summary: dict[str, Any]) -> None:
         table.add_column(h, justify="left" if h in ("spec", "worst matmul") else "right")
     for s in summary["specs"][:WORST]:
         w = s["worst"]
-        table.add_row(s["label"], str(s["matmuls"]), _fmt(s["median_rel_error"]),
-                      _fmt(s["max_rel_error"]), _fmt(s["mean_abs_error_ulps"]),
-                      _fmt(s["median_bias"]), f"{w['matmul']} {w['m']}x{w['k']}x{w['n']}")
+        table.add_row(s["label"], str(s["matmuls"]), fmt(s["median_rel_error"], ".3g"),
+                      fmt(s["max_rel_error"], ".3g"), fmt(s["mean_abs_error_ulps"], ".3g"),
+                      fmt(s["median_bias"], ".3g"), f"{w['matmul']} {w['m']}x{w['k']}x{w['n']}")
     out = Console(width=160)
     out.print(table)
     if len(summary["specs"]) > WORST:
@@ -126,12 +84,9 @@ def accum_error_cmd(
 
     By accumulator format, order and K, on synthetic operands or on a dump's matmuls.
     """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     from driftcli.io.outputs import check_writable
-    from driftcli.io.tables import identify_in_background, provenance, write_table
-    from driftcli.measures.accum_error import AccumErrorRow, accum_error, choose_specs
+    from driftcli.io.tables import identify_in_background, provenance
+    from driftcli.measures.accum_error import AccumErrorRow, accum_error, choose_specs, summarize
     from driftcli.measures.accum_problems import parse_shape, synthetic_shapes
 
     specs = choose_specs(spec or (), acc or (), order or (), cast)
@@ -139,15 +94,7 @@ def accum_error_cmd(
               if shape or k else None)
     check_writable(out)  # fail now, not after the matmuls
     identities = identify_in_background(dumps or ())  # beside the matmuls
-    console = Console(stderr=True)
-    live = not quiet and not as_json and console.is_terminal
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, console=console, disable=not live, transient=True) as bar:
-        task = bar.add_task("accum-error", total=None)
-
-        def advance(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, description=name[-40:])
-
+    with progress_bar("accum-error", Bar.ITEMS, quiet or as_json) as advance:
         rows = accum_error(dumps or (), shapes=shapes, dists=dist, specs=specs, seed=seed,
                            include=include or (), exclude=exclude or (), progress=advance)
     prov = provenance(dumps or (), seed=seed, extra={
@@ -155,15 +102,8 @@ def accum_error_cmd(
         [list(s) for s in shapes], "dists": None if dist is None else [d.value for d in dist],
         "reference": "Sum2 (compensated) sum of exact float64 products; see ref_bound_ulps"},
         identities=identities())
-    path = write_table(out / f"{AccumErrorRow.TABLE}.parquet", AccumErrorRow, rows, prov)
+    path = out / f"{AccumErrorRow.TABLE}.parquet"
     summary = summarize(rows, path)
-    if as_json:
-        typer.echo(json.dumps(summary, indent=2, default=str))
-    elif not quiet:
-        _print(summary)
-    if summary["errors"]:
-        first = summary["errors"][0]
-        typer.echo(f"error: {len(summary['errors'])} matmul(s) could not be measured, first "
-                   f"{first['source']} {first['matmul']}: {first['error']}; the others were "
-                   f"measured into {path}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+    publish(path, AccumErrorRow, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
+            failures=[f"{e['source']} {e['matmul']}: {e['error']}" for e in summary["errors"]],
+            failed="matmul(s) could not be measured")

@@ -3,23 +3,19 @@ one checkpoint and one batch, into ``OUT/grad-cosine.parquet``."""
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
 from driftcli.cli.app import command
+from driftcli.cli.run import fmt, publish
 from driftcli.errors import DriftError
 
 if TYPE_CHECKING:
-    from driftcli.measures.grad_cosine import GradCosineRow
     from driftcli.models.loaders import CausalLM
 
 OUT = Path("drift-out")
-WORST = 3
-"""Parameters with the lowest cosine named per policy in the JSON summary (the table: 1)."""
 
 
 def _batch(lm: CausalLM, text: Path | None, batch: Path | None, tokens: int,
@@ -35,30 +31,6 @@ def _batch(lm: CausalLM, text: Path | None, batch: Path | None, tokens: int,
     return text_batch(lm, path.read_text(encoding="utf-8"), tokens, windows, str(path)), path
 
 
-def summarize(rows: list[GradCosineRow], path: Path) -> dict[str, Any]:
-    """Per policy: the all-parameters metrics and the parameters with the lowest cosine."""
-    from driftcli.measures.grad_cosine import ALL_PARAMETERS
-
-    out: dict[str, Any] = {"table": str(path), "policies": []}
-    for agg in (r for r in rows if r.parameter == ALL_PARAMETERS):
-        params = [r for r in rows if r.policy == agg.policy and r.parameter != ALL_PARAMETERS
-                  and r.cosine is not None]
-        params.sort(key=lambda r: r.cosine if not math.isnan(r.cosine) else -math.inf)
-        out["checkpoint"] = agg.checkpoint
-        out["loss_exact"] = agg.loss_exact
-        out["policies"].append({
-            "policy": agg.policy, "cosine": agg.cosine, "retention": agg.retention,
-            "norm_ratio": agg.norm_ratio, "rel_error": agg.rel_error, "loss": agg.loss,
-            "draws": agg.draws, "expected_cosine": agg.expected_cosine,
-            "expected_retention": agg.expected_retention,
-            "worst": [{"parameter": r.parameter, "cosine": r.cosine} for r in params[:WORST]]})
-    return out
-
-
-def _fmt(value: float | None, spec: str = ".6f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _print(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -69,13 +41,13 @@ def _print(summary: dict[str, Any]) -> None:
         table.add_column(col, justify="left" if col in ("policy", "lowest cosine") else "right")
     for p in summary["policies"]:
         low = p["worst"][0] if p["worst"] else None
-        lowest = "-" if low is None else f"{low['parameter']} {_fmt(low['cosine'], '.4f')}"
-        table.add_row(p["policy"], _fmt(p["cosine"]), _fmt(p["retention"]),
-                      _fmt(p["norm_ratio"], ".4f"), _fmt(p["rel_error"], ".3g"),
-                      _fmt(p["loss"], ".5f"), str(p["draws"]), lowest)
+        lowest = "-" if low is None else f"{low['parameter']} {fmt(low['cosine'], '.4f')}"
+        table.add_row(p["policy"], fmt(p["cosine"], ".6f"), fmt(p["retention"], ".6f"),
+                      fmt(p["norm_ratio"], ".4f"), fmt(p["rel_error"], ".3g"),
+                      fmt(p["loss"], ".5f"), str(p["draws"]), lowest)
     out = Console(width=160)
     out.print(table)
-    out.print(f"exact loss {_fmt(summary['loss_exact'], '.5f')}; wrote {summary['table']}")
+    out.print(f"exact loss {fmt(summary['loss_exact'], '.5f')}; wrote {summary['table']}")
 
 
 @command("grad-cosine")
@@ -114,8 +86,8 @@ def grad_cosine_command(
     """
     from driftcli.arith.policy import get_policy
     from driftcli.io.outputs import check_writable
-    from driftcli.io.tables import identify_in_background, provenance, write_table
-    from driftcli.measures.grad_cosine import GradCosineRow, grad_cosine
+    from driftcli.io.tables import identify_in_background, provenance
+    from driftcli.measures.grad_cosine import GradCosineRow, grad_cosine, summarize
     from driftcli.models.loaders import load_causal_lm, next_token_loss
 
     resolved = [get_policy(p) for p in policy]  # fail now, not after loading the model
@@ -129,9 +101,6 @@ def grad_cosine_command(
         "checkpoint_kind": lm.kind, "policies": policy, "draws": draws,
         "batch_shape": list(ids.shape), "tokens": tokens if text is not None else None,
         "windows": windows if text is not None else None}, identities=identities())
-    path = write_table(out / f"{GradCosineRow.TABLE}.parquet", GradCosineRow, rows, prov)
-    summary = summarize(rows, path)
-    if as_json:
-        typer.echo(json.dumps(summary, indent=2))
-    elif not quiet:
-        _print(summary)
+    path = out / f"{GradCosineRow.TABLE}.parquet"
+    publish(path, GradCosineRow, rows, prov, summarize(rows, path), _print, as_json=as_json,
+            quiet=quiet)

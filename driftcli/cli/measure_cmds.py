@@ -3,8 +3,6 @@ one Parquet table each, with the same inputs and options."""
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -12,11 +10,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from driftcli.cli.app import EXIT_USAGE, command
+from driftcli.cli.run import Bar, fmt, progress_bar, publish
 from driftcli.modes import Device
 
 if TYPE_CHECKING:
     from driftcli.measures.common import Measure
-    from driftcli.measures.scan import Scan, ScanOptions
+    from driftcli.measures.scan import ScanOptions
 
 OUT = Path("drift-out")
 WORST = 3
@@ -40,45 +39,6 @@ FastHash = Annotated[bool, typer.Option(
     "--fast-hash", help="Identify inputs by size and mtime instead of sha256 (huge inputs).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
-
-
-def _scan_with_progress(paths: list[Path], casts: list[str], options: ScanOptions,
-                        include: list[str], exclude: list[str], quiet: bool,
-                        rounded: bool, on_open: Callable[[list[Path]], None]) -> Scan:
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    from driftcli.measures.scan import scan
-    from driftcli.memory import bound_memory
-
-    bound_memory()
-    console = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-               TransferSpeedColumn(), TimeRemainingColumn())
-    live = not quiet and console.is_terminal
-    with Progress(*columns, console=console, disable=not live, transient=True) as bar:
-        task = bar.add_task("scanning", total=None)
-
-        def advance(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, description=name[-40:])
-
-        return scan(paths, casts, options=options, include=include, exclude=exclude,
-                    progress=advance, rounded=rounded, on_open=on_open)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return "inf" if math.isinf(value) else f"{value:.4g}"
-    return str(value)
 
 
 def cast_names(given: list[str]) -> dict[str, str]:
@@ -121,8 +81,8 @@ def _print(summary: dict[str, Any]) -> None:
     for col in ("cast", "tensors", head, "worst tensors"):
         table.add_column(col, justify="right" if col in ("tensors", head) else "left")
     for c in summary["casts"]:
-        worst = ", ".join(f"{w['tensor']} {_fmt(w[head])}" for w in c["worst"])
-        table.add_row(c["cast"], str(c["tensors"]), _fmt(c[head]), worst or "-")
+        worst = ", ".join(f"{w['tensor']} {fmt(w[head])}" for w in c["worst"])
+        table.add_row(c["cast"], str(c["tensors"]), fmt(c[head]), worst or "-")
     out = Console(width=160)
     out.print(table)
     skipped = sum(c["skipped"] for c in summary["casts"]) // max(1, len(summary["casts"]))
@@ -140,15 +100,20 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
          include: list[str] | None, exclude: list[str] | None, fast_hash: bool, quiet: bool,
          as_json: bool) -> None:
     from driftcli.io.outputs import check_writable
-    from driftcli.io.tables import identify_in_background, provenance, write_table
+    from driftcli.io.tables import identify_in_background, provenance
     from driftcli.measures import MEASURES
+    from driftcli.measures.scan import scan
+    from driftcli.memory import bound_memory
 
     m = MEASURES[name]
     check_writable(out)  # fail now, not after the scan
     identities: list[Callable[[], list[dict[str, Any]]]] = []  # hashing, from the inputs opening
-    s = _scan_with_progress(
-        inputs, casts, options, include or [], exclude or [], quiet, m.rounded,
-        lambda files: identities.append(identify_in_background(files, fast_hash)))
+    bound_memory()
+    with progress_bar("scanning", Bar.BYTES, quiet) as advance:
+        s = scan(inputs, casts, options=options, include=include or (), exclude=exclude or (),
+                 progress=advance, rounded=m.rounded,
+                 on_open=lambda files: identities.append(identify_in_background(files,
+                                                                                fast_hash)))
     prov = provenance(s.files, seed=options.seed, device=options.device.value,
                       fast_hash=fast_hash, extra={"casts": casts, "axis": options.axis,
                                                   "draws": options.draws,
@@ -164,19 +129,10 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
                    f"failed, first {first.source} {first.ref.name if first.ref else ''}: "
                    f"{first.error}; no table written{kept}", err=True)
         raise typer.Exit(EXIT_USAGE)
-    write_table(path, m.row_type, rows, prov)
     summary = _summary(m, rows, path, casts)
-    if as_json:
-        typer.echo(json.dumps(summary, indent=2, default=str))
-    elif not quiet:
-        _print(summary)
-    if summary["errors"]:
-        bad = {(e["source"], e["tensor"]) for e in summary["errors"]}
-        first = summary["errors"][0]
-        typer.echo(f"error: {len(bad)} tensor(s) or file(s) could not be read, first "
-                   f"{first['source']} {first['tensor']}: {first['error']}; the others were "
-                   f"measured into {path}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+    failed = {f"{e['source']} {e['tensor']}: {e['error']}": None for e in summary["errors"]}
+    publish(path, m.row_type, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
+            failures=list(failed), failed="tensor(s) or file(s) could not be read")
 
 
 def _options(axis: int, device: Device, draws: int = 1, seed: int = 0) -> ScanOptions:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from driftcli.cli.app import command
+from driftcli.cli.run import Bar, fmt, progress_bar
 from driftcli.models.config import (
     CHECKPOINTS,
     Activation,
@@ -24,8 +25,6 @@ from driftcli.models.config import (
 from driftcli.modes import Storage
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
-
     from driftcli.runs.training import TrainResult
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
@@ -39,20 +38,6 @@ Threads = Annotated[int, typer.Option(
 
 DEFAULT_LR = {OptimizerKind.ADAMW: 3e-3, OptimizerKind.SGD: 0.1}
 """The learning rate when --lr is not given."""
-
-
-def _progress(quiet: bool, what: str) -> Progress:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                    disable=quiet or not console.is_terminal, transient=True)
-
-
-def _fmt(value: float | None, spec: str = ".4f") -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def model_config(model: ModelKind, width: int | None, layers: int | None,
@@ -158,13 +143,9 @@ def train_command(
         threads=threads, measure_cast=measure_cast)
     get_policy(policy)  # fail now, not after loading the text
     check_writable(out)
-    with _progress(quiet, f"train {out.name}") as bar:
-        task = bar.add_task("", total=steps)
-
-        def advance(step: int, total: int, loss: float) -> None:
-            bar.update(task, completed=step, description=f"loss {loss:.4f}")
-
-        result = train(config, out, text, overwrite=overwrite, progress=advance)
+    with progress_bar(f"train {out.name}", Bar.ITEMS, quiet) as advance:
+        result = train(config, out, text, overwrite=overwrite,
+                       progress=lambda step, total, loss: advance(step, total, f"loss {loss:.4f}"))
     summary = train_summary(result)
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
@@ -175,8 +156,8 @@ def train_command(
                     "s/step"):
             table.add_column(col, justify="left" if col in ("model", "policy") else "right")
         table.add_row(config.model.kind.value, str(result.parameters), policy,
-                      str(result.steps_done), _fmt(summary["final_loss"]),
-                      _fmt(summary["final_val_loss"]),
+                      str(result.steps_done), fmt(summary["final_loss"], ".4f"),
+                      fmt(summary["final_val_loss"], ".4f"),
                       "-" if result.diverged_at is None else str(result.diverged_at),
                       f"{result.seconds_per_step:.4f}")
         console.print(table)
@@ -269,12 +250,7 @@ def probe_command(
     from driftcli.runs.probe import PROBE_FILE, ProbeRow, probe
 
     resolved = [get_policy(p) for p in policy]  # fail now, not after loading a checkpoint
-    with _progress(quiet, f"probe {run.name}") as bar:
-        task = bar.add_task("", total=None)
-
-        def advance(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, description=name)
-
+    with progress_bar(f"probe {run.name}", Bar.ITEMS, quiet) as advance:
         rows = probe(run, resolved, draws=draws, seed=seed, checkpoints=checkpoints,
                      storage=storage, windows=batch, text=text, threads=threads,
                      progress=advance)
@@ -295,9 +271,9 @@ def probe_command(
                     "freeze share"):
             table.add_column(col, justify="left" if col == "policy" else "right")
         for r in totals:
-            table.add_row(str(r.step), r.policy, _fmt(r.cosine, ".6f"),
-                          _fmt(r.retention, ".6f"), _fmt(r.expected_cosine, ".6f"),
-                          _fmt(r.loss, ".4f"), _fmt(r.freeze_share, ".4f"))
+            table.add_row(str(r.step), r.policy, fmt(r.cosine, ".6f"),
+                          fmt(r.retention, ".6f"), fmt(r.expected_cosine, ".6f"),
+                          fmt(r.loss, ".4f"), fmt(r.freeze_share, ".4f"))
         console = Console(width=120)
         console.print(table)
         console.print(f"wrote {path}")

@@ -32,6 +32,7 @@ the dgrad ``dC·Bᵀ`` and the wgrad ``Aᵀ·dC``. See docs/accum-error.md.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,3 +335,33 @@ def accum_error(dumps: Sequence[str | Path] = (), *,
     if progress is not None:
         progress(len(problems), len(problems), "done")
     return rows
+
+
+def summarize(rows: Sequence[AccumErrorRow], path: Path) -> dict[str, Any]:
+    """Per spec over every measured matmul: median and max rel_error, the largest mean and max
+    ulps, the median bias and the worst matmul; specs ordered worst (largest max rel_error)
+    first."""
+    by_spec: dict[str, list[AccumErrorRow]] = {}
+    for r in rows:
+        if r.error is None and r.rel_error is not None:
+            by_spec.setdefault(r.spec, []).append(r)
+    specs = []
+    for spec, group in by_spec.items():
+        worst = max(group, key=lambda r: r.rel_error or 0.0)
+        biases = [r.bias for r in group if r.bias is not None]
+        specs.append({
+            "spec": spec, "label": spec_label(spec), "matmuls": len(group),
+            "median_rel_error": statistics.median(r.rel_error or 0.0 for r in group),
+            "max_rel_error": worst.rel_error,
+            "mean_abs_error_ulps": max(r.mean_abs_error_ulps or 0.0 for r in group),
+            "max_abs_error_ulps": max(r.max_abs_error_ulps or 0.0 for r in group),
+            "median_bias": statistics.median(biases) if biases else None,
+            "worst": {"source": worst.source, "matmul": worst.matmul, "m": worst.m,
+                      "k": worst.k, "n": worst.n, "rel_error": worst.rel_error}})
+    specs.sort(key=lambda s: s["max_rel_error"], reverse=True)
+    errors = list({(r.source, r.matmul): {"source": r.source, "matmul": r.matmul,
+                                          "error": r.error}
+                   for r in rows if r.error is not None}.values())
+    return {"table": str(path), "measure": AccumErrorRow.TABLE,
+            "headline": AccumErrorRow.HEADLINE, "rows": len(rows), "specs": specs,
+            "errors": errors}

@@ -23,6 +23,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import fmean
 from typing import Any, ClassVar
 
@@ -197,3 +198,26 @@ def _row(common: dict[str, Any], name: str, shape: str | None, numel: int,
     return GradCosineRow(parameter=name, shape=shape, numel=numel, **own,
                          grad_norm_exact=math.sqrt(expected.gg), **common,
                          **{f"expected_{m}": exp[m] for m in METRICS})
+
+
+WORST = 3
+"""Parameters with the lowest cosine named per policy in the summary."""
+
+
+def summarize(rows: Sequence[GradCosineRow], path: Path) -> dict[str, Any]:
+    """Per policy: the all-parameters metrics and the parameters with the lowest cosine (what
+    ``drift grad-cosine`` prints, or writes as JSON)."""
+    out: dict[str, Any] = {"table": str(path), "policies": []}
+    for agg in (r for r in rows if r.parameter == ALL_PARAMETERS):
+        params = [r for r in rows if r.policy == agg.policy and r.parameter != ALL_PARAMETERS
+                  and r.cosine is not None]
+        params.sort(key=lambda r: r.cosine if not math.isnan(r.cosine) else -math.inf)
+        out["checkpoint"] = agg.checkpoint
+        out["loss_exact"] = agg.loss_exact
+        out["policies"].append({
+            "policy": agg.policy, "cosine": agg.cosine, "retention": agg.retention,
+            "norm_ratio": agg.norm_ratio, "rel_error": agg.rel_error, "loss": agg.loss,
+            "draws": agg.draws, "expected_cosine": agg.expected_cosine,
+            "expected_retention": agg.expected_retention,
+            "worst": [{"parameter": r.parameter, "cosine": r.cosine} for r in params[:WORST]]})
+    return out

@@ -1,0 +1,89 @@
+"""What every command that measures does around its library call: a progress bar while it
+works, then the table written, its summary printed (or as JSON), and exit 2 when some input
+could not be measured. A command is its typer signature, one library call and these."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from driftcli.cli.app import EXIT_USAGE
+from driftcli.progress import Progress
+
+
+class Bar(StrEnum):
+    """What a progress bar counts."""
+
+    BYTES = "bytes"
+    """Bytes read, with the speed and time left (scans)."""
+    ITEMS = "items"
+    """Units done of all (matmuls, checkpoints, steps)."""
+
+
+@contextmanager
+def progress_bar(label: str, bar: Bar, quiet: bool) -> Iterator[Progress]:
+    """A live bar on stderr (only when it is a terminal and not ``quiet``), as the
+    :data:`~driftcli.progress.Progress` callback the library reports to."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.progress import Progress as Bars
+
+    console = Console(stderr=True)
+    columns: tuple[Any, ...] = (
+        (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+         TransferSpeedColumn(), TimeRemainingColumn()) if bar is Bar.BYTES else
+        (TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+         TimeElapsedColumn()))
+    live = not quiet and console.is_terminal
+    with Bars(*columns, console=console, disable=not live, transient=True) as shown:
+        task = shown.add_task(label if bar is Bar.BYTES else "", total=None)
+
+        def advance(done: int, total: int, name: str) -> None:
+            shown.update(task, completed=done, total=total, description=name[-40:])
+
+        yield advance
+
+
+def fmt(value: Any, spec: str = ".4g") -> str:
+    """A number for a summary table: ``-`` for none, ``inf``, or ``spec``."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else format(value, spec)
+    return str(value)
+
+
+def publish(path: Path, row_type: type, rows: Sequence[Any], prov: dict[str, Any],
+            summary: dict[str, Any], show: Callable[[dict[str, Any]], None], *, as_json: bool,
+            quiet: bool, failures: Sequence[str] = (),
+            failed: str = "input(s) could not be measured") -> Path:
+    """Write the table, then its summary (JSON with ``as_json``, ``show`` unless ``quiet``);
+    with ``failures`` (one line each), exit 2 naming the first after the others are written:
+    ``error: N <failed>, first <failure>; the others were measured into <table>``."""
+    from driftcli.io.tables import write_table
+
+    write_table(path, row_type, rows, prov)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2, default=str))
+    elif not quiet:
+        show(summary)
+    if failures:
+        typer.echo(f"error: {len(failures)} {failed}, first {failures[0]}; the others were "
+                   f"measured into {path}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    return path
