@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             "matmul": lambda: torch.matmul(a, b),
         }
         if spec.order.value == "native":
-            calls["base"] = lambda: torch.matmul(driftcli.quantization(a, CAST, axis=-1),
-                                                 driftcli.quantization(b, CAST, axis=-2))
+            calls["base"] = lambda: torch.matmul(driftcli.quantize(a, CAST, axis=-1),
+                                                 driftcli.quantize(b, CAST, axis=-2))
         else:
             calls["copy"] = lambda: copy_out.copy_(acc)
         m = interleaved(calls, args.repeat)

@@ -1,6 +1,6 @@
 """Throughput of drift's scaled casts, side by side with torch baselines in one process.
 
-Times ``driftcli.quantization(x, spec)`` (and with ``return_info=True``) for the
+Times ``driftcli.quantize(x, spec)`` (and with ``return_info=True``) for the
 casts ``fp8_e4m3``, ``mxfp8_e4m3``, ``mxfp4_e2m1`` and ``nvfp4`` on 2**24
 standard-normal float32 values shaped (4096, 4096), eager and compiled, and
 prints Me/s with two ratios measured in the same process, interleaved round by
@@ -35,7 +35,7 @@ TARGET = 0.25  # MX and NVFP4 fake-quant, compiled, against clone()
 def measure(x: torch.Tensor, spec: str, info: bool, repeat: int) -> dict[str, float]:
     """Warm-up seconds of the cast and medians of interleaved rounds of cast, clone, native."""
     calls: dict[str, Callable[[], object]] = {
-        "cast": lambda: driftcli.quantization(x, spec, return_info=info),
+        "cast": lambda: driftcli.quantize(x, spec, return_info=info),
         "clone": x.clone,
         "native": lambda: x.to(torch.float8_e4m3fn).float(),
     }
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in ("never", "always"):
                 compiling.set_compile(mode)
                 m = measure(x, spec, with_info, args.repeat)
-                out = driftcli.quantization(x, spec, return_info=with_info)
+                out = driftcli.quantize(x, spec, return_info=with_info)
                 values = out.values if with_info else out  # type: ignore[union-attr]
                 if mode == "never":
                     eager_out, equal = values, None
