@@ -111,6 +111,17 @@ def check_rule_table(table: Mapping[ScaleRule, object], name: str) -> None:
                                   f"{', '.join(missing)}: add one for each")
 
 
+class Engine(StrEnum):
+    """Where a command's independent work units run (see :mod:`driftcli.engines`)."""
+
+    SERIAL = "serial"
+    """In this process, one unit after another (the default)."""
+    PROCESSES = "processes"
+    """In local worker processes."""
+    RAY = "ray"
+    """On a Ray cluster (the optional extra ``driftcli[ray]``)."""
+
+
 class Device(StrEnum):
     """Where casts run."""
 

@@ -10,12 +10,47 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from driftcli.cli.app import EXIT_USAGE
+from driftcli.modes import Engine
 from driftcli.progress import Progress
+
+if TYPE_CHECKING:
+    from driftcli.engines import Execution
+
+EngineOpt = Annotated[Engine, typer.Option(
+    help="Where the independent units run: this process, local processes, or a Ray cluster "
+         "(the extra driftcli[ray]).")]
+Workers = Annotated[int | None, typer.Option(
+    metavar="N", min=1, help="Workers of --engine processes or ray (default: one per CPU).")]
+RayAddress = Annotated[str | None, typer.Option(
+    metavar="ADDR", help="With --engine ray: 'auto' (a running cluster) or its address; "
+                         "default: a local cluster for the run.")]
+Resume = Annotated[bool, typer.Option(
+    "--resume", help="Take the units a run interrupted here finished (kept beside the table) "
+                     "instead of running them again.")]
+
+
+def execution(engine: Engine, workers: int | None, ray_address: str | None,
+              units_dir: Path | None = None, resume: bool = False) -> Execution:
+    """The :class:`~driftcli.engines.Execution` the engine options ask for. ``units_dir`` is
+    where finished units are kept (beside the table): with ``resume`` they are taken, without
+    it they are cleared first (a new run)."""
+    from driftcli.engines import Execution, Manifest, start
+
+    if units_dir is not None and not resume:
+        Manifest(units_dir).clear()
+    chosen = Execution(engine, workers, ray_address, units_dir)
+    start(chosen)  # a missing extra or an unreachable cluster fails before any work
+    return chosen
+
+
+def units_dir(table: Path) -> Path:
+    """Where a run keeps the units it finished: beside its table, hidden."""
+    return table.with_name(f".{table.name}.units")
 
 
 class Bar(StrEnum):

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
+from driftcli import engines
 from driftcli.cast import Cast, parse_cast
+from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
 from driftcli.measures.stats import (
@@ -36,7 +38,7 @@ from driftcli.measures.stats import (
     runs_compiled,
     slice_facts,
 )
-from driftcli.modes import Device, Granularity, Rounding, ScaleRule
+from driftcli.modes import Device, Engine, Granularity, Rounding, ScaleRule
 from driftcli.progress import Progress
 from driftcli.quantization import working_dtype
 
@@ -338,16 +340,50 @@ def _check_device(device: Device) -> None:
         raise DriftError("--device cuda: no CUDA device is available here; use --device cpu")
 
 
+@dataclass(frozen=True)
+class TensorUnit:
+    """One tensor of a scan under every cast: the work unit an engine runs (it pickles, so it
+    can run in a worker process or on a cluster node)."""
+
+    input: str
+    ref: TensorRef
+    casts: tuple[Cast, ...]
+    options: ScanOptions
+    job: int
+    """Elements of the whole scan, for the compile policy: the same for every unit."""
+    rounded: bool
+
+
+_WORKER_STAGING = _Staging()
+"""The byte buffer of a worker process's reads, kept between its units (a serial scan has its
+own for the scan's length)."""
+
+
+def scan_unit(unit: TensorUnit, advance: Callable[[int], None] | None = None,
+              staging: _Staging = _WORKER_STAGING) -> list[Result]:
+    """Every cast of one tensor: its results, or an error result per cast when it cannot be
+    read. ``advance`` is told the tensor's bytes done after each slice (serial scans)."""
+    try:
+        return _tensor_results(unit.input, unit.ref, unit.casts, unit.options, unit.job,
+                               unit.rounded, staging, advance or (lambda within: None))
+    except ReadError as err:
+        return [Result(unit.input, unit.ref, unit.ref.source, c, (), None, str(err))
+                for c in unit.casts]
+
+
 def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
          options: ScanOptions | None = None, include: Sequence[str] = (),
          exclude: Sequence[str] = (), progress: Progress | None = None,
-         rounded: bool = True, on_open: Callable[[list[Path]], None] | None = None) -> Scan:
+         rounded: bool = True, on_open: Callable[[list[Path]], None] | None = None,
+         execution: Execution | None = None) -> Scan:
     """Cast every selected floating-point tensor of ``paths`` with every cast and count.
 
     ``rounded=False`` counts only what needs no rounding (see
     :func:`driftcli.measures.stats.cast_stats`): what clip-rate needs, several times faster.
     ``on_open`` is called with every file the scan reads (:attr:`Scan.files`) once all are
     open, before the first tensor is read: the command starts hashing them then.
+    ``execution`` runs the tensors (one :class:`TensorUnit` each) on an engine; every engine
+    gives the same results in the same order (see :mod:`driftcli.engines`).
 
     Missing paths and folders without tensor files raise at once; a file or tensor that
     cannot be read becomes a :class:`Result` with ``error`` set and the rest go on.
@@ -356,10 +392,11 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
         raise DriftError("no cast given; add --cast SPEC (a preset such as mxfp8_e4m3, "
                          "see drift formats --presets)")
     options = options or ScanOptions()
+    execution = execution or Execution()
     if options.draws < 1:
         raise DriftError(f"--draws must be at least 1, not {options.draws}")
     _check_device(options.device)
-    parsed = [parse_cast(c) for c in casts]
+    parsed = tuple(parse_cast(c) for c in casts)
     opened = [(str(p), open_inputs([p], include, exclude)) for p in paths]
     empty = {inp: why for inp, inputs in opened if (why := nothing_to_measure(inp, inputs))}
     if len(empty) == len(opened):
@@ -367,8 +404,14 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     todo = total_bytes([i for _, i in opened])
     if on_open is not None:
         on_open([f for _, i in opened for f in i.files])
-    done = 0
-    staging = _Staging()
+    units = [TensorUnit(inp, ref, parsed, options, todo // 4, rounded)
+             for inp, inputs in opened for ref in inputs.tensors if ref.is_float]
+    if execution.engine is Engine.SERIAL and execution.resume is None:
+        per_unit = _serial(units, todo, progress)
+    else:
+        per_unit = engines.run(units, scan_unit, execution, progress=progress,
+                               label=lambda u: u.ref.name, size=lambda u: u.ref.nbytes)
+    found = iter(per_unit)
     results: list[Result] = []
     skipped: dict[str, int] = {}
     for inp, inputs in opened:
@@ -376,22 +419,24 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
             results.extend(Result(inp, None, e.source, c, (), None, e.message, e.tensor)
                            for c in parsed)
         skipped[inp] = sum(not ref.is_float for ref in inputs.tensors)
-        for ref in inputs.tensors:
-            if not ref.is_float:
-                continue
-            def advance(within: int, before: int = done, ref: TensorRef = ref) -> None:
-                if progress is not None:
-                    progress(before + within, todo, ref.name)
-
-            try:
-                results.extend(_tensor_results(inp, ref, parsed, options, todo // 4,
-                                                rounded, staging, advance))
-            except ReadError as err:
-                results.extend(Result(inp, ref, ref.source, c, (), None, str(err))
-                               for c in parsed)
-            advance(ref.nbytes)  # also for a tensor that failed part way
-            done += ref.nbytes
+        for _ in (ref for ref in inputs.tensors if ref.is_float):
+            results.extend(next(found))
     return Scan(tuple(results), skipped, tuple(i for _, i in opened))
+
+
+def _serial(units: Sequence[TensorUnit], todo: int,
+            progress: Progress | None) -> list[list[Result]]:
+    """The units one after another in this process, the bar moving after every slice."""
+    out, done, staging = [], 0, _Staging()
+    for unit in units:
+        def advance(within: int, before: int = done, unit: TensorUnit = unit) -> None:
+            if progress is not None:
+                progress(before + within, todo, unit.ref.name)
+
+        out.append(scan_unit(unit, advance, staging))
+        advance(unit.ref.nbytes)  # also for a tensor that failed part way
+        done += unit.ref.nbytes
+    return out
 
 
 def total_bytes(scan_inputs: Sequence[Inputs]) -> int:
