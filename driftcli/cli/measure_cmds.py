@@ -10,8 +10,19 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from driftcli.cli.app import EXIT_USAGE, command
-from driftcli.cli.run import Bar, fmt, progress_bar, publish
-from driftcli.modes import Device
+from driftcli.cli.run import (
+    Bar,
+    EngineOpt,
+    RayAddress,
+    Resume,
+    Workers,
+    execution,
+    fmt,
+    progress_bar,
+    publish,
+    units_dir,
+)
+from driftcli.modes import Device, Engine
 
 if TYPE_CHECKING:
     from driftcli.measures.common import Measure
@@ -98,7 +109,9 @@ def _print(summary: dict[str, Any]) -> None:
 
 def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: ScanOptions,
          include: list[str] | None, exclude: list[str] | None, fast_hash: bool, quiet: bool,
-         as_json: bool) -> None:
+         as_json: bool, engine: Engine, workers: int | None, ray_address: str | None,
+         resume: bool) -> None:
+    from driftcli.engines import Manifest
     from driftcli.io.outputs import check_writable
     from driftcli.io.tables import identify_in_background, provenance
     from driftcli.measures import MEASURES
@@ -107,20 +120,22 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
 
     m = MEASURES[name]
     check_writable(out)  # fail now, not after the scan
+    path = out / f"{m.name}.parquet"
+    run_on = execution(engine, workers, ray_address, units_dir(path), resume)
     identities: list[Callable[[], list[dict[str, Any]]]] = []  # hashing, from the inputs opening
     bound_memory()
     with progress_bar("scanning", Bar.BYTES, quiet) as advance:
         s = scan(inputs, casts, options=options, include=include or (), exclude=exclude or (),
-                 progress=advance, rounded=m.rounded,
+                 progress=advance, rounded=m.rounded, execution=run_on,
                  on_open=lambda files: identities.append(identify_in_background(files,
                                                                                 fast_hash)))
     prov = provenance(s.files, seed=options.seed, device=options.device.value,
                       fast_hash=fast_hash, extra={"casts": casts, "axis": options.axis,
                                                   "draws": options.draws,
-                                                  "names": {"cast": cast_names(casts)}},
+                                                  "names": {"cast": cast_names(casts)},
+                                                  **run_on.describe()},
                       identities=identities[0]())
     rows = m.rows(s)
-    path = out / f"{m.name}.parquet"
     if len(s.errors) == len(s.results):  # nothing measured: an earlier table stays as it was
         bad = {(r.source, r.ref.name if r.ref else "") for r in s.errors}
         first = s.errors[0]
@@ -131,8 +146,11 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
         raise typer.Exit(EXIT_USAGE)
     summary = _summary(m, rows, path, casts)
     failed = {f"{e['source']} {e['tensor']}: {e['error']}": None for e in summary["errors"]}
-    publish(path, m.row_type, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
-            failures=list(failed), failed="tensor(s) or file(s) could not be read")
+    try:
+        publish(path, m.row_type, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
+                failures=list(failed), failed="tensor(s) or file(s) could not be read")
+    finally:
+        Manifest(units_dir(path)).clear()  # the table holds them now
 
 
 def _options(axis: int, device: Device, draws: int = 1, seed: int = 0) -> ScanOptions:
@@ -146,13 +164,15 @@ def clip_rate(
     inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
+    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
+    resume: Resume = False,
 ) -> None:
     """Share of each tensor that clips, per cast.
 
     An element clips when its scaled magnitude is above the element format's max.
     """
     _run("clip-rate", inputs, cast, out, _options(axis, device), include, exclude, fast_hash,
-         quiet, as_json)
+         quiet, as_json, engine, workers, ray_address, resume)
 
 
 @command("underflow-rate")
@@ -160,10 +180,12 @@ def underflow_rate(
     inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
+    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
+    resume: Resume = False,
 ) -> None:
     """Share of nonzero values that flush to zero, per cast."""
     _run("underflow-rate", inputs, cast, out, _options(axis, device), include, exclude,
-         fast_hash, quiet, as_json)
+         fast_hash, quiet, as_json, engine, workers, ray_address, resume)
 
 
 @command("error-bias")
@@ -174,10 +196,12 @@ def error_bias(
     seed: Annotated[int, typer.Option(metavar="S", help="Seed of the stochastic draws.")] = 0,
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
+    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
+    resume: Resume = False,
 ) -> None:
     """Size of the cast error and its bias, per cast.
 
     The bias says which way the error points: along the tensor (it shrinks or grows).
     """
     _run("error-bias", inputs, cast, out, _options(axis, device, draws, seed), include,
-         exclude, fast_hash, quiet, as_json)
+         exclude, fast_hash, quiet, as_json, engine, workers, ray_address, resume)

@@ -406,8 +406,8 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
         on_open([f for _, i in opened for f in i.files])
     units = [TensorUnit(inp, ref, parsed, options, todo // 4, rounded)
              for inp, inputs in opened for ref in inputs.tensors if ref.is_float]
-    if execution.engine is Engine.SERIAL and execution.resume is None:
-        per_unit = _serial(units, todo, progress)
+    if execution.engine is Engine.SERIAL:
+        per_unit = _serial(units, todo, progress, execution.resume)
     else:
         per_unit = engines.run(units, scan_unit, execution, progress=progress,
                                label=lambda u: u.ref.name, size=lambda u: u.ref.nbytes)
@@ -424,16 +424,23 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     return Scan(tuple(results), skipped, tuple(i for _, i in opened))
 
 
-def _serial(units: Sequence[TensorUnit], todo: int,
-            progress: Progress | None) -> list[list[Result]]:
-    """The units one after another in this process, the bar moving after every slice."""
+def _serial(units: Sequence[TensorUnit], todo: int, progress: Progress | None,
+            kept: Path | None) -> list[list[Result]]:
+    """The units one after another in this process, the bar moving after every slice (as
+    :func:`driftcli.engines.run` does, with the finished units ``kept`` there)."""
+    manifest = engines.Manifest(kept) if kept is not None else None
     out, done, staging = [], 0, _Staging()
     for unit in units:
         def advance(within: int, before: int = done, unit: TensorUnit = unit) -> None:
             if progress is not None:
                 progress(before + within, todo, unit.ref.name)
 
-        out.append(scan_unit(unit, advance, staging))
+        found, result = manifest.get(unit) if manifest is not None else (False, None)
+        if not found:
+            result = scan_unit(unit, advance, staging)
+            if manifest is not None:
+                manifest.put(unit, result)
+        out.append(result)
         advance(unit.ref.nbytes)  # also for a tensor that failed part way
         done += unit.ref.nbytes
     return out
