@@ -18,9 +18,12 @@ from it, redoing only the units it does not hold.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import pickle
+import socket
 import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -119,12 +122,32 @@ def start(execution: Execution) -> None:
                                   "configure_logging": False}
         if execution.ray_address is None:
             kwargs["num_cpus"] = execution.n_workers()
+        _reachable(execution.ray_address)
+        said = io.StringIO()
         try:
-            ray.init(address=execution.ray_address, **kwargs)
+            # Ray's own notices (token authentication is on, ...) would be the only lines on a
+            # drift command's stderr not in its one-line style; a failure still says why
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                ray.init(address=execution.ray_address, **kwargs)
         except ConnectionError as err:
             raise EngineError(f"--ray-address {execution.ray_address}: {err}; start a cluster "
                               "(ray start --head) or leave --ray-address out for a local "
                               "one") from None
+
+
+def _reachable(address: str | None) -> None:
+    """Raise at once for a cluster address nothing listens on: Ray itself retries such an
+    address for minutes, printing a line every few seconds."""
+    if address is None or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=5):
+            pass
+    except (OSError, ValueError) as err:
+        raise EngineError(f"--ray-address {address}: no Ray cluster answers there ({err}); "
+                          "give the head node's host:port, 'auto' for the cluster this "
+                          "machine runs, or leave it out for a local one") from None
 
 
 class Manifest:

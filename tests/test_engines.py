@@ -146,3 +146,15 @@ def test_the_ray_engine_without_ray_is_one_line_naming_the_extra(
     assert result.exit_code == 2
     assert result.output == "error: --engine ray needs Ray: pip install 'driftcli[ray]'\n"
     assert not (tmp_path / "clip-rate.parquet").exists()
+
+
+def test_a_ray_address_nothing_answers_at_is_one_line_at_once(inputs: Path,
+                                                               tmp_path: Path) -> None:
+    """Ray retries an unreachable address for minutes, printing all the while: drift asks the
+    port first."""
+    pytest.importorskip("ray", reason="the Ray engine's tests need driftcli[ray]")
+    result = runner.invoke(app, ["clip-rate", str(inputs), "-c", "mxfp8_e4m3", "--engine",
+                                 "ray", "--ray-address", "127.0.0.1:1", "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: --ray-address 127.0.0.1:1: no Ray cluster answers "
+                                    "there (") and result.output.count("\n") == 1

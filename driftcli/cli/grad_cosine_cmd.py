@@ -4,31 +4,26 @@ one checkpoint and one batch, into ``OUT/grad-cosine.parquet``."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import Annotated, Any
 
 import typer
 
 from driftcli.cli.app import command
-from driftcli.cli.run import fmt, publish
-from driftcli.errors import DriftError
-
-if TYPE_CHECKING:
-    from driftcli.models.loaders import CausalLM
+from driftcli.cli.run import (
+    Bar,
+    EngineOpt,
+    RayAddress,
+    Resume,
+    Workers,
+    execution,
+    fmt,
+    progress_bar,
+    publish,
+    units_dir,
+)
+from driftcli.modes import Engine
 
 OUT = Path("drift-out")
-
-
-def _batch(lm: CausalLM, text: Path | None, batch: Path | None, tokens: int,
-           windows: int) -> tuple[Any, Path]:
-    from driftcli.models.loaders import load_batch, text_batch
-
-    if (text is None) == (batch is None):
-        raise DriftError("give the batch as exactly one of --text FILE (tokenized with the "
-                         "checkpoint's tokenizer) or --batch FILE (safetensors input_ids)")
-    if batch is not None:
-        return load_batch(batch), batch
-    path = cast(Path, text)
-    return text_batch(lm, path.read_text(encoding="utf-8"), tokens, windows, str(path)), path
 
 
 def _print(summary: dict[str, Any]) -> None:
@@ -78,6 +73,8 @@ def grad_cosine_command(
     out: Annotated[Path, typer.Option(metavar="DIR", help="Folder for the table.")] = OUT,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
+    resume: Resume = False,
 ) -> None:
     """Gradient under a policy against the exact gradient.
 
@@ -85,22 +82,39 @@ def grad_cosine_command(
     parameter and over all parameters.
     """
     from driftcli.arith.policy import get_policy
+    from driftcli.engines import Manifest
     from driftcli.io.outputs import check_writable
     from driftcli.io.tables import identify_in_background, provenance
-    from driftcli.measures.grad_cosine import GradCosineRow, grad_cosine, summarize
-    from driftcli.models.loaders import load_causal_lm, next_token_loss
+    from driftcli.measures.grad_cosine import (
+        BatchSource,
+        GradCosineRow,
+        grad_cosine_checkpoint,
+        load_input,
+        summarize,
+    )
 
     resolved = [get_policy(p) for p in policy]  # fail now, not after loading the model
     check_writable(out)  # fail now, not after the gradients
-    lm = load_causal_lm(checkpoint)
-    ids, source = _batch(lm, text, batch, tokens, windows)
-    identities = identify_in_background([*lm.files, source])  # beside the gradients
-    rows = grad_cosine(lm.model, ids, next_token_loss(lm.logits), resolved, draws=draws,
-                       seed=seed, checkpoint=str(checkpoint))
-    prov = provenance([*lm.files, source], seed=seed, extra={
-        "checkpoint_kind": lm.kind, "policies": policy, "draws": draws,
-        "batch_shape": list(ids.shape), "tokens": tokens if text is not None else None,
-        "windows": windows if text is not None else None}, identities=identities())
+    source = BatchSource(None if text is None else str(text),
+                         None if batch is None else str(batch), tokens, windows)
     path = out / f"{GradCosineRow.TABLE}.parquet"
-    publish(path, GradCosineRow, rows, prov, summarize(rows, path), _print, as_json=as_json,
-            quiet=quiet)
+    run_on = execution(engine, workers, ray_address, units_dir(path), resume)
+    # loaded here too: a bad checkpoint or batch fails before any worker starts, and the
+    # serial engine's units take this load
+    loaded = load_input(checkpoint, source)
+    files, kind, shape = [*loaded.lm.files, source.path], loaded.lm.kind, list(loaded.ids.shape)
+    del loaded  # on other engines the workers load their own: no model held here meanwhile
+    identities = identify_in_background(files)  # beside the gradients
+    with progress_bar("grad-cosine", Bar.ITEMS, quiet) as advance:
+        rows = grad_cosine_checkpoint(checkpoint, source, resolved, draws=draws, seed=seed,
+                                      execution=run_on, progress=advance)
+    prov = provenance(files, seed=seed, extra={
+        "checkpoint_kind": kind, "policies": policy, "draws": draws,
+        "batch_shape": shape, "tokens": tokens if text is not None else None,
+        "windows": windows if text is not None else None, **run_on.describe()},
+        identities=identities())
+    try:
+        publish(path, GradCosineRow, rows, prov, summarize(rows, path), _print,
+                as_json=as_json, quiet=quiet)
+    finally:
+        Manifest(units_dir(path)).clear()  # the table holds them now

@@ -10,7 +10,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from driftcli.cli.app import command
-from driftcli.cli.run import Bar, fmt, progress_bar
+from driftcli.cli.run import (
+    Bar,
+    EngineOpt,
+    RayAddress,
+    Resume,
+    Workers,
+    execution,
+    fmt,
+    progress_bar,
+    units_dir,
+)
 from driftcli.models.config import (
     CHECKPOINTS,
     Activation,
@@ -22,7 +32,7 @@ from driftcli.models.config import (
     Schedule,
     TransformerConfig,
 )
-from driftcli.modes import Storage
+from driftcli.modes import Engine, Storage
 
 if TYPE_CHECKING:
     from driftcli.runs.training import TrainResult
@@ -236,6 +246,8 @@ def probe_command(
     threads: Threads = 1,
     quiet: Quiet = False,
     as_json: AsJson = False,
+    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
+    resume: Resume = False,
 ) -> None:
     """Other policies' gradients at a run's own checkpoints.
 
@@ -245,20 +257,27 @@ def probe_command(
     from rich.table import Table
 
     from driftcli.arith.policy import get_policy
+    from driftcli.engines import Manifest
     from driftcli.io.tables import provenance, write_table
     from driftcli.measures.grad_cosine import ALL_PARAMETERS
     from driftcli.runs.probe import PROBE_FILE, ProbeRow, probe
 
     resolved = [get_policy(p) for p in policy]  # fail now, not after loading a checkpoint
+    kept = units_dir(run / PROBE_FILE)
+    run_on = execution(engine, workers, ray_address, kept, resume)
     with progress_bar(f"probe {run.name}", Bar.ITEMS, quiet) as advance:
         rows = probe(run, resolved, draws=draws, seed=seed, checkpoints=checkpoints,
                      storage=storage, windows=batch, text=text, threads=threads,
-                     progress=advance)
+                     progress=advance, execution=run_on)
     files = list(dict.fromkeys(run / r.checkpoint for r in rows))  # in step order
     prov = provenance(files, seed=seed, extra={"policies": policy, "draws": draws,
                                                "storage": storage.value,
-                                               "checkpoints": checkpoints})
-    path = write_table(run / PROBE_FILE, ProbeRow, rows, prov)
+                                               "checkpoints": checkpoints,
+                                               **run_on.describe()})
+    try:
+        path = write_table(run / PROBE_FILE, ProbeRow, rows, prov)
+    finally:
+        Manifest(kept).clear()  # the table holds them now
     totals = [r for r in rows if r.parameter == ALL_PARAMETERS]
     if as_json:
         typer.echo(json.dumps({"table": str(path), "rows": [

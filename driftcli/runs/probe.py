@@ -25,7 +25,9 @@ validation text, evenly spaced, the same for every checkpoint), without changing
 
 The checkpoints probed must be one run's (same model config, recorded text and training
 settings: :func:`run_checkpoints` refuses others, naming two that differ), taken in the order
-of the step each records.
+of the step each records. Each checkpoint, under all the policies, is one unit of work
+(:class:`CheckpointUnit`) that an engine (:mod:`driftcli.engines`) runs in this process, in
+local processes or on a Ray cluster; the rows are assembled in step order whichever ran them.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from driftcli import oracle
+from driftcli import engines, oracle
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import ArithmeticPolicy, get_policy, with_seed
+from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.formats import NAN, Exact, Kind, get_format
 from driftcli.io.tables import column
@@ -315,25 +318,59 @@ def probe_batch(ck: DriftCheckpoint, corpus: Corpus, windows: int | None = None)
     return fixed_windows(corpus.validation, n, ck.config.context + 1, corpus.source)
 
 
+@dataclass(frozen=True)
+class CheckpointUnit:
+    """One checkpoint under every policy: the work unit of a probe on an engine (it names the
+    checkpoint by path and pickles small; the worker loads it and cuts the probe batch)."""
+
+    run: str
+    """The run folder's name (the rows' ``run``)."""
+    path: str
+    """The checkpoint (absolute: a worker's folder is not the driver's)."""
+    policies: tuple[ArithmeticPolicy, ...]
+    draws: int
+    seed: int
+    storage: Storage
+    windows: int | None
+    text: str | None
+    threads: int
+
+
+def probe_unit(unit: CheckpointUnit) -> list[ProbeRow]:
+    """A checkpoint's rows, policy by policy, each policy's parameters then ``*``; torch runs
+    deterministically on ``unit.threads`` threads meanwhile."""
+    with deterministic(unit.threads):
+        ck = load_checkpoint(unit.path)
+        # every checkpoint of a run records the same text (run_checkpoints), so each unit
+        # cutting its own batch cuts the same one
+        batch = probe_batch(ck, probe_corpus(ck, unit.text), unit.windows)
+        cos = grad_cosine(ck.model, batch, next_byte_loss, unit.policies, draws=unit.draws,
+                          seed=unit.seed, checkpoint=ck.path.name)
+        optimizer = str((ck.state.get("train") or {}).get("optimizer", "adamw"))
+        lr = float(ck.state.get("next_lr", 0.0))
+        rows: list[ProbeRow] = []
+        for policy in unit.policies:
+            shares = freeze_counts(ck, policy, batch, draws=unit.draws, seed=unit.seed,
+                                   storage=unit.storage)
+            rows.extend(_row(unit.run, ck, r, unit.storage, optimizer, lr, shares[r.parameter])
+                        for r in cos if r.policy == policy.name)
+    return rows
 
 
 def probe(run: str | Path, policies: Sequence[ArithmeticPolicy | str], *, draws: int = 8,
           seed: int = 0, checkpoints: str = CHECKPOINTS,
           storage: Storage | str = Storage.BFLOAT16, windows: int | None = None,
           text: str | Path | None = None, threads: int = 1,
-          progress: Progress | None = None) -> list[ProbeRow]:
+          progress: Progress | None = None,
+          execution: Execution | None = None) -> list[ProbeRow]:
     """The probe rows of every checkpoint of ``run`` (module docs): per checkpoint, policy
     and parameter, then ``*`` over all parameters. Torch runs deterministically on
-    ``threads`` threads meanwhile (on a busy machine one thread is often the fastest)."""
-    with deterministic(threads):
-        return _probe(run, policies, draws, seed, checkpoints, storage, windows, text,
-                      progress)
+    ``threads`` threads meanwhile (on a busy machine one thread is often the fastest).
 
-
-def _probe(run: str | Path, policies: Sequence[ArithmeticPolicy | str], draws: int, seed: int,
-           checkpoints: str, storage: Storage | str, windows: int | None,
-           text: str | Path | None, progress: Progress | None) -> list[ProbeRow]:
-    resolved = [get_policy(p) for p in policies]
+    The checkpoints run as :class:`CheckpointUnit` s on ``execution``'s engine (serial by
+    default); the rows come in step order, the same on every engine. ``progress`` is told
+    the checkpoints done."""
+    resolved = tuple(get_policy(p) for p in policies)
     if not resolved:
         raise ProbeError("probe needs at least one policy, e.g. --policy mxfp8_e4m3")
     if draws < 1:
@@ -341,23 +378,12 @@ def _probe(run: str | Path, policies: Sequence[ArithmeticPolicy | str], draws: i
     store = parse_choice(Storage, storage, "storage format")
     paths = run_checkpoints(run, checkpoints)
     name = Path(run).resolve().name
-    rows: list[ProbeRow] = []
-    corpus: Corpus | None = None
-    for i, path in enumerate(paths):
-        ck = load_checkpoint(path)
-        corpus = corpus or probe_corpus(ck, text)
-        batch = probe_batch(ck, corpus, windows)
-        cos = grad_cosine(ck.model, batch, next_byte_loss, resolved, draws=draws, seed=seed,
-                          checkpoint=path.name)
-        optimizer = str((ck.state.get("train") or {}).get("optimizer", "adamw"))
-        lr = float(ck.state.get("next_lr", 0.0))
-        for policy in resolved:
-            shares = freeze_counts(ck, policy, batch, draws=draws, seed=seed, storage=store)
-            rows.extend(_row(name, ck, r, store, optimizer, lr, shares[r.parameter])
-                        for r in cos if r.policy == policy.name)
-        if progress:
-            progress(i + 1, len(paths), path.name)
-    return rows
+    given = None if text is None else str(Path(text).resolve())
+    units = [CheckpointUnit(name, str(path.resolve()), resolved, draws, seed, store, windows,
+                            given, threads) for path in paths]
+    per_unit = engines.run(units, probe_unit, execution, progress=progress,
+                           label=lambda u: Path(u.path).name)
+    return [row for rows in per_unit for row in rows]
 
 
 def _row(run: str, ck: DriftCheckpoint, r: GradCosineRow, storage: Storage, optimizer: str,
