@@ -186,11 +186,13 @@ class Manifest:
 
 def run(units: Sequence[U], work: Callable[[U], R], execution: Execution | None = None, *,
         progress: Progress | None = None, label: Callable[[U], str] = str,
-        size: Callable[[U], int] | None = None) -> list[R]:
+        size: Callable[[U], int] | None = None,
+        on_result: Callable[[U, R], None] | None = None) -> list[R]:
     """``[work(u) for u in units]`` on ``execution``'s engine, in the order of ``units``.
 
     ``progress`` is told, as units finish, the units (or, with ``size``, the sizes) done, in
-    all, and the finished unit's ``label``.
+    all, and the finished unit's ``label``; ``on_result`` sees each unit's result as it comes
+    (before ``progress``: a bar can count the failed ones).
     """
     execution = execution or Execution()
     weight = size or (lambda u: 1)
@@ -212,6 +214,8 @@ def run(units: Sequence[U], work: Callable[[U], R], execution: Execution | None 
         if manifest is not None:
             manifest.put(units[i], result)
         done += weight(units[i])
+        if on_result is not None:
+            on_result(units[i], result)
         if progress is not None:
             progress(done, total, label(units[i]))
 

@@ -409,8 +409,19 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     if execution.engine is Engine.SERIAL:
         per_unit = _serial(units, todo, progress, execution.resume)
     else:
-        per_unit = engines.run(units, scan_unit, execution, progress=progress,
-                               label=lambda u: u.ref.name, size=lambda u: u.ref.nbytes)
+        failed: list[str] = []
+
+        def noted(done: int, total: int, name: str) -> None:
+            if progress is not None:
+                progress(done, total, f"{name} ({len(failed)} failed)" if failed else name)
+
+        def checked(unit: TensorUnit, result: list[Result]) -> None:
+            if any(r.error is not None for r in result):
+                failed.append(unit.ref.name)
+
+        per_unit = engines.run(units, scan_unit, execution, progress=noted,
+                               label=lambda u: u.ref.name, size=lambda u: u.ref.nbytes,
+                               on_result=checked)
     found = iter(per_unit)
     results: list[Result] = []
     skipped: dict[str, int] = {}
