@@ -162,3 +162,21 @@ def test_a_ray_address_nothing_answers_at_is_one_line_at_once(inputs: Path,
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: --ray-address 127.0.0.1:1: no Ray cluster answers "
                                   "there (") and proc.stderr.count("\n") == 1
+
+
+def test_accum_error_on_every_engine_is_the_serial_table(tmp_path: Path,
+                                                         ray_cluster: object) -> None:
+    tables = {}
+    for engine in ("serial", "processes", "ray"):
+        out = tmp_path / engine
+        result = runner.invoke(app, ["accum-error", "--shape", "8x96x8", "--shape", "4x200x6",
+                                     "--dist", "normal", "--dist", "lognormal", "--acc",
+                                     "bfloat16", "--acc", "float32:rtz", "--order",
+                                     "pairwise", "--cast", "mxfp8_e4m3:sr", "--out", str(out),
+                                     "-q", "--engine", engine, "--workers", "2"])
+        assert result.exit_code == 0, result.output
+        tables[engine], prov = read_table(out / "accum-error.parquet")
+        assert prov["engine"] == engine
+    assert len(tables["serial"]) == 2 * 2 * 2  # matmuls x specs
+    for engine in ("processes", "ray"):
+        pd.testing.assert_frame_equal(tables["serial"], tables[engine], check_exact=True)

@@ -9,8 +9,19 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from driftcli.cli.app import command
-from driftcli.cli.run import Bar, fmt, progress_bar, publish
-from driftcli.modes import Dist
+from driftcli.cli.run import (
+    Bar,
+    EngineOpt,
+    RayAddress,
+    Resume,
+    Workers,
+    execution,
+    fmt,
+    progress_bar,
+    publish,
+    units_dir,
+)
+from driftcli.modes import Dist, Engine
 
 if TYPE_CHECKING:
     pass
@@ -79,11 +90,14 @@ def accum_error_cmd(
     out: Annotated[Path, typer.Option(metavar="DIR", help="Folder for the table.")] = OUT,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")] = False,
+    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
+    resume: Resume = False,
 ) -> None:
     """Error of simulated matmuls against the exact product.
 
     By accumulator format, order and K, on synthetic operands or on a dump's matmuls.
     """
+    from driftcli.engines import Manifest
     from driftcli.io.outputs import check_writable
     from driftcli.io.tables import identify_in_background, provenance
     from driftcli.measures.accum_error import AccumErrorRow, accum_error, choose_specs, summarize
@@ -93,17 +107,22 @@ def accum_error_cmd(
     shapes = (synthetic_shapes([parse_shape(s) for s in shape or ()], k or ())
               if shape or k else None)
     check_writable(out)  # fail now, not after the matmuls
+    path = out / f"{AccumErrorRow.TABLE}.parquet"
+    run_on = execution(engine, workers, ray_address, units_dir(path), resume)
     identities = identify_in_background(dumps or ())  # beside the matmuls
     with progress_bar("accum-error", Bar.ITEMS, quiet or as_json) as advance:
         rows = accum_error(dumps or (), shapes=shapes, dists=dist, specs=specs, seed=seed,
-                           include=include or (), exclude=exclude or (), progress=advance)
+                           include=include or (), exclude=exclude or (), progress=advance,
+                           execution=run_on)
     prov = provenance(dumps or (), seed=seed, extra={
         "specs": [str(s) for s in specs], "shapes": None if shapes is None else
         [list(s) for s in shapes], "dists": None if dist is None else [d.value for d in dist],
-        "reference": "Sum2 (compensated) sum of exact float64 products; see ref_bound_ulps"},
-        identities=identities())
-    path = out / f"{AccumErrorRow.TABLE}.parquet"
+        "reference": "Sum2 (compensated) sum of exact float64 products; see ref_bound_ulps",
+        **run_on.describe()}, identities=identities())
     summary = summarize(rows, path)
-    publish(path, AccumErrorRow, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
-            failures=[f"{e['source']} {e['matmul']}: {e['error']}" for e in summary["errors"]],
-            failed="matmul(s) could not be measured")
+    try:
+        publish(path, AccumErrorRow, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
+                failures=[f"{e['source']} {e['matmul']}: {e['error']}"
+                          for e in summary["errors"]], failed="matmul(s) could not be measured")
+    finally:
+        Manifest(units_dir(path)).clear()  # the table holds them now

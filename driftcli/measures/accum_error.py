@@ -40,6 +40,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
+from driftcli import engines
 from driftcli.arith.matmul import (
     FLOAT32,
     MatmulSpec,
@@ -50,6 +51,7 @@ from driftcli.arith.matmul import (
     parse_order,
 )
 from driftcli.cast import Cast
+from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.exact import ExactProduct, exact_matmul
 from driftcli.formats import Format, get_format
@@ -311,12 +313,14 @@ def accum_error(dumps: Sequence[str | Path] = (), *,
                 dists: Sequence[Dist | str] | None = None,
                 specs: Sequence[MatmulSpec | str] = DEFAULT_SPECS, seed: int = 0,
                 include: Sequence[str] = (), exclude: Sequence[str] = (),
-                progress: Progress | None = None) -> list[AccumErrorRow]:
+                progress: Progress | None = None,
+                execution: Execution | None = None) -> list[AccumErrorRow]:
     """Rows of ``accum-error`` for the matmuls of ``dumps`` and for synthetic operands.
 
     Synthetic operands are measured when ``shapes`` or ``dists`` is given, or when no dump is:
     each distribution (default ``normal``) at each shape (default 64×K×64 for K in 64, 256,
-    1024; see :func:`synthetic_shapes`). Every matmul is measured under every spec.
+    1024; see :func:`synthetic_shapes`). Every matmul is measured under every spec; each
+    matmul is a unit of ``execution`` (see :mod:`driftcli.engines`), rows in matmul order.
     """
     if not specs:
         raise DriftError("no matmul spec given; pass specs, e.g. ['acc=bfloat16,order=pairwise']")
@@ -327,14 +331,24 @@ def accum_error(dumps: Sequence[str | Path] = (), *,
                                        dists or (Dist.NORMAL,), seed)
     if dumps:
         problems += dump_problems(dumps, include, exclude)
-    rows: list[AccumErrorRow] = []
-    for i, p in enumerate(problems):
-        if progress is not None:
-            progress(i, len(problems), f"{p.matmul} k={p.shape[2]}")
-        rows += measure(p, parsed, seed=seed)
-    if progress is not None:
-        progress(len(problems), len(problems), "done")
-    return rows
+    units = [MatmulUnit(p, parsed, seed) for p in problems]
+    per_unit = engines.run(units, measure_unit, execution, progress=progress,
+                           label=lambda u: f"{u.problem.matmul} k={u.problem.shape[2]}")
+    return [row for rows in per_unit for row in rows]
+
+
+@dataclass(frozen=True)
+class MatmulUnit:
+    """One matmul under every spec: the work unit an engine runs."""
+
+    problem: Problem
+    specs: tuple[MatmulSpec, ...]
+    seed: int
+
+
+def measure_unit(unit: MatmulUnit) -> list[AccumErrorRow]:
+    """The rows of one matmul unit (:func:`measure`)."""
+    return measure(unit.problem, unit.specs, seed=unit.seed)
 
 
 def summarize(rows: Sequence[AccumErrorRow], path: Path) -> dict[str, Any]:
