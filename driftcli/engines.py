@@ -27,6 +27,7 @@ import socket
 import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -95,11 +96,18 @@ class _Threaded:
 
     work: Callable[[Any], Any]
     threads: int
+    cwd: str
+    """The driver's working folder: relative input paths mean there what they mean to it."""
 
     def __call__(self, unit: Any) -> Any:
         import torch
 
+        from driftcli.memory import bound_memory
+
         torch.set_num_threads(self.threads)
+        bound_memory()  # a worker's long scan stays near its slices, as the command's does
+        if os.path.isdir(self.cwd):  # (a node without that folder has absolute paths only)
+            os.chdir(self.cwd)
         return self.work(unit)
 
 
@@ -225,7 +233,7 @@ def run(units: Sequence[U], work: Callable[[U], R], execution: Execution | None 
         return [results[i] for i in range(len(units))]
     import torch
 
-    threaded = _Threaded(work, execution.threads or torch.get_num_threads())
+    threaded = _Threaded(work, execution.threads or torch.get_num_threads(), os.getcwd())
     if execution.engine is Engine.PROCESSES:
         _run_processes(units, todo, threaded, execution, finished)
     else:
@@ -249,8 +257,15 @@ def _run_processes(units: Sequence[U], todo: list[int], work: Callable[[U], R],
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=execution.n_workers(), mp_context=context) as pool:
             futures = {pool.submit(work, units[i]): i for i in todo}
-            for future in as_completed(futures):
-                finished(futures[future], future.result())
+            try:
+                for future in as_completed(futures):
+                    finished(futures[future], future.result())
+            except BrokenProcessPool:
+                kept = ("the finished units are kept: run again with --resume, or "
+                        if execution.resume is not None else "run again, or ")
+                raise EngineError(f"a worker process died (killed, or out of memory); {kept}"
+                                  "use --engine ray, which runs a dead worker's unit "
+                                  "again") from None
     finally:
         for key, value in saved.items():
             if value is None:
@@ -266,7 +281,7 @@ def _run_ray(units: Sequence[U], todo: list[int], work: Callable[[U], R], execut
     # a worker that dies is retried; an exception the work raises is the unit's own answer
     remote = ray.remote(max_retries=RETRIES, retry_exceptions=False,
                         runtime_env={"env_vars": WORKER_ENV})(_apply)
-    limit = execution.n_workers()
+    limit = 2 * execution.n_workers()  # one waiting per worker hides the round trip
     pending: dict[Any, int] = {}
     queue = list(todo)
     while queue or pending:

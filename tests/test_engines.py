@@ -180,3 +180,17 @@ def test_accum_error_on_every_engine_is_the_serial_table(tmp_path: Path,
     assert len(tables["serial"]) == 2 * 2 * 2  # matmuls x specs
     for engine in ("processes", "ray"):
         pd.testing.assert_frame_equal(tables["serial"], tables[engine], check_exact=True)
+
+
+class KillsItsWorker:
+    """A unit whose process dies every time (a worker killed, or out of memory)."""
+
+    def __call__(self, unit: TensorUnit) -> list:
+        os._exit(1)
+
+
+def test_a_dead_local_worker_is_one_error_naming_resume(inputs: Path, tmp_path: Path) -> None:
+    units = _units(inputs)
+    with pytest.raises(engines.EngineError, match=r"a worker process died .*--resume"):
+        engines.run(units, KillsItsWorker(),
+                    Execution(Engine.PROCESSES, workers=2, resume=tmp_path / "kept"))

@@ -365,7 +365,7 @@ def make_demo_table(folder: Path) -> Path:
     from driftcli import verify as v
     from driftcli.io.tables import provenance
 
-    outcomes = v.verify(v.element_formats(["int4"]), v.Plan(quick=True), jobs=1)
+    outcomes = v.verify(v.element_formats(["int4"]), v.Plan(quick=True))
     return write_table(folder / "verify-formats.parquet", v.VerifyRow, v.rows(outcomes),
                        provenance(seed=v.SEED, extra={"plan": "quick"}))
 

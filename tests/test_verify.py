@@ -3,6 +3,7 @@ scale rule, a new one included, with no edit of its own."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,10 @@ from typer.testing import CliRunner
 from driftcli import FORMATS, oracle, quantization, scaling
 from driftcli import rounding as fast
 from driftcli.cli import app
+from driftcli.engines import Execution
 from driftcli.formats import Exact, Kind
 from driftcli.io.tables import read_table
-from driftcli.modes import Rounding, ScaleRule, check_rule_table
+from driftcli.modes import Engine, Rounding, ScaleRule, check_rule_table
 from driftcli.verify import Plan, block_casts, blocks, check_cast, element_formats, verify
 
 runner = CliRunner()
@@ -261,3 +263,66 @@ def test_a_new_scale_rule_is_verified_with_no_other_edit(
     else:
         assert code == 1
         assert set(failing.operation) == {spec.format(rule)} and len(failing) == 2
+
+
+# --- engines ---------------------------------------------------------------------------------
+
+ENGINE_FORMATS = ["float4_e2m1fn", "int4"]
+"""Two formats of the quick plan, 49,770 and 49,962 values (docs/verify-formats.md): ten
+(format, check) units of very different lengths, so that workers finish them out of order."""
+
+
+@pytest.mark.parametrize("engine", [Engine.PROCESSES, Engine.RAY])
+def test_every_engine_gives_the_serial_outcomes_in_the_serial_order(
+        engine: Engine, request: pytest.FixtureRequest) -> None:
+    if engine is Engine.RAY:
+        request.getfixturevalue("ray_cluster")  # the test run's shared local cluster
+    formats = element_formats(ENGINE_FORMATS)
+    serial = verify(formats, Plan(quick=True))
+    told: list[tuple[int, int, str]] = []
+    spread = verify(formats, Plan(quick=True), Execution(engine, 2),
+                    progress=lambda done, total, name: told.append((done, total, name)))
+    assert sum(o.n_checked for o in serial) == 49_770 + 49_962
+    assert spread == serial  # every count and disagreement, cell by cell, in order
+    # the progress, as units finish: each of the ten once
+    assert [(d, t) for d, t, _ in told] == [(i, 10) for i in range(1, 11)]
+    assert sorted(n for _, _, n in told) == sorted(
+        f"{f}: {c}" for f in ENGINE_FORMATS
+        for c in ("codes", "pairs", "float32_inputs", "blocks", "matmul"))
+
+
+def test_jobs_spreads_the_checks_over_processes_and_provenance_names_them(
+        tmp_path: Path) -> None:
+    """``-j 2`` is ``--workers 2`` of the default engine, processes: the same table as
+    ``--engine serial``, and the provenance says which ran."""
+    args = ["--quick", *(a for f in ENGINE_FORMATS for a in ("-f", f))]
+    spread, spread_prov = read_table(_run_table(tmp_path / "j2", *args, "-j", "2"))
+    serial, prov = read_table(_run_table(tmp_path / "serial", *args, "--engine", "serial"))
+    assert spread.equals(serial)
+    assert len(serial) == 2 * 53 and set(serial.kind) == {"summary"}  # 53 cells a format
+    assert (prov["engine"], prov["workers"]) == ("serial", 1)
+    assert (spread_prov["engine"], spread_prov["workers"]) == ("processes", 2)
+
+
+def test_one_worker_process_is_this_process(tmp_path: Path) -> None:
+    """``-j 1`` ran the checks in-process before the engines and still does: what the planted
+    faults above (seen only by this process) are run with."""
+    _, prov = read_table(_run_table(tmp_path, "--quick", "-f", "int4", "--workers", "1"))
+    assert (prov["engine"], prov["workers"]) == ("serial", 1)
+
+
+def _run_table(out: Path, *args: str) -> Path:
+    result = runner.invoke(app, ["verify-formats", "--out", str(out), *args])
+    assert result.exit_code == 0, result.output
+    return out / "verify-formats.parquet"
+
+
+def test_ray_without_the_extra_exits_2_naming_it(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` finds without the extra
+    result = runner.invoke(app, ["verify-formats", "--quick", "-f", "int4", "--engine", "ray",
+                                 "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: --engine ray needs Ray: pip install 'driftcli[ray]'"]
+    assert not (tmp_path / "verify-formats.parquet").exists()

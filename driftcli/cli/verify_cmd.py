@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -10,8 +9,9 @@ from typing import Annotated, Any
 import typer
 
 from driftcli.cli.app import EXIT_FOUND, command
+from driftcli.cli.run import Bar, EngineOpt, RayAddress, execution, progress_bar
+from driftcli.modes import Engine
 
-DEFAULT_JOBS = min(2, os.cpu_count() or 1)
 OUT = Path("drift-out")
 
 
@@ -24,8 +24,12 @@ def verify_formats(
         "--quick", help="The subset fast enough for every CI run.")] = False,
     out: Annotated[Path, typer.Option(
         metavar="DIR", help="Folder for verify-formats.parquet.")] = OUT,
-    jobs: Annotated[int, typer.Option(
-        "--jobs", "-j", metavar="N", min=1, help="Worker processes.")] = DEFAULT_JOBS,
+    engine: EngineOpt = Engine.PROCESSES,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", "--jobs", "-j", metavar="N", min=1,
+        help="Workers of --engine processes or ray (default: one per CPU); --engine "
+             "processes with 1 runs in this process.")] = None,
+    ray_address: RayAddress = None,
 ) -> None:
     """Prove every format against the exact rational oracle.
 
@@ -40,12 +44,14 @@ def verify_formats(
 
     formats = v.element_formats(format_names)
     check_writable(out)  # fail now, not after minutes of checks
-    console = Console(stderr=True)
-    with console.status("verifying…") as status:
-        outcomes = v.verify(formats, v.Plan(quick=quick), jobs=jobs,
-                            progress=lambda what: status.update(f"verified {what}"))
+    if engine is Engine.PROCESSES and workers == 1:
+        engine = Engine.SERIAL  # one worker process would only add its start-up
+    run_on = execution(engine, workers, ray_address)
+    with progress_bar("verifying", Bar.ITEMS, quiet=False) as advance:
+        outcomes = v.verify(formats, v.Plan(quick=quick), run_on, progress=advance)
     path = write_table(out / "verify-formats.parquet", v.VerifyRow, v.rows(outcomes),
-                       provenance(seed=v.SEED, extra={"plan": "quick" if quick else "full"}))
+                       provenance(seed=v.SEED, extra={"plan": "quick" if quick else "full",
+                                                      **run_on.describe()}))
     by_format: dict[str, list[Any]] = defaultdict(list)
     for o in outcomes:
         by_format[o.format].append(o)

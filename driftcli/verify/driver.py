@@ -1,15 +1,16 @@
-"""The driver of ``verify-formats``: every suite on every format, in order, in one process
-or spread over several."""
+"""The driver of ``verify-formats``: every suite on every format, in order, on one of
+drift's execution engines (:mod:`driftcli.engines`)."""
 
 from __future__ import annotations
 
-import multiprocessing
+import dataclasses
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 
-import torch
-
+from driftcli import engines
+from driftcli.engines import Execution
 from driftcli.formats import FORMATS, Format, get_format
+from driftcli.progress import Progress
 from driftcli.verify.blocks import check_blocks
 from driftcli.verify.codes import check_codes
 from driftcli.verify.compare import Outcome, Plan, VerifyRow
@@ -34,37 +35,42 @@ def element_formats(names: list[str] | None = None) -> list[Format]:
     return registered + [get_format(n) for n in MATMUL_ACCUMULATORS if n not in set(FORMATS)]
 
 
-def _run_task(name: str, index: int, plan: Plan) -> list[Outcome]:
-    torch.set_num_threads(1)  # one worker per core does better than threads on small tensors
-    return list(CHECKS[index](get_format(name), plan))
+@dataclass(frozen=True)
+class CheckUnit:
+    """One check on one format, all of its cells: the work unit an engine runs. It names the
+    format rather than holding it, so that it pickles (a custom ``eXmY`` is parsed again
+    where it runs)."""
+
+    format: str
+    check: int
+    """The index of the check in :data:`CHECKS`."""
+    plan: Plan
+
+    def __str__(self) -> str:
+        return f"{self.format}: {CHECKS[self.check].__name__.removeprefix('check_')}"
 
 
-def verify(formats: list[Format], plan: Plan = FULL_PLAN, jobs: int = 1,
-           progress: Callable[[str], None] | None = None) -> list[Outcome]:
+def run_check(unit: CheckUnit) -> list[Outcome]:
+    """The outcomes (cells) of one check on one format, in the check's order."""
+    return list(CHECKS[unit.check](get_format(unit.format), unit.plan))
+
+
+def verify(formats: list[Format], plan: Plan = FULL_PLAN, execution: Execution | None = None,
+           progress: Progress | None = None) -> list[Outcome]:
     """Run every check on every format; return all outcomes in a fixed order (no printing).
 
-    ``jobs > 1`` spreads (format, check) tasks over that many processes.
+    ``execution`` runs the (format, check) pairs (one :class:`CheckUnit` each) on an engine;
+    the outcomes and their order are the serial run's on every engine. ``progress`` is told
+    the units done, of all, and the one that finished.
     """
-    tasks = [(f.name, i) for f in formats for i in range(len(CHECKS))]
-
-    def label(task: tuple[str, int]) -> str:
-        return f"{task[0]}: {CHECKS[task[1]].__name__.removeprefix('check_')}"
-
-    results: dict[tuple[str, int], list[Outcome]] = {}
-    if jobs <= 1:
-        for task in tasks:
-            results[task] = list(CHECKS[task[1]](get_format(task[0]), plan))
-            if progress is not None:
-                progress(label(task))
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = {pool.submit(_run_task, name, i, plan): (name, i) for name, i in tasks}
-            for done in as_completed(futures):
-                results[futures[done]] = done.result()
-                if progress is not None:
-                    progress(label(futures[done]))
-    return [o for task in tasks for o in results[task]]
+    execution = execution or Execution()
+    if execution.threads is None:
+        # every comparison is exact, so the thread count cannot change an outcome; one
+        # thread per worker keeps one worker per CPU from starting a pool of threads each
+        execution = dataclasses.replace(execution, threads=1)
+    units = [CheckUnit(f.name, i, plan) for f in formats for i in range(len(CHECKS))]
+    done = engines.run(units, run_check, execution, progress=progress)
+    return [o for outcomes in done for o in outcomes]
 
 
 def rows(outcomes: list[Outcome]) -> list[VerifyRow]:
