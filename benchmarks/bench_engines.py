@@ -63,6 +63,7 @@ from driftcli.runs.probe import probe
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_casts import machine
 from bench_scan import CASTS, child
+from bench_scan import shapes as transformer_shapes
 
 K = TypeVar("K")
 CHECKPOINTS = 4
@@ -79,14 +80,7 @@ WORDS = ("the king and queen of a far country went walking by the sea at night a
 
 def shapes() -> dict[str, tuple[int, ...]]:
     """20 tensors, 505 MB of float32: the embedding is the largest (101 MB)."""
-    out: dict[str, tuple[int, ...]] = {"embed.weight": (VOCAB, D)}
-    for i in range(LAYERS):
-        p = f"layers.{i}."
-        out |= {p + n: (D, D) for n in ("q.weight", "k.weight", "v.weight", "o.weight")}
-        out |= {p + "up.weight": (FF, D), p + "gate.weight": (FF, D), p + "down.weight": (D, FF)}
-        out |= {p + "norm1.weight": (D,), p + "norm2.weight": (D,)}
-    out["norm.weight"] = (D,)
-    return out
+    return transformer_shapes(D, FF, VOCAB, LAYERS, head_bias=False)
 
 
 def build(path: Path, tensors: dict[str, tuple[int, ...]], seed: int) -> None:

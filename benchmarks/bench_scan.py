@@ -49,16 +49,19 @@ TARGET = 0.3  # scan speed / copying read speed
 D, FF, VOCAB, LAYERS = 2048, 5504, 24576, 4
 
 
-def shapes() -> dict[str, tuple[int, ...]]:
-    """39 tensors, 1.01 GB of float32: the embedding is the largest (201 MB)."""
-    out: dict[str, tuple[int, ...]] = {"embed.weight": (VOCAB, D)}
-    for i in range(LAYERS):
+def shapes(d: int = D, ff: int = FF, vocab: int = VOCAB, layers: int = LAYERS,
+           head_bias: bool = True) -> dict[str, tuple[int, ...]]:
+    """A small transformer's tensors: by default 39 tensors, 1.01 GB of float32, the
+    embedding the largest (201 MB)."""
+    out: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d)}
+    for i in range(layers):
         p = f"layers.{i}."
-        out |= {p + n: (D, D) for n in ("q.weight", "k.weight", "v.weight", "o.weight")}
-        out |= {p + "up.weight": (FF, D), p + "gate.weight": (FF, D), p + "down.weight": (D, FF)}
-        out |= {p + "norm1.weight": (D,), p + "norm2.weight": (D,)}
-    out["norm.weight"] = (D,)
-    out["lm_head.bias"] = (VOCAB,)
+        out |= {p + n: (d, d) for n in ("q.weight", "k.weight", "v.weight", "o.weight")}
+        out |= {p + "up.weight": (ff, d), p + "gate.weight": (ff, d), p + "down.weight": (d, ff)}
+        out |= {p + "norm1.weight": (d,), p + "norm2.weight": (d,)}
+    out["norm.weight"] = (d,)
+    if head_bias:
+        out["lm_head.bias"] = (vocab,)
     return out
 
 
