@@ -158,31 +158,47 @@ def _reachable(address: str | None) -> None:
                           "machine runs, or leave it out for a local one") from None
 
 
+def stamp(*paths: str | Path | None) -> str:
+    """What tells files apart from rewritten ones: each path resolved, with its size and
+    modification time (a folder: its files'). Part of every unit's :meth:`key`, so a run
+    resumed after its input changed does not take the old results."""
+    parts = []
+    for given in paths:
+        if given is None:
+            continue
+        path = Path(given).resolve()
+        files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+        parts += [f"{p}:{(st := p.stat()).st_size}:{st.st_mtime_ns}" if p.exists()
+                  else f"{p}:missing" for p in files]
+    return "|".join(parts)
+
+
 class Manifest:
     """Finished units of one run, one file each, under ``folder``: what ``--resume`` takes
-    instead of running them again. A unit is named by the sha256 of its pickle, so a unit
-    that changed (other casts, another file) is not taken for the old one."""
+    instead of running them again. A unit is found by its key (see :func:`run`): a text that
+    names everything its result depends on, the stamps of its input files included, so a
+    unit that changed (other casts, a rewritten file) is not taken for the old one."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
-    def _path(self, unit: object) -> Path:
-        return self.folder / hashlib.sha256(pickle.dumps(unit)).hexdigest()
+    def _path(self, key: str) -> Path:
+        return self.folder / hashlib.sha256(key.encode()).hexdigest()
 
-    def get(self, unit: object) -> tuple[bool, Any]:
-        """``(True, result)`` for a unit kept here, else ``(False, None)``."""
-        path = self._path(unit)
+    def get(self, key: str) -> tuple[bool, Any]:
+        """``(True, result)`` for a unit kept here under ``key``, else ``(False, None)``."""
+        path = self._path(key)
         if not path.is_file():
             return False, None
         return True, pickle.loads(path.read_bytes())
 
-    def put(self, unit: object, result: object) -> None:
+    def put(self, key: str, result: object) -> None:
         """Keep a finished unit's result (written atomically: an interrupted write is not
         taken for a result)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=self.folder, delete=False) as fh:
             fh.write(pickle.dumps(result))
-        os.replace(fh.name, self._path(unit))
+        os.replace(fh.name, self._path(key))
 
     def clear(self) -> None:
         """Forget the run (its table is written)."""
@@ -192,24 +208,32 @@ class Manifest:
             self.folder.rmdir()
 
 
+def unit_key(unit: Any) -> str:
+    """A unit's key for the manifest: its ``key()`` (every unit type of drift has one)."""
+    return str(unit.key())
+
+
 def run(units: Sequence[U], work: Callable[[U], R], execution: Execution | None = None, *,
         progress: Progress | None = None, label: Callable[[U], str] = str,
         size: Callable[[U], int] | None = None,
-        on_result: Callable[[U, R], None] | None = None) -> list[R]:
+        on_result: Callable[[U, R], None] | None = None,
+        key: Callable[[U], str] = unit_key) -> list[R]:
     """``[work(u) for u in units]`` on ``execution``'s engine, in the order of ``units``.
 
     ``progress`` is told, as units finish, the units (or, with ``size``, the sizes) done, in
     all, and the finished unit's ``label``; ``on_result`` sees each unit's result as it comes
-    (before ``progress``: a bar can count the failed ones).
+    (before ``progress``: a bar can count the failed ones). With ``execution.resume``, each
+    unit's ``key`` (taken before any unit runs) names its kept result.
     """
     execution = execution or Execution()
     weight = size or (lambda u: 1)
     total = sum(weight(u) for u in units)
     manifest = Manifest(execution.resume) if execution.resume is not None else None
+    keys = [key(u) for u in units] if manifest is not None else []
     results: dict[int, R] = {}
     todo: list[int] = []
-    for i, unit in enumerate(units):
-        kept, result = manifest.get(unit) if manifest is not None else (False, None)
+    for i in range(len(units)):
+        kept, result = manifest.get(keys[i]) if manifest is not None else (False, None)
         if kept:
             results[i] = result
         else:
@@ -220,7 +244,7 @@ def run(units: Sequence[U], work: Callable[[U], R], execution: Execution | None 
         nonlocal done
         results[i] = result
         if manifest is not None:
-            manifest.put(units[i], result)
+            manifest.put(keys[i], result)
         done += weight(units[i])
         if on_result is not None:
             on_result(units[i], result)
@@ -260,7 +284,12 @@ def _run_processes(units: Sequence[U], todo: list[int], work: Callable[[U], R],
             try:
                 for future in as_completed(futures):
                     finished(futures[future], future.result())
-            except BrokenProcessPool:
+            except BaseException as err:
+                # stop at the first failure: the units still queued would run for nothing
+                pool.shutdown(wait=False, cancel_futures=True)
+                if not isinstance(err, BrokenProcessPool):
+                    raise
+
                 kept = ("the finished units are kept: run again with --resume, or "
                         if execution.resume is not None else "run again, or ")
                 raise EngineError(f"a worker process died (killed, or out of memory); {kept}"
@@ -294,4 +323,10 @@ def _run_ray(units: Sequence[U], todo: list[int], work: Callable[[U], R], execut
             try:
                 finished(i, ray.get(ref))
             except ray.exceptions.RayTaskError as err:
-                raise err.as_instanceof_cause() from None
+                # the unit's own exception (a DriftError is its one line), not Ray's wrapping
+                raise (err.cause if isinstance(err.cause, BaseException) else err) from None
+            except ray.exceptions.RayError as err:
+                kept = "the finished units are kept: run again with --resume" \
+                    if execution.resume is not None else "run again"
+                raise EngineError(f"a Ray worker died {RETRIES + 1} times under one unit "
+                                  f"({type(err).__name__}); {kept}") from None

@@ -9,6 +9,7 @@ the API is used.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,6 +18,10 @@ def exports(namespace: dict[str, Any], table: Mapping[str, str]) -> Callable[[st
     """A module ``__getattr__`` for the package whose globals are ``namespace``: ``name``
     comes from the module ``table[name]``, imported then, and stays in ``namespace``."""
     package = namespace["__name__"]
+    shadowed = sorted(set(table) & {m.name for m in pkgutil.iter_modules(namespace["__path__"])})
+    if shadowed:  # importing the submodule would replace the export with the module
+        raise ImportError(f"{package} exports {', '.join(shadowed)}, which are also its "
+                          "submodules: rename one of them")
 
     def __getattr__(name: str) -> Any:
         module = table.get(name)

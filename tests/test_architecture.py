@@ -135,3 +135,16 @@ def test_no_module_imports_a_private_name_of_another() -> None:
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 bad.append(f"{name}: {node.value.id}.{node.attr}")
     assert not bad
+
+
+def test_a_lazy_export_that_is_also_a_submodule_is_refused() -> None:
+    """``driftcli.report.load`` is a module; exporting a function ``load`` from the package
+    would give the module or the function depending on what was imported first."""
+    import pytest
+
+    import driftcli.report
+    from driftcli.lazy import exports
+
+    namespace = {"__name__": "driftcli.report", "__path__": driftcli.report.__path__}
+    with pytest.raises(ImportError, match="exports load, which are also its submodules"):
+        exports(namespace, {"load": "driftcli.report.load", "Table": "driftcli.report.load"})

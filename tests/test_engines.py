@@ -131,11 +131,104 @@ def test_an_interrupted_scan_resumes_from_its_finished_units(
 
 def test_a_manifest_takes_only_the_unit_it_kept(tmp_path: Path) -> None:
     kept = Manifest(tmp_path / "m")
-    kept.put(("a", 1), [1, 2])
-    assert kept.get(("a", 1)) == (True, [1, 2])
-    assert kept.get(("a", 2)) == (False, None)  # another unit: not taken for the first
+    kept.put("unit a", [1, 2])
+    assert kept.get("unit a") == (True, [1, 2])
+    assert kept.get("unit b") == (False, None)  # another unit: not taken for the first
     kept.clear()
     assert not (tmp_path / "m").exists()
+
+
+RESUME = """
+import json, sys
+from pathlib import Path
+from driftcli.engines import Execution
+from driftcli.measures import scan as S
+ran, real = [], S.scan_unit
+S.scan_unit = lambda unit, *a: ran.append(unit.ref.name) or real(unit, *a)
+S.scan([sys.argv[1]], {casts!r}, execution=Execution(resume=Path(sys.argv[2])))
+print(json.dumps(ran))
+"""
+
+
+def _resumed_in_a_new_process(path: Path, kept: Path) -> list[str]:
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", RESUME.format(casts=CASTS), str(path),
+                           str(kept)], capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_a_run_resumed_in_a_new_process_takes_the_finished_units(
+        inputs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Units are found by a key that names what they depend on, not by their pickle (which
+    changes once a cast has run, and between processes)."""
+    import shutil
+
+    path = tmp_path / "a.safetensors"
+    shutil.copy(inputs / "a.safetensors", path)
+    kept = tmp_path / "kept"
+
+    def interrupted(unit: TensorUnit, *args: object) -> list:
+        if unit.ref.name == "w2":
+            raise KeyboardInterrupt
+        return scan_unit(unit, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(scan_module, "scan_unit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        scan([path], CASTS, execution=Execution(resume=kept))
+    assert _resumed_in_a_new_process(path, kept) == ["w2", "w3", "w4"]
+    # the same layout with other values: every kept unit is stale, all run again
+    gen = torch.Generator().manual_seed(8)
+    save_file({f"w{i}": torch.randn(96, 160, generator=gen) for i in range(5)}, path)
+    assert _resumed_in_a_new_process(path, kept) == ["w0", "w1", "w2", "w3", "w4"]
+
+
+class Refuses:
+    """A unit that fails for its input, as a corrupt file does."""
+
+    def __call__(self, unit: object) -> object:
+        from driftcli.errors import DriftError
+
+        raise DriftError(f"unit {unit} is bad")
+
+
+def test_a_unit_s_own_error_comes_back_as_itself_from_ray(ray_cluster: object) -> None:
+    import ray.cloudpickle
+
+    from driftcli.errors import DriftError
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    with pytest.raises(DriftError) as err:
+        engines.run([1, 2], Refuses(), Execution(Engine.RAY, workers=2))
+    assert str(err.value) in ("unit 1 is bad", "unit 2 is bad")  # one line, no Ray wrapping
+
+
+class SlowUnlessFirst:
+    """Unit 0 fails at once; every other unit leaves a mark, then takes a while."""
+
+    def __init__(self, marks: Path) -> None:
+        self.marks = marks
+
+    def __call__(self, unit: int) -> int:
+        import time
+
+        from driftcli.errors import DriftError
+
+        if unit == 0:
+            raise DriftError("unit 0 is bad")
+        (self.marks / str(unit)).write_text("")
+        time.sleep(0.3)
+        return unit
+
+
+def test_the_process_pool_stops_at_the_first_failure(tmp_path: Path) -> None:
+    from driftcli.errors import DriftError
+
+    with pytest.raises(DriftError, match="unit 0 is bad"):
+        engines.run(list(range(12)), SlowUnlessFirst(tmp_path),
+                    Execution(Engine.PROCESSES, workers=2))
+    assert len(list(tmp_path.iterdir())) < 11  # the queued units were not run for nothing
 
 
 def test_the_ray_engine_without_ray_is_one_line_naming_the_extra(

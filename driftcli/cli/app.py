@@ -13,6 +13,7 @@ torch-free modules); the library is imported when a command runs, so ``drift --h
 from __future__ import annotations
 
 import functools
+import logging as std_logging
 import os
 import sys
 import warnings
@@ -169,6 +170,10 @@ def quiet_third_parties() -> None:
     for key in ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
         os.environ.setdefault(key, "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # transformers imports torchao when it is installed: its notices of CUDA-only extensions
+    # it cannot load, and torch's deprecation notice on the enums it registers, are not drift's
+    for name in ("torchao", "torch.utils._pytree"):
+        std_logging.getLogger(name).setLevel(std_logging.ERROR)
     if "transformers" in sys.modules:  # imported already: its settings are read
         logging = sys.modules["transformers"].utils.logging
         logging.disable_progress_bar()

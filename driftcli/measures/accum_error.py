@@ -31,6 +31,7 @@ the dgrad ``dC·Bᵀ`` and the wgrad ``Aᵀ·dC``. See docs/accum-error.md.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 from collections.abc import Sequence
@@ -344,6 +345,16 @@ class MatmulUnit:
     problem: Problem
     specs: tuple[MatmulSpec, ...]
     seed: int
+
+    def key(self) -> str:
+        """Everything the unit's rows depend on: the operands by the sha256 of their bytes."""
+        p = self.problem
+        digest = hashlib.sha256()
+        for t in (p.a, p.b):
+            if t is not None:
+                digest.update(t.detach().contiguous().cpu().numpy().tobytes())
+        return (f"accum|{p.source}|{p.matmul}|{p.shape}|{p.error}|{digest.hexdigest()}|"
+                f"{[str(s) for s in self.specs]}|{self.seed}")
 
 
 def measure_unit(unit: MatmulUnit) -> list[AccumErrorRow]:

@@ -345,6 +345,12 @@ class PolicyUnit:
     draws: int
     seed: int
 
+    def key(self) -> str:
+        """Everything the unit's rows depend on, the files' stamps included."""
+        s, p = self.source, self.policy
+        return (f"grad-cosine|{engines.stamp(self.checkpoint, s.text, s.batch)}|{self.name}|"
+                f"{s}|{p.name}|{p.describe()}|{p.seed}|{self.draws}|{self.seed}")
+
 
 def policy_unit(unit: PolicyUnit) -> list[GradCosineRow]:
     """A unit's rows: :func:`policy_rows` against the checkpoint's exact reference."""

@@ -353,6 +353,14 @@ class TensorUnit:
     """Elements of the whole scan, for the compile policy: the same for every unit."""
     rounded: bool
 
+    def key(self) -> str:
+        """Everything the unit's results depend on, its file's stamp included (the manifest's
+        name for them; see :mod:`driftcli.engines`)."""
+        ref = self.ref
+        return (f"scan|{self.input}|{engines.stamp(ref.source)}|{ref.name}|{ref.dtype}|"
+                f"{list(ref.shape)}|{[str(c) for c in self.casts]}|{self.options}|{self.job}|"
+                f"{self.rounded}")
+
 
 _WORKER_STAGING = _Staging()
 """The byte buffer of a worker process's reads, kept between its units (a serial scan has its
@@ -441,16 +449,17 @@ def _serial(units: Sequence[TensorUnit], todo: int, progress: Progress | None,
     :func:`driftcli.engines.run` does, with the finished units ``kept`` there)."""
     manifest = engines.Manifest(kept) if kept is not None else None
     out, done, staging = [], 0, _Staging()
-    for unit in units:
+    keys = [unit.key() for unit in units] if manifest is not None else []
+    for n, unit in enumerate(units):
         def advance(within: int, before: int = done, unit: TensorUnit = unit) -> None:
             if progress is not None:
                 progress(before + within, todo, unit.ref.name)
 
-        found, result = manifest.get(unit) if manifest is not None else (False, None)
+        found, result = manifest.get(keys[n]) if manifest is not None else (False, None)
         if not found:
             result = scan_unit(unit, advance, staging)
             if manifest is not None:
-                manifest.put(unit, result)
+                manifest.put(keys[n], result)
         out.append(result)
         advance(unit.ref.nbytes)  # also for a tensor that failed part way
         done += unit.ref.nbytes

@@ -19,7 +19,6 @@ _API = {
     "ExpressionError": "driftcli.report.expr", "Rule": "driftcli.report.expr",
     "parse_rule": "driftcli.report.expr",
     "SchemaError": "driftcli.report.load", "Table": "driftcli.report.load",
-    "load": "driftcli.report.load",
     "Options": "driftcli.report.options",
     "Report": "driftcli.report.model", "make_report": "driftcli.report.model",
     "TableSummary": "driftcli.report.summary", "summarize": "driftcli.report.summary",

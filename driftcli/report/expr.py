@@ -253,9 +253,6 @@ def tokenize(text: str, offset: int = 0) -> Iterator[Token]:
 
 # --- parser ---------------------------------------------------------------------------------
 
-_KEYWORDS = {"and", "or", "not", "true", "false", "inf"}
-
-
 class _Parser:
     def __init__(self, text: str, offset: int) -> None:
         self.text = text

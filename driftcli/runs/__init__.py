@@ -15,7 +15,7 @@ _API = {
     **dict.fromkeys(("TrainConfig", "TrainResult", "TrainRow", "train"),
                     "driftcli.runs.training"),
     "dump_operands": "driftcli.runs.dump",
-    **dict.fromkeys(("ProbeRow", "probe"), "driftcli.runs.probe"),
+    "ProbeRow": "driftcli.runs.probe",
 }
 """Each name and its module, imported on first use."""
 

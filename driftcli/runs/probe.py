@@ -335,6 +335,12 @@ class CheckpointUnit:
     text: str | None
     threads: int
 
+    def key(self) -> str:
+        """Everything the unit's rows depend on, the files' stamps included."""
+        policies = [(p.name, p.describe(), p.seed) for p in self.policies]
+        return (f"probe|{self.run}|{engines.stamp(self.path, self.text)}|{policies}|"
+                f"{self.draws}|{self.seed}|{self.storage}|{self.windows}|{self.threads}")
+
 
 def probe_unit(unit: CheckpointUnit) -> list[ProbeRow]:
     """A checkpoint's rows, policy by policy, each policy's parameters then ``*``; torch runs

@@ -49,6 +49,10 @@ class CheckUnit:
     def __str__(self) -> str:
         return f"{self.format}: {CHECKS[self.check].__name__.removeprefix('check_')}"
 
+    def key(self) -> str:
+        """Everything the unit's outcomes depend on."""
+        return f"verify|{self}|{self.plan}"
+
 
 def run_check(unit: CheckUnit) -> list[Outcome]:
     """The outcomes (cells) of one check on one format, in the check's order."""
