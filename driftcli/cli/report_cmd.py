@@ -10,8 +10,6 @@ import typer
 from driftcli.cli.app import EXIT_FOUND, command
 from driftcli.report.options import CHANGE_PCT, WORST, MatchBy, Options
 
-OutFile = Annotated[Path | None, typer.Option(metavar="FILE", dir_okay=False)]
-
 
 def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
