@@ -98,6 +98,12 @@ def compiled(fn: Callable[..., Any], numel: int) -> Callable[..., Any] | None:
     return _COMPILED[fn]
 
 
+def forced() -> bool:
+    """Whether ``DRIFT_COMPILE=always`` (or ``set_compile("always")``) asks for inductor's
+    code wherever drift has a compiled function, ahead of the numba kernels."""
+    return _compile_mode == "always"
+
+
 def run_compiled(fn: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
     """Call ``fn`` compiled if :func:`compiled` says so; None when it did not run compiled."""
     fast_fn = compiled(fn, numel)

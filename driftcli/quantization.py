@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from driftcli import compiling
+from driftcli import compiling, jit
 from driftcli import rounding as fast
 from driftcli.cast import Cast, parse_cast
 from driftcli.errors import DriftError
@@ -191,8 +191,18 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
         return Blocked(blocks, q, ones, no_blocks, no_blocks, back, bits, None)
     out = None
     n = blocks.numel() if s.blocked else 0  # only block and tile scalings compile
-    stats = compiling.run_compiled(amax_and_nonfinite, n, blocks)
-    if stats is not None:  # compiled: amax pass, scales per block eagerly, element pass
+    use_jit = not compiling.forced() and jit.usable(blocks, bits)
+    stats = None if use_jit else compiling.run_compiled(amax_and_nonfinite, n, blocks)
+    if use_jit:
+        amax, nonfinite = jit.block_amax(blocks)
+        top = tensor_amax_of(amax, tensor_amax)
+        if s.granularity is Granularity.TENSOR:
+            amax = top.expand_as(amax)
+        scale, clamped = _scales(amax, top, c)
+        q = _jit_apply(blocks, bits, scale, nonfinite if s.blocked else None, c, sr_bits,
+                       pow2 and needs_wide(amax, c))
+        out = (q, scale, clamped)
+    elif stats is not None:  # compiled: amax pass, scales per block eagerly, element pass
         amax, nonfinite = stats
         top = tensor_amax_of(amax, tensor_amax)
         scale, clamped = _scales(amax, top, c, n)
@@ -220,6 +230,21 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
     if rule is ScaleRule.TWO_LEVEL:
         tensor_scale = float(two_level_scales(amax[:1], top, elem, s).tensor_scale)
     return Blocked(blocks, q, scales, clamped, bad_blocks, back, bits, tensor_scale)
+
+
+def _jit_apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, bad: Tensor | None, c: Cast,
+               sr_bits: int, wide: bool) -> Tensor:
+    """:func:`_apply` on numba's kernels: the element cast of every row under its scale, and
+    NaN for the ``bad`` rows of a block scaling."""
+    s = c.scaling
+    if s.rule is not None and s.rule.power_of_two:
+        work = blocks.double() if wide else blocks
+        p = fast.jit_params(src=fast.source_of(work.dtype), tgt=fast.target_of(c.format),
+                            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+        return jit.round_bits(work, None, bits, scale[:, None], p, bad).to(blocks.dtype)
+    p = fast.jit_params(src=fast.source_of(blocks.dtype), tgt=fast.target_of(c.format),
+                        rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+    return jit.round_divided(blocks, scale, bits, p, bad)
 
 
 def tensor_amax_of(amax: Tensor, given: float | None) -> Tensor:

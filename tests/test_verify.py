@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kernel_paths import kernel_path
 from typer.testing import CliRunner
 
 from driftcli import FORMATS, oracle, quantization, scaling
@@ -38,19 +39,23 @@ def test_quick_run_passes_and_writes_its_table(tmp_path: Path) -> None:
     assert set(fp4.n_checked) == {256, 256 * 16}
 
 
-def test_a_planted_wrong_tie_rule_is_caught(tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ties away instead of ties to even, for one format: verify-formats fails, only there."""
-    real = fast._kernel
+@pytest.mark.parametrize("path", ["torch", "jit"])
+def test_a_planted_wrong_tie_rule_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            path: str) -> None:
+    """Ties away instead of ties to even, for one format, in the torch kernel or in the numba
+    kernel's parameters: verify-formats fails, only there."""
     planted = fast.Target.of(FORMATS["float8_e4m3fn"])
+    name = "_kernel" if path == "torch" else "jit_params"
+    real = getattr(fast, name)
 
     def wrong(*args: object, **kw: object) -> object:
         if kw["tgt"] == planted and kw["rounding"] is Rounding.RNE:
             kw["rounding"] = Rounding.RNA
         return real(*args, **kw)
 
-    monkeypatch.setattr(fast, "_kernel", wrong)
-    code, df = _run(tmp_path, "--quick", "-f", "float8_e4m3fn", "-f", "float8_e5m2")
+    monkeypatch.setattr(fast, name, wrong)
+    with kernel_path(path):
+        code, df = _run(tmp_path, "--quick", "-f", "float8_e4m3fn", "-f", "float8_e5m2")
     assert code == 1
     failing = df[(df.kind == "summary") & (df.n_failed > 0)]
     assert set(failing.format) == {"float8_e4m3fn"} and set(failing.rounding) == {"rne"}
