@@ -31,7 +31,8 @@ def test_the_public_api_is_not_shadowed_by_a_submodule() -> None:
 
 LAYERS = (
     ("errors", "_version", "lazy"),
-    ("formats", "modes", "text", "compiling", "exact", "memory", "progress", "engines"),
+    ("formats", "modes", "text", "compiling", "jit", "jitkernels", "exact", "memory",
+     "progress", "engines"),
     ("cast", "oracle", "codec"),
     ("rounding",),
     ("scaling",),
