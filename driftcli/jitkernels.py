@@ -9,15 +9,41 @@ policy in as constants, and each kernel's machine code is cached on disk.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numba import njit
+from numba.core import caching
 from numba.cpython.unsafe.numbers import leading_zeros
 
 _OPTIONS: dict[str, Any] = {"cache": True, "nogil": True, "error_model": "numpy"}
+
+
+class _ByContent(caching.UserProvidedCacheLocator):
+    """Finds this file's cached machine code by the file's content, not by where it lies:
+    numba's own locator keys the cache on the source's folder, so every new checkout or
+    virtual environment of the same drift would compile every kernel again."""
+
+    @classmethod
+    def get_suitable_cache_subpath(cls, py_file: str) -> str:
+        return "driftcli-" + hashlib.sha256(Path(py_file).read_bytes()).hexdigest()[:16]
+
+    @classmethod
+    def from_function(cls, py_func: Any, py_file: str) -> Any:
+        if Path(py_file).resolve() != Path(__file__).resolve():
+            return None
+        return super().from_function(py_func, py_file)
+
+
+# ahead of numba's own locators (a numba without this list keeps its own: the same code, kept
+# per folder)
+_LOCATORS = getattr(getattr(caching, "CacheImpl", None), "_locator_classes", None)
+if isinstance(_LOCATORS, list) and _ByContent not in _LOCATORS:
+    _LOCATORS.insert(0, _ByContent)
 
 
 @njit(inline="always", **_OPTIONS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,3 +233,32 @@ def test_without_a_cpp_compiler_numba_still_runs() -> None:
 def test_a_bad_jit_mode_is_refused() -> None:
     with pytest.raises(drift.DriftError, match="unknown jit mode 'fast'"):
         jit.set_jit("fast")
+
+
+CACHED = """
+import torch, driftcli as drift
+import driftcli.jitkernels as code
+drift.round_to_format(torch.randn(100), "float8_e5m2")
+stats = code.flat_kernel(0, 0, True, False, False, False, False).stats
+print(drift.__file__, sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
+"""
+
+
+def test_a_copy_of_drift_elsewhere_loads_the_kernels_another_compiled(tmp_path: Path) -> None:
+    """The machine code is cached by the kernels' source, not by its folder: a new checkout or
+    environment of the same drift compiles nothing."""
+    import shutil
+
+    import driftcli
+
+    cache = tmp_path / "cache"
+    first = _python(CACHED, NUMBA_CACHE_DIR=str(cache))[-1].split()
+    copy = tmp_path / "copy"
+    shutil.copytree(Path(driftcli.__file__).parent, copy / "driftcli",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    second = subprocess.run(  # from tmp_path: `python -c` puts its folder first on sys.path
+        [sys.executable, "-c", CACHED], capture_output=True, text=True, check=True,
+        cwd=tmp_path, env={**os.environ, "NUMBA_CACHE_DIR": str(cache),
+                           "PYTHONPATH": str(copy)}).stdout.strip().splitlines()[-1].split()
+    assert first[1:] == ["0", "1"]  # compiled here
+    assert second[0].startswith(str(copy)) and second[1:] == ["1", "0"]  # loaded, not compiled
