@@ -73,7 +73,7 @@ def main() -> None:
         argv = [DRIFT, "clip-rate", str(checkpoint), "-c", "mxfp8_e4m3", "-c", "fp8_e4m3",
                 "--out", str(Path(tmp) / "out")]
         t = _wall(argv, max(3, runs // 3))
-    size = checkpoint.stat().st_size / 1e6
+        size = checkpoint.stat().st_size / 1e6
     print(f"\n`drift clip-rate` on a {size:.1f} MB checkpoint, fresh process: {t:.3f} s, "
           f"{t - torch:.3f} s over import torch (target <= 2 s)")
 
