@@ -126,6 +126,11 @@ def usable(*tensors: Tensor | None) -> bool:
 def _flat(t: Tensor | None, dtype: torch.dtype | None = None) -> np.ndarray | None:
     if t is None:
         return None
+    return _array(t, dtype)
+
+
+def _array(t: Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
+    """``t`` as a flat numpy view (of its bits as ``dtype`` when given)."""
     t = t.contiguous() if dtype is None else t.contiguous().view(dtype)
     return t.reshape(-1).numpy()
 
@@ -147,8 +152,7 @@ def round_bits(x: Tensor, residual: Tensor | None, random: Tensor | None,
     element or one per row of a 2-D ``x`` (shape ``(rows, 1)``); rows where ``bad`` (one
     flag per row) become NaN."""
     itype = _INT[x.dtype]
-    bits = _flat(x, itype)
-    assert bits is not None
+    bits = _array(x, itype)
     out = np.empty_like(bits)
     kind = bits.dtype.type
     sexp = _flat(None if scale_exp is None else scale_exp.to(torch.int64))
@@ -169,9 +173,8 @@ def round_divided(blocks: Tensor, divisor: Tensor, random: Tensor | None,
     """Rows of a 2-D ``blocks`` divided by their ``divisor``, rounded (``p``), multiplied back:
     ``fl(round(fl(x / d)) * d)``, each step one IEEE operation in ``blocks``' dtype; rows
     where ``bad`` become NaN."""
-    x = _flat(blocks)
-    d = _flat(divisor.to(blocks.dtype))
-    assert x is not None and d is not None
+    x = _array(blocks)
+    d = _array(divisor.to(blocks.dtype))
     out = np.empty_like(x)
     wide = blocks.dtype == torch.float64
     draws = _flat(None if random is None else random.to(_INT[blocks.dtype]))
@@ -187,8 +190,7 @@ def block_amax(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """Per row of a 2-D float32 or float64 tensor: the largest finite magnitude, and whether
     the row holds NaN or inf (the values of :func:`driftcli.scaling.block_stats`)."""
     rows, cols = blocks.shape
-    bits = _flat(blocks, _INT[blocks.dtype])
-    assert bits is not None
+    bits = _array(blocks, _INT[blocks.dtype])
     top = np.empty(rows, dtype=bits.dtype)
     bad = np.empty(rows, dtype=np.bool_)
     inf_bits = 0x7F800000 if blocks.dtype == torch.float32 else 0x7FF0000000000000
