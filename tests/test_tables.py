@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -58,6 +62,50 @@ def test_identities_worked_out_in_the_background_are_the_plain_ones(tmp_path: Pa
     missing = identify_in_background([paths[0], tmp_path / "gone.bin"])
     with pytest.raises(FileNotFoundError, match=r"gone\.bin"):
         missing()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Every:
+    TABLE: ClassVar[str] = "every"
+    KEYS: ClassVar[tuple[str, ...]] = ("name",)
+    HEADLINE: ClassVar[str] = "x"
+    HIGHER_IS_WORSE: ClassVar[bool] = True
+    name: str
+    label: str | None
+    n: int
+    m: int | None
+    x: float
+    y: float | None
+    ok: bool
+    maybe: bool | None
+
+
+def test_every_column_kind_is_written_as_pyarrow_would_convert_it(tmp_path: Path) -> None:
+    # drift builds its columns from buffers (no pandas import); pyarrow's own conversion of
+    # the same rows is the reference, nulls, empty and non-ASCII strings, extremes included
+    rows = [_Every("a", None, -(2**63), None, float("-inf"), None, True, None),
+            _Every("", "τ·x", 2**63 - 1, 7, float("nan"), -0.0, False, False),
+            _Every("ü" * 40, "", 0, -1, 5e-324, 1.5, True, True)]
+    path = write_table(tmp_path / "every.parquet", _Every, rows, {})
+    names = [f.name for f in dataclasses.fields(_Every)]
+    want = pa.table({n: [getattr(r, n) for r in rows] for n in names}, schema=schema_of(_Every))
+    got = pq.read_table(path)
+    assert got.schema.remove_metadata().equals(want.schema.remove_metadata(),
+                                               check_metadata=True)
+    assert repr(got.to_pydict()) == repr(want.to_pydict())  # repr: NaN equal, -0.0 distinct
+    assert [got.column("m").null_count, got.column("label").null_count] == [1, 1]
+    empty = pq.read_table(write_table(tmp_path / "none.parquet", _Every, [], {}))
+    assert empty.num_rows == 0 and empty.schema.names == names
+
+
+def test_writing_a_table_does_not_import_pandas(tmp_path: Path) -> None:
+    code = ("import sys; from pathlib import Path; from driftcli.io.tables import write_table; "
+            "from driftcli.verify import VerifyRow; "
+            "rows = [VerifyRow('summary', 'int4', 'codes', 'decode', '-', '-', 16, 0, None, "
+            f"None, None)]; write_table(Path({str(tmp_path / 't.parquet')!r}), VerifyRow, "
+            "rows, {}); print('pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:
