@@ -198,7 +198,8 @@ def test_huge_pages_are_asked_for_only_where_offered(
     assert os.environ.get("THP_MEM_ALLOC_ENABLE") == left
 
 
-@pytest.mark.skipif(compile_unavailable() is not None, reason=str(compile_unavailable()))
+@pytest.mark.xfail(compile_unavailable() is not None, strict=True,
+                   reason=f"{compile_unavailable()}: no compiled passes to take large slices")
 @pytest.mark.parametrize("casts", [["mxfp8_e4m3"], ["nvfp4", "fp8_e4m3"],
                                    ["float8_e4m3fn", "bfloat16"],
                                    ["mxfp8_e4m3", "float8_e4m3fn:channel"]])
@@ -252,8 +253,7 @@ def test_large_tensors_are_read_in_aligned_slices(tmp_path: Path) -> None:
     assert row_alignment((48, 64), parse_cast("float8_e4m3fn:channel"), 0) is None
 
 
-@pytest.mark.parametrize("mode", ["never", pytest.param("always", marks=pytest.mark.skipif(
-    compile_unavailable() is not None, reason=str(compile_unavailable())))])
+@pytest.mark.parametrize("mode", ["never", "always"])
 @pytest.mark.parametrize("rounded", [False, True])
 def test_channels_along_the_first_axis_are_cut_along_the_last(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rounded: bool, mode: str) -> None:
@@ -261,6 +261,8 @@ def test_channels_along_the_first_axis_are_cut_along_the_last(
     dim (tiles kept whole), so its transposed copy is made one slice at a time."""
     from driftcli.measures import scan as scan_mod
 
+    if mode == "always" and (why := compile_unavailable()) is not None:
+        pytest.xfail(f"{why}: the compiled passes cannot run here")  # "always" would be eager
     monkeypatch.setattr(compiling, "_compile_mode", mode)
 
     torch.manual_seed(2)
