@@ -233,3 +233,26 @@ def test_the_demo_ends_with_what_to_run_on_your_own_checkpoint(
         "  drift clip-rate MODEL.safetensors -c mxfp8_e4m3 -c mxfp8_e4m3_ceil -c nvfp4",
         "  drift error-bias MODEL.safetensors -c mxfp8_e4m3 -c nvfp4",
         "  drift report drift-out --fail-on 'clip-rate:clip_rate > 0.01'"]
+
+
+LEAVE = """
+import atexit, sys
+from pathlib import Path
+import torch  # loaded: leave() skips the interpreter's teardown
+from driftcli.cli.app import leave
+atexit.register(lambda: Path(sys.argv[1]).write_text("ran"))
+print("buffered, not yet flushed", end="")
+leave(int(sys.argv[2]) if sys.argv[2].isdigit() else sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize(("code", "status"), [("0", 0), ("3", 3), ("no input", 1)])
+def test_leaving_early_keeps_the_exit_handlers_output_and_status(
+        tmp_path: Path, code: str, status: int) -> None:
+    mark = tmp_path / "handler"
+    proc = subprocess.run([sys.executable, "-c", LEAVE, str(mark), code], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == status
+    assert proc.stdout == "buffered, not yet flushed"
+    assert mark.read_text() == "ran"
+    assert proc.stderr == ("" if code.isdigit() else "no input\n")
