@@ -113,10 +113,13 @@ def run_compiled(fn: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) 
         # each format, mode and policy is its own graph: allow many, and when even that runs
         # out, fail loudly into the chunked eager path rather than dynamo's whole-tensor eager.
         # Float arguments (a format's max) are constants of the graph: unspecialised, they
-        # become tensor inputs and the element loops stop vectorising (several times slower)
+        # become tensor inputs and the element loops stop vectorising (several times slower).
+        # Integer arguments (a format's bit counts) too: unspecialised, inductor writes
+        # `1 << (ks1)` with a 32-bit 1 into its C++, wrong for float64's 52 fraction bits
+        # (and right for float32's masks only by two's complement wrap-around)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
                                         fail_on_recompile_limit_hit=True,
-                                        specialize_float=True):
+                                        specialize_float=True, specialize_int=True):
             return fast_fn(*args, **kwargs)
     except Exception:  # any compiler failure means: stay eager, same answer
         _BROKEN.add(fn)

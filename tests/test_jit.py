@@ -95,6 +95,24 @@ def test_each_format_and_each_mode_agree_on_the_compiled_path() -> None:
         assert torch.equal(_bits(want), _bits(got)), (fmt, mode, policy)
 
 
+def test_float64_inputs_and_sums_agree_on_the_compiled_path() -> None:
+    """Float64 work (``add``'s sums, ``multiply``'s products, wide scaled grids) compiled: a
+    format's bit counts enter the graph as constants, not as symbolic integers, which inductor
+    shifted as 32-bit ints (every float64 value wrong, while float32's masks came out right by
+    wrap-around)."""
+    x = torch.cat([X64[: 1 << 14], torch.randn(3001, dtype=torch.float64)])
+    for fmt in ("float4_e2m1fn", "bfloat16", "float32"):
+        want = _round_on("torch", x, fmt, Rounding.RNE, Overflow.IEEE)
+        got = _round_on("compiled", x, fmt, Rounding.RNE, Overflow.IEEE)
+        assert torch.equal(_bits(want), _bits(got)), fmt
+    a, b = x[: 1 << 12], x[1 << 12 : 1 << 13]
+    outs = []
+    for path in ("torch", "compiled"):
+        with kernel_path(path):
+            outs.append(drift.add(a, b, "float8_e4m3fn", rounding="rtz", overflow="ieee"))
+    assert torch.equal(_bits(outs[0]), _bits(outs[1]))
+
+
 def test_sums_with_a_residual_agree() -> None:
     """``add`` rounds a float64 sum and its exact error (a sticky residual) in one step."""
     gen = torch.Generator().manual_seed(8)

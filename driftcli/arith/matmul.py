@@ -615,12 +615,11 @@ def _run_steps(acc: Tensor, terms: _Terms, index: Tensor, live: Tensor | None, r
     for ``work`` element-steps (see :func:`driftcli.compiling.set_compile`), else eagerly."""
     a, b = terms.factors(index)
     count = index.shape[0]
-    # the rule's integers (shift amounts, masks) must be constants of the compiled code, or
-    # its loops do not vectorize; tensor shapes stay dynamic
-    with torch._dynamo.config.patch(specialize_int=True):
-        out = compiling.run_compiled(_steps, work, acc, a.contiguous(), b.contiguous(), live,
-                                rule=_Rule(rule.target, rule.rounding, rule.wide, rule.drop,
-                                           False), count=count)
+    # the rule's integers (shift amounts, masks) are constants of the compiled code, as every
+    # integer argument is (driftcli.compiling.run_compiled), or its loops do not vectorize
+    out = compiling.run_compiled(_steps, work, acc, a.contiguous(), b.contiguous(), live,
+                                 rule=_Rule(rule.target, rule.rounding, rule.wide, rule.drop,
+                                            False), count=count)
     return out if out is not None else _steps(acc, a, b, live, rule=rule, count=count)
 
 
