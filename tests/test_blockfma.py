@@ -1,0 +1,146 @@
+"""Block-FMA accumulation against real tensor cores: every recording of
+``../shared/data/hw-tensor-cores/`` reproduced bit for bit by its GPU's preset."""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from driftcli.arith.blockfma import PRESETS, BlockFMA, Recordings, dot, read_recordings
+from driftcli.errors import DriftError
+from driftcli.modes import Rounding
+from driftcli.rounding import round_to_format
+
+HW = Path(__file__).resolve().parents[2] / "shared" / "data" / "hw-tensor-cores"
+requires_recordings = pytest.mark.skipif(
+    not HW.exists(), reason="../shared/data/hw-tensor-cores not present (fresh clone outside "
+                            "the workspace)")
+FOLDERS = sorted(f"{g.name}/{f.name}" for g in HW.iterdir() if g.is_dir()
+                 for f in g.iterdir() if f.is_dir()) if HW.exists() else []
+SHORT = {"fp16": "fp16", "bf16": "bf16", "tf32": "tf32", "E4M3": "e4m3", "E5M2": "e5m2"}
+
+
+@cache
+def _recordings(folder: str) -> Recordings:
+    return read_recordings(HW / folder)
+
+
+def _harness_c(r: Recordings, out: str) -> torch.Tensor:
+    """The c each instruction saw: the recording harness rounded it to fp16 for an fp16
+    result, and H100's FP8 WGMMA runs (float32 result) used c = 0 (the data's README)."""
+    if out == "fp16":
+        return round_to_format(r.c, "float16").double()
+    if r.gpu == "H100" and r.inputs.startswith("E"):
+        return torch.zeros_like(r.c)
+    return r.c
+
+
+def _reproduced(r: Recordings, out: str, unit: BlockFMA) -> int:
+    got = dot(r.a, r.b, _harness_c(r, out), unit).float().view(torch.int32)
+    return int((got == r.d[out].float().view(torch.int32)).sum())
+
+
+@requires_recordings
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_every_recording_is_reproduced_bit_for_bit_by_its_preset(folder: str) -> None:
+    r = _recordings(folder)
+    assert r.d and r.a.shape[0] == 5000
+    for out in r.d:
+        unit = PRESETS[f"{r.gpu.lower()}_{SHORT[r.inputs]}_f{out[2:]}"]
+        assert _reproduced(r, out, unit) == 5000, (folder, out)
+
+
+@requires_recordings
+@pytest.mark.parametrize(("folder", "change"), [
+    ("H100/E4M3", {"kept_bits": 14}),  # the planted fault: one alignment bit too many
+    ("H100/E4M3", {"kept_bits": 12}),
+    ("H100/fp16", {"kept_bits": 24}),
+    ("A100/bf16", {"fma": 4}),
+    ("Ada/E5M2", {"rounding": Rounding.RNE}),
+])
+def test_a_model_one_parameter_off_is_caught_by_the_recordings(folder: str,
+                                                                change: dict) -> None:
+    r = _recordings(folder)
+    unit = dataclasses.replace(PRESETS[f"{r.gpu.lower()}_{SHORT[r.inputs]}_f32"], **change)
+    assert _reproduced(r, "fp32", unit) < 4900
+
+
+def _exact_block(a: list[Fraction], b: list[Fraction], c: Fraction, kept: int, emin: int
+                 ) -> Fraction:
+    """One block by hand, in rationals: terms cut toward zero to 2**(E - kept)."""
+    def exp(x: Fraction) -> int:
+        e = x.numerator.bit_length() - x.denominator.bit_length()
+        return max(e if Fraction(2) ** e <= abs(x) else e - 1, emin)
+    exps = [exp(abs(x)) + exp(abs(y)) for x, y in zip(a, b, strict=True) if x and y]
+    if c:
+        exps.append(exp(abs(c)) if abs(c) >= Fraction(2) ** -126 else -126)
+    top = max(exps)
+    unit = Fraction(2) ** (top - kept)
+
+    def cut(t: Fraction) -> Fraction:
+        q = abs(t) / unit
+        return (q.numerator // q.denominator) * unit * (1 if t >= 0 else -1)
+    return sum((cut(x * y) for x, y in zip(a, b, strict=True)), cut(c))
+
+
+def test_one_block_is_the_cut_terms_summed_and_rounded_once() -> None:
+    gen = torch.Generator().manual_seed(4)
+    a = round_to_format(torch.randn(400, 16, generator=gen), "float8_e4m3fn").double()
+    b = round_to_format(torch.randn(400, 16, generator=gen) * 3, "float8_e4m3fn").double()
+    a[::7, 3] = 2.0**-9  # a subnormal input: its exponent is the format's smallest, -6
+    c = round_to_format(torch.randn(400, generator=gen), "e8m13").double()
+    unit = BlockFMA("float8_e4m3fn", 16, 13, "e8m13", Rounding.RTZ)
+    got = dot(a, b, c, unit)
+    for i in range(0, 400, 9):
+        exact = _exact_block([Fraction(v) for v in a[i].tolist()],
+                             [Fraction(v) for v in b[i].tolist()], Fraction(c[i].item()), 13, -6)
+        want = round_to_format(torch.tensor([float(exact)], dtype=torch.float64), "e8m13",
+                               rounding="rtz")
+        assert float(exact) == exact  # the cut sum is exact in float64
+        assert got[i].item() == want.item(), i
+
+
+def test_blocks_chain_in_order_and_specials_follow_ieee() -> None:
+    a = torch.tensor([[1.0, 2.0**-30, 1.0, 0.0]], dtype=torch.float64)
+    b = torch.tensor([[1.0, 1.0, 2.0**-30, 0.0]], dtype=torch.float64)
+    zero = torch.zeros(1)
+
+    def unit(fma: int, kept: int) -> BlockFMA:
+        return BlockFMA("bfloat16", fma, kept, "float32", Rounding.RUP)
+    # kept 23 bits below 2**0: each 2**-30 product is cut to 0, in one block or in two
+    assert dot(a, b, zero, unit(2, 23)).item() == 1.0
+    assert dot(a, b, zero, unit(4, 23)).item() == 1.0
+    # kept 40: one block holds 1 + 2**-29, rounded up to the next float32
+    assert dot(a, b, zero, unit(4, 40)).item() == 1.0 + 2.0**-23
+    # two blocks of 2: the first rounds 1 + 2**-30 up, the second adds its 2**-30 to that
+    assert dot(a, b, zero, unit(2, 40)).item() == 1.0 + 2.0**-22
+    inf = torch.tensor([[float("inf"), 1.0], [float("inf"), float("-inf")]], dtype=torch.float64)
+    out = dot(inf, torch.ones(2, 2, dtype=torch.float64), torch.zeros(2), unit(2, 23))
+    assert out[0].item() == float("inf") and out[1].isnan()
+
+
+def test_a_unit_that_cannot_exist_is_refused() -> None:
+    with pytest.raises(DriftError, match="multiple of 4"):
+        BlockFMA("float16", 6, 25, "float16", Rounding.RNE, interleave=2)
+    with pytest.raises(DriftError, match="at least 1"):
+        BlockFMA("float16", 0, 25, "float16", Rounding.RNE)
+    with pytest.raises(DriftError, match="rows x K"):
+        dot(torch.ones(2, 3), torch.ones(2, 4), torch.zeros(2), PRESETS["h100_fp16_f32"])
+
+
+def test_every_preset_names_its_source() -> None:
+    assert len(PRESETS) >= 30
+    for name, unit in PRESETS.items():
+        assert "MATLAB-tensor-core" in unit.source, name
+        unit.input_format  # a real format  # noqa: B018
+
+
+def test_missing_recordings_are_named(tmp_path: Path) -> None:
+    (tmp_path / "X100" / "fp16").mkdir(parents=True)
+    with pytest.raises(DriftError, match=r"a_X100_fp16\.txt\.gz"):
+        read_recordings(tmp_path / "X100" / "fp16")
