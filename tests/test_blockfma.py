@@ -73,12 +73,15 @@ def test_a_model_one_parameter_off_is_caught_by_the_recordings(folder: str,
 def _exact_block(a: list[Fraction], b: list[Fraction], c: Fraction, kept: int, emin: int
                  ) -> Fraction:
     """One block by hand, in rationals: terms cut toward zero to 2**(E - kept)."""
-    def exp(x: Fraction) -> int:
+    def exp_of(x: Fraction) -> int:
         e = x.numerator.bit_length() - x.denominator.bit_length()
-        return max(e if Fraction(2) ** e <= abs(x) else e - 1, emin)
+        return e if Fraction(2) ** e <= x else e - 1
+
+    def exp(x: Fraction) -> int:
+        return max(exp_of(x), emin)
     exps = [exp(abs(x)) + exp(abs(y)) for x, y in zip(a, b, strict=True) if x and y]
     if c:
-        exps.append(exp(abs(c)) if abs(c) >= Fraction(2) ** -126 else -126)
+        exps.append(max(exp_of(abs(c)), -126))  # c's exponent: a float32's
     top = max(exps)
     unit = Fraction(2) ** (top - kept)
 
@@ -94,6 +97,8 @@ def test_one_block_is_the_cut_terms_summed_and_rounded_once() -> None:
     b = round_to_format(torch.randn(400, 16, generator=gen) * 3, "float8_e4m3fn").double()
     a[::7, 3] = 2.0**-9  # a subnormal input: its exponent is the format's smallest, -6
     c = round_to_format(torch.randn(400, generator=gen), "e8m13").double()
+    c[::18] *= 2.0**8  # rows where c holds the largest exponent, and rows where it is tiny
+    c[9::18] *= 2.0**-12
     unit = BlockFMA("float8_e4m3fn", 16, 13, "e8m13", Rounding.RTZ)
     got = dot(a, b, c, unit)
     for i in range(0, 400, 9):
@@ -119,6 +124,15 @@ def test_blocks_chain_in_order_and_specials_follow_ieee() -> None:
     assert dot(a, b, zero, unit(4, 40)).item() == 1.0 + 2.0**-23
     # two blocks of 2: the first rounds 1 + 2**-30 up, the second adds its 2**-30 to that
     assert dot(a, b, zero, unit(2, 40)).item() == 1.0 + 2.0**-22
+    # an empty block (zero products, c = 0) adds nothing, whatever min_exp says
+    sparse = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0]], dtype=torch.float64)
+    for name in ("v100_fp16_f32", "h100_fp16_f32"):
+        assert dot(sparse, sparse, zero, PRESETS[name]).item() == 5.0, name
+    assert dot(sparse, sparse, torch.tensor([-0.0]), PRESETS["v100_fp16_f32"]).item() == 5.0
+    with pytest.raises(DriftError, match="53 bits"):
+        BlockFMA("float16", 32, 45, "float32", Rounding.RTZ)
+    nan_c = dot(a, b, torch.tensor([float("nan")]), unit(2, 23))
+    assert nan_c.isnan().all()
     inf = torch.tensor([[float("inf"), 1.0], [float("inf"), float("-inf")]], dtype=torch.float64)
     out = dot(inf, torch.ones(2, 2, dtype=torch.float64), torch.zeros(2), unit(2, 23))
     assert out[0].item() == float("inf") and out[1].isnan()

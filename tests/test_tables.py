@@ -96,6 +96,13 @@ def test_every_column_kind_is_written_as_pyarrow_would_convert_it(tmp_path: Path
     assert [got.column("m").null_count, got.column("label").null_count] == [1, 1]
     empty = pq.read_table(write_table(tmp_path / "none.parquet", _Every, [], {}))
     assert empty.num_rows == 0 and empty.schema.names == names
+    for bad in (_Every("a", None, 2**63, None, 0.0, None, True, None),  # beyond int64
+                _Every("a", None, 1, 2.5, 0.0, None, True, None),
+                _Every("a", None, 1, None, 0.0, None, "False", None),
+                _Every(b"a", None, 1, None, 0.0, None, True, None)):
+        with pytest.raises(pa.ArrowTypeError):
+            write_table(tmp_path / "bad.parquet", _Every, [bad], {})
+    assert not (tmp_path / "bad.parquet").exists()
 
 
 def test_writing_a_table_does_not_import_pandas(tmp_path: Path) -> None:

@@ -32,6 +32,10 @@ from driftcli.rounding import add, round_to_format
 _NONE = -(1 << 20)
 """The exponent of a term that is not there (a zero product, a zero ``c``): below any other."""
 _C_EMIN = -126
+_TOP_FLOOR = -900
+"""A floor under a block's reference exponent below which no term lies (float32 operands' products
+reach 2**-298): an empty block's ``min_exp`` of -1024 would scale its zeros by 2**1047, which is
+inf, and 0 * inf is NaN."""
 """The running sum's exponent is read as a float32's, whatever its format (the models' rule)."""
 
 
@@ -65,6 +69,10 @@ class BlockFMA:
         if self.fma < 1 or self.kept_bits < 1:
             raise DriftError(f"block FMA: fma ({self.fma}) and kept bits ({self.kept_bits}) "
                              "must be at least 1")
+        if self.kept_bits + 3 + (self.fma + 1).bit_length() > 53:
+            # a term below 2**(kept + 3), fma + 1 of them: their sum must be exact in float64
+            raise DriftError(f"block FMA: {self.kept_bits} kept bits in blocks of {self.fma} "
+                             "do not fit float64's 53 bits; keep fewer")
         if self.interleave and self.fma % (2 * self.interleave):
             raise DriftError(f"block FMA: an interleave of {self.interleave} needs a block of "
                              f"a multiple of {2 * self.interleave} products, not {self.fma}")
@@ -88,9 +96,9 @@ def _block(prods: Tensor, exps: Tensor, c: Tensor, m: BlockFMA) -> Tensor:
     exponent (at least ``min_exp``), then rounded once into ``acc``."""
     c_exp = _exponents(c, _C_EMIN)
     top = torch.maximum(exps.max(dim=1).values, c_exp)
-    top = torch.clamp(top, min=m.min_exp)
+    top = torch.clamp(top, min=max(m.min_exp, _TOP_FLOOR))
     shift = (m.kept_bits - top).to(torch.float64)
-    # x * 2**(kept - E) is exact (a power-of-two scaling, far from float64's limits), and its
+    # x * 2**(kept - E) is exact (a power-of-two scaling within float64's range), and its
     # truncation is the cut; the cut terms are integers below 2**(kept + 3), so their sum
     # (at most a few dozen) is exact in any order
     cut = torch.trunc(torch.ldexp(prods, shift[:, None])).sum(dim=1)

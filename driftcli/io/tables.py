@@ -165,8 +165,8 @@ def provenance(inputs: Sequence[Path] = (), *, seed: int | None = None, device: 
 
 
 _NUMPY = {pa.int64(): np.int64, pa.float64(): np.float64}
-# numpy kinds each column accepts: a float in an int column is a bug, not a truncation
-_KINDS = {pa.int64(): "iub", pa.float64(): "iubf"}
+# numpy kinds each column accepts: a float in an int column is a bug, not a truncation,
+_KINDS = {pa.int64(): "ib", pa.float64(): "iubf"}  # "u": numpy's type for ints >= 2**63
 
 
 def _arrow_column(values: list[Any], field: pa.Field) -> pa.Array:
@@ -190,6 +190,8 @@ def _arrow_column(values: list[Any], field: pa.Field) -> pa.Array:
             raise DriftError(f"column {field.name!r} holds over 2 GiB of text")
         buffers = [bitmap, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(data))]
     elif field.type == pa.bool_():
+        if any(not isinstance(v, bool | np.bool_) for v in values if v is not None):
+            raise pa.ArrowTypeError(f"column {field.name!r} of type bool got a non-bool")
         bits = np.fromiter((bool(v) for v in values), dtype=np.bool_, count=len(values))
         buffers = [bitmap, pa.py_buffer(np.packbits(bits, bitorder="little"))]
     else:
