@@ -193,14 +193,15 @@ def leave(code: int | str | None) -> None:
     import atexit
 
     atexit._run_exitfuncs()  # Ray's shutdown, multiprocessing's, logging's flush
-    status = code if isinstance(code, int) else (0 if code is None else 1)
-    if isinstance(code, str):
-        print(code, file=sys.stderr)  # what sys.exit prints for a message
+    status = 0 if code is None else code if isinstance(code, int) else 1
+    if status == 1 and not isinstance(code, int):
+        print(code, file=sys.stderr)  # what sys.exit prints for anything but a number
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
-            status = status or 1
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed pipe: Python's own exit status for it
+            status = 120
     os._exit(status)
 
 
