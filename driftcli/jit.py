@@ -87,7 +87,7 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return _POOL[0]
 
 
-def _spread(kernel: Callable[..., Any], n: int, per_item: int, *args: Any) -> None:
+def spread(kernel: Callable[..., Any], n: int, per_item: int, *args: Any) -> None:
     """``kernel(*args, start, stop)`` over ``range(n)`` in slices, on torch's thread count."""
     threads = torch.get_num_threads()
     parts = min(threads, n * per_item // SLICE)
@@ -163,7 +163,7 @@ def round_bits(x: Tensor, residual: Tensor | None, random: Tensor | None,
     lean = x.dtype == torch.float32 and res is None
     kernel = _code().flat_kernel(p[13], p[14], lean, res is not None, draws is not None,
                                  sexp is not None, flags is not None)
-    _spread(kernel, bits.size, 1, bits, _or_empty(res, kind), _or_empty(draws, kind),
+    spread(kernel, bits.size, 1, bits, _or_empty(res, kind), _or_empty(draws, kind),
             _or_empty(sexp, np.int64), _or_empty(flags, np.bool_), cols, out, p)
     return torch.from_numpy(out).view(x.dtype).view(x.shape)
 
@@ -181,8 +181,25 @@ def round_divided(blocks: Tensor, divisor: Tensor, random: Tensor | None,
     flags = _flat(bad)
     kernel = _code().divided_kernel(p[13], p[14], draws is not None, wide, flags is not None)
     kind = np.int64 if wide else np.int32
-    _spread(kernel, x.size, 1, x, d, _or_empty(draws, kind), _or_empty(flags, np.bool_),
+    spread(kernel, x.size, 1, x, d, _or_empty(draws, kind), _or_empty(flags, np.bool_),
             blocks.shape[1], out, p)
+    return torch.from_numpy(out).view(blocks.shape)
+
+
+def round_scaled(blocks: Tensor, apply: Tensor, undo: Tensor, random: Tensor | None,
+                 p: tuple[int, ...], bad: Tensor | None, apply_mul: bool,
+                 undo_div: bool) -> Tensor:
+    """Rows of a 2-D float32 ``blocks`` divided by (``apply_mul``: multiplied by) their
+    ``apply``, rounded (``p``), and the codes multiplied by (``undo_div``: divided by) their
+    ``undo``, each step one IEEE float32 operation; rows where ``bad`` become NaN."""
+    x = _array(blocks)
+    out = np.empty_like(x)
+    draws = _flat(None if random is None else random.to(torch.int32))
+    flags = _flat(bad)
+    kernel = _code().scaled_kernel(p[13], p[14], draws is not None, flags is not None,
+                                   apply_mul, undo_div)
+    spread(kernel, x.size, 1, x, _array(apply.float()), _array(undo.float()),
+           _or_empty(draws, np.int32), _or_empty(flags, np.bool_), blocks.shape[1], out, p)
     return torch.from_numpy(out).view(blocks.shape)
 
 
@@ -195,5 +212,5 @@ def block_amax(blocks: Tensor) -> tuple[Tensor, Tensor]:
     bad = np.empty(rows, dtype=np.bool_)
     inf_bits = 0x7F800000 if blocks.dtype == torch.float32 else 0x7FF0000000000000
     if rows:
-        _spread(_code().block_amax, rows, cols, bits, cols, top, bad, inf_bits)
+        spread(_code().block_amax, rows, cols, bits, cols, top, bad, inf_bits)
     return torch.from_numpy(top).view(blocks.dtype), torch.from_numpy(bad)

@@ -23,6 +23,9 @@ from numba.cpython.unsafe.numbers import leading_zeros
 _OPTIONS: dict[str, Any] = {"cache": True, "nogil": True, "error_model": "numpy"}
 
 
+_PACKAGE = Path(__file__).resolve().parent
+
+
 class _ByContent(caching.UserProvidedCacheLocator):
     """Finds this file's cached machine code by the file's content, not by where it lies:
     numba's own locator keys the cache on the source's folder, so every new checkout or
@@ -34,7 +37,8 @@ class _ByContent(caching.UserProvidedCacheLocator):
 
     @classmethod
     def from_function(cls, py_func: Any, py_file: str) -> Any:
-        if Path(py_file).resolve() != Path(__file__).resolve():
+        # drift's kernel files (this one, and those that import from it), nobody else's
+        if _PACKAGE not in Path(py_file).resolve().parents:
             return None
         return super().from_function(py_func, py_file)
 
@@ -328,6 +332,41 @@ def divided_kernel(rounding: int, overflow: int, has_draws: bool, wide: bool,
                     os[j] = wide_quotient(xs[j] / d, r, lim, p) * d
                 else:
                     os[j] = lean_quotient(xs[j] / d, r, lim, p) * d
+            i = end
+
+    return kernel
+
+
+@cache
+def scaled_kernel(rounding: int, overflow: int, has_draws: bool, has_bad: bool, apply_mul: bool,
+                  undo_div: bool) -> Callable[..., None]:
+    """``kernel(x, apply, undo, draws, bad, cols, out, q, start, stop)`` on float32: each
+    element divided by (``apply_mul``: multiplied by) its row's ``apply``, rounded (``q``), the
+    code multiplied by (``undo_div``: divided by) its row's ``undo``, every step one IEEE
+    float32 operation; a ``bad`` row becomes NaN. The element pass of a scale arithmetic."""
+
+    @njit(**_OPTIONS)
+    def kernel(x: Any, apply: Any, undo: Any, draws: Any, bad: Any, cols: int, out: Any, q: Any,
+               start: int, stop: int) -> None:
+        p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
+             rounding, overflow, q[15])
+        lim = row_limits(0, p)
+        i = start
+        while i < stop:
+            row = i // cols
+            end = min((row + 1) * cols, stop)
+            if has_bad and bad[row]:
+                out[i:end] = np.nan
+                i = end
+                continue
+            a, u = apply[row], undo[row]
+            xs, os = x[i:end], out[i:end]
+            ds = draws[i:end] if has_draws else draws
+            for j in range(xs.size):
+                r = ds[j] if has_draws else 0
+                y = xs[j] * a if apply_mul else xs[j] / a
+                c = lean_quotient(y, r, lim, p)
+                os[j] = c / u if undo_div else c * u
             i = end
 
     return kernel

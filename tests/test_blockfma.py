@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from driftcli.arith.blockfma import PRESETS, BlockFMA, Recordings, dot, read_recordings
+from driftcli.arith.blockfma import FMAUnit
+from driftcli.arith.tensorcores import PRESETS, Recordings, TensorCore, dot, read_recordings
 from driftcli.errors import DriftError
 from driftcli.modes import Rounding
 from driftcli.rounding import round_to_format
@@ -40,7 +41,7 @@ def _harness_c(r: Recordings, out: str) -> torch.Tensor:
     return r.c
 
 
-def _reproduced(r: Recordings, out: str, unit: BlockFMA) -> int:
+def _reproduced(r: Recordings, out: str, unit: TensorCore) -> int:
     got = dot(r.a, r.b, _harness_c(r, out), unit).float().view(torch.int32)
     return int((got == r.d[out].float().view(torch.int32)).sum())
 
@@ -56,18 +57,20 @@ def test_every_recording_is_reproduced_bit_for_bit_by_its_preset(folder: str) ->
 
 
 @requires_recordings
-@pytest.mark.parametrize(("folder", "change"), [
-    ("H100/E4M3", {"kept_bits": 14}),  # the planted fault: one alignment bit too many
-    ("H100/E4M3", {"kept_bits": 12}),
-    ("H100/fp16", {"kept_bits": 24}),
-    ("A100/bf16", {"fma": 4}),
-    ("Ada/E5M2", {"rounding": Rounding.RNE}),
+@pytest.mark.parametrize(("folder", "unit_change", "change"), [
+    ("H100/E4M3", {"kept_bits": 14}, {}),  # the planted fault: one alignment bit too many
+    ("H100/E4M3", {"kept_bits": 12}, {}),
+    ("H100/fp16", {"kept_bits": 24}, {}),
+    ("A100/bf16", {"size": 4}, {}),
+    ("Ada/E5M2", {}, {"rounding": Rounding.RNE}),
 ])
-def test_a_model_one_parameter_off_is_caught_by_the_recordings(folder: str,
+def test_a_model_one_parameter_off_is_caught_by_the_recordings(folder: str, unit_change: dict,
                                                                 change: dict) -> None:
     r = _recordings(folder)
-    unit = dataclasses.replace(PRESETS[f"{r.gpu.lower()}_{SHORT[r.inputs]}_f32"], **change)
-    assert _reproduced(r, "fp32", unit) < 4900
+    core = PRESETS[f"{r.gpu.lower()}_{SHORT[r.inputs]}_f32"]
+    core = dataclasses.replace(core, unit=dataclasses.replace(core.unit, **unit_change),
+                               **change)
+    assert _reproduced(r, "fp32", core) < 4900
 
 
 def _exact_block(a: list[Fraction], b: list[Fraction], c: Fraction, kept: int, emin: int
@@ -99,7 +102,7 @@ def test_one_block_is_the_cut_terms_summed_and_rounded_once() -> None:
     c = round_to_format(torch.randn(400, generator=gen), "e8m13").double()
     c[::18] *= 2.0**8  # rows where c holds the largest exponent, and rows where it is tiny
     c[9::18] *= 2.0**-12
-    unit = BlockFMA("float8_e4m3fn", 16, 13, "e8m13", Rounding.RTZ)
+    unit = TensorCore("float8_e4m3fn", FMAUnit(16, 13), "e8m13", Rounding.RTZ)
     got = dot(a, b, c, unit)
     for i in range(0, 400, 9):
         exact = _exact_block([Fraction(v) for v in a[i].tolist()],
@@ -111,26 +114,27 @@ def test_one_block_is_the_cut_terms_summed_and_rounded_once() -> None:
 
 
 def test_blocks_chain_in_order_and_specials_follow_ieee() -> None:
-    a = torch.tensor([[1.0, 2.0**-30, 1.0, 0.0]], dtype=torch.float64)
-    b = torch.tensor([[1.0, 1.0, 2.0**-30, 0.0]], dtype=torch.float64)
+    a = torch.tensor([[1.0, 3 * 2.0**-24, -1.0, 3 * 2.0**-24]], dtype=torch.float64)
+    b = torch.ones(1, 4, dtype=torch.float64)
     zero = torch.zeros(1)
 
-    def unit(fma: int, kept: int) -> BlockFMA:
-        return BlockFMA("bfloat16", fma, kept, "float32", Rounding.RUP)
-    # kept 23 bits below 2**0: each 2**-30 product is cut to 0, in one block or in two
-    assert dot(a, b, zero, unit(2, 23)).item() == 1.0
-    assert dot(a, b, zero, unit(4, 23)).item() == 1.0
-    # kept 40: one block holds 1 + 2**-29, rounded up to the next float32
-    assert dot(a, b, zero, unit(4, 40)).item() == 1.0 + 2.0**-23
-    # two blocks of 2: the first rounds 1 + 2**-30 up, the second adds its 2**-30 to that
-    assert dot(a, b, zero, unit(2, 40)).item() == 1.0 + 2.0**-22
+    def unit(fma: int, kept: int) -> TensorCore:
+        return TensorCore("bfloat16", FMAUnit(fma, kept), "float32", Rounding.RNE)
+    # kept 23 bits below 2**0: each 3 * 2**-24 is cut to 2**-23, in one block or in two
+    assert dot(a, b, zero, unit(4, 23)).item() == 2.0**-22
+    assert dot(a, b, zero, unit(2, 23)).item() == 2.0**-22
+    # kept 40: one block holds the exact sum, 6 * 2**-24
+    assert dot(a, b, zero, unit(4, 40)).item() == 6 * 2.0**-24
+    # two blocks of 2: the first rounds 1 + 3 * 2**-24 to 1 + 2**-22 (a tie, to even), the
+    # second adds -1 + 3 * 2**-24 to that: 7 * 2**-24
+    assert dot(a, b, zero, unit(2, 40)).item() == 7 * 2.0**-24
     # an empty block (zero products, c = 0) adds nothing, whatever min_exp says
     sparse = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0]], dtype=torch.float64)
     for name in ("v100_fp16_f32", "h100_fp16_f32"):
         assert dot(sparse, sparse, zero, PRESETS[name]).item() == 5.0, name
     assert dot(sparse, sparse, torch.tensor([-0.0]), PRESETS["v100_fp16_f32"]).item() == 5.0
     with pytest.raises(DriftError, match="53 bits"):
-        BlockFMA("float16", 32, 45, "float32", Rounding.RTZ)
+        FMAUnit(32, 45)
     nan_c = dot(a, b, torch.tensor([float("nan")]), unit(2, 23))
     assert nan_c.isnan().all()
     inf = torch.tensor([[float("inf"), 1.0], [float("inf"), float("-inf")]], dtype=torch.float64)
@@ -140,9 +144,9 @@ def test_blocks_chain_in_order_and_specials_follow_ieee() -> None:
 
 def test_a_unit_that_cannot_exist_is_refused() -> None:
     with pytest.raises(DriftError, match="multiple of 4"):
-        BlockFMA("float16", 6, 25, "float16", Rounding.RNE, interleave=2)
+        FMAUnit(6, 25, interleave=2)
     with pytest.raises(DriftError, match="at least 1"):
-        BlockFMA("float16", 0, 25, "float16", Rounding.RNE)
+        FMAUnit(0, 25)
     with pytest.raises(DriftError, match="rows x K"):
         dot(torch.ones(2, 3), torch.ones(2, 4), torch.zeros(2), PRESETS["h100_fp16_f32"])
 
@@ -150,7 +154,7 @@ def test_a_unit_that_cannot_exist_is_refused() -> None:
 def test_every_preset_names_its_source() -> None:
     assert len(PRESETS) >= 30
     for name, unit in PRESETS.items():
-        assert "MATLAB-tensor-core" in unit.source, name
+        assert "MATLAB-tensor-core" in unit.source or "DeepSeek-V3" in unit.source, name
         unit.input_format  # a real format  # noqa: B018
 
 

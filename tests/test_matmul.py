@@ -79,7 +79,7 @@ def test_canonical_string_and_the_keyword_constructor() -> None:
     ("order=chunked", "matmul spec 'order=chunked': order chunked needs a chunk size of at "
                       "least 1, not 0; write e.g. chunked:128"),
     ("order=chunked:0", "chunked needs a positive size"),
-    ("order=native:4", "only chunked takes a size"),
+    ("order=native:4", "only chunked and blockfma take a size"),
     ("order=diagonal", "unknown matmul order 'diagonal'"),
     ("order=native,acc=bfloat16", "order native is torch.matmul in float32"),
     ("order=native,acc=float32:rtz", "it needs acc=float32:rne"),

@@ -1,253 +1,320 @@
 """Block-FMA accumulation: the dot product of a tensor core, as the published models describe it.
 
-A tensor core does not add products one at a time. It takes a block of ``fma`` products
+A tensor core does not add products one at a time. It takes a group of ``size`` products
 (exact) together with the running sum ``c``, finds the largest exponent among them, keeps
-each term only to a fixed number of bits below that exponent (the rest is cut off, toward
-zero), adds the cut terms exactly and rounds the total once into its accumulator format. A
-longer dot product chains blocks in index order, each block's rounded result the next one's
-``c``. Fasi, Higham, Mikaitis and Pranesh measured this on NVIDIA's tensor cores ("Numerical
-behavior of NVIDIA tensor cores", PeerJ CS 2021); Khattak and Mikaitis parametrised it per GPU
-(IEEE HPEC 2025; north-numerical-computing/MATLAB-tensor-core). The presets and their sources
-are in ``docs/tensor-cores.md``.
+each term only to ``kept_bits`` bits below that exponent (the rest is cut off, toward zero,
+with no sticky bit), adds the cut terms exactly and rounds the total once into its
+accumulator format. A longer dot product chains groups in index order, each group's rounded
+result the next one's ``c``; with promotion, every ``promote`` products the chain's value is
+added into a float32 master sum (rounded to nearest) and the chain starts again from zero, as
+DeepSeek-V3's FP8 GEMMs and CUTLASS's two-accumulator mode do. Fasi, Higham, Mikaitis and
+Pranesh measured the unit on NVIDIA's tensor cores ("Numerical behavior of NVIDIA tensor
+cores", PeerJ CS 2021); Khattak and Mikaitis parametrised it per GPU (IEEE HPEC 2025;
+north-numerical-computing/MATLAB-tensor-core). The GPU presets and their sources are in
+:mod:`driftcli.arith.tensorcores` and ``docs/tensor-cores.md``.
 
-Every step here is exact in float64: products of significands of at most 11 bits, terms that
-are integers below 2**34 once scaled by the cut, and one rounding by drift's exact kernel.
+Every step is exact in float64: products of two float32 values, terms that are integers below
+``2**(kept_bits + 2)`` once scaled by the cut, and one rounding by drift's exact kernel per
+group. Two implementations give the same bits: a numba kernel (the default on the CPU) and
+torch ops (CUDA tensors, ``DRIFT_JIT=never``); :mod:`driftcli.oracle_blockfma` is the exact
+reference that ``drift verify-formats`` checks both against.
 """
 
 from __future__ import annotations
 
-import gzip
 import math
+import re
 from dataclasses import dataclass
-from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from driftcli import jit
 from driftcli.errors import DriftError
-from driftcli.formats import Format, get_format
+from driftcli.formats import FORMATS, Format
 from driftcli.modes import Overflow, Rounding
-from driftcli.rounding import add, round_to_format
+from driftcli.rounding import add, jit_params, round_to_format, source_of, target_of
 
-_NONE = -(1 << 20)
+NO_FLOOR = -1024
+"""``min_exp`` of a unit with no floor under its reference exponent."""
+NONE_EXP = -(1 << 20)
 """The exponent of a term that is not there (a zero product, a zero ``c``): below any other."""
-_C_EMIN = -126
-_TOP_FLOOR = -900
-"""A floor under a block's reference exponent below which no term lies (float32 operands' products
-reach 2**-298): an empty block's ``min_exp`` of -1024 would scale its zeros by 2**1047, which is
-inf, and 0 * inf is NaN."""
-"""The running sum's exponent is read as a float32's, whatever its format (the models' rule)."""
+C_EMIN = -126
+"""The running sum's exponent is read as a float32's, at least -126, whatever its format (the
+published models' rule)."""
+TOP_FLOOR = -900
+"""A floor under a group's reference exponent below which no term lies (products of float32
+values reach 2**-298): it keeps ``2**(kept - E)`` and ``2**(E - kept)`` finite and normal in
+float64 for an all-zero group, whatever ``min_exp`` says."""
+DOUBLE_BITS = 53
+MASTER = FORMATS["float32"]
+"""The format of the master sum that promotion adds into, rounded to nearest even."""
+
+
+class FMAUnitError(DriftError, ValueError):
+    """A block-FMA unit that cannot be built as asked."""
 
 
 @dataclass(frozen=True)
-class BlockFMA:
-    """One tensor-core dot-product unit: the parameters of the published block-FMA models.
+class FMAUnit:
+    """The alignment parameters of a block-FMA unit (the published models' ``fma``, ``neab``,
+    ``min_exp_limit`` and interleaving); its accumulator format and rounding are the matmul's.
 
-    ``kept_bits`` is how many bits below the block's reference exponent every term keeps
-    (the models' 23 + ``neab``: 24 on A100, 25 on H100, 13 for FP8 inputs on Hopper).
-    ``min_exp`` is a floor under that exponent. With ``interleave`` = k > 0 a block is dealt
-    into two halves by position, k products at a time (positions i with (i // k) even
-    first): each half is summed and rounded on its own, the first from zero, the second onto
-    the first, and ``c`` is added last with one correctly rounded addition.
+    With ``interleave`` = k > 0 a group is dealt into two halves by position, k products at a
+    time (positions i with (i // k) even first): each half is summed and rounded on its own,
+    the first from zero, the second onto the first, and ``c`` is added last with one correctly
+    rounded addition (Hopper's FP8 ``mma.sync`` with an fp16 result).
     """
 
-    inputs: str
-    """The operands' format (its smallest normal exponent decides the terms' exponents)."""
-    fma: int
-    """Products per block."""
+    size: int
+    """Products per group (the FMA size)."""
     kept_bits: int
-    acc: str
-    """The format of every block's result (float32, float16, e8m13, ...)."""
-    rounding: Rounding
-    """How a block's exact sum is rounded into ``acc``."""
-    min_exp: int = -1024
+    """Bits every term keeps below the group's reference exponent E (the largest term
+    exponent, ``c``'s included): each term is cut toward zero to a multiple of
+    ``2**(E - kept_bits)``. The published models' 23 + ``neab``."""
+    min_exp: int = NO_FLOOR
+    """A floor under E (the models' ``min_exp_limit``)."""
     interleave: int = 0
-    source: str = ""
-    """Where the parameters come from."""
 
     def __post_init__(self) -> None:
-        if self.fma < 1 or self.kept_bits < 1:
-            raise DriftError(f"block FMA: fma ({self.fma}) and kept bits ({self.kept_bits}) "
-                             "must be at least 1")
-        if self.kept_bits + 3 + (self.fma + 1).bit_length() > 53:
-            # a term below 2**(kept + 3), fma + 1 of them: their sum must be exact in float64
-            raise DriftError(f"block FMA: {self.kept_bits} kept bits in blocks of {self.fma} "
-                             "do not fit float64's 53 bits; keep fewer")
-        if self.interleave and self.fma % (2 * self.interleave):
-            raise DriftError(f"block FMA: an interleave of {self.interleave} needs a block of "
-                             f"a multiple of {2 * self.interleave} products, not {self.fma}")
+        if self.size < 1 or self.kept_bits < 1:
+            raise FMAUnitError(f"block FMA: the group size ({self.size}) and kept bits "
+                               f"({self.kept_bits}) must be at least 1")
+        if self.kept_bits + 3 + (self.size + 1).bit_length() > DOUBLE_BITS:
+            # a cut term is below 2**(kept + 2) in units of the cut; size + 1 of them are summed
+            raise FMAUnitError(f"block FMA: {self.kept_bits} kept bits in groups of {self.size} "
+                               f"do not fit float64's {DOUBLE_BITS} bits; keep fewer")
+        if self.interleave < 0 or (self.interleave and self.size % (2 * self.interleave)):
+            raise FMAUnitError(f"block FMA: an interleave of {self.interleave} needs a group of "
+                               f"a multiple of {2 * self.interleave} products, not {self.size}")
+        if self.min_exp < NO_FLOOR:
+            raise FMAUnitError(f"block FMA: min_exp {self.min_exp} is below {NO_FLOOR} "
+                               "(no floor); omit it for none")
 
-    @property
-    def input_format(self) -> Format:
-        """The operands' :class:`Format`."""
-        return get_format(self.inputs)
+    def __str__(self) -> str:
+        text = f"{self.size}:{self.kept_bits}"
+        if self.interleave:
+            text += f":i{self.interleave}"
+        if self.min_exp != NO_FLOOR:
+            text += f":e{self.min_exp}"
+        return text
 
 
-def _exponents(x: Tensor, emin: int) -> Tensor:
+_UNIT = re.compile(r"^(\d+):(\d+)((?::i\d+)|(?::e-?\d+))*$")
+
+
+def parse_unit(text: str | FMAUnit) -> FMAUnit:
+    """An :class:`FMAUnit` from ``SIZE:KEPT[:iK][:eMIN]`` (``32:13``, ``32:25:i2``,
+    ``16:25:e-133``); units pass through."""
+    if isinstance(text, FMAUnit):
+        return text
+    t = text.strip()
+    if not _UNIT.match(t):
+        raise FMAUnitError(f"block FMA unit {text!r}: write SIZE:KEPT with optional :iK "
+                           "(interleave) and :eMIN (exponent floor), e.g. 32:13 or 16:25:e-133")
+    size, kept, *rest = t.split(":")
+    options = {part[0]: int(part[1:]) for part in rest}
+    if len(options) != len(rest):
+        raise FMAUnitError(f"block FMA unit {text!r}: an option is given twice")
+    return FMAUnit(int(size), int(kept), options.get("e", NO_FLOOR), options.get("i", 0))
+
+
+def exponents(x: Tensor, emin: int) -> Tensor:
     """The models' exponent of each value: floor(log2 |x|) read from the bits, at least
-    ``emin`` (a subnormal keeps its format's smallest normal exponent), :data:`_NONE` for 0."""
-    e = torch.frexp(x)[1].to(torch.int64) - 1
-    return torch.where(x == 0, _NONE, torch.clamp(e, min=emin))
-
-
-def _block(prods: Tensor, exps: Tensor, c: Tensor, m: BlockFMA) -> Tensor:
-    """One block: ``prods`` (rows x n, exact) with their exponents, and ``c`` (rows), summed
-    with every term cut toward zero to a multiple of 2**(E - kept_bits), E the largest
-    exponent (at least ``min_exp``), then rounded once into ``acc``."""
-    c_exp = _exponents(c, _C_EMIN)
-    top = torch.maximum(exps.max(dim=1).values, c_exp)
-    top = torch.clamp(top, min=max(m.min_exp, _TOP_FLOOR))
-    shift = (m.kept_bits - top).to(torch.float64)
-    # x * 2**(kept - E) is exact (a power-of-two scaling within float64's range), and its
-    # truncation is the cut; the cut terms are integers below 2**(kept + 3), so their sum
-    # (at most a few dozen) is exact in any order
-    cut = torch.trunc(torch.ldexp(prods, shift[:, None])).sum(dim=1)
-    cut = cut + torch.trunc(torch.ldexp(c, shift))
-    exact = torch.ldexp(cut, -shift)
-    return round_to_format(exact, m.acc, rounding=m.rounding, overflow=Overflow.IEEE)
-
-
-def dot(a: Tensor, b: Tensor, c: Tensor, m: BlockFMA) -> Tensor:
-    """``sum_i a[:, i] * b[:, i] + c`` as the unit ``m`` computes it, one dot product per row.
-
-    ``a`` and ``b`` (rows x K) hold values exact in ``m.inputs``, ``c`` (rows) one exact in
-    ``m.acc``; the result is float64, exact in ``m.acc``. NaN and infinity follow IEEE
-    arithmetic on the exact products (the models check them before any block)."""
-    a, b, c = a.double(), b.double(), c.double()
-    if a.shape != b.shape or a.dim() != 2 or c.shape != a.shape[:1]:
-        raise DriftError(f"block FMA dot: a and b must be rows x K and c one per row, not "
-                         f"{tuple(a.shape)}, {tuple(b.shape)} and {tuple(c.shape)}")
-    emin = m.input_format.emin
-    rows, k = a.shape
-    blocks = max(1, math.ceil(k / m.fma))
-    pad = blocks * m.fma - k
-    if pad:
-        zeros = a.new_zeros(rows, pad)
-        a, b = torch.cat([a, zeros], dim=1), torch.cat([b, zeros], dim=1)
-    prods = a * b  # exact: significands of at most 11 bits each
-    exps = torch.where(prods == 0, _NONE, _exponents(a, emin) + _exponents(b, emin))
-    special = ~torch.isfinite(prods).all(dim=1) | ~torch.isfinite(c)
-    acc = torch.where(special, 0.0, c)
-    if m.interleave:
-        position = torch.arange(m.fma)
-        first = (position // m.interleave) % 2 == 0
-        halves = (position[first], position[~first])
-    for j in range(blocks):
-        p = prods[:, j * m.fma:(j + 1) * m.fma].nan_to_num(0.0, 0.0, 0.0)
-        e = exps[:, j * m.fma:(j + 1) * m.fma]
-        if not m.interleave:
-            acc = _block(p, e, acc, m)
-            continue
-        part = _block(p[:, halves[0]], e[:, halves[0]], torch.zeros_like(acc), m)
-        part = _block(p[:, halves[1]], e[:, halves[1]], part, m)
-        acc = add(part, acc, m.acc, rounding=Rounding.RNE, overflow=Overflow.IEEE).double()
-    if special.any():
-        # IEEE on the exact terms: NaN from a NaN or opposite infinities, else the infinity
-        total = prods.sum(dim=1) + c
-        acc = torch.where(special, total, acc)
-    return acc
-
-
-_KM = ("Khattak and Mikaitis, north-numerical-computing/MATLAB-tensor-core b12b5a7, "
-       "models/{gpu}TC.m")
-_RZ, _RNE = Rounding.RTZ, Rounding.RNE
-
-
-def _units() -> dict[str, BlockFMA]:
-    """The presets: every GPU, input type and result type with a published model."""
-    units: dict[str, BlockFMA] = {}
-
-    def put(name: str, inputs: str, fma: int, kept: int, acc: str, rounding: Rounding,
-            min_exp: int, source: str, interleave: int = 0) -> None:
-        units[name] = BlockFMA(inputs, fma, kept, acc, rounding, min_exp, interleave, source)
-
-    put("v100_fp16_f32", "float16", 4, 23, "float32", _RZ, -1024, _KM.format(gpu="V100"))
-    put("v100_fp16_f16", "float16", 4, 23, "float16", _RNE, -19, _KM.format(gpu="V100"))
-    for gpu in ("A100", "Ada"):  # Ada: models/AdaTC.m (L40STC.m has the same parameters)
-        g, src = gpu.lower(), _KM.format(gpu=gpu)
-        put(f"{g}_fp16_f32", "float16", 8, 24, "float32", _RZ, -132, src)
-        put(f"{g}_fp16_f16", "float16", 8, 24, "float16", _RNE, -20, src)
-        put(f"{g}_bf16_f32", "bfloat16", 8, 24, "float32", _RZ, -132, src)
-        put(f"{g}_tf32_f32", "e8m10", 4, 24, "float32", _RZ, -132, src)
-    for fp8, name in (("float8_e4m3fn", "e4m3"), ("float8_e5m2", "e5m2")):
-        src = _KM.format(gpu="Ada")
-        # FP8 keeps 13 bits past the largest exponent and the float32 result 13 fraction
-        # bits (an e8m13 accumulator); an fp16 result is rounded to nearest from those bits
-        # (the model before its commit 00415cd, which also cut the fp16 result to 0 bits)
-        put(f"ada_{name}_f32", fp8, 16, 13, "e8m13", _RZ, -132, src)
-        put(f"ada_{name}_f16", fp8, 16, 13, "float16", _RNE, -132,
-            src + ", fp16 result as before its commit 00415cd")
-    for gpu in ("H100", "H200", "B200"):  # H200TC.m is H100TC.m; B200TC.m differs in FP8
-        g, src = gpu.lower(), _KM.format(gpu=gpu)
-        put(f"{g}_fp16_f32", "float16", 16, 25, "float32", _RZ, -133, src)
-        put(f"{g}_fp16_f16", "float16", 16, 25, "float16", _RNE, -21, src)
-        put(f"{g}_bf16_f32", "bfloat16", 16, 25, "float32", _RZ, -133, src)
-        put(f"{g}_tf32_f32", "e8m10", 8, 25, "float32", _RZ, -133, src)
-        for fp8, name in (("float8_e4m3fn", "e4m3"), ("float8_e5m2", "e5m2")):
-            if gpu == "B200":  # FP8 keeps 2 extra bits, float32 result only
-                put(f"{g}_{name}_f32", fp8, 32, 25, "float32", _RZ, -133, src)
-                continue
-            put(f"{g}_{name}_f32", fp8, 32, 13, "e8m13", _RZ, -133, src + " (WGMMA)")
-            # mma.sync with an fp16 result: two interleaved halves of 16, c added last (the
-            # model's v0.1 layout; the only one of the published layouts that reproduces the
-            # recordings, see docs/tensor-cores.md)
-            put(f"{g}_{name}_f16", fp8, 32, 25, "float16", _RNE, -133,
-                src + " v0.1 (interleaved halves)", interleave=2)
-    return units
-
-
-PRESETS: dict[str, BlockFMA] = _units()
-"""Every published tensor-core model, by ``gpu_input_result`` (``h100_e4m3_f32``)."""
+    ``emin`` (a subnormal input keeps its format's smallest normal exponent), int32, and
+    :data:`NONE_EXP` for 0."""
+    e = torch.frexp(x)[1].to(torch.int32) - 1
+    return torch.where(x == 0, NONE_EXP, torch.clamp(e, min=emin))
 
 
 @dataclass(frozen=True)
-class Recordings:
-    """Dot products recorded on a GPU, with their inputs: ``a`` and ``b`` (n x K, float64),
-    the accumulator input ``c`` as recorded (n, float32 values), and the results ``d`` by
-    result format (``fp32``, ``fp16``; n, float64)."""
+class Accumulation:
+    """Everything about a block-FMA dot product but its operands: the unit, the format every
+    group's result is rounded into and how, the operands' exponent floors (their formats'
+    smallest normal exponents) and the promotion interval (products; 0: none)."""
 
-    gpu: str
-    inputs: str
-    a: Tensor
-    b: Tensor
-    c: Tensor
-    d: dict[str, Tensor]
+    unit: FMAUnit
+    acc: Format
+    rounding: Rounding
+    emin_a: int = C_EMIN
+    emin_b: int = C_EMIN
+    promote: int = 0
 
-
-def _lines(path: Path) -> list[list[str]]:
-    with gzip.open(path, "rt") as fh:
-        return [line.split() for line in fh if line.strip()]
-
-
-def _hex_floats(rows: list[list[str]]) -> Tensor:
-    words = [[int(w, 16) for w in row] for row in rows]
-    if len({len(r) for r in words}) > 1:
-        raise DriftError("recordings: the rows of a or b differ in length")
-    return torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.float32).double()
+    def __post_init__(self) -> None:
+        if self.rounding not in (Rounding.RNE, Rounding.RTZ):
+            raise FMAUnitError(f"block FMA: a group's result rounds with rne or rtz, not "
+                               f"{self.rounding.value}")
+        if self.promote < 0 or self.promote % self.unit.size:
+            raise FMAUnitError(f"block FMA: promotion every {self.promote} products is not a "
+                               f"whole number of groups of {self.unit.size}")
 
 
-def _binary_floats(rows: list[list[str]]) -> Tensor:
-    words = [int(row[0], 2) for row in rows]
-    return torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.float32).double()
+def fma_dot(a: Tensor, b: Tensor, how: Accumulation, *, c: Tensor | None = None,
+            scales: tuple[Tensor, Tensor] | None = None, shape: tuple[int, int, int] | None = None
+            ) -> Tensor:
+    """Block-FMA dot products, float64, each exact in ``how.acc`` (float32 with promotion).
+
+    ``a`` (rows_a, K) and ``b`` (rows_b, K) hold values exact in float32. Without ``shape``
+    row i of ``a`` meets row i of ``b`` (one dot product per row). With ``shape`` = (batch, M,
+    N), ``a`` holds batch*M rows and ``b`` batch*N, and the result is every row of a batch's
+    ``a`` against every row of its ``b``: (batch*M*N,), row-major (a matmul with ``b``
+    transposed). ``c`` (one per result) starts each dot product's chain (default +0).
+    ``scales`` = (sa, sb), one factor per row and promotion interval each, multiply every
+    promoted partial sum (block scales; they must be powers of two, so the product is exact).
+
+    NaN and infinity follow IEEE arithmetic on the exact products (the models check them
+    before any group). An exact zero is +0, as in the published models.
+    """
+    a, b = a.double().contiguous(), b.double().contiguous()
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise DriftError(f"block FMA: a and b must be rows x K with one K, not "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    batch, M, N = shape if shape is not None else (a.shape[0], 1, 1)
+    if (a.shape[0], b.shape[0]) != (batch * M, batch * N):
+        raise DriftError(f"block FMA: {tuple(a.shape)} and {tuple(b.shape)} do not hold "
+                         f"{batch} batch(es) of {M} and {N} rows")
+    count = batch * M * N
+    if c is not None and c.shape != (count,):
+        raise DriftError(f"block FMA: c must hold one value per result ({count}), not "
+                         f"{tuple(c.shape)}")
+    paired = shape is None
+    if jit.usable(a, b, c):
+        return _numba(a, b, how, c, scales, (batch, M, N), paired)
+    return _torch(a, b, how, c, scales, (batch, M, N), paired)
 
 
-def read_recordings(folder: Path) -> Recordings:
-    """The recordings of one ``GPU/FORMAT`` folder in the layout of Khattak and Mikaitis's
-    ``model_validation`` (``a_GPU_FORMAT.txt.gz``: K float32 bit patterns in hex per line;
-    ``c_GPU_fp32``, ``d_GPU_fp32``, ``d_GPU_fp16``: one float32 bit pattern in binary)."""
-    gpu, fmt = folder.parent.name, folder.name
-    try:
-        a = _hex_floats(_lines(folder / f"a_{gpu}_{fmt}.txt.gz"))
-        b = _hex_floats(_lines(folder / f"b_{gpu}_{fmt}.txt.gz"))
-        c = _binary_floats(_lines(folder / f"c_{gpu}_fp32.txt.gz"))
-        d = {out: _binary_floats(_lines(path)) for out in ("fp32", "fp16")
-             if (path := folder / f"d_{gpu}_{out}.txt.gz").exists()}
-    except (OSError, ValueError) as exc:
-        raise DriftError(f"cannot read the recordings in {folder}: {exc}; expected "
-                         f"a_{gpu}_{fmt}.txt.gz, b_..., c_{gpu}_fp32.txt.gz and d_... "
-                         "files") from None
-    if not (a.shape == b.shape and a.shape[0] == c.shape[0]
-            and all(v.shape == c.shape for v in d.values())):
-        raise DriftError(f"the recordings in {folder} differ in count: a {tuple(a.shape)}, "
-                         f"b {tuple(b.shape)}, c {tuple(c.shape)}")
-    return Recordings(gpu, fmt, a, b, c, d)
+def _groups(k: int, size: int) -> int:
+    return max(1, math.ceil(k / size))
+
+
+# --- the torch implementation ------------------------------------------------------------------
+
+ROWS_AT_ONCE = 1 << 22
+"""Products held at once by the torch implementation."""
+
+
+def _pairs(a: Tensor, b: Tensor, shape: tuple[int, int, int], paired: bool, start: int,
+           stop: int) -> tuple[Tensor, Tensor]:
+    """The rows of ``a`` and ``b`` that results ``start:stop`` multiply."""
+    index = torch.arange(start, stop, device=a.device)
+    if paired:
+        return index, index
+    _, M, N = shape
+    batch, rest = index // (M * N), index % (M * N)
+    return batch * M + rest // N, batch * N + rest % N
+
+
+def _torch(a: Tensor, b: Tensor, how: Accumulation, c: Tensor | None,
+           scales: tuple[Tensor, Tensor] | None, shape: tuple[int, int, int],
+           paired: bool) -> Tensor:
+    count = shape[0] * shape[1] * shape[2]
+    out = torch.empty(count, dtype=torch.float64, device=a.device)
+    ea, eb = exponents(a, how.emin_a), exponents(b, how.emin_b)
+    step = max(1, ROWS_AT_ONCE // max(1, a.shape[1]))
+    for start in range(0, count, step):
+        stop = min(count, start + step)
+        ia, ib = _pairs(a, b, shape, paired, start, stop)
+        part_c = None if c is None else c[start:stop].double()
+        part_s = None if scales is None else (scales[0][ia].double() * scales[1][ib].double())
+        out[start:stop] = _torch_rows(a[ia], b[ib], ea[ia], eb[ib], how, part_c, part_s)
+    return out
+
+
+def _torch_rows(a: Tensor, b: Tensor, ea: Tensor, eb: Tensor, how: Accumulation,
+                c: Tensor | None, scale: Tensor | None) -> Tensor:
+    """:func:`fma_dot` for paired rows, vectorized over them."""
+    unit = how.unit
+    rows, k = a.shape
+    groups = _groups(k, unit.size)
+    pad = groups * unit.size - k
+    prods = a * b  # exact: two float32 values
+    exps = (ea + eb).clamp(min=NONE_EXP)  # a zero operand's NONE stays below every exponent
+    if pad:
+        prods = torch.nn.functional.pad(prods, (0, pad))
+        exps = torch.nn.functional.pad(exps, (0, pad), value=NONE_EXP)
+    zero = torch.zeros(rows, dtype=torch.float64, device=a.device)
+    c = zero if c is None else c
+    special = ~torch.isfinite(prods).all(dim=1) | ~torch.isfinite(c)
+    acc = torch.where(special, 0.0, c)
+    master = zero
+    per = how.promote // unit.size
+    if unit.interleave:
+        position = torch.arange(unit.size, device=a.device)
+        first = (position // unit.interleave) % 2 == 0
+        halves = (position[first], position[~first])
+    for g in range(groups):
+        p = prods[:, g * unit.size:(g + 1) * unit.size].nan_to_num(0.0, 0.0, 0.0)
+        e = exps[:, g * unit.size:(g + 1) * unit.size]
+        if not unit.interleave:
+            acc = _torch_group(p, e, acc, how)
+        else:
+            part = _torch_group(p[:, halves[0]], e[:, halves[0]], zero, how)
+            part = _torch_group(p[:, halves[1]], e[:, halves[1]], part, how)
+            acc = add(part, acc, how.acc, rounding=Rounding.RNE, overflow=Overflow.IEEE).double()
+        if per and ((g + 1) % per == 0 or g == groups - 1):
+            term = acc if scale is None else acc * scale[:, g // per]
+            master = add(master, term, MASTER, rounding=Rounding.RNE,
+                         overflow=Overflow.IEEE).double()
+            acc = zero
+    result = master if per else acc
+    if special.any():
+        # IEEE on the exact terms: NaN from a NaN or opposite infinities, else the infinity
+        result = torch.where(special, prods.sum(dim=1) + c, result)
+    return result
+
+
+def _torch_group(prods: Tensor, exps: Tensor, c: Tensor, how: Accumulation) -> Tensor:
+    """One group: ``prods`` (rows x n, exact) with their exponents, and ``c`` (rows), summed
+    with every term cut toward zero to a multiple of 2**(E - kept_bits), E the largest
+    exponent (at least ``min_exp``), then rounded once into ``acc``."""
+    c_exp = torch.where(c == 0, NONE_EXP, exponents(c, C_EMIN))
+    top = torch.maximum(exps.max(dim=1).values, c_exp)
+    top = torch.clamp(top, min=max(how.unit.min_exp, TOP_FLOOR))
+    shift = (how.unit.kept_bits - top).to(torch.float64)
+    # x * 2**(kept - E) is exact (a power-of-two scaling within float64's range), and its
+    # truncation is the cut; the cut terms are integers below 2**(kept + 2), so their sum is
+    # exact in any order
+    cut = torch.trunc(torch.ldexp(prods, shift[:, None])).sum(dim=1)
+    cut = cut + torch.trunc(torch.ldexp(c, shift))
+    exact = torch.ldexp(torch.where(cut == 0, 0.0, cut), -shift)  # an exact zero is +0
+    return round_to_format(exact, how.acc, rounding=how.rounding, overflow=Overflow.IEEE)
+
+
+# --- the numba implementation ------------------------------------------------------------------
+
+def _params(fmt: Format, rounding: Rounding) -> np.ndarray:
+    """The rounding kernel's parameter vector for float64 values onto ``fmt``."""
+    return np.array(jit_params(src=source_of(torch.float64), tgt=target_of(fmt),
+                               rounding=rounding, overflow=Overflow.IEEE, sr_bits=1),
+                    dtype=np.int64)
+
+
+def _numba(a: Tensor, b: Tensor, how: Accumulation, c: Tensor | None,
+           scales: tuple[Tensor, Tensor] | None, shape: tuple[int, int, int],
+           paired: bool) -> Tensor:
+    from driftcli.arith import fmakernels  # numba, on first use only
+
+    unit = how.unit
+    batch, M, N = shape
+    count = batch * M * N
+    out = np.empty(count, dtype=np.float64)
+    if count == 0:
+        return torch.from_numpy(out)
+    ea = exponents(a, how.emin_a).reshape(-1).numpy()
+    eb = exponents(b, how.emin_b).reshape(-1).numpy()
+    bad_a = (~torch.isfinite(a)).any(dim=1).numpy()
+    bad_b = (~torch.isfinite(b)).any(dim=1).numpy()
+    empty = np.empty(0, dtype=np.float64)
+    cs = empty if c is None else c.double().contiguous().numpy()
+    sa, sb = (empty, empty) if scales is None else (
+        scales[0].double().reshape(-1).numpy(), scales[1].double().reshape(-1).numpy())
+    k = a.shape[1]
+    kernel = fmakernels.fma_kernel(unit.interleave > 0, c is not None, scales is not None,
+                                   paired)
+    floor = max(unit.min_exp, TOP_FLOOR)
+    jit.spread(kernel, count, max(k, 1), a.reshape(-1).numpy(), ea, b.reshape(-1).numpy(), eb,
+               bad_a, bad_b, cs, sa, sb, k, M, N, unit.size, unit.kept_bits, floor, unit.interleave,
+               how.promote // unit.size, _groups(k, unit.size), _params(how.acc, how.rounding),
+               _params(how.acc, Rounding.RNE), _params(MASTER, Rounding.RNE), out)
+    return torch.from_numpy(out)

@@ -16,14 +16,23 @@
    residual entering the rounding as a sticky bit, :func:`driftcli.rounding.add`);
 4. the optional output cast is applied to the result along its last axis (N).
 
+Order ``blockfma`` replaces step 3 with a tensor core's block-FMA unit
+(:mod:`driftcli.arith.blockfma`): groups of products aligned to their largest exponent, cut to
+the unit's kept bits, summed exactly and rounded once into the accumulator, chained, with
+promotion into a float32 master sum every ``N`` products for ``blockfma:N``.
+
 The spec string is ``key=value`` pairs joined by commas, in any order, every key optional::
 
     lhs=mxfp8_e4m3,rhs=mxfp8_e4m3,acc=bfloat16:rtz,order=chunked:128,scale=block,out=bf16
 
 ``lhs``/``rhs``/``out``: a cast spec or preset (``none``: no cast). ``acc``: the accumulator
 format, optionally ``:rne`` or ``:rtz``. ``order``: ``sequential``, ``pairwise``,
-``chunked:N`` or ``native``. ``scale``: ``dequantized`` or ``block``. ``str(spec)`` writes
-every key in that order with canonical casts, and ``parse_matmul_spec(str(s)) == s``.
+``chunked:N``, ``native``, ``blockfma`` or ``blockfma:N``. ``fma``: the block-FMA unit,
+``SIZE:KEPT[:iK][:eMIN]`` (order ``blockfma`` only). ``tc``: a tensor-core preset
+(``h100_e4m3_f32``), which sets ``acc``, ``order``, ``fma`` and, where they are not given,
+``lhs`` and ``rhs`` to its input format. ``scale``: ``dequantized`` or ``block``.
+``str(spec)`` writes every key in that order (``fma`` only under ``blockfma``; ``tc`` never:
+it is written out) with canonical casts, and ``parse_matmul_spec(str(s)) == s``.
 
 docs/arithmetic.md states every rule exactly; :mod:`driftcli.oracle` is the reference that
 ``drift verify-formats`` checks this module against.
@@ -40,6 +49,8 @@ import torch
 
 from driftcli import compiling
 from driftcli import rounding as fast
+from driftcli.arith.blockfma import C_EMIN, Accumulation, FMAUnit, fma_dot, parse_unit
+from driftcli.arith.tensorcores import tensor_core
 from driftcli.cast import Cast, parse_cast
 from driftcli.errors import DriftError, close_matches
 from driftcli.exact import two_sum
@@ -75,6 +86,10 @@ class Order(StrEnum):
     added into a float32 master sum rounded to nearest (promotion every ``chunk`` terms)."""
     NATIVE = "native"
     """``torch.matmul`` of the cast operands in float32: the fast path, order unspecified."""
+    BLOCKFMA = "blockfma"
+    """A tensor core's block-FMA unit (the spec's ``unit``) over the products in index order;
+    with ``chunk`` > 0, promotion into a float32 master sum (rounded to nearest) every
+    ``chunk`` products."""
 
 
 class ScaleApplication(StrEnum):
@@ -112,7 +127,10 @@ class MatmulSpec:
     order: Order = Order.SEQUENTIAL
     chunk: int = 0
     """Terms per chunk for ``chunked`` (products; with block scale application a multiple of
-    the block size); 0 for every other order."""
+    the block size); for ``blockfma`` the promotion interval in products (0: none); 0 for
+    every other order."""
+    unit: FMAUnit | None = None
+    """The block-FMA unit of order ``blockfma`` (None for every other order)."""
     scale_application: ScaleApplication = ScaleApplication.DEQUANTIZED
     out: Cast | None = None
     """The cast of the result along its last axis (N); None: the accumulator's values."""
@@ -131,6 +149,8 @@ class MatmulSpec:
             if self.chunk < 1:
                 raise MatmulSpecError(f"order chunked needs a chunk size of at least 1, not "
                                       f"{self.chunk}; write e.g. chunked:128")
+        elif self.order is Order.BLOCKFMA:
+            self._check_blockfma()
         elif self.chunk:
             raise MatmulSpecError(f"order {self.order.value} takes no chunk size "
                                   f"(got {self.chunk}); only chunked:N does")
@@ -142,8 +162,28 @@ class MatmulSpec:
                 f"scale=dequantized (got acc={acc.name}:{self.acc_rounding.value}, "
                 f"scale={self.scale_application.value}); use sequential, pairwise or chunked:N "
                 "for other accumulators")
+        if self.order is not Order.BLOCKFMA and self.unit is not None:
+            raise MatmulSpecError(f"fma={self.unit} describes a block-FMA unit; it needs "
+                                  f"order=blockfma, not {self.order.value}")
         if self.scale_application is ScaleApplication.BLOCK:
             self._check_block()
+
+    def _check_blockfma(self) -> None:
+        """A unit, a promotion interval of whole groups, and under block scale application
+        promotion at every scale block (each block's partial sum is scaled as it is promoted)."""
+        if self.unit is None:
+            raise MatmulSpecError("order blockfma needs a unit: give fma=SIZE:KEPT (e.g. "
+                                  "fma=32:13) or a tensor-core preset (tc=h100_e4m3_f32)")
+        if self.chunk < 0 or self.chunk % self.unit.size:
+            raise MatmulSpecError(f"blockfma:{self.chunk} promotes every {self.chunk} products, "
+                                  f"not a whole number of groups of {self.unit.size}")
+        if self.scale_application is ScaleApplication.BLOCK:
+            block = self.lhs.scaling.block if self.lhs is not None else 0
+            if self.chunk != block:
+                raise MatmulSpecError(
+                    f"order blockfma with scale=block promotes each scale block with its "
+                    f"scales: write order=blockfma:{block or 'BLOCK'} (the block size), not "
+                    f"{self.order_name}")
 
     def _check_block(self) -> None:
         """Block scale application needs two power-of-two block scalings of one size whose
@@ -166,6 +206,8 @@ class MatmulSpec:
             raise MatmulSpecError(
                 f"scale=block needs equal block sizes along K; lhs has {sizes[0]}, rhs "
                 f"{sizes[1]}: cast both with the same block size or use scale=dequantized")
+        if self.order is Order.BLOCKFMA:
+            return  # the unit's products are exact whatever the formats
         # a sum of n terms below 2**x stays below 2**(x + ceil(log2 n))
         bits = element_bits(lhs.format) + element_bits(rhs.format) + (sizes[0] - 1).bit_length()
         if bits > DOUBLE_BITS:
@@ -188,8 +230,8 @@ class MatmulSpec:
 
     @property
     def order_name(self) -> str:
-        """The order as written in a spec: ``sequential``, ``chunked:128``, …"""
-        return f"chunked:{self.chunk}" if self.order is Order.CHUNKED else self.order.value
+        """The order as written in a spec: ``sequential``, ``chunked:128``, ``blockfma:128``…"""
+        return f"{self.order.value}:{self.chunk}" if self.chunk else self.order.value
 
     def __str__(self) -> str:
         def cast_text(c: Cast | None) -> str:
@@ -198,13 +240,13 @@ class MatmulSpec:
         return ",".join([
             f"lhs={cast_text(self.lhs)}", f"rhs={cast_text(self.rhs)}",
             f"acc={self.accumulator.name}:{self.acc_rounding.value}",
-            f"order={self.order_name}", f"scale={self.scale_application.value}",
-            f"out={cast_text(self.out)}"])
+            f"order={self.order_name}", *([f"fma={self.unit}"] if self.unit else []),
+            f"scale={self.scale_application.value}", f"out={cast_text(self.out)}"])
 
 
 # --- building specs -------------------------------------------------------------------------
 
-_KEYS = ("lhs", "rhs", "acc", "order", "scale", "out")
+_KEYS = ("lhs", "rhs", "acc", "order", "fma", "tc", "scale", "out")
 _EXAMPLE = "lhs=mxfp8_e4m3,rhs=mxfp8_e4m3,acc=bfloat16:rtz,order=chunked:128"
 
 
@@ -214,16 +256,19 @@ def _bad(text: str, why: str) -> MatmulSpecError:
 
 
 def parse_order(text: str) -> tuple[Order, int]:
-    """``sequential``, ``pairwise``, ``native`` or ``chunked:N`` as ``(Order, chunk)``."""
+    """``sequential``, ``pairwise``, ``native``, ``chunked:N``, ``blockfma`` or
+    ``blockfma:N`` as ``(Order, chunk)``."""
     name, sep, size = text.strip().partition(":")
     order = parse_choice(Order, name, "matmul order")
-    if order is Order.CHUNKED:
-        if not sep or not size.isdigit() or int(size) < 1:
-            raise MatmulSpecError(f"order {text!r}: chunked needs a positive size, "
-                                  "e.g. chunked:128")
+    if order in (Order.CHUNKED, Order.BLOCKFMA) and sep:
+        if not size.isdigit() or int(size) < 1:
+            raise MatmulSpecError(f"order {text!r}: {order.value} needs a positive size, "
+                                  f"e.g. {order.value}:128")
         return order, int(size)
+    if order is Order.CHUNKED:
+        raise MatmulSpecError(f"order {text!r}: chunked needs a positive size, e.g. chunked:128")
     if sep:
-        raise MatmulSpecError(f"order {text!r}: only chunked takes a size (chunked:N)")
+        raise MatmulSpecError(f"order {text!r}: only chunked and blockfma take a size")
     return order, 0
 
 
@@ -234,15 +279,20 @@ def _optional_cast(value: Cast | str | None) -> Cast | None:
 
 
 def matmul_spec(*, lhs: Cast | str | None = None, rhs: Cast | str | None = None,
-                accumulator: Format | str = FLOAT32, acc_rounding: Rounding | str = Rounding.RNE,
-                order: Order | str = Order.SEQUENTIAL, chunk: int | None = None,
+                accumulator: Format | str | None = None, acc_rounding: Rounding | str | None = None,
+                order: Order | str | None = None, chunk: int | None = None,
+                unit: FMAUnit | str | None = None, tc: str | None = None,
                 scale_application: ScaleApplication | str = ScaleApplication.DEQUANTIZED,
                 out: Cast | str | None = None) -> MatmulSpec:
     """A :class:`MatmulSpec` from objects or strings: casts as spec strings or presets
     (``"mxfp8_e4m3"``, ``"none"``), the accumulator as a format name (``"bfloat16"``,
-    ``"e8m13"``), the order as ``"sequential"``, ``"pairwise"``, ``"native"`` or
-    ``"chunked:128"`` (or ``order="chunked", chunk=128``)."""
-    if isinstance(order, Order):
+    ``"e8m13"``), the order as ``"sequential"``, ``"pairwise"``, ``"native"``,
+    ``"chunked:128"`` (or ``order="chunked", chunk=128``) or ``"blockfma:128"``, the
+    block-FMA unit as ``"32:13"``. ``tc`` names a tensor-core preset: it sets the accumulator,
+    its rounding, the order (``blockfma``, keeping a promotion interval given) and the unit,
+    and the operand casts where they are not given (a plain cast to its input format)."""
+    parsed: Order | None
+    if order is None or isinstance(order, Order):
         parsed, size = order, 0
     else:
         parsed, size = parse_order(order) if ":" in order else (
@@ -251,10 +301,28 @@ def matmul_spec(*, lhs: Cast | str | None = None, rhs: Cast | str | None = None,
         if size and size != chunk:
             raise MatmulSpecError(f"order {order!r} and chunk={chunk} disagree; give one")
         size = chunk
-    return MatmulSpec(_optional_cast(lhs), _optional_cast(rhs), get_format(accumulator),
-                      parse_choice(Rounding, acc_rounding, "accumulator rounding"), parsed,
-                      size, parse_choice(ScaleApplication, scale_application,
-                                         "scale application"), _optional_cast(out))
+    if tc is not None:
+        given = [name for name, v in (("acc", accumulator), ("acc rounding", acc_rounding),
+                                      ("fma", unit)) if v is not None]
+        if given:
+            raise MatmulSpecError(f"tc={tc} sets {', '.join(given)}; give the preset or them")
+        if parsed not in (None, Order.BLOCKFMA):
+            raise MatmulSpecError(f"tc={tc} is a block-FMA unit: its order is blockfma "
+                                  f"(blockfma:N to promote), not {parsed.value}")
+        core = tensor_core(tc)
+        lhs = core.inputs if lhs is None else lhs
+        rhs = core.inputs if rhs is None else rhs
+        accumulator, acc_rounding, parsed, unit = core.acc, core.rounding, Order.BLOCKFMA, \
+            core.unit
+    return MatmulSpec(lhs=_optional_cast(lhs), rhs=_optional_cast(rhs),
+                      accumulator=get_format(FLOAT32 if accumulator is None else accumulator),
+                      acc_rounding=parse_choice(Rounding, acc_rounding or Rounding.RNE,
+                                                "accumulator rounding"),
+                      order=parsed or Order.SEQUENTIAL, chunk=size,
+                      unit=None if unit is None else parse_unit(unit),
+                      scale_application=parse_choice(ScaleApplication, scale_application,
+                                                     "scale application"),
+                      out=_optional_cast(out))
 
 
 def parse_matmul_spec(text: str | MatmulSpec) -> MatmulSpec:
@@ -274,11 +342,11 @@ def parse_matmul_spec(text: str | MatmulSpec) -> MatmulSpec:
         if key in found:
             raise _bad(text, f"key {key!r} given twice")
         found[key] = value.strip()
-    acc, _, mode = found.get("acc", "float32").partition(":")
+    acc, _, mode = found["acc"].partition(":") if "acc" in found else (None, "", "")
     try:
         return matmul_spec(lhs=found.get("lhs"), rhs=found.get("rhs"), accumulator=acc,
-                           acc_rounding=mode or Rounding.RNE,
-                           order=found.get("order", Order.SEQUENTIAL),
+                           acc_rounding=mode or (None if acc is None else Rounding.RNE),
+                           order=found.get("order"), unit=found.get("fma"), tc=found.get("tc"),
                            scale_application=found.get("scale", ScaleApplication.DEQUANTIZED),
                            out=found.get("out"))
     except DriftError as err:
@@ -340,11 +408,13 @@ def matmul(a: Tensor, b: Tensor, spec: MatmulSpec | str, *, seed: int | None = N
     qb, sb = _cast_operand(b.to(torch.float32), spec.rhs, -2, seeds[1], block)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     (M, K), N = a.shape[-2:], b.shape[-1]
-    wide = spec.order is not Order.NATIVE and not _float32_exact(qa, qb, spec)
-    qa, qb = qa.expand(*batch, M, K), qb.expand(*batch, K, N)
-    if spec.order is Order.NATIVE:
-        c = torch.matmul(qa, qb)
+    if spec.order is Order.BLOCKFMA:
+        c = _blockfma(qa, qb, sa, sb, spec, batch)
+    elif spec.order is Order.NATIVE:
+        c = torch.matmul(qa.expand(*batch, M, K), qb.expand(*batch, K, N))
     else:
+        wide = not _float32_exact(qa, qb, spec)
+        qa, qb = qa.expand(*batch, M, K), qb.expand(*batch, K, N)
         terms: _Terms
         if block:
             terms = _BlockTerms(qa, qb, cast(Tensor, sa), cast(Tensor, sb), a.shape, b.shape,
@@ -355,6 +425,41 @@ def matmul(a: Tensor, b: Tensor, spec: MatmulSpec | str, *, seed: int | None = N
     if spec.out is not None:
         c = cast(Tensor, quantize(c, spec.out, axis=-1, seed=seeds[2]))
     return c
+
+
+def _fma_emin(c: Cast | None, elements: bool) -> int:
+    """The exponent floor of an operand the block-FMA unit reads: its format's smallest normal
+    exponent where the unit sees the format's own values (an unscaled cast, or element values
+    under block scale application), else a float32's (dequantized values, no cast)."""
+    if c is not None and (elements or c.scaling.granularity is Granularity.NONE):
+        return c.format.emin
+    return C_EMIN
+
+
+def _blockfma(qa: Tensor, qb: Tensor, sa: Tensor | None, sb: Tensor | None, spec: MatmulSpec,
+              batch: torch.Size) -> Tensor:
+    """Order ``blockfma``: every output element's products through the spec's unit. Under
+    block scale application the unit sums element values (``q / s``, exact: powers of two)
+    and each scale block's partial sum, times its two scales, is promoted."""
+    (M, K), N = qa.shape[-2:], qb.shape[-1]
+    rows_a = qa.expand(*batch, M, K).reshape(-1, K)
+    rows_b = qb.expand(*batch, K, N).transpose(-1, -2).reshape(-1, K)
+    block = spec.block
+    scales = None
+    if block:
+        nb = -(-K // block)
+        per_a = cast(Tensor, sa).reshape(*qa.shape[:-1], nb).expand(*batch, M, nb).reshape(-1, nb)
+        per_b = cast(Tensor, sb).reshape(*qb.shape[:-2], N, nb).expand(*batch, N, nb) \
+            .reshape(-1, nb)
+        rows_a = rows_a.double() / per_a.double().repeat_interleave(block, dim=1)[:, :K]
+        rows_b = rows_b.double() / per_b.double().repeat_interleave(block, dim=1)[:, :K]
+        scales = (per_a, per_b)
+    how = Accumulation(cast(FMAUnit, spec.unit), spec.accumulator, spec.acc_rounding,
+                       _fma_emin(spec.lhs, bool(block)), _fma_emin(spec.rhs, bool(block)),
+                       spec.chunk)
+    out = fma_dot(rows_a, rows_b, how, scales=scales,
+                  shape=(math.prod(batch), M, N))
+    return out.to(torch.float32).reshape(*batch, M, N)
 
 
 # --- terms ----------------------------------------------------------------------------------
