@@ -24,13 +24,136 @@ the order above, and ``parse_cast(str(c)) == c``.
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
 from typing import NamedTuple
 
 from driftcli.errors import CastSpecError, DriftError, FormatSpecError, close_matches
 from driftcli.formats import FORMATS, Format, get_format
-from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule
+from driftcli.modes import (
+    AmaxPolicy,
+    ElementOp,
+    Granularity,
+    Guard,
+    Overflow,
+    Pow2,
+    Precision,
+    Rounding,
+    ScaleOp,
+    ScaleRule,
+    SmallestRcp,
+    TwoLevelOrder,
+)
+
+
+def _number(value: float) -> str:
+    """A non-negative float as the spec writes it: ``2^k`` for a power of two, else its
+    shortest round-tripping decimal."""
+    mantissa, exponent = math.frexp(value)
+    return f"2^{exponent - 1}" if value > 0 and mantissa == 0.5 else repr(value)
+
+
+def _parse_number(text: str) -> float:
+    if m := re.fullmatch(r"2\^(-?\d+)", text):
+        value = math.ldexp(1.0, int(m[1]))
+    else:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise CastSpecError(f"{text!r} is not a non-negative number; write e.g. 1e-12 or 2^-126")
+    return value
+
+
+@dataclass(frozen=True)
+class ScaleArithmetic:
+    """Where each float operation of a scale happens, and in what precision: the order an
+    implementation computes in. The defaults are drift's exact rules (docs/scaling.md); any
+    other setting is written in the cast's spec as ``key=value`` items (docs/recipes.md).
+
+    Each field is one spec key (:data:`ARITHMETIC_KEYS`): ``amax`` which elements amax reads;
+    ``eps`` a floor on amax; ``scale`` the operation giving the real scale (``s = amax / M``,
+    its reciprocal ``r = M / amax``, or ``amax · fl(1 / M)``) and ``prec`` its precision;
+    ``guard`` what an all-zero (or nonfinite) group gets; ``pow2`` how a power of two is taken;
+    ``smin`` a floor on the real scale before it is rounded into the scale format; ``divmin``
+    a floor on a power-of-two divisor that leaves the stored scale alone; ``apply`` whether
+    elements are divided by ``s`` or multiplied by ``r``, ``rcpmin`` the multiplier of the
+    smallest power-of-two scale, ``undo`` whether codes are multiplied by ``s`` or divided by
+    ``r`` (the missing one of ``s`` and ``r`` is the rounded reciprocal of the other); ``two``
+    the whole order of a two-level cast."""
+
+    amax: AmaxPolicy = AmaxPolicy.FINITE
+    eps: float = 0.0
+    scale: ScaleOp = ScaleOp.DIV
+    prec: Precision = Precision.F32
+    guard: Guard = Guard.DRIFT
+    pow2: Pow2 = Pow2.BITS
+    smin: float = 0.0
+    divmin: float = 0.0
+    apply: ElementOp = ElementOp.DIV
+    rcpmin: SmallestRcp = SmallestRcp.EXACT
+    undo: ElementOp = ElementOp.MUL
+    two: TwoLevelOrder = TwoLevelOrder.DRIFT
+
+    def __post_init__(self) -> None:
+        for name in ("eps", "smin", "divmin"):
+            value = getattr(self, name)
+            if not (isinstance(value, float | int) and math.isfinite(value) and value >= 0):
+                raise CastSpecError(f"scale arithmetic {name}={value!r} must be a finite "
+                                    "non-negative number, e.g. 1e-12 or 2^-126")
+
+    @property
+    def exact(self) -> bool:
+        """Whether this is drift's exact arithmetic (every setting at its default)."""
+        return self == EXACT_ARITHMETIC
+
+    def changed(self) -> list[str]:
+        """The keys set away from their defaults, in canonical order."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
+
+    def __str__(self) -> str:
+        items = []
+        for name in self.changed():
+            value = getattr(self, name)
+            items.append(f"{name}={_number(value) if isinstance(value, float) else value}")
+        return ",".join(items)
+
+    @staticmethod
+    def parse(text: str) -> ScaleArithmetic:
+        """The arithmetic a ``key=value,...`` spec part names (unnamed keys keep defaults)."""
+        kinds = {f.name: f for f in fields(ScaleArithmetic)}
+        found: dict[str, object] = {}
+        for item in text.split(","):
+            key, _, value = item.partition("=")
+            if key not in kinds:
+                raise CastSpecError(f"unknown scale arithmetic key {key!r}"
+                                    f"{close_matches(key, kinds)} (keys: {', '.join(kinds)})")
+            if key in found:
+                raise CastSpecError(f"scale arithmetic key {key!r} given twice")
+            kind = type(kinds[key].default)
+            if issubclass(kind, StrEnum):
+                choices = [m.value for m in kind]
+                if value not in choices:
+                    raise CastSpecError(f"scale arithmetic {key}={value!r}: choose from "
+                                        f"{', '.join(choices)}")
+                found[key] = kind(value)
+            else:
+                found[key] = _parse_number(value)
+        return ScaleArithmetic(**found)  # type: ignore[arg-type]
+
+
+EXACT_ARITHMETIC = ScaleArithmetic()
+"""drift's own: every scale exact to its rule's definition."""
+
+ARITHMETIC_KEYS = tuple(f.name for f in fields(ScaleArithmetic))
+"""The spec keys of a scale arithmetic, in canonical order."""
+
+_POW2_KEYS = {"amax", "scale", "pow2", "divmin", "apply", "rcpmin"}
+_REAL_KEYS = {"amax", "eps", "scale", "prec", "guard", "pow2", "smin", "apply", "undo"}
+_TWO_LEVEL_KEYS = {"amax", "two"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +165,7 @@ class Scaling:
     scale_format: Format | None = None
     rule: ScaleRule | None = None
     headroom: int = 0
+    arithmetic: ScaleArithmetic = EXACT_ARITHMETIC
 
     def __post_init__(self) -> None:
         blocked = self.granularity in (Granularity.BLOCK, Granularity.TILE)
@@ -50,8 +174,10 @@ class Scaling:
         if not blocked and self.block:
             raise CastSpecError(f"{self.granularity.value} scaling takes no block size")
         if self.granularity is Granularity.NONE:
-            if self.scale_format is not None or self.rule is not None or self.headroom:
-                raise CastSpecError("an unscaled cast takes no scale format, rule or headroom")
+            if self.scale_format is not None or self.rule is not None or self.headroom or \
+                    not self.arithmetic.exact:
+                raise CastSpecError("an unscaled cast takes no scale format, rule, headroom or "
+                                    "scale arithmetic")
             return
         if self.scale_format is None or self.rule is None:
             raise CastSpecError("a scaled cast needs a scale format and a rule")
@@ -61,12 +187,49 @@ class Scaling:
             raise CastSpecError("headroom must be a positive number of binades")
         if self.rule is ScaleRule.TWO_LEVEL and not blocked:
             raise CastSpecError("the two-level rule needs block or tile granularity")
+        _check_arithmetic(self.arithmetic, self.rule, self.scale_format)
 
     @property
     def blocked(self) -> bool:
         """Whether scales are per block or tile (which makes nonfinite blocks NaN)."""
         return self.granularity in (Granularity.BLOCK, Granularity.TILE)
 
+
+
+def _check_arithmetic(a: ScaleArithmetic, rule: ScaleRule, scale_format: Format) -> None:
+    """Refuse settings that mean nothing under ``rule`` (one line naming the key and why)."""
+    if a.exact:
+        return
+    allowed = (_TWO_LEVEL_KEYS if rule is ScaleRule.TWO_LEVEL else
+               _POW2_KEYS if rule.power_of_two else _REAL_KEYS)
+    for key in a.changed():
+        if key not in allowed:
+            takes = ", ".join(k for k in ARITHMETIC_KEYS if k in allowed)
+            raise CastSpecError(f"scale arithmetic {key}= does not apply to the {rule} rule "
+                                f"(it takes {takes})")
+    if rule.power_of_two:
+        if a.pow2 is not Pow2.BITS and rule is not ScaleRule.CEIL:
+            raise CastSpecError(f"pow2={a.pow2} rounds amax / M up: it applies to the ceil rule, "
+                                f"not {rule}")
+        if a.scale is ScaleOp.RCP or (a.scale is not ScaleOp.DIV and a.pow2 is Pow2.BITS):
+            raise CastSpecError(f"scale={a.scale} needs pow2=rp or pow2=log2 under a "
+                                "power-of-two rule (scale=rcp never applies)")
+        if a.rcpmin is SmallestRcp.ONE and a.apply is not ElementOp.MUL:
+            raise CastSpecError("rcpmin=one sets a multiplier: it needs apply=mul")
+        if a.divmin and a.apply is not ElementOp.DIV:
+            raise CastSpecError("divmin= floors a divisor: it needs apply=div")
+    elif rule is not ScaleRule.TWO_LEVEL:
+        if a.pow2 is Pow2.RP:
+            raise CastSpecError(f"pow2=rp applies to the ceil rule, not {rule}")
+        if a.pow2 is Pow2.LOG2 and (rule is not ScaleRule.AMAX_UP or scale_format.mbits
+                                    or scale_format.integer):
+            raise CastSpecError("pow2=log2 on a real scale needs the amax-up rule into a "
+                                f"power-of-two scale format (float8_e8m0fnu), not {rule} into "
+                                f"{scale_format.name}")
+        if a.smin and a.scale is ScaleOp.RCP:
+            raise CastSpecError("smin= floors the scale s; with scale=rcp there is none")
+    if a.two is not TwoLevelOrder.DRIFT and rule is not ScaleRule.TWO_LEVEL:
+        raise CastSpecError(f"two={a.two} is an order of the two-level rule, not of {rule}")
 
 
 @dataclass(frozen=True)
@@ -97,7 +260,8 @@ class Cast:
             rule = f"{s.rule}+{s.headroom}" if s.headroom else str(s.rule)
             scale_name = s.scale_format.name if s.scale_format is not None else ""
             parts += [f"{s.granularity}{size}", scale_name, rule]
-        return ":".join([*parts, self.rounding.value, self.overflow.value])
+        tail = [] if s.arithmetic.exact else [str(s.arithmetic)]
+        return ":".join([*parts, self.rounding.value, self.overflow.value, *tail])
 
 
 # --- presets ----------------------------------------------------------------------------------
@@ -156,6 +320,7 @@ class _Parts(NamedTuple):
     scale_format: Format | None
     rounding: Rounding | None
     overflow: Overflow | None
+    arithmetic: ScaleArithmetic | None
 
 
 def _bad(spec: str, part: str, why: str, hint: str = "") -> CastSpecError:
@@ -173,7 +338,12 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
         found[kind] = value
 
     for part in parts:
-        if g := _GRANULARITY.fullmatch(part):
+        if "=" in part:
+            try:
+                put("scale arithmetic", ScaleArithmetic.parse(part), part)
+            except CastSpecError as err:
+                raise CastSpecError(f"cast spec {spec!r}: {err}") from None
+        elif g := _GRANULARITY.fullmatch(part):
             gran = Granularity(g[1] or g[2])
             put("granularity", (gran, int(g[3] or 0)), part)
         elif (r := _RULE.fullmatch(part)) and r[1] in ScaleRule.__members__.values():
@@ -194,20 +364,38 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
             raise _bad(spec, part, "unknown part", f" ({guess})" if guess else "")
     return _Parts(found.get("granularity"), found.get("rule"),  # type: ignore[arg-type]
                   found.get("scale format"), found.get("rounding"),  # type: ignore[arg-type]
-                  found.get("overflow"))  # type: ignore[arg-type]
+                  found.get("overflow"), found.get("scale arithmetic"))  # type: ignore[arg-type]
+
+
+def _preset(name: str) -> Cast | None:
+    """The cast a preset name stands for: drift's (:data:`PRESETS`) or an implementation's
+    (:data:`driftcli.recipes.IMPLEMENTATION_PRESETS`, looked up when asked: that module builds
+    its presets from this one)."""
+    if name in PRESETS:
+        return PRESETS[name][0]
+    from driftcli.recipes import IMPLEMENTATION_PRESETS
+
+    found = IMPLEMENTATION_PRESETS.get(name)
+    return None if found is None else found.cast
+
+
+def preset_names() -> list[str]:
+    """Every preset name: drift's, then the implementations'."""
+    from driftcli.recipes import IMPLEMENTATION_PRESETS
+
+    return [*PRESETS, *IMPLEMENTATION_PRESETS]
 
 
 def parse_cast(spec: str | Cast) -> Cast:
     """A :class:`Cast` from a preset name or a spec string (see the module docs)."""
     if isinstance(spec, Cast):
         return spec
-    if spec in PRESETS:
-        return PRESETS[spec][0]
+    if (whole := _preset(spec)) is not None:
+        return whole
     head, *rest = spec.strip().split(":")
-    if head in PRESETS:  # a preset with its rounding or overflow changed: mxfp4_e2m1:sr
-        base = PRESETS[head][0]
+    if (base := _preset(head)) is not None:  # rounding or overflow changed: mxfp4_e2m1:sr
         p = _classify(spec, rest)
-        if p.granularity or p.rule or p.scale_format:
+        if p.granularity or p.rule or p.scale_format or p.arithmetic:
             raise _bad(spec, ":".join(rest), "a preset fixes its scaling; write the full spec "
                        f"({base}) to change it, not")
         return replace(base, rounding=p.rounding or base.rounding,
@@ -219,11 +407,12 @@ def parse_cast(spec: str | Cast) -> Cast:
     except DriftError:
         raise CastSpecError(
             f"cast spec {spec!r}: unknown format or preset {head!r}"
-            f"{close_matches(head, [*PRESETS, *FORMATS])} (see drift formats --presets)") from None
+            f"{close_matches(head, [*preset_names(), *FORMATS])} (see drift formats --presets)"
+        ) from None
     p = _classify(spec, rest)
     gran, size = p.granularity or (Granularity.NONE, 0)
     if gran is Granularity.NONE:
-        if p.rule is not None or p.scale_format is not None:
+        if p.rule is not None or p.scale_format is not None or p.arithmetic is not None:
             raise _bad(spec, ":".join(rest), "a rule or scale format needs a granularity, not")
         scaling = Scaling()
     else:
@@ -236,7 +425,7 @@ def parse_cast(spec: str | Cast) -> Cast:
                          "float8_e4m3fn" if rule is ScaleRule.TWO_LEVEL else "float32")
         try:
             scaling = Scaling(gran, size, p.scale_format or FORMATS[default_scale], rule,
-                              headroom)
+                              headroom, p.arithmetic or EXACT_ARITHMETIC)
         except CastSpecError as err:
             raise CastSpecError(f"cast spec {spec!r}: {err}") from None
     try:

@@ -100,6 +100,110 @@ class ScaleRule(StrEnum):
     """``amax / max_elem`` rounded up into the scale format (nothing clips)."""
     TWO_LEVEL = "two-level", False
     """A float32 tensor scale over block scales in the scale format (NVFP4)."""
+    CEIL_AMAX = "ceil-amax", True
+    """``2**(ceil(log2 amax) - emax_elem)``: amax rounded up to a power of two, then ``floor``
+    (torchao's CEIL); the scale can exceed ``ceil``'s by one binade, nothing clips."""
+
+
+# --- scale arithmetic: where each float operation of a scale happens -----------------------
+
+
+class ScaleOp(StrEnum):
+    """The float operation that turns a group's amax into its real scale."""
+
+    DIV = "div"
+    """``s = fl(amax / M)``: the scale, divided out (drift's default)."""
+    RCP = "rcp"
+    """``r = fl(M / amax)``: the reciprocal scale, the number elements are multiplied by."""
+    MULRCP = "mulrcp"
+    """``s = fl(amax · fl(1 / M))``: the scale from a multiplication by M's rounded
+    reciprocal (Transformer Engine's MXFP8 ``amax * max_norm_rcp``)."""
+
+
+class Precision(StrEnum):
+    """The precision the scale operation (and the amax floor) is computed in."""
+
+    F32 = "f32"
+    """One float32 operation (the working dtype's)."""
+    F64 = "f64"
+    """Computed in float64 and rounded once to float32 (torchao's ``amax_to_scale``)."""
+
+
+class ElementOp(StrEnum):
+    """How each element meets its scale: on the way in (``apply``) and out (``undo``)."""
+
+    DIV = "div"
+    """Divided: ``fl(x / s)`` in, ``fl(q / r)`` out."""
+    MUL = "mul"
+    """Multiplied: ``fl(x · r)`` in, ``fl(q · s)`` out."""
+
+
+class AmaxPolicy(StrEnum):
+    """Which elements a group's amax is taken over."""
+
+    FINITE = "finite"
+    """The finite ones; a block or tile holding NaN or inf becomes NaN (drift's default)."""
+    IEEE = "ieee"
+    """All of them, as ``torch.amax``: a NaN makes amax NaN, an inf makes it inf, and the
+    scale's operations then run on that (torchao)."""
+    FMAX = "fmax"
+    """All but NaN, as CUDA's ``fmaxf`` reduction: an inf makes amax inf (Transformer
+    Engine)."""
+
+
+class Pow2(StrEnum):
+    """How a power of two is taken."""
+
+    BITS = "bits"
+    """Exactly, from bits: a power-of-two rule from amax's exponent, a real scale rounded into
+    a power-of-two scale format on its bits (drift's default)."""
+    LOG2 = "log2"
+    """Through float32 ``log2``: ``ceil(log2(fl(amax / M)))`` for ``ceil``, and for a real
+    scale ``exp2(ceil(log2 s))`` or ``exp2(floor(log2 r))`` (torchao's eager RCEIL and
+    power-of-two scales, DeepSeek-V3's ``ue8m0``): one binade low where ``log2`` rounds to an
+    integer though its argument is not a power of two. A named departure from exactness."""
+    RP = "rp"
+    """``ceil`` only: the float32 quotient ``fl(amax / M)`` (per ``scale``) rounded up to a
+    power of two on its bits, saturating at ``2**127`` (PTX ``cvt.rp.satfinite.ue8m0x2.f32``,
+    Transformer Engine's ``float_to_e8m0``)."""
+
+
+class Guard(StrEnum):
+    """What a group whose amax is 0 (or not finite) gets as its scale."""
+
+    DRIFT = "drift"
+    """An all-zero group keeps its zeros and reports the scale format's smallest value."""
+    NONE = "none"
+    """Nothing: the IEEE result of the operations as they stand (``M / 0`` is inf)."""
+    ONE = "one"
+    """Transformer Engine's ``compute_scale_from_amax``: a scale of 1 where amax is 0, inf or
+    NaN, and float32's max where ``M / amax`` overflows."""
+
+
+class SmallestRcp(StrEnum):
+    """The multiplier used for the smallest power-of-two scale (E8M0 code 0, ``2**-127``)."""
+
+    EXACT = "exact"
+    """``2**127``."""
+    ONE = "one"
+    """1: torchao's eager RCEIL, after an older Transformer Engine ``exp2f_rcp``."""
+
+
+class TwoLevelOrder(StrEnum):
+    """The order of operations of a two-level (NVFP4) cast."""
+
+    DRIFT = "drift"
+    """``S = fl(amax_t / fl(Ms·M))``, ``sb = rne(fl(fl(amax_b / M) / S))``, ``d = fl(sb·S)``,
+    ``fl(x / d)``, ``fl(q·d)`` (see docs/scaling.md)."""
+    TORCHAO = "torchao"
+    """torchao's ``nvfp4_quantize``: ``S = fl(amax_t / 2688)``,
+    ``sb = rne(clamp(fl(fl(amax_b / 6) / S), 2**-6, 448))``, ``fl(x · fl(fl(1 / S) / sb))``,
+    ``fl(q · fl(S · sb))``."""
+    TE = "te"
+    """Transformer Engine's NVFP4 kernels: ``S_enc = fl(2688 / amax_t)``,
+    ``sb = rn(fl(amax_b · fl(S_enc · fl(1/6))))`` (0 below 2**-10),
+    ``fl(x · min(fl(1 / fl(sb · fl(1 / S_enc))), max))``, and its dequantize kernel's
+    ``fl(q · fl(fl(sb · amax_t) · fl(1 / 2688)))``."""
 
 
 def check_rule_table(table: Mapping[ScaleRule, object], name: str) -> None:

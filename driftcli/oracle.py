@@ -210,6 +210,12 @@ def even_exponent(amax: Fraction, elem: Format) -> int:
     return floor_exponent((amax / quantum + HALF).__floor__() * quantum, elem)
 
 
+def ceil_amax_exponent(amax: Fraction, elem: Format) -> int:
+    """``ceil-amax``: ``ceil(log2 amax) - emax_elem`` (amax rounded up to a power of two)."""
+    e = binade(amax)
+    return e - elem.emax + (amax > pow2(e))
+
+
 def real_rule(mode: Rounding | None) -> DivisorRule:
     """The rule ``fl32(amax / max_elem)`` rounded into the scale format by ``mode`` (None: kept
     as computed); an all-zero block gets the scale format's smallest value."""
@@ -251,6 +257,7 @@ EXACT_RULES: dict[ScaleRule, ExponentRule | DivisorRule] = {
     ScaleRule.AMAX_RNE: real_rule(Rounding.RNE),
     ScaleRule.AMAX_UP: real_rule(Rounding.RUP),
     ScaleRule.TWO_LEVEL: two_level_divisor,
+    ScaleRule.CEIL_AMAX: ceil_amax_exponent,
 }
 """Each scale rule's exact implementation: an :data:`ExponentRule` for a power-of-two rule, a
 :data:`DivisorRule` for any other (see :class:`~driftcli.modes.ScaleRule`)."""

@@ -19,7 +19,16 @@ from driftcli import compiling, jit
 from driftcli import rounding as fast
 from driftcli.cast import Cast, parse_cast
 from driftcli.errors import DriftError
-from driftcli.modes import DEFAULT_SR_BITS, Granularity, Overflow, Rounding, ScaleRule
+from driftcli.modes import (
+    DEFAULT_SR_BITS,
+    AmaxPolicy,
+    ElementOp,
+    Granularity,
+    Overflow,
+    Rounding,
+    ScaleRule,
+)
+from driftcli.scalearith import apply_ops, arith_scales, group_amax, undo_ops
 from driftcli.scaling import (
     ScalePlan,
     block_stats,
@@ -55,6 +64,10 @@ class QuantInfo:
     """Per block: it held NaN or inf (block scalings make all its elements NaN)."""
     tensor_scale: float | None = None
     """The float32 tensor scale of a two-level cast."""
+    codes: Tensor | None = None
+    """Each element's code, decoded: its value on the element format's grid before the scale
+    is applied back (``values`` = codes · scale, as the cast's arithmetic computes it); NaN
+    where the value is NaN for want of a scale."""
 
 
 def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int | None = None,
@@ -168,12 +181,17 @@ class Blocked:
     back: Callable[[Tensor], Tensor]
     bits: Tensor | None
     tensor_scale: float | None
+    apply: tuple[ElementOp, Tensor] | None = None
+    """Under a scale arithmetic: how elements met their row's operand on the way in (the
+    element masks divide or multiply the same way)."""
 
 
 def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bits: int,
                  tensor_amax: float | None) -> Blocked:
     """The cast of every scale group of ``x``; ``tensor_amax`` stands in for the tensor's own
     amax when ``x`` is one slice of a larger tensor (per-tensor and two-level scales)."""
+    if not c.scaling.arithmetic.exact:
+        return _cast_blocks_arith(x, c, axis, random_bits, sr_bits, tensor_amax)
     work = working(x)
     elem, s = c.format, c.scaling
     blocks, back = to_blocks(work, s, axis)
@@ -232,6 +250,47 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
     return Blocked(blocks, q, scales, clamped, bad_blocks, back, bits, tensor_scale)
 
 
+def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
+                       sr_bits: int, tensor_amax: float | None) -> Blocked:
+    """:func:`cast_blocks` under a scale arithmetic (:mod:`driftcli.scalearith`): in float32,
+    the scales by the arithmetic's operations, the elements through its apply and undo
+    operations."""
+    s, a = c.scaling, c.scaling.arithmetic
+    blocks, back = to_blocks(x.float(), s, axis)
+    blocks = blocks.contiguous()
+    bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
+    n_rows = blocks.shape[0]
+    if blocks.numel() == 0:
+        none = torch.zeros(n_rows, dtype=torch.bool, device=blocks.device)
+        ones = torch.ones(n_rows, dtype=torch.float64, device=blocks.device)
+        return Blocked(blocks, blocks.clone(), ones, none, none, back, bits, None)
+    use_jit = not compiling.forced() and jit.usable(blocks, bits)
+    finite_amax, bad = jit.block_amax(blocks) if use_jit else amax_and_nonfinite(blocks)
+    amax = group_amax(blocks, finite_amax, bad, a.amax)
+    top = tensor_amax_of(amax, tensor_amax)
+    if s.granularity is Granularity.TENSOR:
+        amax = top.expand_as(amax).contiguous()
+    sc = arith_scales(amax, top, c.format, s)
+    poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
+    if use_jit:
+        p = fast.jit_params(src=fast.source_of(torch.float32), tgt=fast.target_of(c.format),
+                            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+        q = jit.round_scaled(blocks, sc.apply, sc.undo, bits, p, poisoned,
+                             sc.apply_op is ElementOp.MUL, sc.undo_op is ElementOp.DIV)
+    else:
+        y = apply_ops(sc.apply, sc.apply_op, blocks).contiguous()
+        code = fast.round_fused(y, fast.target_of(c.format), c.rounding, c.overflow, bits,
+                                None, sr_bits)
+        q = undo_ops(sc.undo, sc.undo_op, code)
+        if poisoned is not None:
+            q = torch.where(poisoned[:, None], torch.nan, q)
+    bad_blocks = bad if s.blocked else torch.zeros_like(bad)
+    scales = sc.scale if poisoned is None else torch.where(poisoned, torch.nan, sc.scale)
+    clamped = sc.clamped & ~(poisoned if poisoned is not None else torch.zeros_like(bad))
+    return Blocked(blocks, q, scales, clamped, bad_blocks, back, bits, sc.tensor_scale,
+                   (sc.apply_op, sc.apply))
+
+
 def _jit_apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, bad: Tensor | None, c: Cast,
                sr_bits: int, wide: bool) -> Tensor:
     """:func:`_apply` on numba's kernels: the element cast of every row under its scale, and
@@ -260,15 +319,23 @@ class Masks:
     clipped: Tensor
     underflowed: Tensor
     subnormal: Tensor
+    codes: Tensor
 
 
 def element_masks(b: Blocked, c: Cast, sr_bits: int) -> Masks:
-    """Which elements clipped, underflowed, came out subnormal: the definitions of design §9,
-    with s the scale each element's block was divided by."""
+    """Which elements clipped, underflowed, came out subnormal, and each one's code: the
+    definitions of design §9, with s the scale each element's block was divided by."""
     elem, s = c.format, c.scaling
     blocks, q, scales = b.blocks, b.q, b.scales
     finite = torch.isfinite(blocks)
-    if s.rule is not None and s.rule.power_of_two:
+    poisoned = s.blocked and s.arithmetic.amax is AmaxPolicy.FINITE
+    if b.apply is not None:  # a scale arithmetic: the quotient its apply operation made
+        y = apply_ops(b.apply[1], b.apply[0], blocks).contiguous()
+        qy = fast.round_values(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits, y.dtype)
+        clipped = (y > float(elem.max)) | (y < float(elem.min))
+        subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
+        codes = torch.where(torch.isnan(q), torch.nan, qy)
+    elif s.rule is not None and s.rule.power_of_two:
         exps = (torch.frexp(scales)[1] - 1).double()[:, None]  # scales are powers of two
         top = torch.ldexp(torch.full_like(exps, float(elem.max)), exps)
         bottom = torch.ldexp(torch.full_like(exps, float(elem.min)), exps)
@@ -276,6 +343,7 @@ def element_masks(b: Blocked, c: Cast, sr_bits: int) -> Masks:
         wide_blocks = blocks.double()
         clipped = (wide_blocks > top) | (wide_blocks < bottom)
         subnormal = (q != 0) & (q.double().abs() < small)
+        codes = torch.ldexp(q.double(), -exps).to(q.dtype)  # exact: q is a code times 2**k
     else:
         y, qy = blocks, q
         if s.granularity is not Granularity.NONE:  # the same float division the cast made
@@ -284,9 +352,12 @@ def element_masks(b: Blocked, c: Cast, sr_bits: int) -> Masks:
                                    y.dtype)
         clipped = (y > float(elem.max)) | (y < float(elem.min))
         subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
+        codes = torch.where(torch.isnan(q), torch.nan, qy)
     underflowed = (blocks != 0) & finite & (q == 0)
-    clipped = clipped & finite & ~b.bad_blocks[:, None]
-    return Masks(finite, clipped, underflowed, subnormal & torch.isfinite(q))
+    clipped = clipped & finite
+    if poisoned:
+        clipped = clipped & ~b.bad_blocks[:, None]
+    return Masks(finite, clipped, underflowed, subnormal & torch.isfinite(q), codes)
 
 
 def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
@@ -300,7 +371,7 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
         values=b.back(b.q).to(x.dtype), clipped=b.back(m.clipped),
         underflowed=b.back(m.underflowed), subnormal=b.back(m.subnormal),
         nonfinite=b.back(~m.finite), scales=b.scales, scale_clamped=b.clamped,
-        nonfinite_blocks=b.bad_blocks, tensor_scale=b.tensor_scale)
+        nonfinite_blocks=b.bad_blocks, tensor_scale=b.tensor_scale, codes=b.back(m.codes))
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -308,6 +308,11 @@ def _even(e: Tensor, significand: Tensor, plan: ScalePlan) -> Tensor:
     return e - plan.elem_emax + (significand >= plan.even_threshold).long()
 
 
+def _ceil_amax(e: Tensor, significand: Tensor, plan: ScalePlan) -> Tensor:
+    """``ceil(log2 amax) - emax_elem``: one binade up unless amax is a power of two."""
+    return e - plan.elem_emax + (significand > 1).long()
+
+
 def real_rule(mode: Rounding | None) -> DivisorRule:
     """The rule ``fl(amax / M)`` rounded into the scale format by ``mode`` (None: kept as
     computed), one IEEE division in amax's dtype (M is exact there)."""
@@ -335,6 +340,7 @@ FAST_RULES: dict[ScaleRule, ExponentRule | DivisorRule] = {
     ScaleRule.AMAX_RNE: real_rule(Rounding.RNE),
     ScaleRule.AMAX_UP: real_rule(Rounding.RUP),
     ScaleRule.TWO_LEVEL: _two_level,
+    ScaleRule.CEIL_AMAX: _ceil_amax,
 }
 """Each scale rule's fast implementation: an :data:`ExponentRule` for a power-of-two rule, a
 :data:`DivisorRule` for any other (see :class:`~driftcli.modes.ScaleRule`; the exact ones are

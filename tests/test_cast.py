@@ -17,6 +17,7 @@ from driftcli.errors import CastSpecError
 from driftcli.formats import FORMATS
 from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule
 from driftcli.quantization import QuantInfo, quantize
+from driftcli.recipes import IMPLEMENTATION_PRESETS
 
 
 def info(x: torch.Tensor, spec: str, **kw: object) -> QuantInfo:
@@ -106,7 +107,9 @@ def test_presets_listing() -> None:
     rows = {r["preset"]: r for r in __import__("json").loads(result.output)}
     assert rows["mxfp8_e4m3_floor+1"]["spec"] == (
         "float8_e4m3fn:block32:float8_e8m0fnu:floor+1:rne:saturate")
-    assert set(rows) == set(PRESETS)
+    assert set(rows) == set(PRESETS) | set(IMPLEMENTATION_PRESETS)
+    assert rows["torchao/mxfp8"]["implementation"] == "torchao" and rows["torchao/mxfp8"][
+        "source"] == IMPLEMENTATION_PRESETS["torchao/mxfp8"].source
 
 
 def test_fp4_block_below_8_gets_scale_1_and_clips_to_6() -> None:

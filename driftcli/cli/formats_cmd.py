@@ -39,18 +39,36 @@ def formats(
                 typer.echo(f"{r['spec']} = {r['canonical']}")
         return
     if presets:
+        from driftcli.recipes import IMPLEMENTATION_PRESETS, IMPLEMENTATIONS
+
         listing = [{"preset": name, "spec": str(c), "meaning": meaning}
                    for name, (c, meaning) in PRESETS.items()]
+        listing += [{"preset": p.name, "spec": str(p.cast), "meaning": p.meaning,
+                     "implementation": p.implementation.name,
+                     "version": p.implementation.version, "source": p.source,
+                     "exact": p.exact} for p in IMPLEMENTATION_PRESETS.values()]
         if as_json:
             typer.echo(json.dumps(listing, indent=2))
             return
-        table = Table(title="cast presets (spec: FORMAT:GRANULARITY:SCALE_FORMAT:RULE:ROUNDING:"
-                            "OVERFLOW)")
+        console = Console(width=160)
+        table = Table(title="drift's cast presets, exact (spec: FORMAT:GRANULARITY:SCALE_FORMAT:"
+                            "RULE:ROUNDING:OVERFLOW[:ARITHMETIC])")
         for col in ("preset", "canonical spec", "meaning"):
             table.add_column(col)
         for r in listing:
-            table.add_row(r["preset"], r["spec"], r["meaning"])
-        Console(width=160).print(table)
+            if "implementation" not in r:
+                table.add_row(r["preset"], r["spec"], r["meaning"])
+        console.print(table)
+        for impl in IMPLEMENTATIONS:  # one table per implementation, its presets' sources
+            table = Table(title=f"{impl.title} {impl.version} ({impl.home}): its operations, "
+                                "bit for bit (docs/recipes.md)", expand=True)
+            for col, ratio in (("preset", 3), ("canonical spec", 6), ("source", 4),
+                               ("drift's exact cast", 3)):
+                table.add_column(col, overflow="fold", ratio=ratio)
+            for r in listing:
+                if r.get("implementation") == impl.name:
+                    table.add_row(r["preset"], r["spec"], r["source"], r["exact"])
+            console.print(table)
         return
     rows = [describe(f) for f in FORMATS.values()]
     if as_json:

@@ -479,8 +479,8 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     None for an empty input or where the compiler is not used (then the eager path runs)."""
     s, elem = c.scaling, c.format
     one_scale = s.granularity in _WHOLE  # one scale for the tensor, or none
-    if x.numel() == 0 or not runs_compiled(job):
-        return None
+    if x.numel() == 0 or not s.arithmetic.exact or not runs_compiled(job):
+        return None  # an implementation's scale arithmetic runs eagerly (driftcli.scalearith)
     work = working(x)
     if one_scale:
         n = work.numel()
