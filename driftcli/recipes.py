@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from driftcli.cast import Cast, ScaleArithmetic, Scaling
-from driftcli.formats import FORMATS
+from driftcli.formats import FORMATS, Format
 from driftcli.modes import (
     AmaxPolicy,
     ElementOp,
@@ -169,9 +169,122 @@ def _torchao_presets() -> list[ImplementationPreset]:
     return out
 
 
-IMPLEMENTATIONS: tuple[Implementation, ...] = (TORCHAO,)
+TE = Implementation("te", "Transformer Engine (NVIDIA)", "2.20.0.dev0 at d0067d0",
+                    "https://github.com/NVIDIA/TransformerEngine")
+
+_TE_CURRENT = ScaleArithmetic(amax=AmaxPolicy.FMAX, scale=ScaleOp.RCP, guard=Guard.ONE,
+                              apply=ElementOp.MUL)
+"""Transformer Engine's ``compute_scale_from_amax``: ``r = fl(M / amax)`` (1 where amax is 0,
+inf or NaN; float32's max where it overflows), ``fl(x · r)``, ``fl(q · fl(1 / r))``, amax by
+``fmaxf`` (NaN skipped)."""
+_TE_FP8_SOURCE = ("common/recipe/recipe_common.cuh compute_scale_from_amax, "
+                  "util/vectorized_pointwise.h unary_kernel, fp8/dequantize_fp8.cuh")
+_TE_BLOCK_SOURCE = ("common/transpose/quantize_transpose_vector_blockwise.cu "
+                    "block_scaled_1d_cast_transpose_kernel, quantize_transpose_square_blockwise"
+                    ".cu block_scaled_cast_transpose_kernel")
+_TE_MXFP8_SOURCE = ("common/cast/mxfp8/quantize_mxfp8.cuh quantize_mxfp8_kernel, "
+                    "util/ptx_arch_spec.cuh float_to_e8m0, util/ptx.cuh exp2f_rcp")
+_TE_NVFP4_SOURCE = ("common/cast/nvfp4/quantize_transpose_nvfp4.cuh "
+                    "quantize_transpose_nvfp4_kernel, core_nvfp4.cuh, dequantize_nvfp4.cuh")
+
+
+def _te_presets() -> list[ImplementationPreset]:
+    e4m3, e5m2 = FORMATS["float8_e4m3fn"], FORMATS["float8_e5m2"]
+    fp4 = FORMATS["float4_e2m1fn"]
+    f32 = FORMATS["float32"]
+
+    def scaled(elem: Format, g: Granularity, size: int, fmt: Format, rule: ScaleRule,
+               a: ScaleArithmetic) -> Cast:
+        return Cast(elem, Scaling(g, size, fmt, rule, arithmetic=a))
+
+    current = ScaleRule.AMAX
+    pow2 = ScaleRule.AMAX_UP  # r rounded down to a power of two on its bits
+    mx = ScaleArithmetic(amax=AmaxPolicy.FMAX, scale=ScaleOp.MULRCP, pow2=Pow2.RP,
+                         apply=ElementOp.MUL)
+    nvfp4 = ScaleArithmetic(amax=AmaxPolicy.FMAX, two=TwoLevelOrder.TE)
+    tensor, block, tile = Granularity.TENSOR, Granularity.BLOCK, Granularity.TILE
+    return [
+        ImplementationPreset(
+            "te/float8_current", scaled(e4m3, tensor, 0, f32, current, _TE_CURRENT),
+            "Float8CurrentScaling, E4M3 (inputs, weights): r = fl(448 / amax), x·r, "
+            "q·fl(1 / r)", TE, _TE_FP8_SOURCE, "fp8_e4m3"),
+        ImplementationPreset(
+            "te/float8_current_e5m2", scaled(e5m2, tensor, 0, f32, current, _TE_CURRENT),
+            "Float8CurrentScaling, E5M2 (gradients under the default HYBRID format)", TE,
+            _TE_FP8_SOURCE, "fp8_e5m2"),
+        ImplementationPreset(
+            "te/float8_current_pow2", scaled(e4m3, tensor, 0, _E8M0, pow2, _TE_CURRENT),
+            "Float8CurrentScaling with NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1: r's "
+            "mantissa cleared", TE, _TE_FP8_SOURCE, "float8_e4m3fn:tensor:float8_e8m0fnu:amax-up"),
+        ImplementationPreset(
+            "te/float8_block", scaled(e4m3, block, 128, _E8M0, pow2, _TE_CURRENT),
+            "Float8BlockScaling, 1 x 128 blocks (inputs, gradients): power-of-two r per block",
+            TE, _TE_BLOCK_SOURCE, "float8_e4m3fn:block128:float8_e8m0fnu:amax-up"),
+        ImplementationPreset(
+            "te/float8_block_weight", scaled(e4m3, tile, 128, _E8M0, pow2, _TE_CURRENT),
+            "Float8BlockScaling, 128 x 128 tiles (weights)", TE, _TE_BLOCK_SOURCE,
+            "float8_e4m3fn:tile128:float8_e8m0fnu:amax-up"),
+        ImplementationPreset(
+            "te/mxfp8", scaled(e4m3, block, 32, _E8M0, ScaleRule.CEIL, mx),
+            "MXFP8BlockScaling: E8M0 = cvt.rp(fl(amax · fl(1 / 448))), x·2**-k", TE,
+            _TE_MXFP8_SOURCE, "mxfp8_e4m3_ceil"),
+        ImplementationPreset(
+            "te/nvfp4", scaled(fp4, block, 16, _E4M3, ScaleRule.TWO_LEVEL, nvfp4),
+            "NVFP4BlockScaling, 1 x 16 blocks: S_enc = fl(2688 / amax), sb = rn(fl(amax_b · "
+            "fl(S_enc · fl(1/6))))", TE, _TE_NVFP4_SOURCE, "nvfp4"),
+        ImplementationPreset(
+            "te/nvfp4_2d", scaled(fp4, tile, 16, _E4M3, ScaleRule.TWO_LEVEL, nvfp4),
+            "NVFP4BlockScaling, 16 x 16 tiles (weights)", TE,
+            _TE_NVFP4_SOURCE.replace("nvfp4_kernel", "nvfp4_2D_kernel"), "nvfp4_2d"),
+    ]
+
+
+DEEPSEEK = Implementation("deepseek", "DeepSeek-V3 and DeepGEMM",
+                          "DeepSeek-V3 9b4e978, DeepGEMM 54e2261",
+                          "https://github.com/deepseek-ai/DeepSeek-V3")
+
+_DEEPSEEK_ACT = ScaleArithmetic(amax=AmaxPolicy.FMAX, eps=1e-4, guard=Guard.NONE)
+"""DeepSeek-V3 ``inference/kernel.py`` ``act_quant_kernel``: ``s = fl(max(amax, 1e-4) / 448)``,
+``fl(x / s)``, dequantized ``fl(q · s)``."""
+_DEEPSEEK_WEIGHT = ScaleArithmetic(amax=AmaxPolicy.IEEE, eps=1e-4, guard=Guard.NONE,
+                                   apply=ElementOp.MUL)
+"""DeepGEMM ``deep_gemm/utils/math.py`` ``per_block_cast_to_fp8``: the same ``s``, then
+``fl(x · fl(1 / s))``."""
+
+
+def _deepseek_presets() -> list[ImplementationPreset]:
+    e4m3, f32 = FORMATS["float8_e4m3fn"], FORMATS["float32"]
+    act, weight = "DeepSeek-V3 inference/kernel.py act_quant", \
+        "DeepGEMM deep_gemm/utils/math.py per_block_cast_to_fp8, ceil_to_ue8m0"
+
+    def cast(g: Granularity, fmt: Format, rule: ScaleRule, a: ScaleArithmetic) -> Cast:
+        return Cast(e4m3, Scaling(g, 128, fmt, rule, arithmetic=a))
+
+    block, tile = Granularity.BLOCK, Granularity.TILE
+    return [
+        ImplementationPreset(
+            "deepseek/v3", cast(block, f32, ScaleRule.AMAX, _DEEPSEEK_ACT),
+            "1 x 128 activation blocks, float32 scales: s = fl(max(amax, 1e-4) / 448), x / s",
+            DEEPSEEK, act, "float8_e4m3fn:block128:float32:amax"),
+        ImplementationPreset(
+            "deepseek/v3_weight", cast(tile, f32, ScaleRule.AMAX, _DEEPSEEK_WEIGHT),
+            "128 x 128 weight tiles, float32 scales: x·fl(1 / s)", DEEPSEEK, weight,
+            "float8_e4m3fn:tile128:float32:amax"),
+        ImplementationPreset(
+            "deepseek/v3_ue8m0",
+            cast(block, _E8M0, ScaleRule.AMAX_UP, replace(_DEEPSEEK_ACT, pow2=Pow2.LOG2)),
+            "1 x 128 blocks, scale_fmt='ue8m0': s = exp2(ceil(log2 s)) in float32", DEEPSEEK,
+            act, "float8_e4m3fn:block128:float8_e8m0fnu:amax-up"),
+        ImplementationPreset(
+            "deepseek/v3_ue8m0_weight", cast(tile, _E8M0, ScaleRule.AMAX_UP, _DEEPSEEK_WEIGHT),
+            "128 x 128 tiles, use_ue8m0: s rounded up to a power of two on its bits", DEEPSEEK,
+            weight, "float8_e4m3fn:tile128:float8_e8m0fnu:amax-up"),
+    ]
+
+
+IMPLEMENTATIONS: tuple[Implementation, ...] = (TORCHAO, TE, DEEPSEEK)
 """Every implementation drift has presets for, in the order ``drift formats`` lists them."""
 
 IMPLEMENTATION_PRESETS: dict[str, ImplementationPreset] = {
-    p.name: p for p in _torchao_presets()}
+    p.name: p for p in [*_torchao_presets(), *_te_presets(), *_deepseek_presets()]}
 """Every implementation preset by name."""

@@ -164,8 +164,9 @@ def _real_scales(amax: Tensor, plan: ScalePlan, scaling: Scaling) -> ArithScales
         held = torch.where(finite, rounded, held)
     over = (held > plan.largest) | (finite & ~torch.isfinite(held))
     low = finite & (held < plan.smallest)
-    if a.guard is Guard.NONE and mode is None and a.pow2 is Pow2.BITS:
-        over = low = torch.zeros_like(over)  # a scale kept as computed is not brought in range
+    if a.guard is Guard.NONE and (mode is None or a.pow2 is Pow2.LOG2):
+        # a scale kept as computed, or made a power of two by exp2, is not brought in range
+        over = low = torch.zeros_like(over)
     clamped = over | low
     held = torch.where(over, plan.largest, torch.where(low, plan.smallest, held))
     if a.guard is Guard.ONE:
@@ -176,8 +177,8 @@ def _real_scales(amax: Tensor, plan: ScalePlan, scaling: Scaling) -> ArithScales
     apply = s if a.apply is ElementOp.DIV else r
     undo = s if a.undo is ElementOp.MUL else r
     scale = s.double() if not reciprocal or a.undo is ElementOp.MUL else 1 / held.double()
-    if a.guard is Guard.DRIFT:  # an all-zero group keeps its zeros
-        zero = amax == 0
+    if a.guard is Guard.DRIFT:  # an all-zero group keeps its zeros (unless a floor made a scale)
+        zero = (w == 0) if not (a.smin and not reciprocal) else torch.zeros_like(held, dtype=bool)
         apply, undo = torch.where(zero, 1.0, apply), torch.where(zero, 1.0, undo)
         scale = torch.where(zero, plan.smallest, scale)
         clamped = clamped & ~zero

@@ -11,8 +11,8 @@ no code of its own)."""
 from __future__ import annotations
 
 import itertools
-import math
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +20,20 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from recipe_data import (
+    block_of,
+    boundary_rows,
+    differences,
+    info_of,
+    requires_stories,
+    stories_weights,
+    tensors,
+)
 
 import driftcli as drift
 from driftcli.cast import ARITHMETIC_KEYS, Cast, ScaleArithmetic, Scaling, parse_cast
 from driftcli.errors import CastSpecError
-from driftcli.formats import FORMATS, Format, Kind
+from driftcli.formats import FORMATS, Format
 from driftcli.modes import (
     AmaxPolicy,
     ElementOp,
@@ -40,18 +49,7 @@ from driftcli.modes import (
 from driftcli.quantization import QuantInfo
 from driftcli.recipes import IMPLEMENTATION_PRESETS, TORCHAO
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "stories260K-hf"
-requires_stories = pytest.mark.skipif(
-    not STORIES.is_dir(), reason="../shared/data/models/stories260K-hf not present (a fresh "
-    "clone outside the workspace)")
-
 TORCHAO_PRESETS = [n for n, p in IMPLEMENTATION_PRESETS.items() if p.implementation is TORCHAO]
-
-
-def info_of(x: torch.Tensor, spec: str | Cast, **kw: object) -> QuantInfo:
-    out = drift.quantize(x, spec, return_info=True, **kw)
-    assert isinstance(out, QuantInfo)
-    return out
 
 
 # --- the grammar ------------------------------------------------------------------------------
@@ -64,7 +62,8 @@ def test_every_implementation_preset_round_trips_and_names_its_source(name: str)
     assert not p.cast.scaling.arithmetic.exact  # drift's exact cast is another one
     assert parse_cast(p.exact).scaling.arithmetic.exact
     assert parse_cast(p.exact).format == p.cast.format
-    assert name.startswith(f"{p.implementation.name}/") and ".py" in p.source
+    assert name.startswith(f"{p.implementation.name}/")
+    assert re.search(r"\w\.(py|cuh?|h) ", p.source)  # a file and a function
 
 
 def _arithmetic_for(rule: ScaleRule, scale_format: Format) -> st.SearchStrategy[ScaleArithmetic]:
@@ -220,24 +219,12 @@ def test_every_torchao_preset_has_its_reference_here(torchao_refs: dict) -> None
     assert sorted(torchao_refs) == sorted(TORCHAO_PRESETS)
 
 
-def _block(name: str) -> int:
-    s = parse_cast(name).scaling
-    return s.block if s.granularity is Granularity.BLOCK else 1
-
-
-def differences(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Where two float32 tensors differ in their bits (any NaN equals any NaN)."""
-    g, w = got.float(), want.float()
-    same = (g.view(torch.int32) == w.view(torch.int32)) | (torch.isnan(g) & torch.isnan(w))
-    return ~same
-
-
 def compare_with_torchao(name: str, x: torch.Tensor, ref: Callable) -> tuple[int, str]:
     """Elements compared and a description of any difference, for ``x`` (2-D float32; the last
     dimension zero padded for torchao to a multiple of the block, compared on ``x``'s own
     elements: padding zeros change no amax)."""
     cols = x.shape[-1]
-    pad = -cols % _block(name)
+    pad = -cols % block_of(name)
     want_values, want_codes = ref(torch.nn.functional.pad(x, (0, pad)) if pad else x)
     want_values, want_codes = want_values[..., :cols], want_codes[..., :cols]
     got = info_of(x, name)
@@ -256,98 +243,11 @@ def compare_with_torchao(name: str, x: torch.Tensor, ref: Callable) -> tuple[int
         f"torchao {float(want_values.flatten()[i])!r} (code {float(want_codes.flatten()[i])!r})")
 
 
-# --- boundary-built data ------------------------------------------------------------------------
-
-def _ulps(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """``x`` moved ``n`` float32 ulps away from zero (toward zero for negative ``n``)."""
-    bits = x.view(torch.int32)
-    moved = bits + torch.where(bits < 0, -n, n).to(torch.int32)
-    return torch.where(x == 0, x, moved.view(torch.float32))
-
-
-def _grid_and_midpoints(fmt: Format) -> torch.Tensor:
-    values = sorted({float(v.value) for _, v in fmt.values() if v.kind is Kind.FINITE
-                     and v.value >= 0})
-    mids = [(a + b) / 2 for a, b in itertools.pairwise(values)]
-    top = values[-1]
-    return torch.tensor(values + mids + [top * 1.03, top * 1.1], dtype=torch.float64)
-
-
-def _amax_candidates(fmt: Format, gen: torch.Generator, n: int) -> torch.Tensor:
-    """Block or tensor amaxes: one ulp either side of powers of two and of M·2**k (k across
-    the whole E8M0 range, so block scales reach their smallest codes), and log-uniform ones."""
-    m = float(fmt.max)
-    ks = torch.randint(-133, 120, (n,), generator=gen).double()
-    base = torch.where(torch.rand(n, generator=gen) < 0.5, 1.0, m)
-    near = (base * torch.exp2(ks)).float()
-    near = torch.where(torch.isfinite(near) & (near > 0), near, torch.ones_like(near))
-    steps = torch.randint(-2, 3, (n,), generator=gen)
-    near = _ulps(near, steps)
-    wide = torch.exp2(torch.rand(n, generator=gen) * 60 - 30).float()
-    return torch.where(torch.rand(n, generator=gen) < 0.7, near, wide)
-
-
-def boundary_rows(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Rows of ``cols`` (scale groups: each row its own blocks): the first element of each block
-    sets its amax (see :func:`_amax_candidates`); the others sit on the element grid and its
-    midpoints (ties) times the scale the preset gives that block, and 1 to 3 ulps either side,
-    with both signs, never above the amax. Plus rows holding zeros, NaN, inf, and float32
-    subnormals."""
-    gen = torch.Generator().manual_seed(seed)
-    c = parse_cast(name)
-    k = _block(name) if c.scaling.granularity is Granularity.BLOCK else cols
-    n_blocks = rows * cols // k
-    amax = _amax_candidates(c.format, gen, n_blocks)
-    filler = (torch.rand(n_blocks, k, generator=gen) * amax[:, None]).float()
-    filler[:, 0] = amax
-    first = filler.reshape(rows, cols)
-    scales = info_of(first, name).scales  # the preset's scale of each block (or row, tensor)
-    per_block = scales.float().reshape(-1)
-    per_block = (per_block.repeat_interleave(n_blocks // per_block.numel())
-                 if per_block.numel() < n_blocks else per_block[:n_blocks])
-    grid = _grid_and_midpoints(c.format)
-    pick = grid[torch.randint(0, len(grid), (n_blocks, k), generator=gen)].float()
-    x = pick * per_block[:, None]
-    x = _ulps(x, torch.randint(-3, 4, (n_blocks, k), generator=gen))
-    x = torch.where(x.abs() <= amax[:, None], x, filler)
-    x = x * torch.where(torch.rand(n_blocks, k, generator=gen) < 0.5, -1.0, 1.0)
-    x[:, 0] = amax * torch.where(torch.rand(n_blocks, generator=gen) < 0.5, -1.0, 1.0)
-    x = torch.where(torch.isfinite(x), x, filler).reshape(rows, cols)
-    # special rows: zero, NaN, inf, -inf, subnormal
-    specials = x[-5:]
-    specials[0] = 0.0
-    specials[1, 3] = math.nan
-    specials[2, 1] = math.inf
-    specials[3, 5] = -math.inf
-    specials[4] = torch.rand(cols, generator=gen) * 2.0**-130
-    return x
-
-
-def _tensors(name: str, seed: int) -> Iterator[torch.Tensor]:
-    """The synthetic tensors of one preset: one large many-block tensor for block and channel
-    scalings (and a special one per class), many smaller ones where the scale is the tensor's
-    (tensorwise, and NVFP4's tensor scale)."""
-    c = parse_cast(name)
-    per_tensor = (c.scaling.granularity is Granularity.TENSOR
-                  or c.scaling.rule is ScaleRule.TWO_LEVEL)
-    if not per_tensor:
-        yield boundary_rows(name, 4096, 256, seed)
-        return
-    gen = torch.Generator().manual_seed(seed)
-    for i in range(160):
-        x = boundary_rows(name, 32, 256, seed + 1 + i)
-        if c.scaling.rule is ScaleRule.TWO_LEVEL:  # blocks far below the tensor's amax
-            x[:8] *= torch.exp2(-torch.randint(0, 24, (8, 1), generator=gen).float())
-        yield x[:-5] if i % 4 else x  # most tensors without the special rows (one NaN is all)
-    yield torch.zeros(16, 64)
-    yield torch.full((16, 64), -0.0)
-
-
 @pytest.mark.parametrize("name", TORCHAO_PRESETS)
 def test_torchao_preset_equals_torchao_on_boundary_data(name: str, torchao_refs: dict) -> None:
     compared = apart = 0
     exact = IMPLEMENTATION_PRESETS[name].exact
-    for x in _tensors(name, seed=15):
+    for x in tensors(name, seed=15):
         n, problem = compare_with_torchao(name, x, torchao_refs[name])
         compared += n
         assert not problem, f"{name}: {problem}"
@@ -356,15 +256,6 @@ def test_torchao_preset_equals_torchao_on_boundary_data(name: str, torchao_refs:
           f"({apart:,} differ from drift's exact {exact})")
     assert compared >= 1_000_000
     assert apart  # the data reaches where the implementation and the exact rule part
-
-
-def stories_weights() -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of stories260K, read in place from the shared folder."""
-    from safetensors import safe_open
-
-    with safe_open(STORIES / "model.safetensors", "pt") as f:
-        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            yield key, f.get_tensor(key)
 
 
 @requires_stories
@@ -404,6 +295,23 @@ def _f32(v: float) -> float:
     return float(np.float32(v))
 
 
+def _te(name: str, t: torch.Tensor,
+        where: tuple[int, ...]) -> tuple[QuantInfo, dict[str, object]]:
+    """drift's Transformer Engine preset on ``t`` and its kernel transcription, the element at
+    ``where`` of each (code, value), checked equal bit for bit."""
+    from recipe_refs import REFERENCES
+
+    got = info_of(t, name)
+    shaped = t.reshape(1, -1) if t.dim() == 1 else t
+    with np.errstate(all="ignore"):
+        values, codes = (torch.from_numpy(a).reshape(t.shape)
+                         for a in REFERENCES[name](shaped.numpy()))
+    assert got.codes is not None
+    assert not differences(got.values, values).any() and not differences(got.codes, codes).any()
+    return got, {f"drift {name}": (float(got.codes[where]), float(got.values[where])),
+                 "Transformer Engine (transcribed)": (float(codes[where]), float(values[where]))}
+
+
 def _show(title: str, rows: dict[str, object]) -> None:
     print(f"\n{title}")
     for who, what in rows.items():
@@ -427,13 +335,15 @@ def test_the_1_1875_tie_under_one_order_is_1_18749988_under_the_other(
     t = torch.tensor([float(amax), float(x)])
     exact, impl = info_of(t, "fp8_e4m3"), info_of(t, "torchao/float8_tensorwise")
     ref_values, ref_codes = torchao_refs["torchao/float8_tensorwise"](t)
+    te, te_rows = _te("te/float8_current", t, (1,))
     _show(f"amax {float(amax)!r}, x = {float(x)!r} (0x{int(np.float32(x).view(np.int32)):08x})", {
         "fl(x / s)": float(np.float32(x / s)), "fl(x * r)": float(np.float32(x * r)),
         "drift fp8_e4m3": (float(exact.codes[1]), float(exact.values[1])),
         "drift torchao/float8_tensorwise": (float(impl.codes[1]), float(impl.values[1])),
-        "torchao itself": (float(ref_codes[1]), float(ref_values[1]))})
+        "torchao itself": (float(ref_codes[1]), float(ref_values[1])), **te_rows})
     assert float(np.float32(x * r)) == _f32(1.1875 - 2.0**-23)
     assert float(exact.codes[1]) == 1.25 and float(impl.codes[1]) == 1.125
+    assert float(te.codes[1]) == 1.125  # Transformer Engine's r = fl32(448 / amax): the same
     assert float(ref_codes[1]) == 1.125 and not differences(impl.values, ref_values).any()
 
 
@@ -471,10 +381,11 @@ def test_an_nvfp4_quotient_just_below_0_75_by_division_is_0_75_by_reciprocal(
     t = _nvfp4_block(float(big), [float(amax_b), float(x)])
     exact, impl = info_of(t, "nvfp4"), info_of(t, "torchao/nvfp4")
     ref_values, ref_codes = torchao_refs["torchao/nvfp4"](t)
+    _, te_rows = _te("te/nvfp4", t, (1, 1))
     _show(f"x = {float(x)!r}: fl(x / d) = {float(f(x / d))!r}, fl(x * a) = {float(f(x * a))!r}",
           {"drift nvfp4": (float(exact.codes[1, 1]), float(exact.values[1, 1])),
            "drift torchao/nvfp4": (float(impl.codes[1, 1]), float(impl.values[1, 1])),
-           "torchao itself": (float(ref_codes[1, 1]), float(ref_values[1, 1]))})
+           "torchao itself": (float(ref_codes[1, 1]), float(ref_values[1, 1])), **te_rows})
     assert exact.scales[1] == impl.scales[1]  # the same block scale, only the element op parts
     assert float(exact.codes[1, 1]) == 0.5 and float(impl.codes[1, 1]) == 1.0
     assert float(ref_codes[1, 1]) == 1.0 and not differences(impl.values, ref_values).any()
@@ -485,13 +396,16 @@ def test_a_raw_block_scale_below_2_to_the_minus_6_and_below_2_to_the_minus_10(
         raw: float, torchao_refs: dict) -> None:
     """A block whose raw scale fl(fl(amax_b / 6) / S) is 2**-8 (a subnormal E4M3 value) or
     2**-12 (below E4M3's smallest, 2**-9): drift keeps 2**-8 and raises 2**-12 to 2**-9
-    (counted in scale_clamped), torchao raises both to 2**-6."""
+    (counted in scale_clamped), torchao raises both to 2**-6, Transformer Engine keeps 2**-8
+    and rounds 2**-12 to a zero scale (its codes saturate to 6, its values are 0)."""
     tensor_amax = 2688.0  # S = 1
     block = [6 * raw, 5 * raw, 3.3 * raw, -raw]
     t = _nvfp4_block(tensor_amax, block)
     exact, impl = info_of(t, "nvfp4"), info_of(t, "torchao/nvfp4")
     ref_values, _ = torchao_refs["torchao/nvfp4"](t)
+    te, te_rows = _te("te/nvfp4", t, (1, 0))
     _show(f"raw block scale {raw!r}", {
+        **te_rows, "drift te/nvfp4 scale": float(te.scales[1]),
         "drift nvfp4 scale": (float(exact.scales[1]), bool(exact.scale_clamped[1])),
         "drift nvfp4 values": exact.values[1, :4].tolist(),
         "drift torchao/nvfp4 scale": (float(impl.scales[1]), bool(impl.scale_clamped[1])),
@@ -501,6 +415,11 @@ def test_a_raw_block_scale_below_2_to_the_minus_6_and_below_2_to_the_minus_10(
     assert bool(exact.scale_clamped[1]) == (raw < 2.0**-9)
     assert float(impl.scales[1]) == 2.0**-6 and bool(impl.scale_clamped[1])
     assert not differences(impl.values, ref_values).any()
+    if raw < 2.0**-10:  # flushed: a zero scale, codes at FP4's max, values zero
+        assert float(te.scales[1]) == 0.0 and float(te.codes[1, 0]) == 6.0
+        assert te.values[1, :4].abs().max() == 0.0
+    else:
+        assert float(te.scales[1]) == raw
 
 
 def test_the_all_zero_nvfp4_tensor(torchao_refs: dict) -> None:
@@ -509,9 +428,11 @@ def test_the_all_zero_nvfp4_tensor(torchao_refs: dict) -> None:
     t = torch.zeros(2, 16)
     exact, impl = info_of(t, "nvfp4"), info_of(t, "torchao/nvfp4")
     ref_values, _ = torchao_refs["torchao/nvfp4"](t)
+    te, te_rows = _te("te/nvfp4", t, (0, 0))
     _show("an all-zero tensor", {"drift nvfp4": exact.values[0, :3].tolist(),
                                   "drift torchao/nvfp4": impl.values[0, :3].tolist(),
-                                  "torchao itself": ref_values[0, :3].tolist()})
+                                  "torchao itself": ref_values[0, :3].tolist(), **te_rows})
+    assert torch.equal(te.values, t)
     assert torch.equal(exact.values, t) and impl.tensor_scale == 0.0
     assert bool(impl.values.isnan().all()) and bool(ref_values.isnan().all())
 
@@ -519,7 +440,8 @@ def test_the_all_zero_nvfp4_tensor(torchao_refs: dict) -> None:
 def test_an_rceil_block_whose_quotient_is_one_ulp_above_a_power_of_two(
         torchao_refs: dict) -> None:
     """amax one ulp above 448 · 2**5: fl(amax / 448) is 2**5 (1 + 2**-23), whose float32 log2
-    rounds to 5.0; torchao's RCEIL takes the scale 2**5 and clips amax, the exact ceil 2**6."""
+    rounds to 5.0; torchao's RCEIL takes the scale 2**5 and clips amax, the exact ceil and
+    Transformer Engine's cvt.rp take 2**6."""
     amax = float(np.nextafter(np.float32(448 * 32), np.float32(np.inf)))
     quotient = np.float32(np.float32(amax) / np.float32(448))
     assert quotient == np.float32(32) * np.float32(1 + 2.0**-23)
@@ -528,7 +450,9 @@ def test_an_rceil_block_whose_quotient_is_one_ulp_above_a_power_of_two(
     t[0, 0] = amax
     exact, impl = info_of(t, "mxfp8_e4m3_ceil"), info_of(t, "torchao/mxfp8_rceil")
     ref_values, _ = torchao_refs["torchao/mxfp8_rceil"](t)
+    te, te_rows = _te("te/mxfp8", t, (0, 0))
     _show(f"amax {amax!r}", {
+        **te_rows, "drift te/mxfp8 scale": float(te.scales[0]),
         "drift mxfp8_e4m3_ceil": (float(exact.scales[0]), float(exact.values[0, 0]),
                                   bool(exact.clipped[0, 0])),
         "drift torchao/mxfp8_rceil": (float(impl.scales[0]), float(impl.values[0, 0]),
@@ -537,11 +461,11 @@ def test_an_rceil_block_whose_quotient_is_one_ulp_above_a_power_of_two(
     assert float(exact.scales[0]) == 64.0 and not bool(exact.clipped[0, 0])
     assert float(impl.scales[0]) == 32.0 and float(impl.values[0, 0]) == 448 * 32
     assert bool(impl.clipped[0, 0]) and not differences(impl.values, ref_values).any()
+    assert float(te.scales[0]) == 64.0  # cvt.rp on the quotient's bits: 2**6, as drift's ceil
 
 
 def test_the_python_examples_of_recipes_md_print_what_it_shows(
         capsys: pytest.CaptureFixture[str]) -> None:
-    import re
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
     examples = re.findall(r"```python\n(.*?)```\n\n```\n(.*?)```", text, re.S)
