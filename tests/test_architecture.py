@@ -33,7 +33,7 @@ LAYERS = (
     ("errors", "_version", "lazy"),
     ("formats", "modes", "text", "compiling", "jit", "jitkernels", "exact", "memory",
      "progress", "engines"),
-    ("cast", "oracle", "oracle_blockfma", "codec", "recipes"),
+    ("cast", "oracle", "oracle_blockfma", "oracle_arith", "codec", "recipes"),
     ("rounding",),
     ("scaling", "scalearith"),
     ("quantization",),

@@ -473,3 +473,68 @@ def test_the_python_examples_of_recipes_md_print_what_it_shows(
     for code, shown in examples:
         exec(compile(code, "docs/recipes.md", "exec"), {})
         assert capsys.readouterr().out == shown
+
+
+# --- verify-formats: the op sequence against its exact evaluation --------------------------------
+
+def test_every_implementation_preset_passes_the_exact_op_sequence_check() -> None:
+    """verify-formats' ``recipes`` suite (quick plan) on every implementation preset: values and
+    codes against the same op sequence in exact rationals."""
+    from driftcli.verify import Plan, check_recipes
+
+    checked = set()
+    for fmt in {p.cast.format for p in IMPLEMENTATION_PRESETS.values()}:
+        for out in check_recipes(fmt, Plan(quick=True)):
+            assert out.n_failed == 0, (out.operation, out.failures[:3])
+            assert out.n_checked >= 192
+            checked.add(out.operation.rsplit(" ", 1)[0])
+    assert checked == set(IMPLEMENTATION_PRESETS)
+
+
+def _swapped_division(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plant a fault: scales that are divided by are multiplied by their rounded reciprocal."""
+    from driftcli import scalearith
+    from driftcli.modes import ElementOp
+
+    honest = scalearith._real_scales
+
+    def swapped(*args: object) -> object:
+        out = honest(*args)  # type: ignore[arg-type]
+        if out.apply_op is not ElementOp.DIV:
+            return out
+        return scalearith.ArithScales(1 / out.apply, out.undo, out.scale, out.clamped,
+                                      out.tensor_scale, ElementOp.MUL, out.undo_op)
+
+    monkeypatch.setattr(scalearith, "_real_scales", swapped)
+
+
+def _reciprocal_of_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plant a fault in torchao's NVFP4 order: fl(1 / fl(S · sb)) for fl(fl(1 / S) / sb)."""
+    from driftcli import scalearith
+    from driftcli.modes import TwoLevelOrder
+
+    honest = scalearith._TWO_LEVEL[TwoLevelOrder.TORCHAO]
+
+    def other(amax: torch.Tensor, tensor_amax: torch.Tensor, plan: object) -> object:
+        out = honest(amax, tensor_amax, plan)
+        return scalearith.ArithScales(1 / out.undo, out.undo, out.scale, out.clamped,
+                                      out.tensor_scale, out.apply_op, out.undo_op)
+
+    monkeypatch.setitem(scalearith._TWO_LEVEL, TwoLevelOrder.TORCHAO, other)
+
+
+@pytest.mark.parametrize(("plant", "preset"), [(_swapped_division, "deepseek/v3"),
+                                                (_reciprocal_of_product, "torchao/nvfp4")])
+def test_a_planted_swap_of_divide_for_reciprocal_is_caught(
+        plant: Callable[[pytest.MonkeyPatch], None], preset: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same preset passes the full plan's check honestly and fails it with the fault."""
+    from driftcli.verify import Plan, check_recipe
+
+    fmt = IMPLEMENTATION_PRESETS[preset].cast.format
+    honest = [o.n_failed for o in check_recipe(fmt, preset, Plan())]
+    plant(monkeypatch)
+    planted = list(check_recipe(fmt, preset, Plan()))
+    print(f"\n{preset}: {planted[0].n_failed} of {planted[0].n_checked} values caught")
+    assert honest == [0, 0]
+    assert planted[0].n_failed > 0 and planted[0].failures

@@ -45,6 +45,11 @@ quick plan's numbers in brackets:
   every float32 order is exact [two random shapes and the constructed case with
   K = 96; no cast and NVFP4, ``sequential``, ``pairwise``, ``chunked:16``; MXFP8
   with ``scale=block`` under ``sequential``].
+- ``recipes``: every implementation preset on the format (``torchao/…``, ``te/…``,
+  ``deepseek/…``), its values and codes against :func:`driftcli.oracle_arith.cast_group`, the
+  same op sequence with every float32 operation rounded exactly: drift's constructed blocks,
+  and :data:`RECIPE_BLOCKS` random blocks as they are and moved onto the element grid's
+  midpoints under each block's scale [12 constructed cases, one for 128 x 128 tiles].
 """
 
 from __future__ import annotations
@@ -101,16 +106,20 @@ from driftcli.verify.pairs import (
     WIDE_PAIRS,
     check_pairs,
 )
+from driftcli.verify.recipes import RECIPE_BLOCKS, check_recipe, check_recipes, recipe_cases
 
 __all__ = [
     "BLOCK_FULL_SAMPLE", "BLOCK_SCALE_SAMPLE", "CHECKS", "DETERMINISTIC", "FAILURE_CAP",
     "MATMUL_ACCUMULATORS", "MATMUL_BLOCK_CASTS", "MATMUL_BLOCK_ORDERS", "MATMUL_CASTS",
     "MATMUL_CONSTRUCTED_K", "MATMUL_NATIVE_CASTS", "MATMUL_ORDERS", "MATMUL_SHAPES",
     "OTHER_SAMPLE_16", "PAIR_SAMPLE_16", "PAIR_SR_BITS", "QUICK_MATMUL_SHAPES", "QUICK_PAIRS",
-    "QUICK_PAIRS_16", "REAL_SCALE_SAMPLE", "RULE_SCALINGS", "SEED", "WIDE_PAIRS", "MatmulCase",
+    "QUICK_PAIRS_16", "REAL_SCALE_SAMPLE", "RECIPE_BLOCKS", "RULE_SCALINGS", "SEED", "WIDE_PAIRS",
+    "MatmulCase",
     "Outcome", "Plan", "VerifyRow", "block_casts", "cast_quantize", "check_blocks", "check_cast",
-    "check_codes", "check_float32_inputs", "check_matmul", "check_pairs", "element_formats",
+    "check_codes", "check_float32_inputs", "check_matmul", "check_pairs", "check_recipe",
+    "check_recipes", "element_formats",
     "exact_of_float", "float32_inputs", "matmul_cases", "matmul_fast", "matmul_specs",
-    "oracle_cast_exact", "quick_casts", "random_blocks", "rows", "rule_casts", "to_float",
+    "oracle_cast_exact", "quick_casts", "random_blocks", "recipe_cases", "rows",
+    "rule_casts", "to_float",
     "verify",
 ]

@@ -88,7 +88,7 @@ def quick_casts(fmt: Format) -> list[Cast]:
     return [rule_casts(fmt, ScaleRule.FLOOR)[0], rule_casts(fmt, ScaleRule.TWO_LEVEL)[0]]
 
 
-def _blocks_of(case: Tensor, c: Cast) -> list[list[int]]:
+def blocks_of(case: Tensor, c: Cast) -> list[list[int]]:
     """Flat element indices of each block of ``case``, found without driftcli.scaling."""
     g, k = c.scaling.granularity, c.scaling.block
     flat = list(range(case.numel()))
@@ -123,7 +123,7 @@ def oracle_cast_exact(case: Tensor, c: Cast) -> tuple[list[Exact], list[Exact]]:
     tensor_amax = max(finite, default=Fraction(0))
     out: list[Exact] = [oracle.NAN] * len(values)
     scales: list[Exact] = [Exact.of(1)] * len(values)
-    for idx in _blocks_of(case, c):
+    for idx in blocks_of(case, c):
         deq, scale, _ = oracle.cast_block(
             [values[i] for i in idx], c.format, s.scale_format or FORMATS["float32"],
             s.rule, s.headroom, s.blocked, FORMATS["float32"], c.rounding, c.overflow,
@@ -133,7 +133,7 @@ def oracle_cast_exact(case: Tensor, c: Cast) -> tuple[list[Exact], list[Exact]]:
     return out, scales
 
 
-def _constructed_cases(fmt: Format, c: Cast) -> list[Tensor]:
+def constructed_cases(fmt: Format, c: Cast) -> list[Tensor]:
     """Blocks built to break scale rules: amax at, just below and just above each power of two
     and each element max, zeros, NaN and inf members, clamping at both ends, partial blocks."""
     k = c.scaling.block or 32
@@ -244,7 +244,7 @@ def check_cast(fmt: Format, c: Cast, plan: Plan, random: bool = True) -> Iterato
     size = k * k if s.granularity is Granularity.TILE else k
     # every element of constructed blocks, and of random blocks
     out = Outcome(fmt.name, "blocks", spec, c.rounding.value, c.overflow.value)
-    cases = _constructed_cases(fmt, c)
+    cases = constructed_cases(fmt, c)
     if not plan.quick and random:
         pool = random_blocks(BLOCK_FULL_SAMPLE, size, plan.seed + 7)
         cases += ([pool.reshape(-1, k, k)[i] for i in range(BLOCK_FULL_SAMPLE // 16)]

@@ -17,12 +17,13 @@ from driftcli.verify.compare import Outcome, Plan, VerifyRow
 from driftcli.verify.inputs import check_float32_inputs
 from driftcli.verify.matmuls import MATMUL_ACCUMULATORS, check_matmul
 from driftcli.verify.pairs import check_pairs
+from driftcli.verify.recipes import check_recipes
 
 FULL_PLAN = Plan()
 """The full plan, the default."""
 
 CHECKS: list[Callable[[Format, Plan], Iterator[Outcome]]] = [
-    check_codes, check_pairs, check_float32_inputs, check_blocks, check_matmul]
+    check_codes, check_pairs, check_float32_inputs, check_blocks, check_matmul, check_recipes]
 """Every check ``verify-formats`` runs, in order."""
 
 

@@ -1,0 +1,133 @@
+"""The ``recipes`` suite: every implementation preset's op sequence against the same sequence
+evaluated exactly (:mod:`driftcli.oracle_arith`: every float32 operation rounded once, in the
+preset's order), value by value and code by code, so a wrong order or a missing rounding in
+:mod:`driftcli.scalearith` shows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from driftcli.cast import Cast, parse_cast
+from driftcli.formats import Exact, Format, Kind
+from driftcli.modes import Granularity, ScaleRule
+from driftcli.oracle_arith import amax_of, cast_group
+from driftcli.quantization import QuantInfo
+from driftcli.recipes import IMPLEMENTATION_PRESETS
+from driftcli.verify.blocks import blocks_of, constructed_cases, random_blocks
+from driftcli.verify.compare import Outcome, Plan, exact_of_float, judge, to_float
+
+Tensor = torch.Tensor
+
+RECIPE_BLOCKS = 256
+"""Seeded random blocks per preset in the full plan (and as many again moved onto the
+element grid's midpoints under the preset's own scales); the quick plan takes none."""
+LARGE_GROUP = 4096
+"""Groups of at least this many elements (128 x 128 tiles) get every twelfth constructed case
+in the full plan, the first one in the quick plan: the exact evaluation costs tens of
+microseconds per element."""
+QUICK_CASES = 12
+"""Constructed cases per preset in the quick plan."""
+
+
+def presets_of(fmt: Format) -> list[str]:
+    """The implementation presets whose element format is ``fmt``."""
+    return [name for name, p in IMPLEMENTATION_PRESETS.items() if p.cast.format == fmt]
+
+
+def _group_size(c: Cast) -> int:
+    s = c.scaling
+    return s.block * s.block if s.granularity is Granularity.TILE else s.block or 32
+
+
+def recipe_cases(fmt: Format, c: Cast, plan: Plan) -> list[Tensor]:
+    """The tensors one preset is checked on: drift's constructed blocks (amax at and beside
+    powers of two and element maxima, ties, NaN, inf, zeros, partial blocks and tiles); in the
+    full plan also seeded random blocks and the same blocks moved onto the element grid and its
+    midpoints times each block's own scale, one ulp either side (as tensors of 8 blocks where
+    the scale reads the tensor's amax)."""
+    cases = constructed_cases(fmt, c)
+    if _group_size(c) >= LARGE_GROUP:
+        cases = cases[:1] if plan.quick else cases[::12]
+    elif plan.quick:
+        cases = cases[:QUICK_CASES - 3] + cases[-5:-2]  # and NaN, inf, -inf
+    if plan.quick or c.scaling.granularity is Granularity.TILE:
+        return cases
+    k = c.scaling.block or 32
+    blocks = random_blocks(RECIPE_BLOCKS, k, plan.seed + 13)
+    scales = cast_info(blocks, c).scales.float()
+    per_row = scales if scales.numel() == blocks.shape[0] else scales.expand(blocks.shape[0])
+    grid = torch.tensor(sorted({float(v.value) for _, v in fmt.values()
+                                if v.kind is Kind.FINITE and v.value >= 0}))
+    mids = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    gen = torch.Generator().manual_seed(plan.seed + 17)
+    pick = mids[torch.randint(0, len(mids), blocks.shape, generator=gen)]
+    moved = (pick * per_row[:, None]).view(torch.int32) + torch.randint(
+        -1, 2, blocks.shape, generator=gen, dtype=torch.int32)
+    moved = torch.where(pick == 0, 0.0, moved.view(torch.float32))
+    amax = blocks.abs().amax(dim=1, keepdim=True)
+    moved = torch.where(moved.abs() <= amax, moved, blocks)
+    moved[:, 0] = blocks[:, 0]
+    for rows in (blocks, moved):
+        if c.scaling.granularity is Granularity.TENSOR or c.scaling.rule is ScaleRule.TWO_LEVEL:
+            cases += list(rows.reshape(-1, 8, k))
+        else:
+            cases.append(rows)
+    return cases
+
+
+def cast_info(x: Tensor, c: Cast) -> QuantInfo:
+    """The fast path's cast with its codes (looked up at call time, so tests can plant
+    faults)."""
+    from driftcli.quantization import quantize
+
+    out = quantize(x, c, return_info=True)
+    assert isinstance(out, QuantInfo)
+    return out
+
+
+def oracle_recipe(case: Tensor, c: Cast) -> tuple[list[Exact], list[Exact]]:
+    """The exact values and codes of a whole tensor (flat), group by group."""
+    values = [exact_of_float(v) for v in case.flatten().tolist()]
+    s = c.scaling
+    tensor_amax = amax_of(values, s.arithmetic.amax)
+    out: list[Exact] = list(values)
+    codes: list[Exact] = list(values)
+    for idx in blocks_of(case, c):
+        deq, code, _ = cast_group([values[i] for i in idx], c.format, s, tensor_amax,
+                                  c.rounding, c.overflow)
+        for i, v, q in zip(idx, deq, code, strict=True):
+            out[i], codes[i] = v, q
+    return out, codes
+
+
+def check_recipe(fmt: Format, name: str, plan: Plan) -> Iterator[Outcome]:
+    """One implementation preset: its values and its codes against the exact evaluation."""
+    c = parse_cast(name)
+    values = Outcome(fmt.name, "recipes", f"{name} value", c.rounding.value, c.overflow.value)
+    codes = Outcome(fmt.name, "recipes", f"{name} code", c.rounding.value, c.overflow.value)
+    for case in recipe_cases(fmt, c, plan):
+        got = cast_info(case, c)
+        exact_values, exact_codes = oracle_recipe(case, c)
+        want = torch.tensor([to_float(v) for v in exact_values], dtype=torch.float64)
+        raw = case.flatten().view(torch.int32).tolist()
+
+        def describe(i: int, raw: list[int] = raw) -> str:
+            return f"element {i} float32 0x{raw[i] & 0xFFFFFFFF:08x}"
+
+        judge(values, want, got.values.flatten(), describe)
+        assert got.codes is not None
+        shown = ~torch.isnan(want)  # a NaN value has no code to compare
+        want_codes = torch.tensor([to_float(q) for q in exact_codes], dtype=torch.float64)
+        judge(codes, torch.where(shown, want_codes, torch.nan),
+              torch.where(shown, got.codes.flatten().double(), torch.nan), describe)
+    yield values
+    yield codes
+
+
+def check_recipes(fmt: Format, plan: Plan) -> Iterator[Outcome]:
+    """Every implementation preset on ``fmt`` (``drift formats --presets``)."""
+    for name in presets_of(fmt):
+        yield from check_recipe(fmt, name, plan)
+
