@@ -79,28 +79,34 @@ class ScaleRule(StrEnum):
     """Whether the rule picks a power of two ``2**k`` (an integer exponent): elements are then
     rounded onto the element grid times ``2**k``, nothing divided; otherwise each element is
     divided by a real scale in float32."""
+    covers_amax: bool
+    """Whether the rule's exact scale is the real ``amax / M`` of its group or above it, so that
+    in exact arithmetic nothing clips: a clip under it comes only from rounding that real scale
+    (or the quotient ``x / s``), and counts in ``clipped_by_rounding``. ``floor`` and ``even``
+    define their scale as a power of two below ``amax / M``: their clips are the rule's."""
 
-    def __new__(cls, value: str, power_of_two: bool) -> ScaleRule:
+    def __new__(cls, value: str, power_of_two: bool, covers_amax: bool = False) -> ScaleRule:
         rule = str.__new__(cls, value)
         rule._value_ = value
         rule.power_of_two = power_of_two
+        rule.covers_amax = covers_amax
         return rule
 
     FLOOR = "floor", True
     """OCP MX v1.0: ``2**(floor(log2 amax) - emax_elem)``; the largest values can clip."""
-    CEIL = "ceil", True
+    CEIL = "ceil", True, True
     """``2**ceil(log2(amax / max_elem))``: nothing clips (NVIDIA's MXFP8 recipe)."""
     EVEN = "even", True
     """amax rounded to the element's mantissa width (ties away) first, then ``floor``."""
-    AMAX = "amax", False
+    AMAX = "amax", False, True
     """Real-valued ``amax / max_elem`` in float32, kept as is (current scaling)."""
-    AMAX_RNE = "amax-rne", False
+    AMAX_RNE = "amax-rne", False, True
     """``amax / max_elem`` rounded to nearest into the scale format."""
-    AMAX_UP = "amax-up", False
+    AMAX_UP = "amax-up", False, True
     """``amax / max_elem`` rounded up into the scale format (nothing clips)."""
-    TWO_LEVEL = "two-level", False
+    TWO_LEVEL = "two-level", False, True
     """A float32 tensor scale over block scales in the scale format (NVFP4)."""
-    CEIL_AMAX = "ceil-amax", True
+    CEIL_AMAX = "ceil-amax", True, True
     """``2**(ceil(log2 amax) - emax_elem)``: amax rounded up to a power of two, then ``floor``
     (torchao's CEIL); the scale can exceed ``ceil``'s by one binade, nothing clips."""
 

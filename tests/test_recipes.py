@@ -538,3 +538,70 @@ def test_a_planted_swap_of_divide_for_reciprocal_is_caught(
     print(f"\n{preset}: {planted[0].n_failed} of {planted[0].n_checked} values caught")
     assert honest == [0, 0]
     assert planted[0].n_failed > 0 and planted[0].failures
+
+
+# --- clips through the rounding of a scale; drift cast-diff --------------------------------------
+
+def _tie_tensor() -> torch.Tensor:
+    """The amax and the element of the 1.1875 tie above (fp8_e4m3 code 1.25, torchao 1.125)."""
+    return torch.tensor([244.8327178955078, 0.6489706039428711])
+
+
+def test_an_amax_clip_counts_as_a_clip_through_rounding_and_a_floor_clip_does_not() -> None:
+    """fl(amax / fl(amax / 448)) = 448.00003: the amax element of an fp8_e4m3 cast clips, its
+    exact quotient is 448; a floor scale's clip is the rule's own."""
+    from driftcli.measures.stats import cast_stats
+
+    x = torch.tensor([2.3, -0.7, 0.01])  # scaling.md: x[0] / s = 448.00003
+    amax_cast, _ = cast_stats(x, "fp8_e4m3", want_values=False)
+    assert amax_cast.clipped == 1 and amax_cast.clipped_by_rounding == 1
+    tanh = torch.full((32,), 0.95)  # floor: scale 2**-9, largest value 0.875: every one clips
+    floor_cast, _ = cast_stats(tanh, "mxfp8_e4m3", want_values=False)
+    assert floor_cast.clipped == 32 and floor_cast.clipped_by_rounding == 0
+    rceil, _ = cast_stats(torch.full((32,), float(np.nextafter(np.float32(448 * 32),
+                                                              np.float32(np.inf)))),
+                          "torchao/mxfp8_rceil", want_values=False)
+    assert rceil.clipped == 32 and rceil.clipped_by_rounding == 32  # log2's binade, not the rule
+
+
+def test_cast_diff_counts_the_tie_that_parts_two_orders() -> None:
+    from driftcli.measures.diffstats import cast_diff_stats
+
+    a, b = parse_cast("fp8_e4m3"), parse_cast("torchao/float8_tensorwise")
+    d = cast_diff_stats(_tie_tensor(), a, b)
+    assert (d.compared, d.codes_differ, d.nan_differ) == (2, 1, 0)
+    assert d.values_differ == 2  # the amax too: q·s against q / r, in the last bit
+    # codes 1.25 and 1.125, one E4M3 step at 1.25 (0.125) times the scale: one spacing, up to
+    # the float32 rounding of the two decodes (a few ulps of the values, ~1e-7 relative)
+    assert abs(d.max_spacings - 1.0) < 1e-5
+    same = cast_diff_stats(_tie_tensor(), a, a)
+    assert (same.codes_differ, same.values_differ, same.max_spacings) == (0, 0, 0.0)
+
+
+def test_the_cast_diff_command_writes_its_table(tmp_path: Path) -> None:
+    import pandas as pd
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from driftcli.cli import app
+
+    save_file({"tie": _tie_tensor(), "zeros": torch.zeros(4, 16)}, str(tmp_path / "m.safetensors"))
+    runner = CliRunner()
+    result = runner.invoke(app, ["cast-diff", str(tmp_path / "m.safetensors"), "-c", "fp8_e4m3",
+                                 "-c", "torchao/float8_tensorwise", "-c", "te/float8_current",
+                                 "--out", str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 0, result.output
+    t = pd.read_parquet(tmp_path / "out" / "cast-diff.parquet").set_index(["tensor", "cast"])
+    torchao_spec, te_spec = (str(parse_cast(n)) for n in ("torchao/float8_tensorwise",
+                                                          "te/float8_current"))
+    assert set(t.against) == {str(parse_cast("fp8_e4m3"))}
+    assert t.loc[("tie", torchao_spec), "n_codes_differ"] == 1
+    assert t.loc[("tie", te_spec), "n_codes_differ"] == 1  # TE's r = fl32(448 / amax): the same
+    assert t.loc[("zeros", te_spec), "n_values_differ"] == 0
+    assert t.loc[("*", torchao_spec), "n_codes_differ"] == 1
+    assert t.loc[("*", torchao_spec), "codes_differ"] == 1 / 66
+    one = runner.invoke(app, ["cast-diff", str(tmp_path / "m.safetensors"), "-c", "nvfp4"])
+    assert one.exit_code == 2 and "give two or more" in one.output
+    sr = runner.invoke(app, ["cast-diff", str(tmp_path / "m.safetensors"), "-c", "nvfp4",
+                             "-c", "nvfp4:sr", "--out", str(tmp_path / "o2")])
+    assert sr.exit_code == 2 and "rounds stochastically" in sr.output

@@ -34,7 +34,8 @@ EXIT_USAGE = 2
 """Bad input or usage."""
 
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Measure", ("clip-rate", "underflow-rate", "error-bias", "accum-error", "grad-cosine")),
+    ("Measure", ("clip-rate", "underflow-rate", "error-bias", "cast-diff", "accum-error",
+                 "grad-cosine")),
     ("Verify", ("verify-formats", "formats")),
     ("Report", ("report",)),
     ("Train and probe", ("train", "dump", "probe")),

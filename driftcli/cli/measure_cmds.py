@@ -1,5 +1,5 @@
-"""``drift clip-rate``, ``drift underflow-rate``, ``drift error-bias``: one scan each,
-one Parquet table each, with the same inputs and options."""
+"""``drift clip-rate``, ``drift underflow-rate``, ``drift error-bias``, ``drift cast-diff``: one
+scan each, one Parquet table each, with the same inputs and options."""
 
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
     identities: list[Callable[[], list[dict[str, Any]]]] = []  # hashing, from the inputs opening
     bound_memory()
     with progress_bar("scanning", Bar.BYTES, quiet) as advance:
-        s = scan(inputs, casts, options=options, include=include or (), exclude=exclude or (),
+        s = scan(inputs, casts, options=m.scan_options(options), include=include or (),
+                 exclude=exclude or (),
                  progress=advance, rounded=m.rounded, execution=run_on,
                  on_open=lambda files: identities.append(identify_in_background(files,
                                                                                 fast_hash)))
@@ -205,3 +206,25 @@ def error_bias(
     """
     _run("error-bias", inputs, cast, out, _options(axis, device, draws, seed), include,
          exclude, fast_hash, quiet, as_json, engine, workers, ray_address, resume)
+
+
+@command("cast-diff")
+def cast_diff(
+    inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
+    device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
+    fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
+    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
+    resume: Resume = False,
+) -> None:
+    """Where casts disagree with the first, element by element.
+
+    Per tensor: the share of codes and of dequantized values that differ, the largest
+    difference in grid spacings, each cast's clips and underflows.
+    """
+    if len(cast) < 2:
+        from driftcli.errors import DriftError
+
+        raise DriftError(f"cast-diff compares casts with the first: give two or more, not "
+                         f"{len(cast)} (e.g. -c nvfp4 -c torchao/nvfp4)")
+    _run("cast-diff", inputs, cast, out, _options(axis, device), include, exclude, fast_hash,
+         quiet, as_json, engine, workers, ray_address, resume)

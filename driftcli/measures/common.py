@@ -3,6 +3,7 @@ all-tensors row, and the plain registry that maps a command name to its measure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -11,6 +12,7 @@ from typing import Any
 
 from driftcli.cast import Cast
 from driftcli.io.tables import column
+from driftcli.measures.diffstats import DiffStats
 from driftcli.measures.scan import Result, Scan, ScanOptions, iter_groups, scan
 from driftcli.measures.stats import CastStats
 from driftcli.progress import Progress
@@ -82,6 +84,10 @@ def _tensor_base(r: Result) -> dict[str, Any]:
 Columns = Callable[[tuple[CastStats, ...], CastStats | None], dict[str, Any]]
 """A measure's own columns from the stats of each draw and of the mean of the draws."""
 
+PairColumns = Callable[[CastStats, CastStats, DiffStats], dict[str, Any]]
+"""A comparing measure's own columns from one cast's stats, the first cast's, and where the two
+casts differ."""
+
 
 @dataclass(frozen=True)
 class Measure:
@@ -93,6 +99,10 @@ class Measure:
     rounded: bool = True
     """Whether its columns need the rounded values; clip-rate's do not, and skips the
     rounding."""
+    pair_columns: PairColumns | None = None
+    """Set for a measure of every cast against the first (cast-diff): the scan then compares
+    them element by element, and each row is one cast against the first, with an ``against``
+    column; ``columns`` is not used."""
 
     def _nulls(self) -> dict[str, Any]:
         base = {f.name for f in fields(TensorCastRow)}
@@ -100,6 +110,8 @@ class Measure:
 
     def rows(self, s: Scan) -> list[Any]:
         """One row per (source, tensor, cast), then one per (input, cast) over all tensors."""
+        if self.pair_columns is not None:
+            return self._pair_rows(s, self.pair_columns)
         out = []
         for r in s.results:
             own = self.columns(r.draws, r.expected) if r.error is None else self._nulls()
@@ -119,9 +131,46 @@ class Measure:
                 **self.columns(draws, expected)))
         return out
 
+    def _pair_rows(self, s: Scan, own_columns: PairColumns) -> list[Any]:
+        """Each cast but the first against the first: per tensor, then over all tensors."""
+        if not s.results:
+            return []
+        first = str(s.results[0].cast)
+        out, base = [], {}
+        for r in s.results:
+            key = (r.input, r.source, r.ref.name if r.ref else r.name)
+            if key not in base:  # the first cast of this tensor: the baseline, no row
+                base[key] = r
+                continue
+            b = base[key]
+            ok = r.error is None and b.error is None and r.diff is not None
+            own = own_columns(r.draws[0], b.draws[0], r.diff) if ok else self._nulls()  # type: ignore[arg-type]
+            out.append(self.row_type(**_tensor_base(r), against=first, **own))
+        groups = list(iter_groups(s))
+        baseline = {inp: results for inp, c, results in groups if str(c) == first}
+        for inp, c, results in groups:
+            if str(c) == first:
+                continue
+            mine = CastStats.merge([r.draws[0] for r in results], False)
+            theirs = CastStats.merge([r.draws[0] for r in baseline.get(inp, [])], False)
+            diff = DiffStats.merge([r.diff for r in results if r.diff is not None])
+            bad = sum(1 for r in s.errors if r.input == inp and str(r.cast) == str(c))
+            out.append(self.row_type(
+                source=inp, tensor=ALL_TENSORS, role=None, layer=None, operand=None, step=None,
+                dtype=None, shape=None, numel=mine.numel, **_cast_columns(c),
+                n_tensors=len(results), n_skipped=s.skipped.get(inp, 0), **_counts(mine),
+                error=f"{bad} tensor(s) or file(s) could not be read" if bad else None,
+                against=first, **own_columns(mine, theirs, diff)))
+        return out
+
+    def scan_options(self, options: ScanOptions | None) -> ScanOptions:
+        """``options`` as this measure's scan needs them (a comparing measure compares)."""
+        options = options or ScanOptions()
+        return dataclasses.replace(options, compare=self.pair_columns is not None)
+
     def run(self, paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
             options: ScanOptions | None = None, include: Sequence[str] = (),
             exclude: Sequence[str] = (), progress: Progress | None = None) -> list[Any]:
         """Scan ``paths`` under ``casts`` and return this measure's rows."""
-        return self.rows(scan(paths, casts, options=options, include=include, exclude=exclude,
-                              progress=progress, rounded=self.rounded))
+        return self.rows(scan(paths, casts, options=self.scan_options(options), include=include,
+                              exclude=exclude, progress=progress, rounded=self.rounded))

@@ -27,6 +27,7 @@ from driftcli.cast import Cast, parse_cast
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
+from driftcli.measures.diffstats import DiffStats, cast_diff_stats
 from driftcli.measures.stats import (
     CastStats,
     cast_stats,
@@ -80,6 +81,9 @@ class ScanOptions:
     :data:`COUNT_CHUNK_ELEMENTS` for a compiled scan that does not round."""
     whole_bytes: int = WHOLE_BYTES
     """Stored bytes up to which a tensor is read whole (see :data:`WHOLE_BYTES`)."""
+    compare: bool = False
+    """Also compare every cast with the first, element by element, on each slice
+    (:func:`driftcli.measures.diffstats.cast_diff_stats`; ``drift cast-diff``)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,9 @@ class Result:
     name: str | None = None
     """For an error without ``ref`` (the tensor could not even be listed): its name, if the
     error is about one tensor."""
+    diff: DiffStats | None = None
+    """With :attr:`ScanOptions.compare`: this cast against the scan's first (None for the first
+    itself)."""
 
 
 def _per_tensor(c: Cast) -> bool:
@@ -245,6 +252,7 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
     draws = [_n_draws(c, opts) if rounded else 1 for c in casts]
     parts: list[list[list[CastStats]]] = [[[] for _ in range(n)] for n in draws]
     expected: list[list[CastStats]] = [[] for _ in casts]
+    diffs: list[list[DiffStats]] = [[] for _ in casts]
     extent = slices[-1][1] or 1  # the length of the dimension the slices cut
     for start, stop in slices:
         x = read(start, stop)
@@ -267,12 +275,15 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
                     first = first or st
             if total is not None and first is not None:
                 expected[ci].append(_error_sums(x, total / n, first))
+            if opts.compare and ci:
+                diffs[ci].append(cast_diff_stats(x, casts[0], c, opts.axis, amax))
         advance(ref.nbytes * stop // extent)
     out = []
     for ci, c in enumerate(casts):
         draws = tuple(CastStats.merge(p, _per_tensor(c)) for p in parts[ci])
         exp = CastStats.merge(expected[ci], _per_tensor(c)) if expected[ci] else None
-        out.append(Result(inp, ref, ref.source, c, draws, exp))
+        diff = DiffStats.merge(diffs[ci]) if opts.compare and ci else None
+        out.append(Result(inp, ref, ref.source, c, draws, exp, diff=diff))
     return out
 
 

@@ -219,6 +219,10 @@ class CastStats:
     """Scale groups: blocks, tiles, channels; 1 for a tensor scale or no scaling."""
     clipped: int
     """Finite elements with |x / s| > M."""
+    clipped_by_rounding: int
+    """Of ``clipped``, those whose exact quotient by the rule's real scale ``amax / M`` is at
+    most M: every clip of a rule that covers amax (see ``ScaleRule.covers_amax``), none of
+    ``floor``'s and ``even``'s."""
     clipped_groups: int
     """Scale groups holding at least one clipped element."""
     clip_excess: float
@@ -303,7 +307,8 @@ def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
     stats = CastStats(
         numel=x.numel(), nonfinite=n_nonfinite,
         nonzero=int(((xd != 0) & m.finite).sum()), groups=b.blocks.shape[0] if x.numel() else 0,
-        clipped=int(m.clipped.sum()), clipped_groups=int(m.clipped.any(dim=1).sum()),
+        clipped=int(m.clipped.sum()), clipped_by_rounding=_by_rounding(c, int(m.clipped.sum())),
+        clipped_groups=int(m.clipped.any(dim=1).sum()),
         clip_excess=float(excess.sum()), abs_sum=float(mags.sum()),
         underflowed=int(m.underflowed.sum()), subnormal=int(m.subnormal.sum()),
         scale_clamped=int(b.clamped.sum()), nonfinite_groups=int(b.bad_blocks.sum()),
@@ -314,6 +319,13 @@ def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
 
 
 _STAT_FIELDS = tuple(CastStats.__dataclass_fields__)
+
+
+def _by_rounding(c: Cast, clipped: int) -> int:
+    """The clips that only the rounding of a real scale made: all of a rule's that covers
+    amax (every finite |x| is at most amax, so its exact quotient by amax / M is at most M)."""
+    rule = c.scaling.rule
+    return clipped if rule is not None and rule.covers_amax else 0
 
 
 TENSOR_ROW = 1 << 12
@@ -551,6 +563,7 @@ def _fused_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     stats_ = CastStats(
         numel=x.numel(), nonfinite=x.numel() - facts.finite, nonzero=v["nonzero"],
         groups=1 if one_scale else blocks.shape[0], clipped=clipped,
+        clipped_by_rounding=_by_rounding(c, clipped),
         clipped_groups=min(clipped, 1) if one_scale else clipped_rows, clip_excess=excess,
         abs_sum=v["abs_sum"], underflowed=v["underflowed"], subnormal=v["subnormal"],
         scale_clamped=min(n_clamped, 1) if one_scale else n_clamped,
