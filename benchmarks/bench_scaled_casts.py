@@ -11,6 +11,11 @@ per-tensor scale). Results of every path are checked bit for bit against the tor
 Each figure is the median of ``--repeat`` rounds after one untimed warm-up (its seconds are
 printed apart); "1st call +s" is the first call in a fresh process beyond a later one.
 
+With ``--implementations`` it times instead every implementation preset (``torchao/…``,
+``te/…``, ``deepseek/…``, docs/recipes.md) against drift's exact cast of the same recipe,
+interleaved in the same process on the default path, values only, and checks each against
+:data:`IMPLEMENTATION_TARGET`.
+
 Run ``python benchmarks/bench_scaled_casts.py --help`` for the options.
 """
 
@@ -34,6 +39,8 @@ from bench_casts import interleaved, machine, same_bits, set_malloc, set_path
 SPECS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4")
 TARGET = 3.0
 """The default path against torchao's CPU path for MX and NVFP4 casts (issue 20)."""
+IMPLEMENTATION_TARGET = 0.8
+"""An implementation preset against drift's exact cast of the same recipe (issue 15)."""
 
 FIRST_CALL = """
 import sys, time
@@ -97,6 +104,29 @@ def first_call(spec: str) -> float:
     return float(out[0]) - float(out[1])
 
 
+def implementation_rows(x: torch.Tensor, repeat: int, names: list[str]) -> list[dict]:
+    """Each implementation preset and its exact twin, interleaved: Me/s of both, the ratio."""
+    from driftcli.recipes import IMPLEMENTATION_PRESETS
+
+    set_path("default")
+    print(f"{'preset':28s} {'Me/s':>8s} {'exact Me/s':>11s} {'ratio':>6s}  exact cast")
+    rows = []
+    for name in names or list(IMPLEMENTATION_PRESETS):
+        exact = IMPLEMENTATION_PRESETS[name].exact
+        m = interleaved({"cast": lambda n=name: driftcli.quantize(x, n),
+                         "exact": lambda e=exact: driftcli.quantize(x, e)}, repeat)
+        row = {"preset": name, "exact": exact, "meps": x.numel() / m["cast"] / 1e6,
+               "exact_meps": x.numel() / m["exact"] / 1e6, "ratio": m["exact"] / m["cast"]}
+        rows.append(row)
+        print(f"{name:28s} {row['meps']:8.1f} {row['exact_meps']:11.1f} {row['ratio']:6.2f}  "
+              f"{exact}", flush=True)
+    worst = min(rows, key=lambda r: r["ratio"])
+    verdict = "met" if worst["ratio"] >= IMPLEMENTATION_TARGET else "missed"
+    print(f"target >= {IMPLEMENTATION_TARGET}x drift's exact cast of the same recipe: {verdict}; "
+          f"worst {worst['ratio']:.2f}x ({worst['preset']})")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure, print a table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -107,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compiled", action="store_true",
                         help="also measure inductor's code (DRIFT_COMPILE=always; compiles)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--implementations", nargs="*", metavar="PRESET",
+                        help="time implementation presets (all, or those named) against "
+                             "drift's exact casts instead")
     args = parser.parse_args(argv)
     side = int(args.n**0.5)
     shape = (side, args.n // side)
@@ -116,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
           f"{info['threads']} threads, commit {info['commit']}; malloc {malloc}")
     print(f"input: {shape[0]} x {shape[1]} float32 standard normal ({x.numel():,} elements)")
+    if args.implementations is not None:
+        rows = implementation_rows(x, args.repeat, args.implementations)
+        if args.json:
+            args.json.write_text(json.dumps({"machine": info, "malloc": malloc,
+                                             "implementations": rows}, indent=2))
+        return 0
     header = (f"{'cast':12s} {'info':5s} {'path':9s} {'Me/s':>8s} {'x clone':>8s} "
               f"{'x native':>9s} {'x torchao':>10s} {'warm-up s':>10s} {'1st call +s':>12s} "
               f"{'= torch':>8s}")

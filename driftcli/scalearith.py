@@ -14,12 +14,14 @@ special-case itself. The op sequences and their sources are in docs/recipes.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from driftcli.cast import Scaling
 from driftcli.formats import FORMATS, Format
 from driftcli.modes import (
+    DEFAULT_SR_BITS,
     AmaxPolicy,
     ElementOp,
     Guard,
@@ -32,13 +34,8 @@ from driftcli.modes import (
     SmallestRcp,
     TwoLevelOrder,
 )
-from driftcli.rounding import round_fused, target_of
-from driftcli.scaling import (
-    ScalePlan,
-    binade_and_significand,
-    plan_pow2_exponents,
-    plan_two_level_scales,
-)
+from driftcli.rounding import round_values
+from driftcli.scaling import ScalePlan, plan_pow2_exponents, plan_two_level_scales
 
 Tensor = torch.Tensor
 
@@ -81,11 +78,9 @@ def group_amax(blocks: Tensor, finite_amax: Tensor, bad: Tensor, policy: AmaxPol
 
 
 def pow2_f32(k: Tensor) -> Tensor:
-    """``2**k`` as float32 from its bits, for integer ``k`` in [-149, 127] (no rounding)."""
-    k = k.long()
-    normal = ((k.clamp(min=-126) + 127) << 23).to(torch.int32).view(torch.float32)
-    sub = (torch.ones_like(k) << (k.clamp(-149, -127) + 149)).to(torch.int32).view(torch.float32)
-    return torch.where(k >= -126, normal, sub)
+    """``2**k`` as float32 for integer ``k`` in [-149, 127]: built as a float64 from its bits,
+    then narrowed (exact: every such power of two is a float32, subnormal or not)."""
+    return ((k.long() + 1023) << 52).view(torch.float64).float()
 
 
 def arith_scales(amax: Tensor, tensor_amax: Tensor, elem: Format, scaling: Scaling) -> ArithScales:
@@ -114,14 +109,8 @@ def _pow2_scales(amax: Tensor, plan: ScalePlan, scaling: Scaling) -> ArithScales
         k, clamped = plan_pow2_exponents(torch.where(nan, 1.0, amax), plan)
     else:
         q = _quotient(amax, plan.elem_max, a.scale)
-        if a.pow2 is Pow2.RP:  # the smallest k with 2**k >= q, read from q's bits
-            positive = (q > 0) & ~nan
-            e, significand = binade_and_significand(torch.where(positive, q, 1.0))
-            raw = torch.where(positive, e + (significand > 1).long(),
-                              torch.full_like(e, plan.low))
-        else:  # float32 log2, as torch computes it: -inf for 0, inf for inf
-            t = torch.ceil(torch.log2(q))
-            raw = torch.where(nan, 0.0, t).clamp(-1024, 1024).long()
+        # RP: the smallest k with 2**k >= q, from q's bits; LOG2: torch's float32 log2
+        raw = _ceil_exponent(q, plan.low) if a.pow2 is Pow2.RP else _rounded_log2(q, up=True)
         clamped = ((raw < plan.low) | (raw > plan.high)) & (q > 0)
         k = raw.clamp(plan.low, plan.high)
     scale = torch.where(nan, torch.nan, pow2_f32(k))
@@ -132,6 +121,37 @@ def _pow2_scales(amax: Tensor, plan: ScalePlan, scaling: Scaling) -> ArithScales
         if a.rcpmin is SmallestRcp.ONE:
             apply = torch.where(k == plan.low, 1.0, apply)
     return ArithScales(apply, scale, scale.double(), clamped & ~nan, apply_op=a.apply)
+
+
+LOG2_SLICE = 1024
+"""Elements per ``torch.log2`` call: below MKL's threading threshold."""
+
+
+def _rounded_log2(v: Tensor, up: bool) -> Tensor:
+    """``ceil`` (``up``) or ``floor`` of torch's float32 ``log2(v)``, as int64 (±1024 for
+    ±inf, 0 for NaN: callers mask NaN). On the CPU, ``log2``, ``ceil`` and ``floor`` of a long
+    vector go through MKL's threaded vector math, whose threads cost milliseconds a call on a
+    busy machine (docs/performance.md): ``log2`` is taken in slices of :data:`LOG2_SLICE`
+    (the same function, element by element the same values), the rounding on integers."""
+    flat = v.reshape(-1)
+    t = torch.cat([torch.log2(part) for part in flat.split(LOG2_SLICE)]).reshape(v.shape) \
+        if flat.numel() > LOG2_SLICE else torch.log2(v)
+    t = t.clamp(-1024, 1024)
+    t = torch.where(torch.isnan(t), 0.0, t)
+    whole = t.long()  # toward zero
+    back = whole.float()
+    return whole + (back < t).long() if up else whole - (back > t).long()
+
+
+def _ceil_exponent(q: Tensor, low: int) -> Tensor:
+    """``ceil(log2 q)`` from the bits of a float32 ``q >= 0`` (``low`` for 0, 128 for inf): the
+    exponent field, plus one unless the mantissa is zero; a subnormal ``m · 2**-149`` takes
+    ``bit_length(m - 1) - 149``."""
+    bits = q.view(torch.int32).long()
+    field, mantissa = bits >> 23, bits & 0x7FFFFF
+    normal = field - 127 + (mantissa != 0).long()
+    sub = torch.frexp((mantissa - 1).double())[1].long() - 149  # bit_length(m - 1)
+    return torch.where(q == 0, low, torch.where(field == 0, sub, normal))
 
 
 def _real_scales(amax: Tensor, plan: ScalePlan, scaling: Scaling) -> ArithScales:
@@ -156,11 +176,14 @@ def _real_scales(amax: Tensor, plan: ScalePlan, scaling: Scaling) -> ArithScales
         mode = Rounding.RDOWN
     finite = torch.isfinite(held) & (held > 0)
     if a.pow2 is Pow2.LOG2:
-        log = torch.log2(held)
-        held = torch.exp2(torch.floor(log) if reciprocal else torch.ceil(log))
+        k = _rounded_log2(held, up=not reciprocal)  # exp2 of it: 0 below 2**-149, inf above
+        exp2 = torch.where(k < -149, 0.0, torch.where(k > 127, torch.inf, pow2_f32(
+            k.clamp(-149, 127))))
+        held = torch.where(torch.isnan(held), torch.nan, exp2)
     elif mode is not None:
-        rounded = round_fused(torch.where(finite, held, 1.0).contiguous(),
-                              plan.scale_target, mode, Overflow.IEEE)  # type: ignore[arg-type]
+        rounded = round_values(torch.where(finite, held, 1.0).contiguous(), None,
+                               cast(Format, scaling.scale_format), mode, Overflow.IEEE, None,
+                               DEFAULT_SR_BITS, held.dtype)
         held = torch.where(finite, rounded, held)
     over = (held > plan.largest) | (finite & ~torch.isfinite(held))
     low = finite & (held < plan.smallest)
@@ -195,7 +218,8 @@ def _two_level_drift(amax: Tensor, tensor_amax: Tensor, plan: ScalePlan) -> Arit
 def _e4m3(raw: Tensor) -> Tensor:
     """Round to nearest even into E4M3, saturating (``.to(torch.float8_e4m3fn)``, PTX
     ``cvt.rn.satfinite``); NaN stays NaN."""
-    return round_fused(raw.contiguous(), target_of(_E4M3), Rounding.RNE, Overflow.SATURATE)
+    return round_values(raw.contiguous(), None, _E4M3, Rounding.RNE, Overflow.SATURATE, None,
+                        DEFAULT_SR_BITS, raw.dtype)
 
 
 def _two_level_torchao(amax: Tensor, tensor_amax: Tensor, plan: ScalePlan) -> ArithScales:
