@@ -29,7 +29,7 @@ from driftcli.modes import Overflow, Rounding
 from driftcli.oracle import ZERO, accumulate_step, binade, exact_sum, product, products, round_exact
 
 C_EMIN = -126
-TOP_FLOOR = -900
+TOP_FLOOR = -400
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,12 @@ NONE_EXP = -(1 << 20)
 C_EMIN = -126
 """The running sum's exponent is read as a float32's, at least -126, whatever its format (the
 published models' rule)."""
-TOP_FLOOR = -900
+TOP_FLOOR = -400
 """A floor under a group's reference exponent below which no term lies (products of float32
-values reach 2**-298): it keeps ``2**(kept - E)`` and ``2**(E - kept)`` finite and normal in
-float64 for an all-zero group, whatever ``min_exp`` says."""
+values reach 2**-298): it keeps ``2**(kept - E)``, ``2**(E - kept)`` and an operand times
+either finite and normal in float64 for an all-zero group, whatever ``min_exp`` says."""
+TILE_BYTES = 1 << 18
+"""Bytes of ``b``'s rows the numba kernel keeps in cache at once."""
 DOUBLE_BITS = 53
 MASTER = FORMATS["float32"]
 """The format of the master sum that promotion adds into, rounded to nearest even."""
@@ -301,6 +303,7 @@ def _numba(a: Tensor, b: Tensor, how: Accumulation, c: Tensor | None,
     out = np.empty(count, dtype=np.float64)
     if count == 0:
         return torch.from_numpy(out)
+    k = a.shape[1]
     ea = exponents(a, how.emin_a).reshape(-1).numpy()
     eb = exponents(b, how.emin_b).reshape(-1).numpy()
     bad_a = (~torch.isfinite(a)).any(dim=1).numpy()
@@ -309,12 +312,15 @@ def _numba(a: Tensor, b: Tensor, how: Accumulation, c: Tensor | None,
     cs = empty if c is None else c.double().contiguous().numpy()
     sa, sb = (empty, empty) if scales is None else (
         scales[0].double().reshape(-1).numpy(), scales[1].double().reshape(-1).numpy())
-    k = a.shape[1]
-    kernel = fmakernels.fma_kernel(unit.interleave > 0, c is not None, scales is not None,
-                                   paired)
+    kernel = fmakernels.fma_kernel(unit.size, unit.interleave, c is not None,
+                                   scales is not None, paired)
     floor = max(unit.min_exp, TOP_FLOOR)
-    jit.spread(kernel, count, max(k, 1), a.reshape(-1).numpy(), ea, b.reshape(-1).numpy(), eb,
-               bad_a, bad_b, cs, sa, sb, k, M, N, unit.size, unit.kept_bits, floor, unit.interleave,
-               how.promote // unit.size, _groups(k, unit.size), _params(how.acc, how.rounding),
-               _params(how.acc, Rounding.RNE), _params(MASTER, Rounding.RNE), out)
+    rows, per_row = (count, k) if paired else (batch * M, N * k)
+    # rows of b that stay in cache (float32 values and int32 exponents) while a's rows pass
+    tile = max(1, TILE_BYTES // (8 * max(k, 1)))
+    jit.spread(kernel, rows, max(per_row, 1), a.float().reshape(-1).numpy(), ea,
+               b.float().reshape(-1).numpy(), eb, bad_a, bad_b, cs, sa, sb, k, M, N,
+               unit.kept_bits, floor, how.promote // unit.size, tile,
+               _params(how.acc, how.rounding), _params(how.acc, Rounding.RNE),
+               _params(MASTER, Rounding.RNE), out)
     return torch.from_numpy(out)

@@ -1,10 +1,25 @@
 """The numba code of :mod:`driftcli.arith.blockfma` (imported on first use: it imports numba).
 
-One kernel per combination of interleaving, ``c``, block scales and pairing (16 at most), each
-compiled once per machine and cached on disk like :mod:`driftcli.jitkernels`. A group is two
-passes over its products: the largest exponent, then the cut terms summed; every rounding is
-:func:`driftcli.jitkernels.round_one` on float64 bits, the same integer steps as the torch
-kernels, so both implementations give the same bits.
+A kernel is made per group size and interleave (compile-time constants: a loop of known length
+unrolls and vectorizes, about three times faster than one of run-time length) and per
+combination of ``c``, block scales and pairing; each is compiled once per machine and cached
+on disk like :mod:`driftcli.jitkernels`. A group is two passes over its products: the largest
+exponent, then the cut terms summed; its one rounding is done on the integer sum where the
+result is a normal number below the top binade, else by :func:`driftcli.jitkernels.round_one`
+on float64 bits (the torch kernels' integer steps). Both are correctly rounded, so the numba
+and torch implementations give the same bits (tests and ``drift verify-formats`` compare them
+with the exact reference).
+
+The kernels may reassociate floating-point operations (``fastmath={"reassoc"}``; numba
+compiles a function inlined in its IR with its caller's flags, so the whole kernel has them)
+because every step that can be reassociated is exact: each cut term is an integer below
+``2**(kept_bits + 2)``, and so is every partial sum of a group. So is the product
+``a * b * 2**(kept - E)`` in any association: every factor and partial product lies within
+float64's normal range (``E`` is at least ``TOP_FLOOR`` and at most ``TOP_CEIL``, the operands
+are float32 values); a row with NaN or infinity sums to NaN or the infinity in any order. The
+one inexact step, :func:`added` (TwoSum, which reassociation would reduce to nothing), is its
+own function compiled without the flag: LLVM keeps flags per instruction, so they do not reach
+its code even where it is inlined.
 """
 
 from __future__ import annotations
@@ -17,9 +32,10 @@ import numpy as np
 from numba import njit
 
 # importing jitkernels also puts its on-disk cache locator ahead of numba's own
-from driftcli.jitkernels import round_one, row_limits
+from driftcli.jitkernels import bit_length, round_one, row_limits
 
 _OPTIONS: dict[str, Any] = {"cache": True, "nogil": True, "error_model": "numpy"}
+_SUMS: dict[str, Any] = {**_OPTIONS, "fastmath": {"reassoc"}}
 
 NONE_EXP = -(1 << 20)
 C_EMIN = -126
@@ -41,7 +57,7 @@ def exponent_of(x: float) -> int:
     return max(((np.float64(x).view(np.int64) >> 52) & 0x7FF) - 1023, C_EMIN)
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(**_OPTIONS)
 def rounded(x: float, r: float, has_res: bool, lim: Any, p: Any) -> float:
     """``x`` (+ its residual ``r``) rounded by the parameters ``p``, as a float64."""
     bits = round_one(np.float64(x).view(np.int64), np.float64(r).view(np.int64), has_res, 0,
@@ -49,7 +65,7 @@ def rounded(x: float, r: float, has_res: bool, lim: Any, p: Any) -> float:
     return np.int64(bits).view(np.float64)
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(**_OPTIONS)
 def added(x: float, y: float, lim: Any, p: Any) -> float:
     """``x + y`` rounded once by ``p``: TwoSum's error enters the rounding as a sticky bit."""
     s = x + y
@@ -61,40 +77,75 @@ def added(x: float, y: float, lim: Any, p: Any) -> float:
 
 
 @njit(inline="always", **_OPTIONS)
-def group(a: Any, ea: Any, b: Any, eb: Any, k0: int, k1: int, il: int, half: int, c: float,
-          kept: int, floor: int, lim: Any, p: Any) -> float:
-    """One group (positions ``k0..k1``, only those of half ``half`` when ``il``), ``c``
-    included: every term cut toward zero below 2**(E - kept), summed exactly, rounded once."""
-    top = max(exponent_of(c), floor)
-    for k in range(k0, k1):
-        if il == 0 or ((k - k0) // il) % 2 == half:
-            top = max(top, ea[k] + eb[k])
-    # an infinite c (an overflowed group) reads as exponent 1024: a ceiling keeps both powers
-    # of two normal, and inf times either stays inf
-    top = min(top, TOP_CEIL)
-    up = pow2(kept - top)
-    s = np.trunc(c * up)
-    for k in range(k0, k1):
-        if il == 0 or ((k - k0) // il) % 2 == half:
-            s += np.trunc(a[k] * b[k] * up)
-    if s == 0.0:  # an exact zero is +0, as in the published models
+def finish(s: float, top: int, kept: int, lim: Any, p: Any) -> float:
+    """A group's exact sum ``s * 2**(top - kept)`` (``s`` an integer) rounded once, to nearest
+    even or toward zero (an exact zero is +0, as in the published models).
+
+    Where the result is a normal number below the format's top binade, the rounding is done
+    here on the integer (drop the bits below the format's precision, round, carry); anywhere
+    else by :func:`round_one`. Both give the correctly rounded value, so the same bits."""
+    if s == 0.0:
         return 0.0
-    return rounded(s * pow2(top - kept), 0.0, False, lim, p)
+    mag = np.int64(abs(s))
+    length = bit_length(mag)
+    mbits, emin, qmax = p[3], p[2], p[4]
+    lead = top - kept + length - 1  # the exponent of the sum's leading bit
+    drop = length - 1 - mbits
+    if lead < emin or lead >= qmax + mbits:
+        return rounded(s * pow2(top - kept), 0.0, False, lim, p)
+    if drop <= 0:
+        return s * pow2(top - kept)
+    kept_mag = mag >> drop
+    if p[13] == 0:  # to nearest, ties to even
+        low = mag - (kept_mag << drop)
+        half = np.int64(1) << (drop - 1)
+        if low > half or (low == half and (kept_mag & 1) == 1):
+            kept_mag += 1  # a carry to 2**(mbits + 1) is still exact below the top binade
+    value = np.float64(kept_mag) * pow2(top - kept + drop)
+    return -value if s < 0 else value
+
+
+@njit(**_SUMS)
+def partial(a: Any, ea: Any, b: Any, eb: Any, k0: int, k1: int, il: int, c: float, kept: int,
+            floor: int, la: Any, pa: Any, ln: Any, pn: Any) -> float:
+    """A group of run-time length (a short last group), positions ``k0..k1``, onto ``c``;
+    interleaved when ``il``: two halves, then ``c`` added to nearest."""
+    part = c if not il else 0.0
+    for h in range(2 if il else 1):
+        top = np.int32(min(max(exponent_of(part), floor), TOP_CEIL))
+        for k in range(k0, k1):
+            if not il or ((k - k0) // il) % 2 == h:
+                top = max(top, np.int32(ea[k] + eb[k]))
+        up = pow2(kept - top)
+        s = np.trunc(part * up)
+        for k in range(k0, k1):
+            if not il or ((k - k0) // il) % 2 == h:
+                s += np.trunc(np.float64(a[k]) * np.float64(b[k]) * up)
+        part = finish(s, top, kept, la, pa)
+    return added(part, c, ln, pn) if il else part
 
 
 @cache
-def fma_kernel(interleaved: bool, has_c: bool, scaled: bool,
+def fma_kernel(size: int, il: int, has_c: bool, scaled: bool,
                paired: bool) -> Callable[..., None]:
-    """``kernel(a, ea, b, eb, bad_a, bad_b, c, sa, sb, K, M, N, size, kept, floor, il, per,
-    groups, p_acc, p_near, p_master, out, start, stop)``: results ``start..stop`` of
-    :func:`driftcli.arith.blockfma.fma_dot` (flat arrays; ``p_*`` the rounding parameters onto
-    the accumulator, onto it to nearest, and onto the float32 master)."""
+    """``kernel(a, ea, b, eb, bad_a, bad_b, c, sa, sb, K, M, N, kept, floor, per, tile,
+    p_acc, p_near, p_master, out, start, stop)``: the results of
+    :func:`driftcli.arith.blockfma.fma_dot` (flat arrays: float32 operands, int32 exponents;
+    ``p_*`` the rounding parameters onto the accumulator, onto it to nearest, and onto the
+    float32 master). Paired: results ``start..stop``; else rows ``start..stop`` of ``a``
+    against every row of their batch's ``b``, ``tile`` rows of ``b`` at a time (they stay in
+    cache while every row of ``a`` passes).
 
-    @njit(**_OPTIONS)
+    A whole group is written out in the kernel with its size and interleave as constants (a
+    closure over integers only: numba caches such a kernel on disk, not one that closes over
+    other compiled functions)."""
+    run = il if il else size
+    width = 2 * il if il else size
+
+    @njit(**_SUMS)
     def kernel(a: Any, ea: Any, b: Any, eb: Any, bad_a: Any, bad_b: Any, c: Any, sa: Any,
-               sb: Any, K: int, M: int, N: int, size: int, kept: int, floor: int, il: int,
-               per: int, groups: int, p_acc: Any, p_near: Any, p_master: Any, out: Any,
-               start: int, stop: int) -> None:
+               sb: Any, K: int, M: int, N: int, kept: int, floor: int, per: int, tile: int,
+               p_acc: Any, p_near: Any, p_master: Any, out: Any, start: int, stop: int) -> None:
         pa = (p_acc[0], p_acc[1], p_acc[2], p_acc[3], p_acc[4], p_acc[5], p_acc[6], p_acc[7],
               p_acc[8], p_acc[9], p_acc[10], p_acc[11], p_acc[12], p_acc[13], p_acc[14],
               p_acc[15])
@@ -104,39 +155,74 @@ def fma_kernel(interleaved: bool, has_c: bool, scaled: bool,
         pm = (p_master[0], p_master[1], p_master[2], p_master[3], p_master[4], p_master[5],
               p_master[6], p_master[7], p_master[8], p_master[9], p_master[10], p_master[11],
               p_master[12], p_master[13], p_master[14], p_master[15])
-        lim_a, lim_n, lim_m = row_limits(0, pa), row_limits(0, pn), row_limits(0, pm)
+        la, ln, lm = row_limits(0, pa), row_limits(0, pn), row_limits(0, pm)
+        groups = max(1, (K + size - 1) // size)
         chunks = (groups + per - 1) // per if per else 1
-        for i in range(start, stop):
-            if paired:
-                ra, rb = i, i
-            else:
-                bi, rest = i // (M * N), i % (M * N)
-                ra, rb = bi * M + rest // N, bi * N + rest % N
-            ar, er = a[ra * K:(ra + 1) * K], ea[ra * K:(ra + 1) * K]
-            br, fr = b[rb * K:(rb + 1) * K], eb[rb * K:(rb + 1) * K]
-            c0 = c[i] if has_c else 0.0
-            if bad_a[ra] or bad_b[rb] or not np.isfinite(c0):
-                total = c0  # IEEE on the exact terms: NaN, or the infinity
-                for k in range(K):
-                    total += ar[k] * br[k]
-                out[i] = total
-                continue
-            acc = c0
-            master = 0.0
-            for g in range(groups):
-                k0, k1 = g * size, min((g + 1) * size, K)
-                if interleaved:
-                    part = group(ar, er, br, fr, k0, k1, il, 0, 0.0, kept, floor, lim_a, pa)
-                    part = group(ar, er, br, fr, k0, k1, il, 1, part, kept, floor, lim_a, pa)
-                    acc = added(part, acc, lim_n, pn)
-                else:
-                    acc = group(ar, er, br, fr, k0, k1, 0, 0, acc, kept, floor, lim_a, pa)
-                if per and ((g + 1) % per == 0 or g == groups - 1):
-                    if scaled:
-                        j = g // per
-                        acc = acc * sa[ra * chunks + j] * sb[rb * chunks + j]
-                    master = added(master, acc, lim_m, pm)
-                    acc = 0.0
-            out[i] = master if per else acc
+        if paired:
+            n_tiles, rows_b = 1, 1
+        else:
+            n_tiles, rows_b = (N + tile - 1) // tile, tile
+        for nt in range(n_tiles):
+            for r in range(start, stop):
+                for t in range(rows_b):
+                    if paired:
+                        i, ra, rb = r, r, r
+                    else:
+                        n = nt * tile + t
+                        if n >= N:
+                            break
+                        i, ra, rb = r * N + n, r, (r // M) * N + n
+                    c0 = c[i] if has_c else 0.0
+                    ar, br = a[ra * K:(ra + 1) * K], b[rb * K:(rb + 1) * K]
+                    er, fr = ea[ra * K:(ra + 1) * K], eb[rb * K:(rb + 1) * K]
+                    if bad_a[ra] or bad_b[rb] or not np.isfinite(c0):
+                        total = c0  # IEEE on the exact terms: NaN, or the infinity
+                        for k in range(K):
+                            total += np.float64(ar[k]) * np.float64(br[k])
+                        out[i] = total
+                        continue
+                    acc = c0
+                    master = 0.0
+                    for g in range(groups):
+                        k0 = g * size
+                        if k0 + size > K:  # a short last group
+                            acc = partial(ar, er, br, fr, k0, K, il, acc, kept, floor, la, pa,
+                                          ln, pn)
+                        elif not il:  # the simplest loop, which unrolls and vectorizes best
+                            top = np.int32(min(max(exponent_of(acc), floor), TOP_CEIL))
+                            for k in range(k0, k0 + size):
+                                top = max(top, np.int32(er[k] + fr[k]))
+                            up = pow2(kept - top)
+                            s = np.trunc(acc * up)
+                            for k in range(k0, k0 + size):
+                                s += np.trunc(np.float64(ar[k]) * np.float64(br[k]) * up)
+                            acc = finish(s, top, kept, la, pa)
+                        else:  # two halves, dealt run by run; c added last, to nearest
+                            part = 0.0
+                            for h in range(2):
+                                # an infinite part (an overflowed half) reads as exponent
+                                # 1024: the ceiling keeps both powers of two normal
+                                top = np.int32(min(max(exponent_of(part), floor), TOP_CEIL))
+                                first = k0 + h * run
+                                for j in range(0, size, width):
+                                    for q in range(run):
+                                        top = max(top, np.int32(er[first + j + q]
+                                                                + fr[first + j + q]))
+                                up = pow2(kept - top)
+                                s = np.trunc(part * up)
+                                for j in range(0, size, width):
+                                    for q in range(run):
+                                        k = first + j + q
+                                        s += np.trunc(np.float64(ar[k]) * np.float64(br[k])
+                                                      * up)
+                                part = finish(s, top, kept, la, pa)
+                            acc = added(part, acc, ln, pn)
+                        if per and ((g + 1) % per == 0 or g == groups - 1):
+                            if scaled:
+                                j = ra * chunks + g // per
+                                acc = acc * sa[j] * sb[rb * chunks + g // per]
+                            master = added(master, acc, lm, pm)
+                            acc = 0.0
+                    out[i] = master if per else acc
 
     return kernel

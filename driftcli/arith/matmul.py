@@ -427,7 +427,7 @@ def matmul(a: Tensor, b: Tensor, spec: MatmulSpec | str, *, seed: int | None = N
     return c
 
 
-def _fma_emin(c: Cast | None, elements: bool) -> int:
+def input_emin(c: Cast | None, elements: bool) -> int:
     """The exponent floor of an operand the block-FMA unit reads: its format's smallest normal
     exponent where the unit sees the format's own values (an unscaled cast, or element values
     under block scale application), else a float32's (dequantized values, no cast)."""
@@ -455,7 +455,7 @@ def _blockfma(qa: Tensor, qb: Tensor, sa: Tensor | None, sb: Tensor | None, spec
         rows_b = rows_b.double() / per_b.double().repeat_interleave(block, dim=1)[:, :K]
         scales = (per_a, per_b)
     how = Accumulation(cast(FMAUnit, spec.unit), spec.accumulator, spec.acc_rounding,
-                       _fma_emin(spec.lhs, bool(block)), _fma_emin(spec.rhs, bool(block)),
+                       input_emin(spec.lhs, bool(block)), input_emin(spec.rhs, bool(block)),
                        spec.chunk)
     out = fma_dot(rows_a, rows_b, how, scales=scales,
                   shape=(math.prod(batch), M, N))

@@ -25,7 +25,7 @@ import tomllib
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from driftcli.arith.matmul import MatmulSpec, Order, matmul_spec
 from driftcli.cast import PRESETS, Cast, parse_cast
@@ -164,7 +164,7 @@ POLICIES: dict[str, tuple[ArithmeticPolicy, str]] = {
 
 _TOP_KEYS = ("name", "preset", "backward_state", "keep_high_precision", "seed", "matmul",
              *(r.value for r in ROLES))
-_SPEC_KEYS = ("lhs", "rhs", "acc", "order", "scale", "out")
+_SPEC_KEYS = ("lhs", "rhs", "acc", "order", "fma", "tc", "scale", "out")
 _DEFAULTS = {"lhs": "none", "rhs": "none", "acc": "float32", "order": "native",
              "scale": "dequantized", "out": "none"}
 PLAIN = "plain"
@@ -178,7 +178,8 @@ def _spec_keys(spec: MatmulSpec | None) -> dict[str, str] | None:
     return {"lhs": "none" if spec.lhs is None else str(spec.lhs),
             "rhs": "none" if spec.rhs is None else str(spec.rhs),
             "acc": f"{spec.accumulator.name}:{spec.acc_rounding.value}",
-            "order": spec.order_name, "scale": spec.scale_application.value,
+            "order": spec.order_name, **({"fma": str(spec.unit)} if spec.unit else {}),
+            "scale": spec.scale_application.value,
             "out": "none" if spec.out is None else str(spec.out)}
 
 
@@ -187,7 +188,8 @@ def _from_keys(keys: dict[str, str], where: str) -> MatmulSpec:
     try:
         return matmul_spec(lhs=keys["lhs"], rhs=keys["rhs"], accumulator=acc,
                            acc_rounding=mode or Rounding.RNE, order=keys["order"],
-                           scale_application=keys["scale"], out=keys["out"])
+                           unit=keys.get("fma"), scale_application=keys["scale"],
+                           out=keys["out"])
     except DriftError as err:
         raise PolicyError(f"{where}: {err}") from None
 
@@ -205,6 +207,15 @@ def _table(value: Any, where: str) -> dict[str, str]:
             raise PolicyError(f"{where}.{key} must be a string such as \"mxfp8_e4m3\", not "
                               f"{v!r}")
         out[key] = v
+    if "tc" in out:  # a tensor-core preset: written out as the keys it sets
+        try:
+            spec = matmul_spec(tc=out.pop("tc"), lhs=out.get("lhs"), rhs=out.get("rhs"),
+                               order=out.get("order"), scale_application=out.get("scale",
+                                                                               "dequantized"),
+                               out=out.get("out"))
+        except DriftError as err:
+            raise PolicyError(f"{where}: {err}") from None
+        out = {**out, **cast(dict[str, str], _spec_keys(spec))}
     return out
 
 

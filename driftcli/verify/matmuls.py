@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from driftcli import oracle
-from driftcli.arith import MatmulSpec, matmul, matmul_spec
+from driftcli import oracle, oracle_blockfma
+from driftcli.arith import MatmulSpec, Order, matmul, matmul_spec
+from driftcli.arith.blockfma import FMAUnit
+from driftcli.arith.matmul import input_emin
 from driftcli.cast import Cast
 from driftcli.formats import FORMATS, Exact, Format
 from driftcli.modes import Rounding
@@ -32,6 +35,18 @@ MATMUL_SHAPES = ((3, 4, 1), (2, 3, 7), (4, 3, 33), (3, 4, 96), (2, 3, 200), (3, 
 QUICK_MATMUL_SHAPES = ((2, 3, 7), (2, 2, 70))
 MATMUL_CONSTRUCTED_K = 256
 """K of the constructed cases (cancellation, swamping, overflow); 96 in the quick plan."""
+BLOCKFMA_ACCUMULATORS = ("float32", "bfloat16", "float16", "e8m13")
+"""Accumulator formats whose block-FMA matmuls are checked."""
+BLOCKFMA_UNITS = ("1:40", "8:24:e-132", "8:9:i2", "16:25:e-133",
+                  "32:13:e-133", "32:25:i2:e-133")
+"""Block-FMA units checked (``SIZE:KEPT[:iK][:eMIN]``): the published models' shapes, a unit of
+one product, narrow ones, interleaved ones."""
+BLOCKFMA_CASTS = ("none", "float8_e4m3fn", "fp16")
+"""Operand casts of the block-FMA cells: float32 values (48-bit products), FP8 (subnormal inputs
+keep the format's smallest exponent) and fp16."""
+BLOCKFMA_PROMOTIONS = ("blockfma", "blockfma:64")
+BLOCKFMA_BLOCK_UNITS = ("8:9:i2", "16:25", "32:13")
+"""Units checked with MXFP8 operands under ``scale=block`` (each scale block promoted)."""
 
 
 @dataclass(frozen=True)
@@ -137,10 +152,31 @@ def matmul_specs(fmt: Format, plan: Plan) -> list[MatmulSpec]:
                                  order="pairwise"))
         specs.append(matmul_spec(lhs="mxfp4_e2m1", rhs="mxfp4_e2m1", accumulator=fmt,
                                  acc_rounding="rtz", order="chunked:64", out="bf16"))
+    if fmt.name in BLOCKFMA_ACCUMULATORS:
+        specs += blockfma_specs(fmt, plan)
     if fmt == FORMATS["float32"]:
         native = MATMUL_NATIVE_CASTS[:2] if plan.quick else MATMUL_NATIVE_CASTS
         specs += [matmul_spec(lhs=c, rhs=c, order="native") for c in native]
         specs.append(matmul_spec(lhs=native[-1], rhs=native[-1], order="native", out="bf16"))
+    return specs
+
+
+def blockfma_specs(fmt: Format, plan: Plan) -> list[MatmulSpec]:
+    """The block-FMA specs checked with accumulator ``fmt`` [quick: two FP8 units, no
+    promotion]."""
+    modes = (Rounding.RNE, Rounding.RTZ)
+    if plan.quick:
+        return [matmul_spec(lhs="float8_e4m3fn", rhs="float8_e4m3fn", accumulator=fmt,
+                            acc_rounding=mode, order="blockfma", unit=unit)
+                for unit in ("32:13:e-133", "32:25:i2:e-133") for mode in modes]
+    specs = [matmul_spec(lhs=c, rhs=c, accumulator=fmt, acc_rounding=mode, order=order,
+                         unit=unit)
+             for c in BLOCKFMA_CASTS for unit in BLOCKFMA_UNITS for order in BLOCKFMA_PROMOTIONS
+             for mode in modes]
+    specs += [matmul_spec(lhs="mxfp8_e4m3", rhs="mxfp8_e4m3", accumulator=fmt,
+                          acc_rounding=mode, order="blockfma:32", unit=unit,
+                          scale_application="block")
+              for unit in BLOCKFMA_BLOCK_UNITS for mode in modes]
     return specs
 
 
@@ -183,8 +219,37 @@ class _MatmulOracle:
                                    for i in range(m) for j in range(n)]
         return self._products[key]
 
+    def blockfma(self, case: MatmulCase, spec: MatmulSpec) -> list[Exact]:
+        """Every output element of ``case`` under a block-FMA ``spec``, row-major."""
+        (m, k), n = case.a.shape, case.b.shape[1]
+        av, ascale = self.operand(case, "lhs", spec.lhs)
+        bv, bscale = self.operand(case, "rhs", spec.rhs)
+        size = spec.block
+        if size:  # the unit sums element values; each block's scales meet its partial sum
+            av = [oracle.times(v, 1 / s.mag) for v, s in zip(av, ascale, strict=True)]
+            bv = [oracle.times(v, 1 / s.mag) for v, s in zip(bv, bscale, strict=True)]
+        u = cast(FMAUnit, spec.unit)
+        unit = oracle_blockfma.Unit(u.size, u.kept_bits, u.min_exp, u.interleave)
+        emin = (input_emin(spec.lhs, bool(size)), input_emin(spec.rhs, bool(size)))
+        out = []
+        for i in range(m):
+            for j in range(n):
+                scales = None if not size else [
+                    (x.mag, y.mag) for x, y in zip(ascale[i * k:(i + 1) * k:size],
+                                                   bscale[j * k:(j + 1) * k:size], strict=True)]
+                out.append(oracle_blockfma.fma_dot(
+                    av[i * k:(i + 1) * k], bv[j * k:(j + 1) * k], unit, spec.accumulator,
+                    spec.acc_rounding, emin, FORMATS["float32"], spec.chunk, scales=scales))
+        return out
+
     def result(self, case: MatmulCase, spec: MatmulSpec) -> list[Exact]:
         """Every output element of ``case`` under ``spec``, row-major."""
+        if spec.order is Order.BLOCKFMA:
+            out = self.blockfma(case, spec)
+            if spec.out is not None:
+                c = spec.out
+                out = [oracle.round_exact(c.format, v, c.rounding, c.overflow) for v in out]
+            return out
         order = spec.order.value
         fmt, mode = spec.accumulator, spec.acc_rounding
         if order == "native":  # the cases make every float32 order exact: sequential stands
