@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from driftcli.arith.policy import get_policy
 from driftcli.cli import app
 from driftcli.io.tables import read_table
+from driftcli.measures.probe_attention import AttentionRow
 from driftcli.models import (
     MLPConfig,
     TransformerConfig,
@@ -311,8 +312,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 @pytest.mark.parametrize("command, page, row_type", [
-    ("train", "train.md", TrainRow), ("dump", "dump.md", None),
-    ("probe", "probe.md", ProbeRow)])
+    ("train", "train.md", TrainRow), ("train", "train.md", AttentionRow),
+    ("dump", "dump.md", None), ("probe", "probe.md", ProbeRow)])
 def test_docs_name_every_option_and_column(command: str, page: str,
                                            row_type: type | None) -> None:
     text = (DOCS / page).read_text()

@@ -35,6 +35,9 @@ from driftcli.models.config import (
 from driftcli.modes import Engine, Storage
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
+    from driftcli.measures.probe_attention import AttentionRow
     from driftcli.runs.training import TrainResult
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no summary.")]
@@ -68,6 +71,28 @@ def model_config(model: ModelKind, width: int | None, layers: int | None,
     extra = {k: v for k, v in (("d_model", width), ("heads", heads),
                                ("activation", activation)) if v is not None}
     return TransformerConfig(**given, **extra)
+
+
+def attention_table(rows: list[AttentionRow], title: str) -> Table:
+    """The attention probes as a terminal table (a cast named by its preset where it is
+    one)."""
+    from rich.table import Table
+
+    from driftcli.cast import PRESETS
+
+    names = {str(c): name for name, (c, _) in reversed(PRESETS.items())}
+    table = Table(title=title)
+    heads = ("step", "policy", "layer", "cast", "logit_max", "P mass ≥0.5", "P clip",
+             "P underflow", "dY(P·v) clip", "dY(P·v) uf", "dY(q·kᵀ) clip", "dY(q·kᵀ) uf")
+    for head in heads:
+        table.add_column(head, justify="left" if head in ("policy", "layer", "cast") else "right")
+    for r in rows:
+        table.add_row(str(r.step), r.policy, r.layer, names.get(r.cast, r.cast),
+                      fmt(r.logit_max, ".3f"), fmt(r.p_mass_high, ".4f"),
+                      *(fmt(v, ".4f") for v in (r.p_clip_rate, r.p_underflow_rate,
+                                                r.dy_pv_clip_rate, r.dy_pv_underflow_rate,
+                                                r.dy_qk_clip_rate, r.dy_qk_underflow_rate)))
+    return table
 
 
 def train_summary(result: TrainResult) -> dict[str, Any]:
@@ -171,8 +196,14 @@ def train_command(
                       "-" if result.diverged_at is None else str(result.diverged_at),
                       f"{result.seconds_per_step:.4f}")
         console.print(table)
+        if result.attention:
+            last = max(r.step for r in result.attention)
+            console.print(attention_table([r for r in result.attention if r.step == last],
+                                          f"train: {out} (attention, last logged step)"))
         names = ", ".join(p.name for p in result.checkpoints) or "none"
-        console.print(f"wrote {result.table}, {out / 'run.json'}; checkpoints: {names}")
+        wrote = ", ".join(str(p) for p in (result.table, out / "run.json",
+                                           result.attention_table) if p is not None)
+        console.print(f"wrote {wrote}; checkpoints: {names}")
 
 
 @command("dump")
@@ -260,7 +291,14 @@ def probe_command(
     from driftcli.engines import Manifest
     from driftcli.io.tables import provenance, write_table
     from driftcli.measures.grad_cosine import ALL_PARAMETERS
-    from driftcli.runs.probe import PROBE_FILE, ProbeRow, probe
+    from driftcli.measures.probe_attention import AttentionRow
+    from driftcli.runs.probe import (
+        ATTENTION_PROBE_FILE,
+        PROBE_FILE,
+        ProbeRow,
+        probe,
+        probe_attention,
+    )
 
     resolved = [get_policy(p) for p in policy]  # fail now, not after loading a checkpoint
     kept = units_dir(run / PROBE_FILE)
@@ -278,9 +316,14 @@ def probe_command(
         path = write_table(run / PROBE_FILE, ProbeRow, rows, prov)
     finally:
         Manifest(kept).clear()  # the table holds them now
+    attention = probe_attention(run, resolved, seed=seed, checkpoints=checkpoints,
+                                windows=batch, text=text, threads=threads)
+    attention_path = (write_table(run / ATTENTION_PROBE_FILE, AttentionRow, attention, prov)
+                      if attention else None)
     totals = [r for r in rows if r.parameter == ALL_PARAMETERS]
     if as_json:
-        typer.echo(json.dumps({"table": str(path), "rows": [
+        typer.echo(json.dumps({"table": str(path), "attention_table": (
+            None if attention_path is None else str(attention_path)), "rows": [
             {k: getattr(r, k) for k in ("step", "policy", "cosine", "retention",
                                         "expected_cosine", "loss", "loss_exact",
                                         "freeze_share")} for r in totals]}, indent=2))
@@ -295,4 +338,7 @@ def probe_command(
                           fmt(r.loss, ".4f"), fmt(r.freeze_share, ".4f"))
         console = Console(width=120)
         console.print(table)
-        console.print(f"wrote {path}")
+        if attention:
+            console.print(attention_table(attention, f"probe: {run} (attention)"))
+        console.print(f"wrote {path}" + ("" if attention_path is None
+                                          else f", {attention_path}"))

@@ -19,6 +19,9 @@ Every matmul is an ``nn.Linear`` or a ``@``; the embeddings are lookups, not mat
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
@@ -86,6 +89,28 @@ class MLPLM(nn.Module):
         return self.head(h)
 
 
+@dataclass(frozen=True)
+class AttentionTensors:
+    """What one call of :class:`Attention` computed, as an :data:`AttentionWatch` sees it."""
+
+    qk: Tensor
+    """The product ``q·kᵀ`` ``(windows, heads, tokens, tokens)``: the first attention matmul's
+    output, whose gradient is that matmul's dY."""
+    scores: Tensor
+    """``q·kᵀ / sqrt(head width)``: the logits the softmax reads (before the mask)."""
+    keep: Tensor
+    """The causal mask ``(tokens, tokens)``: True where a query sees a key."""
+    probs: Tensor
+    """The softmax output P: the left operand of the second matmul ``P·v``."""
+    pv: Tensor
+    """The product ``P·v``, whose gradient is the second matmul's dY."""
+
+
+AttentionWatch = Callable[[str, AttentionTensors], None]
+"""Called by every :class:`Attention` with its qualified name and its tensors, where set
+(:func:`watch_attention`); it must not change them."""
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention with explicit matmuls."""
 
@@ -94,15 +119,42 @@ class Attention(nn.Module):
         self.heads = config.heads
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
+        self.watch: tuple[str, AttentionWatch] | None = None
+        """The qualified name and the callback of :func:`watch_attention`, while it runs."""
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
                    for z in self.qkv(x).split(d, dim=-1))
-        scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(d // self.heads))
+        qk = q @ k.transpose(-2, -1)
+        scores = qk * (1 / math.sqrt(d // self.heads))
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         probs = torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
-        return self.proj((probs @ v).transpose(1, 2).reshape(b, t, d))
+        pv = probs @ v
+        if self.watch is not None:
+            name, call = self.watch
+            call(name, AttentionTensors(qk, scores, causal, probs, pv))
+        return self.proj(pv.transpose(1, 2).reshape(b, t, d))
+
+
+def has_attention(model: nn.Module) -> bool:
+    """Whether ``model`` has an :class:`Attention` layer (the attention probes need one)."""
+    return any(isinstance(m, Attention) for m in model.modules())
+
+
+@contextmanager
+def watch_attention(model: nn.Module, call: AttentionWatch) -> Iterator[None]:
+    """Within the block, every :class:`Attention` of ``model`` hands ``call`` its qualified
+    name and its :class:`AttentionTensors` on each forward (the attention probes read them);
+    nothing the model computes changes."""
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
+    for name, module in found:
+        module.watch = (name, call)
+    try:
+        yield
+    finally:
+        for _, module in found:
+            module.watch = None
 
 
 class MLP(nn.Module):

@@ -7,7 +7,10 @@ Which figures a table gets follows from its layout and columns, never from its n
   by parameter for each policy), and the same for each column of ``BY_ITEM_EXTRA`` it has;
 - a table with both columns of a ``Scatter`` gets that scatter (error size against bias: one
   point per tensor and cast);
-- a table with more than one ``step`` gets its measured columns against step;
+- a table with more than one ``step`` gets its measured columns against step; where it also
+  has a ``layer`` key column with more than ``MAX_LAYER_LINES`` layers (a line per layer would
+  be unreadable), each measured column is a layer × step heatmap instead, one per series of
+  the other group columns (a cast, a policy);
 - any other table gets its headline per group as bars.
 
 Axes carry the column name and unit; a scale is logarithmic (symmetric-log where values are
@@ -53,6 +56,9 @@ MAX_LABELLED = 60
 NAMED_WORST = 5
 MAX_SERIES = 10
 MAX_STEP_PANELS = 6
+LAYER = "layer"
+MAX_LAYER_LINES = 4
+"""Layers drawn as lines against step; beyond, a layer × step heatmap."""
 BY_ITEM_EXTRA = ("retention",)
 """Columns besides the headline plotted by item where a table has them and they are not its
 headline (the gradient tables' retention, for one)."""
@@ -553,6 +559,60 @@ def by_step(table: Table, palette: Palette | None = None) -> list[Plot | Note]:
     return plots
 
 
+def by_layer_step(table: Table) -> list[Plot | Note]:
+    """Each measured column as a layer × step heatmap (layers in the table's order, steps
+    ascending), one per series of the other group columns; cells without a value stay blank.
+    Columns constant everywhere are named in a note, not drawn."""
+    lay = layout(table)
+    frame = table.display_frame()
+    measured = [c for c in table.columns if c not in table.keys
+                and pd.api.types.is_numeric_dtype(frame[c].dtype)
+                and not pd.api.types.is_bool_dtype(frame[c].dtype)
+                and _numeric(frame, c).notna().any()]
+    measured.sort(key=lambda c: c != table.headline)
+    drop = (STEP, LAYER)
+    shown = _series(frame, lay, drop)[:MAX_SERIES]
+    flat = [c for c in measured if _numeric(frame, c).dropna().nunique() <= 1]
+    plots: list[Plot | Note] = []
+    panels = [(c, s) for c in measured if c not in flat for s in shown]
+    for column, series in panels[:MAX_STEP_PANELS * max(1, len(shown))]:
+        grid = series.rows.pivot_table(index=LAYER, columns=STEP, values=column,
+                                       aggfunc="first", sort=False)
+        grid = grid.reindex(index=list(dict.fromkeys(series.rows[LAYER])),
+                            columns=sorted(grid.columns))
+        values = grid.to_numpy(dtype=float)
+        fig, ax = _figure(8.5, max(2.5, 0.28 * len(grid.index) + 1.5))
+        kind, kw = _scale(list(values[np.isfinite(values)]))
+        norm = None
+        if kind != "linear":
+            from matplotlib.colors import LogNorm, SymLogNorm
+
+            norm = LogNorm() if kind == "log" else SymLogNorm(kw["linthresh"])
+        image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest",
+                          norm=norm, cmap="viridis")
+        steps = list(grid.columns)
+        ticks = sorted({0, len(steps) - 1, *range(0, len(steps), max(1, len(steps) // 8))})
+        ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
+        ax.set_yticks(range(len(grid.index)), [str(v) for v in grid.index])
+        ax.set_xlabel("step")
+        ax.set_ylabel(LAYER)
+        where = f" ({series.label})" if series.label else ""
+        ax.set_title(f"{table.name}: {column}{where} by layer and step")
+        fig.colorbar(image, ax=ax, label=axis_label(table, column))
+        doc = table.docs.get(column, "")
+        plots.append(Plot(f"{table.name}: {column}{where} by layer and step",
+                          f"heatmap of {column} with one row per layer and one column per "
+                          f"step{where}",
+                          f"{column}: {doc}." + (f" {kind} colour scale." if kind != "linear"
+                                                 else ""), _png(fig)))
+    if flat:
+        said = ", ".join(f"{c} = {fmt(plain(_numeric(frame, c).dropna().iloc[0]))}"
+                         for c in flat)
+        plots.append(Note(f"{table.name}: constant columns",
+                          f"Constant at every layer and step, not plotted: {said}."))
+    return plots
+
+
 def _nothing(table: Table, frame: pd.DataFrame, what: str, groups: str) -> Note:
     """The sentence for a bar chart whose bars would all be 0."""
     head = table.headline
@@ -606,7 +666,11 @@ def figures(table: Table, palette: Palette | None = None) -> list[Plot | Note]:
     lay = layout(table)
     stepped = STEP in table.columns and table.frame[STEP].nunique() > 1
     plots: list[Plot | Note | None] = []
-    if stepped:
+    layered = (stepped and LAYER in table.keys
+               and table.frame[LAYER].nunique() > MAX_LAYER_LINES)
+    if layered:
+        plots += by_layer_step(table)
+    elif stepped:
         plots += by_step(table, palette)
     elif lay.item is not None:
         extra = [c for c in BY_ITEM_EXTRA if c in table.columns and c != table.headline]

@@ -56,9 +56,10 @@ from driftcli.measures.grad_cosine import (
     GradientColumns,
     grad_cosine,
 )
+from driftcli.measures.probe_attention import AttentionRecorder, AttentionRow, measured_casts
 from driftcli.models.checkpoint import DriftCheckpoint, load_checkpoint, read_info
 from driftcli.models.config import CHECKPOINTS, ModelConfig
-from driftcli.models.nets import next_byte_loss
+from driftcli.models.nets import has_attention, next_byte_loss, watch_attention
 from driftcli.modes import Overflow, Rounding, Storage, parse_choice
 from driftcli.progress import Progress
 from driftcli.runs.training import deterministic
@@ -67,6 +68,8 @@ from driftcli.text import Corpus, fixed_windows, load_corpus, recorded_corpus
 Tensor = torch.Tensor
 
 PROBE_FILE = "probe.parquet"
+ATTENTION_PROBE_FILE = "probe-attention.parquet"
+"""The attention probes of a transformer run's checkpoints (``AttentionRow``)."""
 
 
 class ProbeError(DriftError, ValueError):
@@ -390,6 +393,48 @@ def probe(run: str | Path, policies: Sequence[ArithmeticPolicy | str], *, draws:
     per_unit = engines.run(units, probe_unit, execution, progress=progress,
                            label=lambda u: Path(u.path).name)
     return [row for rows in per_unit for row in rows]
+
+
+def attention_at(ck: DriftCheckpoint, policy: ArithmeticPolicy, batch: Tensor, *, run: str,
+                 seed: int = 0) -> list[AttentionRow]:
+    """The attention probes of one checkpoint under ``policy``: one forward and backward of
+    the checkpoint's (float32) model on ``batch`` under the policy (a stochastic one draws
+    with ``seed``), each attention layer counted under the casts the policy applies to P and
+    to dY (:func:`driftcli.measures.probe_attention.measured_casts`); no rows for a model
+    without attention."""
+    model = copy.deepcopy(ck.model).float()
+    if not has_attention(model):
+        return []
+    casts = measured_casts(None if policy.forward is None else policy.forward.lhs,
+                           None if policy.dgrad is None else policy.dgrad.lhs)
+    recorder = AttentionRecorder(casts)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with arithmetic(with_seed(policy, seed), model=model), watch_attention(model, recorder):
+        loss = next_byte_loss(model, batch.long())
+        if bool(torch.isfinite(loss)):
+            torch.autograd.grad(loss, params, allow_unused=True)
+    return recorder.rows(run, ck.step, "probe", policy.name)
+
+
+def probe_attention(run: str | Path, policies: Sequence[ArithmeticPolicy | str], *,
+                    seed: int = 0, checkpoints: str = CHECKPOINTS, windows: int | None = None,
+                    text: str | Path | None = None, threads: int = 1) -> list[AttentionRow]:
+    """The attention probes (:func:`attention_at`) of every checkpoint of ``run`` under every
+    policy, on the probe batch of :func:`probe`, checkpoint by checkpoint in step order;
+    empty for a run of a model without attention. Runs in this process, on ``threads``
+    torch threads, deterministically."""
+    resolved = tuple(get_policy(p) for p in policies)
+    name = Path(run).resolve().name
+    rows: list[AttentionRow] = []
+    with deterministic(threads):
+        for path in run_checkpoints(run, checkpoints):
+            ck = load_checkpoint(path)
+            if not has_attention(ck.model):
+                return []
+            batch = probe_batch(ck, probe_corpus(ck, text), windows)
+            for policy in resolved:
+                rows.extend(attention_at(ck, policy, batch, run=name, seed=seed))
+    return rows
 
 
 def _row(run: str, ck: DriftCheckpoint, r: GradCosineRow, storage: Storage, optimizer: str,

@@ -48,10 +48,17 @@ from driftcli.io.capture import capture
 from driftcli.io.dumps import DUMP_KEY, ROLES
 from driftcli.io.tables import column, provenance, write_table
 from driftcli.measures import clip_rate, underflow_rate
+from driftcli.measures.probe_attention import AttentionRecorder, AttentionRow, measured_casts
 from driftcli.measures.stats import CastStats, cast_stats
 from driftcli.models.checkpoint import save_checkpoint
 from driftcli.models.config import CHECKPOINTS, MLPConfig, ModelConfig, OptimizerKind, Schedule
-from driftcli.models.nets import build_model, count_parameters, next_byte_loss
+from driftcli.models.nets import (
+    build_model,
+    count_parameters,
+    has_attention,
+    next_byte_loss,
+    watch_attention,
+)
 from driftcli.modes import Rounding, parse_choice
 from driftcli.text import Corpus, fixed_windows, load_corpus, require_length, sample_windows
 
@@ -59,6 +66,8 @@ Tensor = torch.Tensor
 
 TABLE_FILE = "train.parquet"
 RUN_FILE = "run.json"
+ATTENTION_FILE = "attention.parquet"
+"""The attention probes of a transformer run's logged steps (``AttentionRow``)."""
 
 
 class TrainError(DriftError, ValueError):
@@ -198,6 +207,10 @@ class TrainResult:
     parameters: int
     seconds: float
     """Wall time of the steps (text loading and setup excluded)."""
+    attention: tuple[AttentionRow, ...] = ()
+    """The attention probes of the logged steps (a transformer's; empty otherwise)."""
+    attention_table: Path | None = None
+    """Where they were written (``attention.parquet``), or None."""
 
     @property
     def steps_done(self) -> int:
@@ -303,7 +316,8 @@ def optimizer_buffers(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str,
 
 
 def _prepare(run: Path, overwrite: bool) -> None:
-    old = [p for p in (run / TABLE_FILE, run / RUN_FILE, run / "probe.parquet") if p.exists()]
+    old = [p for p in (run / TABLE_FILE, run / RUN_FILE, run / ATTENTION_FILE,
+                       run / "probe.parquet", run / "probe-attention.parquet") if p.exists()]
     old += sorted(run.glob(CHECKPOINTS)) if run.is_dir() else []
     if old and not overwrite:
         raise TrainError(f"run folder {run} already holds a run ({old[0].name}); give a new "
@@ -343,6 +357,10 @@ def train(config: TrainConfig, out: str | Path, text: str | Path | None = None, 
                   "train": config.to_json(),
                   "text": corpus.describe()}
     rows: list[TrainRow] = []
+    attention: list[AttentionRow] = []
+    lenses = measured_casts(_operand_cast(policy, None, "forward.lhs"),
+                            _operand_cast(policy, None, "dgrad.lhs"),
+                            () if measure is None else (measure,))
     checkpoints: list[Path] = []
     diverged_at: int | None = None
     with deterministic(config.threads):
@@ -352,6 +370,7 @@ def train(config: TrainConfig, out: str | Path, text: str | Path | None = None, 
         opt = _make_optimizer(config, model)
         gen = torch.Generator().manual_seed(config.seed)
         params = list(model.parameters())
+        probed = has_attention(model)
 
         def save(step: int, loss: float | None) -> None:
             state = {**base_state, "step": step, "loss": loss, "diverged_at": diverged_at,
@@ -370,20 +389,24 @@ def train(config: TrainConfig, out: str | Path, text: str | Path | None = None, 
             for group in opt.param_groups:
                 group["lr"] = lr
             batch = sample_windows(corpus.train, config.batch, length, gen, corpus.source)
-            logged = watched and config.log_every > 0 and (
-                step == 1 or step % config.log_every == 0)
+            log_step = config.log_every > 0 and (step == 1 or step % config.log_every == 0)
+            logged = watched and log_step
+            recorder = AttentionRecorder(lenses) if log_step and probed else None
             opt.zero_grad(set_to_none=True)
             rates: dict[str, float | None] = {}
             with tempfile.TemporaryDirectory() if logged else nullcontext() as tmp:
                 dump = Path(tmp) / "operands.safetensors" if tmp else None
                 with arithmetic(with_seed(policy, step_seed(config.seed, step)), model=model), \
-                        capture(model, dump, step=step) if dump else nullcontext():
+                        capture(model, dump, step=step) if dump else nullcontext(), \
+                        watch_attention(model, recorder) if recorder is not None else nullcontext():
                     loss_t = next_byte_loss(model, batch)
                     loss = float(loss_t.detach())
                     if math.isfinite(loss):
                         loss_t.backward()
                 if dump is not None:
                     rates = operand_rates(dump, policy, measure)
+            if recorder is not None:
+                attention.extend(recorder.rows(run.name, step, "train", policy.name))
             finite = math.isfinite(loss)
             grads = [p.grad for p in params if p.grad is not None]
             grad_norm = _norm(grads) if finite else None
@@ -421,8 +444,10 @@ def train(config: TrainConfig, out: str | Path, text: str | Path | None = None, 
         "diverged_at": diverged_at, "parameters": n_params,
         "checkpoints": [p.name for p in checkpoints]})
     table = write_table(run / TABLE_FILE, TrainRow, rows, prov)
+    attention_table = (write_table(run / ATTENTION_FILE, AttentionRow, attention, prov)
+                       if attention else None)
     result = TrainResult(run, table, tuple(rows), tuple(checkpoints), diverged_at, n_params,
-                         seconds)
+                         seconds, tuple(attention), attention_table)
     _write_run_json(result, config, corpus, policy)
     return result
 
