@@ -27,6 +27,7 @@ import dataclasses
 import math
 import string
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any, Protocol
 
 import torch
@@ -45,6 +46,29 @@ OUTSIDE = "<outside>"
 
 class UnsupportedMatmulError(DriftError):
     """A matmul the policy cannot be applied to."""
+
+
+class MatmulKind(StrEnum):
+    """What a product multiplies, as the interception sees it: the kinds a policy can keep in
+    high precision (``keep_matmuls``)."""
+
+    LINEAR = "linear"
+    """A weight times an activation: every ``F.linear`` (``nn.Linear``), and any other product
+    one of whose operands is a parameter of the model (or a view of one)."""
+    ATTENTION = "attention"
+    """Two activations: both products of ``F.scaled_dot_product_attention`` (``q·kᵀ`` and
+    ``P·v``), and any other product with no parameter among its operands (attention written
+    with explicit matmuls, as drift's transformer and most models do)."""
+
+
+def matmul_kind(name: str, a: Any, b: Any, is_parameter: Callable[[Any], bool]) -> MatmulKind:
+    """The :class:`MatmulKind` of the product of ``a`` and ``b`` that the call ``name`` makes
+    (the names of :data:`MATMULS`; sdpa's products end ``.qk`` and ``.pv``)."""
+    if name.startswith("F.scaled_dot_product_attention"):
+        return MatmulKind.ATTENTION
+    if name == "F.linear" or is_parameter(a) or is_parameter(b):
+        return MatmulKind.LINEAR
+    return MatmulKind.ATTENTION
 
 
 class Engine(Protocol):

@@ -49,7 +49,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from driftcli.arith.autograd import policy_matmul
-from driftcli.arith.intercept import OUTSIDE, ROOT, UnsupportedMatmulError, lookup
+from driftcli.arith.intercept import (
+    OUTSIDE,
+    ROOT,
+    UnsupportedMatmulError,
+    lookup,
+    matmul_kind,
+)
 from driftcli.arith.policy import ArithmeticPolicy, get_policy
 from driftcli.errors import DriftError
 
@@ -83,6 +89,7 @@ class ArithmeticMode(TorchFunctionMode):
         self.matmuls = 0
         self._stack: list[_Frame] = []
         self._names: dict[int, str] = {}
+        self._params: set[int] = set()
         self._roots: set[int] = set()
         self._handles: list[RemovableHandle] = []
 
@@ -119,6 +126,12 @@ class ArithmeticMode(TorchFunctionMode):
         self._roots.add(id(root))
         for name, module in root.named_modules():
             self._names.setdefault(id(module), name)
+        self._params.update(id(p) for p in root.parameters())
+
+    def _is_parameter(self, t: Any) -> bool:
+        """Whether ``t`` is a parameter of the model, or a view of one (``weight.T``)."""
+        return isinstance(t, Tensor) and (
+            id(t) in self._params or (t._base is not None and id(t._base) in self._params))
 
     def _push(self, module: nn.Module, args: Any) -> None:
         if not self._stack and self.model is None and id(module) not in self._roots:
@@ -161,7 +174,7 @@ class ArithmeticMode(TorchFunctionMode):
                 "it with F.linear, matmul, einsum or F.scaled_dot_product_attention")
         return func(*args, **kwargs)
 
-    def _plain_reason(self, a: Any, b: Any) -> str | None:
+    def _plain_reason(self, a: Any, b: Any, name: str) -> str | None:
         """Why this product runs as the plain torch op, or None when the policy applies."""
         if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
             return "not tensors"
@@ -169,6 +182,10 @@ class ArithmeticMode(TorchFunctionMode):
             return "not float operands of one dtype"
         if self._kept:
             return "kept in high precision"
+        if self.policy.keep_matmuls:
+            kind = matmul_kind(name, a, b, self._is_parameter)
+            if self.policy.keeps_kind(kind):
+                return f"{kind.value} matmul kept in high precision"
         if a.dim() >= 1 and a.shape[-1] == 1:
             return "outer product (K = 1)"
         return None
@@ -179,7 +196,7 @@ class ArithmeticMode(TorchFunctionMode):
         reason (counted in ``plain``), or because the policy simulates no role (counted in
         ``routed``, once per product: under ``exact`` a linear or matmul is the very torch
         op)."""
-        reason = self._plain_reason(a, b)
+        reason = self._plain_reason(a, b, name)
         if reason is not None:
             self.note_plain(name, reason)
             return True

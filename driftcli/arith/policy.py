@@ -27,6 +27,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, cast
 
+from driftcli.arith.intercept import MatmulKind
 from driftcli.arith.matmul import MatmulSpec, Order, matmul_spec
 from driftcli.cast import PRESETS, Cast, parse_cast
 from driftcli.errors import DriftError, close_matches
@@ -66,6 +67,22 @@ class BackwardState(StrEnum):
     round deterministically this is the same as ``recast``."""
 
 
+class BackwardCast(StrEnum):
+    """Where the backward matmuls (dgrad, wgrad) apply their casts."""
+
+    OPERANDS = "operands"
+    """Both operands cast before the multiply, along the matmul's contraction axis, as real
+    low-precision training does (the default)."""
+    RESULT = "result"
+    """**A wrong method, kept for comparison.** The backward matmuls multiply the uncast
+    operands (float32, torch's order) and cast only their result: the cast of dY (dgrad's
+    ``lhs``, wgrad's ``rhs``; the role's ``out`` where it has one) applied to dX and dW along
+    their last axis. This is what a standard layer's backward followed by a cast of the
+    gradient computes, the mistake of the seed study's first GPU check; it carries one
+    rounding of the exact product instead of every operand's error
+    (docs/arithmetic.md#casting-results-is-not-casting-operands)."""
+
+
 ROLES: tuple[Role, ...] = tuple(Role)
 """The roles in the order of a training step."""
 
@@ -88,6 +105,13 @@ class ArithmeticPolicy:
     matching module (or below it) use plain torch ops in every role."""
     seed: int = 0
     """The seed every stochastic cast's random bits are derived from."""
+    keep_matmuls: tuple[MatmulKind, ...] = ()
+    """Kinds of matmul (:class:`~driftcli.arith.intercept.MatmulKind`: ``attention``,
+    ``linear``) that run as plain torch ops in every role, wherever they are: ``attention``
+    keeps ``q·kᵀ`` and ``P·v`` in the model's own precision."""
+    backward_cast: BackwardCast = BackwardCast.OPERANDS
+    """Where the backward matmuls cast: their operands (right) or their result (wrong, kept
+    for comparison)."""
 
     def __post_init__(self) -> None:
         for pattern in self.keep_high_precision:
@@ -100,10 +124,26 @@ class ArithmeticPolicy:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise PolicyError(f"policy {self.name!r}: seed must be a non-negative int, not "
                               f"{self.seed!r}")
+        kinds = tuple(parse_choice(MatmulKind, k, "keep_matmuls kind")
+                      for k in self.keep_matmuls)
+        object.__setattr__(self, "keep_matmuls", tuple(dict.fromkeys(kinds)))
+        object.__setattr__(self, "backward_cast",
+                           parse_choice(BackwardCast, self.backward_cast, "backward_cast"))
 
     def spec(self, role: Role) -> MatmulSpec | None:
-        """The matmul spec of ``role`` (None: plain torch)."""
-        return {Role.FORWARD: self.forward, Role.DGRAD: self.dgrad, Role.WGRAD: self.wgrad}[role]
+        """The matmul spec of ``role`` as it runs (None: plain torch). Under
+        ``backward_cast = result`` a backward role's spec multiplies uncast operands in
+        float32 (``native``) and casts the result (:class:`BackwardCast`)."""
+        given = {Role.FORWARD: self.forward, Role.DGRAD: self.dgrad,
+                 Role.WGRAD: self.wgrad}[role]
+        if given is None or role is Role.FORWARD or self.backward_cast is BackwardCast.OPERANDS:
+            return given
+        grad = given.lhs if role is Role.DGRAD else given.rhs
+        return MatmulSpec(order=Order.NATIVE, out=given.out or grad)
+
+    def keeps_kind(self, kind: MatmulKind) -> bool:
+        """Whether matmuls of ``kind`` run as plain torch ops (``keep_matmuls``)."""
+        return kind in self.keep_matmuls
 
     @property
     def exact(self) -> bool:
@@ -132,8 +172,13 @@ class ArithmeticPolicy:
         else:
             parts = [f"{r.value}: {text(s)}" for r, s in zip(ROLES, specs, strict=True)]
         parts.append(f"backward: {self.backward_state.value}")
+        if self.backward_cast is not BackwardCast.OPERANDS:
+            parts.append(f"backward cast: {self.backward_cast.value} (a wrong method, for "
+                         "comparison)")
         if self.keep_high_precision:
             parts.append(f"keep: {', '.join(self.keep_high_precision)}")
+        if self.keep_matmuls:
+            parts.append(f"keep matmuls: {', '.join(k.value for k in self.keep_matmuls)}")
         return "; ".join(parts)
 
 
@@ -162,8 +207,8 @@ POLICIES: dict[str, tuple[ArithmeticPolicy, str]] = {
 
 # --- TOML files ---------------------------------------------------------------------------------
 
-_TOP_KEYS = ("name", "preset", "backward_state", "keep_high_precision", "seed", "matmul",
-             *(r.value for r in ROLES))
+_TOP_KEYS = ("name", "preset", "backward_state", "backward_cast", "keep_high_precision",
+             "keep_matmuls", "seed", "matmul", *(r.value for r in ROLES))
 _SPEC_KEYS = ("lhs", "rhs", "acc", "order", "fma", "tc", "scale", "out")
 _DEFAULTS = {"lhs": "none", "rhs": "none", "acc": "float32", "order": "native",
              "scale": "dequantized", "out": "none"}
@@ -258,8 +303,19 @@ def policy_from_dict(data: dict[str, Any], *, source: str = "policy",
     state = parse_choice(BackwardState, data.get("backward_state", base.backward_state),
                          "backward_state")
     seed = data.get("seed", base.seed)
-    return ArithmeticPolicy(name, specs[Role.FORWARD], specs[Role.DGRAD], specs[Role.WGRAD],
-                            state, tuple(keep), seed)
+    kinds = data.get("keep_matmuls", list(base.keep_matmuls))
+    if isinstance(kinds, str):
+        kinds = [kinds]
+    if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+        raise PolicyError(f"{source}: keep_matmuls must be a list of matmul kinds "
+                          f"({', '.join(k.value for k in MatmulKind)}), e.g. [\"attention\"], "
+                          f"not {kinds!r}")
+    try:
+        return ArithmeticPolicy(name, specs[Role.FORWARD], specs[Role.DGRAD],
+                                specs[Role.WGRAD], state, tuple(keep), seed, tuple(kinds),
+                                data.get("backward_cast", base.backward_cast))
+    except DriftError as err:
+        raise PolicyError(f"{source}: {err}") from None
 
 
 def policy_from_toml(path: str | Path) -> ArithmeticPolicy:

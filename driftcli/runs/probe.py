@@ -45,7 +45,7 @@ from torch import nn
 
 from driftcli import engines, oracle
 from driftcli.arith.mode import arithmetic
-from driftcli.arith.policy import ArithmeticPolicy, get_policy, with_seed
+from driftcli.arith.policy import ArithmeticPolicy, Role, get_policy, with_seed
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.formats import NAN, Exact, Kind, get_format
@@ -405,8 +405,9 @@ def attention_at(ck: DriftCheckpoint, policy: ArithmeticPolicy, batch: Tensor, *
     model = copy.deepcopy(ck.model).float()
     if not has_attention(model):
         return []
-    casts = measured_casts(None if policy.forward is None else policy.forward.lhs,
-                           None if policy.dgrad is None else policy.dgrad.lhs)
+    forward, dgrad = policy.spec(Role.FORWARD), policy.spec(Role.DGRAD)
+    casts = measured_casts(None if forward is None else forward.lhs,
+                           None if dgrad is None else dgrad.lhs)
     recorder = AttentionRecorder(casts)
     params = [p for p in model.parameters() if p.requires_grad]
     with arithmetic(with_seed(policy, seed), model=model), watch_attention(model, recorder):
