@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
+from typing import cast
 
 import numpy as np
 import torch
@@ -47,6 +50,9 @@ TOP_FLOOR = -400
 """A floor under a group's reference exponent below which no term lies (products of float32
 values reach 2**-298): it keeps ``2**(kept - E)``, ``2**(E - kept)`` and an operand times
 either finite and normal in float64 for an all-zero group, whatever ``min_exp`` says."""
+SPECIALISE_WORK = 1 << 24
+"""Products in one call from which the numba kernel is compiled for the unit's own group size
+and interleave (about three times faster per product than the generic kernel)."""
 TILE_BYTES = 1 << 18
 """Bytes of ``b``'s rows the numba kernel keeps in cache at once."""
 DOUBLE_BITS = 53
@@ -168,6 +174,38 @@ def fma_dot(a: Tensor, b: Tensor, how: Accumulation, *, c: Tensor | None = None,
     NaN and infinity follow IEEE arithmetic on the exact products (the models check them
     before any group). An exact zero is +0, as in the published models.
     """
+    return prepare(a, b, how.emin_a, how.emin_b, c=c, scales=scales, shape=shape).run(how)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Operands made ready for :func:`fma_dot` once, to run under many accumulations with the
+    same exponent floors (what ``drift calibrate`` does for every candidate model)."""
+
+    a: Tensor
+    b: Tensor
+    emin: tuple[int, int]
+    c: Tensor | None
+    scales: tuple[Tensor, Tensor] | None
+    shape: tuple[int, int, int]
+    paired: bool
+    arrays: tuple[np.ndarray, ...] | None
+    """The numba kernel's flat arrays; None where the torch implementation runs."""
+
+    def run(self, how: Accumulation) -> Tensor:
+        """:func:`fma_dot` of these operands under ``how`` (whose floors must be these)."""
+        if (how.emin_a, how.emin_b) != self.emin:
+            raise DriftError(f"block FMA: operands prepared for exponent floors {self.emin}, "
+                             f"not {(how.emin_a, how.emin_b)}")
+        if self.arrays is None:
+            return _torch(self.a, self.b, how, self.c, self.scales, self.shape, self.paired)
+        return _numba(self, how)
+
+
+def prepare(a: Tensor, b: Tensor, emin_a: int, emin_b: int, *, c: Tensor | None = None,
+            scales: tuple[Tensor, Tensor] | None = None,
+            shape: tuple[int, int, int] | None = None) -> Prepared:
+    """The operands of :func:`fma_dot`, checked and made ready to run (see there)."""
     a, b = a.double().contiguous(), b.double().contiguous()
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise DriftError(f"block FMA: a and b must be rows x K with one K, not "
@@ -180,10 +218,17 @@ def fma_dot(a: Tensor, b: Tensor, how: Accumulation, *, c: Tensor | None = None,
     if c is not None and c.shape != (count,):
         raise DriftError(f"block FMA: c must hold one value per result ({count}), not "
                          f"{tuple(c.shape)}")
-    paired = shape is None
+    c = None if c is None else c.double().contiguous()
+    arrays = None
     if jit.usable(a, b, c):
-        return _numba(a, b, how, c, scales, (batch, M, N), paired)
-    return _torch(a, b, how, c, scales, (batch, M, N), paired)
+        empty = np.empty(0, dtype=np.float64)
+        arrays = (a.float().reshape(-1).numpy(), exponents(a, emin_a).reshape(-1).numpy(),
+                  b.float().reshape(-1).numpy(), exponents(b, emin_b).reshape(-1).numpy(),
+                  (~torch.isfinite(a)).any(dim=1).numpy(), (~torch.isfinite(b)).any(dim=1).numpy(),
+                  empty if c is None else c.numpy(),
+                  empty if scales is None else scales[0].double().reshape(-1).numpy(),
+                  empty if scales is None else scales[1].double().reshape(-1).numpy())
+    return Prepared(a, b, (emin_a, emin_b), c, scales, (batch, M, N), shape is None, arrays)
 
 
 def _groups(k: int, size: int) -> int:
@@ -285,6 +330,7 @@ def _torch_group(prods: Tensor, exps: Tensor, c: Tensor, how: Accumulation) -> T
 
 # --- the numba implementation ------------------------------------------------------------------
 
+@cache
 def _params(fmt: Format, rounding: Rounding) -> np.ndarray:
     """The rounding kernel's parameter vector for float64 values onto ``fmt``."""
     return np.array(jit_params(src=source_of(torch.float64), tgt=target_of(fmt),
@@ -292,35 +338,74 @@ def _params(fmt: Format, rounding: Rounding) -> np.ndarray:
                     dtype=np.int64)
 
 
-def _numba(a: Tensor, b: Tensor, how: Accumulation, c: Tensor | None,
-           scales: tuple[Tensor, Tensor] | None, shape: tuple[int, int, int],
-           paired: bool) -> Tensor:
+def _numba(prep: Prepared, how: Accumulation) -> Tensor:
     from driftcli.arith import fmakernels  # numba, on first use only
 
     unit = how.unit
-    batch, M, N = shape
+    batch, M, N = prep.shape
     count = batch * M * N
     out = np.empty(count, dtype=np.float64)
     if count == 0:
         return torch.from_numpy(out)
-    k = a.shape[1]
-    ea = exponents(a, how.emin_a).reshape(-1).numpy()
-    eb = exponents(b, how.emin_b).reshape(-1).numpy()
-    bad_a = (~torch.isfinite(a)).any(dim=1).numpy()
-    bad_b = (~torch.isfinite(b)).any(dim=1).numpy()
-    empty = np.empty(0, dtype=np.float64)
-    cs = empty if c is None else c.double().contiguous().numpy()
-    sa, sb = (empty, empty) if scales is None else (
-        scales[0].double().reshape(-1).numpy(), scales[1].double().reshape(-1).numpy())
-    kernel = fmakernels.fma_kernel(unit.size, unit.interleave, c is not None,
-                                   scales is not None, paired)
-    floor = max(unit.min_exp, TOP_FLOOR)
-    rows, per_row = (count, k) if paired else (batch * M, N * k)
+    k = prep.a.shape[1]
+    # a kernel of its own for each unit pays for its compile (seconds, once per machine) on
+    # large matmuls only; smaller work runs the generic one
+    size = unit.size if count * k >= SPECIALISE_WORK else 0
+    kernel = fmakernels.fma_kernel(size, unit.interleave if size else 0, prep.c is not None,
+                                   prep.scales is not None, prep.paired)
+    rows, per_row = (count, k) if prep.paired else (batch * M, N * k)
     # rows of b that stay in cache (float32 values and int32 exponents) while a's rows pass
     tile = max(1, TILE_BYTES // (8 * max(k, 1)))
-    jit.spread(kernel, rows, max(per_row, 1), a.float().reshape(-1).numpy(), ea,
-               b.float().reshape(-1).numpy(), eb, bad_a, bad_b, cs, sa, sb, k, M, N,
-               unit.kept_bits, floor, how.promote // unit.size, tile,
-               _params(how.acc, how.rounding), _params(how.acc, Rounding.RNE),
-               _params(MASTER, Rounding.RNE), out)
+    jit.spread(kernel, rows, max(per_row, 1), *cast(tuple[np.ndarray, ...], prep.arrays), k, M,
+               N, unit.size, unit.interleave, unit.kept_bits, max(unit.min_exp, TOP_FLOOR),
+               how.promote // unit.size, tile, _params(how.acc, how.rounding),
+               _params(how.acc, Rounding.RNE), _params(MASTER, Rounding.RNE), out)
     return torch.from_numpy(out)
+
+
+def survivors(prep: Prepared, size: int, interleave: int,
+              candidates: Sequence[tuple[int, Format, Rounding, int]], want: Tensor,
+              output: Format | None = None, min_exp: int = NO_FLOOR) -> list[bool]:
+    """Which of ``candidates`` (kept bits, accumulator, its rounding, promotion interval), each
+    a unit of ``size`` and ``interleave``, give every result of ``want`` bit for bit on the
+    prepared operands (results rounded to ``output`` to nearest, overflowing as IEEE, when
+    given). What ``drift calibrate`` searches with: in numba, a candidate stops at its first
+    miss."""
+    want = want.double().reshape(-1).contiguous()
+    if prep.arrays is None:  # no numba: every candidate in full
+        out: list[bool] = []
+        for kept, acc, rounding, promote in candidates:
+            how = Accumulation(FMAUnit(size, kept, min_exp, interleave), acc, rounding,
+                               prep.emin[0], prep.emin[1], promote)
+            got = prep.run(how)
+            if output is not None:
+                got = round_to_format(got, output, rounding=Rounding.RNE,
+                                      overflow=Overflow.IEEE).double()
+            same = (got.float().view(torch.int32) == want.float().view(torch.int32)) | (
+                got.isnan() & want.isnan())
+            out.append(bool(same.all()))
+        return out
+    from driftcli.arith import fmakernels  # numba, on first use only
+
+    for kept, _, _, promote in candidates:
+        FMAUnit(size, kept, min_exp, interleave)  # each checked as a unit
+        if promote % size:
+            raise FMAUnitError(f"block FMA: promotion every {promote} products is not a whole "
+                               f"number of groups of {size}")
+    _, M, N = prep.shape
+    a, ea, b, eb, bad_a, bad_b, c = prep.arrays[:7]
+    kernel = fmakernels.search_kernel(prep.c is not None, prep.paired, output is not None)
+    n = len(candidates)
+    kept = np.array([cand[0] for cand in candidates], dtype=np.int64)
+    per = np.array([cand[3] // size for cand in candidates], dtype=np.int64)
+    p_acc = np.stack([_params(cand[1], cand[2]) for cand in candidates]) if n else \
+        np.empty((0, 16), dtype=np.int64)
+    p_near = np.stack([_params(cand[1], Rounding.RNE) for cand in candidates]) if n else p_acc
+    p_out = _params(output or MASTER, Rounding.RNE)
+    ok = np.zeros(n, dtype=np.bool_)
+    if n:
+        jit.spread(kernel, n, max(1, want.numel() // 8), a, ea, b, eb, bad_a, bad_b, c,
+                   prep.a.shape[1], M, N, size, interleave, max(min_exp, TOP_FLOOR), kept, per,
+                   p_acc, p_near,
+                   _params(MASTER, Rounding.RNE), p_out, want.numpy(), ok)
+    return [bool(x) for x in ok]

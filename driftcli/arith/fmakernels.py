@@ -125,36 +125,103 @@ def partial(a: Any, ea: Any, b: Any, eb: Any, k0: int, k1: int, il: int, c: floa
     return added(part, c, ln, pn) if il else part
 
 
+@njit(inline="always", **_SUMS)
+def dot(ar: Any, er: Any, br: Any, fr: Any, K: int, c0: float, sa: Any, sb: Any, size: int,
+        il: int, kept: int, floor: int, per: int, scaled: bool, pa: Any, la: Any, pn: Any,
+        ln: Any, pm: Any, lm: Any) -> float:
+    """One dot product of rows ``ar``, ``br`` (with their exponents ``er``, ``fr``) from
+    ``c0``. Inlined into each kernel, where ``size`` and ``il`` are constants: the loops of a
+    whole group then have known lengths."""
+    if not np.isfinite(c0):
+        total = c0  # IEEE on the exact terms: NaN, or the infinity
+        for k in range(K):
+            total += np.float64(ar[k]) * np.float64(br[k])
+        return total
+    acc = c0
+    master = 0.0
+    groups = max(1, (K + size - 1) // size)
+    run = il if il else size
+    width = 2 * il if il else size
+    for g in range(groups):
+        k0 = g * size
+        if k0 + size > K:  # a short last group
+            acc = partial(ar, er, br, fr, k0, K, il, acc, kept, floor, la, pa, ln, pn)
+        elif not il:  # the simplest loop, which unrolls and vectorizes best
+            top = np.int32(min(max(exponent_of(acc), floor), TOP_CEIL))
+            for k in range(k0, k0 + size):
+                top = max(top, np.int32(er[k] + fr[k]))
+            up = pow2(kept - top)
+            s = np.trunc(acc * up)
+            for k in range(k0, k0 + size):
+                s += np.trunc(np.float64(ar[k]) * np.float64(br[k]) * up)
+            acc = finish(s, top, kept, la, pa)
+        else:  # two halves, dealt run by run; c added last, to nearest
+            part = 0.0
+            for h in range(2):
+                # an infinite part (an overflowed half) reads as exponent 1024: the ceiling
+                # keeps both powers of two normal
+                top = np.int32(min(max(exponent_of(part), floor), TOP_CEIL))
+                first = k0 + h * run
+                for j in range(0, size, width):
+                    for q in range(run):
+                        top = max(top, np.int32(er[first + j + q] + fr[first + j + q]))
+                up = pow2(kept - top)
+                s = np.trunc(part * up)
+                for j in range(0, size, width):
+                    for q in range(run):
+                        k = first + j + q
+                        s += np.trunc(np.float64(ar[k]) * np.float64(br[k]) * up)
+                part = finish(s, top, kept, la, pa)
+            acc = added(part, acc, ln, pn)
+        if per and ((g + 1) % per == 0 or g == groups - 1):
+            if scaled:
+                acc = acc * sa[g // per] * sb[g // per]
+            master = added(master, acc, lm, pm)
+            acc = 0.0
+    return master if per else acc
+
+
+@njit(inline="always", **_OPTIONS)
+def unpack(q: Any) -> Any:
+    """A parameter vector as the tuple :func:`round_one` reads."""
+    return (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
+            q[13], q[14], q[15])
+
+
+@njit(inline="always", **_OPTIONS)
+def rows_of(i: int, M: int, N: int, paired: bool) -> tuple[int, int]:
+    """The rows of ``a`` and ``b`` that result ``i`` multiplies."""
+    if paired:
+        return i, i
+    return i // N, (i // (M * N)) * N + i % N
+
+
 @cache
 def fma_kernel(size: int, il: int, has_c: bool, scaled: bool,
                paired: bool) -> Callable[..., None]:
-    """``kernel(a, ea, b, eb, bad_a, bad_b, c, sa, sb, K, M, N, kept, floor, per, tile,
-    p_acc, p_near, p_master, out, start, stop)``: the results of
+    """``kernel(a, ea, b, eb, bad_a, bad_b, c, sa, sb, K, M, N, size, il, kept, floor, per,
+    tile, p_acc, p_near, p_master, out, start, stop)``: the results of
     :func:`driftcli.arith.blockfma.fma_dot` (flat arrays: float32 operands, int32 exponents;
     ``p_*`` the rounding parameters onto the accumulator, onto it to nearest, and onto the
     float32 master). Paired: results ``start..stop``; else rows ``start..stop`` of ``a``
     against every row of their batch's ``b``, ``tile`` rows of ``b`` at a time (they stay in
     cache while every row of ``a`` passes).
 
-    A whole group is written out in the kernel with its size and interleave as constants (a
-    closure over integers only: numba caches such a kernel on disk, not one that closes over
-    other compiled functions)."""
-    run = il if il else size
-    width = 2 * il if il else size
+    With ``size`` = 0 the kernel is generic: it reads the group size and interleave from its
+    arguments (one compile serves every unit; about three times slower per product). Else
+    they are constants of the kernel (``size`` and ``il`` given there must be these), and
+    :func:`dot` is inlined with loops of known length. A closure over integers only: numba
+    caches such a kernel on disk, not one that closes over other compiled functions."""
+    fixed, fixed_il = size, il
 
     @njit(**_SUMS)
     def kernel(a: Any, ea: Any, b: Any, eb: Any, bad_a: Any, bad_b: Any, c: Any, sa: Any,
-               sb: Any, K: int, M: int, N: int, kept: int, floor: int, per: int, tile: int,
-               p_acc: Any, p_near: Any, p_master: Any, out: Any, start: int, stop: int) -> None:
-        pa = (p_acc[0], p_acc[1], p_acc[2], p_acc[3], p_acc[4], p_acc[5], p_acc[6], p_acc[7],
-              p_acc[8], p_acc[9], p_acc[10], p_acc[11], p_acc[12], p_acc[13], p_acc[14],
-              p_acc[15])
-        pn = (p_near[0], p_near[1], p_near[2], p_near[3], p_near[4], p_near[5], p_near[6],
-              p_near[7], p_near[8], p_near[9], p_near[10], p_near[11], p_near[12], p_near[13],
-              p_near[14], p_near[15])
-        pm = (p_master[0], p_master[1], p_master[2], p_master[3], p_master[4], p_master[5],
-              p_master[6], p_master[7], p_master[8], p_master[9], p_master[10], p_master[11],
-              p_master[12], p_master[13], p_master[14], p_master[15])
+               sb: Any, K: int, M: int, N: int, size_: int, il_: int, kept: int, floor: int,
+               per: int, tile: int, p_acc: Any, p_near: Any, p_master: Any, out: Any,
+               start: int, stop: int) -> None:
+        size = size_ if fixed == 0 else fixed
+        il = il_ if fixed == 0 else fixed_il
+        pa, pn, pm = unpack(p_acc), unpack(p_near), unpack(p_master)
         la, ln, lm = row_limits(0, pa), row_limits(0, pn), row_limits(0, pm)
         groups = max(1, (K + size - 1) // size)
         chunks = (groups + per - 1) // per if per else 1
@@ -173,56 +240,63 @@ def fma_kernel(size: int, il: int, has_c: bool, scaled: bool,
                             break
                         i, ra, rb = r * N + n, r, (r // M) * N + n
                     c0 = c[i] if has_c else 0.0
-                    ar, br = a[ra * K:(ra + 1) * K], b[rb * K:(rb + 1) * K]
-                    er, fr = ea[ra * K:(ra + 1) * K], eb[rb * K:(rb + 1) * K]
-                    if bad_a[ra] or bad_b[rb] or not np.isfinite(c0):
+                    if bad_a[ra] or bad_b[rb]:
                         total = c0  # IEEE on the exact terms: NaN, or the infinity
                         for k in range(K):
-                            total += np.float64(ar[k]) * np.float64(br[k])
+                            total += np.float64(a[ra * K + k]) * np.float64(b[rb * K + k])
                         out[i] = total
                         continue
-                    acc = c0
-                    master = 0.0
-                    for g in range(groups):
-                        k0 = g * size
-                        if k0 + size > K:  # a short last group
-                            acc = partial(ar, er, br, fr, k0, K, il, acc, kept, floor, la, pa,
-                                          ln, pn)
-                        elif not il:  # the simplest loop, which unrolls and vectorizes best
-                            top = np.int32(min(max(exponent_of(acc), floor), TOP_CEIL))
-                            for k in range(k0, k0 + size):
-                                top = max(top, np.int32(er[k] + fr[k]))
-                            up = pow2(kept - top)
-                            s = np.trunc(acc * up)
-                            for k in range(k0, k0 + size):
-                                s += np.trunc(np.float64(ar[k]) * np.float64(br[k]) * up)
-                            acc = finish(s, top, kept, la, pa)
-                        else:  # two halves, dealt run by run; c added last, to nearest
-                            part = 0.0
-                            for h in range(2):
-                                # an infinite part (an overflowed half) reads as exponent
-                                # 1024: the ceiling keeps both powers of two normal
-                                top = np.int32(min(max(exponent_of(part), floor), TOP_CEIL))
-                                first = k0 + h * run
-                                for j in range(0, size, width):
-                                    for q in range(run):
-                                        top = max(top, np.int32(er[first + j + q]
-                                                                + fr[first + j + q]))
-                                up = pow2(kept - top)
-                                s = np.trunc(part * up)
-                                for j in range(0, size, width):
-                                    for q in range(run):
-                                        k = first + j + q
-                                        s += np.trunc(np.float64(ar[k]) * np.float64(br[k])
-                                                      * up)
-                                part = finish(s, top, kept, la, pa)
-                            acc = added(part, acc, ln, pn)
-                        if per and ((g + 1) % per == 0 or g == groups - 1):
-                            if scaled:
-                                j = ra * chunks + g // per
-                                acc = acc * sa[j] * sb[rb * chunks + g // per]
-                            master = added(master, acc, lm, pm)
-                            acc = 0.0
-                    out[i] = master if per else acc
+                    out[i] = dot(a[ra * K:(ra + 1) * K], ea[ra * K:(ra + 1) * K],
+                                 b[rb * K:(rb + 1) * K], eb[rb * K:(rb + 1) * K], K, c0,
+                                 sa[ra * chunks:(ra + 1) * chunks] if scaled else sa,
+                                 sb[rb * chunks:(rb + 1) * chunks] if scaled else sb,
+                                 size, il, kept, floor, per, scaled, pa, la, pn, ln, pm, lm)
+
+    return kernel
+
+
+@cache
+def search_kernel(has_c: bool, paired: bool, has_out: bool) -> Callable[..., None]:
+    """``kernel(a, ea, b, eb, bad_a, bad_b, c, K, M, N, size, il, floor, kept, per, p_acc,
+    p_near, p_master, p_out, want, ok, start, stop)``: for candidates ``start..stop`` (their kept
+    bits, promotion groups and accumulator parameters one row each of ``kept``, ``per``,
+    ``p_acc``, ``p_near``), whether every result (rounded by ``p_out`` when ``has_out``) has
+    ``want``'s bits; a candidate stops at its first miss (what ``drift calibrate`` searches
+    with: most models of the family miss within a few results). Generic in the unit's size
+    and interleave (one compile for every unit)."""
+
+    @njit(**_SUMS)
+    def kernel(a: Any, ea: Any, b: Any, eb: Any, bad_a: Any, bad_b: Any, c: Any, K: int,
+               M: int, N: int, size: int, il: int, floor: int, kept: Any, per: Any, p_acc: Any,
+               p_near: Any, p_master: Any, p_out: Any, want: Any, ok: Any, start: int,
+               stop: int) -> None:
+        pm = unpack(p_master)
+        lm = row_limits(0, pm)
+        po = unpack(p_out)
+        lo = row_limits(0, po)
+        count = want.size
+        for m in range(start, stop):
+            pa, pn = unpack(p_acc[m]), unpack(p_near[m])
+            la, ln = row_limits(0, pa), row_limits(0, pn)
+            good = True
+            for i in range(count):
+                ra, rb = rows_of(i, M, N, paired)
+                c0 = c[i] if has_c else 0.0
+                if bad_a[ra] or bad_b[rb]:
+                    got = c0
+                    for k in range(K):
+                        got += np.float64(a[ra * K + k]) * np.float64(b[rb * K + k])
+                else:
+                    got = dot(a[ra * K:(ra + 1) * K], ea[ra * K:(ra + 1) * K],
+                              b[rb * K:(rb + 1) * K], eb[rb * K:(rb + 1) * K], K, c0, a, a,
+                              size, il, kept[m], floor, per[m], False, pa, la, pn, ln, pm, lm)
+                if has_out:
+                    got = rounded(got, 0.0, False, lo, po)
+                w = want[i]
+                if not (np.float64(got).view(np.int64) == np.float64(w).view(np.int64)
+                        or (np.isnan(got) and np.isnan(w))):
+                    good = False
+                    break
+            ok[m] = good
 
     return kernel

@@ -36,7 +36,7 @@ EXIT_USAGE = 2
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Measure", ("clip-rate", "underflow-rate", "error-bias", "cast-diff", "accum-error",
                  "grad-cosine")),
-    ("Verify", ("verify-formats", "formats")),
+    ("Verify", ("verify-formats", "formats", "calibrate")),
     ("Report", ("report",)),
     ("Train and probe", ("train", "dump", "probe")),
     ("Try it", ("demo",)),
