@@ -162,3 +162,11 @@ def test_missing_recordings_are_named(tmp_path: Path) -> None:
     (tmp_path / "X100" / "fp16").mkdir(parents=True)
     with pytest.raises(DriftError, match=r"a_X100_fp16\.txt\.gz"):
         read_recordings(tmp_path / "X100" / "fp16")
+
+
+@requires_recordings
+def test_the_14_bit_reading_of_hoppers_fp8_unit_misses_the_recordings() -> None:
+    """DeepSeek-V3's "about 14 bits" read as 14 fraction bits: the recordings say 13."""
+    r = _recordings("H100/E4M3")
+    assert _reproduced(r, "fp32", PRESETS["h100_e4m3_f32"]) == 5000
+    assert _reproduced(r, "fp32", PRESETS["h100_e4m3_f32_14bit"]) < 4900

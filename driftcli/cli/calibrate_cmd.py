@@ -25,13 +25,17 @@ def _print(rows: list[Any], path: Path) -> None:
         verdict = f"reproduces every one of the {what}" if head.fits else (
             f"no model of the family reproduces it: the best gives "
             f"{fmt(head.share, '.4%')} of the {what}")
-        out.print(f"[bold]{name}[/bold]: {head.model}")
-        out.print(f"  {verdict}; {head.survivors} model(s) give the same bits"
-                  + (f" (they differ in {head.alternatives})" if head.alternatives else "")
-                  + (f"; c {head.c_mode}" if head.c_mode else ""))
+        out.print(f"[bold]{name}[/bold]")
+        out.print(f"  model: {head.model}", soft_wrap=True)
+        if head.fits:
+            line = f"  {verdict}; {head.survivors} model(s) give the same bits" + (
+                f" (they differ in {head.alternatives})" if head.alternatives else "")
+        else:
+            line = f"  {verdict}" + (f"; {head.alternatives}" if head.alternatives else "")
+        out.print(line + (f"; c {head.c_mode}" if head.c_mode else ""))
         checks = [r for r in mine if r.kind == "check"]
         if checks:
-            table = Table(title=f"{name}: outputs reproduced bit for bit")
+            table = Table(title="outputs reproduced bit for bit", title_justify="left")
             for col in ("K", "dist", "outputs", "reproduced", "share"):
                 table.add_column(col, justify="left" if col == "dist" else "right")
             for r in checks:

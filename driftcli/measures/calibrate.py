@@ -9,7 +9,8 @@ format and output format:
   kept bits, a group's result rounded to nearest or toward zero into ``e8mM`` or float16,
   promotion into float32 every P products or none);
 - ``sequential``, ``pairwise`` and ``chunked:N``: one rounding per addition in float32,
-  bfloat16 or float16, rounded to nearest or toward zero (a CPU's FMA chains).
+  bfloat16 or float16, rounded to nearest or toward zero (a CPU's FMA chains; N any multiple of
+  32 up to 512 or a power of two, a BLAS's K blocking).
 
 The probes follow the published method (Fasi, Higham, Mikaitis and Pranesh, PeerJ CS 2021;
 Khattak and Mikaitis, IEEE HPEC 2025): rows built from powers of two, each multiplied by
@@ -127,10 +128,13 @@ def _torch_backend(text: str, device: str, dtype_name: str) -> Backend:
     def multiply(a: Tensor, b: Tensor) -> Tensor:
         x, y = a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)
         if fp8:
+            rows = a.shape[0]
+            pad = -rows % 16  # _scaled_mm takes multiples of 16: zero rows, dropped after
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
             one = torch.ones((), device=device)
             # _scaled_mm wants B column-major; unit scales leave the tensor core's own sum
             out = torch._scaled_mm(x, y.t().contiguous().t(), scale_a=one, scale_b=one,
-                                   out_dtype=torch.float32)
+                                   out_dtype=torch.float32)[:rows]
         else:
             out = torch.matmul(x, y)
         return out.double().cpu()
@@ -479,6 +483,16 @@ def infer(be: Backend, *, seed: int = 0, max_k: int = max(LONG_K)) -> Inference:
         chosen = _floor(be, min(survivors_, key=Model.simplicity))
         return Inference(chosen, len(survivors_), 1.0, probes, time.perf_counter() - start,
                          alternatives(survivors_))
+    if found:  # the short probes have models, the long ones none: the simplest, and how far
+        best = min(found, key=Model.simplicity)
+        k = max(k for k in LONG_K if k <= max_k) if any(k <= max_k for k in LONG_K) else 0
+        if k:
+            obs = _observe(be, long_rows(be.inputs, k, gen), probe_columns(be.inputs, k, gen))
+            share = _share(best, be, obs)
+            note = (f"{len(found)} model(s) give every K={PROBE_K} probe; the simplest gives "
+                    f"{share:.4%} of the K={k} probes")
+            return Inference(best, 0, share, obs.results.numel(),
+                             time.perf_counter() - start, note)
     best, share = _best([*blockfma, *classic], be, screen, full)
     return Inference(best, 0, share, probes, time.perf_counter() - start)
 
@@ -550,8 +564,11 @@ def _long(be: Backend, survivors: list[Model], gen: torch.Generator,
                               for p in (m.unit.size << i for i in range(16))
                               if PROBE_K <= p < k)
             elif m.order is Order.CHUNKED or (m.order is Order.SEQUENTIAL):
+                # a BLAS's K blocking: any multiple of 32 up to 512 (192 on this machine's
+                # float32 matmul), and the powers of two beyond
+                sizes = {*range(PROBE_K, 513, 32), *(1 << i for i in range(10, 14))}
                 trials.update(Model(Order.CHUNKED, m.acc, m.rounding, chunk=p)
-                              for p in (1 << i for i in range(7, 14)) if p < k)
+                              for p in sizes if p < k)
         kept = [m for m in sorted(trials, key=Model.simplicity) if _share(m, be, obs) == 1.0]
     return kept
 
@@ -669,7 +686,11 @@ def fit_recordings(r: Recordings, out: str, *, screen: int = 200) -> Fit:
     survivors_ = found
     n = int(want.shape[0])
     if survivors_:
-        model, mode = min(survivors_, key=lambda s: (s[0].simplicity(), C_MODES.index(s[1])))
+        # one recorded instruction: a group as long as it, with the result's own format,
+        # is the reading to prefer where the recordings cannot tell models apart
+        model, mode = min(survivors_, key=lambda s: (
+            s[0].acc != output, -cast(FMAUnit, s[0].unit).size, s[0].simplicity(),
+            C_MODES.index(s[1])))
         return Fit(model, mode, len(survivors_), 1.0, n, time.perf_counter() - start,
                    alternatives([m for m, _ in survivors_], [c for _, c in survivors_]))
     return Fit(best[1], best[2], 0, best[0], n, time.perf_counter() - start)
