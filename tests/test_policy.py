@@ -86,7 +86,16 @@ def test_get_policy_names_close_matches_and_takes_cast_specs() -> None:
 
 def test_example_policy_files_load() -> None:
     files = sorted(EXAMPLES.glob("*.toml"))
-    assert len(files) == 2
+    assert len(files) == 5
+    h100 = get_policy(str(EXAMPLES / "h100_fp8.toml"))
+    promoted = get_policy(str(EXAMPLES / "h100_fp8_promoted.toml"))
+    f32 = get_policy(str(EXAMPLES / "fp8_f32_accumulate.toml"))
+    pow2 = parse_cast("float8_e4m3fn:tensor:float8_e8m0fnu:amax-up")
+    for pol in (h100, promoted, f32):
+        assert all(pol.spec(r) is not None and pol.spec(r).lhs == pow2 for r in Role)
+    assert str(h100.forward.unit) == "32:13:e-133" and h100.forward.chunk == 0
+    assert promoted.forward.chunk == 128 and promoted.forward.unit == h100.forward.unit
+    assert f32.forward.order.value == "native"
     keep = policy_from_toml(EXAMPLES / "mxfp8_ceil_keep_head.toml")
     ceil = parse_cast("mxfp8_e4m3_ceil")
     assert keep.name == "mxfp8-ceil-keep-head" and keep.keep_high_precision == ("lm_head",)

@@ -65,7 +65,7 @@ def calibrate_cmd(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")
                      ] = False,
 ) -> None:
-    """Infer a matmul backend's accumulation model from designed probes.
+    """Infer how a matmul backend accumulates, from probes.
 
     Prints the inferred spec and the share of random matmuls it reproduces bit for bit;
     with --recordings, fits recorded GPU dot products instead.
