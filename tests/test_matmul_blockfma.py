@@ -73,18 +73,23 @@ SPECS = (
 )
 
 
+def _both(a: torch.Tensor, b: torch.Tensor, spec: str) -> torch.Tensor:
+    """The numba implementation's result, checked bit for bit against the torch one's."""
+    got = matmul(a, b, spec)
+    jit.set_jit("never")
+    try:
+        want = matmul(a, b, spec)
+    finally:
+        jit.set_jit("auto")
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), spec
+    return got
+
+
 @pytest.mark.parametrize("text", SPECS)
 def test_numba_and_torch_give_the_same_bits(text: str) -> None:
     gen = torch.Generator().manual_seed(7)
     a, b = _operands(gen, 2 * 9, 83, 7)
-    a = a.reshape(2, 9, 83)  # a batch of two, b broadcast
-    got = matmul(a, b, text)
-    jit.set_jit("never")
-    try:
-        want = matmul(a, b, text)
-    finally:
-        jit.set_jit("auto")
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    got = _both(a.reshape(2, 9, 83), b, text)  # a batch of two, b broadcast
     assert (got.isfinite() & (got != 0)).sum() > 100  # not a degenerate case
 
 
@@ -97,13 +102,7 @@ def test_specials_overflow_and_zeros_agree_in_both_implementations() -> None:
     b[0, 2] = 0.0  # inf * 0: NaN
     for spec in ("lhs=fp16,rhs=fp16,acc=float16:rne,order=blockfma,fma=2:20",
                  "lhs=fp16,rhs=fp16,acc=float16:rtz,order=blockfma:2,fma=2:20"):
-        got = matmul(a, b, spec)
-        jit.set_jit("never")
-        try:
-            want = matmul(a, b, spec)
-        finally:
-            jit.set_jit("auto")
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), spec
+        got = _both(a, b, spec)
         assert got[0, 0] == float("inf") and got[0, 1] == float("-inf") and got[0, 2].isnan()
         assert got[1].isnan().all()
         assert torch.equal(got[4].view(torch.int32), torch.zeros(3, dtype=torch.int32))  # +0
