@@ -88,14 +88,15 @@ def _presets() -> dict[str, TensorCore]:
         put(f"ada_{name}_f32", fp8, 16, 13, "e8m13", _RZ, -132, src)
         put(f"ada_{name}_f16", fp8, 16, 13, "float16", _RNE, -132,
             src + ", fp16 result as before its commit 00415cd")
-    for gpu in ("H100", "H200", "B200"):  # H200TC.m is H100TC.m; B200TC.m differs in FP8
+    # H200TC.m is H100TC.m; B200TC.m differs in FP8; RTXPRO6000TC.m (Blackwell) is B200TC.m
+    for gpu in ("H100", "H200", "B200", "RTXPRO6000"):
         g, src = gpu.lower(), _KM.format(gpu=gpu)
         put(f"{g}_fp16_f32", "float16", 16, 25, "float32", _RZ, -133, src)
         put(f"{g}_fp16_f16", "float16", 16, 25, "float16", _RNE, -21, src)
         put(f"{g}_bf16_f32", "bfloat16", 16, 25, "float32", _RZ, -133, src)
         put(f"{g}_tf32_f32", "e8m10", 8, 25, "float32", _RZ, -133, src)
         for fp8, name in (("float8_e4m3fn", "e4m3"), ("float8_e5m2", "e5m2")):
-            if gpu == "B200":  # FP8 keeps 2 extra bits, float32 result only
+            if gpu in ("B200", "RTXPRO6000"):  # FP8 keeps 2 extra bits, float32 result only
                 put(f"{g}_{name}_f32", fp8, 32, 25, "float32", _RZ, -133, src)
                 continue
             put(f"{g}_{name}_f32", fp8, 32, 13, "e8m13", _RZ, -133, src + " (WGMMA)")
