@@ -55,8 +55,10 @@ def _cut(x: Fraction, quantum: Fraction) -> Fraction:
 def group(terms: list[tuple[Exact, int | None]], c: Exact, unit: Unit, acc: Format,
           rounding: Rounding) -> Exact:
     """One group: ``terms`` (exact products with their exponents) and ``c``, steps 1-4."""
-    if c.kind is Kind.INF:
-        return c  # an overflowed chain stays infinite: the terms are finite
+    if c.kind is not Kind.FINITE:
+        # an overflowed chain stays infinite, or NaN (an accumulator with no infinity
+        # overflows to NaN): the terms are finite
+        return c
     exps = [e for t, e in terms if t.mag and e is not None]
     if c.mag:
         exps.append(max(binade(c.mag), C_EMIN))

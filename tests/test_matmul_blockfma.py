@@ -211,3 +211,23 @@ def test_blockfma_runs_wherever_a_matmul_spec_does(tmp_path: Path) -> None:
     y.sum().backward()
     assert lin.weight.grad is not None and y.shape == (4, 8)
     assert not torch.equal(y, lin(x))  # the FP8 casts and the 13-bit unit changed something
+
+
+def test_an_accumulator_without_infinity_keeps_its_nan_in_the_reference() -> None:
+    """float8_e4m3fn has no infinity: a group's sum past 448 rounds to NaN under rne, and the
+    chain stays NaN in both implementations and the exact reference (which once read the NaN
+    chain as 0); under rtz it stops at 448."""
+    a = torch.tensor([[300.0, 300.0, 1.0, 1.0]])
+    b = torch.ones(4, 1)
+    ref = matmuls._MatmulOracle()
+    for fma, mode, want in (("2:20", "rne", float("nan")), ("4:20:i1", "rne", float("nan")),
+                            ("2:20", "rtz", 448.0)):
+        spec = parse_matmul_spec(f"lhs=none,rhs=none,acc=float8_e4m3fn:{mode},order=blockfma,"
+                                 f"fma={fma}")
+        got = _both(a, b, str(spec)).item()
+        exact = ref.result(matmuls.MatmulCase("nan chain", a, b), spec)
+        assert len(exact) == 1
+        if want != want:
+            assert got != got and exact[0].kind.value == "nan", (fma, mode)
+        else:
+            assert got == want and exact[0].kind.value == "finite" and exact[0].mag == 448
