@@ -33,7 +33,7 @@ from driftcli.modes import (
     SmallestRcp,
     TwoLevelOrder,
 )
-from driftcli.oracle import binade, pow2_scale_exponent, round_exact
+from driftcli.oracle import binade, pow2_scale_exponent, product, round_exact
 
 F32 = FORMATS["float32"]
 _E4M3 = FORMATS["float8_e4m3fn"]
@@ -66,16 +66,6 @@ def _quotient(a: Exact, b: Exact) -> Exact:
     return Exact(Kind.FINITE, negative, a.mag / b.mag)
 
 
-def _product(a: Exact, b: Exact) -> Exact:
-    negative = a.negative != b.negative
-    if Kind.NAN in (a.kind, b.kind):
-        return NAN
-    if Kind.INF in (a.kind, b.kind):
-        zero = (a.kind is Kind.FINITE and a.mag == 0) or (b.kind is Kind.FINITE and b.mag == 0)
-        return NAN if zero else Exact(Kind.INF, negative)
-    return Exact(Kind.FINITE, negative, a.mag * b.mag)
-
-
 def div(a: Exact, b: Exact, precision: Precision = Precision.F32) -> Exact:
     """``fl(a / b)``."""
     return fl(_quotient(a, b), precision)
@@ -83,7 +73,7 @@ def div(a: Exact, b: Exact, precision: Precision = Precision.F32) -> Exact:
 
 def mul(a: Exact, b: Exact, precision: Precision = Precision.F32) -> Exact:
     """``fl(a · b)``."""
-    return fl(_product(a, b), precision)
+    return fl(product(a, b), precision)
 
 
 def elementwise(x: Exact, a: Exact, op: ElementOp) -> Exact:
