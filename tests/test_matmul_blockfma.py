@@ -44,6 +44,9 @@ def test_the_spec_round_trips_and_a_preset_is_written_out() -> None:
     ("tc=h101_e4m3_f32", "h100_e4m3_f32"),
     ("order=blockfma,fma=32", "SIZE:KEPT"),
     ("order=blockfma,fma=6:25:i2", "multiple of 4"),
+    # above the numba kernel's ceiling on E, where it once disagreed with the torch path and
+    # the reference (2**127 * 2**127 under fma=2:47:e400: inf against +0)
+    ("order=blockfma,fma=2:47:e400", "min_exp 400 is above 300"),
     ("order=blockfma,fma=32:13,acc=float32:rup", "not supported"),
     ("lhs=mxfp8_e4m3,rhs=mxfp8_e4m3,order=blockfma,fma=32:13,scale=block", "blockfma:32"),
 ])
@@ -231,3 +234,19 @@ def test_an_accumulator_without_infinity_keeps_its_nan_in_the_reference() -> Non
             assert got != got and exact[0].kind.value == "nan", (fma, mode)
         else:
             assert got == want and exact[0].kind.value == "finite" and exact[0].mag == 448
+
+
+def test_a_floor_up_to_the_kernels_ceiling_agrees_in_both_implementations() -> None:
+    """``min_exp`` may reach the numba kernel's ceiling on E (``TOP_CEIL``) and no further:
+    there both implementations read the same E."""
+    from driftcli.arith import blockfma, fmakernels
+
+    assert blockfma.TOP_CEIL == fmakernels.TOP_CEIL == 300
+    a = torch.tensor([[2.0**127, 2.0**127], [2.0**100, 2.0**100]])
+    b = torch.tensor([[2.0**127], [-(2.0**126)]])
+    # E = 300, 47 kept bits: multiples of 2**253; 2**254 - 2**253 keeps 2**253 (inf in
+    # float32, its max under rtz); 2**200 - 2**199 is cut to +0
+    got = _both(a, b, "lhs=none,rhs=none,acc=float32:rne,order=blockfma,fma=2:47:e300")
+    assert got[0, 0].item() == float("inf") and got[1, 0].item() == 0.0
+    got = _both(a, b, "lhs=none,rhs=none,acc=float32:rtz,order=blockfma,fma=2:47:e300")
+    assert got[0, 0].item() == torch.finfo(torch.float32).max

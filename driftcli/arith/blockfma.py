@@ -50,6 +50,10 @@ TOP_FLOOR = -400
 """A floor under a group's reference exponent below which no term lies (products of float32
 values reach 2**-298): it keeps ``2**(kept - E)``, ``2**(E - kept)`` and an operand times
 either finite and normal in float64 for an all-zero group, whatever ``min_exp`` says."""
+TOP_CEIL = 300
+"""The highest ``min_exp`` a unit may have, and the ceiling the numba kernel puts on a running
+sum's exponent (``fmakernels.TOP_CEIL``): above every finite term's exponent (products of
+float32 values stay below 2**256), so that ``2**(kept - E)`` stays normal in float64."""
 SPECIALISE_WORK = 1 << 24
 """Products in one call from which the numba kernel is compiled for the unit's own group size
 and interleave (about three times faster per product than the generic kernel)."""
@@ -99,6 +103,10 @@ class FMAUnit:
         if self.min_exp < NO_FLOOR:
             raise FMAUnitError(f"block FMA: min_exp {self.min_exp} is below {NO_FLOOR} "
                                "(no floor); omit it for none")
+        if self.min_exp > TOP_CEIL:
+            raise FMAUnitError(f"block FMA: min_exp {self.min_exp} is above {TOP_CEIL}, above "
+                               "every term's exponent (products of float32 values stay below "
+                               "2**256)")
 
     def __str__(self) -> str:
         text = f"{self.size}:{self.kept_bits}"
