@@ -250,3 +250,23 @@ def test_a_floor_up_to_the_kernels_ceiling_agrees_in_both_implementations() -> N
     assert got[0, 0].item() == float("inf") and got[1, 0].item() == 0.0
     got = _both(a, b, "lhs=none,rhs=none,acc=float32:rtz,order=blockfma,fma=2:47:e300")
     assert got[0, 0].item() == torch.finfo(torch.float32).max
+
+
+def test_a_policy_table_with_tc_refuses_acc_and_fma_and_a_role_can_leave_blockfma() -> None:
+    """``tc`` beside ``acc`` or ``fma`` in one policy table is refused, as in a spec string
+    (the table once dropped them silently for the preset's); a role whose own table gives
+    another order drops the unit it inherits from ``[matmul]`` (TOML cannot unset a key)."""
+    from driftcli.arith.policy import PolicyError, policy_from_dict
+
+    for key, value in (("acc", "float32:rne"), ("fma", "16:25")):
+        with pytest.raises(PolicyError, match=f"tc=h100_e4m3_f32 sets {key}"):
+            policy_from_dict({"forward": {"tc": "h100_e4m3_f32", key: value}})
+    pol = policy_from_dict({"matmul": {"tc": "h100_e4m3_f32", "order": "blockfma:128"},
+                            "dgrad": {"order": "pairwise"}, "wgrad": {"lhs": "fp8_e5m2"}})
+    assert pol.forward == matmul_spec(tc="h100_e4m3_f32", order="blockfma:128")
+    assert pol.dgrad is not None and pol.dgrad.order.value == "pairwise"
+    assert pol.dgrad.unit is None and pol.dgrad.accumulator == FORMATS["e8m13"]
+    assert pol.wgrad is not None and pol.wgrad.unit == PRESETS["h100_e4m3_f32"].unit
+    with pytest.raises(PolicyError, match="needs order=blockfma, not pairwise"):
+        policy_from_dict({"matmul": {"tc": "h100_e4m3_f32"},
+                          "dgrad": {"order": "pairwise", "fma": "32:13"}})

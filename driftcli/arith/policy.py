@@ -254,7 +254,10 @@ def _table(value: Any, where: str) -> dict[str, str]:
         out[key] = v
     if "tc" in out:  # a tensor-core preset: written out as the keys it sets
         try:
+            # acc and fma given beside it are refused, as in a spec string (not overwritten)
             spec = matmul_spec(tc=out.pop("tc"), lhs=out.get("lhs"), rhs=out.get("rhs"),
+                               accumulator=out["acc"].partition(":")[0] if "acc" in out
+                               else None, unit=out.get("fma"),
                                order=out.get("order"), scale_application=out.get("scale",
                                                                                "dequantized"),
                                out=out.get("out"))
@@ -291,8 +294,11 @@ def policy_from_dict(data: dict[str, Any], *, source: str = "policy",
         if start is None and not shared and given is None:
             specs[role] = None  # nothing says to simulate this role
             continue
-        keys = {**(start or _DEFAULTS), **shared,
-                **_table(given or {}, f"{source}: [{role.value}]")}
+        own = _table(given or {}, f"{source}: [{role.value}]")
+        keys = {**(start or _DEFAULTS), **shared, **own}
+        if "order" in own and "fma" not in own and not own["order"].startswith("blockfma"):
+            # a role that leaves block-FMA for another order drops the unit it inherited
+            keys.pop("fma", None)
         specs[role] = _from_keys(keys, f"{source}: [{role.value}]")
     keep = data.get("keep_high_precision", list(base.keep_high_precision))
     if isinstance(keep, str):
@@ -325,8 +331,10 @@ def policy_from_toml(path: str | Path) -> ArithmeticPolicy:
     ``backward_state``, ``keep_high_precision`` (a list of regexes), ``seed``; a ``[matmul]``
     table of spec keys shared by every role, and ``[forward]``, ``[dgrad]``, ``[wgrad]``
     tables overriding them per role (or a role given as ``"plain"``). Spec keys are those of a
-    matmul spec string: ``lhs``, ``rhs``, ``acc``, ``order``, ``scale``, ``out``; keys not
-    given take the preset's values, else ``none``, ``float32``, ``native``, ``dequantized``.
+    matmul spec string: ``lhs``, ``rhs``, ``acc``, ``order``, ``fma``, ``tc``, ``scale``,
+    ``out``; keys not given take the preset's values, else ``none``, ``float32``, ``native``,
+    ``dequantized`` (a role whose own table gives an order other than ``blockfma`` drops an
+    inherited ``fma``).
     """
     p = Path(path)
     try:
