@@ -270,3 +270,18 @@ def test_a_policy_table_with_tc_refuses_acc_and_fma_and_a_role_can_leave_blockfm
     with pytest.raises(PolicyError, match="needs order=blockfma, not pairwise"):
         policy_from_dict({"matmul": {"tc": "h100_e4m3_f32"},
                           "dgrad": {"order": "pairwise", "fma": "32:13"}})
+
+
+@pytest.mark.parametrize("text", [
+    "lhs=fp16,rhs=fp16,acc=float16:rtz,order=blockfma:8,fma=4:12",
+    "lhs=fp16,rhs=fp16,acc=float16:rne,order=blockfma,fma=4:12:i1",
+    "lhs=mxfp8_e4m3,rhs=mxfp8_e4m3,acc=float32:rtz,order=blockfma:32,fma=8:12,scale=block",
+])
+def test_an_empty_matmul_is_zeros_as_in_every_other_order(text: str) -> None:
+    """K = 0 gives +0 everywhere (it once failed to reshape the operands' rows); M = 0 and
+    N = 0 give empty results."""
+    got = _both(torch.zeros(2, 0), torch.zeros(0, 3), text)
+    assert got.shape == (2, 3)
+    assert torch.equal(got.view(torch.int32), torch.zeros(2, 3, dtype=torch.int32))
+    assert _both(torch.zeros(0, 40), torch.ones(40, 3), text).shape == (0, 3)
+    assert _both(torch.ones(2, 40), torch.zeros(40, 0), text).shape == (2, 0)
