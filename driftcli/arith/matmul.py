@@ -443,7 +443,7 @@ def _blockfma(qa: Tensor, qb: Tensor, sa: Tensor | None, sb: Tensor | None, spec
     and each scale block's partial sum, times its two scales, is promoted."""
     (M, K), N = qa.shape[-2:], qb.shape[-1]
     if K == 0:  # no products: every result is the cleared chain, +0 (as every other order)
-        return torch.zeros(*batch, M, N)
+        return torch.zeros(*batch, M, N, device=qa.device)
     rows_a = qa.expand(*batch, M, K).reshape(-1, K)
     rows_b = qb.expand(*batch, K, N).transpose(-1, -2).reshape(-1, K)
     block = spec.block
