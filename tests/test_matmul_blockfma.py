@@ -49,6 +49,10 @@ def test_the_spec_round_trips_and_a_preset_is_written_out() -> None:
     ("order=blockfma,fma=2:47:e400", "min_exp 400 is above 300"),
     ("order=blockfma,fma=32:13,acc=float32:rup", "not supported"),
     ("lhs=mxfp8_e4m3,rhs=mxfp8_e4m3,order=blockfma,fma=32:13,scale=block", "blockfma:32"),
+    # operands without block scales are named first (once: "write order=blockfma:BLOCK (the
+    # block size), not blockfma:32", which asked for what was already given)
+    ("tc=h100_e4m3_f32,order=blockfma:32,scale=block", "needs block-scaled casts on both"),
+    ("tc=h100_e4m3_f32,lhs=mxfp8_e4m3,scale=block", "rhs is float8_e4m3fn"),
 ])
 def test_bad_blockfma_specs_name_the_fix(text: str, match: str) -> None:
     with pytest.raises(MatmulSpecError, match=match):

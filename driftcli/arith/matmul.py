@@ -169,21 +169,14 @@ class MatmulSpec:
             self._check_block()
 
     def _check_blockfma(self) -> None:
-        """A unit, a promotion interval of whole groups, and under block scale application
-        promotion at every scale block (each block's partial sum is scaled as it is promoted)."""
+        """A unit and a promotion interval of whole groups (under block scale application,
+        promotion at every scale block: :meth:`_check_block`, once the casts are checked)."""
         if self.unit is None:
             raise MatmulSpecError("order blockfma needs a unit: give fma=SIZE:KEPT (e.g. "
                                   "fma=32:13) or a tensor-core preset (tc=h100_e4m3_f32)")
         if self.chunk < 0 or self.chunk % self.unit.size:
             raise MatmulSpecError(f"blockfma:{self.chunk} promotes every {self.chunk} products, "
                                   f"not a whole number of groups of {self.unit.size}")
-        if self.scale_application is ScaleApplication.BLOCK:
-            block = self.lhs.scaling.block if self.lhs is not None else 0
-            if self.chunk != block:
-                raise MatmulSpecError(
-                    f"order blockfma with scale=block promotes each scale block with its "
-                    f"scales: write order=blockfma:{block or 'BLOCK'} (the block size), not "
-                    f"{self.order_name}")
 
     def _check_block(self) -> None:
         """Block scale application needs two power-of-two block scalings of one size whose
@@ -206,8 +199,13 @@ class MatmulSpec:
             raise MatmulSpecError(
                 f"scale=block needs equal block sizes along K; lhs has {sizes[0]}, rhs "
                 f"{sizes[1]}: cast both with the same block size or use scale=dequantized")
-        if self.order is Order.BLOCKFMA:
-            return  # the unit's products are exact whatever the formats
+        if self.order is Order.BLOCKFMA:  # the unit's products are exact whatever the formats
+            if self.chunk != sizes[0]:  # each block's partial sum is scaled as it is promoted
+                raise MatmulSpecError(
+                    f"order blockfma with scale=block promotes each scale block with its "
+                    f"scales: write order=blockfma:{sizes[0]} (the block size), not "
+                    f"{self.order_name}")
+            return
         # a sum of n terms below 2**x stays below 2**(x + ceil(log2 n))
         bits = element_bits(lhs.format) + element_bits(rhs.format) + (sizes[0] - 1).bit_length()
         if bits > DOUBLE_BITS:
