@@ -86,6 +86,8 @@ def finish(s: float, top: int, kept: int, lim: Any, p: Any) -> float:
     else by :func:`round_one`. Both give the correctly rounded value, so the same bits."""
     if s == 0.0:
         return 0.0
+    if not np.isfinite(s):  # an overflowed chain (an infinite c): no integer to round
+        return rounded(s, 0.0, False, lim, p)
     mag = np.int64(abs(s))
     length = bit_length(mag)
     mbits, emin, qmax = p[3], p[2], p[4]
