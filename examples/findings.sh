@@ -1,14 +1,32 @@
 #!/usr/bin/env bash
 # Reproduces every number in docs/findings.md with drift's own commands and fixed seeds.
 #
-#   bash examples/findings.sh [OUT]        # OUT defaults to findings-out
+#   examples/findings.sh [--out DIR] [PART ...]     # DIR defaults to findings-out
 #
-# CPU only, one torch thread per process, at most two drift processes at a time. It prints the
-# key numbers at the end and writes them to OUT/summary.json. Shakespeare (the default text) is
-# fetched once and cached by drift itself.
+# PART is one of: a b c d claim1 claim2 claim3 claim4 claim5 claim6 claim7, or all (the
+# default). A part runs alone (examples/findings.sh claim5) and trains what it needs; a run
+# already in DIR from the same command is kept, so parts share their runs. CPU only, one torch
+# thread per process, at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it
+# prints each part's key numbers, writes them to DIR/summary.json and draws DIR/plots/*.png
+# (examples/findings_summary.py). Shakespeare (the default text) is fetched once and cached by
+# drift itself.
 set -euo pipefail
 
-OUT=${1:-findings-out}
+OUT=findings-out
+PARTS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out) OUT=$2; shift 2 ;;
+        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        a|b|c|d|claim[1-7]|all) PARTS+=("$1"); shift ;;
+        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 all)" >&2; exit 2 ;;
+    esac
+done
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(all)
+if [ "${PARTS[*]}" = all ]; then
+    PARTS=(a b claim1 claim2 claim3 claim4 claim5 claim6 claim7 c d)
+fi
+
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 if [ -x "$here/../.venv/bin/drift" ]; then
     PATH="$here/../.venv/bin:$PATH"
@@ -16,18 +34,61 @@ fi
 PY=$(dirname "$(command -v drift)")/python
 [ -x "$PY" ] || PY=python3
 export OMP_NUM_THREADS=1
+JOBS=${FINDINGS_JOBS:-2}
 mkdir -p "$OUT"
 SECONDS=0
 log() { printf '[%4ds] %s\n' "$SECONDS" "$*" >&2; }
 
-# Forward-only policies: the forward matmuls cast as the preset does, dgrad and wgrad left plain.
-cat > "$OUT/fwd_mxfp4.toml" <<'EOF'
+# once CMD...: run a drift train / probe command unless its folder already holds the result of
+# this very command (a stamp next to it), so parts that share a run train it once; a new
+# training run drops the stamps of what was made from the old one.
+once() {
+    local target="" stamp prev="" arg
+    for arg in "$@"; do
+        if [ "$prev" = --out ] && [ "$2" = train ]; then target=$arg; fi
+        prev=$arg
+    done
+    if [ "$2" = probe ]; then target=$3; fi
+    stamp="$target/.findings-$2.cmd"
+    if [ -n "$target" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$*" ]; then
+        return 0
+    fi
+    if [ "$2" = train ] && [ -d "$target" ]; then rm -f "$target"/.findings-*.cmd; fi
+    "$@"
+    [ -z "$target" ] || printf '%s' "$*" > "$stamp"
+}
+# bg CMD...: once CMD in the background, at most $JOBS at a time; join: wait for them all and
+# stop at the first that failed
+PIDS=()
+bg() {
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 0.2; done
+    once "$@" &
+    PIDS+=($!)
+}
+join() {
+    local pid failed=0
+    for pid in "${PIDS[@]}"; do wait "$pid" || failed=1; done
+    PIDS=()
+    if [ $failed -ne 0 ]; then log "a drift command failed"; exit 1; fi
+}
+# fresh FILE FROM: FILE exists and is newer than FROM (a dump of that checkpoint is made)
+fresh() { [ -f "$1" ] && [ "$1" -nt "$2" ]; }
+
+mkdir -p "$OUT/policies"
+# Forward-only: the forward matmuls cast as the preset does, dgrad and wgrad left plain.
+cat > "$OUT/policies/fwd_mxfp4.toml" <<'EOF'
 name = "mxfp4_e2m1-forward-only"
 preset = "mxfp4_e2m1"
 dgrad = "plain"
 wgrad = "plain"
 EOF
-cat > "$OUT/dy_mxfp4.toml" <<'EOF'
+cat > "$OUT/policies/fwd_mxfp8.toml" <<'EOF'
+name = "mxfp8_e4m3-forward-only"
+preset = "mxfp8_e4m3"
+dgrad = "plain"
+wgrad = "plain"
+EOF
+cat > "$OUT/policies/dy_mxfp4.toml" <<'EOF'
 # mxfp4_e2m1 everywhere except the backward's high-precision operand: dgrad casts dY but not W,
 # wgrad casts dY but not X (one backward operand cast instead of two)
 name = "mxfp4_e2m1-backward-dy-only"
@@ -37,7 +98,7 @@ rhs = "none"
 [wgrad]
 lhs = "none"
 EOF
-cat > "$OUT/wx_mxfp4.toml" <<'EOF'
+cat > "$OUT/policies/wx_mxfp4.toml" <<'EOF'
 # the complement: the backward casts W (dgrad) and X (wgrad) but leaves dY uncast
 name = "mxfp4_e2m1-backward-no-dy"
 preset = "mxfp4_e2m1"
@@ -46,178 +107,193 @@ lhs = "none"
 [wgrad]
 rhs = "none"
 EOF
-cat > "$OUT/fwd_mxfp8.toml" <<'EOF'
-name = "mxfp8_e4m3-forward-only"
+# The seed study's first GPU check: forward cast, backward uncast, its result cast afterwards
+# (a wrong method, kept for comparison; docs/arithmetic.md#casting-results-is-not-casting-operands)
+cat > "$OUT/policies/result_mxfp8.toml" <<'EOF'
+name = "mxfp8_e4m3-result-cast"
 preset = "mxfp8_e4m3"
-dgrad = "plain"
-wgrad = "plain"
+backward_cast = "result"
+EOF
+cat > "$OUT/policies/result_mxfp4.toml" <<'EOF'
+name = "mxfp4_e2m1-result-cast"
+preset = "mxfp4_e2m1"
+backward_cast = "result"
+EOF
+# Every matmul cast as mxfp8_e4m3 except attention's two (q·kᵀ, P·v), kept in float32
+cat > "$OUT/policies/keep_attention_mxfp8.toml" <<'EOF'
+name = "mxfp8_e4m3-keep-attention"
+preset = "mxfp8_e4m3"
+keep_matmuls = ["attention"]
 EOF
 
-# ---------------------------------------------------------------- (a), (b), (d): the tanh MLP
-log "tanh MLP, exact, 300 steps"
-drift train --model mlp --steps 300 --seed 0 --checkpoint-every 100 --measure-cast mxfp8_e4m3 --threads 1 --out "$OUT/mlp" --overwrite -q
-drift dump "$OUT/mlp/step-000300.safetensors" --batch 64 --seed 0 --threads 1 --out "$OUT/mlp/dump.safetensors" -q
-drift clip-rate "$OUT/mlp/dump.safetensors" -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/mlp/clip" -q
-drift error-bias "$OUT/mlp/dump.safetensors" -c fp8_e4m3 -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/mlp/eb" -q
-log "probe of the MLP's checkpoints"
-drift probe "$OUT/mlp" -p exact -p fp8_e4m3 -p mxfp8_e4m3 -p mxfp8_e4m3_floor+1 -p nvfp4 -p nvfp4:sr -p mxfp4_e2m1:sr --draws 32 --seed 0 --threads 1 -q
+# ---------------------------------------------------------------- the exact runs (a, b, d, claims 1, 5, 7)
+# 1000 steps at the default rate (AdamW, 3e-3), checkpoints every 250 steps, seeds 0, 1, 2
+exact_runs() {
+    log "exact runs: tanh MLP and transformer, 1000 steps, seeds 0-2"
+    for seed in 0 1 2; do
+        bg drift train --model mlp --steps 1000 --seed $seed --checkpoint-every 250 --log-every 50 --eval-every 250 --measure-cast mxfp8_e4m3 --threads 1 --out "$OUT/mlp-exact-s$seed" --overwrite -q
+        bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --steps 1000 --seed $seed --checkpoint-every 250 --log-every 50 --eval-every 250 --measure-cast mxfp8_e4m3 --threads 1 --out "$OUT/tf-exact-s$seed" --overwrite -q
+    done
+    join
+}
 
-# ---------------------------------------------------------------- (a), (b): the transformer, tanh MLP
-log "transformer (tanh MLP), exact, 300 steps"
-drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --steps 300 --seed 0 --checkpoint-every 100 --measure-cast mxfp8_e4m3 --log-every 50 --threads 1 --out "$OUT/tf" --overwrite -q
-drift dump "$OUT/tf/step-000300.safetensors" --batch 16 --seed 0 --threads 1 --out "$OUT/tf/dump.safetensors" -q
-drift clip-rate "$OUT/tf/dump.safetensors" -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/tf/clip" -q
-drift error-bias "$OUT/tf/dump.safetensors" -c fp8_e4m3 -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/tf/eb" -q
-log "probe of the transformer's checkpoints"
-drift probe "$OUT/tf" -p exact -p fp8_e4m3 -p mxfp8_e4m3 -p mxfp8_e4m3_floor+1 --threads 1 -q
+# every probe of the exact runs in one call per run (a probe writes RUN/probe.parquet)
+exact_probes() {
+    exact_runs
+    log "probes of the exact runs' checkpoints"
+    for seed in 0 1 2; do
+        bg drift probe "$OUT/mlp-exact-s$seed" -p exact -p fp8_e4m3 -p mxfp8_e4m3 -p mxfp8_e4m3_floor+1 -p nvfp4 -p mxfp4_e2m1 -p mxfp4_e2m1_ceil -p nvfp4:sr --draws 16 --seed 0 --threads 1 -q
+        bg drift probe "$OUT/tf-exact-s$seed" -p exact -p fp8_e4m3 -p mxfp8_e4m3 -p mxfp8_e4m3_floor+1 -p nvfp4 -p mxfp4_e2m1 -p mxfp4_e2m1_ceil --threads 1 -q
+    done
+    join
+}
 
-# ---------------------------------------------------------------- (c): recast against forward-only
-# Learning rate 0.03 (10x the default), divergence = loss above 2x its running minimum.
-for seed in 0 1 2; do
-    log "(c) seed $seed: mxfp4_e2m1 recast / forward-only"
-    drift train --model mlp --policy mxfp4_e2m1 --lr 0.03 --diverge-factor 2 --steps 300 --seed $seed --log-every 50 --eval-every 100 --threads 1 --out "$OUT/c/mxfp4-recast-s$seed" --overwrite -q &
-    pid=$!
-    drift train --model mlp --policy "$OUT/fwd_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 300 --seed $seed --log-every 50 --eval-every 100 --threads 1 --out "$OUT/c/mxfp4-fwd-s$seed" --overwrite -q
-    wait $pid
-    log "(c) seed $seed: mxfp8_e4m3 recast / forward-only"
-    drift train --model mlp --policy mxfp8_e4m3 --lr 0.03 --diverge-factor 2 --steps 300 --seed $seed --log-every 50 --eval-every 100 --threads 1 --out "$OUT/c/mxfp8-recast-s$seed" --overwrite -q &
-    pid=$!
-    drift train --model mlp --policy "$OUT/fwd_mxfp8.toml" --lr 0.03 --diverge-factor 2 --steps 300 --seed $seed --log-every 50 --eval-every 100 --threads 1 --out "$OUT/c/mxfp8-fwd-s$seed" --overwrite -q
-    wait $pid
-    log "(c) seed $seed: mxfp4_e2m1 with dY as the only cast backward operand / exact"
-    drift train --model mlp --policy "$OUT/dy_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 300 --seed $seed --log-every 50 --eval-every 100 --threads 1 --out "$OUT/c/mxfp4-dyonly-s$seed" --overwrite -q &
-    pid=$!
-    drift train --model mlp --policy exact --lr 0.03 --diverge-factor 2 --steps 300 --seed $seed --log-every 0 --eval-every 100 --threads 1 --out "$OUT/c/exact-s$seed" --overwrite -q
-    wait $pid
-done
-# the complement of the dY-only arm, two seeds at a time
-drift train --model mlp --policy "$OUT/wx_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 300 --seed 0 --log-every 50 --eval-every 100 --threads 1 --out "$OUT/c/mxfp4-nody-s0" --overwrite -q &
-pid=$!
-drift train --model mlp --policy "$OUT/wx_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 300 --seed 1 --log-every 50 --eval-every 100 --threads 1 --out "$OUT/c/mxfp4-nody-s1" --overwrite -q
-wait $pid
-drift train --model mlp --policy "$OUT/wx_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 300 --seed 2 --log-every 50 --eval-every 100 --threads 1 --out "$OUT/c/mxfp4-nody-s2" --overwrite -q
+# one batch through the step-1000 weights with every matmul operand recorded
+exact_dumps() {
+    exact_runs
+    mkdir -p "$OUT/a"
+    for seed in 0 1 2; do
+        fresh "$OUT/a/mlp-s$seed.safetensors" "$OUT/mlp-exact-s$seed/step-001000.safetensors" ||
+            drift dump "$OUT/mlp-exact-s$seed/step-001000.safetensors" --batch 64 --seed 0 --threads 1 --out "$OUT/a/mlp-s$seed.safetensors" -q
+        fresh "$OUT/a/tf-s$seed.safetensors" "$OUT/tf-exact-s$seed/step-001000.safetensors" ||
+            drift dump "$OUT/tf-exact-s$seed/step-001000.safetensors" --batch 16 --seed 0 --threads 1 --out "$OUT/a/tf-s$seed.safetensors" -q
+    done
+}
+
+part_a() {
+    exact_dumps
+    log "(a) clip rates of the step-1000 operands"
+    for seed in 0 1 2; do
+        drift clip-rate "$OUT/a/mlp-s$seed.safetensors" -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/a/clip-mlp-s$seed" -q
+        drift clip-rate "$OUT/a/tf-s$seed.safetensors" -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/a/clip-tf-s$seed" -q
+    done
+}
+
+part_b() {
+    exact_dumps
+    log "(b) operand error and bias"
+    for seed in 0 1 2; do
+        drift error-bias "$OUT/a/mlp-s$seed.safetensors" -c fp8_e4m3 -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/b/eb-mlp-s$seed" -q
+        drift error-bias "$OUT/a/tf-s$seed.safetensors" -c fp8_e4m3 -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/b/eb-tf-s$seed" -q
+    done
+    exact_probes
+}
+
+claim1() {
+    exact_probes
+}
+
+# ---------------------------------------------------------------- MXFP8 at lr 0.01 (claims 2, 3, 4, 6)
+# divergence: a step's loss above 2x the lowest loss so far (docs/findings.md#the-divergence-rule)
+claim2() {
+    log "claim 2: MXFP8 casting both backward operands, MLP and transformer, lr 0.01"
+    for seed in 0 1 2; do
+        bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy mxfp8_e4m3 --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --checkpoint-every 250 --log-every 50 --eval-every 250 --threads 1 --out "$OUT/lr01/tf-mxfp8-s$seed" --overwrite -q
+        bg drift train --model mlp --policy mxfp8_e4m3 --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --checkpoint-every 250 --log-every 50 --eval-every 250 --threads 1 --out "$OUT/lr01/mlp-mxfp8-s$seed" --overwrite -q
+        bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy exact --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --log-every 0 --eval-every 250 --threads 1 --out "$OUT/lr01/tf-exact-s$seed" --overwrite -q
+        bg drift train --model mlp --policy exact --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --log-every 0 --eval-every 250 --threads 1 --out "$OUT/lr01/mlp-exact-s$seed" --overwrite -q
+    done
+    join
+}
+
+claim3() {
+    claim2
+    log "claim 3: the backward's result cast instead of its operands"
+    for seed in 0 1 2; do
+        bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy "$OUT/policies/result_mxfp8.toml" --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/lr01/tf-result-s$seed" --overwrite -q
+        bg drift train --model mlp --policy "$OUT/policies/result_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/c/mxfp4-result-s$seed" --overwrite -q
+        bg drift train --model mlp --policy mxfp4_e2m1 --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/c/mxfp4-recast-s$seed" --overwrite -q
+    done
+    join
+}
+
+claim4() {
+    claim2
+    log "claim 4: one more binade of scale headroom (floor+1)"
+    for seed in 0 1 2; do
+        bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy mxfp8_e4m3_floor+1 --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/lr01/tf-floor1-s$seed" --overwrite -q
+        bg drift train --model mlp --policy mxfp8_e4m3 --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/c/mxfp8-recast-s$seed" --overwrite -q
+        bg drift train --model mlp --policy mxfp8_e4m3_floor+1 --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/c/mxfp8-floor1-s$seed" --overwrite -q
+    done
+    join
+}
+
+claim5() {
+    exact_runs
+    claim2
+    log "claim 5: softmax probabilities against tanh outputs, per layer and checkpoint"
+    mkdir -p "$OUT/claim5"
+    for seed in 0 1 2; do
+        for step in 000250 000500 000750 001000; do
+            fresh "$OUT/claim5/tf-s$seed-$step.safetensors" "$OUT/tf-exact-s$seed/step-$step.safetensors" ||
+                drift dump "$OUT/tf-exact-s$seed/step-$step.safetensors" --batch 16 --seed 0 --threads 1 --out "$OUT/claim5/tf-s$seed-$step.safetensors" -q
+            drift clip-rate "$OUT/claim5/tf-s$seed-$step.safetensors" -c mxfp8_e4m3 --out "$OUT/claim5/clip-tf-s$seed-$step" -q
+            fresh "$OUT/claim5/mlp-s$seed-$step.safetensors" "$OUT/mlp-exact-s$seed/step-$step.safetensors" ||
+                drift dump "$OUT/mlp-exact-s$seed/step-$step.safetensors" --batch 64 --seed 0 --threads 1 --out "$OUT/claim5/mlp-s$seed-$step.safetensors" -q
+            drift clip-rate "$OUT/claim5/mlp-s$seed-$step.safetensors" -c mxfp8_e4m3 --out "$OUT/claim5/clip-mlp-s$seed-$step" -q
+        done
+    done
+}
+
+claim6() {
+    claim2
+    log "claim 6: the attention matmuls kept in float32"
+    for seed in 0 1 2; do
+        bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy "$OUT/policies/keep_attention_mxfp8.toml" --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/lr01/tf-keepattn-s$seed" --overwrite -q
+    done
+    join
+}
+
+claim7() {
+    exact_probes
+    log "claim 7: MXFP4 with the scale rounded down (floor) or up (ceil)"
+    for seed in 0 1 2; do
+        bg drift train --model mlp --policy mxfp4_e2m1 --diverge-factor 2 --steps 1000 --seed $seed --checkpoint-every 250 --log-every 50 --eval-every 250 --threads 1 --out "$OUT/claim7/mlp-floor-s$seed" --overwrite -q
+        bg drift train --model mlp --policy mxfp4_e2m1_ceil --diverge-factor 2 --steps 1000 --seed $seed --checkpoint-every 250 --log-every 50 --eval-every 250 --threads 1 --out "$OUT/claim7/mlp-ceil-s$seed" --overwrite -q
+    done
+    join
+    for seed in 0 1 2; do
+        bg drift probe "$OUT/claim7/mlp-floor-s$seed" -p exact -p mxfp4_e2m1 -p mxfp4_e2m1_ceil --threads 1 -q
+        bg drift probe "$OUT/claim7/mlp-ceil-s$seed" -p exact -p mxfp4_e2m1 -p mxfp4_e2m1_ceil --threads 1 -q
+    done
+    join
+}
+
+# ---------------------------------------------------------------- (c): which backward operand (lr 0.03)
+part_c() {
+    log "(c) recast against forward-only and one-operand backwards, MLP, lr 0.03"
+    for seed in 0 1 2; do
+        bg drift train --model mlp --policy mxfp4_e2m1 --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/c/mxfp4-recast-s$seed" --overwrite -q
+        bg drift train --model mlp --policy "$OUT/policies/fwd_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/c/mxfp4-fwd-s$seed" --overwrite -q
+        bg drift train --model mlp --policy "$OUT/policies/dy_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/c/mxfp4-dyonly-s$seed" --overwrite -q
+        bg drift train --model mlp --policy "$OUT/policies/wx_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/c/mxfp4-nody-s$seed" --overwrite -q
+        bg drift train --model mlp --policy exact --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --log-every 0 --eval-every 250 --threads 1 --out "$OUT/c/exact-s$seed" --overwrite -q
+        bg drift train --model mlp --policy mxfp8_e4m3 --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/c/mxfp8-recast-s$seed" --overwrite -q
+        bg drift train --model mlp --policy "$OUT/policies/fwd_mxfp8.toml" --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/c/mxfp8-fwd-s$seed" --overwrite -q
+    done
+    join
+}
 
 # ---------------------------------------------------------------- (d): SR against RNE over a run
-for seed in 0 1 2; do
-    log "(d) seed $seed: nvfp4 rne / sr"
-    drift train --model mlp --policy nvfp4 --steps 300 --seed $seed --log-every 50 --eval-every 100 --threads 1 --out "$OUT/d/nvfp4-rne-s$seed" --overwrite -q &
-    pid=$!
-    drift train --model mlp --policy nvfp4:sr --steps 300 --seed $seed --log-every 50 --eval-every 100 --threads 1 --out "$OUT/d/nvfp4-sr-s$seed" --overwrite -q
-    wait $pid
+part_d() {
+    exact_probes
+    log "(d) nvfp4 with round-to-nearest and with stochastic rounding, MLP, 1000 steps"
+    for seed in 0 1 2; do
+        bg drift train --model mlp --policy nvfp4 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/d/nvfp4-rne-s$seed" --overwrite -q
+        bg drift train --model mlp --policy nvfp4:sr --steps 1000 --seed $seed --log-every 50 --eval-every 250 --threads 1 --out "$OUT/d/nvfp4-sr-s$seed" --overwrite -q
+    done
+    join
+}
+
+for part in "${PARTS[@]}"; do
+    case "$part" in
+        a) part_a ;; b) part_b ;; c) part_c ;; d) part_d ;;
+        claim1) claim1 ;; claim2) claim2 ;; claim3) claim3 ;; claim4) claim4 ;;
+        claim5) claim5 ;; claim6) claim6 ;; claim7) claim7 ;;
+    esac
 done
-drift train --model mlp --steps 300 --seed 1 --log-every 0 --eval-every 100 --threads 1 --out "$OUT/d/exact-s1" --overwrite -q &
-pid=$!
-drift train --model mlp --steps 300 --seed 2 --log-every 0 --eval-every 100 --threads 1 --out "$OUT/d/exact-s2" --overwrite -q
-wait $pid
+join
 
 log "summary"
-"$PY" - "$OUT" "$SECONDS" <<'EOF'
-import json, sys
-from pathlib import Path
-import pandas as pd
-
-out = Path(sys.argv[1]); seconds = int(sys.argv[2])
-S = {"seconds_before_summary": seconds}
-star = lambda d: d[d.tensor == "*"]
-
-def cast_name(spec):
-    if ":tensor:" in spec: return "fp8_e4m3"
-    if ":floor+1:" in spec: return "mxfp8_e4m3_floor+1"
-    if ":floor:" in spec: return "mxfp8_e4m3"
-    return spec
-
-def tanh_clip(model, pattern):
-    d = pd.read_parquet(out / model / "clip" / "clip-rate.parquet")
-    d = d[d.tensor != "*"].copy(); d["c"] = d.cast.map(cast_name)
-    t = d[d.tensor.str.fullmatch(pattern)]
-    res = {}
-    for c, g in t.groupby("c"):
-        res[c] = {"pooled": round(g.clipped.sum() / g.n_finite.sum(), 4),
-                  "per_tensor": {r.tensor: round(r.clip_rate, 4) for r in g.itertuples()}}
-    other = d[(d.c == "mxfp8_e4m3") & ~d.tensor.str.fullmatch(pattern)]
-    res["mxfp8_e4m3_other_operands_max"] = round(other.clip_rate.max(), 4)
-    if model == "tf":
-        p = other[other.tensor.str.endswith("attn/1/lhs")]
-        res["mxfp8_e4m3_softmax_p"] = {r.tensor: round(r.clip_rate, 4) for r in p.itertuples()}
-    return res
-
-S["a_mlp"] = tanh_clip("mlp", r"(hidden\.1|head)/activation")
-S["a_tf"] = tanh_clip("tf", r"blocks\.\d+\.mlp\.out/activation")
-
-def eb(model):
-    d = pd.read_parquet(out / model / "eb" / "error-bias.parquet"); d["c"] = d.cast.map(cast_name)
-    res = {"all": {r.c: {"rel_error": round(r.rel_error, 4), "bias": round(r.bias, 5),
-                         "alignment": round(r.alignment, 3)} for r in star(d).itertuples()}}
-    for role, g in d[d.tensor != "*"].groupby("role"):
-        res[role] = {}
-        for c, h in g.groupby("c"):
-            # norm-weighted over the role's tensors: mean of rel_error and bias weighted by ||x||^2
-            res[role][c] = {"rel_error_median": round(h.rel_error.median(), 4),
-                            "bias_median": round(h.bias.median(), 5)}
-    return res
-
-def probe(model):
-    p = pd.read_parquet(out / model / "probe.parquet"); p = p[p.parameter == "*"]
-    cols = ["cosine", "retention", "rel_error", "expected_cosine", "expected_retention",
-            "expected_rel_error", "loss", "loss_exact", "freeze_share"]
-    res = {}
-    for r in p.itertuples():
-        res.setdefault(r.policy, {})[int(r.step)] = {
-            c: (None if pd.isna(getattr(r, c)) else round(float(getattr(r, c)), 4)) for c in cols}
-    return res
-
-S["b_mlp_error_bias"] = eb("mlp"); S["b_tf_error_bias"] = eb("tf")
-S["b_mlp_probe"] = probe("mlp"); S["b_tf_probe"] = probe("tf")
-
-def runs(folder):
-    res = {}
-    for rj in sorted((out / folder).glob("*/run.json")):
-        j = json.loads(rj.read_text())
-        t = pd.read_parquet(rj.parent / "train.parquet")
-        res[rj.parent.name] = {"diverged_at": j["diverged_at"], "steps_done": j["steps_done"],
-                               "final_loss": round(j["final_loss"], 4),
-                               "final_val_loss": None if j["final_val_loss"] is None else round(j["final_val_loss"], 4),
-                               "min_loss": round(float(t.loss.min()), 4),
-                               "max_loss_after_100": round(float(t.loss[t.step > 100].max()), 4),
-                               "last20_mean_loss": round(float(t.loss.iloc[-20:].mean()), 4),
-                               "seconds_per_step": j["seconds_per_step"]}
-        for col in ("clip_rate_gradient", "underflow_rate_gradient", "clip_rate_activation"):
-            x = t[col].dropna() if col in t else pd.Series(dtype=float)
-            res[rj.parent.name][f"mean_{col}"] = None if x.empty else round(float(x.mean()), 4)
-    return res
-
-S["c"] = runs("c"); S["d"] = runs("d")
-for name in ("mlp", "tf"):
-    j = json.loads((out / name / "run.json").read_text())
-    S[f"{name}_run"] = {"final_loss": round(j["final_loss"], 4), "final_val_loss": round(j["final_val_loss"], 4),
-                        "parameters": j["parameters"], "seconds_per_step": j["seconds_per_step"]}
-(out / "summary.json").write_text(json.dumps(S, indent=1))
-
-print("== (a) tanh activations clipped (pooled over the tanh outputs of the dump)")
-for m in ("a_mlp", "a_tf"):
-    print(f"  {m}: " + ", ".join(f"{c} {v['pooled']:.4f}" for c, v in S[m].items() if isinstance(v, dict) and "pooled" in v),
-          "| per tensor (mxfp8_e4m3):", S[m]["mxfp8_e4m3"]["per_tensor"])
-print("  transformer softmax p (attn/1/lhs) under mxfp8_e4m3:", S["a_tf"]["mxfp8_e4m3_softmax_p"])
-print("== (b) operand error and bias, all tensors of the dump")
-for m in ("b_mlp_error_bias", "b_tf_error_bias"):
-    for c, v in S[m]["all"].items():
-        print(f"  {m[2:5]} {c:20s} rel_error {v['rel_error']:.4f} bias {v['bias']:+.5f} alignment {v['alignment']:+.3f}")
-print("== (b) gradient retention (probe, all parameters)")
-for m in ("b_mlp_probe", "b_tf_probe"):
-    for pol, steps in S[m].items():
-        print(f"  {m[2:5]} {pol:20s} " + "  ".join(
-            f"s{s}: cos {v['cosine']:.4f} ret {v['retention']:.4f} err {v['rel_error']:.4f}" for s, v in steps.items()))
-print("== (d) SR per step (probe of the exact MLP): per-draw vs expected gradient")
-for pol in ("nvfp4", "nvfp4:sr", "mxfp4_e2m1:sr"):
-    for s, v in S["b_mlp_probe"][pol].items():
-        print(f"  {pol:14s} s{s}: cos {v['cosine']:.4f} ret {v['retention']:.4f} err {v['rel_error']:.4f}"
-              f" | E cos {v['expected_cosine']} E ret {v['expected_retention']} E err {v['expected_rel_error']}")
-for k in ("c", "d"):
-    print(f"== ({k}) runs")
-    for n, v in S[k].items():
-        print(f"  {n:22s} diverged_at {str(v['diverged_at']):5s} steps {v['steps_done']:3d} final {v['final_loss']:.4f}"
-              f" val {v['final_val_loss']} min {v['min_loss']:.4f} max>100 {v['max_loss_after_100']:.4f} last20 {v['last20_mean_loss']:.4f}"
-              f" | dY clip {v['mean_clip_rate_gradient']} dY underflow {v['mean_underflow_rate_gradient']}")
-print(f"== total {seconds} s before the summary")
-EOF
-log "done: $OUT/summary.json"
+"$PY" "$here/findings_summary.py" "$OUT" "$SECONDS" "${PARTS[@]}"
+log "done: $OUT/summary.json, $OUT/plots/"
