@@ -20,6 +20,7 @@ from driftcli.arith.policy import (
     EXACT,
     POLICIES,
     ArithmeticPolicy,
+    BackwardCast,
     BackwardState,
     PolicyError,
     Role,
@@ -86,7 +87,7 @@ def test_get_policy_names_close_matches_and_takes_cast_specs() -> None:
 
 def test_example_policy_files_load() -> None:
     files = sorted(EXAMPLES.glob("*.toml"))
-    assert len(files) == 5
+    assert len(files) == 6
     h100 = get_policy(str(EXAMPLES / "h100_fp8.toml"))
     promoted = get_policy(str(EXAMPLES / "h100_fp8_promoted.toml"))
     f32 = get_policy(str(EXAMPLES / "fp8_f32_accumulate.toml"))
@@ -109,6 +110,14 @@ def test_example_policy_files_load() -> None:
     assert (hybrid.wgrad.lhs, hybrid.wgrad.rhs) == (e4, e5)
     assert all(hybrid.spec(r).order_name == "chunked:128" for r in Role)
     assert all(hybrid.spec(r).accumulator.name == "e8m13" for r in Role)
+    result = get_policy(str(EXAMPLES / "mxfp8_result_cast.toml"))
+    operands = get_policy("mxfp8_e4m3")
+    assert result.backward_cast is BackwardCast.RESULT
+    assert result.spec(Role.FORWARD) == operands.spec(Role.FORWARD)
+    # the backward multiplies uncast operands and casts its result with dY's cast
+    assert result.spec(Role.DGRAD).lhs is None and result.spec(Role.DGRAD).rhs is None
+    assert result.spec(Role.DGRAD).out == operands.spec(Role.DGRAD).lhs
+    assert result.spec(Role.WGRAD).out == operands.spec(Role.WGRAD).rhs
 
 
 def test_policy_file_errors_name_the_fix(tmp_path: Path) -> None:
@@ -458,7 +467,7 @@ def test_one_policy_at_a_time_and_autocast_does_not_lower_the_spec() -> None:
 def test_the_policy_files_in_the_docs_are_the_example_files() -> None:
     docs = (EXAMPLES.parents[1] / "docs" / "arithmetic.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", docs, flags=re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     for block in blocks:
         path = EXAMPLES / re.search(r"examples/policies/(\S+\.toml)", block)[1]
         shown = policy_from_dict(tomllib.loads(block), default_name=path.stem)

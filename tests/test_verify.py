@@ -273,8 +273,9 @@ def test_a_new_scale_rule_is_verified_with_no_other_edit(
 # --- engines ---------------------------------------------------------------------------------
 
 ENGINE_FORMATS = ["float4_e2m1fn", "int4"]
-"""Two formats of the quick plan, 49,770 and 49,962 values (docs/verify-formats.md): ten
-(format, check) units of very different lengths, so that workers finish them out of order."""
+"""Two formats of the quick plan, 60,138 and 49,962 values (docs/verify-formats.md; float4_e2m1fn
+carries the FP4 recipes' 10,368): twelve (format, check) units of very different lengths, so
+that workers finish them out of order."""
 
 
 @pytest.mark.parametrize("engine", [Engine.PROCESSES, Engine.RAY])
@@ -287,13 +288,14 @@ def test_every_engine_gives_the_serial_outcomes_in_the_serial_order(
     told: list[tuple[int, int, str]] = []
     spread = verify(formats, Plan(quick=True), Execution(engine, 2),
                     progress=lambda done, total, name: told.append((done, total, name)))
-    assert sum(o.n_checked for o in serial) == 49_770 + 49_962
+    assert sum(o.n_checked for o in serial) == 60_138 + 49_962
     assert spread == serial  # every count and disagreement, cell by cell, in order
-    # the progress, as units finish: each of the ten once
-    assert [(d, t) for d, t, _ in told] == [(i, 10) for i in range(1, 11)]
+    # the progress, as units finish: each of the twelve once (int4's matmul and recipes units
+    # are empty)
+    assert [(d, t) for d, t, _ in told] == [(i, 12) for i in range(1, 13)]
     assert sorted(n for _, _, n in told) == sorted(
         f"{f}: {c}" for f in ENGINE_FORMATS
-        for c in ("codes", "pairs", "float32_inputs", "blocks", "matmul"))
+        for c in ("codes", "pairs", "float32_inputs", "blocks", "matmul", "recipes"))
 
 
 def test_jobs_spreads_the_checks_over_processes_and_provenance_names_them(
@@ -304,7 +306,8 @@ def test_jobs_spreads_the_checks_over_processes_and_provenance_names_them(
     spread, spread_prov = read_table(_run_table(tmp_path / "j2", *args, "-j", "2"))
     serial, prov = read_table(_run_table(tmp_path / "serial", *args, "--engine", "serial"))
     assert spread.equals(serial)
-    assert len(serial) == 2 * 53 and set(serial.kind) == {"summary"}  # 53 cells a format
+    # 53 cells a format, and float4_e2m1fn's 8 FP4 recipes x (value, code)
+    assert len(serial) == 2 * 53 + 16 and set(serial.kind) == {"summary"}
     assert (prov["engine"], prov["workers"]) == ("serial", 1)
     assert (spread_prov["engine"], spread_prov["workers"]) == ("processes", 2)
 
