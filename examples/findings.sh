@@ -8,8 +8,7 @@
 # already in DIR from the same command is kept, so parts share their runs. CPU only, one torch
 # thread per process, at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it
 # prints each part's key numbers, writes them to DIR/summary.json and draws DIR/plots/*.png
-# (examples/findings_summary.py). Shakespeare (the default text) is fetched once and cached by
-# drift itself.
+# (examples/findings_summary.py). The text is drift's default, Shakespeare, cached by drift.
 set -euo pipefail
 
 OUT=findings-out
@@ -17,7 +16,7 @@ PARTS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT=$2; shift 2 ;;
-        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
         a|b|c|d|claim[1-7]|all) PARTS+=("$1"); shift ;;
         *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 all)" >&2; exit 2 ;;
     esac
