@@ -3,8 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+ISA_INDEPENDENT = {
+    # exact arithmetic only: Python's integers and fractions, numba code compiled for this CPU
+    # whatever torch's capability, or both (the oracle; verify-formats' full plan; the
+    # calibration searches)
+    "test_oracle.py", "test_verify_full.py", "test_calibrate.py",
+    # files, tables and their orchestration: readers, writers, engines that must give the serial
+    # table (both sides computed in the same process), the command line's errors and docs
+    "test_readers.py", "test_reader_fuzz.py", "test_tables.py", "test_engines.py",
+    "test_cli.py", "test_cli_outputs.py", "test_architecture.py", "test_findings_doc.py",
+    # drift report: pandas and matplotlib over tables the tests write (numpy chooses its own
+    # SIMD code; ATEN_CPU_CAPABILITY does not reach it)
+    "test_report.py", "test_report_html.py", "test_report_runs.py", "test_report_attention.py",
+}
+"""Test files whose outcomes no choice of torch's CPU kernels can change. `.ci/run` runs the
+suite a second time under another instruction set and one thread (docs/contributing.md) and
+leaves these out of that pass (``-m "not isa_independent"``), so it spends its time where a
+kernel choice can matter. A file not listed runs in both passes."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).name in ISA_INDEPENDENT:
+            item.add_marker(pytest.mark.isa_independent)
 
 
 @pytest.fixture(scope="session")
