@@ -189,7 +189,7 @@ claim2() {
     for seed in 0 1 2; do
         bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy mxfp8_e4m3 --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --checkpoint-every 250 --log-every 50 --eval-every 250 --threads 1 --out "$OUT/lr01/tf-mxfp8-s$seed" --overwrite -q
         bg drift train --model mlp --policy mxfp8_e4m3 --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --checkpoint-every 250 --log-every 50 --eval-every 250 --threads 1 --out "$OUT/lr01/mlp-mxfp8-s$seed" --overwrite -q
-        bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy exact --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --log-every 0 --eval-every 250 --threads 1 --out "$OUT/lr01/tf-exact-s$seed" --overwrite -q
+        bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy exact --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --log-every 50 --eval-every 250 --measure-cast mxfp8_e4m3 --threads 1 --out "$OUT/lr01/tf-exact-s$seed" --overwrite -q
         bg drift train --model mlp --policy exact --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --log-every 0 --eval-every 250 --threads 1 --out "$OUT/lr01/mlp-exact-s$seed" --overwrite -q
     done
     join
@@ -226,12 +226,13 @@ claim5() {
         for step in 000250 000500 000750 001000; do
             fresh "$OUT/claim5/tf-s$seed-$step.safetensors" "$OUT/tf-exact-s$seed/step-$step.safetensors" ||
                 drift dump "$OUT/tf-exact-s$seed/step-$step.safetensors" --batch 16 --seed 0 --threads 1 --out "$OUT/claim5/tf-s$seed-$step.safetensors" -q
-            drift clip-rate "$OUT/claim5/tf-s$seed-$step.safetensors" -c mxfp8_e4m3 --out "$OUT/claim5/clip-tf-s$seed-$step" -q
             fresh "$OUT/claim5/mlp-s$seed-$step.safetensors" "$OUT/mlp-exact-s$seed/step-$step.safetensors" ||
                 drift dump "$OUT/mlp-exact-s$seed/step-$step.safetensors" --batch 64 --seed 0 --threads 1 --out "$OUT/claim5/mlp-s$seed-$step.safetensors" -q
-            drift clip-rate "$OUT/claim5/mlp-s$seed-$step.safetensors" -c mxfp8_e4m3 --out "$OUT/claim5/clip-mlp-s$seed-$step" -q
         done
     done
+    # one table per model, a row per tensor of every dump (its source names seed and step)
+    drift clip-rate "$OUT"/claim5/tf-s*.safetensors -c mxfp8_e4m3 --out "$OUT/claim5/clip-tf" -q
+    drift clip-rate "$OUT"/claim5/mlp-s*.safetensors -c mxfp8_e4m3 --out "$OUT/claim5/clip-mlp" -q
 }
 
 claim6() {

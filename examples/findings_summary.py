@@ -258,6 +258,39 @@ def claim2() -> dict[str, Any]:
         print(f"  {arm:10s} diverged at {fates(g)}; min loss "
               f"{[v['min_loss'] for v in g.values()]}; final val "
               f"{[v['final_val_loss'] for v in g.values()]}")
+    # the attention probes of both transformer arms: the largest |q.k| logit of any layer and
+    # P's mass in [0.5, 1] (the mean over layers), every 100 logged steps
+    res["attention"] = {}
+    for arm in ("tf-exact", "tf-mxfp8"):
+        for seed in SEEDS:
+            path = OUT / "lr01" / f"{arm}-s{seed}" / "attention.parquet"
+            if not path.exists():
+                continue
+            a = pd.read_parquet(path)
+            by_step = a.groupby("step").agg(logit_max=("logit_max", "max"),
+                                            p_mass_high=("p_mass_high", "mean"))
+            res["attention"][f"{arm}-s{seed}"] = {
+                int(step): [r4(r.logit_max), r4(r.p_mass_high)]
+                for step, r in by_step.iterrows() if step % 100 == 0 or step == by_step.index[-1]}
+            print(f"  {arm}-s{seed} largest logit / P mass in [0.5, 1] by step: "
+                  f"{res['attention'][f'{arm}-s{seed}']}")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, colour, label in (("tf-exact", "#2ca02c", "exact"),
+                               ("tf-mxfp8", "#d62728", "mxfp8_e4m3 (both operands)")):
+        for i, seed in enumerate(SEEDS):
+            path = OUT / "lr01" / f"{arm}-s{seed}" / "attention.parquet"
+            if path.exists():
+                a = pd.read_parquet(path).groupby("step").logit_max.max()
+                ax.plot(a.index, a.values, ("o-", "s--", "^:")[i], color=colour, ms=3,
+                        label=label if i == 0 else None)
+    ax.set_title("transformer, lr 0.01: largest |q·k| logit of any layer", fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel("logit")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(PLOTS / "claim2_logits.png", dpi=80)
+    plt.close(fig)
     loss_panels(PLOTS / "claim2.png", [
         ("transformer, lr 0.01", [("lr01/tf-exact-s{seed}", "exact", "#2ca02c"),
                                   ("lr01/tf-mxfp8-s{seed}", "mxfp8_e4m3 (both operands)",
