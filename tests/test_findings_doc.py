@@ -51,6 +51,13 @@ def test_findings_doc_exists_with_numbers():
     assert re.search(r"\d\.\d{3}", text), "the findings quote no measured numbers"
     for part in ("(a)", "(b)", "(c)", "(d)"):
         assert part in text, f"no section {part}"
+    # claims 1-7: a section each, the study's words beside drift's numbers, and a verdict
+    sections = re.split(r"\n## ", text)
+    for n in range(1, 8):
+        found = [s for s in sections if s.startswith(f"Claim {n}:")]
+        assert len(found) == 1, f"no section for claim {n}"
+        assert "**Verdict" in found[0] and re.search(r"\d\.\d{2}", found[0]), n
+    assert re.search(r"\*\*Wall time: \d+ min \d+ s\*\*", text), "the script's wall time"
 
 
 def test_every_quoted_drift_command_is_in_the_script():
