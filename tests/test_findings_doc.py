@@ -58,6 +58,8 @@ def test_findings_doc_exists_with_numbers():
         assert len(found) == 1, f"no section for claim {n}"
         assert "**Verdict" in found[0] and re.search(r"\d\.\d{2}", found[0]), n
     assert re.search(r"\*\*Wall time: \d+ min \d+ s\*\*", text), "the script's wall time"
+    figures = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
+    assert len(figures) >= 9 and all((DOC.parent / f).is_file() for f in figures), figures
 
 
 def test_every_quoted_drift_command_is_in_the_script():
