@@ -1018,7 +1018,7 @@ def test_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "docs/inputs.md", "exec"), {})
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("not read: checkpoints/run1/training_args.bin ")
+    assert lines[0] == "skipped: checkpoints/run1/training_args.bin"
     assert [line.split()[1:] for line in lines[1:]] == [
         ["model.layers.0.weight", str(s), *shape, "torch.float32"]
         for s, shape in [(0, ["(1024,", "2)"]), (1024, ["(1024,", "2)"]), (2048, ["(452,", "2)"])]]

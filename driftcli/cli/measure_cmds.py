@@ -99,6 +99,8 @@ def _print(summary: dict[str, Any]) -> None:
     skipped = sum(c["skipped"] for c in summary["casts"]) // max(1, len(summary["casts"]))
     if skipped:
         out.print(f"skipped {skipped} non-floating-point tensor(s)")
+    for f in summary.get("skipped_files", []):
+        out.print(f"skipped {f}: holds no weights (training state)", markup=False)
     seen = set()
     for e in summary["errors"]:
         if (e["source"], e["tensor"]) not in seen:
@@ -146,6 +148,7 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
                    f"{first.error}; no table written{kept}", err=True)
         raise typer.Exit(EXIT_USAGE)
     summary = _summary(m, rows, path, casts)
+    summary["skipped_files"] = [str(f) for i in s.inputs for f in i.skipped]
     failed = {f"{e['source']} {e['tensor']}: {e['error']}": None for e in summary["errors"]}
     try:
         publish(path, m.row_type, rows, prov, summary, _print, as_json=as_json, quiet=quiet,

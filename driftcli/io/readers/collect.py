@@ -34,28 +34,48 @@ def _kind(path: Path) -> FileKind:
     return next(kind for kind in KINDS if kind.recognises(path))
 
 
-def _walk(folder: Path) -> list[Path]:
-    """Tensor and index files under ``folder``, recursively, sorted by relative path."""
-    found = [Path(root) / name
-             for root, _dirs, names in os.walk(folder)
-             for name in names if _is_tensor_file(Path(name))]
-    return sorted(found, key=lambda p: p.relative_to(folder).parts)
+NOT_WEIGHTS = ("training_args.bin", "optimizer.pt", "optimizer.bin", "scheduler.pt",
+               "scheduler.bin", "scaler.pt", "rng_state*.pth", "*optim_states.pt")
+"""Files a training run writes beside the weights that hold no weights (the Hugging Face
+Trainer's arguments, optimizer, LR-scheduler, grad-scaler and RNG state; DeepSpeed's
+optimizer shards): skipped and listed when found in a folder, read when named on their own.
+Several are pickled classes drift would refuse, which would fail a run that measured every
+weight. Matched case-insensitively on the file name."""
 
 
-def _expand(path: Path) -> list[Path]:
-    """The tensor and index files a given path stands for; raises for an unusable path."""
+def not_weights(path: Path) -> bool:
+    """Whether ``path``'s name is one of :data:`NOT_WEIGHTS`."""
+    name = path.name.lower()
+    return any(fnmatch.fnmatchcase(name, g) for g in NOT_WEIGHTS)
+
+
+def _walk(folder: Path) -> tuple[list[Path], list[Path]]:
+    """Tensor and index files under ``folder``, recursively, sorted by relative path; and
+    those of them skipped as :data:`NOT_WEIGHTS`."""
+    found = sorted((Path(root) / name
+                    for root, _dirs, names in os.walk(folder)
+                    for name in names if _is_tensor_file(Path(name))),
+                   key=lambda p: p.relative_to(folder).parts)
+    return [p for p in found if not not_weights(p)], [p for p in found if not_weights(p)]
+
+
+def _expand(path: Path) -> tuple[list[Path], list[Path]]:
+    """The tensor and index files a given path stands for, and those skipped; raises for an
+    unusable path."""
     if path.is_dir():
-        files = _walk(path)
+        files, skipped = _walk(path)
         if not files:
-            raise ReadError(f"no tensor files {_accepted()} under {path}; point drift at a "
-                            "checkpoint, a dump or a folder holding them")
-        return files
+            only = (f" (only {', '.join(p.name for p in skipped)}, which hold no weights)"
+                    if skipped else "")
+            raise ReadError(f"no tensor files {_accepted()} under {path}{only}; point drift "
+                            "at a checkpoint, a dump or a folder holding them")
+        return files, skipped
     if not path.exists():
         raise ReadError(f"{path} does not exist; check the path")
     if not _is_tensor_file(path):
         raise ReadError(f"{path} is not a tensor file: drift reads {_accepted()} files and "
                         "folders holding them")
-    return [path]
+    return [path], []
 
 
 class _Collector:
@@ -157,7 +177,7 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
                         "them")
     expanded = [_expand(Path(p)) for p in paths]  # every path checked before any is read
     collector = _Collector()
-    for files in expanded:
+    for files, _skipped in expanded:
         for item in _plan(files, collector):
             if isinstance(item, Index):
                 collector.open_index(item)
@@ -170,4 +190,6 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
     dropped = len(collector.errors) - len(shown)
     return Inputs(files=tuple(collector.files), tensors=tuple(kept),
                   errors=tuple(InputError(source, p.message, p.tensor) for source, p in shown),
-                  excluded=len(collector.tensors) - len(kept) + dropped)
+                  excluded=len(collector.tensors) - len(kept) + dropped,
+                  skipped=tuple(dict.fromkeys(f for _files, skipped in expanded
+                                              for f in skipped)))

@@ -157,6 +157,9 @@ class Inputs:
     """Each file, or tensor of one, that could not be read."""
     excluded: int
     """Tensors dropped by ``include`` / ``exclude`` (readable or not)."""
+    skipped: tuple[Path, ...] = ()
+    """Files found in a folder that are known not to hold weights (``training_args.bin``,
+    optimizer and scheduler state, RNG state), left unread."""
 
 
 @dataclass(frozen=True)
