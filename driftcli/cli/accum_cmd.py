@@ -21,6 +21,7 @@ from driftcli.cli.run import (
     publish,
     units_dir,
 )
+from driftcli.escaping import for_terminal as esc
 from driftcli.modes import Dist, Engine
 
 if TYPE_CHECKING:
@@ -44,16 +45,18 @@ def _print(summary: dict[str, Any]) -> None:
         table.add_column(h, justify="left" if h in ("spec", "worst matmul") else "right")
     for s in summary["specs"][:WORST]:
         w = s["worst"]
-        table.add_row(s["label"], str(s["matmuls"]), fmt(s["median_rel_error"], ".3g"),
+        table.add_row(esc(s["label"]), str(s["matmuls"]), fmt(s["median_rel_error"], ".3g"),
                       fmt(s["max_rel_error"], ".3g"), fmt(s["mean_abs_error_ulps"], ".3g"),
-                      fmt(s["median_bias"], ".3g"), f"{w['matmul']} {w['m']}x{w['k']}x{w['n']}")
+                      fmt(s["median_bias"], ".3g"),
+                      esc(f"{w['matmul']} {w['m']}x{w['k']}x{w['n']}"))
     out = Console(width=160)
     out.print(table)
     if len(summary["specs"]) > WORST:
         out.print(f"… and {len(summary['specs']) - WORST} more spec(s) in the table")
     for e in summary["errors"]:
-        out.print(f"[red]not measured[/red] {e['source']} {e['matmul']}: {e['error']}")
-    out.print(f"wrote {summary['table']}")
+        out.print(f"[red]not measured[/red] {esc(e['source'])} {esc(e['matmul'])}: "
+                  f"{esc(e['error'])}")
+    out.print(f"wrote {esc(summary['table'])}")
 
 
 @command("accum-error")

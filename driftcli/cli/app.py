@@ -25,6 +25,7 @@ from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageErro
 from typer.core import TyperCommand, TyperGroup
 
 from driftcli.errors import DriftError
+from driftcli.escaping import for_terminal
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -104,10 +105,11 @@ class DriftGroup(TyperGroup):
                 typer.echo(err.ctx.get_help() if err.ctx is not None else "")
             else:
                 hint = f"; see {err.ctx.command_path} --help" if err.ctx is not None else ""
-                typer.echo(f"error: {err.format_message().rstrip('.')}{hint}", err=True)
+                typer.echo(for_terminal(f"error: {err.format_message().rstrip('.')}{hint}",
+                                        markup=False), err=True)
             code = EXIT_USAGE
         except ClickException as err:
-            typer.echo(f"error: {err.format_message()}", err=True)
+            typer.echo(for_terminal(f"error: {err.format_message()}", markup=False), err=True)
             code = err.exit_code
         except typer.Abort:
             typer.echo("error: aborted", err=True)
@@ -131,13 +133,13 @@ app = typer.Typer(
 
 def fail(message: str) -> typer.Exit:
     """Print ``error: message`` to stderr and return the exit to raise (code 2)."""
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(for_terminal(f"error: {message}", markup=False), err=True)
     return typer.Exit(EXIT_USAGE)
 
 
 def _warning_line(message: Warning | str, category: type[Warning], filename: str,
                   lineno: int, file: Any = None, line: str | None = None) -> None:
-    typer.echo(f"warning: {message}", err=True)
+    typer.echo(for_terminal(f"warning: {message}", markup=False), err=True)
 
 
 def command(name: str) -> Callable[[F], F]:

@@ -9,6 +9,7 @@ import typer
 
 from driftcli.cli.app import command, fail
 from driftcli.cli.run import Bar, fmt, progress_bar
+from driftcli.escaping import for_terminal as esc
 
 OUT = Path("drift-out")
 
@@ -25,24 +26,24 @@ def _print(rows: list[Any], path: Path) -> None:
         verdict = f"reproduces every one of the {what}" if head.fits else (
             f"no model of the family reproduces it: the best gives "
             f"{fmt(head.share, '.4%')} of the {what}")
-        out.print(f"[bold]{name}[/bold]")
-        out.print(f"  model: {head.model}", soft_wrap=True)
+        out.print(f"[bold]{esc(name)}[/bold]")
+        out.print(f"  model: {esc(head.model)}", soft_wrap=True)
         if head.fits:
             line = f"  {verdict}; {head.survivors} model(s) give the same bits" + (
                 f" (they differ in {head.alternatives})" if head.alternatives else "")
         else:
             line = f"  {verdict}" + (f"; {head.alternatives}" if head.alternatives else "")
-        out.print(line + (f"; c {head.c_mode}" if head.c_mode else ""))
+        out.print(esc(line + (f"; c {head.c_mode}" if head.c_mode else "")))
         checks = [r for r in mine if r.kind == "check"]
         if checks:
             table = Table(title="outputs reproduced bit for bit", title_justify="left")
             for col in ("K", "dist", "outputs", "reproduced", "share"):
                 table.add_column(col, justify="left" if col == "dist" else "right")
             for r in checks:
-                table.add_row(str(r.k), r.dist, f"{r.outputs:,}", f"{r.reproduced:,}",
+                table.add_row(str(r.k), esc(r.dist), f"{r.outputs:,}", f"{r.reproduced:,}",
                               fmt(r.share, ".4%"))
             out.print(table)
-    out.print(f"wrote {path}")
+    out.print(f"wrote {esc(path)}")
 
 
 @command("calibrate")

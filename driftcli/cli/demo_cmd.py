@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from driftcli.cli.app import app, command
+from driftcli.escaping import for_terminal
 
 CASTS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp8_e4m3_floor+1", "mxfp8_e4m3_ceil", "nvfp4")
 """Per-tensor FP8, OCP MX FP8 with the floor rule, one binade of headroom, the ceil rule,
@@ -69,7 +70,7 @@ def demo(
     corpus = text if text is not None else default_corpus()
     for argv in script(out, text):
         argv = [str(corpus) if a == "{text}" else a for a in argv]
-        typer.echo(f"$ drift {' '.join(argv)}", err=True)
+        typer.echo(for_terminal(f"$ drift {' '.join(argv)}", markup=False), err=True)
         sys.argv = ["drift", *argv]  # each table's provenance names its own command
         code = app(argv, standalone_mode=False)  # a typer.Exit comes back as its code
         if code:

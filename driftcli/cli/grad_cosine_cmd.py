@@ -21,6 +21,7 @@ from driftcli.cli.run import (
     publish,
     units_dir,
 )
+from driftcli.escaping import for_terminal as esc
 from driftcli.modes import Engine
 
 OUT = Path("drift-out")
@@ -30,19 +31,19 @@ def _print(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"grad-cosine: {summary['checkpoint']} (all parameters)")
+    table = Table(title=esc(f"grad-cosine: {summary['checkpoint']} (all parameters)"))
     for col in ("policy", "cosine", "retention", "norm_ratio", "rel_error", "loss", "draws",
                 "lowest cosine"):
         table.add_column(col, justify="left" if col in ("policy", "lowest cosine") else "right")
     for p in summary["policies"]:
         low = p["worst"][0] if p["worst"] else None
         lowest = "-" if low is None else f"{low['parameter']} {fmt(low['cosine'], '.4f')}"
-        table.add_row(p["policy"], fmt(p["cosine"], ".6f"), fmt(p["retention"], ".6f"),
+        table.add_row(esc(p["policy"]), fmt(p["cosine"], ".6f"), fmt(p["retention"], ".6f"),
                       fmt(p["norm_ratio"], ".4f"), fmt(p["rel_error"], ".3g"),
-                      fmt(p["loss"], ".5f"), str(p["draws"]), lowest)
+                      fmt(p["loss"], ".5f"), str(p["draws"]), esc(lowest))
     out = Console(width=160)
     out.print(table)
-    out.print(f"exact loss {fmt(summary['loss_exact'], '.5f')}; wrote {summary['table']}")
+    out.print(f"exact loss {fmt(summary['loss_exact'], '.5f')}; wrote {esc(summary['table'])}")
 
 
 @command("grad-cosine")

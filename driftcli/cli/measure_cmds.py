@@ -22,6 +22,7 @@ from driftcli.cli.run import (
     publish,
     units_dir,
 )
+from driftcli.escaping import for_terminal as esc
 from driftcli.modes import Device, Engine
 
 if TYPE_CHECKING:
@@ -88,12 +89,12 @@ def _print(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
     head = summary["headline"]
-    table = Table(title=f"{summary['measure']}: {head} (all tensors, and the worst)")
+    table = Table(title=esc(f"{summary['measure']}: {head} (all tensors, and the worst)"))
     for col in ("cast", "tensors", head, "worst tensors"):
         table.add_column(col, justify="right" if col in ("tensors", head) else "left")
     for c in summary["casts"]:
         worst = ", ".join(f"{w['tensor']} {fmt(w[head])}" for w in c["worst"])
-        table.add_row(c["cast"], str(c["tensors"]), fmt(c[head]), worst or "-")
+        table.add_row(esc(c["cast"]), str(c["tensors"]), fmt(c[head]), esc(worst or "-"))
     out = Console(width=160)
     out.print(table)
     skipped = sum(c["skipped"] for c in summary["casts"]) // max(1, len(summary["casts"]))
@@ -105,8 +106,9 @@ def _print(summary: dict[str, Any]) -> None:
     for e in summary["errors"]:
         if (e["source"], e["tensor"]) not in seen:
             seen.add((e["source"], e["tensor"]))
-            out.print(f"[red]not measured[/red] {e['source']} {e['tensor']}: {e['error']}")
-    out.print(f"wrote {summary['table']}")
+            out.print(f"[red]not measured[/red] {esc(e['source'])} {esc(e['tensor'])}: "
+                      f"{esc(e['error'])}")
+    out.print(f"wrote {esc(summary['table'])}")
 
 
 def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: ScanOptions,
@@ -143,9 +145,9 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
         bad = {(r.source, r.ref.name if r.ref else "") for r in s.errors}
         first = s.errors[0]
         kept = f"; {path} from an earlier run is kept" if path.exists() else ""
-        typer.echo(f"error: nothing could be measured: {len(bad)} tensor(s) or file(s) "
-                   f"failed, first {first.source} {first.ref.name if first.ref else ''}: "
-                   f"{first.error}; no table written{kept}", err=True)
+        typer.echo(esc(f"error: nothing could be measured: {len(bad)} tensor(s) or file(s) "
+                       f"failed, first {first.source} {first.ref.name if first.ref else ''}: "
+                       f"{first.error}; no table written{kept}", markup=False), err=True)
         raise typer.Exit(EXIT_USAGE)
     summary = _summary(m, rows, path, casts)
     summary["skipped_files"] = [str(f) for i in s.inputs for f in i.skipped]

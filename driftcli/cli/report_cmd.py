@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from driftcli.cli.app import EXIT_FOUND, command
+from driftcli.escaping import for_terminal
 from driftcli.report.options import CHANGE_PCT, WORST, MatchBy, Options
 
 
@@ -72,6 +73,6 @@ def report(
                            (html_file, html.render)):
         if path is not None:
             _write(path, renderer(result))
-            typer.echo(f"wrote {path}", err=True)
+            typer.echo(for_terminal(f"wrote {path}", markup=False), err=True)
     if result.failed:
         raise typer.Exit(EXIT_FOUND)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from driftcli.cli.app import EXIT_USAGE
+from driftcli.escaping import for_terminal
 from driftcli.modes import Engine
 from driftcli.progress import Progress
 
@@ -82,14 +83,14 @@ def progress_bar(label: str, bar: Bar, quiet: bool) -> Iterator[Progress]:
     columns: tuple[Any, ...] = (
         (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
          TransferSpeedColumn(), TimeRemainingColumn()) if bar is Bar.BYTES else
-        (TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-         TimeElapsedColumn()))
+        (TextColumn(for_terminal(label)), BarColumn(), MofNCompleteColumn(),
+         TextColumn("{task.description}"), TimeElapsedColumn()))
     live = not quiet and console.is_terminal
     with Bars(*columns, console=console, disable=not live, transient=True) as shown:
-        task = shown.add_task(label if bar is Bar.BYTES else "", total=None)
+        task = shown.add_task(for_terminal(label) if bar is Bar.BYTES else "", total=None)
 
         def advance(done: int, total: int, name: str) -> None:
-            shown.update(task, completed=done, total=total, description=name[-40:])
+            shown.update(task, completed=done, total=total, description=for_terminal(name[-40:]))
 
         yield advance
 
@@ -118,7 +119,7 @@ def publish(path: Path, row_type: type, rows: Sequence[Any], prov: dict[str, Any
     elif not quiet:
         show(summary)
     if failures:
-        typer.echo(f"error: {len(failures)} {failed}, first {failures[0]}; the others were "
-                   f"measured into {path}", err=True)
+        typer.echo(for_terminal(f"error: {len(failures)} {failed}, first {failures[0]}; the "
+                                f"others were measured into {path}", markup=False), err=True)
         raise typer.Exit(EXIT_USAGE)
     return path

@@ -21,6 +21,7 @@ from driftcli.cli.run import (
     progress_bar,
     units_dir,
 )
+from driftcli.escaping import for_terminal as esc
 from driftcli.models.config import (
     CHECKPOINTS,
     Activation,
@@ -81,13 +82,13 @@ def attention_table(rows: list[AttentionRow], title: str) -> Table:
     from driftcli.cast import PRESETS
 
     names = {str(c): name for name, (c, _) in reversed(PRESETS.items())}
-    table = Table(title=title)
+    table = Table(title=esc(title))
     heads = ("step", "policy", "layer", "cast", "logit_max", "P mass ≥0.5", "P clip",
              "P underflow", "dY(P·v) clip", "dY(P·v) uf", "dY(q·kᵀ) clip", "dY(q·kᵀ) uf")
     for head in heads:
         table.add_column(head, justify="left" if head in ("policy", "layer", "cast") else "right")
     for r in rows:
-        table.add_row(str(r.step), r.policy, r.layer, names.get(r.cast, r.cast),
+        table.add_row(str(r.step), esc(r.policy), esc(r.layer), esc(names.get(r.cast, r.cast)),
                       fmt(r.logit_max, ".3f"), fmt(r.p_mass_high, ".4f"),
                       *(fmt(v, ".4f") for v in (r.p_clip_rate, r.p_underflow_rate,
                                                 r.dy_pv_clip_rate, r.dy_pv_underflow_rate,
@@ -186,11 +187,11 @@ def train_command(
         typer.echo(json.dumps(summary, indent=2))
     elif not quiet:
         console = Console(width=120)
-        table = Table(title=f"train: {out}")
+        table = Table(title=esc(f"train: {out}"))
         for col in ("model", "params", "policy", "steps", "loss", "val_loss", "diverged_at",
                     "s/step"):
             table.add_column(col, justify="left" if col in ("model", "policy") else "right")
-        table.add_row(config.model.kind.value, str(result.parameters), policy,
+        table.add_row(config.model.kind.value, str(result.parameters), esc(policy),
                       str(result.steps_done), fmt(summary["final_loss"], ".4f"),
                       fmt(summary["final_val_loss"], ".4f"),
                       "-" if result.diverged_at is None else str(result.diverged_at),
@@ -203,7 +204,7 @@ def train_command(
         names = ", ".join(p.name for p in result.checkpoints) or "none"
         wrote = ", ".join(str(p) for p in (result.table, out / "run.json",
                                            result.attention_table) if p is not None)
-        console.print(f"wrote {wrote}; checkpoints: {names}")
+        console.print(esc(f"wrote {wrote}; checkpoints: {names}"))
 
 
 @command("dump")
@@ -246,9 +247,9 @@ def dump_command(
         typer.echo(json.dumps(summary, indent=2))
     elif not quiet:
         roles = ", ".join(f"{n} {r}" for r, n in sorted(result.roles.items()))
-        typer.echo(f"wrote {result.path}: {len(result.names)} tensors ({roles}) from a batch "
-                   f"of {result.batch_shape[0]}×{result.batch_shape[1]} tokens, loss "
-                   f"{result.loss:.4f}")
+        typer.echo(esc(f"wrote {result.path}: {len(result.names)} tensors ({roles}) from a "
+                       f"batch of {result.batch_shape[0]}×{result.batch_shape[1]} tokens, loss "
+                       f"{result.loss:.4f}", markup=False))
 
 
 @command("probe")
@@ -328,17 +329,18 @@ def probe_command(
                                         "expected_cosine", "loss", "loss_exact",
                                         "freeze_share")} for r in totals]}, indent=2))
     elif not quiet:
-        table = Table(title=f"probe: {run} (all parameters; freeze share in {storage.value})")
+        table = Table(title=esc(f"probe: {run} (all parameters; freeze share in "
+                                f"{storage.value})"))
         for col in ("step", "policy", "cosine", "retention", "E[ĝ] cosine", "loss",
                     "freeze share"):
             table.add_column(col, justify="left" if col == "policy" else "right")
         for r in totals:
-            table.add_row(str(r.step), r.policy, fmt(r.cosine, ".6f"),
+            table.add_row(str(r.step), esc(r.policy), fmt(r.cosine, ".6f"),
                           fmt(r.retention, ".6f"), fmt(r.expected_cosine, ".6f"),
                           fmt(r.loss, ".4f"), fmt(r.freeze_share, ".4f"))
         console = Console(width=120)
         console.print(table)
         if attention:
             console.print(attention_table(attention, f"probe: {run} (attention)"))
-        console.print(f"wrote {path}" + ("" if attention_path is None
-                                          else f", {attention_path}"))
+        console.print(esc(f"wrote {path}" + ("" if attention_path is None
+                                              else f", {attention_path}")))

@@ -10,6 +10,7 @@ import typer
 
 from driftcli.cli.app import EXIT_FOUND, command
 from driftcli.cli.run import Bar, EngineOpt, RayAddress, execution, progress_bar
+from driftcli.escaping import for_terminal
 from driftcli.modes import Engine
 
 OUT = Path("drift-out")
@@ -72,6 +73,7 @@ def verify_formats(
             stdout.print(f"    {ops}: expected {exp}, got {got}")
     total = sum(o.n_checked for o in outcomes)
     failed = sum(o.n_failed for o in outcomes)
-    stdout.print(f"{total:,} values checked, {failed:,} disagreements; wrote {path}")
+    stdout.print(f"{total:,} values checked, {failed:,} disagreements; "
+                 f"wrote {for_terminal(path)}")
     if failed:
         raise typer.Exit(EXIT_FOUND)

@@ -4,9 +4,9 @@ baseline comparison, the warnings (stale tables, mixed runs) and the verdict."""
 from __future__ import annotations
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table as RichTable
 
+from driftcli.escaping import for_terminal as escape
 from driftcli.report import display as d
 from driftcli.report.model import Report
 
