@@ -144,7 +144,10 @@ class Measure:
                 continue
             b = base[key]
             ok = r.error is None and b.error is None and r.diff is not None
-            own = own_columns(r.draws[0], b.draws[0], r.diff) if ok else self._nulls()  # type: ignore[arg-type]
+            # ``against`` is a column of the row type, so the nulls hold it too: it is given
+            # below for every row, failed ones included
+            nulls = {k: v for k, v in self._nulls().items() if k != "against"}
+            own = own_columns(r.draws[0], b.draws[0], r.diff) if ok else nulls  # type: ignore[arg-type]
             out.append(self.row_type(**_tensor_base(r), against=first, **own))
         groups = list(iter_groups(s))
         baseline = {inp: results for inp, c, results in groups if str(c) == first}
