@@ -3,14 +3,25 @@ read through their index, and the include / exclude selection (:func:`open_input
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from driftcli.io.readers.core import FileKind, InputError, Inputs, Problem, ReadError, TensorRef
+from driftcli.io.readers.core import (
+    FileKind,
+    InputError,
+    Inputs,
+    Problem,
+    ReadError,
+    TensorRef,
+    not_regular,
+    shown,
+)
 from driftcli.io.readers.npy import NPY, NPZ
 from driftcli.io.readers.pytorch import PYTORCH
+from driftcli.io.readers.quantized import Layout, assemble
 from driftcli.io.readers.safetensors import INDEX_SUFFIX, SAFETENSORS, Index, is_index, read_index
 
 KINDS: list[FileKind] = [SAFETENSORS, PYTORCH, NPZ, NPY]
@@ -102,6 +113,12 @@ class _Collector:
         readable or not, or None if it fails as a whole."""
         if not self.first_time(path):
             return set()
+        # stat before any open: a FIFO or a device named *.safetensors would block or never
+        # end, here and in the provenance hashing of Inputs.files, which it stays out of
+        why = not_regular(path)
+        if why is not None:
+            self.fail(path, why)
+            return None
         self.files.append(path)
         try:
             refs, problems = _kind(path).list_file(path)
@@ -120,7 +137,7 @@ class _Collector:
             return
         self.files.append(index.path)
         for shard, names in index.shards.items():
-            if not shard.is_file():
+            if not shard.exists():  # one there but not a regular file: open() says so
                 self.fail(index.path, f"{index.path} lists shard {shard.name}, which does not "
                                       "exist; download the missing shard")
                 continue
@@ -145,6 +162,11 @@ def _plan(files: Iterable[Path], collector: _Collector) -> list[Path | Index]:
         if not is_index(f):
             items.append(f)
             continue
+        why = not_regular(f)
+        if why is not None:
+            if collector.first_time(f):
+                collector.fail(f, why)
+            continue
         try:
             index = read_index(f)
         except ReadError as exc:
@@ -164,13 +186,16 @@ def _selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool
 
 
 def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
-                exclude: Sequence[str] = ()) -> Inputs:
+                exclude: Sequence[str] = (), layout: Layout | str | None = None) -> Inputs:
     """List the named tensors of ``paths`` (files and folders) without reading their data.
 
     A tensor is kept when its name matches any ``include`` glob (or there are none) and
     no ``exclude`` glob (``fnmatch.fnmatchcase``). Raises :class:`ReadError` at once for a
     path that does not exist, a folder without tensor files, or a file of another kind;
     a file that exists but cannot be opened goes to :attr:`Inputs.errors` instead.
+    A pre-quantized weight is one tensor under its own name, its scales never listed
+    (:func:`driftcli.io.readers.quantized.assemble`; ``layout`` overrides the layout the
+    checkpoint's config or names give).
     """
     if not paths:
         raise ReadError("no inputs given; name checkpoint or dump files, or folders holding "
@@ -183,13 +208,25 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
                 collector.open_index(item)
             else:
                 collector.open(item)
-    kept = [r for r in collector.tensors if _selected(r.name, include, exclude)]
+    unreadable = {p.tensor for _, p in collector.errors if p.tensor is not None}
+    collector.tensors, found = assemble(collector.tensors, unreadable, layout)
+    collector.errors.extend(found)
+    # names are data: a file name that is not UTF-8 (or a pickled name with a lone
+    # surrogate) is shown escaped in every source, name and message, so that it prints and
+    # goes into a table; each reader keeps the real path to open
+    tensors = [dataclasses.replace(r, source=shown(r.source), name=shown(r.name))
+               for r in collector.tensors]
+    errors = [(shown(source), Problem(shown(p.message),
+                                      None if p.tensor is None else shown(p.tensor)))
+              for source, p in collector.errors]
+    kept = [r for r in tensors if _selected(r.name, include, exclude)]
     # a problem with one tensor goes where the tensor would: into the errors, or excluded
-    shown = [(source, p) for source, p in collector.errors
-             if p.tensor is None or _selected(p.tensor, include, exclude)]
-    dropped = len(collector.errors) - len(shown)
+    reported = [(source, p) for source, p in errors
+                if p.tensor is None or _selected(p.tensor, include, exclude)]
+    dropped = len(errors) - len(reported)
     return Inputs(files=tuple(collector.files), tensors=tuple(kept),
-                  errors=tuple(InputError(source, p.message, p.tensor) for source, p in shown),
-                  excluded=len(collector.tensors) - len(kept) + dropped,
+                  errors=tuple(InputError(source, p.message, p.tensor)
+                               for source, p in reported),
+                  excluded=len(tensors) - len(kept) + dropped,
                   skipped=tuple(dict.fromkeys(f for _files, skipped in expanded
                                               for f in skipped)))

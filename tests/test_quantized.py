@@ -1,0 +1,358 @@
+"""Pre-quantized checkpoints: each layout written here by an encoder that follows the
+layout's published description (not drift's decoder), read back through drift's readers
+and checked, element by element, against the exact product computed with Fractions and
+rounded once to the output dtype."""
+
+from __future__ import annotations
+
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from driftcli.io.readers import open_inputs
+from driftcli.io.readers.quantized import Order, spec_of, with_options
+
+E4M3_MAX = 448.0
+FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+# --- exact reference: codes and scales as Fractions, one rounding ---------------------------
+
+
+def frac_e4m3(c: int) -> Fraction | None:
+    """OCP FP8 E4M3 (fn): bias 7, subnormals, S.1111.111 NaN, no infinity."""
+    sign = -1 if c & 0x80 else 1
+    e, m = (c >> 3) & 0xF, c & 7
+    if e == 15 and m == 7:
+        return None
+    mag = Fraction(m, 8) * Fraction(2) ** -6 if e == 0 else (1 + Fraction(m, 8)) * \
+        Fraction(2) ** (e - 7)
+    return sign * mag
+
+
+def frac_e2m1(c: int) -> Fraction:
+    """OCP FP4 E2M1: bias 1, one subnormal (0.5), no NaN."""
+    sign = -1 if c & 8 else 1
+    e, m = (c >> 1) & 3, c & 1
+    mag = Fraction(m, 2) if e == 0 else (1 + Fraction(m, 2)) * Fraction(2) ** (e - 1)
+    return sign * mag
+
+
+def frac_e8m0(b: int) -> Fraction | None:
+    return None if b == 255 else Fraction(2) ** (b - 127)
+
+
+def round_frac(q: Fraction, mbits: int, emin: int, emax: int) -> float:
+    """``q`` rounded to nearest even on a binary grid of ``mbits`` fraction bits with
+    normal exponents ``emin..emax`` (subnormals below), overflowing to infinity."""
+    if q == 0:
+        return 0.0
+    sign = -1.0 if q < 0 else 1.0
+    a = abs(q)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    if Fraction(2) ** e > a:
+        e -= 1
+    e = max(e, emin)
+    ulp = Fraction(2) ** (e - mbits)
+    n = a / ulp
+    r = math.floor(n)
+    rest = n - r
+    if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and r % 2 == 1):
+        r += 1
+    value = r * ulp
+    if value >= Fraction(2) ** (emax + 1):
+        return sign * math.inf
+    return sign * float(value)
+
+
+F32 = (23, -126, 127)
+BF16 = (7, -126, 127)
+
+
+def same_bits(got: torch.Tensor, want: list[float], dtype: torch.dtype) -> int:
+    """How many elements of ``got`` differ in bits from ``want`` (NaN matches NaN)."""
+    exp = torch.tensor(want, dtype=torch.float64).to(dtype)
+    g = got.reshape(-1)
+    both_nan = g.isnan() & exp.isnan()
+    int_t = torch.int32 if dtype == torch.float32 else torch.int16
+    return int(((g.view(int_t) != exp.view(int_t)) & ~both_nan).sum())
+
+
+# --- encoders from the layouts' descriptions -------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sample(shape: tuple[int, ...], seed: int, zero_block: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 2)
+    if zero_block:
+        x[..., :16, :32] = 0  # an all-zero block for every block shape used here
+    return x
+
+
+def deepseek_fp8(x: torch.Tensor, block: int = 128,
+                 ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 weight_quant: per block, s = amax / 448, codes = fp8(x / s); ue8m0
+    rounds s up to a power of two (V3.1). An all-zero block gets s = 1."""
+    r, c = x.shape
+    s = torch.ones(_cdiv(r, block), _cdiv(c, block))
+    q = torch.empty(r, c, dtype=torch.float8_e4m3fn)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            blk = x[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            amax = float(blk.abs().max())
+            if amax > 0:
+                sv = torch.tensor(amax, dtype=torch.float32) / E4M3_MAX
+                if ue8m0:
+                    sv = torch.tensor(2.0 ** math.ceil(math.log2(float(sv))))
+                s[i, j] = sv
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = \
+                (blk / s[i, j]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def mx_scales(x: torch.Tensor, emax: int) -> torch.Tensor:
+    """OCP MX v1.0: per 32 elements of a row, shared exponent floor(log2(amax)) - emax of
+    the element format, stored biased by 127 (a zero block: 127)."""
+    *lead, c = x.shape
+    g = _cdiv(c, 32)
+    pad = torch.zeros(*lead, g * 32)
+    pad[..., :c] = x
+    amax = pad.reshape(*lead, g, 32).abs().amax(-1)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - emax, torch.zeros_like(amax))
+    return (exp + 127).to(torch.uint8)
+
+
+def mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b = mx_scales(x, 8)
+    s = torch.pow(2.0, b.float() - 127).repeat_interleave(32, -1)[..., :x.shape[-1]]
+    return (x / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), b
+
+
+def fp4_codes(v: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 code (sign in bit 3, index into 0, .5, 1, 1.5, 2, 3, 4, 6), saturating."""
+    table = torch.tensor(FP4_VALUES)
+    idx = (v.abs().unsqueeze(-1) - table).abs().argmin(-1)
+    return idx + (v < 0).to(torch.int64) * 8
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """Element 2i in the low nibble of byte i, element 2i+1 in the high nibble."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def nvfp4(x: torch.Tensor, divisor: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 per 16: a float32 global scale (compressed-tensors: 448 * 6 / amax, divided by;
+    ModelOpt: amax / (448 * 6), multiplied by), E4M3 block scales of amax_block / 6 in the
+    global scale's units, elements of x over the combined scale."""
+    r, c = x.shape
+    amax = float(x.abs().max())
+    gs = torch.tensor(E4M3_MAX * 6 / amax if divisor else amax / (E4M3_MAX * 6),
+                      dtype=torch.float32)
+    bam = x.reshape(r, c // 16, 16).abs().amax(-1) / 6
+    ws = (bam * gs if divisor else bam / gs).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    wsf = ws.float()
+    combined = (wsf / gs if divisor else wsf * gs).repeat_interleave(16, -1)
+    v = torch.where(combined > 0, x / combined, torch.zeros_like(x))
+    return pack(fp4_codes(v)), ws, gs.reshape(1) if divisor else gs.reshape(())
+
+
+def gpt_oss(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss MXFP4: E8M0 scales per 32 (emax 2), nibbles low-first, blocks [..., G, 16]."""
+    b = mx_scales(x, 2)
+    s = torch.pow(2.0, b.float() - 127).repeat_interleave(32, -1)
+    codes = fp4_codes(x / s)
+    packed = pack(codes)
+    return packed.reshape(*x.shape[:-1], x.shape[-1] // 32, 16), b
+
+
+def write(folder: Path, tensors: dict[str, torch.Tensor], config: dict | None = None,
+          hf_quant: dict | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors")
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps({"quantization_config": config}))
+    if hf_quant is not None:
+        (folder / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    return folder
+
+
+# --- expected values ---------------------------------------------------------------------------
+
+
+def expect_fp8(q: torch.Tensor, s: list[list[Fraction | None]], block: tuple[int, int],
+               fmt: tuple[int, int, int] = F32) -> list[float]:
+    r, c = q.shape
+    codes = q.view(torch.uint8).tolist()
+    out = []
+    seen: dict[tuple[int, Fraction | None], float] = {}  # each (code, scale) pair once
+    for i in range(r):
+        for j in range(c):
+            code, sc = codes[i][j], s[i // block[0]][j // block[1]]
+            if (code, sc) not in seen:
+                e = frac_e4m3(code)
+                v = math.nan if e is None or sc is None else round_frac(e * sc, *fmt)
+                seen[code, sc] = math.copysign(v, -1) if code & 0x80 and v == 0 else v
+            out.append(seen[code, sc])
+    return out
+
+
+def expect_fp4(packed: torch.Tensor, block_scale: list[list[Fraction | None]],
+               glob: Fraction | None, divide: bool, fmt: tuple[int, int, int] = F32,
+               block: int = 16) -> list[float]:
+    rows = packed.reshape(-1, packed.shape[-1]).tolist()
+    out = []
+    for i, row in enumerate(rows):
+        codes = [n for b in row for n in (b & 15, b >> 4)]
+        for j, c in enumerate(codes):
+            sc = block_scale[i][j // block]
+            if sc is None:
+                out.append(math.nan)
+                continue
+            v = frac_e2m1(c) * sc
+            if glob is not None:
+                v = v / glob if divide else v * glob
+            r = round_frac(v, *fmt)
+            out.append(math.copysign(r, -1) if c & 8 and r == 0 else r)
+    return out
+
+
+def listed(folder: Path, **kw: object) -> dict[str, torch.Tensor]:
+    inputs = open_inputs([folder], **kw)  # type: ignore[arg-type]
+    assert not inputs.errors, inputs.errors
+    return {t.name: t for t in inputs.tensors}
+
+
+# --- (1) exact dequantization of each layout ---------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(200, 300), (130, 257), (128, 128)])
+def test_deepseek_fp8_exact(tmp_path: Path, shape: tuple[int, int]) -> None:
+    x = sample(shape, 1)
+    x[150 % shape[0], 7] = 1e6  # a block whose max is far from the rest: codes at 448
+    q, s = deepseek_fp8(x)
+    folder = write(tmp_path / "ds", {"model.layers.0.mlp.down_proj.weight": q,
+                                     "model.layers.0.mlp.down_proj.weight_scale_inv": s,
+                                     "model.norm.weight": torch.ones(8)},
+                   {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"})
+    refs = listed(folder)
+    assert sorted(refs) == ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+    ref = refs["model.layers.0.mlp.down_proj.weight"]
+    assert ref.shape == shape and ref.dtype == "float32"
+    got = ref.read()
+    fs = [[Fraction(float(v)) for v in row] for row in s.tolist()]
+    assert same_bits(got, expect_fp8(q, fs, (128, 128)), torch.float32) == 0
+    assert int((q.view(torch.uint8) & 0x7F == 0x7E).sum()) >= 1  # a code at the max, 448
+    # rows read in pieces that start and stop inside a block equal the whole
+    assert torch.equal(ref.read(100, 170), got[100:170])
+    bf = with_options(ref, "bfloat16").read()
+    assert same_bits(bf, expect_fp8(q, fs, (128, 128), BF16), torch.bfloat16) == 0
+
+
+def test_deepseek_ue8m0_and_e8m0_bytes(tmp_path: Path) -> None:
+    x = sample((200, 300), 2)
+    q, s = deepseek_fp8(x, ue8m0=True)
+    assert all(math.log2(v).is_integer() for v in s.reshape(-1).tolist())
+    byte = (torch.log2(s) + 127).to(torch.uint8)  # V4: the same scales as E8M0 bytes
+    f1 = write(tmp_path / "v31", {"a.weight": q, "a.weight_scale_inv": s},
+               {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"})
+    f2 = write(tmp_path / "v4", {"a.weight": q, "a.weight_scale_inv": byte})  # by names
+    a, b = listed(f1)["a.weight"], listed(f2)["a.weight"]
+    spec = spec_of(b)
+    assert spec is not None and spec.scale_format == "e8m0" and spec.block == (128, 128)
+    fs = [[frac_e8m0(v) for v in row] for row in byte.tolist()]
+    want = expect_fp8(q, fs, (128, 128))
+    assert same_bits(a.read(), want, torch.float32) == 0
+    assert same_bits(b.read(), want, torch.float32) == 0
+
+
+def test_mxfp8_u8_scales(tmp_path: Path) -> None:
+    x = sample((40, 100), 3)  # 100 is not a multiple of 32: a partial last block
+    q, b = mxfp8(x)
+    folder = write(tmp_path / "mx", {"l.weight": q, "l.weight_scale": b})
+    ref = listed(folder)["l.weight"]
+    spec = spec_of(ref)
+    assert spec is not None and spec.layout == "mxfp8"
+    fs = [[frac_e8m0(v) for v in row] for row in b.tolist()]
+    assert same_bits(ref.read(), expect_fp8(q, fs, (1, 32)), torch.float32) == 0
+    # the decoded scale is 2**(byte - 127): read as a plain integer it would be far off
+    assert float(ref.read().abs().max()) < 1e5
+
+
+@pytest.mark.parametrize("per", ["tensor", "channel"])
+def test_compressed_tensors_fp8(tmp_path: Path, per: str) -> None:
+    x = sample((33, 70), 4, zero_block=False)
+    amax = x.abs().amax(-1, keepdim=True) if per == "channel" else x.abs().max().reshape(1)
+    s = (amax / E4M3_MAX).float()
+    q = (x / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    folder = write(tmp_path / per, {"p.weight": q, "p.weight_scale": s,
+                                    "p.input_scale": torch.ones(1)},
+                   {"quant_method": "compressed-tensors", "format": "float-quantized"})
+    refs = listed(folder)
+    assert list(refs) == ["p.weight"]  # input_scale is an activation's, never a weight
+    sl = s.reshape(-1).tolist()
+    fs = [[Fraction(sl[i] if per == "channel" else sl[0])] for i in range(33)]
+    assert same_bits(refs["p.weight"].read(), expect_fp8(q, fs, (1, 70)), torch.float32) == 0
+
+
+@pytest.mark.parametrize("layout", ["ct", "modelopt"])
+def test_nvfp4_exact_and_library_order(tmp_path: Path, layout: str) -> None:
+    x = sample((24, 64), 5)
+    divide = layout == "ct"
+    packed, ws, gs = nvfp4(x, divide)
+    if divide:
+        tensors = {"m.weight_packed": packed, "m.weight_scale": ws, "m.weight_global_scale": gs}
+        folder = write(tmp_path / layout, tensors,
+                       {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"})
+    else:
+        tensors = {"m.weight": packed, "m.weight_scale": ws, "m.weight_scale_2": gs,
+                   "m.input_scale": torch.ones(())}
+        folder = write(tmp_path / layout, tensors,
+                       hf_quant={"quantization": {"quant_algo": "NVFP4", "group_size": 16}})
+    refs = listed(folder)
+    assert list(refs) == ["m.weight"]
+    ref = refs["m.weight"]
+    assert ref.shape == (24, 64)
+    fs = [[frac_e4m3(v) for v in row] for row in ws.view(torch.uint8).tolist()]
+    g = Fraction(float(gs.reshape(-1)[0]))
+    want = expect_fp4(packed, fs, g, divide)
+    got = ref.read()
+    assert same_bits(got, want, torch.float32) == 0
+    assert same_bits(with_options(ref, "bfloat16").read(),
+                     expect_fp4(packed, fs, g, divide, BF16), torch.bfloat16) == 0
+    # the library's order: the combined scale rounded to float32 first, then the product
+    lib = with_options(ref, order=Order.LIBRARY).read()
+    comb = [[Fraction(float(torch.tensor(float(a / g if divide else a * g),
+                                         dtype=torch.float32))) for a in row] for row in fs]
+    assert same_bits(lib, expect_fp4(packed, comb, None, divide), torch.float32) == 0
+
+
+def test_gpt_oss_mxfp4_experts(tmp_path: Path) -> None:
+    x = sample((3, 5, 96), 6)  # 3 experts, 5 rows, 3 blocks of 32
+    x[1, 2, 40] = 6 * 2.0 ** 5  # a code at the max, 6
+    blocks, scales = gpt_oss(x)
+    folder = write(tmp_path / "oss", {"model.layers.0.mlp.experts.down_proj_blocks": blocks,
+                                      "model.layers.0.mlp.experts.down_proj_scales": scales},
+                   {"quant_method": "mxfp4"})
+    refs = listed(folder)
+    assert list(refs) == ["model.layers.0.mlp.experts.down_proj"]
+    ref = refs["model.layers.0.mlp.experts.down_proj"]
+    assert ref.shape == (3, 5, 96)
+    fs = [[frac_e8m0(v) for v in row] for row in scales.reshape(15, 3).tolist()]
+    got = ref.read()
+    assert same_bits(got, expect_fp4(blocks.reshape(15, 48), fs, None, False, block=32),
+                     torch.float32) == 0
+    assert float(got[1, 2, 40]) == 6 * 2.0 ** 5
+    assert torch.equal(ref.read(1, 3), got[1:3])
+    # the nibble order matters: swapped nibbles give another weight
+    swapped = ((blocks & 15) << 4) | (blocks >> 4)
+    f2 = write(tmp_path / "swapped", {"e.down_proj_blocks": swapped,
+                                      "e.down_proj_scales": scales})
+    assert not torch.equal(listed(f2)["e.down_proj"].read(), got)
