@@ -22,7 +22,7 @@ import enum
 import math
 import operator
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +166,31 @@ def columns_of(node: Node) -> tuple[str, ...]:
     return tuple(out)
 
 
+def text_comparisons(node: Node) -> tuple[tuple[str, str], ...]:
+    """(column, text) of each ``==`` or ``!=`` between a column and a quoted string, in
+    order of first mention: the comparisons that match nothing when the text is misspelt."""
+    out: dict[tuple[str, str], None] = {}
+    stack: list[Node] = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, Compare):
+            if n.op in (CompareOp.EQ, CompareOp.NE) and (pair := _column_text(n)) is not None:
+                out.setdefault(pair)
+        elif isinstance(n, Not):
+            stack.append(n.operand)
+        else:
+            stack += [n.right, n.left]
+    return tuple(out)
+
+
+def _column_text(node: Compare) -> tuple[str, str] | None:
+    """(column, text) where ``node`` compares a column with a string literal."""
+    for a, b in ((node.left, node.right), (node.right, node.left)):
+        if isinstance(a, Column) and isinstance(b, Literal) and isinstance(b.value, str):
+            return a.name, b.value
+    return None
+
+
 @dataclass(frozen=True)
 class Rule:
     """One parsed ``--fail-on`` rule: the text as given, an optional table scope, the tree."""
@@ -178,6 +203,11 @@ class Rule:
     def columns(self) -> tuple[str, ...]:
         """The columns the rule names, in order of first mention."""
         return columns_of(self.expr)
+
+    @property
+    def text_comparisons(self) -> tuple[tuple[str, str], ...]:
+        """(column, text) of each equality or inequality with a quoted string."""
+        return text_comparisons(self.expr)
 
 
 # --- tokenizer ------------------------------------------------------------------------------
@@ -438,7 +468,13 @@ def _describe(operand: Operand) -> str:
     return f"the value {operand.value!r}"
 
 
-def _compare(node: Compare, frame: pd.DataFrame, rule: str) -> Truth:
+Synonyms = Mapping[tuple[str, str], frozenset[str]]
+"""(column, text) → the values of the column that the text stands for, where they are more
+than the text itself: ``cast == 'nvfp4'`` means the rows whose cast the report shows as
+``nvfp4``, whatever canonical spec the table stores."""
+
+
+def _compare(node: Compare, frame: pd.DataFrame, rule: str, synonyms: Synonyms) -> Truth:
     lv, lk, lkind = _values(node.left, frame)
     rv, rk, rkind = _values(node.right, frame)
     known = lk & rk
@@ -453,18 +489,24 @@ def _compare(node: Compare, frame: pd.DataFrame, rule: str) -> Truth:
         raise ExpressionError(f"rule {rule!r} orders true/false values with {node.op.value}; "
                               "use == or !=")
     value = np.zeros(len(frame), dtype=bool)
-    if known.any():
+    pair = _column_text(node) if node.op in (CompareOp.EQ, CompareOp.NE) else None
+    if pair is not None and pair in synonyms and lkind is Kind.TEXT:
+        column = lv if isinstance(node.left, Column) else rv
+        equal = np.isin(column[known].astype(str), sorted(synonyms[pair] | {pair[1]}))
+        value[known] = equal if node.op is CompareOp.EQ else ~equal
+    elif known.any():
         value[known] = np.asarray(node.op.function(lv[known], rv[known]), dtype=bool)
     return Truth(value, known)
 
 
-def _evaluate(node: Node, frame: pd.DataFrame, rule: str) -> Truth:
+def _evaluate(node: Node, frame: pd.DataFrame, rule: str, synonyms: Synonyms) -> Truth:
     if isinstance(node, Compare):
-        return _compare(node, frame, rule)
+        return _compare(node, frame, rule, synonyms)
     if isinstance(node, Not):
-        t = _evaluate(node.operand, frame, rule)
+        t = _evaluate(node.operand, frame, rule, synonyms)
         return Truth(~t.value, t.known)
-    a, b = _evaluate(node.left, frame, rule), _evaluate(node.right, frame, rule)
+    a, b = (_evaluate(node.left, frame, rule, synonyms),
+            _evaluate(node.right, frame, rule, synonyms))
     if isinstance(node, And):
         false_a, false_b = a.known & ~a.value, b.known & ~b.value
         known = (a.known & b.known) | false_a | false_b
@@ -483,8 +525,9 @@ def check_columns(rule: Rule, columns: list[str], where: str) -> None:
                 f"{close_matches(name, columns)} (columns: {', '.join(columns)})")
 
 
-def evaluate(rule: Rule, frame: pd.DataFrame) -> np.ndarray:
+def evaluate(rule: Rule, frame: pd.DataFrame, synonyms: Synonyms | None = None) -> np.ndarray:
     """A boolean mask of the rows of ``frame`` that break ``rule`` (known true; nulls never
-    match). Raises :class:`ExpressionError` for unknown columns or mismatched kinds."""
+    match); ``synonyms`` widens what a quoted string equals (:data:`Synonyms`). Raises
+    :class:`ExpressionError` for unknown columns or mismatched kinds."""
     check_columns(rule, list(frame.columns), "the table")
-    return _evaluate(rule.expr, frame, rule.text).matches
+    return _evaluate(rule.expr, frame, rule.text, synonyms or {}).matches
