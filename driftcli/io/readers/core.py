@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -41,6 +42,39 @@ class ReadError(DriftError):
 def torch_dtype(name: str) -> torch.dtype | None:
     """The torch dtype named ``name`` ("bfloat16"), or None for a name torch lacks."""
     return _TORCH_DTYPES.get(name)
+
+
+def shown(text: str | Path) -> str:
+    """A path or name as text that prints and encodes anywhere (a terminal, a Parquet
+    column, JSON): bytes of a file name that are not UTF-8 (which Python holds as surrogate
+    escapes) become ``\\xNN``, and a lone surrogate from a pickled name ``\\udXXX``; valid
+    text is unchanged. The file itself is still opened by its real name."""
+    s = str(text)
+    try:
+        raw = s.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte (a pickled str)
+        raw = s.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def not_regular(path: Path) -> str | None:
+    """Why ``path`` must not be opened, found by ``stat`` alone (following symbolic links): a
+    FIFO, a device or a socket can block ``open`` or a read forever, or never end (/dev/zero);
+    None for a regular file, or one ``stat`` cannot reach (opening it then says why)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+            "a character device" if stat.S_ISCHR(mode) else
+            "a block device" if stat.S_ISBLK(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else
+            "a folder" if stat.S_ISDIR(mode) else "not a regular file")
+    link = " (through a symbolic link)" if path.is_symlink() else ""
+    return (f"{path} is {kind}{link}, not a regular file: drift reads only regular files "
+            "(a pipe or a device can block or never end); copy the data into a file")
 
 
 def first_line(exc: BaseException) -> str:
