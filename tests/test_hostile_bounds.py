@@ -6,12 +6,17 @@ limit and a timeout, so a bomb fails the test instead of the machine."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -88,3 +93,72 @@ def test_the_escaping_function() -> None:
     # a non-UTF-8 byte of a file name (surrogateescape) is shown as the byte
     assert for_terminal(b"n\xff".decode("utf-8", "surrogateescape"), markup=False) == "n\\xff"
     assert for_terminal("plain name.safetensors") == "plain name.safetensors"
+
+
+# --- drift report: recorded inputs that are not files, tables that claim millions of rows -------
+
+
+def _table(path: Path, prov: dict[str, Any], rows: int = 2, repeat: int = 1) -> Path:
+    """A drift table of a kind this drift does not know (summarized from its metadata):
+    ``rows`` × ``repeat`` rows of one repeated key and value, written ``rows`` at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    meta = {b"drift.table": b"bomb", b"drift.keys": b'["tensor"]', b"drift.headline": b"v",
+            b"drift.higher_is_worse": b"true", b"drift": json.dumps(prov).encode()}
+    keys = pa.DictionaryArray.from_arrays(np.zeros(rows, np.int8), pa.array(["t"]))
+    chunk = pa.table({"tensor": keys, "v": pa.array(np.zeros(rows))}).replace_schema_metadata(
+        meta)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with pq.ParquetWriter(path, chunk.schema) as writer:
+        for _ in range(repeat):
+            writer.write_table(chunk)
+    return path
+
+
+def test_report_stats_never_reads_a_recorded_input_that_is_not_a_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "dump.safetensors"
+    os.mkfifo(fifo)
+    # hashed long ago, and the files at those paths changed since: the check would hash them
+    inputs = [{"path": str(fifo), "size": 0, "sha256": "0" * 64},
+              {"path": "/dev/zero", "size": 0, "sha256": "0" * 64}]
+    _table(tmp_path / "t" / "bomb.parquet", {"inputs": inputs, "utc": "2000-01-01T00:00:00+00:00"})
+    run = drift("report", "t", cwd=tmp_path, timeout=30)
+    out = run.stdout.decode()
+    assert run.returncode == 0, run.stderr.decode()
+    assert (f"stale: {fifo} is not the file this table measured (now a FIFO, not a regular "
+            "file)") in out
+    assert ("stale: /dev/zero is not the file this table measured (now a character device, "
+            "not a regular file)") in out
+
+
+def test_report_refuses_a_table_of_more_rows_than_its_budget(tmp_path: Path) -> None:
+    # 50 M rows of one repeated key and value: 330 KB on disk; read, 4 GB
+    _table(tmp_path / "t" / "bomb.parquet", {}, rows=10_000_000, repeat=5)
+    assert (tmp_path / "t" / "bomb.parquet").stat().st_size < 1 << 20
+    start = time.perf_counter()
+    run = drift("report", "t", cwd=tmp_path)
+    assert time.perf_counter() - start < 20  # refused from the footer: the start-up's time
+    assert run.returncode == 2
+    assert run.stderr.decode() == (
+        "error: t/bomb.parquet holds 50,000,000 rows, beyond the 2,000,000 rows a report "
+        "reads; report fewer tables at a time, or set DRIFT_REPORT_MAX_ROWS higher if this "
+        "machine has the memory (about 100 bytes a row)\n")
+
+
+def test_the_row_budget_counts_every_table_and_is_set_by_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from driftcli.errors import DriftError
+    from driftcli.report.load import TooManyRowsError, load
+
+    first = _table(tmp_path / "a" / "bomb.parquet", {}, rows=2)
+    second = _table(tmp_path / "b" / "bomb.parquet", {}, rows=2)
+    monkeypatch.setenv("DRIFT_REPORT_MAX_ROWS", "4")
+    assert [len(t.frame) for t in load([first, second]).tables] == [2, 2]
+    monkeypatch.setenv("DRIFT_REPORT_MAX_ROWS", "3")
+    with pytest.raises(TooManyRowsError, match=r"b/bomb.parquet holds 2 rows, with the 2 of "
+                                               r"the tables before it, beyond the 3 rows"):
+        load([first, second])
+    monkeypatch.setenv("DRIFT_REPORT_MAX_ROWS", "many")
+    with pytest.raises(DriftError, match="DRIFT_REPORT_MAX_ROWS='many' is not a positive"):
+        load([first])

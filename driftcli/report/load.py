@@ -12,6 +12,13 @@ A table whose input has changed since (a dump overwritten by a later run) is *st
 with ``--fast-hash``) or its sha256. Hashing reads the whole file, so it is skipped where
 the file's mtime and ctime are both older than the table: the file has not been written or
 replaced since it was hashed (ctime cannot be set back by a copy that keeps the mtime).
+What is now not a regular file at a recorded path (a FIFO, a device such as /dev/zero, a
+socket, a folder) is only stat'ed, never opened: it is not the file the table measured.
+
+The rows a report reads are bounded (:data:`MAX_ROWS`, or ``DRIFT_REPORT_MAX_ROWS``): each
+table's row count is taken from its Parquet footer before any column is read, so a small
+file declaring millions of rows of repeated values (a few hundred KB can hold 50 M) is
+refused in milliseconds instead of taking gigabytes.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import datetime as dt
 import functools
 import importlib
 import json
+import os
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -45,6 +54,35 @@ _NOT_ROW_MODULES = ("cli", "report")
 
 class SchemaError(DriftError):
     """A drift table whose columns or metadata are not the ones its row type declares."""
+
+
+class TooManyRowsError(DriftError):
+    """Tables holding more rows than a report reads (see :func:`row_budget`)."""
+
+
+MAX_ROWS = 2_000_000
+"""Rows one :func:`load` reads at most, summed over its tables (the report's tables, and
+separately the baseline's). The largest tables drift writes hold tens of thousands of rows
+(a tensor × cast each); a row takes about 80 bytes in memory once read, more while it is
+summarized, so the default keeps a report under a few hundred MB."""
+MAX_ROWS_ENV = "DRIFT_REPORT_MAX_ROWS"
+"""The environment variable that sets another row budget."""
+
+
+def row_budget() -> int:
+    """The rows :func:`load` may read: ``DRIFT_REPORT_MAX_ROWS`` where set, else
+    :data:`MAX_ROWS`."""
+    given = os.environ.get(MAX_ROWS_ENV)
+    if given is None or not given.strip():
+        return MAX_ROWS
+    try:
+        value = int(given.replace("_", "").replace(",", ""))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise DriftError(f"{MAX_ROWS_ENV}={given!r} is not a positive whole number of rows; "
+                         f"set it to one (the default is {MAX_ROWS:,}) or unset it")
+    return value
 
 
 @dataclass(frozen=True)
@@ -213,13 +251,27 @@ def _facts(path: Path, meta: dict[bytes, bytes], columns: list[str],
     return tuple(keys), headline, worse
 
 
-def read(path: Path) -> Table:
+def _too_many(path: Path, rows: int, budget: int, total: int) -> TooManyRowsError:
+    before = total - budget  # rows the tables read before this one took
+    held = f"{rows:,} rows" + (f", with the {before:,} of the tables before it" if before else "")
+    return TooManyRowsError(
+        f"{path} holds {held}, beyond the {total:,} rows a report reads; report fewer "
+        f"tables at a time, or set {MAX_ROWS_ENV} higher if this machine has the memory "
+        f"(about 100 bytes a row)")
+
+
+def read(path: Path, budget: int | None = None, *, total: int | None = None) -> Table:
     """One drift table, checked. Raises :class:`DriftError` for a file that is not a drift
-    table (the caller may skip it) and :class:`SchemaError` for a mismatched one."""
+    table (the caller may skip it), :class:`SchemaError` for a mismatched one and
+    :class:`TooManyRowsError` for one whose footer declares more than ``budget`` rows (of
+    ``total``, the whole budget, named in the message), before any of its columns is read."""
     try:
         schema = pq.read_schema(path)
+        rows = pq.read_metadata(path).num_rows
     except (OSError, pa.ArrowException) as exc:
         raise DriftError(f"{path} is not a readable Parquet file ({exc})") from None
+    if budget is not None and rows > budget:
+        raise _too_many(path, rows, budget, budget if total is None else total)
     meta = schema.metadata or {}
     if TABLE_KEY not in meta:
         raise DriftError(f"{path} is a Parquet file but not a drift table (no drift metadata)")
@@ -258,17 +310,21 @@ def _candidates(paths: Iterable[Path]) -> Iterable[Path]:
 def load(paths: Sequence[Path]) -> Loaded:
     """Every drift table in ``paths`` (files, and folders searched recursively for
     ``*.parquet``); Parquet files that are not drift tables are skipped with the reason.
-    Raises :class:`DriftError` when no drift table is found at all."""
+    Raises :class:`DriftError` when no drift table is found at all, and
+    :class:`TooManyRowsError` when the tables hold more rows than :func:`row_budget`."""
     tables: list[Table] = []
     skipped: list[Skipped] = []
     seen: set[Path] = set()
+    total = row_budget()
+    left = total
     for path in _candidates(paths):
         if path.resolve() in seen:
             continue
         seen.add(path.resolve())
         try:
-            tables.append(read(path))
-        except SchemaError:
+            tables.append(read(path, left, total=total))
+            left -= len(tables[-1].frame)
+        except (SchemaError, TooManyRowsError):
             raise
         except DriftError as err:
             skipped.append(Skipped(path, str(err).removeprefix(f"{path} is ")))
@@ -314,6 +370,15 @@ def _written(prov: dict[str, Any]) -> float | None:
         return None
 
 
+def _kind_of(mode: int) -> str:
+    """What a file that is not a regular one is, for a message."""
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "a special file"
+
+
 def _check(ident: dict[str, Any], written: float | None, hashes: Hashes) -> InputCheck | None:
     path, size, sha = ident.get("path"), ident.get("size"), ident.get("sha256")
     mtime = ident.get("mtime")
@@ -322,13 +387,17 @@ def _check(ident: dict[str, Any], written: float | None, hashes: Hashes) -> Inpu
     p = Path(path)
     try:
         st = p.stat()
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            # opening a FIFO blocks for a writer; reading /dev/zero never ends
+            return InputCheck(path, InputState.CHANGED, f"now {_kind_of(st.st_mode)}, not "
+                                                        "a regular file")
         if st.st_size != size:
             return InputCheck(path, InputState.CHANGED, f"size {st.st_size:,} bytes, was {size:,}")
         if not sha:
             now = file_identity(p, fast_hash=True)["mtime"]
             return (InputCheck(path, InputState.SAME) if now == mtime else
                     InputCheck(path, InputState.CHANGED, f"modified {now}, was {mtime}"))
-        if p.is_dir():
+        if stat.S_ISDIR(st.st_mode):
             return InputCheck(path, InputState.CHANGED, "now a folder")
         if written is not None and max(st.st_mtime, st.st_ctime) < written:
             return InputCheck(path, InputState.SAME)  # not written to since it was hashed
