@@ -10,11 +10,14 @@ import math
 from fractions import Fraction
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import save_file
+from typer.testing import CliRunner
 
-from driftcli.io.readers import open_inputs
+from driftcli.cli import app
+from driftcli.io.readers import ReadError, open_inputs
 from driftcli.io.readers.quantized import Order, spec_of, with_options
 
 E4M3_MAX = 448.0
@@ -356,3 +359,107 @@ def test_gpt_oss_mxfp4_experts(tmp_path: Path) -> None:
     f2 = write(tmp_path / "swapped", {"e.down_proj_blocks": swapped,
                                       "e.down_proj_scales": scales})
     assert not torch.equal(listed(f2)["e.down_proj"].read(), got)
+
+
+# --- (2) readers: names, configs, bad files ----------------------------------------------------
+
+
+def _ds_folder(folder: Path, scale: torch.Tensor | None = None,
+               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = deepseek_fp8(sample((200, 300), 7))
+    write(folder, {"a.weight": q, "a.weight_scale_inv": s if scale is None else scale,
+                   "b.weight": torch.randn(4, 4)},
+          config if config is not None else {"quant_method": "fp8"})
+    return q, s
+
+
+def _errors(folder: Path, **kw: object) -> tuple[list[str], list[str]]:
+    inputs = open_inputs([folder], **kw)  # type: ignore[arg-type]
+    return [t.name for t in inputs.tensors], [e.message for e in inputs.errors]
+
+
+def test_scale_shapes_that_do_not_cover_the_weight(tmp_path: Path) -> None:
+    # transformers' block size from rows / scale rows would take 200 / 1 = 200 here
+    _ds_folder(tmp_path, scale=torch.ones(1, 3))
+    names, errors = _errors(tmp_path)
+    assert names == ["b.weight"]  # the weight left out, its scale never listed, b measured
+    assert len(errors) == 1 and "a.weight_scale_inv has shape [1, 3]" in errors[0]
+    assert "needs [2, 3]" in errors[0] and "\n" not in errors[0]
+
+
+def test_nan_scale_is_an_error_naming_the_weight(tmp_path: Path) -> None:
+    _, s = deepseek_fp8(sample((200, 300), 7))
+    s[1, 2] = math.nan
+    _ds_folder(tmp_path, scale=s)
+    (ref,) = [t for t in open_inputs([tmp_path]).tensors if t.name == "a.weight"]
+    with pytest.raises(ReadError, match=r"a\.weight_scale_inv holds a NaN scale, so weight "
+                                        r"a\.weight"):
+        ref.read()
+    ref.read(0, 128)  # rows whose scales are sound still read
+
+
+def test_blocks_without_scales_and_unknown_quant_method(tmp_path: Path) -> None:
+    blocks, _ = gpt_oss(sample((2, 4, 64), 8))
+    write(tmp_path / "a", {"e.gate_up_proj_blocks": blocks, "e.bias": torch.ones(3)})
+    names, errors = _errors(tmp_path / "a")
+    assert names == ["e.bias"]
+    assert errors == [f"{tmp_path / 'a' / 'model.safetensors'}: tensor e.gate_up_proj_blocks "
+                      "has no e.gate_up_proj_scales beside it; gpt-oss MXFP4 weights need both "
+                      "(re-download the checkpoint)"]
+    _ds_folder(tmp_path / "b", config={"quant_method": "gptq"})
+    names, errors = _errors(tmp_path / "b")
+    assert sorted(names) == ["a.weight", "b.weight"]  # read by their names
+    assert len(errors) == 1 and "quant_method 'gptq' is not a layout drift reads" in errors[0]
+
+
+def test_truncated_packed_tensor(tmp_path: Path) -> None:
+    packed, ws, gs = nvfp4(sample((24, 64), 9), True)
+    write(tmp_path, {"m.weight_packed": packed, "m.weight_scale": ws,
+                     "m.weight_global_scale": gs, "n.weight": torch.randn(5, 5)},
+          {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"})
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-(ws.numel() + 10)])  # into the packed bytes
+    names, errors = _errors(tmp_path)
+    assert names == ["n.weight"]  # no scale of m measured as a weight
+    assert any("m.weight_packed" in e and "truncated" in e for e in errors)
+
+
+def test_ambiguous_and_contradictory_layouts(tmp_path: Path) -> None:
+    q, s = deepseek_fp8(sample((200, 300), 10))
+    write(tmp_path / "amb", {"a.weight": q, "a.weight_scale_inv": s,
+                             "a.weight_scale": torch.ones(1)})
+    names, errors = _errors(tmp_path / "amb")
+    assert names == [] and len(errors) == 1
+    assert "a.weight_scale, a.weight_scale_inv" in errors[0]
+    assert "fit more than one layout (ct-fp8, deepseek-fp8); give --layout" in errors[0]
+    names, errors = _errors(tmp_path / "amb", layout="deepseek-fp8")
+    assert names == ["a.weight"] and errors == []
+    blocks, scales = gpt_oss(sample((2, 4, 64), 8))
+    write(tmp_path / "con", {"e.down_proj_blocks": blocks, "e.down_proj_scales": scales},
+          {"quant_method": "fp8"})
+    names, errors = _errors(tmp_path / "con")
+    assert names == [] and "are gpt-oss-mxfp4 but the checkpoint's config says " \
+                           "deepseek-fp8" in errors[0]
+
+
+def test_clip_rate_lists_weights_under_their_names(tmp_path: Path) -> None:
+    q, s = deepseek_fp8(sample((200, 300), 11))
+    blocks, scales = gpt_oss(sample((2, 4, 64), 12))
+    write(tmp_path / "ck", {"l.weight": q, "l.weight_scale_inv": s,
+                            "e.down_proj_blocks": blocks, "e.down_proj_scales": scales,
+                            "n.weight": torch.randn(4, 4)})
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["clip-rate", str(tmp_path / "ck"), "-c", "mxfp8_e4m3",
+                                      "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out / "clip-rate.parquet").to_pydict()
+    assert sorted(set(table["tensor"]) - {"*"}) == ["e.down_proj", "l.weight", "n.weight"]
+    # a scale NaN: exit 2 naming the weight, the others still measured
+    s[0, 0] = math.nan
+    write(tmp_path / "bad", {"l.weight": q, "l.weight_scale_inv": s,
+                             "n.weight": torch.randn(4, 4)})
+    result = CliRunner().invoke(app, ["clip-rate", str(tmp_path / "bad"), "-c", "mxfp8_e4m3",
+                                      "--out", str(out / "bad"), "-q"])
+    assert result.exit_code == 2 and "weight l.weight cannot be dequantized" in result.output
+    table = pq.read_table(out / "bad" / "clip-rate.parquet").to_pydict()
+    assert "n.weight" in table["tensor"]
