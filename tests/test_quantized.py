@@ -463,3 +463,73 @@ def test_clip_rate_lists_weights_under_their_names(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "weight l.weight cannot be dequantized" in result.output
     table = pq.read_table(out / "bad" / "clip-rate.parquet").to_pydict()
     assert "n.weight" in table["tensor"]
+
+
+# --- (3) drift dequantize ------------------------------------------------------------------------
+
+
+def _all_layouts(folder: Path) -> Path:
+    """One checkpoint holding a weight of every layout (names tell them apart)."""
+    q, s = deepseek_fp8(sample((200, 300), 20))
+    mq, mb = mxfp8(sample((40, 100), 21))
+    cp, cws, cgs = nvfp4(sample((24, 64), 22), True)
+    mp, mws, mgs = nvfp4(sample((24, 64), 23), False)
+    blocks, scales = gpt_oss(sample((3, 5, 96), 24))
+    return write(folder, {
+        "ds.weight": q, "ds.weight_scale_inv": s, "mx.weight": mq, "mx.weight_scale": mb,
+        "ct.weight_packed": cp, "ct.weight_scale": cws, "ct.weight_global_scale": cgs,
+        "mo.weight": mp, "mo.weight_scale": mws, "mo.weight_scale_2": mgs,
+        "ex.down_proj_blocks": blocks, "ex.down_proj_scales": scales,
+        "norm.weight": torch.randn(7).bfloat16()})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dequantize_writes_what_the_readers_read(tmp_path: Path, dtype: str) -> None:
+    from safetensors import safe_open
+
+    folder = _all_layouts(tmp_path / "in")
+    refs = listed(folder)
+    assert sorted(refs) == ["ct.weight", "ds.weight", "ex.down_proj", "mo.weight",
+                            "mx.weight", "norm.weight"]
+    out = tmp_path / "out.safetensors"
+    result = CliRunner().invoke(app, ["dequantize", str(folder), "--out", str(out),
+                                      "--dtype", dtype])
+    assert result.exit_code == 0, result.output
+    assert "dequantized 5 weight(s)" in result.output
+    with safe_open(out, "pt") as f:
+        assert sorted(f.keys()) == sorted(refs)
+        for name, ref in refs.items():
+            got = f.get_tensor(name)
+            want = with_options(ref, dtype).read() if spec_of(ref) else ref.read()
+            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8),
+                                                           want.view(torch.uint8)), name
+        meta = json.loads(f.metadata()["drift.dequantized"])
+    assert meta["ct.weight"] == {"layout": "ct-nvfp4", "dtype": dtype, "order": "exact"}
+
+
+def test_dequantize_sharded_and_nothing_half_written(tmp_path: Path) -> None:
+    q, s = deepseek_fp8(sample((200, 300), 25))
+    src = tmp_path / "in"
+    src.mkdir()
+    save_file({"a.weight": q, "a.weight_scale_inv": s}, src / "model-00001-of-00002.safetensors")
+    save_file({"b.weight": torch.randn(3, 3)}, src / "model-00002-of-00002.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a.weight": "model-00001-of-00002.safetensors",
+        "a.weight_scale_inv": "model-00001-of-00002.safetensors",
+        "b.weight": "model-00002-of-00002.safetensors"}}))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["dequantize", str(src), "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"a.weight": "model-00001-of-00002.safetensors",
+                                   "b.weight": "model-00002-of-00002.safetensors"}
+    assert listed(out)["a.weight"].read().equal(listed(src)["a.weight"].read())
+    # a NaN scale in one weight: exit 2 naming it, and no file written at all
+    s[1, 0] = math.nan
+    save_file({"a.weight": q, "a.weight_scale_inv": s}, src / "model-00001-of-00002.safetensors")
+    bad = tmp_path / "bad"
+    result = CliRunner().invoke(app, ["dequantize", str(src), "--out", str(bad)])
+    assert result.exit_code == 2
+    assert "weight a.weight cannot be dequantized" in result.output
+    assert "nothing was written" in result.output
+    assert not bad.exists() or list(bad.iterdir()) == []

@@ -11,6 +11,7 @@ from driftcli.cli import (  # noqa: F401
     formats_cmd,
     grad_cosine_cmd,
     measure_cmds,
+    quantized_cmds,
     report_cmd,
     train_cmd,
     verify_cmd,
