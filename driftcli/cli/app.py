@@ -38,7 +38,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Measure", ("clip-rate", "underflow-rate", "error-bias", "cast-diff", "accum-error",
                  "grad-cosine")),
     ("Verify", ("verify-formats", "formats", "calibrate")),
-    ("Quantized checkpoints", ("inspect", "dequantize")),
+    ("Quantized checkpoints", ("dequantize",)),
     ("Report", ("report",)),
     ("Train and probe", ("train", "dump", "probe")),
     ("Try it", ("demo",)),
