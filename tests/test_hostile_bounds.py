@@ -162,3 +162,44 @@ def test_the_row_budget_counts_every_table_and_is_set_by_the_environment(
     monkeypatch.setenv("DRIFT_REPORT_MAX_ROWS", "many")
     with pytest.raises(DriftError, match="DRIFT_REPORT_MAX_ROWS='many' is not a positive"):
         load([first])
+
+
+# --- drift checkpoints: the config is the file's word -------------------------------------------
+
+
+def test_a_checkpoint_claiming_a_huge_model_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    # 50 layers of 200,000 × 200,000: 160 GB of float32 in a file of a few hundred bytes
+    config = {"kind": "mlp", "hidden": 200_000, "layers": 50}
+    save_file({"x": torch.zeros(1)}, tmp_path / "ck.safetensors", metadata={
+        "drift.model": json.dumps({"version": 1, "config": config, "state": {}})})
+    assert (tmp_path / "ck.safetensors").stat().st_size < 300
+    (tmp_path / "t.txt").write_text("to be or not to be, " * 40)
+    run = drift("grad-cosine", "ck.safetensors", "-p", "exact", "--text", "t.txt",
+                "--tokens", "8", "--out", "out", cwd=tmp_path)
+    err = run.stderr.decode()
+    assert run.returncode == 2, err
+    assert err == ("error: ck.safetensors: the weights do not fit its mlp config (embed.weight "
+                   "of shape [256, 16] is not in the file); the file was not written by drift "
+                   "train, or its metadata was edited\n")
+    assert not (tmp_path / "out" / "grad-cosine.parquet").exists()
+
+
+def test_a_checkpoint_is_checked_against_its_weights_and_the_memory(tmp_path: Path) -> None:
+    from driftcli.models.checkpoint import CheckpointFileError, check_sizes, load_checkpoint
+    from driftcli.models.config import MLPConfig
+    from driftcli.models.nets import build_model
+
+    config = MLPConfig(hidden=8, layers=1, context=4, embed=2)
+    model = build_model(config)
+    path = tmp_path / "ck.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path, metadata={
+        "drift.model": json.dumps({"version": 1, "config": config.to_json(), "state": {}})})
+    assert load_checkpoint(path).config == config  # what fits loads
+    need = sum(v.numel() * 4 for v in model.state_dict().values())
+    with pytest.raises(CheckpointFileError, match=f"its mlp model takes {need:,} bytes, and "
+                       f"loading holds it twice \\({2 * need:,}\\), more than the 1,000 bytes"):
+        check_sizes(path, config, memory=1_000)
+    wider = MLPConfig(hidden=9, layers=1, context=4, embed=2)
+    with pytest.raises(CheckpointFileError, match=r"hidden.0.weight: the config needs \[9, 8\], "
+                                                  r"the file holds \[8, 8\]"):
+        check_sizes(path, wider)

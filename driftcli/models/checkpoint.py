@@ -11,6 +11,11 @@ schedule, batch, text), whatever the writer passes.
 Nothing in a checkpoint depends on the time or machine it was written on, so two runs with the
 same seed write byte-identical files. (One metadata key, because safetensors writes several in
 a hash map's order, which changes from process to process.)
+
+The config is data from the file: before a model is built from it, :func:`check_sizes`
+compares the shapes it implies with the weights the file holds (from the header, nothing
+read) and its size with the memory available, so a few hundred bytes claiming 50 layers of
+200,000 × 200,000 are refused in milliseconds rather than allocated.
 """
 
 from __future__ import annotations
@@ -140,12 +145,80 @@ def _info(p: Path, meta: dict[str, str]) -> tuple[ModelConfig, dict[str, Any]]:
     return config, state
 
 
+def available_memory() -> int:
+    """Bytes this process may still allocate: Linux's ``MemAvailable``, capped by the
+    address-space limit (``RLIMIT_AS``) where one is set; physical memory elsewhere."""
+    import resource
+
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            free = next(int(line.split()[1]) * 1024 for line in fh
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return free if soft == resource.RLIM_INFINITY else min(free, soft)
+
+
+def _planned(config: ModelConfig, p: Path) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Each state-dict tensor of ``config``'s model: its shape and bytes, from a model built
+    on the meta device (no memory), so the check cannot drift from :func:`build_model`."""
+    try:
+        with torch.device("meta"):
+            meta = build_model(config)
+    except (RuntimeError, ValueError, OverflowError) as err:
+        raise CheckpointFileError(f"{p}: its {config.kind.value} config {config.to_json()} "
+                                  f"describes no model that can be built ({err}); the file "
+                                  "was not written by drift train") from None
+    return {k: (tuple(t.shape), t.numel() * t.element_size())
+            for k, t in meta.state_dict().items()}
+
+
+def check_sizes(p: Path, config: ModelConfig, memory: int | None = None) -> None:
+    """Refuse (:class:`CheckpointFileError`) a checkpoint whose config implies tensors the
+    file does not hold, as named and shaped, or a model larger than ``memory`` bytes
+    (default :func:`available_memory`), before anything is built or read."""
+    from safetensors import SafetensorError, safe_open
+
+    planned = _planned(config, p)
+    try:
+        with safe_open(str(p), framework="pt") as fh:
+            names = fh.keys()  # a safe_open handle is not iterable
+            held = {k: tuple(fh.get_slice(k).get_shape()) for k in names
+                    if not k.startswith(OPTIMIZER_PREFIX)}
+    except (OSError, SafetensorError) as err:
+        raise CheckpointFileError(f"cannot read {p} as safetensors: {err}; give a checkpoint "
+                                  "written by drift train") from None
+    what = f"{p}: the weights do not fit its {config.kind.value} config"
+    for name, (shape, _) in planned.items():
+        if name not in held:
+            raise CheckpointFileError(f"{what} ({name} of shape {list(shape)} is not in the "
+                                      "file); the file was not written by drift train, or "
+                                      "its metadata was edited")
+        if held[name] != shape:
+            raise CheckpointFileError(f"{what} ({name}: the config needs {list(shape)}, the "
+                                      f"file holds {list(held[name])})")
+    extra = sorted(set(held) - set(planned))
+    if extra:
+        raise CheckpointFileError(f"{what} (the file holds {len(extra)} tensor(s) the config "
+                                  f"has no place for, first {extra[0]})")
+    need = sum(size for _, size in planned.values())
+    have = available_memory() if memory is None else memory
+    # the tensors read from the file and the model built from them are held together
+    if 2 * need > have:
+        raise CheckpointFileError(f"{p}: its {config.kind.value} model takes {need:,} bytes, "
+                                  f"and loading holds it twice ({2 * need:,}), more than the "
+                                  f"{have:,} bytes of memory available; run on a machine "
+                                  "with more memory")
+
+
 def load_checkpoint(path: str | Path) -> DriftCheckpoint:
     """Rebuild the model of a drift checkpoint (in eval mode) with its state and buffers."""
     from safetensors.torch import load_file
 
     p = Path(path)
     config, state = _info(p, read_metadata(p))
+    check_sizes(p, config)  # the config is the file's word: nothing built or read on it yet
     tensors = load_file(str(p))
     weights = {k: v for k, v in tensors.items() if not k.startswith(OPTIMIZER_PREFIX)}
     optimizer: dict[str, dict[str, Tensor]] = {}
