@@ -69,3 +69,129 @@ def test_folder_of_training_state_only_is_refused(tmp_path: Path) -> None:
 @pytest.fixture(autouse=True)
 def _no_cwd_output(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(tmp_path)
+
+
+# --- model checks before loading (item 5) --------------------------------------------------
+
+def _llama(folder: Path, **extra: object) -> Path:
+    """A tiny Llama causal LM folder, saved by transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=32)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    if extra:
+        data = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**data, **extra}))
+    return folder
+
+
+def _bert(folder: Path, architectures: bool = True) -> Path:
+    """A tiny BERT encoder folder (as sentence-transformers models ship: ``BertModel``)."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=32)
+    BertModel(config).save_pretrained(folder)
+    if not architectures:
+        data = json.loads((folder / "config.json").read_text())
+        del data["architectures"]
+        (folder / "config.json").write_text(json.dumps(data))
+    return folder
+
+
+def _refusal(path: Path) -> str:
+    from driftcli.models.loaders import CheckpointError, load_causal_lm
+
+    with pytest.raises(CheckpointError) as info:
+        load_causal_lm(path, float64_copies=4)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_causal_lm_folder_loads(tmp_path: Path) -> None:
+    from driftcli.models.loaders import load_causal_lm
+
+    lm = load_causal_lm(_llama(tmp_path / "llama"), float64_copies=4)
+    assert lm.kind == "hf" and type(lm.model).__name__ == "LlamaForCausalLM"
+
+
+def test_bert_encoder_is_refused(tmp_path: Path) -> None:
+    message = _refusal(_bert(tmp_path / "bert"))
+    assert "is not a causal language model (BertModel)" in message
+
+
+def test_fresh_weights_are_refused_and_named(tmp_path: Path) -> None:
+    # no architectures: transformers would load it as BertLMHeadModel with a random head
+    message = _refusal(_bert(tmp_path / "bert", architectures=False))
+    assert "would be initialised at random: cls.predictions." in message
+    folder = _llama(tmp_path / "llama")
+    from safetensors.torch import load_file
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.0.mlp.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    message = _refusal(folder)
+    assert ("1 weight(s) are not in the folder (or have another shape) and would be "
+            "initialised at random: model.layers.0.mlp.up_proj.weight;") in message
+
+
+def test_quantized_folder_is_one_line(tmp_path: Path) -> None:
+    folder = _llama(tmp_path / "fp8", quantization_config={"quant_method": "fp8",
+                                                            "weight_block_size": [128, 128]})
+    message = _refusal(folder)
+    assert message.endswith(
+        "holds quantized weights (quantization_config, quant_method fp8), not yet supported "
+        "by grad-cosine, dump and probe; drift clip-rate and friends read it (layout "
+        "deepseek-fp8); give the unquantized model's folder to run the model")
+    gptq = _llama(tmp_path / "gptq", quantization_config={"quant_method": "gptq", "bits": 4})
+    assert _refusal(gptq).endswith(
+        "holds quantized weights (quantization_config, quant_method gptq), not yet supported "
+        "by grad-cosine, dump and probe; give the unquantized model's folder to run the model")
+
+
+def test_config_without_sizes_is_refused(tmp_path: Path) -> None:
+    folder = _llama(tmp_path / "llama")
+    (folder / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64}))
+    message = _refusal(folder)
+    assert "does not give hidden_size, num_hidden_layers, num_attention_heads" in message
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 16}))
+    assert "does not give vocab_size, n_layer, n_head:" in _refusal(gpt2)
+
+
+def test_model_too_large_for_memory_is_refused(tmp_path: Path) -> None:
+    from driftcli.models.loaders import CheckpointError, _load_hf, estimate_memory
+
+    folder = _llama(tmp_path / "llama")
+    n, need = estimate_memory(folder, float64_copies=4)
+    # embedding, head, attention, MLP, norms
+    assert n == 64 * 16 * 2 + 16 * 16 * 4 + 3 * 16 * 32 + 16 * 3
+    assert need == n * (4 + 4 * 8)
+    with pytest.raises(CheckpointError, match=(
+            rf"has {n:,} parameters: holding it as loaded and 4 float64 copies takes about "
+            r"0\.2 MiB, more than the 0\.2 MiB available")):
+        _load_hf(folder, float64_copies=4, available=need - 1)
+    # a 70B config's estimate (on the meta device: nothing allocated) is refused on any machine
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
+        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8}))
+    message = _refusal(folder)
+    assert "has 70,553,706,496 parameters" in message and "takes about 2365.5 GiB" in message
+
+
+def test_grad_cosine_on_bert_is_exit_2(tmp_path: Path) -> None:
+    folder = _bert(tmp_path / "bert")
+    batch = tmp_path / "batch.safetensors"
+    save_file({"input_ids": torch.arange(8)}, batch)
+    result = runner.invoke(app, ["grad-cosine", str(folder), "-p", "mxfp8_e4m3",
+                                 "--batch", str(batch), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "is not a causal language model (BertModel)" in result.output
+    assert "Traceback" not in result.output

@@ -320,7 +320,7 @@ def load_input(checkpoint: str | Path, source: BatchSource, name: str | None = N
            *(_stamp(p) for p in (path, source.path) if p.exists()))
     if key not in _LOADED:
         _LOADED.clear()  # the old model goes before the new one is loaded
-        lm = load_causal_lm(path)
+        lm = load_causal_lm(path, float64_copies=4)  # the float64 model, exact, draw, mean
         _LOADED[key] = Loaded(lm, source.ids(lm), label)
     return _LOADED[key]
 

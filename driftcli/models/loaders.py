@@ -17,14 +17,17 @@ tensor ``input_ids`` of shape ``(tokens,)`` or ``(windows, tokens)`` (:func:`loa
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from driftcli.errors import DriftError
+from driftcli.io.readers.quantized import read_config as read_quant_config
 from driftcli.models.checkpoint import load_checkpoint
 from driftcli.models.nets import ByteTokenizer
 
@@ -71,20 +74,166 @@ def _hf_logits(model: nn.Module, ids: Tensor) -> Tensor:
     return model(input_ids=ids, use_cache=False).logits
 
 
-def _load_hf(path: Path) -> CausalLM:
+SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+"""The sizes a Hugging Face ``config.json`` must give (under its model type's own names:
+``n_embd`` for GPT-2's ``hidden_size``): transformers fills a missing one from the model
+type's default, a 7B model for ``llama``."""
+
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: the least of the memory Linux calls available,
+    the cgroup's limit less its use, and the address-space limit; None where none is known."""
+    import resource
+
+    found: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            found.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        found.append(soft)
+    return min(found) if found else None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _hf_config(path: Path) -> dict[str, Any]:
+    """``config.json`` as a JSON object, refused (one line) where it cannot be a causal LM
+    drift can load: not JSON, quantized weights, no model type, an architecture that is not
+    a causal LM, sizes missing."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    where = path / "config.json"
+    try:
+        data = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read {where}: {err}; give a Hugging Face model folder "
+                              "with a valid config.json") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{where} is not a JSON object; give a Hugging Face model folder")
+    quant = data.get("quantization_config")
+    declared = read_quant_config(path)
+    if quant is not None or declared is not None:
+        method = (quant.get("quant_method", "?") if isinstance(quant, dict)
+                  else "hf_quant_config.json")
+        # the scans dequantize the layouts they know exactly; a model run does not yet
+        readers = (f"; drift clip-rate and friends read it (layout {declared.layout})"
+                   if declared is not None and declared.layout is not None else "")
+        raise CheckpointError(
+            f"{path} holds quantized weights (quantization_config, quant_method {method}), "
+            f"not yet supported by grad-cosine, dump and probe{readers}; give the "
+            "unquantized model's folder to run the model")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        what = ("no model_type" if model_type is None else f"model_type {model_type!r}, "
+                f"which transformers {transformers.__version__} does not know")
+        raise CheckpointError(f"{where} has {what}; drift loads Hugging Face causal LMs "
+                              "(llama, gpt2, mistral, ...)")
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    archs = data.get("architectures") or []
+    if not isinstance(archs, list):
+        archs = []
+    named = [a for a in archs if isinstance(a, str)]
+    if causal is None or (named and not any(a == causal or a.endswith(_CAUSAL_SUFFIXES)
+                                            for a in named)):
+        what = ", ".join(named) if named else f"model_type {model_type}"
+        raise CheckpointError(
+            f"{path} is not a causal language model ({what}): grad-cosine, dump and probe "
+            "measure next-token prediction, and loading it as one would attach a randomly "
+            "initialised LM head; give a causal LM (a ...ForCausalLM architecture)")
+    config_class = CONFIG_MAPPING[model_type]
+    aliases: dict[str, str] = getattr(config_class, "attribute_map", {}) or {}
+    try:
+        defaults = config_class()
+    except (TypeError, ValueError):  # a config class that needs arguments: no defaults to fear
+        defaults = None
+    missing = [aliases.get(k, k) for k in SIZE_KEYS
+               if hasattr(defaults, k) and k not in data and aliases.get(k, k) not in data]
+    if missing:
+        raise CheckpointError(
+            f"{where} does not give {', '.join(missing)}: transformers would fill "
+            f"{'it' if len(missing) == 1 else 'them'} from {model_type}'s defaults (a "
+            "different, usually far larger model); give the config.json the model was "
+            "saved with")
+    return data
+
+
+def estimate_memory(path: Path, float64_copies: int) -> tuple[int, int]:
+    """The parameter count of the Hugging Face model in ``path`` (built on the meta device
+    from its config: no weights read, no memory taken) and the bytes a measurement holds:
+    the model as loaded plus ``float64_copies`` float64 tensors of every parameter."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise CheckpointError(f"cannot build {path}'s model from its config.json: "
+                              f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                              ) from None
+    n = sum(p.numel() for p in meta.parameters())
+    loaded = next(meta.parameters()).element_size() if n else 4
+    return n, n * (loaded + 8 * float64_copies)
+
+
+def _check_memory(path: Path, float64_copies: int, available: int | None) -> None:
+    n, need = estimate_memory(path, float64_copies)
+    if available is not None and need > available:
+        raise CheckpointError(
+            f"{path} has {n:,} parameters: holding it as loaded and {float64_copies} float64 "
+            f"cop{'y' if float64_copies == 1 else 'ies'} takes about {_gib(need)}, more than "
+            f"the {_gib(available)} available; run it on a machine with more memory, or "
+            "measure a smaller model")
+
+
+def _fresh_weights(path: Path, info: dict[str, Any]) -> None:
+    """Refuse a load that left parameters at their random initialisation (names them)."""
+    fresh = sorted(set(info.get("missing_keys") or ()) | {
+        m[0] if isinstance(m, tuple) else str(m) for m in info.get("mismatched_keys") or ()})
+    if fresh:
+        first = ", ".join(fresh[:3])
+        more = f" and {len(fresh) - 3} more" if len(fresh) > 3 else ""
+        raise CheckpointError(
+            f"{path}: {len(fresh)} weight(s) are not in the folder (or have another shape) and "
+            f"would be initialised at random: {first}{more}; give the complete checkpoint of "
+            "a causal LM")
+
+
+def _load_hf(path: Path, float64_copies: int = 0, available: int | None = None) -> CausalLM:
     if importlib.util.find_spec("transformers") is None:
         raise CheckpointError(f"{path} is a Hugging Face model folder, which needs the optional "
                               "extra: pip install 'driftcli[hf]' (transformers)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # every check reads config.json only: a wrong model is refused before any weight is read
+    _hf_config(path)
+    _check_memory(path, float64_copies, available_memory() if available is None else available)
     try:
         # sdpa: the mode decomposes F.scaled_dot_product_attention itself, and the float64
         # reference then runs its softmax in float64 (the eager kernel's is float32)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                     attn_implementation="sdpa")
-    except (OSError, ValueError) as err:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, attn_implementation="sdpa", output_loading_info=True)
+    except (OSError, ValueError, ImportError) as err:
         raise CheckpointError(f"cannot load {path} as a Hugging Face causal LM: "
                               f"{str(err).splitlines()[0]}") from None
+    _fresh_weights(path, info)
     model.eval()
     tokenize = None
     try:
@@ -126,12 +275,20 @@ KINDS: list[CheckpointKind] = [
 """Every checkpoint kind, tried in order."""
 
 
-def load_causal_lm(path: str | Path) -> CausalLM:
-    """Load a checkpoint with the first kind that recognises it."""
+def load_causal_lm(path: str | Path, *, float64_copies: int = 0) -> CausalLM:
+    """Load a checkpoint with the first kind that recognises it.
+
+    A Hugging Face folder is checked from its ``config.json`` before any weight is read: a
+    quantized model, an architecture that is not a causal LM, a config without its sizes,
+    and a model whose memory (as loaded, plus ``float64_copies`` float64 copies of every
+    parameter: what the caller will hold) exceeds :func:`available_memory` are refused, as
+    is a load that would leave any weight at its random initialisation."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} does not exist; give a model folder or a drift "
                               "checkpoint file")
+    if _is_hf(p):
+        return _load_hf(p, float64_copies)
     for kind in KINDS:
         if kind.detect(p):
             return kind.load(p)
