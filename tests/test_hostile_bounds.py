@@ -203,3 +203,44 @@ def test_a_checkpoint_is_checked_against_its_weights_and_the_memory(tmp_path: Pa
     with pytest.raises(CheckpointFileError, match=r"hidden.0.weight: the config needs \[9, 8\], "
                                                   r"the file holds \[8, 8\]"):
         check_sizes(path, wider)
+
+
+# --- calibrate --recordings: a gzip that inflates to half a gigabyte ----------------------------
+
+
+def test_compressed_recordings_are_read_streaming_with_a_bound(tmp_path: Path) -> None:
+    import gzip
+
+    folder = tmp_path / "rec" / "H100" / "E4M3"
+    folder.mkdir(parents=True)
+    line = (" ".join(["3f800000"] * 32) + "\n").encode()
+    # one 16 MiB member, repeated: 512 MiB of 32-value lines (58 M values) in 2.3 MB
+    member = gzip.compress(line * ((16 << 20) // len(line)), compresslevel=9)
+    (folder / "a_H100_E4M3.txt.gz").write_bytes(member * 32)
+    for name in ("b_H100_E4M3", "c_H100_fp32", "d_H100_fp32"):
+        (folder / f"{name}.txt.gz").write_bytes(gzip.compress(b"0\n"))
+    start = time.perf_counter()
+    run = drift("calibrate", "--recordings", "rec/H100/E4M3", "--out", "out", cwd=tmp_path)
+    assert time.perf_counter() - start < 30  # 4 M values parsed, then refused
+    assert run.returncode == 2, run.stderr.decode()[-2000:]
+    assert run.stderr.decode() == (
+        "error: recordings file rec/H100/E4M3/a_H100_E4M3.txt.gz holds more than 4,194,304 "
+        "values, the most drift reads from one file; split the recordings into folders of "
+        "fewer dot products\n")
+
+
+def test_recordings_are_bounded_in_lines_and_line_length(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from driftcli.arith import tensorcores as tc
+    from driftcli.errors import DriftError
+
+    folder = tmp_path / "H100" / "E4M3"
+    folder.mkdir(parents=True)
+    (folder / "a_H100_E4M3.txt").write_text("\n" * 11 + "3f800000\n")
+    monkeypatch.setattr(tc, "MAX_LINES", 10)
+    with pytest.raises(DriftError, match=r"a_H100_E4M3.txt holds more than 10 lines"):
+        tc.read_recordings(folder)
+    (folder / "a_H100_E4M3.txt").write_text("3f800000 " * 4 + "\n")
+    monkeypatch.setattr(tc, "MAX_LINE", 20)
+    with pytest.raises(DriftError, match=r"more than 20 characters in a line"):
+        tc.read_recordings(folder)

@@ -10,6 +10,8 @@ recordings).
 from __future__ import annotations
 
 import gzip
+import zlib
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,22 +143,52 @@ class Recordings:
     d: dict[str, Tensor]
 
 
-def _lines(path: Path) -> list[list[str]]:
+MAX_VALUES = 1 << 22
+"""Bit patterns one recordings file may hold (4,194,304; the shared recordings' largest holds
+160,000: 5,000 dot products of K = 32). Past it the file is refused: a gzip of a few hundred
+KB can inflate to gigabytes, and every value read is kept."""
+MAX_LINES = 1 << 20
+"""Lines (blank ones too) one recordings file may hold (1,048,576; 5,000 in the shared ones):
+what bounds the time a file of empty lines takes."""
+MAX_LINE = 1 << 20
+"""Characters one line may hold (a line is read whole before it is split)."""
+
+
+def _too_big(path: Path, what: str) -> DriftError:
+    return DriftError(f"recordings file {path} holds more than {what}, the most drift reads "
+                      "from one file; split the recordings into folders of fewer dot products")
+
+
+def _bit_patterns(path: Path, base: int, *, first: bool) -> Tensor:
+    """The float32 bit patterns of a recordings file, streamed (a ``.gz`` is inflated as it is
+    read) and bounded by :data:`MAX_VALUES`, :data:`MAX_LINES` and :data:`MAX_LINE`: every
+    word of each line, all lines as long (``first=False``: a and b, hex), or only a line's
+    first word (``first=True``: c and d, binary). As float64, (lines, K) or (lines,)."""
     opener = gzip.open if path.suffix == ".gz" else open
+    words = array("q")  # 8 bytes a value, not a Python string and int each
+    width: int | None = None
     with opener(path, "rt") as fh:
-        return [line.split() for line in fh if line.strip()]
-
-
-def _hex_floats(rows: list[list[str]]) -> Tensor:
-    words = [[int(w, 16) for w in row] for row in rows]
-    if len({len(r) for r in words}) > 1:
-        raise DriftError("recordings: the rows of a or b differ in length")
-    return torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.float32).double()
-
-
-def _binary_floats(rows: list[list[str]]) -> Tensor:
-    words = [int(row[0], 2) for row in rows]
-    return torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.float32).double()
+        for n in range(MAX_LINES + 1):
+            line = fh.readline(MAX_LINE + 1)
+            if not line:
+                break
+            if n == MAX_LINES:
+                raise _too_big(path, f"{MAX_LINES:,} lines")
+            if len(line) > MAX_LINE:
+                raise _too_big(path, f"{MAX_LINE:,} characters in a line")
+            row = line.split()[:1] if first else line.split()
+            if not row:
+                continue
+            if not first and width is not None and len(row) != width:
+                raise DriftError("recordings: the rows of a or b differ in length")
+            width = len(row)
+            if len(words) + len(row) > MAX_VALUES:
+                raise _too_big(path, f"{MAX_VALUES:,} values")
+            words.extend(int(w, base) for w in row)
+    codes = (torch.frombuffer(words, dtype=torch.int64) if words else
+             torch.zeros(0, dtype=torch.int64))
+    floats = codes.to(torch.int32).view(torch.float32).double()
+    return floats if first or width is None else floats.reshape(-1, width)
 
 
 def _file(folder: Path, stem: str) -> Path:
@@ -172,12 +204,12 @@ def read_recordings(folder: Path) -> Recordings:
     ``c_GPU_fp32``, ``d_GPU_fp32``, ``d_GPU_fp16``: one float32 bit pattern in binary)."""
     gpu, fmt = folder.parent.name, folder.name
     try:
-        a = _hex_floats(_lines(_file(folder, f"a_{gpu}_{fmt}")))
-        b = _hex_floats(_lines(_file(folder, f"b_{gpu}_{fmt}")))
-        c = _binary_floats(_lines(_file(folder, f"c_{gpu}_fp32")))
-        d = {out: _binary_floats(_lines(path)) for out in ("fp32", "fp16")
+        a = _bit_patterns(_file(folder, f"a_{gpu}_{fmt}"), 16, first=False)
+        b = _bit_patterns(_file(folder, f"b_{gpu}_{fmt}"), 16, first=False)
+        c = _bit_patterns(_file(folder, f"c_{gpu}_fp32"), 2, first=True)
+        d = {out: _bit_patterns(path, 2, first=True) for out in ("fp32", "fp16")
              if (path := _file(folder, f"d_{gpu}_{out}")).exists()}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, OverflowError, EOFError, zlib.error) as exc:
         raise DriftError(f"cannot read the recordings in {folder}: {exc}; expected "
                          f"a_{gpu}_{fmt}.txt.gz, b_..., c_{gpu}_fp32.txt.gz and d_... "
                          "files") from None
