@@ -19,18 +19,24 @@ from it, redoing only the units it does not hold.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
+import json
+import math
 import os
-import pickle
+import re
 import socket
-import tempfile
+import stat
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from driftcli.errors import DriftError
 from driftcli.modes import Engine
@@ -73,6 +79,8 @@ class Execution:
     def describe(self) -> dict[str, Any]:
         """What provenance records of the run."""
         out: dict[str, Any] = {"engine": self.engine.value, "workers": self.n_workers()}
+        if self.resume is not None:
+            out["resumed_units"] = units_taken(self.resume)
         if self.engine is Engine.RAY:
             ray = _ray()
             out |= {"ray_version": ray.__version__, "ray_nodes": len(ray.nodes())}
@@ -158,54 +166,368 @@ def _reachable(address: str | None) -> None:
                           "machine runs, or leave it out for a local one") from None
 
 
+_STAMPED: dict[str, Path] = {}
+"""Each file stamp :func:`stamp` gave in this process → its file: how a manifest finds, in a
+unit's key, the inputs whose sha256 it records beside the unit."""
+_FAST_HASH: set[Path] = set()
+"""Units folders of runs that asked for ``--fast-hash``: their units record their inputs'
+size, mtime and ctime instead of a sha256 (reading a huge input twice is what the user
+declined)."""
+
+
 def stamp(*paths: str | Path | None) -> str:
     """What tells files apart from rewritten ones: each path resolved, with its size and
     modification time (a folder: its files'). Part of every unit's :meth:`key`, so a run
-    resumed after its input changed does not take the old results."""
+    resumed after its input changed does not take the old results; a kept unit also records
+    the sha256 of every file its key stamps (:class:`Manifest`), which catches a rewrite that
+    kept the size and mtime."""
     parts = []
     for given in paths:
         if given is None:
             continue
         path = Path(given).resolve()
         files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-        parts += [f"{p}:{(st := p.stat()).st_size}:{st.st_mtime_ns}" if p.exists()
-                  else f"{p}:missing" for p in files]
+        for p in files:
+            if p.exists():
+                st = p.stat()
+                part = f"{p}:{st.st_size}:{st.st_mtime_ns}"
+                _STAMPED[part] = p
+            else:
+                part = f"{p}:missing"
+            parts.append(part)
     return "|".join(parts)
+
+
+def _inputs_of(key: str) -> list[Path]:
+    """The files whose stamps ``key`` holds (see :func:`stamp`), in key order."""
+    return list(dict.fromkeys(p for part in key.split("|") if (p := _STAMPED.get(part))))
+
+
+UNIT_FORMAT = "drift-unit/1"
+"""The first line of every kept unit file names this format."""
+MAX_UNIT_BYTES = 256 << 20
+"""A kept unit file larger than this is not read (it is taken for damaged and run again): a
+scan's unit is a few kB, a verify-formats check's at most a few MB."""
+
+
+class UnitsError(DriftError):
+    """A units folder drift will not use (a symlink: clearing it would delete elsewhere)."""
+
+
+class UnitNotice(UserWarning):
+    """A kept unit that was not taken (damaged, foreign, stale) and runs again; the CLI
+    prints it as one ``warning:`` line."""
+
+
+class _Damaged(ValueError):
+    """Why a kept unit file is not taken."""
+
+
+def _encode(value: Any) -> Any:
+    """A result as JSON values, every type named (see :func:`_decode`): JSON runs no code when
+    read, as a pickle would."""
+    import enum
+
+    if isinstance(value, enum.Enum):  # first: a StrEnum member is a str too
+        return {"$e": _type_name(type(value)), "n": value.name}
+    if value is None or type(value) in (bool, str, int):
+        return value
+    if type(value) is float:
+        return value if math.isfinite(value) else {"$f": repr(value)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"$c": _type_name(type(value)),
+                "f": {f.name: _encode(getattr(value, f.name))
+                      for f in dataclasses.fields(value)}}
+    if isinstance(value, tuple):
+        return {"$t": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {"$d": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    if isinstance(value, Path):
+        return {"$p": str(value)}
+    import numpy as np
+
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return {"$n": value.dtype.str, "v": _encode(value.item())}
+    if isinstance(value, str):  # a subclass
+        return str(value)
+    if isinstance(value, int | float):  # a subclass (an IntEnum is handled above)
+        return _encode(int(value) if isinstance(value, int) else float(value))
+    raise TypeError(f"a unit's result holds a {type(value).__name__}, which a kept unit "
+                    "cannot record")
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _known_type(name: Any) -> type:
+    """A drift dataclass or enum by its recorded name: only one of drift's own modules that is
+    imported already (the run that asks for its units built them), never an import."""
+    import enum
+
+    if not isinstance(name, str) or ":" not in name:
+        raise _Damaged(f"a type named {name!r}")
+    module_name, qualname = name.split(":", 1)
+    module = sys.modules.get(module_name)
+    if module is None or not (module_name == "driftcli" or module_name.startswith("driftcli.")):
+        raise _Damaged(f"a type {name!r} that is not one of drift's loaded types")
+    found: Any = module
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if not (isinstance(found, type) and found.__module__ == module_name
+            and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))):
+        raise _Damaged(f"a type {name!r} that is not one of drift's result types")
+    return found
+
+
+def _decode(value: Any) -> Any:
+    """:func:`_encode` undone. A dataclass is rebuilt field by field, without calling any of
+    its methods, and only one of drift's own loaded types is rebuilt (see :func:`_known_type`)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if not isinstance(value, dict) or len(value) not in (1, 2):
+        raise _Damaged("a value of no known form")
+    if "$t" in value and isinstance(value["$t"], list):
+        return tuple(_decode(v) for v in value["$t"])
+    if "$f" in value and value["$f"] in ("inf", "-inf", "nan"):
+        return float(value["$f"])
+    if "$d" in value and isinstance(value["$d"], list):
+        if not all(isinstance(kv, list) and len(kv) == 2 for kv in value["$d"]):
+            raise _Damaged("a mapping of no known form")
+        return {_decode(k): _decode(v) for k, v in value["$d"]}
+    if "$p" in value and isinstance(value["$p"], str):
+        return Path(value["$p"])
+    if "$n" in value and value["$n"] in _NUMPY_SCALARS:
+        import numpy as np
+
+        return np.dtype(value["$n"]).type(_decode(value.get("v")))
+    if "$e" in value:
+        cls = _known_type(value["$e"])
+        try:
+            return cls[value.get("n")]  # type: ignore[index]
+        except (KeyError, TypeError):
+            raise _Damaged(f"no member {value.get('n')!r} of {value['$e']}") from None
+    if "$c" in value and isinstance(value.get("f"), dict):
+        cls = _known_type(value["$c"])
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if set(value["f"]) != fields:
+            raise _Damaged(f"fields {sorted(value['f'])} where {value['$c']} has "
+                           f"{sorted(fields)}")
+        made = object.__new__(cls)
+        for name, v in value["f"].items():
+            object.__setattr__(made, name, _decode(v))
+        return made
+    raise _Damaged("a value of no known form")
+
+
+_NUMPY_SCALARS = {f"{e}{k}{n}" for e in "<>|" for k, n in
+                  (("b", 1), ("i", 1), ("i", 2), ("i", 4), ("i", 8), ("u", 1), ("u", 2),
+                   ("u", 4), ("u", 8), ("f", 2), ("f", 4), ("f", 8))}
+
+
+def _fingerprint(path: Path, fast: bool) -> str:
+    """What a kept unit records of an input file: its sha256 (or, for a ``--fast-hash`` run,
+    its size, mtime and ctime)."""
+    from driftcli.io.tables import sha256_of
+
+    if fast:
+        st = path.stat()
+        return f"size {st.st_size} mtime {st.st_mtime_ns} ctime {st.st_ctime_ns}"
+    return sha256_of(path)
+
+
+_TAKEN: dict[Path, int] = {}
+"""Units each units folder gave back to a run (``--resume``) in this process, for the
+table's provenance (:meth:`Execution.describe`)."""
+
+
+def units_taken(folder: Path | None) -> int:
+    """How many kept units runs of this process took from ``folder`` since it was last
+    cleared (see :func:`reset_taken`)."""
+    return 0 if folder is None else _TAKEN.get(Path(os.path.abspath(folder)), 0)
+
+
+def reset_taken(folder: Path) -> None:
+    """Start counting the units taken from ``folder`` anew (a command's run starts)."""
+    _TAKEN.pop(Path(os.path.abspath(folder)), None)
+
+
+def fast_hash_units(folder: Path, fast: bool = True) -> None:
+    """Have the units kept in ``folder`` record their inputs by size, mtime and ctime instead
+    of sha256 (a ``--fast-hash`` run)."""
+    (_FAST_HASH.add if fast else _FAST_HASH.discard)(Path(os.path.abspath(folder)))
+
+
+_UNIT_NAME = re.compile(r"[0-9a-f]{64}")
 
 
 class Manifest:
     """Finished units of one run, one file each, under ``folder``: what ``--resume`` takes
     instead of running them again. A unit is found by its key (see :func:`run`): a text that
     names everything its result depends on, the stamps of its input files included, so a
-    unit that changed (other casts, a rewritten file) is not taken for the old one."""
+    unit that changed (other casts, a rewritten file) is not taken for the old one.
+
+    A unit file is JSON, never a pickle (reading it runs no code): a first line naming
+    :data:`UNIT_FORMAT` and the sha256 of the rest, then the key, the sha256 of every input
+    file the key stamps, and the result with every type named (only drift's own result types
+    are rebuilt). A unit whose checksum, key, inputs or types do not hold, a file that is not a
+    regular file (a link, a folder, a FIFO), one that is empty, truncated or garbage, is not
+    taken: the unit runs again, and one :class:`UnitNotice` per manifest says so. Nothing is
+    ever followed through a symlink: a symlinked units folder is refused, naming it
+    (:class:`UnitsError`)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self._abs = Path(os.path.abspath(folder))
+        self._noticed = False
+        self._unkept = False
+        _refuse_link(folder)
 
     def _path(self, key: str) -> Path:
         return self.folder / hashlib.sha256(key.encode()).hexdigest()
 
+    def _notice(self, message: str) -> None:
+        if not self._noticed:
+            self._noticed = True
+            warnings.warn(message, UnitNotice, stacklevel=3)
+
     def get(self, key: str) -> tuple[bool, Any]:
-        """``(True, result)`` for a unit kept here under ``key``, else ``(False, None)``."""
+        """``(True, result)`` for a unit kept here under ``key``, else ``(False, None)``; a
+        kept unit that does not hold (see the class) is ``(False, None)`` with a notice."""
         path = self._path(key)
-        if not path.is_file():
+        if not os.path.lexists(path) or not os.path.isdir(self.folder):
             return False, None
-        return True, pickle.loads(path.read_bytes())
+        try:
+            result = self._read(path, key)
+        except _Damaged as why:
+            self._notice(f"kept unit {path} is not taken ({why}); it and any other such unit "
+                         "run again")
+            return False, None
+        _TAKEN[self._abs] = _TAKEN.get(self._abs, 0) + 1
+        return True, result
+
+    def _read(self, path: Path, key: str) -> Any:
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as err:
+            raise _Damaged("a symlink" if os.path.islink(path) else
+                           err.strerror or str(err)) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise _Damaged("not a regular file")
+        with os.fdopen(fd, "rb") as fh:
+            if st.st_size > MAX_UNIT_BYTES:
+                raise _Damaged(f"{st.st_size:,} bytes, over the {MAX_UNIT_BYTES:,} a unit "
+                               "may have")
+            try:
+                data = fh.read(MAX_UNIT_BYTES + 1)
+            except OSError as err:
+                raise _Damaged(err.strerror or str(err)) from None
+        head, newline, body = data.partition(b"\n")
+        try:
+            header = json.loads(head)
+        except ValueError:
+            header = None
+        if not newline or not isinstance(header, dict) or header.get("format") != UNIT_FORMAT:
+            raise _Damaged("empty" if not data else f"not a {UNIT_FORMAT} file")
+        if header.get("sha256") != hashlib.sha256(body).hexdigest():
+            raise _Damaged("its checksum does not match its content: truncated or edited")
+        try:
+            unit = json.loads(body)
+        except (ValueError, RecursionError):
+            raise _Damaged("its content is not JSON") from None
+        if not isinstance(unit, dict) or unit.get("key") != key:
+            raise _Damaged("it was kept for another unit")
+        inputs = unit.get("inputs")
+        if not isinstance(inputs, list):
+            raise _Damaged("no inputs recorded")
+        fast = self._abs in _FAST_HASH
+        for item in inputs:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                raise _Damaged("its inputs are of no known form")
+            try:
+                now = _fingerprint(Path(item[0]), fast)
+            except OSError:
+                now = None
+            if now != item[1]:
+                raise _Damaged(f"its input {item[0]} changed since (another sha256)")
+        try:
+            return _decode(unit.get("result"))
+        except RecursionError:
+            raise _Damaged("its result is nested too deep") from None
 
     def put(self, key: str, result: object) -> None:
         """Keep a finished unit's result (written atomically: an interrupted write is not
-        taken for a result)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=self.folder, delete=False) as fh:
-            fh.write(pickle.dumps(result))
-        os.replace(fh.name, self._path(key))
+        taken for a result). A unit that cannot be kept (a full disk, a folder in the way)
+        only costs a rerun if the run is resumed: one notice, and the run goes on."""
+        from driftcli.io.tables import atomic_write
+
+        fast = self._abs in _FAST_HASH
+        try:
+            inputs = [[str(p), _fingerprint(p, fast)] for p in _inputs_of(key)]
+        except OSError:
+            return  # an input gone meanwhile: a unit that could never be checked again
+        body = json.dumps({"key": key, "inputs": inputs, "result": _encode(result)},
+                          separators=(",", ":"), allow_nan=False).encode()
+        header = json.dumps({"format": UNIT_FORMAT,
+                             "sha256": hashlib.sha256(body).hexdigest()}).encode()
+        try:
+            _refuse_link(self.folder)
+            if os.path.lexists(self.folder) and not os.path.isdir(self.folder):
+                os.unlink(self.folder)  # a file where the units go (not a link: refused)
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(self._path(key), partial(_write_all, header + b"\n" + body),
+                         durable=False)
+        except (OSError, DriftError, TypeError) as err:
+            if isinstance(err, UnitsError):
+                raise
+            if not self._unkept:
+                self._unkept = True
+                warnings.warn(f"finished units cannot be kept in {self.folder} ({err}); the "
+                              "run goes on, but --resume would run them again", UnitNotice,
+                              stacklevel=2)
 
     def clear(self) -> None:
-        """Forget the run (its table is written)."""
-        if self.folder.is_dir():
-            for path in self.folder.iterdir():
-                path.unlink()
-            self.folder.rmdir()
+        """Forget the run (its table is written): remove the unit files, never following a
+        link; anything else found in the folder (a subfolder) is left, and the folder too."""
+        clear_units(self.folder)
+
+
+def _write_all(data: bytes, fh: IO[bytes]) -> None:
+    fh.write(data)
+
+
+def _refuse_link(folder: Path) -> None:
+    if os.path.islink(folder):
+        raise UnitsError(f"the units folder {folder} is a symlink; drift never follows a link "
+                         "in an output folder (clearing it would remove files elsewhere): "
+                         "remove the link")
+
+
+def clear_units(folder: Path) -> None:
+    """Remove the kept units in ``folder`` (see :meth:`Manifest.clear`). A regular file where
+    the folder should be is removed; a symlink is refused (:class:`UnitsError`)."""
+    _refuse_link(folder)
+    if not os.path.lexists(folder):
+        return
+    if not os.path.isdir(folder):
+        os.unlink(folder)
+        return
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            unit = _UNIT_NAME.fullmatch(entry.name) or (
+                entry.name.startswith(".") and entry.name.endswith(".tmp"))
+            if unit and not entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)  # a link itself, never what it points to
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)  # only when empty: whatever else is there stays
 
 
 def unit_key(unit: Any) -> str:

@@ -12,6 +12,7 @@ from driftcli.cli.app import command
 from driftcli.cli.run import (
     Bar,
     EngineOpt,
+    Overwrite,
     RayAddress,
     Resume,
     Workers,
@@ -19,6 +20,7 @@ from driftcli.cli.run import (
     fmt,
     progress_bar,
     publish,
+    table_output,
     units_dir,
 )
 from driftcli.escaping import for_terminal as esc
@@ -94,13 +96,12 @@ def accum_error_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")] = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False,
+    resume: Resume = False, overwrite: Overwrite = False,
 ) -> None:
     """Error of simulated matmuls against the exact product.
 
     By accumulator format, order and K, on synthetic operands or on a dump's matmuls.
     """
-    from driftcli.engines import Manifest
     from driftcli.io.outputs import check_writable
     from driftcli.io.tables import identify_in_background, provenance
     from driftcli.measures.accum_error import AccumErrorRow, accum_error, choose_specs, summarize
@@ -111,21 +112,20 @@ def accum_error_cmd(
               if shape or k else None)
     check_writable(out)  # fail now, not after the matmuls
     path = out / f"{AccumErrorRow.TABLE}.parquet"
-    run_on = execution(engine, workers, ray_address, units_dir(path), resume)
-    identities = identify_in_background(dumps or ())  # beside the matmuls
-    with progress_bar("accum-error", Bar.ITEMS, quiet or as_json) as advance:
-        rows = accum_error(dumps or (), shapes=shapes, dists=dist, specs=specs, seed=seed,
-                           include=include or (), exclude=exclude or (), progress=advance,
-                           execution=run_on)
-    prov = provenance(dumps or (), seed=seed, extra={
-        "specs": [str(s) for s in specs], "shapes": None if shapes is None else
-        [list(s) for s in shapes], "dists": None if dist is None else [d.value for d in dist],
-        "reference": "Sum2 (compensated) sum of exact float64 products; see ref_bound_ulps",
-        **run_on.describe()}, identities=identities())
-    summary = summarize(rows, path)
-    try:
+    with table_output(path, overwrite=overwrite):  # before any work, held to the end
+        run_on = execution(engine, workers, ray_address, units_dir(path), resume)
+        identities = identify_in_background(dumps or ())  # beside the matmuls
+        with progress_bar("accum-error", Bar.ITEMS, quiet or as_json) as advance:
+            rows = accum_error(dumps or (), shapes=shapes, dists=dist, specs=specs, seed=seed,
+                               include=include or (), exclude=exclude or (), progress=advance,
+                               execution=run_on)
+        prov = provenance(dumps or (), seed=seed, extra={
+            "specs": [str(s) for s in specs], "shapes": None if shapes is None else
+            [list(s) for s in shapes], "dists": None if dist is None else [d.value for d in dist],
+            "reference": "Sum2 (compensated) sum of exact float64 products; see ref_bound_ulps",
+            **run_on.describe()}, identities=identities())
+        summary = summarize(rows, path)
         publish(path, AccumErrorRow, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
                 failures=[f"{e['source']} {e['matmul']}: {e['error']}"
-                          for e in summary["errors"]], failed="matmul(s) could not be measured")
-    finally:
-        Manifest(units_dir(path)).clear()  # the table holds them now
+                          for e in summary["errors"]], failed="matmul(s) could not be measured",
+                units=units_dir(path))

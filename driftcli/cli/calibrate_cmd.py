@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from driftcli.cli.app import command, fail
-from driftcli.cli.run import Bar, fmt, progress_bar
+from driftcli.cli.run import Bar, Overwrite, fmt, progress_bar, table_output
 from driftcli.escaping import for_terminal as esc
 
 OUT = Path("drift-out")
@@ -65,6 +65,7 @@ def calibrate_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")
                      ] = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Infer how a matmul backend accumulates, from probes.
 
@@ -82,16 +83,17 @@ def calibrate_cmd(
         raise fail("give --backend (e.g. torch:cpu:bfloat16, drift:tc=h100_e4m3_f32) or "
              "--recordings DIR")
     check_writable(out)
-    rows: list[CalibrateRow] = []
-    with progress_bar("calibrating", Bar.ITEMS, quiet or as_json) as advance:
-        for name in backend or ():
-            rows += calibrate(name, seed=seed, max_k=max_k, progress=advance)
-        if recordings is not None:
-            rows += calibrate_recordings(recordings, progress=advance)
-    path = write_table(out / f"{CalibrateRow.TABLE}.parquet", CalibrateRow, rows,
-                       provenance([recordings] if recordings else [], seed=seed,
-                                  extra={"backends": list(backend or [])}))
-    if as_json:
-        typer.echo(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
-    elif not quiet:
-        _print(rows, path)
+    with table_output(out / f"{CalibrateRow.TABLE}.parquet", overwrite=overwrite):
+        rows: list[CalibrateRow] = []
+        with progress_bar("calibrating", Bar.ITEMS, quiet or as_json) as advance:
+            for name in backend or ():
+                rows += calibrate(name, seed=seed, max_k=max_k, progress=advance)
+            if recordings is not None:
+                rows += calibrate_recordings(recordings, progress=advance)
+        path = write_table(out / f"{CalibrateRow.TABLE}.parquet", CalibrateRow, rows,
+                           provenance([recordings] if recordings else [], seed=seed,
+                                      extra={"backends": list(backend or [])}))
+        if as_json:
+            typer.echo(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+        elif not quiet:
+            _print(rows, path)

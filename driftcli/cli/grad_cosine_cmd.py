@@ -12,6 +12,7 @@ from driftcli.cli.app import command
 from driftcli.cli.run import (
     Bar,
     EngineOpt,
+    Overwrite,
     RayAddress,
     Resume,
     Workers,
@@ -19,6 +20,7 @@ from driftcli.cli.run import (
     fmt,
     progress_bar,
     publish,
+    table_output,
     units_dir,
 )
 from driftcli.escaping import for_terminal as esc
@@ -75,7 +77,7 @@ def grad_cosine_command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False,
+    resume: Resume = False, overwrite: Overwrite = False,
 ) -> None:
     """Gradient under a policy against the exact gradient.
 
@@ -83,7 +85,6 @@ def grad_cosine_command(
     parameter and over all parameters.
     """
     from driftcli.arith.policy import get_policy
-    from driftcli.engines import Manifest
     from driftcli.io.outputs import check_writable
     from driftcli.io.tables import identify_in_background, provenance
     from driftcli.measures.grad_cosine import (
@@ -99,23 +100,21 @@ def grad_cosine_command(
     source = BatchSource(None if text is None else str(text),
                          None if batch is None else str(batch), tokens, windows)
     path = out / f"{GradCosineRow.TABLE}.parquet"
-    run_on = execution(engine, workers, ray_address, units_dir(path), resume)
-    # loaded here too: a bad checkpoint or batch fails before any worker starts, and the
-    # serial engine's units take this load
-    loaded = load_input(checkpoint, source)
-    files, kind, shape = [*loaded.lm.files, source.path], loaded.lm.kind, list(loaded.ids.shape)
-    del loaded  # on other engines the workers load their own: no model held here meanwhile
-    identities = identify_in_background(files)  # beside the gradients
-    with progress_bar("grad-cosine", Bar.ITEMS, quiet) as advance:
-        rows = grad_cosine_checkpoint(checkpoint, source, resolved, draws=draws, seed=seed,
-                                      execution=run_on, progress=advance)
-    prov = provenance(files, seed=seed, extra={
-        "checkpoint_kind": kind, "policies": policy, "draws": draws,
-        "batch_shape": shape, "tokens": tokens if text is not None else None,
-        "windows": windows if text is not None else None, **run_on.describe()},
-        identities=identities())
-    try:
+    with table_output(path, overwrite=overwrite):  # before any work, held to the end
+        run_on = execution(engine, workers, ray_address, units_dir(path), resume)
+        # loaded here too: a bad checkpoint or batch fails before any worker starts, and the
+        # serial engine's units take this load
+        loaded = load_input(checkpoint, source)
+        files, kind, shape = [*loaded.lm.files, source.path], loaded.lm.kind, list(loaded.ids.shape)
+        del loaded  # on other engines the workers load their own: no model held here meanwhile
+        identities = identify_in_background(files)  # beside the gradients
+        with progress_bar("grad-cosine", Bar.ITEMS, quiet) as advance:
+            rows = grad_cosine_checkpoint(checkpoint, source, resolved, draws=draws, seed=seed,
+                                          execution=run_on, progress=advance)
+        prov = provenance(files, seed=seed, extra={
+            "checkpoint_kind": kind, "policies": policy, "draws": draws,
+            "batch_shape": shape, "tokens": tokens if text is not None else None,
+            "windows": windows if text is not None else None, **run_on.describe()},
+            identities=identities())
         publish(path, GradCosineRow, rows, prov, summarize(rows, path), _print,
-                as_json=as_json, quiet=quiet)
-    finally:
-        Manifest(units_dir(path)).clear()  # the table holds them now
+                as_json=as_json, quiet=quiet, units=units_dir(path))

@@ -13,6 +13,7 @@ from driftcli.cli.app import EXIT_USAGE, command
 from driftcli.cli.run import (
     Bar,
     EngineOpt,
+    Overwrite,
     RayAddress,
     Resume,
     Workers,
@@ -20,6 +21,7 @@ from driftcli.cli.run import (
     fmt,
     progress_bar,
     publish,
+    table_output,
     units_dir,
 )
 from driftcli.escaping import for_terminal as esc
@@ -114,18 +116,30 @@ def _print(summary: dict[str, Any]) -> None:
 def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: ScanOptions,
          include: list[str] | None, exclude: list[str] | None, fast_hash: bool, quiet: bool,
          as_json: bool, engine: Engine, workers: int | None, ray_address: str | None,
-         resume: bool) -> None:
-    from driftcli.engines import Manifest
+         resume: bool, overwrite: bool) -> None:
     from driftcli.io.outputs import check_writable
+    from driftcli.measures import MEASURES
+
+    m = MEASURES[name]
+    check_writable(out)  # fail now, not after the scan
+    path = out / f"{m.name}.parquet"
+    with table_output(path, overwrite=overwrite):  # before any work, held to the end
+        _measure(name, path, inputs, casts, options, include, exclude, fast_hash, quiet,
+                 as_json, engine, workers, ray_address, resume)
+
+
+def _measure(name: str, path: Path, inputs: list[Path], casts: list[str], options: ScanOptions,
+             include: list[str] | None, exclude: list[str] | None, fast_hash: bool,
+             quiet: bool, as_json: bool, engine: Engine, workers: int | None,
+             ray_address: str | None, resume: bool) -> None:
+    from driftcli.engines import clear_units
     from driftcli.io.tables import identify_in_background, provenance
     from driftcli.measures import MEASURES
     from driftcli.measures.scan import scan
     from driftcli.memory import bound_memory
 
     m = MEASURES[name]
-    check_writable(out)  # fail now, not after the scan
-    path = out / f"{m.name}.parquet"
-    run_on = execution(engine, workers, ray_address, units_dir(path), resume)
+    run_on = execution(engine, workers, ray_address, units_dir(path), resume, fast_hash)
     identities: list[Callable[[], list[dict[str, Any]]]] = []  # hashing, from the inputs opening
     bound_memory()
     with progress_bar("scanning", Bar.BYTES, quiet) as advance:
@@ -148,15 +162,14 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
         typer.echo(esc(f"error: nothing could be measured: {len(bad)} tensor(s) or file(s) "
                        f"failed, first {first.source} {first.ref.name if first.ref else ''}: "
                        f"{first.error}; no table written{kept}", markup=False), err=True)
+        clear_units(units_dir(path))  # every unit an error: nothing worth resuming
         raise typer.Exit(EXIT_USAGE)
     summary = _summary(m, rows, path, casts)
     summary["skipped_files"] = [str(f) for i in s.inputs for f in i.skipped]
     failed = {f"{e['source']} {e['tensor']}: {e['error']}": None for e in summary["errors"]}
-    try:
-        publish(path, m.row_type, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
-                failures=list(failed), failed="tensor(s) or file(s) could not be read")
-    finally:
-        Manifest(units_dir(path)).clear()  # the table holds them now
+    publish(path, m.row_type, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
+            failures=list(failed), failed="tensor(s) or file(s) could not be read",
+            units=units_dir(path))
 
 
 def _options(axis: int, device: Device, draws: int = 1, seed: int = 0) -> ScanOptions:
@@ -171,14 +184,15 @@ def clip_rate(
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False,
+    resume: Resume = False, overwrite: Overwrite = False,
 ) -> None:
     """Share of each tensor that clips, per cast.
 
     An element clips when its scaled magnitude is above the element format's max.
     """
     _run("clip-rate", inputs, cast, out, _options(axis, device), include, exclude, fast_hash,
-         quiet, as_json, engine, workers, ray_address, resume)
+         quiet, as_json, engine, workers, ray_address, resume,
+         overwrite)
 
 
 @command("underflow-rate")
@@ -187,11 +201,12 @@ def underflow_rate(
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False,
+    resume: Resume = False, overwrite: Overwrite = False,
 ) -> None:
     """Share of nonzero values that flush to zero, per cast."""
     _run("underflow-rate", inputs, cast, out, _options(axis, device), include, exclude,
-         fast_hash, quiet, as_json, engine, workers, ray_address, resume)
+         fast_hash, quiet, as_json, engine, workers, ray_address, resume,
+         overwrite)
 
 
 @command("error-bias")
@@ -203,14 +218,15 @@ def error_bias(
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False,
+    resume: Resume = False, overwrite: Overwrite = False,
 ) -> None:
     """Size of the cast error and its bias, per cast.
 
     The bias says which way the error points: along the tensor (it shrinks or grows).
     """
     _run("error-bias", inputs, cast, out, _options(axis, device, draws, seed), include,
-         exclude, fast_hash, quiet, as_json, engine, workers, ray_address, resume)
+         exclude, fast_hash, quiet, as_json, engine, workers, ray_address, resume,
+         overwrite)
 
 
 @command("cast-diff")
@@ -219,7 +235,7 @@ def cast_diff(
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False,
+    resume: Resume = False, overwrite: Overwrite = False,
 ) -> None:
     """Where casts disagree with the first, element by element.
 
@@ -232,4 +248,5 @@ def cast_diff(
         raise DriftError(f"cast-diff compares casts with the first: give two or more, not "
                          f"{len(cast)} (e.g. -c nvfp4 -c torchao/nvfp4)")
     _run("cast-diff", inputs, cast, out, _options(axis, device), include, exclude, fast_hash,
-         quiet, as_json, engine, workers, ray_address, resume)
+         quiet, as_json, engine, workers, ray_address, resume,
+         overwrite)

@@ -13,8 +13,11 @@ from driftcli.report.options import CHANGE_PCT, WORST, MatchBy, Options
 
 
 def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    """Write a report atomically (a temporary file renamed over it): a full disk leaves the
+    earlier report whole, and the error names the file."""
+    from driftcli.io.tables import write_text
+
+    write_text(path, text)
 
 
 @command("report")

@@ -33,20 +33,65 @@ RayAddress = Annotated[str | None, typer.Option(
 Resume = Annotated[bool, typer.Option(
     "--resume", help="Take the units a run interrupted here finished (kept beside the table) "
                      "instead of running them again.")]
+Overwrite = Annotated[bool, typer.Option(
+    "--overwrite", help="Replace a table an earlier run wrote there (without it, an existing "
+                        "table is kept and the command refuses before any work).")]
 
 
 def execution(engine: Engine, workers: int | None, ray_address: str | None,
-              units_dir: Path | None = None, resume: bool = False) -> Execution:
+              units_dir: Path | None = None, resume: bool = False,
+              fast_hash: bool = False) -> Execution:
     """The :class:`~driftcli.engines.Execution` the engine options ask for. ``units_dir`` is
     where finished units are kept (beside the table): with ``resume`` they are taken, without
-    it they are cleared first (a new run)."""
-    from driftcli.engines import Execution, Manifest, start
+    it they are cleared first (a new run); with ``fast_hash`` they record their inputs by size,
+    mtime and ctime rather than sha256. A symlinked units folder is refused."""
+    from driftcli.engines import Execution, clear_units, fast_hash_units, reset_taken, start
 
-    if units_dir is not None and not resume:
-        Manifest(units_dir).clear()
+    if units_dir is not None:
+        if not resume:
+            clear_units(units_dir)
+        reset_taken(units_dir)
+        fast_hash_units(units_dir, fast_hash)
     chosen = Execution(engine, workers, ray_address, units_dir)
     start(chosen)  # a missing extra or an unreachable cluster fails before any work
     return chosen
+
+
+@contextmanager
+def table_output(path: Path, *, overwrite: bool, option: str = "--out") -> Iterator[None]:
+    """What a command holds while it makes a table: the table's lock (a second run writing the
+    same table refuses with one line, see :func:`~driftcli.io.tables.table_lock`), taken
+    before any work, and the check that no earlier table is there unless ``overwrite``."""
+    import os
+
+    from driftcli.io.outputs import OutputError
+    from driftcli.io.tables import table_lock
+
+    with table_lock(path, option=option):
+        if os.path.lexists(path) and not overwrite:
+            raise OutputError(f"{path} exists (an earlier run's table); give --overwrite to "
+                              f"replace it, or another {option}")
+        yield
+
+
+def write_kept(path: Path, row_type: type, rows: Sequence[Any], prov: dict[str, Any],
+               units: Path | None) -> Path:
+    """Write the table (atomically and durably), then clear the units kept for it in
+    ``units``: only once the table holds them. A table that cannot be written (a full disk)
+    keeps the earlier table and the units, and the error says so."""
+    from driftcli.engines import clear_units
+    from driftcli.io.tables import WriteError, write_table
+
+    try:
+        write_table(path, row_type, rows, prov)
+    except WriteError as err:
+        if units is None or not units.is_dir():
+            raise
+        raise WriteError(f"{err}; the finished units are kept in {units}: make room and run "
+                         "again with --resume") from None
+    if units is not None:
+        clear_units(units)
+    return path
 
 
 def units_dir(table: Path) -> Path:
@@ -107,13 +152,12 @@ def fmt(value: Any, spec: str = ".4g") -> str:
 def publish(path: Path, row_type: type, rows: Sequence[Any], prov: dict[str, Any],
             summary: dict[str, Any], show: Callable[[dict[str, Any]], None], *, as_json: bool,
             quiet: bool, failures: Sequence[str] = (),
-            failed: str = "input(s) could not be measured") -> Path:
-    """Write the table, then its summary (JSON with ``as_json``, ``show`` unless ``quiet``);
-    with ``failures`` (one line each), exit 2 naming the first after the others are written:
+            failed: str = "input(s) could not be measured", units: Path | None = None) -> Path:
+    """Write the table (:func:`write_kept`: the kept ``units`` cleared once it is written),
+    then its summary (JSON with ``as_json``, ``show`` unless ``quiet``); with ``failures``
+    (one line each), exit 2 naming the first after the others are written:
     ``error: N <failed>, first <failure>; the others were measured into <table>``."""
-    from driftcli.io.tables import write_table
-
-    write_table(path, row_type, rows, prov)
+    write_kept(path, row_type, rows, prov, units)
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))
     elif not quiet:

@@ -13,13 +13,16 @@ from driftcli.cli.app import command
 from driftcli.cli.run import (
     Bar,
     EngineOpt,
+    Overwrite,
     RayAddress,
     Resume,
     Workers,
     execution,
     fmt,
     progress_bar,
+    table_output,
     units_dir,
+    write_kept,
 )
 from driftcli.escaping import for_terminal as esc
 from driftcli.models.config import (
@@ -278,8 +281,11 @@ def probe_command(
     threads: Threads = 1,
     quiet: Quiet = False,
     as_json: AsJson = False,
+    out: Annotated[Path | None, typer.Option(
+        metavar="DIR", help="Folder for probe.parquet and probe-attention.parquet (default: "
+                            "the run folder).")] = None,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False,
+    resume: Resume = False, overwrite: Overwrite = False,
 ) -> None:
     """Other policies' gradients at a run's own checkpoints.
 
@@ -289,7 +295,7 @@ def probe_command(
     from rich.table import Table
 
     from driftcli.arith.policy import get_policy
-    from driftcli.engines import Manifest
+    from driftcli.io.outputs import check_writable
     from driftcli.io.tables import provenance, write_table
     from driftcli.measures.grad_cosine import ALL_PARAMETERS
     from driftcli.measures.probe_attention import AttentionRow
@@ -302,25 +308,27 @@ def probe_command(
     )
 
     resolved = [get_policy(p) for p in policy]  # fail now, not after loading a checkpoint
-    kept = units_dir(run / PROBE_FILE)
-    run_on = execution(engine, workers, ray_address, kept, resume)
-    with progress_bar(f"probe {run.name}", Bar.ITEMS, quiet) as advance:
-        rows = probe(run, resolved, draws=draws, seed=seed, checkpoints=checkpoints,
-                     storage=storage, windows=batch, text=text, threads=threads,
-                     progress=advance, execution=run_on)
-    files = list(dict.fromkeys(run / r.checkpoint for r in rows))  # in step order
-    prov = provenance(files, seed=seed, extra={"policies": policy, "draws": draws,
-                                               "storage": storage.value,
-                                               "checkpoints": checkpoints,
-                                               **run_on.describe()})
-    try:
-        path = write_table(run / PROBE_FILE, ProbeRow, rows, prov)
-    finally:
-        Manifest(kept).clear()  # the table holds them now
-    attention = probe_attention(run, resolved, seed=seed, checkpoints=checkpoints,
-                                windows=batch, text=text, threads=threads)
-    attention_path = (write_table(run / ATTENTION_PROBE_FILE, AttentionRow, attention, prov)
-                      if attention else None)
+    folder = run if out is None else out
+    check_writable(folder)  # a read-only run folder: one line now, not after the gradients
+    probe_table = folder / PROBE_FILE
+    kept = units_dir(probe_table)
+    with table_output(probe_table, overwrite=overwrite), \
+            table_output(folder / ATTENTION_PROBE_FILE, overwrite=overwrite):
+        run_on = execution(engine, workers, ray_address, kept, resume)
+        with progress_bar(f"probe {run.name}", Bar.ITEMS, quiet) as advance:
+            rows = probe(run, resolved, draws=draws, seed=seed, checkpoints=checkpoints,
+                         storage=storage, windows=batch, text=text, threads=threads,
+                         progress=advance, execution=run_on)
+        files = list(dict.fromkeys(run / r.checkpoint for r in rows))  # in step order
+        prov = provenance(files, seed=seed, extra={"policies": policy, "draws": draws,
+                                                   "storage": storage.value,
+                                                   "checkpoints": checkpoints,
+                                                   **run_on.describe()})
+        path = write_kept(probe_table, ProbeRow, rows, prov, kept)
+        attention = probe_attention(run, resolved, seed=seed, checkpoints=checkpoints,
+                                    windows=batch, text=text, threads=threads)
+        attention_path = (write_table(folder / ATTENTION_PROBE_FILE, AttentionRow, attention,
+                                      prov) if attention else None)
     totals = [r for r in rows if r.parameter == ALL_PARAMETERS]
     if as_json:
         typer.echo(json.dumps({"table": str(path), "attention_table": (

@@ -10,26 +10,31 @@ metadata under the key ``drift``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
+import errno
 import hashlib
 import json
 import os
 import platform
+import stat as stat_mod
 import subprocess
 import sys
+import tempfile
 import threading
 import types
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import IO, Any, ClassVar, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from driftcli.errors import DriftError
+from driftcli.io.outputs import OutputError
 
 PROVENANCE_KEY = b"drift"
 TABLE_KEY = b"drift.table"
@@ -92,6 +97,35 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+_DIGESTS: dict[tuple[Any, ...], str] = {}
+_DIGESTING: dict[tuple[Any, ...], threading.Lock] = {}
+_DIGESTS_LOCK = threading.Lock()
+
+
+def sha256_of(path: Path) -> str:
+    """The sha256 of a file's bytes (streamed), worked out once per process and file version:
+    provenance and the kept units of ``--resume`` (see :mod:`driftcli.engines`) ask for the
+    same inputs' digests, often at the same time from two threads, and the second waits for
+    the first instead of reading the file again. A version is the file's device, inode, size,
+    mtime and ctime (a rewrite that restores size and mtime still changes ctime)."""
+    st = path.stat()
+    version = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+               st.st_ctime_ns)
+    with _DIGESTS_LOCK:
+        if version in _DIGESTS:
+            return _DIGESTS[version]
+        busy = _DIGESTING.setdefault(version, threading.Lock())
+    with busy:
+        if version not in _DIGESTS:  # (another thread may have finished it meanwhile)
+            digest = hashlib.sha256()
+            with path.open("rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    digest.update(chunk)
+            with _DIGESTS_LOCK:
+                _DIGESTS[version] = digest.hexdigest()
+        return _DIGESTS[version]
+
+
 def file_identity(path: Path, fast_hash: bool = False) -> dict[str, Any]:
     """Path, size and sha256 (streamed) of an input, or size + mtime with ``fast_hash``."""
     stat = path.stat()
@@ -99,11 +133,7 @@ def file_identity(path: Path, fast_hash: bool = False) -> dict[str, Any]:
     if fast_hash or path.is_dir():
         ident["mtime"] = dt.datetime.fromtimestamp(stat.st_mtime, dt.UTC).isoformat()
         return ident
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    ident["sha256"] = digest.hexdigest()
+    ident["sha256"] = sha256_of(path)
     return ident
 
 
@@ -205,8 +235,95 @@ def _arrow_column(values: list[Any], field: pa.Field) -> pa.Array:
     return array
 
 
+class WriteError(OutputError):
+    """An output that could not be written (a full disk, a file size limit, a read-only
+    folder): the message names the file, and the earlier file of that name is intact."""
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (a folder's entries are its own data)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # a platform without folder handles: the rename is all there is
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a folder; the rename itself is atomic
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    """The process's umask (read without changing it where the system allows)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *,
+                 durable: bool = True) -> Path:
+    """Write a file as a whole or not at all: ``write`` fills a new temporary file in the same
+    folder (created exclusively, so a planted symlink of that name is never followed), which
+    is flushed to disk and renamed over ``path``; the folder's entry is flushed too. On any
+    failure the temporary file is removed and :class:`WriteError` names ``path``: whatever
+    was at ``path`` before is still there, whole. A symlink at ``path`` is replaced, never
+    written through. ``durable=False`` leaves out the two flushes (a kept unit: thousands of
+    small files, each checked by its checksum when read)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    earlier = os.path.lexists(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise WriteError(f"cannot write {path}: {err.strerror or err}; choose a folder you "
+                         "can write to") from None
+    try:
+        # a temporary file is private (0600); the file it becomes has the mode a plain
+        # open() would have given it
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), 0o666 & ~_umask())
+            write(fh)
+            fh.flush()
+            if durable:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        kept = "the earlier file is kept as it was" if earlier else "nothing was written"
+        why = err.strerror or str(err)
+        if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            why += " (the disk or the file size limit is full)"
+        raise WriteError(f"cannot write {path}: {why}; {kept}") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        _fsync_folder(path.parent)
+    return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    """:func:`atomic_write` of a UTF-8 text (a report)."""
+    data = text.encode("utf-8")
+
+    def write(fh: IO[bytes]) -> None:
+        fh.write(data)
+
+    return atomic_write(path, write)
+
+
 def write_table(path: Path, row_type: type, rows: Iterable[Any], prov: dict[str, Any]) -> Path:
-    """Write ``rows`` (instances of ``row_type``) to ``path`` atomically; return the path."""
+    """Write ``rows`` (instances of ``row_type``) to ``path`` atomically and durably (see
+    :func:`atomic_write`); return the path."""
     schema = schema_of(row_type)
     names = [f.name for f in dataclasses.fields(row_type)]
     rows = list(rows)
@@ -214,14 +331,78 @@ def write_table(path: Path, row_type: type, rows: Iterable[Any], prov: dict[str,
     table = pa.Table.from_arrays(arrays, schema=schema)
     table = table.replace_schema_metadata(
         {**schema.metadata, PROVENANCE_KEY: json.dumps(prov).encode()})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return atomic_write(path, lambda fh: pq.write_table(table, fh))
+
+
+class TableBusyError(OutputError):
+    """A table another drift process is writing at the same time."""
+
+
+def lock_path(table: Path) -> Path:
+    """The lock file of a table: beside it, hidden."""
+    return table.with_name(f".{table.name}.lock")
+
+
+@contextlib.contextmanager
+def table_lock(table: Path, *, option: str = "--out") -> Iterator[None]:
+    """Hold the table's lock for the ``with`` block: a second drift run that would write the
+    same table (and its kept units) refuses at once with one line naming the table, rather
+    than both racing to one file. The lock is an advisory ``flock`` on a hidden file beside
+    the table, opened without following a symlink; it is released when the process ends,
+    however it ends, and the file is removed on the way out."""
+    import fcntl
+
+    lock = lock_path(table)
+    made = []  # folders made for the lock: removed again if the run leaves them empty
+    folder = table.parent.absolute()
+    while not os.path.lexists(folder) and folder != folder.parent:
+        made.append(folder)
+        folder = folder.parent
+    table.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        try:
+            fd = os.open(lock, flags, 0o644)
+        except OSError as err:
+            what = "a symlink" if os.path.islink(lock) else err.strerror or str(err)
+            raise OutputError(f"{option}: the lock file {lock} is {what}; drift never follows "
+                              "a link in an output folder: remove it") from None
+        try:
+            if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+                raise OutputError(f"{option}: the lock file {lock} is not a regular file; "
+                                  "remove it")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                raise TableBusyError(
+                    f"{table} is being written by another drift run (pid {owner}); wait for "
+                    f"it to finish, or give this run another {option}") from None
+            # the file may have been removed by the run that held it just before we locked:
+            # then another run can create and lock a new one, so lock that one instead
+            try:
+                same = os.path.samestat(os.fstat(fd), os.lstat(lock))
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        break
     try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
     finally:
-        tmp.unlink(missing_ok=True)
-    return path
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # while still held: a waiter then sees the file gone, and retries
+        os.close(fd)
+        for folder in made:  # innermost first; one holding anything stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def read_table(path: Path) -> tuple[Any, dict[str, Any]]:
