@@ -25,10 +25,12 @@ CASTS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp8_e4m3_floor+1", "mxfp8_e4m3_ceil", "nvf
 and NVFP4."""
 STEPS = 300
 NEXT = (["clip-rate", "MODEL.safetensors", "-c", "mxfp8_e4m3", "-c", "mxfp8_e4m3_ceil", "-c",
-         "nvfp4"],
-        ["error-bias", "MODEL.safetensors", "-c", "mxfp8_e4m3", "-c", "nvfp4"],
-        ["report", "drift-out", "--fail-on", "clip-rate:clip_rate > 0.01"])
-"""What the demo suggests next, on the user's own checkpoint."""
+         "nvfp4", "--out", "my-drift-out"],
+        ["error-bias", "MODEL.safetensors", "-c", "mxfp8_e4m3", "-c", "nvfp4", "--out",
+         "my-drift-out"],
+        ["report", "my-drift-out", "--fail-on", "clip-rate:clip_rate > 0.01"])
+"""What the demo suggests next, on the user's own checkpoint (in a folder of its own: the
+demo's tables are kept, and a scan never replaces a table without --overwrite)."""
 
 
 def script(out: Path, text: Path | None, steps: int = STEPS) -> list[list[str]]:
@@ -38,7 +40,8 @@ def script(out: Path, text: Path | None, steps: int = STEPS) -> list[list[str]]:
     text_opt = [] if text is None else ["--text", str(text)]
     casts = [a for c in CASTS for a in ("-c", c)]
     policies = [a for p in ("exact", *CASTS) for a in ("-p", p)]
-    measures = [[m, str(dump), *casts, "--out", str(out), "--quiet"]
+    # --overwrite: the demo is run again into the same folder (its train does so too)
+    measures = [[m, str(dump), *casts, "--out", str(out), "--quiet", "--overwrite"]
                 for m in ("clip-rate", "underflow-rate", "error-bias")]
     return [
         ["train", "--out", str(run), "--model", "mlp", "--steps", str(steps), "--seed", "0",
@@ -46,8 +49,8 @@ def script(out: Path, text: Path | None, steps: int = STEPS) -> list[list[str]]:
         ["dump", str(checkpoint), "--out", str(dump), "--quiet", *text_opt],
         *measures,
         ["grad-cosine", str(checkpoint), *policies, "--text", "{text}", "--tokens", "64",
-         "--windows", "8", "--draws", "4", "--out", str(out), "--quiet"],
-        ["verify-formats", "--quick", "--out", str(out)],
+         "--windows", "8", "--draws", "4", "--out", str(out), "--quiet", "--overwrite"],
+        ["verify-formats", "--quick", "--out", str(out), "--overwrite"],
         ["report", str(out), "--html", str(out / "report.html")],
     ]
 
