@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from driftcli.cli import app
 from driftcli.io.readers import ReadError, open_inputs
 from driftcli.io.readers.quantized import Order, spec_of, with_options
+from driftcli.measures.inspect import InspectRow, inspect
 
 E4M3_MAX = 448.0
 FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -533,3 +534,131 @@ def test_dequantize_sharded_and_nothing_half_written(tmp_path: Path) -> None:
     assert "weight a.weight cannot be dequantized" in result.output
     assert "nothing was written" in result.output
     assert not bad.exists() or list(bad.iterdir()) == []
+
+
+# --- (4) drift inspect: counts and lints ---------------------------------------------------------
+
+
+def _rows(folder: Path, **kw: object) -> dict[str, InspectRow]:
+    found = inspect([folder], **kw)  # type: ignore[arg-type]
+    assert not found.errors, found.errors
+    return {r.tensor: r for r in found.rows}
+
+
+def _zero_blocks(mag: list[int], cols: int, block: tuple[int, int]) -> int:
+    """Blocks (rows x cols tiles of a row-major matrix, edges partial) all of zero codes."""
+    rows = len(mag) // cols
+    tiles: dict[tuple[int, int], bool] = {}
+    for i in range(rows):
+        for j in range(cols):
+            key = (i // block[0], j // block[1])
+            tiles[key] = tiles.get(key, True) and mag[i * cols + j] == 0
+    return sum(tiles.values())
+
+
+def _independent(codes_mag: list[int], max_mag: int, scales: list[float],
+                 blocks_zero: int) -> dict[str, object]:
+    """Counts from the codes' magnitude bits and the scales as Python floats."""
+    finite = [s for s in scales if math.isfinite(s)]
+    nz = [s for s in finite if s != 0]
+    return {"max_codes": sum(m == max_mag for m in codes_mag),
+            "zero_codes": sum(m == 0 for m in codes_mag),
+            "zero_blocks": blocks_zero, "scale_min": min(finite), "scale_max": max(finite),
+            "scale_exponents": len({math.frexp(s)[1] for s in nz}),
+            "scales_pow2": all(math.frexp(s)[0] in (0.5, -0.5) for s in nz)}
+
+
+def _got(row: InspectRow) -> dict[str, object]:
+    return {k: getattr(row, k) for k in ("max_codes", "zero_codes", "zero_blocks", "scale_min",
+                                         "scale_max", "scale_exponents", "scales_pow2")}
+
+
+def test_inspect_counts_every_layout(tmp_path: Path) -> None:
+    folder = _all_layouts(tmp_path)
+    rows = _rows(folder)
+    assert sorted(rows) == ["ct.weight", "ds.weight", "ex.down_proj", "mo.weight",
+                            "mx.weight"]
+    from safetensors.torch import load_file
+    raw = load_file(folder / "model.safetensors")
+    # deepseek-fp8: E4M3 codes, magnitude bits 0x7E is 448; the 16 x 32 zero corner is not
+    # a whole 128 x 128 block
+    ds = raw["ds.weight"].view(torch.uint8).reshape(-1).tolist()
+    want = _independent([c & 0x7F for c in ds], 0x7E,
+                        raw["ds.weight_scale_inv"].reshape(-1).tolist(), 0)
+    assert _zero_blocks([c & 0x7F for c in ds], 300, (128, 128)) == 0
+    assert _got(rows["ds.weight"]) == want and want["max_codes"] >= 1
+    # mxfp8: E8M0 bytes; 16 rows x one block of 32 are all zero
+    mx = raw["mx.weight"].view(torch.uint8).reshape(-1).tolist()
+    sc = [2.0 ** (b - 127) for b in raw["mx.weight_scale"].reshape(-1).tolist()]
+    mag = [c & 0x7F for c in mx]
+    assert _got(rows["mx.weight"]) == _independent(mag, 0x7E, sc,
+                                                   _zero_blocks(mag, 100, (1, 32)))
+    assert rows["mx.weight"].zero_blocks >= 16
+    assert rows["mx.weight"].scales_pow2 and rows["mx.weight"].pow2_declared
+    # NVFP4 layouts: nibbles, magnitude bits 7 is 6; E4M3 block scales
+    for name, key in (("ct.weight", "ct.weight_packed"), ("mo.weight", "mo.weight")):
+        nib = [n for b in raw[key].reshape(-1).tolist() for n in (b & 15, b >> 4)]
+        sc = raw[name + "_scale"].float().reshape(-1).tolist()
+        mag = [n & 7 for n in nib]
+        assert _got(rows[name]) == _independent(mag, 7, sc, _zero_blocks(mag, 64, (1, 16)))
+        assert rows[name].zero_blocks >= 32
+        assert rows[name].global_scale == ("divisor" if name == "ct.weight" else "multiplier")
+        assert rows[name].order_differs is not None
+    # gpt-oss: 3 experts x 5 rows, each row's first block of 32 zeroed
+    nib = [n for b in raw["ex.down_proj_blocks"].reshape(-1).tolist() for n in (b & 15, b >> 4)]
+    sc = [2.0 ** (b - 127) for b in raw["ex.down_proj_scales"].reshape(-1).tolist()]
+    mag = [n & 7 for n in nib]
+    assert _got(rows["ex.down_proj"]) == _independent(mag, 7, sc, _zero_blocks(mag, 96, (1, 32)))
+    assert rows["ex.down_proj"].zero_blocks >= 15
+    for r in rows.values():  # clean files: no lint but the planted zero blocks
+        assert not r.lint_pow2 and not r.lint_nan_scales and r.lint_magnitude is False
+
+
+def test_inspect_lints_fire_on_planted_cases(tmp_path: Path) -> None:
+    # trained weights' magnitudes (RMS about 0.02): a global scale inverted is then off by
+    # its square, about 1e8
+    g = torch.Generator().manual_seed(30)
+    q, b = mxfp8(torch.randn(64, 128, generator=g) * 0.02)
+    cp, cws, cgs = nvfp4(torch.randn(64, 128, generator=g) * 0.02, True)
+    qd, sd = deepseek_fp8(torch.randn(200, 300, generator=g) * 0.02, ue8m0=True)
+    sd[0, 1] = sd[0, 1] * 1.5  # not a power of two in a ue8m0 checkpoint
+    plain = {f"plain{i}.weight": torch.randn(64, 64, generator=g) * 0.02 for i in range(4)}
+    # a writer that stored the scale value itself (2**e as an integer byte), not its E8M0
+    # code: decoded as E8M0 it is about 2**-120 times too small
+    wrong = torch.pow(2.0, b.float() - 127).clamp(max=255).round().to(torch.uint8)
+    write(tmp_path / "bad", {**plain, "mx.weight": q, "mx.weight_scale": wrong,
+                             "ct.weight_packed": cp, "ct.weight_scale": cws,
+                             "ct.weight_global_scale": 1 / cgs,  # inverted
+                             "ds.weight": qd, "ds.weight_scale_inv": sd,
+                             "z.weight": torch.zeros(64, 64, dtype=torch.float8_e4m3fn),
+                             "z.weight_scale": torch.ones(1)})
+    rows = _rows(tmp_path / "bad", layout=None)
+    assert rows["mx.weight"].lint_magnitude is True
+    assert rows["ct.weight"].lint_magnitude is True
+    assert rows["ds.weight"].lint_magnitude is False
+    ds = [r for r in inspect([tmp_path / "bad"]).findings if r.tensor == "ds.weight"]
+    assert [f.lint for f in ds] == []  # the config is missing: float32 scales, none declared
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}}))
+    found = inspect([tmp_path / "bad"], include=["ds.*"])
+    assert [(f.tensor, f.lint) for f in found.findings] == [("ds.weight", "lint_pow2")]
+    (tmp_path / "bad" / "config.json").unlink()
+    z = _rows(tmp_path / "bad")["z.weight"]
+    assert z.lint_zero_blocks and z.zero_blocks == 1 and z.zero_codes == 64 * 64
+    # the clean twins: silent
+    write(tmp_path / "good", {**plain, "mx.weight": q, "mx.weight_scale": b,
+                              "ct.weight_packed": cp, "ct.weight_scale": cws,
+                              "ct.weight_global_scale": cgs})
+    found = inspect([tmp_path / "good"])
+    assert found.findings == () and all(r.lint_magnitude is False for r in found.rows)
+    # NaN scales: a lint, and the CLI's one-line finding
+    b2 = b.clone()
+    b2[0, 0] = 255
+    write(tmp_path / "nan", {**plain, "mx.weight": q, "mx.weight_scale": b2})
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "nan"), "--out",
+                                      str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "lint_nan_scales mx.weight: 1 NaN or infinite scale(s)" in result.output
+    table = pq.read_table(tmp_path / "o" / "inspect.parquet")
+    assert table.schema.metadata[b"drift.table"] == b"inspect"
+    assert table.to_pydict()["nan_scales"] == [1]

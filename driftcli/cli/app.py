@@ -38,7 +38,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Measure", ("clip-rate", "underflow-rate", "error-bias", "cast-diff", "accum-error",
                  "grad-cosine")),
     ("Verify", ("verify-formats", "formats", "calibrate")),
-    ("Quantized checkpoints", ("dequantize",)),
+    ("Quantized checkpoints", ("inspect", "dequantize")),
     ("Report", ("report",)),
     ("Train and probe", ("train", "dump", "probe")),
     ("Try it", ("demo",)),

@@ -59,3 +59,81 @@ def dequantize_cmd(
                    f"{done.copied} tensor(s)")
         for f in done.files:
             typer.echo(f"wrote {esc(str(f), markup=False)}")
+
+
+def _show(summary: dict[str, object]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = summary["rows"]
+    table = Table(title="inspect: quantized weights")
+    heads = ("tensor", "layout", "block", "max codes", "zero blocks", "scales", "pow2",
+             "requant", "changed blocks", "changed codes")
+    for h in heads:
+        table.add_column(h, justify="left" if h in ("tensor", "layout", "requant") else "right")
+    for r in rows:  # type: ignore[attr-defined]
+        if r["error"] is not None:
+            continue
+        span = ("-" if r["scale_min"] is None else
+                f"{r['scale_min']:.3g}..{r['scale_max']:.3g}")
+        table.add_row(esc(r["tensor"]), r["layout"], r["block"], str(r["max_codes"]),
+                      str(r["zero_blocks"]), span, str(r["scales_pow2"]).lower(),
+                      esc(r["requant"] or "-"), _num(r["requant_changed_blocks"]),
+                      _num(r["requant_changed_codes"]))
+    out = Console(width=160)
+    out.print(table)
+    for f in summary["findings"]:  # type: ignore[attr-defined]
+        out.print(f"[yellow]{f['lint']}[/yellow] {esc(f['tensor'])}: {esc(f['message'])}")
+    out.print(f"wrote {esc(summary['table'])}")
+
+
+def _num(x: object) -> str:
+    return "-" if x is None else str(x)
+
+
+@command("inspect")
+def inspect_cmd(
+    inputs: Annotated[list[Path], typer.Argument(
+        metavar="INPUT...", show_default=False,
+        help="Pre-quantized checkpoints: safetensors file(s), folders, or an index.")],
+    out: Annotated[Path, typer.Option(
+        "--out", metavar="DIR", help="Folder for the table.")] = Path("drift-out"),
+    requant: Annotated[list[str] | None, typer.Option(
+        "--requant", metavar="PRESET",
+        help="Quantize each dequantized weight again with this preset and count the blocks "
+             "and codes that change (repeatable).")] = None,
+    layout: LayoutOpt = None,
+    include: Annotated[list[str] | None, typer.Option(
+        metavar="GLOB", help="Only weights whose name matches (repeatable).")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(
+        metavar="GLOB", help="Leave out weights whose name matches (repeatable).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace a table an earlier run left in --out.")] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No summary.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """What a pre-quantized checkpoint's codes and scales hold.
+
+    One row per quantized weight: saturated, zero and NaN codes, the scales' range and
+    exponents, power-of-two check, and lints (power-of-two scales declared but not held,
+    an implausible magnitude, NaN scales, all-zero blocks).
+    """
+    import dataclasses
+
+    from driftcli.cli.run import publish, table_output
+    from driftcli.io.tables import provenance
+    from driftcli.measures.inspect import InspectRow, inspect
+
+    path = out / "inspect.parquet"
+    with table_output(path, overwrite=overwrite):
+        found = inspect(inputs, requant=requant or (), layout=layout,
+                        include=include or (), exclude=exclude or ())
+        prov = provenance(found.files, extra={"requant": list(requant or ()),
+                                              "layout": layout})
+        summary = {"table": str(path),
+                   "rows": [dataclasses.asdict(r) for r in found.rows],
+                   "findings": [dataclasses.asdict(f) for f in found.findings],
+                   "errors": list(found.errors)}
+        publish(path, InspectRow, found.rows, prov, summary, _show, as_json=as_json,
+                quiet=quiet, failures=found.errors,
+                failed="input(s) or weight(s) could not be inspected")

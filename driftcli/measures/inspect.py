@@ -1,0 +1,335 @@
+"""``drift inspect``: what a pre-quantized checkpoint's codes and scales hold, one row per
+quantized weight, with lints for the conventions that go silently wrong.
+
+Counts are made on the stored codes and the decoded scales (never on a float copy): codes
+at the element format's largest magnitude (what saturated when the weight was quantized),
+zero and NaN codes, blocks whose every code is zero, the scales' range, their distinct
+exponents, those in the scale format's subnormal range, and whether every scale is a power
+of two. The lints:
+
+- ``lint_pow2``: the layout declares power-of-two scales (ue8m0, E8M0) and holds some that
+  are not;
+- ``lint_magnitude``: the dequantized weight's RMS is over 1,000 times off the median RMS of
+  the checkpoint's other 2-D tensors (a divisor read as a multiplier, scales not decoded);
+- ``lint_nan_scales``: NaN (or infinite) scales;
+- ``lint_zero_blocks``: blocks whose every code is zero.
+
+``requant`` presets (``--requant``) quantize the dequantized weight again and count the
+blocks whose scale changes and the elements whose code or value changes. See
+``docs/inspect.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from driftcli.cast import parse_cast
+from driftcli.formats import get_format
+from driftcli.io.readers import ReadError, TensorRef, open_inputs
+from driftcli.io.readers.quantized import (
+    Layout,
+    Order,
+    QuantSpec,
+    element_values,
+    read_weight,
+    scale_values,
+    spec_of,
+    unpack_nibbles,
+)
+from driftcli.io.tables import column
+
+MAGNITUDE_FACTOR = 1000.0
+"""How far a weight's RMS may sit from the median RMS of the checkpoint's other 2-D
+tensors before ``lint_magnitude`` fires: trained layers differ by tens, a wrong scale
+convention by the square of a global scale or 2**100."""
+
+_SUBNORMAL_BELOW = {"float32": 2.0 ** -126, "bfloat16": 2.0 ** -126, "float16": 2.0 ** -14,
+                    "float8_e4m3fn": 2.0 ** -6, "e8m0": 0.0}
+"""Where a scale format's normals start (E8M0 has no subnormals)."""
+
+
+def _opt(doc: str) -> object:
+    """A nullable column, null unless set (most are null for a weight that fails)."""
+    return column(doc, default=None)
+
+
+@dataclass(frozen=True)
+class InspectRow:
+    """One quantized weight (and one ``--requant`` preset, where given)."""
+
+    TABLE: ClassVar[str] = "inspect"
+    KEYS: ClassVar[tuple[str, ...]] = ("source", "tensor", "requant")
+    HEADLINE: ClassVar[str] = "max_code_rate"
+    HIGHER_IS_WORSE: ClassVar[bool] = True
+
+    source: str = column("File holding the weight's codes")
+    tensor: str = column("The weight's own name (its scale tensors are not rows)")
+    layout: str | None = _opt("Quantized layout: deepseek-fp8, mxfp8, ct-fp8, ct-nvfp4, "
+                                "modelopt-nvfp4, gpt-oss-mxfp4")
+    element_format: str | None = _opt("Element format of the codes")
+    scale_format: str | None = _opt("How the scales are stored: float32, bfloat16, "
+                                      "float8_e4m3fn, or e8m0 (bytes 2**(b-127))")
+    block: str | None = _opt("Rows x columns one scale covers, e.g. 128x128 or 1x32")
+    global_scale: str | None = _opt("multiplier or divisor (NVFP4), null where there is none")
+    shape: str | None = _opt("Shape of the dequantized weight as a JSON list")
+    numel: int | None = _opt("Elements")
+    max_codes: int | None = _opt("Codes at the element format's largest magnitude "
+                                   "(saturated when quantized)")
+    max_code_rate: float | None = _opt("max_codes / elements")
+    zero_codes: int | None = _opt("Codes that are +0 or -0")
+    nan_codes: int | None = _opt("NaN codes")
+    n_blocks: int | None = _opt("Scales (blocks) of the weight")
+    zero_blocks: int | None = _opt("Blocks whose every code is zero")
+    scale_min: float | None = _opt("Smallest finite scale")
+    scale_max: float | None = _opt("Largest finite scale")
+    scale_exponents: int | None = _opt("Distinct binary exponents among the finite nonzero "
+                                         "scales")
+    subnormal_scales: int | None = _opt("Nonzero scales in the scale format's subnormal "
+                                          "range")
+    nan_scales: int | None = _opt("NaN or infinite scales")
+    scales_pow2: bool | None = _opt("Whether every finite nonzero scale is a power of two")
+    pow2_declared: bool | None = _opt("Whether the layout declares power-of-two scales "
+                                        "(ue8m0, E8M0)")
+    rms: float | None = _opt("RMS of the dequantized weight (exact, float64)")
+    order_differs: int | None = _opt("NVFP4: elements whose float32 value differs between "
+                                       "the exact order and the library's (combined scale "
+                                       "rounded first); null for other layouts")
+    lint_pow2: bool | None = _opt("Lint: power-of-two scales declared, some are not")
+    lint_magnitude: bool | None = _opt("Lint: RMS over 1,000x off the median of the "
+                                         "checkpoint's other 2-D tensors (null: none to "
+                                         "compare)")
+    lint_nan_scales: bool | None = _opt("Lint: NaN or infinite scales")
+    lint_zero_blocks: bool | None = _opt("Lint: blocks whose every code is zero")
+    requant: str | None = _opt("Preset the weight was quantized again with (--requant); "
+                                 "null without")
+    requant_changed_blocks: int | None = _opt("Blocks whose scale the preset changes; null "
+                                                "where its blocks are not the layout's")
+    requant_changed_codes: int | None = _opt("Elements whose code the preset changes; null "
+                                               "where its element format is not the layout's")
+    requant_changed_values: int | None = _opt("Elements whose value the preset changes")
+    error: str | None = _opt("Why this weight could not be inspected; null when it was")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One lint that fired, for the terminal."""
+
+    tensor: str
+    lint: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What :func:`inspect` found."""
+
+    rows: tuple[InspectRow, ...]
+    findings: tuple[Finding, ...]
+    files: tuple[Path, ...]
+    errors: tuple[str, ...]
+    """Inputs or weights that could not be read."""
+
+
+def _codes(spec: QuantSpec) -> torch.Tensor:
+    """The stored codes as int64, shaped like the dequantized weight."""
+    raw = spec.codes.read()
+    if spec.packed:
+        if len(spec.shape) < len(spec.codes.shape):
+            raw = raw.reshape(*raw.shape[:-2], -1)
+        return unpack_nibbles(raw.view(torch.uint8))
+    return raw.view(torch.uint8).to(torch.int64)
+
+
+def _per_block_all_zero(zero: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Per block of ``block`` over the last two dims (edges partial): every element zero."""
+    *lead, r, c = zero.shape
+    br, bc = min(block[0], r), min(block[1], c)
+    gr, gc = -(-r // br), -(-c // bc)
+    pad = torch.ones(*lead, gr * br, gc * bc, dtype=torch.bool)
+    pad[..., :r, :c] = zero
+    return pad.reshape(*lead, gr, br, gc, bc).all(-1).all(-2)
+
+
+def _scales(spec: QuantSpec) -> torch.Tensor:
+    return scale_values(spec.scale.read(), spec.scale_format).reshape(-1)
+
+
+def _rms(x: torch.Tensor) -> float:
+    x = x.double()
+    x = x[torch.isfinite(x)]
+    return math.sqrt(float((x * x).mean())) if x.numel() else math.nan
+
+
+def _requant(spec: QuantSpec, values: torch.Tensor, codes_vals: torch.Tensor,
+             scales: torch.Tensor, preset: str) -> dict[str, int | None]:
+    from driftcli.quantization import QuantInfo, quantize
+
+    cast = parse_cast(preset)
+    info = quantize(values.float(), cast, return_info=True)
+    if not isinstance(info, QuantInfo):  # return_info always gives one
+        raise TypeError("quantize did not return its info")
+    same_val = (info.values.double() == values) | (info.values.isnan() & values.isnan())
+    out: dict[str, int | None] = {"requant_changed_values": int((~same_val).sum()),
+                                  "requant_changed_codes": None,
+                                  "requant_changed_blocks": None}
+    if info.codes is not None and cast.format.name == spec.element:
+        c = info.codes.double()
+        same = (c == codes_vals) | (c.isnan() & codes_vals.isnan())
+        out["requant_changed_codes"] = int((~same).sum())
+    s = cast.scaling
+    if (s.granularity.value == "block" and spec.block == (1, s.block)
+            and info.scales.numel() == scales.numel()):
+        stored = scales
+        if spec.global_scale is not None:
+            g = float(spec.global_scale.read().double().reshape(()))
+            stored = scales / g if spec.global_divides else scales * g
+        out["requant_changed_blocks"] = int((info.scales.double().reshape(-1) != stored).sum())
+    return out
+
+
+def _inspect_weight(ref: TensorRef, spec: QuantSpec) -> tuple[InspectRow, float]:
+    fmt = get_format(spec.element)
+    codes = _codes(spec)
+    vals = element_values(codes, spec.element)
+    scales = _scales(spec)
+    finite = scales[torch.isfinite(scales)]
+    nonzero = finite[finite != 0]
+    mant, exps = torch.frexp(nonzero) if nonzero.numel() else (nonzero, nonzero.long())
+    numel = vals.numel()
+    max_codes = int((vals.abs() == float(fmt.max)).sum())
+    block = spec.block if spec.scale.numel != 1 else (spec.shape[-2], spec.shape[-1])
+    zero_blocks = int(_per_block_all_zero(vals == 0, block).sum())
+    nan_scales = int(scales.numel() - finite.numel())
+    pow2 = bool((mant.abs() == 0.5).all()) if nonzero.numel() else True
+    below = _SUBNORMAL_BELOW.get(spec.scale_format, 0.0)
+    row = InspectRow(
+        source=ref.source, tensor=spec.name, layout=str(spec.layout),
+        element_format=spec.element, scale_format=spec.scale_format,
+        block=f"{block[0]}x{block[1]}",
+        global_scale=None if spec.global_scale is None else
+        "divisor" if spec.global_divides else "multiplier",
+        shape=json.dumps(list(spec.shape)), numel=numel, max_codes=max_codes,
+        max_code_rate=max_codes / numel if numel else None,
+        zero_codes=int((vals == 0).sum()), nan_codes=int(vals.isnan().sum()),
+        n_blocks=scales.numel(), zero_blocks=zero_blocks,
+        scale_min=float(finite.min()) if finite.numel() else None,
+        scale_max=float(finite.max()) if finite.numel() else None,
+        scale_exponents=len(set(exps.tolist())),
+        subnormal_scales=int((nonzero.abs() < below).sum()),
+        nan_scales=nan_scales, scales_pow2=pow2, pow2_declared=spec.pow2_declared,
+        lint_pow2=spec.pow2_declared and not pow2, lint_nan_scales=nan_scales > 0,
+        lint_zero_blocks=zero_blocks > 0)
+    if nan_scales:
+        return row, math.nan
+    exact = read_weight(replace(spec, out_dtype="float32"), 0, spec.shape[0])
+    row = replace(row, rms=_rms(exact))
+    if spec.global_scale is not None:
+        lib = read_weight(replace(spec, order=Order.LIBRARY), 0, spec.shape[0])
+        differs = (lib.view(torch.int32) != exact.view(torch.int32)) & ~(
+            lib.isnan() & exact.isnan())
+        row = replace(row, order_differs=int(differs.sum()))
+    return row, row.rms if row.rms is not None else math.nan
+
+
+def inspect(paths: Sequence[str | Path], *, requant: Sequence[str] = (),
+            layout: Layout | str | None = None, include: Sequence[str] = (),
+            exclude: Sequence[str] = ()) -> Inspection:
+    """One :class:`InspectRow` per quantized weight of ``paths`` (one per weight and
+    ``requant`` preset where presets are given), the lints that fired, and the errors.
+
+    A weight that cannot be read is a row with ``error`` set; the others are inspected.
+    """
+    for preset in requant:
+        parse_cast(preset)  # a bad preset fails before anything is read
+    inputs = open_inputs(paths, include, exclude, layout=layout)
+    errors = [f"{e.source}: {e.message}" if not e.message.startswith(e.source) else e.message
+              for e in inputs.errors]
+    rows: list[InspectRow] = []
+    rms_of: dict[str, float] = {}
+    others: list[float] = []
+    for ref in inputs.tensors:
+        spec = spec_of(ref)
+        if spec is None:
+            if ref.is_float and len(ref.shape) >= 2:
+                try:
+                    others.append(_rms(ref.read()))
+                except ReadError as exc:
+                    errors.append(str(exc))
+            continue
+        try:
+            row, rms = _inspect_weight(ref, spec)
+        except ReadError as exc:
+            errors.append(str(exc))
+            rows.append(InspectRow(source=ref.source, tensor=spec.name, error=str(exc)))
+            continue
+        rows.append(row)
+        rms_of[spec.name] = rms
+    rows = _magnitude_lint(rows, rms_of, others)
+    if requant:
+        rows = _with_requant(rows, inputs.tensors, requant)
+    findings = tuple(f for r in rows if r.requant in (None, requant[0] if requant else None)
+                     for f in _findings(r))
+    return Inspection(tuple(rows), findings, inputs.files, tuple(errors))
+
+
+def _magnitude_lint(rows: list[InspectRow], rms_of: dict[str, float],
+                    others: list[float]) -> list[InspectRow]:
+    out = []
+    for row in rows:
+        if row.error is not None or row.rms is None:
+            out.append(row)
+            continue
+        pool = [v for k, v in rms_of.items() if k != row.tensor] + others
+        pool = [v for v in pool if math.isfinite(v) and v > 0]
+        if not pool or not math.isfinite(row.rms):
+            out.append(replace(row, lint_magnitude=None))
+            continue
+        median = statistics.median(pool)
+        ratio = row.rms / median if row.rms > 0 else math.inf
+        out.append(replace(row, lint_magnitude=not (1 / MAGNITUDE_FACTOR <= ratio
+                                                    <= MAGNITUDE_FACTOR)))
+    return out
+
+
+def _with_requant(rows: list[InspectRow], tensors: Sequence[TensorRef],
+                  presets: Sequence[str]) -> list[InspectRow]:
+    refs = {(r.source, r.name): r for r in tensors}
+    out = []
+    for row in rows:
+        ref = refs.get((row.source, row.tensor))
+        spec = spec_of(ref) if ref is not None else None
+        for preset in presets:
+            if spec is None or row.error is not None or row.nan_scales:
+                out.append(replace(row, requant=preset))
+                continue
+            values = read_weight(spec, 0, spec.shape[0]).double()
+            codes_vals = element_values(_codes(spec), spec.element)
+            counts = _requant(spec, values, codes_vals, _scales(spec), preset)
+            out.append(replace(row, requant=preset, **counts))  # type: ignore[arg-type]
+    return out
+
+
+def _findings(row: InspectRow) -> list[Finding]:
+    found = []
+    if row.lint_pow2:
+        found.append(Finding(row.tensor, "lint_pow2", f"{row.layout} declares power-of-two "
+                             "scales but some are not powers of two"))
+    if row.lint_nan_scales:
+        found.append(Finding(row.tensor, "lint_nan_scales", f"{row.nan_scales} NaN or "
+                             "infinite scale(s): the weight cannot be dequantized"))
+    if row.lint_magnitude:
+        found.append(Finding(row.tensor, "lint_magnitude", f"RMS {row.rms:.3g} is over "
+                             f"{MAGNITUDE_FACTOR:,.0f}x off the checkpoint's other tensors (a "
+                             "global scale inverted? scales not decoded?)"))
+    if row.lint_zero_blocks:
+        found.append(Finding(row.tensor, "lint_zero_blocks", f"{row.zero_blocks} block(s) "
+                             "whose every code is zero"))
+    return found
