@@ -53,3 +53,27 @@ def bound_memory() -> None:
 
 
 _M_MMAP_THRESHOLD = -3
+
+
+def available_memory() -> int:
+    """Bytes this process may still allocate: Linux's ``MemAvailable``, capped by the
+    address-space limit (``RLIMIT_AS``) where one is set; physical memory where there is no
+    ``/proc/meminfo``. What a size read from a file is checked against before it is built."""
+    import resource
+
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            free = next(int(line.split()[1]) * 1024 for line in fh
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return free
+    try:  # the limit counts the address space already mapped
+        with open("/proc/self/status", encoding="ascii") as fh:
+            mapped = next(int(line.split()[1]) * 1024 for line in fh
+                          if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mapped = 0
+    return max(0, min(free, soft - mapped))

@@ -244,3 +244,35 @@ def test_recordings_are_bounded_in_lines_and_line_length(tmp_path: Path,
     monkeypatch.setattr(tc, "MAX_LINE", 20)
     with pytest.raises(DriftError, match=r"more than 20 characters in a line"):
         tc.read_recordings(folder)
+
+
+# --- accum-error: shapes against memory ----------------------------------------------------------
+
+
+def test_accum_error_refuses_a_shape_larger_than_memory(tmp_path: Path) -> None:
+    run = drift("accum-error", "--shape", "100000x100000x100000", "--out", "out", cwd=tmp_path)
+    err = run.stderr.decode()
+    assert run.returncode == 2, err[-2000:]
+    assert err.startswith("error: shape 100000x100000x100000: measuring it takes about "
+                          "2,384.2 GiB (operands, the exact product's float64 sums), more "
+                          "than the "), err
+    assert err.endswith(" GiB of memory available; give smaller shapes\n") and err.count("\n") == 1
+
+
+def test_a_dump_matmul_larger_than_memory_is_a_row_error_and_the_others_are_measured() -> None:
+    from driftcli.errors import DriftError
+    from driftcli.measures.accum_error import DEFAULT_SPECS, check_shapes, matmul_bytes, measure
+    from driftcli.measures.accum_problems import Problem
+
+    # 8 MB of operands, 10^12 outputs
+    wide = Problem.of("d.safetensors", "outer", torch.ones(1_000_000, 1), torch.ones(1, 1_000_000))
+    rows = measure(wide, DEFAULT_SPECS[:1])
+    assert rows[0].rel_error is None and rows[0].error is not None
+    assert rows[0].error.startswith("a 1x1000000x1x1000000 matmul takes about 119,209.4 GiB to "
+                                    "measure, more than the ")
+    small = Problem.of("d.safetensors", "small", torch.ones(4, 8), torch.ones(8, 2))
+    assert measure(small, DEFAULT_SPECS[:1])[0].rel_error == 0.0
+    assert matmul_bytes(1, 64, 1024, 64) == 64 * 2 * 64 * 1024 + 128 * 64 * 64  # 8.5 MB
+    check_shapes([(64, 1024, 64)], memory=10 << 20)
+    with pytest.raises(DriftError, match=r"shape 64x1024x64: measuring it takes about 0\.0 GiB"):
+        check_shapes([(64, 1024, 64)], memory=1 << 20)

@@ -35,7 +35,7 @@ import hashlib
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -65,6 +65,7 @@ from driftcli.measures.accum_problems import (
     synthetic_shapes,
 )
 from driftcli.measures.common import ratio
+from driftcli.memory import available_memory
 from driftcli.modes import Dist, Rounding, parse_choice
 from driftcli.progress import Progress
 from driftcli.quantization import quantize
@@ -262,6 +263,38 @@ _NULLS = {"rel_error": None, "bias": None, "max_abs_error_ulps": None,
           "n_outputs": None, "n_nonfinite": None}
 
 
+OPERAND_BYTES = 64
+"""Bytes held per operand element (A's M·K and B's K·N) while a matmul is measured: drawn in
+float64, kept in float32, copied to float64 by the exact product and by the simulated
+matmul's terms, and a pairwise order's row of K·N terms with its levels."""
+OUTPUT_BYTES = 128
+"""Bytes held per output element (M·N): about 16 float64 arrays of the output's shape (the
+exact product's sum, errors, magnitude sum and bound, for the cast operands too; the
+simulated result and its accumulators; the comparisons' temporaries)."""
+
+
+def matmul_bytes(batch: int, m: int, k: int, n: int) -> int:
+    """An upper estimate of the memory measuring one ``batch`` × (M×K)·(K×N) matmul takes
+    (:data:`OPERAND_BYTES`, :data:`OUTPUT_BYTES`)."""
+    return batch * (OPERAND_BYTES * (m * k + k * n) + OUTPUT_BYTES * m * n)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):,.1f} GiB"
+
+
+def check_shapes(shapes: Sequence[tuple[int, int, int]], memory: int | None = None) -> None:
+    """Refuse (:class:`DriftError`) the first synthetic shape whose measurement would take
+    more than ``memory`` bytes (default: what is available), before any operand is drawn."""
+    have = available_memory() if memory is None else memory
+    for m, k, n in shapes:
+        need = matmul_bytes(1, m, k, n)
+        if need > have:
+            raise DriftError(f"shape {m}x{k}x{n}: measuring it takes about {_gib(need)} "
+                             f"(operands, the exact product's float64 sums), more than the "
+                             f"{_gib(have)} of memory available; give smaller shapes")
+
+
 def measure(problem: Problem, specs: Sequence[MatmulSpec | str], *,
             seed: int = 0) -> list[AccumErrorRow]:
     """One row per spec for one matmul: the simulated result against the exact products.
@@ -272,6 +305,12 @@ def measure(problem: Problem, specs: Sequence[MatmulSpec | str], *,
     """
     parsed = [parse_matmul_spec(s) for s in specs]
     problem = checked(problem)
+    need, have = matmul_bytes(*problem.shape), available_memory()
+    if problem.error is None and need > have:  # a dump's 1×K and K×1e6 operands: 1e12 outputs
+        b, m, k, n = problem.shape
+        problem = replace(problem, a=None, b=None, error=(
+            f"a {b}x{m}x{k}x{n} matmul takes about {_gib(need)} to measure, more than the "
+            f"{_gib(have)} of memory available; leave it out with --exclude"))
     if problem.error is not None or problem.a is None or problem.b is None:
         return [AccumErrorRow(**_names(problem, s), **_NULLS, error=problem.error)
                 for s in parsed]
@@ -328,6 +367,7 @@ def accum_error(dumps: Sequence[str | Path] = (), *,
     parsed = tuple(parse_matmul_spec(s) for s in specs)
     problems: list[Problem] = []
     if shapes is not None or dists is not None or not dumps:
+        check_shapes(synthetic_shapes(shapes or ()))
         problems += synthetic_problems(synthetic_shapes(shapes or ()),
                                        dists or (Dist.NORMAL,), seed)
     if dumps:

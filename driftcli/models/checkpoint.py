@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from driftcli.memory import available_memory
 from driftcli.models.config import ModelConfig, ModelError, config_from_json
 from driftcli.models.nets import build_model
 
@@ -143,21 +144,6 @@ def _info(p: Path, meta: dict[str, str]) -> tuple[ModelConfig, dict[str, Any]]:
     if not isinstance(state, dict):
         raise CheckpointFileError(f"{p}: the training state in {MODEL_KEY} is not a JSON object")
     return config, state
-
-
-def available_memory() -> int:
-    """Bytes this process may still allocate: Linux's ``MemAvailable``, capped by the
-    address-space limit (``RLIMIT_AS``) where one is set; physical memory elsewhere."""
-    import resource
-
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            free = next(int(line.split()[1]) * 1024 for line in fh
-                        if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    return free if soft == resource.RLIM_INFINITY else min(free, soft)
 
 
 def _planned(config: ModelConfig, p: Path) -> dict[str, tuple[tuple[int, ...], int]]:
