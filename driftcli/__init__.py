@@ -12,6 +12,7 @@ The public API::
         loss = model(batch); loss.backward()              # forward and backward
     with drift.capture(model, "dump.safetensors"):       # record every matmul operand
         model(batch).sum().backward()
+    df = drift.measure(model, ["mxfp8_e4m3", "nvfp4"])  # clip-rate's rows, as a DataFrame
 """
 
 from driftcli._version import __version__
@@ -31,6 +32,7 @@ _API = {
     "get_policy": "driftcli.arith.policy", "policy_from_toml": "driftcli.arith.policy",
     "capture": "driftcli.io.capture",
     "grad_cosine": "driftcli.measures.grad_cosine",
+    "measure": "driftcli.api",
 }
 """Each public name and its module, imported on first use (see :mod:`driftcli.lazy`)."""
 

@@ -41,7 +41,7 @@ LAYERS = (
     ("io",),
     ("models",),
     ("measures", "verify"),
-    ("runs",),
+    ("runs", "api"),
     ("report",),
     ("cli", "__main__"),
 )
