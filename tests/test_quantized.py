@@ -662,3 +662,44 @@ def test_inspect_lints_fire_on_planted_cases(tmp_path: Path) -> None:
     table = pq.read_table(tmp_path / "o" / "inspect.parquet")
     assert table.schema.metadata[b"drift.table"] == b"inspect"
     assert table.to_pydict()["nan_scales"] == [1]
+
+
+# --- (5) --requant: requantization stability ------------------------------------------------------
+
+
+def test_requant_is_zero_on_a_presets_own_output(tmp_path: Path) -> None:
+    q, b = mxfp8(sample((32, 256), 40))  # OCP MX floor rule: what mxfp8_e4m3 does
+    blocks, scales = gpt_oss(sample((2, 8, 64), 41))
+    write(tmp_path, {"mx.weight": q, "mx.weight_scale": b,
+                     "ex.down_proj_blocks": blocks, "ex.down_proj_scales": scales})
+    rows = inspect([tmp_path], requant=["mxfp8_e4m3", "mxfp4_e2m1"]).rows
+    got = {(r.tensor, r.requant): (r.requant_changed_blocks, r.requant_changed_codes,
+                                   r.requant_changed_values) for r in rows}
+    assert got[("mx.weight", "mxfp8_e4m3")] == (0, 0, 0)
+    assert got[("ex.down_proj", "mxfp4_e2m1")] == (0, 0, 0)
+    # across element formats: no code comparison, the values do change
+    _, codes_, values_ = got[("mx.weight", "mxfp4_e2m1")]
+    assert codes_ is None and values_ > 0
+
+
+def test_requant_reproduces_the_megatron_scale_flip(tmp_path: Path) -> None:
+    """MXFP8 with the ceil rule (2**ceil(log2(amax / 448))) -> BF16 -> MXFP8: a block whose
+    dequantized max is at most 224 * s gets s / 2 the second time."""
+    from driftcli.quantization import QuantInfo, quantize
+
+    x = sample((16, 128), 42, zero_block=False)
+    x[3, 40:64] = 0.1
+    x[3, 37] = 224.5  # block (3, 1): amax / 448 just over 1/2 -> s = 1, its code rounds to 224
+    info = quantize(x, "mxfp8_e4m3_ceil", return_info=True)
+    assert isinstance(info, QuantInfo) and info.codes is not None
+    scales = info.scales.reshape(16, 4)
+    codes = info.codes.to(torch.float8_e4m3fn)
+    byte = (torch.log2(scales) + 127).to(torch.uint8)
+    assert float(scales[3, 1]) == 1.0 and float(info.codes[3, 37]) == 224.0
+    write(tmp_path, {"w.weight": codes, "w.weight_scale": byte})
+    (row,) = inspect([tmp_path], requant=["mxfp8_e4m3_ceil"]).rows
+    block_max = info.codes.abs().reshape(16, 4, 32).amax(-1)
+    flips = int(((block_max <= 224) & (block_max > 0)).sum())  # independent count
+    assert flips >= 1 and row.requant_changed_blocks == flips
+    assert row.requant_changed_values == 0  # the codes double where the scale halves
+    assert row.requant_changed_codes is not None and row.requant_changed_codes > 0

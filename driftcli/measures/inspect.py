@@ -110,8 +110,9 @@ class InspectRow:
     lint_zero_blocks: bool | None = _opt("Lint: blocks whose every code is zero")
     requant: str | None = _opt("Preset the weight was quantized again with (--requant); "
                                  "null without")
-    requant_changed_blocks: int | None = _opt("Blocks whose scale the preset changes; null "
-                                                "where its blocks are not the layout's")
+    requant_changed_blocks: int | None = _opt("Blocks whose scale the preset changes (all-zero "
+                                              "blocks not counted); null where its blocks are "
+                                              "not the layout's")
     requant_changed_codes: int | None = _opt("Elements whose code the preset changes; null "
                                                "where its element format is not the layout's")
     requant_changed_values: int | None = _opt("Elements whose value the preset changes")
@@ -191,7 +192,10 @@ def _requant(spec: QuantSpec, values: torch.Tensor, codes_vals: torch.Tensor,
         if spec.global_scale is not None:
             g = float(spec.global_scale.read().double().reshape(()))
             stored = scales / g if spec.global_divides else scales * g
-        out["requant_changed_blocks"] = int((info.scales.double().reshape(-1) != stored).sum())
+        # an all-zero block is the same whatever its scale: only the others can change
+        live = ~_per_block_all_zero(codes_vals == 0, spec.block).reshape(-1)
+        moved = info.scales.double().reshape(-1) != stored
+        out["requant_changed_blocks"] = int((moved & live).sum())
     return out
 
 
