@@ -5,7 +5,10 @@ subprocess under a memory limit and a timeout, so a regression fails instead of 
 
 from __future__ import annotations
 
+import json
+import os
 import resource
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +19,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from driftcli.cli import app
+from driftcli.io.readers import open_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,3 +61,126 @@ def test_cast_diff_keeps_the_other_tensors_with_an_error_row_for_a_bad_file(
     assert bad.against == t.loc["w"].against and pd.isna(bad.values_differ)
     assert pd.isna(t.loc["w"].error) and t.loc["w"].n_codes_differ >= 0
     assert t.loc["*"].n_tensors == 1 and "1 tensor(s) or file(s)" in t.loc["*"].error
+
+
+# --- only regular files are read ----------------------------------------------------------------
+
+
+def test_a_fifo_in_a_folder_or_given_directly_is_refused_by_stat_not_opened(
+        tmp_path: Path) -> None:
+    save_file({"w": torch.ones(2, 4)}, str(tmp_path / "a.safetensors"))
+    os.mkfifo(tmp_path / "b.safetensors")
+    os.mkfifo(tmp_path / "c.npy")
+    # before the fix: open() of the FIFO blocks forever (the timeout fails the test)
+    out = bounded(f"""
+        import json
+        from driftcli.io.readers import open_inputs
+        for paths in ([{str(tmp_path)!r}], [{str(tmp_path / "b.safetensors")!r},
+                                            {str(tmp_path / "a.safetensors")!r}]):
+            got = open_inputs(paths)
+            print(json.dumps([[r.name for r in got.tensors], [e.message for e in got.errors],
+                              [p.name for p in got.files]]))
+    """, timeout=30)
+    folder, direct = (json.loads(line) for line in out.splitlines())
+    assert folder[0] == ["w"] and folder[2] == ["a.safetensors"]  # the FIFOs are not hashed
+    assert [m.split(" is ")[1].split(",")[0] for m in folder[1]] == [
+        "a FIFO (named pipe)", "a FIFO (named pipe)"]
+    assert all("not a regular file" in m and "\n" not in m for m in folder[1])
+    assert direct[0] == ["w"] and len(direct[1]) == 1 and "b.safetensors is a FIFO" in direct[1][0]
+
+
+def test_a_socket_and_an_index_that_is_a_fifo_are_refused(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(2, 4)}, str(tmp_path / "a.safetensors"))
+    os.mkfifo(tmp_path / "model.safetensors.index.json")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tmp_path / "s.pt"))
+        # before the fix: reading the index FIFO blocks forever
+        out = bounded(f"""
+            import json
+            from driftcli.io.readers import open_inputs
+            got = open_inputs([{str(tmp_path)!r}])
+            print(json.dumps([[r.name for r in got.tensors], [e.message for e in got.errors]]))
+        """, timeout=30)
+    names, messages = json.loads(out)
+    assert names == ["w"]
+    kinds = sorted(m.split(" is ")[1].split(",")[0] for m in messages)
+    assert kinds == ["a FIFO (named pipe)", "a socket"]
+
+
+def test_a_symlink_to_dev_zero_in_a_folder_hangs_neither_the_reader_nor_the_hashing(
+        tmp_path: Path) -> None:
+    import pandas as pd
+
+    save_file({"w": torch.linspace(-1, 1, 64).reshape(2, 32)}, str(tmp_path / "a.safetensors"))
+    (tmp_path / "z.safetensors").symlink_to("/dev/zero")
+    out = tmp_path / "out"
+    # before the fix: the provenance thread hashed /dev/zero at 100 % CPU, forever
+    code = bounded(f"""
+        import sys
+        from typer.testing import CliRunner
+        from driftcli.cli import app
+        r = CliRunner().invoke(app, ["clip-rate", {str(tmp_path)!r}, "-c", "mxfp8_e4m3",
+                                     "--out", {str(out)!r}, "-q"])
+        print(r.exit_code)
+        print(r.output, file=sys.stderr)
+    """, timeout=60)
+    assert code.strip() == "2"  # one input could not be read; the rest was measured
+    t = pd.read_parquet(out / "clip-rate.parquet")
+    bad = t[t.error.notna() & (t.tensor != "*")]
+    assert set(t.tensor) == {"w", "(unreadable file)", "*"}
+    assert bad.error.iloc[0].endswith(
+        "z.safetensors is a character device (through a symbolic link), not a regular file: "
+        "drift reads only regular files (a pipe or a device can block or never end); copy the "
+        "data into a file")
+
+
+# --- work bounded by the bytes given ------------------------------------------------------------
+
+
+def test_a_stride_0_view_of_2_to_the_36_elements_is_refused_not_measured_for_an_hour(
+        tmp_path: Path) -> None:
+    import pandas as pd
+
+    four = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    base = torch.arange(1999, dtype=torch.float32)
+    tied = torch.linspace(-1, 1, 64).reshape(2, 32)
+    torch.save({"huge": four.as_strided((1 << 18, 1 << 18), (0, 0)),
+                "overlap": base.as_strided((1000, 1000), (1, 1)),  # 10^6 over 1,999 elements
+                "rows": base[8:72].reshape(2, 32), "tied": tied, "tied_again": tied},
+               tmp_path / "bomb.pt")
+    assert (tmp_path / "bomb.pt").stat().st_size < 16_000
+    out = tmp_path / "out"
+    # before the fix: 2^36 elements measured (~50 minutes; the timeout fails the test)
+    bounded(f"""
+        from driftcli.measures import MEASURES
+        from driftcli.io.tables import write_table
+        rows = MEASURES["clip-rate"].run([{str(tmp_path / "bomb.pt")!r}], ["mxfp8_e4m3"])
+        import pandas as pd
+        pd.DataFrame([r.__dict__ for r in rows]).to_parquet({str(out)!r})
+    """, timeout=60)
+    t = pd.read_parquet(out).set_index("tensor")
+    assert t.loc["huge"].error.endswith(
+        "tensor huge has 68,719,476,736 elements (shape [262144, 262144], strides [0, 0]) over "
+        "a storage of 16 bytes: a view that repeats elements (a stride of 0 or rows that "
+        "overlap), so its size is not bounded by the file's bytes and drift refuses it; save "
+        "a copy of it (t.contiguous())")
+    assert "tensor overlap has 1,000,000 elements" in t.loc["overlap"].error
+    # views within their storage are measured: a slice of a larger one, a tensor twice
+    assert t.loc[["rows", "tied", "tied_again"]].error.isna().all()
+    assert list(t.loc[["rows", "tied", "tied_again"]].n_finite) == [64, 64, 64]
+
+
+# --- names are data -----------------------------------------------------------------------------
+
+
+def test_pt_names_that_flatten_alike_are_an_error_naming_both(tmp_path: Path) -> None:
+    t = [torch.full((2, 2), float(i)) for i in range(5)]
+    torch.save({"a.b": t[0], "a": {"b": t[1], "c": t[2]}, "d": [t[3], t[4]]}, tmp_path / "x.pt")
+    got = open_inputs([tmp_path / "x.pt"])
+    # before the fix: a.b silently the first tensor, the second dropped
+    assert [r.name for r in got.tensors] == ["a.c", "d.0", "d.1"]
+    assert [(e.tensor, e.message) for e in got.errors] == [(
+        "a.b", f"{tmp_path / 'x.pt'}: tensors ['a.b'] and ['a']['b'] both flatten to the name "
+        "a.b, so drift cannot tell them apart and measures neither; rename one (nested keys "
+        "are joined with '.')")]
+    assert [float(r.read()[0, 0]) for r in got.tensors] == [2.0, 3.0, 4.0]

@@ -12,29 +12,56 @@ import pickle
 import re
 import threading
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from driftcli.io.readers.core import ZIP_ERRORS, FileKind, Listing, ReadError, TensorRef, first_line
+from driftcli.io.readers.core import (
+    ZIP_ERRORS,
+    FileKind,
+    Listing,
+    Problem,
+    ReadError,
+    TensorRef,
+    first_line,
+)
 
 _REFUSED_PICKLE = ("needs arbitrary unpickling{what}, which drift refuses (it can run code); "
                    "re-save it as a state dict of tensors (torch.save(model.state_dict(), ...)) "
                    "or as safetensors")
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    """Tensors of nested dicts / lists / tuples under dotted names; other leaves are skipped."""
+@dataclass
+class _Flat:
+    """A state dict's tensors under dotted names, and the names two tensors flatten to."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    where: dict[str, str] = field(default_factory=dict)
+    """Each name's keys in the file, as a subscript (``['a']['b']``), for messages."""
+    clashes: dict[str, list[str]] = field(default_factory=dict)
+    """Name -> the keys of every tensor that flattens to it (two or more)."""
+
+
+def _flatten(obj: Any, prefix: str, keys: str, out: _Flat) -> None:
+    """Tensors of nested dicts / lists / tuples under dotted names; other leaves are skipped.
+    ``{"a.b": t1, "a": {"b": t2}}`` gives two tensors one name: neither can be told apart
+    from the other, so the name goes to ``clashes`` (never one silently dropped)."""
     if isinstance(obj, torch.Tensor):
-        out.setdefault(prefix, obj)
+        if prefix in out.clashes:
+            out.clashes[prefix].append(keys)
+        elif prefix in out.tensors:
+            out.clashes[prefix] = [out.where.pop(prefix), keys]
+            del out.tensors[prefix]
+        else:
+            out.tensors[prefix], out.where[prefix] = obj, keys
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), f"{keys}[{k!r}]", out)
     elif isinstance(obj, list | tuple):
         for i, v in enumerate(obj):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out)
+            _flatten(v, f"{prefix}.{i}" if prefix else str(i), f"{keys}[{i}]", out)
     # numbers, strings, None (an epoch counter, a config) are not tensors
 
 
@@ -58,9 +85,9 @@ class _TorchCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._key: tuple[str, int, int] | None = None
-        self._tensors: dict[str, torch.Tensor] = {}
+        self._flat = _Flat()
 
-    def load(self, path: Path) -> dict[str, torch.Tensor]:
+    def load(self, path: Path) -> _Flat:
         try:
             stat = path.stat()
         except OSError as exc:
@@ -68,10 +95,10 @@ class _TorchCache:
         key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
         with self._lock:
             if key != self._key:
-                self._key, self._tensors = None, {}  # drop the old mapping before the new one
-                self._tensors = _load_torch(path)
+                self._key, self._flat = None, _Flat()  # drop the old mapping before the new one
+                self._flat = _load_torch(path)
                 self._key = key
-            return self._tensors
+            return self._flat
 
 
 def _torch_zip(path: Path) -> bool:
@@ -96,7 +123,7 @@ def _torch_zip(path: Path) -> bool:
     return True
 
 
-def _load_torch(path: Path) -> dict[str, torch.Tensor]:
+def _load_torch(path: Path) -> _Flat:
     # mmap needs the zip format; older files are loaded whole
     mmap = _torch_zip(path)
     try:
@@ -116,10 +143,10 @@ def _load_torch(path: Path) -> dict[str, torch.Tensor]:
     except _LOAD_ERRORS as exc:
         raise ReadError(f"cannot read {path} as a PyTorch file ({first_line(exc)}); "
                         "re-save it with torch.save or as safetensors") from exc
-    out: dict[str, torch.Tensor] = {}
-    _flatten(obj, "", out)
-    if "" in out:  # the file holds one bare tensor: name it like an .npy file
-        out[path.stem] = out.pop("")
+    out = _Flat()
+    _flatten(obj, "", "", out)
+    if "" in out.tensors:  # the file holds one bare tensor: name it like an .npy file
+        out.tensors[path.stem] = out.tensors.pop("")
     return out
 
 
@@ -135,7 +162,7 @@ class _TorchEntry:
 
     def read(self, ref: TensorRef, start: int, stop: int,
              into: torch.Tensor | None) -> torch.Tensor:
-        t = _TORCH_FILES.load(self.path).get(self.key)
+        t = _TORCH_FILES.load(self.path).tensors.get(self.key)
         if t is None or str(t.dtype).removeprefix("torch.") != ref.dtype or (
                 tuple(t.shape) != ref.shape):
             raise ReadError(f"{ref.source}: tensor {ref.name} changed since drift listed it "
@@ -149,12 +176,44 @@ class _TorchEntry:
                             f"({first_line(exc)})") from exc
 
 
+def _storage_problem(t: torch.Tensor) -> str | None:
+    """Why a tensor's elements are not all bytes of the file: a view whose strides repeat
+    elements (a stride of 0, or rows that overlap) can claim 2^36 elements over 4 bytes, and
+    measuring it would take hours; None for a tensor within its storage."""
+    if t.layout is not torch.strided or t.numel() == 0:
+        return None  # a sparse or quantized layout: reading it says whether drift can
+    need = t.numel() * t.element_size()
+    try:
+        have = t.untyped_storage().nbytes()
+    except RuntimeError:
+        return None
+    if need <= have:
+        return None
+    return (f"has {t.numel():,} elements (shape {list(t.shape)}, strides {list(t.stride())}) "
+            f"over a storage of {have:,} bytes: a view that repeats elements (a stride of 0 or "
+            "rows that overlap), so its size is not bounded by the file's bytes and drift "
+            "refuses it; save a copy of it (t.contiguous())")
+
+
 def torch_refs(path: Path) -> Listing:
-    """The tensors of a state dict, loaded once (a file that cannot be loaded raises)."""
-    refs = [TensorRef(str(path), name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                      _reader=_TorchEntry(path, name))
-            for name, t in _TORCH_FILES.load(path).items()]
-    return refs, []
+    """The tensors of a state dict, loaded once (a file that cannot be loaded raises); a
+    view larger than its storage, and two tensors whose dotted names are the same, are
+    problems naming them."""
+    flat = _TORCH_FILES.load(path)
+    refs, problems = [], []
+    for name, t in flat.tensors.items():
+        why = _storage_problem(t)
+        if why is not None:
+            problems.append(Problem(f"{path}: tensor {name} {why}", name))
+            continue
+        refs.append(TensorRef(str(path), name, str(t.dtype).removeprefix("torch."),
+                              tuple(t.shape), _reader=_TorchEntry(path, name)))
+    for name, keys in flat.clashes.items():
+        problems.append(Problem(
+            f"{path}: tensors {' and '.join(keys)} both flatten to the name {name}, so drift "
+            "cannot tell them apart and measures neither; rename one (nested keys are joined "
+            "with '.')", name))
+    return refs, problems
 
 
 PYTORCH = FileKind("pytorch", (".pt", ".pth", ".bin"), torch_refs)
