@@ -703,3 +703,50 @@ def test_requant_reproduces_the_megatron_scale_flip(tmp_path: Path) -> None:
     assert flips >= 1 and row.requant_changed_blocks == flips
     assert row.requant_changed_values == 0  # the codes double where the scale halves
     assert row.requant_changed_codes is not None and row.requant_changed_codes > 0
+
+
+# --- the docs' examples ---------------------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def make_v31_example(folder: Path) -> Path:
+    """The folder docs/inspect.md and docs/dequantize.md show: DeepSeek-V3.1-style (FP8,
+    ue8m0 128 x 128 scales) with one o_proj scale that is not a power of two."""
+    g = torch.Generator().manual_seed(31)
+    q1, s1 = deepseek_fp8(torch.randn(256, 384, generator=g) * 0.02, ue8m0=True)
+    q2, s2 = deepseek_fp8(torch.randn(200, 300, generator=g) * 0.02, ue8m0=True)
+    s2[1, 2] = s2[1, 2] * 1.25
+    return write(folder, {
+        "model.layers.0.mlp.down_proj.weight": q1,
+        "model.layers.0.mlp.down_proj.weight_scale_inv": s1,
+        "model.layers.0.self_attn.o_proj.weight": q2,
+        "model.layers.0.self_attn.o_proj.weight_scale_inv": s2,
+        "lm_head.weight": (torch.randn(64, 384, generator=g) * 0.02).bfloat16(),
+        "model.norm.weight": torch.ones(384).bfloat16()},
+        {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+         "scale_fmt": "ue8m0", "activation_scheme": "dynamic"})
+
+
+def _doc_block(page: str, starts: str) -> list[str]:
+    """The lines of the page's first text block whose first line starts with ``starts``."""
+    text = (DOCS / page).read_text(encoding="utf-8")
+    for block in text.split("```text\n")[1:]:
+        lines = block.split("```")[0].splitlines()
+        if lines and lines[0].startswith(starts):
+            return lines
+    raise AssertionError(f"docs/{page} has no example starting {starts!r}")
+
+
+def test_docs_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    make_v31_example(Path("v31"))
+    block = _doc_block("inspect.md", "$ drift inspect v31")
+    result = CliRunner().invoke(app, block[0].removeprefix("$ drift ").split())
+    assert result.exit_code == 0, result.output
+    printed = [line for line in result.output.splitlines() if line.startswith(("lint_", "wrote"))]
+    assert printed == [line for line in block if line.startswith(("lint_", "wrote"))]
+    block = _doc_block("dequantize.md", "$ drift dequantize v31")
+    result = CliRunner().invoke(app, block[0].removeprefix("$ drift ").split())
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == block[1:]

@@ -10,7 +10,8 @@ of two. The lints:
 - ``lint_pow2``: the layout declares power-of-two scales (ue8m0, E8M0) and holds some that
   are not;
 - ``lint_magnitude``: the dequantized weight's RMS is over 1,000 times off the median RMS of
-  the checkpoint's other 2-D tensors (a divisor read as a multiplier, scales not decoded);
+  the checkpoint's 2-D tensors, itself included (a divisor read as a multiplier, scales not
+  decoded); null with fewer than three;
 - ``lint_nan_scales``: NaN (or infinite) scales;
 - ``lint_zero_blocks``: blocks whose every code is zero.
 
@@ -50,6 +51,9 @@ MAGNITUDE_FACTOR = 1000.0
 """How far a weight's RMS may sit from the median RMS of the checkpoint's other 2-D
 tensors before ``lint_magnitude`` fires: trained layers differ by tens, a wrong scale
 convention by the square of a global scale or 2**100."""
+
+MIN_TENSORS = 3
+"""2-D tensors a checkpoint needs (quantized or not) for ``lint_magnitude`` to judge."""
 
 _SUBNORMAL_BELOW = {"float32": 2.0 ** -126, "bfloat16": 2.0 ** -126, "float16": 2.0 ** -14,
                     "float8_e4m3fn": 2.0 ** -6, "e8m0": 0.0}
@@ -103,9 +107,8 @@ class InspectRow:
                                        "the exact order and the library's (combined scale "
                                        "rounded first); null for other layouts")
     lint_pow2: bool | None = _opt("Lint: power-of-two scales declared, some are not")
-    lint_magnitude: bool | None = _opt("Lint: RMS over 1,000x off the median of the "
-                                         "checkpoint's other 2-D tensors (null: none to "
-                                         "compare)")
+    lint_magnitude: bool | None = _opt("Lint: RMS over 1,000x off the median RMS of the "
+                                       "checkpoint's 2-D tensors (null: fewer than 3)")
     lint_nan_scales: bool | None = _opt("Lint: NaN or infinite scales")
     lint_zero_blocks: bool | None = _opt("Lint: blocks whose every code is zero")
     requant: str | None = _opt("Preset the weight was quantized again with (--requant); "
@@ -257,7 +260,7 @@ def inspect(paths: Sequence[str | Path], *, requant: Sequence[str] = (),
     errors = [f"{e.source}: {e.message}" if not e.message.startswith(e.source) else e.message
               for e in inputs.errors]
     rows: list[InspectRow] = []
-    rms_of: dict[str, float] = {}
+    rms_of: list[float] = []
     others: list[float] = []
     for ref in inputs.tensors:
         spec = spec_of(ref)
@@ -275,7 +278,7 @@ def inspect(paths: Sequence[str | Path], *, requant: Sequence[str] = (),
             rows.append(InspectRow(source=ref.source, tensor=spec.name, error=str(exc)))
             continue
         rows.append(row)
-        rms_of[spec.name] = rms
+        rms_of.append(rms)
     rows = _magnitude_lint(rows, rms_of, others)
     if requant:
         rows = _with_requant(rows, inputs.tensors, requant)
@@ -284,22 +287,22 @@ def inspect(paths: Sequence[str | Path], *, requant: Sequence[str] = (),
     return Inspection(tuple(rows), findings, inputs.files, tuple(errors))
 
 
-def _magnitude_lint(rows: list[InspectRow], rms_of: dict[str, float],
+def _magnitude_lint(rows: list[InspectRow], rms_of: list[float],
                     others: list[float]) -> list[InspectRow]:
+    # the median of every 2-D tensor (this weight among them): with three or more, one
+    # wrong weight cannot move it far; with fewer there is nothing to judge against
+    pool = [v for v in [*rms_of, *others] if math.isfinite(v) and v > 0]
+    median = statistics.median(pool) if len(pool) >= MIN_TENSORS else None
     out = []
     for row in rows:
         if row.error is not None or row.rms is None:
             out.append(row)
-            continue
-        pool = [v for k, v in rms_of.items() if k != row.tensor] + others
-        pool = [v for v in pool if math.isfinite(v) and v > 0]
-        if not pool or not math.isfinite(row.rms):
+        elif median is None or not math.isfinite(row.rms):
             out.append(replace(row, lint_magnitude=None))
-            continue
-        median = statistics.median(pool)
-        ratio = row.rms / median if row.rms > 0 else math.inf
-        out.append(replace(row, lint_magnitude=not (1 / MAGNITUDE_FACTOR <= ratio
-                                                    <= MAGNITUDE_FACTOR)))
+        else:
+            ratio = row.rms / median if row.rms > 0 else math.inf
+            out.append(replace(row, lint_magnitude=not (1 / MAGNITUDE_FACTOR <= ratio
+                                                        <= MAGNITUDE_FACTOR)))
     return out
 
 
@@ -331,8 +334,8 @@ def _findings(row: InspectRow) -> list[Finding]:
                              "infinite scale(s): the weight cannot be dequantized"))
     if row.lint_magnitude:
         found.append(Finding(row.tensor, "lint_magnitude", f"RMS {row.rms:.3g} is over "
-                             f"{MAGNITUDE_FACTOR:,.0f}x off the checkpoint's other tensors (a "
-                             "global scale inverted? scales not decoded?)"))
+                             f"{MAGNITUDE_FACTOR:,.0f}x off the median of the checkpoint's 2-D "
+                             "tensors (a global scale inverted? scales not decoded?)"))
     if row.lint_zero_blocks:
         found.append(Finding(row.tensor, "lint_zero_blocks", f"{row.zero_blocks} block(s) "
                              "whose every code is zero"))
