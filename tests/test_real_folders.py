@@ -195,3 +195,39 @@ def test_grad_cosine_on_bert_is_exit_2(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "is not a causal language model (BertModel)" in result.output
     assert "Traceback" not in result.output
+
+
+# --- one report line per model input and cast (item 6) --------------------------------------
+
+def test_sharded_folder_is_one_report_group_per_cast(tmp_path: Path) -> None:
+    from driftcli.report.load import load
+    from driftcli.report.summary import summarize
+
+    sh = tmp_path / "sharded"
+    sh.mkdir()
+    shards = {"model-00001-of-00002.safetensors": {"l0.weight": torch.full((4, 32), 500.0),
+                                                   "l0.bias": torch.ones(4)},
+              "model-00002-of-00002.safetensors": {"l1.weight": torch.full((4, 32), 1.0)}}
+    for name, tensors in shards.items():
+        save_file(tensors, sh / name)
+    (sh / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {t: f for f, ts in shards.items() for t in ts}}))
+    single = tmp_path / "single.safetensors"
+    save_file({"x": torch.full((8, 32), 1000.0)}, single)
+    out = tmp_path / "o"
+    result = runner.invoke(app, ["clip-rate", str(sh), str(single), "-c", "float8_e4m3fn",
+                                 "-c", "bf16", "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    s = summarize(load([out / "clip-rate.parquet"]).tables[0])
+    got = {(dict(g.group)["source"], s.shown("cast", dict(g.group)["cast"])):
+           (g.n_rows, g.aggregate_value("n_tensors"), g.worst_value, [w.name for w in g.worst])
+           for g in s.groups}
+    # one line per input and cast: the folder's three tensors under it, its aggregate beside
+    # them (a shard per line and a "rows 0" line for the folder before); the unscaled
+    # e4m3 cast clips 500 and 1000 (above 448), bf16 nothing
+    assert got == {
+        (str(sh), "float8_e4m3fn"): (3, 3, 1.0, ["model-00001-of-00002.safetensors l0.weight"]),
+        (str(sh), "bf16"): (3, 3, 0.0, []),
+        (str(single), "float8_e4m3fn"): (1, 1, 1.0, []),
+        (str(single), "bf16"): (1, 1, 0.0, []),
+    }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,12 @@ import pandas as pd
 from driftcli.report.load import ALL_ROWS, InputCheck, InputState, Table, shown
 from driftcli.report.options import WORST
 
+SOURCE = "source"
+"""The key column naming the file a row was read from (in an aggregate row: the input)."""
+FILE = "file"
+"""The column :func:`by_input` adds: a merged row's file, relative to its input."""
+INDEX_SUFFIX = ".safetensors.index.json"
+"""A sharded checkpoint's index: given as an input, its shards sit in its folder."""
 MAX_GROUPS = 24
 """A key column with more values than this is not used to group a table without an item."""
 STEP = "step"
@@ -245,13 +252,62 @@ def _group(frame: pd.DataFrame, lay: Layout, table: Table, key: tuple[tuple[str,
                         failed, no_value)
 
 
+def _under(path: str, inputs: Sequence[str]) -> str | None:
+    """The input ``path`` was found under: itself, the deepest folder holding it, or the index
+    in whose folder it is; None for none."""
+    norm = posixpath.normpath(path.replace("\\", "/"))
+    found, depth = None, -1
+    for inp in inputs:
+        root = posixpath.normpath(inp.replace("\\", "/"))
+        if norm == root:
+            return inp
+        if root.endswith(INDEX_SUFFIX):
+            root = posixpath.dirname(root) or "."
+        inside = root == "." and not norm.startswith("../") and not posixpath.isabs(norm)
+        if (inside or norm.startswith(root.rstrip("/") + "/")) and len(root) > depth:
+            found, depth = inp, len(root)
+    return found
+
+
+def by_input(frame: pd.DataFrame, lay: Layout) -> pd.DataFrame:
+    """The rows with each per-tensor row's ``source`` (a file) made the input it was read
+    through (a folder, an index, a file), as its aggregate row's is, so one input and cast
+    is one group; the file goes to :data:`FILE`, relative to the input. ``frame`` itself
+    where no row moves (every input a file, or a table without aggregate rows)."""
+    if not lay.has_aggregate or lay.item is None or SOURCE not in lay.groups:
+        return frame
+    is_agg = frame[lay.item].astype(object) == ALL_ROWS
+    inputs = list(dict.fromkeys(str(s) for s in frame.loc[is_agg, SOURCE]
+                                if plain(s) is not None))
+    sources = frame[SOURCE].map(plain)
+    owner = sources.map(lambda s: None if s is None else _under(str(s), inputs))
+    moved = owner.notna() & (owner != sources) & ~is_agg
+    if not moved.any():
+        return frame
+    out = frame.copy()
+
+    def relative(src: str, inp: str) -> str:
+        root = posixpath.normpath(inp.replace("\\", "/"))
+        root = posixpath.dirname(root) if root.endswith(INDEX_SUFFIX) else root
+        return posixpath.relpath(posixpath.normpath(src.replace("\\", "/")), root or ".")
+
+    out[FILE] = [relative(str(s), str(o)) if m else None
+                 for s, o, m in zip(sources, owner, moved, strict=True)]
+    out[SOURCE] = frame[SOURCE].where(~moved, owner)
+    return out
+
+
 def summarize(table: Table, worst: int = WORST,
               inputs: tuple[InputCheck, ...] = ()) -> TableSummary:
     """Summarize one table: per group, the headline's median and worst value, the worst rows
     by name, the aggregate row, the rows that could not be measured and those without a
-    headline value; ``inputs`` are its inputs checked (:func:`check_inputs`)."""
+    headline value; ``inputs`` are its inputs checked (:func:`check_inputs`). The rows of
+    a folder or sharded input are one group per cast with its aggregate (:func:`by_input`),
+    named by file and tensor."""
     lay = layout(table)
-    frame = table.frame
+    frame = by_input(table.frame, lay)
+    if FILE in frame.columns and lay.item is not None:
+        lay = dataclasses.replace(lay, names=(FILE, *lay.names))
     same = [k for k in table.keys
             if k != lay.item and len(frame) and frame[k].nunique(dropna=False) == 1]
     fixed = set(same)
