@@ -306,7 +306,8 @@ def test_printed_summary(run: Path) -> None:
     row = next(line for line in out.splitlines() if "mxfp8_e4m3" in line and "clip" not in line
                and "layers.1.w 0.05" in line)
     cells = [c.strip() for c in row.strip("│ ").split("│")]
-    assert cells == ["mxfp8_e4m3", "3", "0.004", "0.002", "0.05",
+    # "-": the exact clip rate beside the headline, null in this made-up table
+    assert cells == ["mxfp8_e4m3", "3", "0.004", "-", "0.002", "0.05",
                      "layers.1.w 0.05, layers.0.w 0.002"]
     assert "for all rows: source=model.safetensors" in out
     assert "written by drift 0.1.0 (0123456789), 2026-01-02T03:04:05+00:00" in out
@@ -323,13 +324,16 @@ def test_markdown(run: Path, tmp_path: Path) -> None:
     assert result.exit_code == 0
     text = md.read_text()
     assert "## clip-rate: clip_rate (higher is worse)" in text
-    assert ("| cast | rows | all tensors (*) | median clip_rate | max clip_rate | worst tensors |"
+    assert ("| cast | rows | all tensors (*) | exact_clip_rate (*) | median clip_rate | "
+            "max clip_rate | worst tensors |" in text)
+    assert ("| mxfp8_e4m3 | 3 | 0.004 | - | 0.002 | 0.05 | layers.1.w 0.05, layers.0.w 0.002 |"
             in text)
-    assert "| mxfp8_e4m3 | 3 | 0.004 | 0.002 | 0.05 | layers.1.w 0.05, layers.0.w 0.002 |" in text
-    assert "| fp8_e4m3 | 3 | 0 | 0 | 0 | - |" in text
+    assert "| fp8_e4m3 | 3 | 0 | - | 0 | 0 | - |" in text
     assert "- for all rows: source=model.safetensors" in text
     assert "## error-bias: rel_error (higher is worse)" in text
-    assert "| fp8_e4m3 | 3 | 0.2 | 0.03 | 0.4 | layers.0.w 0.4, embed.w 0.03 |" in text
+    # bias, alignment and n_lost of the all-tensors row beside the headline
+    assert ("| fp8_e4m3 | 3 | 0.2 | -0.1 | - | - | 0.03 | 0.4 | layers.0.w 0.4, embed.w 0.03 |"
+            in text)
 
 
 def test_json(run: Path, tmp_path: Path) -> None:

@@ -113,3 +113,75 @@ def test_a_comparison_that_matches_nothing_is_exit_2(tmp_path: Path, rule: str,
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: ") and result.output.count("\n") == 1
     assert re.search(message, result.output), result.output
+
+
+# --- item 3: overflow, bias and the exact clip rate in every headline -----------------------
+
+def overflow_checkpoint(folder: Path) -> Path:
+    """``over``: 16 of its 32 float32 values (1e5) overflow float16's 65504; ``w``: Gaussian."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    gen = np.random.default_rng(0)
+    over = np.concatenate([np.full(16, 1e5), gen.standard_normal(16)]).astype(np.float32)
+    path = folder / "m.safetensors"
+    save_file({"over": torch.from_numpy(over),
+               "w": torch.from_numpy(gen.standard_normal((32, 64)).astype(np.float32))}, path)
+    return path
+
+
+def test_an_element_lost_to_inf_makes_rel_error_inf_and_ranks_worst(tmp_path: Path) -> None:
+    import math
+
+    from driftcli.measures import MEASURES
+
+    rows = {r.tensor: r for r in MEASURES["error-bias"].run([overflow_checkpoint(tmp_path)],
+                                                            ["fp16"])}
+    over, w, agg = rows["over"], rows["w"], rows[ALL_TENSORS]
+    assert over.n_lost == 16 and agg.n_lost == 16 and w.n_lost == 0
+    assert over.rel_error == math.inf and over.sqnr_db == -math.inf  # was 0: ranked best
+    assert agg.rel_error == math.inf
+    assert 0 < w.rel_error < 5e-4 and math.isfinite(w.sqnr_db)  # fp16 rounding of N(0, 1)
+    # the direction of the error is still that of the elements kept
+    assert over.bias is not None and abs(over.bias) < 1e-3
+
+
+def test_summaries_show_loss_bias_alignment_and_the_exact_clip_rate(tmp_path: Path) -> None:
+    import json
+
+    path = overflow_checkpoint(tmp_path)
+    out = tmp_path / "out"
+    got = runner.invoke(app, ["error-bias", str(path), "-c", "fp16", "-c", "nvfp4", "--out",
+                              str(out), "--json"])
+    assert got.exit_code == 0, got.output
+    summary = json.loads(got.stdout)
+    assert summary["beside"] == ["bias", "alignment", "n_lost"]
+    fp16 = next(c for c in summary["casts"] if c["cast"] == "fp16")
+    assert fp16["n_lost"] == 16 and fp16["rel_error"] == float("inf")
+    assert fp16["worst"][0]["tensor"] == "over"
+    assert fp16["bias"] < 0 and -1 < fp16["alignment"] < 0
+    printed = runner.invoke(app, ["error-bias", str(path), "-c", "fp16", "--out",
+                                  str(tmp_path / "printed")])
+    head = next(line for line in printed.output.splitlines() if "rel_error" in line
+                and "┃" in line)
+    assert [c.strip() for c in head.strip("┃ ").split("┃")] == [
+        "cast", "tensors", "rel_error", "bias", "alignment", "n_lost", "worst tensors"]
+    assert "over inf" in printed.output
+
+    got = runner.invoke(app, ["clip-rate", str(path), "-c", "nvfp4", "-c", "mxfp8_e4m3",
+                              "--out", str(out), "--json"])
+    casts = {c["cast"]: c for c in json.loads(got.stdout)["casts"]}
+    # NVFP4's two-level scale clips only through the rounding of its block scales; MX's floor
+    # rule clips in exact arithmetic too
+    assert casts["nvfp4"]["clip_rate"] > 0.01 and casts["nvfp4"]["exact_clip_rate"] == 0
+    assert casts["mxfp8_e4m3"]["exact_clip_rate"] == casts["mxfp8_e4m3"]["clip_rate"] > 0
+
+    result = report(str(out), "--json", str(tmp_path / "r.json"))
+    assert result.exit_code == 0, result.output
+    assert "exact_clip_rate (*)" in result.output and "n_lost (*)" in result.output
+    assert ("lost to inf/NaN: 16 element(s) in 1 tensor under cast=fp16 (over 16); rel_error is "
+            "inf where any element was lost") in result.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    eb = next(t for t in data["tables"] if t["table"] == "error-bias")
+    assert [g["lost"] for g in eb["groups"]] == [[{"name": "over", "n_lost": 16}], []]

@@ -70,7 +70,8 @@ def _summary(m: Measure, rows: list[Any], path: Path, given: list[str]) -> dict[
 
     label = cast_names(given)
     head = m.row_type.HEADLINE
-    out: dict[str, Any] = {"table": str(path), "measure": m.name, "headline": head, "casts": []}
+    out: dict[str, Any] = {"table": str(path), "measure": m.name, "headline": head,
+                           "beside": list(getattr(m.row_type, "SHOWN", ())), "casts": []}
     for agg in (r for r in rows if r.tensor == ALL_TENSORS):
         tensors = [r for r in rows if r.tensor != ALL_TENSORS and r.cast == agg.cast
                    and r.error is None and getattr(r, head) is not None]
@@ -79,6 +80,9 @@ def _summary(m: Measure, rows: list[Any], path: Path, given: list[str]) -> dict[
             "input": agg.source, "cast": label.get(agg.cast, agg.cast), "spec": agg.cast,
             "tensors": agg.n_tensors,
             "skipped": agg.n_skipped, head: getattr(agg, head),
+            # beside the headline: what it hides (error-bias: bias, alignment, lost elements;
+            # clip-rate: the clip rate without the scale's rounding)
+            **{c: getattr(agg, c) for c in getattr(m.row_type, "SHOWN", ())},
             "worst": [{"source": r.source, "tensor": r.tensor, head: getattr(r, head)}
                       for r in tensors[:WORST]]})
     out["errors"] = [{"source": r.source, "tensor": r.tensor, "error": r.error}
@@ -92,11 +96,15 @@ def _print(summary: dict[str, Any]) -> None:
 
     head = summary["headline"]
     table = Table(title=esc(f"{summary['measure']}: {head} (all tensors, and the worst)"))
-    for col in ("cast", "tensors", head, "worst tensors"):
-        table.add_column(col, justify="right" if col in ("tensors", head) else "left")
+    beside = summary.get("beside", [])
+    for col in ("cast", "tensors", head, *beside, "worst tensors"):
+        numeric = col in ("tensors", head, *beside)
+        table.add_column(col, justify="right" if numeric else "left",
+                         overflow="fold")  # wrapped, never cut: names tell rows apart
     for c in summary["casts"]:
         worst = ", ".join(f"{w['tensor']} {fmt(w[head])}" for w in c["worst"])
-        table.add_row(esc(c["cast"]), str(c["tensors"]), fmt(c[head]), esc(worst or "-"))
+        table.add_row(esc(c["cast"]), str(c["tensors"]), fmt(c[head]),
+                      *(fmt(c[b]) for b in beside), esc(worst or "-"))
     out = Console(width=160)
     out.print(table)
     skipped = sum(c["skipped"] for c in summary["casts"]) // max(1, len(summary["casts"]))
@@ -104,6 +112,8 @@ def _print(summary: dict[str, Any]) -> None:
         out.print(f"skipped {skipped} non-floating-point tensor(s)")
     for f in summary.get("skipped_files", []):
         out.print(f"skipped {f}: holds no weights (training state)", markup=False)
+    for line in summary.get("axis_skipped", []):
+        out.print(f"skipped {line}", markup=False)
     seen = set()
     for e in summary["errors"]:
         if (e["source"], e["tensor"]) not in seen:
@@ -135,16 +145,18 @@ def _measure(name: str, path: Path, inputs: list[Path], casts: list[str], option
     from driftcli.engines import clear_units
     from driftcli.io.tables import identify_in_background, provenance
     from driftcli.measures import MEASURES
+    from driftcli.measures.axes import axis_misfits
     from driftcli.measures.scan import scan
     from driftcli.memory import bound_memory
 
     m = MEASURES[name]
+    fit = axis_misfits(inputs, options.axis, include or (), exclude or ())
     run_on = execution(engine, workers, ray_address, units_dir(path), resume, fast_hash)
     identities: list[Callable[[], list[dict[str, Any]]]] = []  # hashing, from the inputs opening
     bound_memory()
     with progress_bar("scanning", Bar.BYTES, quiet) as advance:
         s = scan(inputs, casts, options=m.scan_options(options), include=include or (),
-                 exclude=exclude or (),
+                 exclude=[*(exclude or ()), *fit.exclude],
                  progress=advance, rounded=m.rounded, execution=run_on,
                  on_open=lambda files: identities.append(identify_in_background(files,
                                                                                 fast_hash)))
@@ -166,6 +178,7 @@ def _measure(name: str, path: Path, inputs: list[Path], casts: list[str], option
         raise typer.Exit(EXIT_USAGE)
     summary = _summary(m, rows, path, casts)
     summary["skipped_files"] = [str(f) for i in s.inputs for f in i.skipped]
+    summary["axis_skipped"] = fit.lines()
     failed = {f"{e['source']} {e['tensor']}: {e['error']}": None for e in summary["errors"]}
     publish(path, m.row_type, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
             failures=list(failed), failed="tensor(s) or file(s) could not be read",

@@ -28,8 +28,12 @@ class ClipRateRow(TensorCastRow):
     KEYS: ClassVar[tuple[str, ...]] = ("source", "tensor", "cast")
     HEADLINE: ClassVar[str] = "clip_rate"
     HIGHER_IS_WORSE: ClassVar[bool] = True
+    SHOWN: ClassVar[tuple[str, ...]] = ("exact_clip_rate",)
+    """Columns of the all-tensors row shown beside the headline in summaries and reports: the
+    headline counts saturation the scale's rounding alone causes, this one what the rule cuts."""
 
-    clip_rate: float | None = column("Clipped elements / finite elements: |x/s| > max finite")
+    clip_rate: float | None = column("Clipped elements / finite elements: |x/s| > max finite "
+                                     "with the scale as rounded (see exact_clip_rate)")
     clipped: int | None = column("Finite elements with |x/s| above the element format's max")
     n_blocks: int | None = column("Scale groups (blocks, tiles, channels; 1 per tensor scale)")
     clipped_blocks: float | None = column("Share of scale groups holding at least one clip")

@@ -3,7 +3,11 @@
 e = q - x over elements where x and q are finite: rel_error = ‖e‖/‖x‖; sqnr_db =
 20·log10(‖x‖/‖e‖); bias = ⟨e, x⟩/‖x‖² (signed: how far the cast shrinks the tensor along
 itself; clipping makes it negative); alignment = ⟨e, x⟩/(‖e‖‖x‖) (near 0: the error points
-nowhere in particular); mean_error = Σe/Σ|x|. For stochastic rounding the first five are
+nowhere in particular); mean_error = Σe/Σ|x|. A finite element whose cast is not finite (a
+NaN block, ieee overflow to inf) is *lost*: it cannot enter the sums, so rel_error is inf and
+sqnr_db -inf wherever ``n_lost`` > 0 (as accum-error's rel_error is inf where C overflowed),
+and the tensor ranks worst instead of best; bias, alignment and mean_error stay over the
+elements kept, their direction still worth reading. For stochastic rounding the first five are
 the means over ``draws`` independent draws, and the ``expected_`` columns are the same
 metrics of the mean of the draws, so the bias of the expected cast is separated from the
 per-draw error.
@@ -31,9 +35,13 @@ class ErrorBiasRow(TensorCastRow):
     KEYS: ClassVar[tuple[str, ...]] = ("source", "tensor", "cast")
     HEADLINE: ClassVar[str] = "rel_error"
     HIGHER_IS_WORSE: ClassVar[bool] = True
+    SHOWN: ClassVar[tuple[str, ...]] = ("bias", "alignment", "n_lost")
+    """Columns of the all-tensors row shown beside the headline in summaries and reports."""
 
-    rel_error: float | None = column("‖q - x‖ / ‖x‖ (mean over draws for sr)")
-    sqnr_db: float | None = column("20·log10(‖x‖ / ‖q - x‖) in dB; inf for an exact cast")
+    rel_error: float | None = column("‖q - x‖ / ‖x‖ (mean over draws for sr); inf when an "
+                                     "element was lost (n_lost > 0)")
+    sqnr_db: float | None = column("20·log10(‖x‖ / ‖q - x‖) in dB; inf for an exact cast, -inf "
+                                   "when an element was lost")
     bias: float | None = column("⟨q - x, x⟩ / ‖x‖²: signed shrink along x (negative: the cast "
                                 "makes the tensor smaller)")
     alignment: float | None = column("⟨q - x, x⟩ / (‖q - x‖‖x‖): cosine between error and "
@@ -50,11 +58,16 @@ class ErrorBiasRow(TensorCastRow):
 
 
 def metrics(st: CastStats) -> dict[str, float | None]:
-    """The five error metrics from one set of sums."""
+    """The five error metrics from one set of sums; an element lost to inf or NaN makes the
+    error infinite (it is not in the sums, and leaving it out would read as no error)."""
     norms = math.sqrt(st.ee * st.xx)
+    lost = bool(st.lost)
+    rel = math.inf if lost else math.sqrt(st.ee / st.xx) if st.xx else None
+    sqnr = -math.inf if lost else (
+        (10 * math.log10(st.xx / st.ee) if st.ee else math.inf) if st.xx else None)
     return {
-        "rel_error": math.sqrt(st.ee / st.xx) if st.xx else None,
-        "sqnr_db": (10 * math.log10(st.xx / st.ee) if st.ee else math.inf) if st.xx else None,
+        "rel_error": rel,
+        "sqnr_db": sqnr,
         "bias": ratio(st.ex, st.xx),
         "alignment": ratio(st.ex, norms),
         "mean_error": ratio(st.e_sum, st.abs_sum),

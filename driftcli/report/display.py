@@ -53,6 +53,7 @@ def headers(summary: TableSummary, vary: list[str]) -> list[str]:
     cols = [*vary, "rows"]
     if summary.layout.has_aggregate:
         cols.append(f"all {item}s (*)" if item else "all (*)")
+        cols += [f"{c} (*)" for c in summary.beside]
     cols += [f"median {summary.headline}", f"{summary.worst_label} {summary.headline}",
              f"worst {item}s" if item else "worst rows"]
     return cols
@@ -64,6 +65,7 @@ def cells(summary: TableSummary, group: GroupSummary, vary: list[str]) -> list[s
     row = [fmt(summary.shown(c, g[c])) for c in vary] + [str(group.n_rows)]
     if summary.layout.has_aggregate:
         row.append(fmt(group.aggregate_value(summary.headline)))
+        row += [fmt(group.aggregate_value(c)) for c in summary.beside]
     worst = ", ".join(f"{w.name} {fmt(w.value)}" for w in group.worst)
     return [*row, fmt(group.median), fmt(group.worst_value), worst or "-"]
 
@@ -102,12 +104,29 @@ def no_values(summary: TableSummary) -> Iterator[str]:
                f"{' under ' + label if label else ''}, not counted in rows: {named}")
 
 
+def losses(summary: TableSummary) -> Iterator[str]:
+    """Per group, the rows with elements lost to inf or NaN (a cast that overflowed or made
+    a block NaN): their headline counts them as an infinite error."""
+    vary, _ = varying(summary)
+    for g in summary.groups:
+        if not g.lost:
+            continue
+        where = dict(g.group)
+        label = " ".join(f"{c}={fmt(summary.shown(c, where[c]))}" for c in vary)
+        total = int(sum(n.value for n in g.lost))
+        named = ", ".join(_listed([f"{n.name} {int(n.value):,}" for n in g.lost]))
+        yield (f"lost to inf/NaN: {total:,} element(s) in {_noun(summary, len(g.lost))}"
+               f"{' under ' + label if label else ''} ({named}); {summary.headline} is inf "
+               "where any element was lost")
+
+
 def about(summary: TableSummary) -> Iterator[str]:
     """Lines under a table's title: file, rows without a headline value, headline meaning,
     provenance, inputs, fixed groups."""
     p = summary.provenance
     yield f"file {summary.path}, {summary.n_rows} rows, written by {p.line}"
     yield from no_values(summary)
+    yield from losses(summary)
     if summary.headline_doc:
         yield f"{summary.headline}: {summary.headline_doc}"
     if p.command:

@@ -35,6 +35,7 @@ def _group(g: GroupSummary) -> dict[str, Any]:
         "aggregate": dict(g.aggregate) if g.aggregate is not None else None,
         "not_measured": [{"name": f.name, "error": f.error} for f in g.failed],
         "no_value": [{"name": v.name, "reason": v.reason} for v in g.no_value],
+        "lost": [{"name": n.name, "n_lost": int(n.value)} for n in g.lost],
     }
 
 

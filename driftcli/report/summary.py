@@ -41,6 +41,9 @@ STEP = "step"
 """The key column of per-step tables (training runs, probes)."""
 ERROR = "error"
 """A column, where a table has it, holding why a row could not be measured."""
+LOST = "n_lost"
+"""A count column, where a table has it, of elements lost to inf or NaN by the cast: left out
+of the error sums, so the summary names the rows that have any."""
 EMPTY = (("numel", "no elements"), ("n_finite", "no finite elements"),
          ("n_nonzero", "no nonzero elements"))
 """Count columns whose 0 says why a row has no headline: drift's headlines are ratios, null
@@ -127,6 +130,9 @@ class GroupSummary:
     failed: tuple[Failed, ...]
     no_value: tuple[NoValue, ...] = ()
     """Rows measured without a headline value: not in ``n_rows``, the median or the worst."""
+    lost: tuple[Named, ...] = ()
+    """Rows (not aggregates) with elements lost to inf or NaN (:data:`LOST` > 0), most first;
+    ``value`` is the count."""
 
     def aggregate_value(self, column: str) -> Any:
         """A column of the aggregate row, or None."""
@@ -185,6 +191,9 @@ class TableSummary:
     inputs: tuple[InputCheck, ...] = ()
     """The recorded inputs against the files now at their paths (:func:`check_inputs`;
     empty where they were not checked)."""
+    beside: tuple[str, ...] = ()
+    """Columns of each group's aggregate row shown beside the headline (the row type's
+    ``SHOWN``: error-bias's bias, alignment and n_lost; clip-rate's exact_clip_rate)."""
 
     @property
     def changed(self) -> tuple[InputCheck, ...]:
@@ -240,16 +249,21 @@ def _group(frame: pd.DataFrame, lay: Layout, table: Table, key: tuple[tuple[str,
     ok = values.notna()
     no_value = tuple(NoValue(_name(r, lay.names), _why_empty(r))
                      for _, r in frame[~ok].iterrows())
+    lost: tuple[Named, ...] = ()
+    if LOST in frame.columns:
+        counts = pd.to_numeric(frame[LOST], errors="coerce").fillna(0)
+        lost = tuple(Named(_name(frame.loc[i], lay.names), float(n)) for i, n in
+                     counts[counts > 0].sort_values(ascending=False, kind="stable").items())
     frame, values = frame[ok], values[ok]
     if values.empty:
-        return GroupSummary(key, 0, None, None, (), agg, failed, no_value)
+        return GroupSummary(key, 0, None, None, (), agg, failed, no_value, lost)
     order = values.sort_values(ascending=not table.higher_is_worse, kind="stable")
     best = values.min() if table.higher_is_worse else values.max()
     named = tuple(Named(_name(frame.loc[i], lay.names), float(v)) for i, v in order.items()
                   if v != best)[:worst]
     extreme = values.max() if table.higher_is_worse else values.min()
     return GroupSummary(key, len(values), float(values.median()), float(extreme), named, agg,
-                        failed, no_value)
+                        failed, no_value, lost)
 
 
 def _under(path: str, inputs: Sequence[str]) -> str | None:
@@ -331,4 +345,6 @@ def summarize(table: Table, worst: int = WORST,
         n_rows=len(frame), provenance=Provenance.of(table.provenance), groups=tuple(groups),
         known_row_type=table.row_type is not None,
         headline_doc=table.docs.get(table.headline, ""), constants=constants,
-        names=table.names, inputs=inputs)
+        names=table.names, inputs=inputs,
+        beside=tuple(c for c in getattr(table.row_type, "SHOWN", ())
+                    if lay.has_aggregate and c in frame.columns))

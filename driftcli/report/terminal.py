@@ -23,8 +23,9 @@ def render(report: Report, console: Console | None = None) -> None:
     for summary in report.summaries:
         vary, _ = d.varying(summary)
         table = RichTable(title=escape(d.title(summary)), title_justify="left")
-        for i, h in enumerate(d.headers(summary, vary)):
-            numeric = len(vary) <= i < len(vary) + 4 and not h.startswith("worst")
+        heads = d.headers(summary, vary)
+        for i, h in enumerate(heads):
+            numeric = len(vary) <= i < len(heads) - 1  # between the groups and the worst rows
             table.add_column(escape(h), justify="right" if numeric else "left", overflow="fold")
         for g in summary.groups:
             table.add_row(*(escape(c) for c in d.cells(summary, g, vary)))
