@@ -25,6 +25,7 @@ from driftcli.cast import Cast
 from driftcli.errors import DriftError
 from driftcli.io.tables import schema_of
 from driftcli.measures import MEASURES
+from driftcli.measures.axes import axis_misfits
 from driftcli.measures.scan import ScanOptions
 from driftcli.modes import Device, parse_choice
 
@@ -89,13 +90,16 @@ def _scratch(label: str) -> Iterator[Path]:
             path.unlink(missing_ok=True)
 
 
-def _frame(row_type: type, rows: list[Any]) -> pd.DataFrame:
-    """The rows as the Parquet table reads back: the table's schema, then pandas."""
+def _frame(row_type: type, rows: list[Any], skipped: list[str]) -> pd.DataFrame:
+    """The rows as the Parquet table reads back (the table's schema, then pandas), with the
+    tensors the axis does not fit in ``attrs["skipped"]``."""
     import pyarrow as pa
 
     table = pa.Table.from_pylist([dataclasses.asdict(r) for r in rows],
                                  schema=schema_of(row_type))
-    return table.to_pandas()
+    frame = table.to_pandas()
+    frame.attrs["skipped"] = skipped
+    return frame
 
 
 def measure(x: Measurable, casts: str | Cast | Sequence[str | Cast],
@@ -122,13 +126,15 @@ def measure(x: Measurable, casts: str | Cast | Sequence[str | Cast],
     options = ScanOptions(axis=axis, draws=(8 if what == "error-bias" else 1)
                           if draws is None else draws, seed=seed,
                           device=parse_choice(Device, device, "device"))
-    run = dict(options=options, include=include, exclude=exclude)
     if isinstance(x, str | Path) or (isinstance(x, Sequence) and not isinstance(x, str)):
         paths = [x] if isinstance(x, str | Path) else list(x)
         if not all(isinstance(p, str | Path) for p in paths):
             raise DriftError("measure: a list is read as paths; give a dict for tensors "
                              "(a state dict)")
-        return _frame(m.row_type, m.run(paths, _casts(casts), **run))
+        fit = axis_misfits(paths, axis, include, exclude)
+        rows = m.run(paths, _casts(casts), options=options, include=include,
+                     exclude=[*exclude, *fit.exclude])
+        return _frame(m.row_type, rows, fit.lines())
     if isinstance(x, nn.Module):
         x = x.state_dict()
     if isinstance(x, torch.Tensor):
@@ -144,9 +150,11 @@ def measure(x: Measurable, casts: str | Cast | Sequence[str | Cast],
         raise DriftError(f"measure: name {label!r} cannot be a file name; give a plain name")
     with _scratch(label) as path:
         torch.save(payload, path)
-        rows = m.run([path], _casts(casts), **run)
+        fit = axis_misfits([path], axis, include, exclude)
+        rows = m.run([path], _casts(casts), options=options, include=include,
+                     exclude=[*exclude, *fit.exclude])
     where = str(path)
     rows = [dataclasses.replace(
         r, source=label if r.source == where else r.source,
         error=r.error.replace(where, label) if r.error else r.error) for r in rows]
-    return _frame(m.row_type, rows)
+    return _frame(m.row_type, rows, [line.replace(where, label, 1) for line in fit.lines()])

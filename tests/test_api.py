@@ -104,3 +104,11 @@ def test_stochastic_draws_follow_the_seed_only() -> None:
     other = drift.measure(w, "mxfp4_e2m1:sr", "error-bias", draws=2, seed=6)
     pd.testing.assert_frame_equal(first, again)
     assert first["rel_error"].iloc[0] != other["rel_error"].iloc[0]
+
+
+def test_an_axis_some_tensors_lack_skips_and_names_them() -> None:
+    sd = _weights()
+    got = drift.measure(sd, "float8_e4m3fn", axis=1)
+    assert list(got["tensor"]) == ["layer.weight", "head.weight", "*"]
+    assert got.attrs["skipped"] == [
+        "state_dict layer.bias [64]: --axis 1 is not one of its axes"]

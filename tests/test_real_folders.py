@@ -231,3 +231,45 @@ def test_sharded_folder_is_one_report_group_per_cast(tmp_path: Path) -> None:
         (str(single), "float8_e4m3fn"): (1, 1, 1.0, []),
         (str(single), "bf16"): (1, 1, 0.0, []),
     }
+
+
+# --- an axis that some tensors lack (item 6) -------------------------------------------------
+
+def test_axis_1_skips_and_names_the_1d_tensors(tmp_path: Path) -> None:
+    path = tmp_path / "layer.safetensors"
+    save_file({"fc.weight": torch.full((4, 64), 1000.0), "fc.bias": torch.ones(4),
+               "norm.weight": torch.ones(64), "step": torch.tensor([3])}, path)
+    result = runner.invoke(app, ["clip-rate", str(path), "-c", "float8_e4m3fn", "--axis", "1",
+                                 "--out", str(tmp_path / "o"), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["axis_skipped"] == [
+        f"{path} fc.bias [4]: --axis 1 is not one of its axes",
+        f"{path} norm.weight [64]: --axis 1 is not one of its axes"]
+    assert summary["casts"][0]["tensors"] == 1 and summary["casts"][0]["clip_rate"] == 1.0
+    printed = runner.invoke(app, ["clip-rate", str(path), "-c", "float8_e4m3fn", "--axis", "1",
+                                  "--out", str(tmp_path / "o2")])
+    assert "skipped " + f"{path} fc.bias [4]: --axis 1 is not one of its axes" in (
+        printed.output.replace("\n", ""))
+
+
+def test_axis_that_fits_no_tensor_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "biases.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.ones(8)}, path)
+    result = runner.invoke(app, ["clip-rate", str(path), "-c", "mxfp8_e4m3", "--axis", "1",
+                                 "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert ("--axis 1 fits no tensor of the inputs (they have 1 dimension(s), first a [4]); "
+            "give an axis they have, e.g. --axis -1") in result.output
+
+
+def test_axis_misfits_match_names_exactly() -> None:
+    from driftcli.io.readers.core import TensorRef
+    from driftcli.measures.axes import AxisFit, fits
+
+    assert fits((4, 8), 1) and fits((4, 8), -2) and not fits((8,), 1) and not fits((8,), -2)
+    assert fits((), -1) and not fits((), 1)
+    fit = AxisFit(1, (TensorRef("f", "a[0].*?", "float32", (4,)),))
+    import fnmatch
+    [glob] = fit.exclude
+    assert fnmatch.fnmatchcase("a[0].*?", glob) and not fnmatch.fnmatchcase("a0.xy", glob)

@@ -112,6 +112,8 @@ def _print(summary: dict[str, Any]) -> None:
         out.print(f"skipped {skipped} non-floating-point tensor(s)")
     for f in summary.get("skipped_files", []):
         out.print(f"skipped {f}: holds no weights (training state)", markup=False)
+    for line in summary.get("axis_skipped", []):
+        out.print(f"skipped {line}", markup=False)
     seen = set()
     for e in summary["errors"]:
         if (e["source"], e["tensor"]) not in seen:
@@ -143,16 +145,18 @@ def _measure(name: str, path: Path, inputs: list[Path], casts: list[str], option
     from driftcli.engines import clear_units
     from driftcli.io.tables import identify_in_background, provenance
     from driftcli.measures import MEASURES
+    from driftcli.measures.axes import axis_misfits
     from driftcli.measures.scan import scan
     from driftcli.memory import bound_memory
 
     m = MEASURES[name]
+    fit = axis_misfits(inputs, options.axis, include or (), exclude or ())
     run_on = execution(engine, workers, ray_address, units_dir(path), resume, fast_hash)
     identities: list[Callable[[], list[dict[str, Any]]]] = []  # hashing, from the inputs opening
     bound_memory()
     with progress_bar("scanning", Bar.BYTES, quiet) as advance:
         s = scan(inputs, casts, options=m.scan_options(options), include=include or (),
-                 exclude=exclude or (),
+                 exclude=[*(exclude or ()), *fit.exclude],
                  progress=advance, rounded=m.rounded, execution=run_on,
                  on_open=lambda files: identities.append(identify_in_background(files,
                                                                                 fast_hash)))
@@ -174,6 +178,7 @@ def _measure(name: str, path: Path, inputs: list[Path], casts: list[str], option
         raise typer.Exit(EXIT_USAGE)
     summary = _summary(m, rows, path, casts)
     summary["skipped_files"] = [str(f) for i in s.inputs for f in i.skipped]
+    summary["axis_skipped"] = fit.lines()
     failed = {f"{e['source']} {e['tensor']}: {e['error']}": None for e in summary["errors"]}
     publish(path, m.row_type, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
             failures=list(failed), failed="tensor(s) or file(s) could not be read",
