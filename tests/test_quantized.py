@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
@@ -750,3 +751,75 @@ def test_docs_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     result = CliRunner().invoke(app, block[0].removeprefix("$ drift ").split())
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == block[1:]
+
+
+# --- the reader fuzz, on quantized layouts --------------------------------------------------------
+
+_PARTS = ("_scale_inv", "_scale", "_global_scale", "_scale_2", "_scales", "_blocks", "_packed")
+
+
+def test_damaged_quantized_files_are_errors_never_crashes(tmp_path: Path) -> None:
+    """test_reader_fuzz's safetensors mutants of a small file holding a weight of three
+    layouts, read by its worker (scan, then every listed tensor, under an address-space
+    limit): no crash, no scale tensor ever listed, a file the library refuses never measured
+    clean, and a weight whose tensors the mutation left alone read as in the sound file."""
+    import os
+    import random
+    import subprocess
+    import sys
+
+    import test_reader_fuzz as fuzz
+
+    q, s = deepseek_fp8(sample((130, 20), 50, zero_block=False))
+    cp, cws, cgs = nvfp4(sample((4, 32), 51, zero_block=False), True)
+    blocks, scales = gpt_oss(sample((2, 2, 32), 52, zero_block=False))
+    sound = tmp_path / "sound.safetensors"
+    save_file({"d.weight": q, "d.weight_scale_inv": s, "c.weight_packed": cp,
+               "c.weight_scale": cws, "c.weight_global_scale": cgs,
+               "e.down_proj_blocks": blocks, "e.down_proj_scales": scales,
+               "n.weight": torch.randn(3, 4)}, sound)
+    weights = {"d.weight": ("d.weight", "d.weight_scale_inv"),
+               "c.weight": ("c.weight_packed", "c.weight_scale", "c.weight_global_scale"),
+               "e.down_proj": ("e.down_proj_blocks", "e.down_proj_scales"),
+               "n.weight": ("n.weight",)}
+    base = {t.name: fuzz.digest(t.read()) for t in open_inputs([sound]).tensors}
+    assert sorted(base) == sorted(weights)
+    rng = random.Random(fuzz.SEED)
+    mutants, seen = [], {sound.read_bytes()}
+    for m in fuzz.safetensors_mutants(sound.read_bytes(), rng):
+        if m.data not in seen:
+            seen.add(m.data)
+            mutants.append(m)
+    mutants = mutants[::4]  # every fourth: each kind of damage stays, in a quarter of the time
+    folders = []
+    for i, m in enumerate(mutants):  # one folder each: a weight's tensors are read together
+        folders.append(tmp_path / f"m{i:04d}")
+        folders[-1].mkdir()
+        (folders[-1] / "model.safetensors").write_bytes(m.data)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps([str(f) for f in folders]))
+    env = {**os.environ, "PYTHONPATH": str(Path(fuzz.__file__).parents[1])}
+    run = subprocess.run([sys.executable, fuzz.__file__, str(manifest), str(sound)],
+                         capture_output=True, text=True, timeout=600, check=False, env=env)
+    results = {r["id"]: r for r in map(json.loads, run.stdout.splitlines()) if "id" in r}
+    assert run.returncode == 0 and len(results) == len(mutants), run.stderr[-3000:]
+    wrong = [f"{mutants[i].label}: {r['crash']}" for i, r in results.items() if "crash" in r]
+    outcomes: Counter[str] = Counter()
+    for i, m in enumerate(mutants):
+        got = results[i]
+        outcomes[fuzz.outcome(got)] += 1
+        listed_names = set(got["tensors"])
+        if any(n.endswith(_PARTS) for n in listed_names):
+            wrong.append(f"{m.label}: a stored part listed as a tensor: {sorted(listed_names)}")
+        refused = fuzz.library_reads(folders[i] / "model.safetensors") is None
+        if refused and fuzz.outcome(got) == "clean":
+            wrong.append(f"{m.label}: the library refuses it, drift measured it all")
+        wrong += [f"{m.label}: {name} reads otherwise than in the sound file"
+                  for name, parts in weights.items()
+                  if m.untouched is not None and set(parts) <= m.untouched
+                  and name in got["tensors"] and got["tensors"][name][2] != base[name]]
+        if got["seconds"] > fuzz.CASE_SECONDS:
+            wrong.append(f"{m.label}: {got['seconds']:.1f} s")
+    assert wrong == [], "\n".join(wrong[:20])
+    print(f"\nquantized fuzz: {len(mutants)} mutants, {dict(outcomes)}")
+    assert len(mutants) > 250 and min(outcomes.values()) >= 20, outcomes

@@ -33,6 +33,13 @@ def _oss_stem(name: str) -> tuple[str, str] | None:
     return None
 
 
+def _partner(name: str) -> str:
+    """A gpt-oss ``_blocks`` tensor's ``_scales`` name, and the other way round."""
+    if name.endswith("blocks"):
+        return name[:-len("blocks")] + "scales"
+    return name[:-len("scales")] + "blocks"
+
+
 def claims(by_name: dict[str, TensorRef], unreadable: set[str]) -> dict[str, set[Layout]]:
     """Weights with ``weight_packed`` / ``weight_global_scale`` (compressed-tensors NVFP4),
     ``weight_scale_2`` (ModelOpt NVFP4) or ``_blocks`` / ``_scales`` (gpt-oss MXFP4)."""
@@ -45,7 +52,9 @@ def claims(by_name: dict[str, TensorRef], unreadable: set[str]) -> dict[str, set
             out.setdefault(stem, set()).add(Layout.CT_NVFP4)
         elif name.endswith(".weight_scale_2"):
             out.setdefault(name[:-len("_scale_2")], set()).add(Layout.MODELOPT_NVFP4)
-        elif (got := _oss_stem(name)) is not None and (ref is None or ref.dtype == "uint8"):
+        elif (got := _oss_stem(name)) is not None and (
+                ref is None or ref.dtype == "uint8" or _partner(name) in by_name
+                or _partner(name) in unreadable):
             out.setdefault(got[0], set()).add(Layout.GPT_OSS_MXFP4)
     return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from driftcli.io.readers.core import TensorRef
 from driftcli.io.readers.quantized import Config, Family, Layout, QuantSpec
 
-_FP8 = {"float8_e4m3fn", "float8_e5m2"}
+_FP8 = {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
 _E8M0 = {"uint8", "float8_e8m0fnu"}
 _FLOAT_SCALES = {"float32", "bfloat16", "float16"}
 _SUFFIXES = {Layout.DEEPSEEK_FP8: "_scale_inv", Layout.MXFP8: "_scale", Layout.CT_FP8: "_scale"}
@@ -53,8 +53,9 @@ def claims(by_name: dict[str, TensorRef], unreadable: set[str]) -> dict[str, set
                 continue
             stem = name[:-len(suffix)] + ".weight"
             codes = by_name.get(stem)
-            if codes is not None and codes.dtype not in _FP8:
-                continue  # a packed FP4 weight's scale (the FP4 family's)
+            if codes is not None and codes.dtype not in _FP8 and (
+                    f"{stem}_scale_2" in by_name or f"{stem}_scale_2" in unreadable):
+                continue  # a ModelOpt NVFP4 weight's block scale (the FP4 family's)
             if codes is None and stem not in unreadable and not inv and (
                     f"{stem}_packed" in by_name or f"{stem}_global_scale" in by_name):
                 continue
@@ -63,8 +64,6 @@ def claims(by_name: dict[str, TensorRef], unreadable: set[str]) -> dict[str, set
                 lays = {Layout.DEEPSEEK_FP8 if inv else Layout.CT_FP8}
             elif scale.dtype in _E8M0:
                 lays = _e8m0_layouts(codes, scale, inv)
-            elif scale.dtype == "float8_e4m3fn" and codes is None:
-                continue  # an NVFP4 block scale
             else:
                 lays = {Layout.DEEPSEEK_FP8 if inv else Layout.CT_FP8}
             out.setdefault(stem, set()).update(lays)
