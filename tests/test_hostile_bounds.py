@@ -276,3 +276,18 @@ def test_a_dump_matmul_larger_than_memory_is_a_row_error_and_the_others_are_meas
     check_shapes([(64, 1024, 64)], memory=10 << 20)
     with pytest.raises(DriftError, match=r"shape 64x1024x64: measuring it takes about 0\.0 GiB"):
         check_shapes([(64, 1024, 64)], memory=1 << 20)
+
+
+def test_a_live_progress_bar_prints_names_as_text(capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from driftcli.cli.run import Bar, progress_bar
+
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # Rich draws the bar as on a terminal
+    # a label is a run folder's name, a description a tensor's: markup, braces, an OSC 52
+    with progress_bar("train {0} [/]", Bar.ITEMS, quiet=False) as advance:
+        advance(1, 2, "[bold red]x[/] osc\x1b]52;c;aGk=\x07")
+    with progress_bar("scanning", Bar.BYTES, quiet=False) as advance:
+        advance(1, 2, "[/]")
+    err = capsys.readouterr().err
+    assert "train {0} [/]" in err and "[bold red]x[/] osc\\x1b]52;c;aGk=\\x07" in err
+    assert "\x1b]52" not in err and "\x07" not in err

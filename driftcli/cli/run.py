@@ -128,7 +128,9 @@ def progress_bar(label: str, bar: Bar, quiet: bool) -> Iterator[Progress]:
     columns: tuple[Any, ...] = (
         (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
          TransferSpeedColumn(), TimeRemainingColumn()) if bar is Bar.BYTES else
-        (TextColumn(for_terminal(label)), BarColumn(), MofNCompleteColumn(),
+        # a TextColumn's text is a format template: braces in a name are doubled
+        (TextColumn(for_terminal(label).replace("{", "{{").replace("}", "}}")), BarColumn(),
+         MofNCompleteColumn(),
          TextColumn("{task.description}"), TimeElapsedColumn()))
     live = not quiet and console.is_terminal
     with Bars(*columns, console=console, disable=not live, transient=True) as shown:
