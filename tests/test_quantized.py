@@ -823,3 +823,67 @@ def test_damaged_quantized_files_are_errors_never_crashes(tmp_path: Path) -> Non
     assert wrong == [], "\n".join(wrong[:20])
     print(f"\nquantized fuzz: {len(mutants)} mutants, {dict(outcomes)}")
     assert len(mutants) > 250 and min(outcomes.values()) >= 20, outcomes
+
+
+# --- Transformer Engine DumpTensors files --------------------------------------------------------
+
+
+class FakeFloat8Tensor:
+    """Pickles as Transformer Engine's Float8Tensor does: through a classmethod of its own."""
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        self.data, self.scale_inv = data, scale_inv
+
+    def __reduce_ex__(self, protocol: object) -> tuple[object, ...]:
+        return (FakeFloat8Tensor.make, (self.data, self.scale_inv, torch.bfloat16))
+
+    @classmethod
+    def make(cls, data: torch.Tensor, scale_inv: torch.Tensor,
+             dtype: torch.dtype) -> FakeFloat8Tensor:
+        return cls(data, scale_inv)
+
+
+class Hostile:
+    """A pickle that would run a shell command if it were unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        import os
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_te_dump_tensors(tmp_path: Path) -> None:
+    hp = sample((8, 64), 60, zero_block=False).bfloat16()
+    marker = tmp_path / "ran"
+    torch.save({"high_precision": hp,
+                "quantized": FakeFloat8Tensor(hp.float().to(torch.float8_e4m3fn),
+                                              torch.tensor(1.0)),
+                "data": hp.float().to(torch.float8_e4m3fn), "scale_inv": torch.tensor(1.0)},
+               tmp_path / "decoder.layers.0.fc1_activation_iter_000100.pt")
+    torch.save({"high_precision": hp * 2},
+               tmp_path / "decoder.layers.0.fc2_weight_iter_000200.pt")
+    torch.save({"high_precision": hp, "quantized": Hostile(marker)},
+               tmp_path / "decoder.layers.1.fc1_gradient_iter_000300.pt")
+    torch.save({"w": hp}, tmp_path / "plain_weight_iter_000001.pt")  # named so, a state dict
+    inputs = open_inputs([tmp_path])
+    got = {t.name: t for t in inputs.tensors}
+    assert sorted(got) == ["decoder.layers.0.fc1.activation", "decoder.layers.0.fc2.weight",
+                           "decoder.layers.1.fc1.gradient", "w"]
+    a = got["decoder.layers.0.fc1.activation"]
+    assert (a.role, a.layer, a.step, a.dtype) == ("activation", "decoder.layers.0.fc1", 100,
+                                                   "bfloat16")
+    assert torch.equal(a.read(), hp) and torch.equal(a.read(2, 5), hp[2:5])
+    assert torch.equal(got["decoder.layers.0.fc2.weight"].read(), hp * 2)
+    assert not marker.exists()  # the hostile pickle's command never ran
+    errors = sorted((e.tensor, e.message.split(": ", 1)[1]) for e in inputs.errors)
+    assert errors == [
+        ("decoder.layers.0.fc1.activation.quantized",
+         "entry 'quantized' is a pickled test_quantized.FakeFloat8Tensor.make, which drift "
+         "does not unpickle (it would run Transformer Engine's code); the high_precision "
+         "tensor is read (dump with quantized_tensor: False to leave it out)"),
+        ("decoder.layers.1.fc1.gradient.quantized",
+         "entry 'quantized' is a pickled posix.system, which drift does not unpickle (it "
+         "would run Transformer Engine's code); the high_precision tensor is read (dump with "
+         "quantized_tensor: False to leave it out)")]

@@ -18,13 +18,15 @@ from driftcli.io.readers.core import (
     TensorRef,
     not_regular,
     shown,
+    within_bounds,
 )
 from driftcli.io.readers.npy import NPY, NPZ
 from driftcli.io.readers.pytorch import PYTORCH
 from driftcli.io.readers.quantized import Layout, assemble
 from driftcli.io.readers.safetensors import INDEX_SUFFIX, SAFETENSORS, Index, is_index, read_index
+from driftcli.io.readers.te_dumps import TE_DUMPS
 
-KINDS: list[FileKind] = [SAFETENSORS, PYTORCH, NPZ, NPY]
+KINDS: list[FileKind] = [SAFETENSORS, TE_DUMPS, PYTORCH, NPZ, NPY]
 """Every kind of tensor file drift reads, in the order messages name them: a new kind is one
 module and one entry here."""
 
@@ -128,6 +130,9 @@ class _Collector:
         if only is not None:
             refs = [r for r in refs if r.name in only]
             problems = [p for p in problems if p.tensor is None or p.tensor in only]
+        # a small file must not buy hours: every tensor costs a measurement fixed work
+        refs, over = within_bounds(path, refs)
+        problems = [*problems, *over]
         self.errors.extend((str(path), p) for p in problems)
         self.tensors.extend(refs)
         return {r.name for r in refs} | {p.tensor for p in problems if p.tensor is not None}
