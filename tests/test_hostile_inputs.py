@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
@@ -169,6 +170,51 @@ def test_a_stride_0_view_of_2_to_the_36_elements_is_refused_not_measured_for_an_
     assert t.loc[["rows", "tied", "tied_again"]].error.isna().all()
     assert list(t.loc[["rows", "tied", "tied_again"]].n_finite) == [64, 64, 64]
 
+
+
+def test_40000_empty_tensors_in_2_mb_cost_seconds_not_minutes(tmp_path: Path) -> None:
+    save_file({f"e{i:05d}": torch.zeros(0) for i in range(40_000)} | {"w": torch.ones(2, 32)},
+              str(tmp_path / "empty.safetensors"))
+    assert (tmp_path / "empty.safetensors").stat().st_size < 2_500_000
+    # before the fix: every empty tensor measured at a few ms each (2 minutes and more)
+    out = bounded(f"""
+        import json
+        from driftcli.measures import MEASURES
+        rows = MEASURES["clip-rate"].run([{str(tmp_path / "empty.safetensors")!r}],
+                                         ["mxfp8_e4m3"])
+        print(json.dumps([[r.tensor, r.numel, r.error] for r in rows]))
+    """, timeout=45)
+    rows = json.loads(out)
+    measured = [r for r in rows if r[2] is None and r[0] != "*"]
+    assert len(measured) == 1_001 and ["w", 64, None] in measured
+    assert sum(r[1] == 0 for r in measured) == 1_000
+    (bad,) = [r for r in rows if r[2] is not None and r[0] != "*"]
+    assert bad[2] == (f"{tmp_path / 'empty.safetensors'} holds 40,001 tensors, 40,000 of them "
+                      "with no elements: over drift's limits of 100,000 tensors and 1,000 empty "
+                      "ones a file, so 39,000 (first: e01000) are not measured; split the "
+                      "file, or leave out the empty tensors")
+
+
+def test_tensors_past_the_limit_of_a_file_are_left_out_with_one_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from driftcli.io.readers import core, npy
+
+    monkeypatch.setattr(core, "MAX_ENTRIES", 10)
+    monkeypatch.setattr(npy, "MAX_ENTRIES", 10)
+    tensors = {f"t{i:02d}": torch.full((2,), float(i)) for i in range(25)}
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    torch.save(tensors, tmp_path / "b.pt")
+    np.savez(tmp_path / "c.npz", **{k: v.numpy() for k, v in tensors.items()})
+    got = open_inputs([tmp_path])
+    for kind in "abc":
+        names = [r.name for r in got.tensors if Path(r.source).stem == kind]
+        assert names == [f"t{i:02d}" for i in range(10)], kind
+    assert [e.message.split(", so ")[1] for e in got.errors] == [
+        "15 (first: t10) are not measured; split the file, or leave out the empty tensors",
+        "15 (first: t10) are not measured; split the file, or leave out the empty tensors",
+        "15 (first: t10.npy) are not read; split the archive"]
 
 # --- names are data -----------------------------------------------------------------------------
 

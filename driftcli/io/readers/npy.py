@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from driftcli.io.readers.core import (
+    MAX_ENTRIES,
     ZIP_ERRORS,
     ByteRange,
     FileKind,
@@ -285,7 +286,13 @@ def npz_refs(path: Path) -> Listing:
     try:
         archive = path.stat().st_size
         with zipfile.ZipFile(path) as zf:
-            for info in zf.infolist():
+            infos = zf.infolist()
+            if len(infos) > MAX_ENTRIES:  # each member's header costs a read: stop early
+                problems.append(Problem(
+                    f"{path} holds {len(infos):,} members, over drift's limit of "
+                    f"{MAX_ENTRIES:,} tensors a file, so {len(infos) - MAX_ENTRIES:,} (first: "
+                    f"{infos[MAX_ENTRIES].filename}) are not read; split the archive"))
+            for info in infos[:MAX_ENTRIES]:
                 # members are found through the archive's directory, each on its own: one
                 # damaged member leaves the others in no doubt
                 got = _npz_member(path, zf, info, archive)
