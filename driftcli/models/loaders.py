@@ -184,7 +184,8 @@ def estimate_memory(path: Path, float64_copies: int) -> tuple[int, int]:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config)
-    except (OSError, ValueError, TypeError, KeyError) as err:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ImportError,
+            NotImplementedError, RuntimeError) as err:  # what a model's own config code raises
         raise CheckpointError(f"cannot build {path}'s model from its config.json: "
                               f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
                               ) from None
