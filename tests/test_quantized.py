@@ -887,3 +887,20 @@ def test_te_dump_tensors(tmp_path: Path) -> None:
          "entry 'quantized' is a pickled posix.system, which drift does not unpickle (it "
          "would run Transformer Engine's code); the high_precision tensor is read (dump with "
          "quantized_tensor: False to leave it out)")]
+
+
+def test_reads_in_chunks_equal_the_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import driftcli.io.readers.quantized as quantized
+
+    q, s = deepseek_fp8(sample((300, 260), 70))
+    blocks, scales = gpt_oss(sample((3, 5, 96), 71))
+    write(tmp_path, {"a.weight": q, "a.weight_scale_inv": s,
+                     "e.down_proj_blocks": blocks, "e.down_proj_scales": scales})
+    refs = listed(tmp_path)
+    whole = {k: r.read() for k, r in refs.items()}
+    for chunk in (1000, 260 * 130, 100):  # 3 rows (under a block), 128 rows, 1 row
+        monkeypatch.setattr(quantized, "CHUNK_ELEMENTS", chunk)
+        for k, r in refs.items():
+            assert torch.equal(r.read(), whole[k]), (k, chunk)
+            assert torch.equal(r.read(1, 3 if k == "e.down_proj" else 290),
+                               whole[k][1:3 if k == "e.down_proj" else 290]), (k, chunk)
