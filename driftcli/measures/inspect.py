@@ -40,10 +40,10 @@ from driftcli.io.readers.quantized import (
     Order,
     QuantSpec,
     element_values,
-    read_weight,
     scale_values,
     spec_of,
     unpack_nibbles,
+    weight_ref,
 )
 from driftcli.io.tables import column
 
@@ -236,10 +236,10 @@ def _inspect_weight(ref: TensorRef, spec: QuantSpec) -> tuple[InspectRow, float]
         lint_zero_blocks=zero_blocks > 0)
     if nan_scales:
         return row, math.nan
-    exact = read_weight(replace(spec, out_dtype="float32"), 0, spec.shape[0])
+    exact = weight_ref(replace(spec, out_dtype="float32")).read()  # in bounded chunks
     row = replace(row, rms=_rms(exact))
     if spec.global_scale is not None:
-        lib = read_weight(replace(spec, order=Order.LIBRARY), 0, spec.shape[0])
+        lib = weight_ref(replace(spec, order=Order.LIBRARY)).read()
         differs = (lib.view(torch.int32) != exact.view(torch.int32)) & ~(
             lib.isnan() & exact.isnan())
         row = replace(row, order_differs=int(differs.sum()))
@@ -317,7 +317,7 @@ def _with_requant(rows: list[InspectRow], tensors: Sequence[TensorRef],
             if spec is None or row.error is not None or row.nan_scales:
                 out.append(replace(row, requant=preset))
                 continue
-            values = read_weight(spec, 0, spec.shape[0]).double()
+            values = weight_ref(spec).read().double()
             codes_vals = element_values(_codes(spec), spec.element)
             counts = _requant(spec, values, codes_vals, _scales(spec), preset)
             out.append(replace(row, requant=preset, **counts))  # type: ignore[arg-type]
