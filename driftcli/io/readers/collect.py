@@ -213,7 +213,8 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
                 collector.open_index(item)
             else:
                 collector.open(item)
-    unreadable = {p.tensor for _, p in collector.errors if p.tensor is not None}
+    unreadable = {(Path(source).parent, p.tensor) for source, p in collector.errors
+                  if p.tensor is not None}
     collector.tensors, found = assemble(collector.tensors, unreadable, layout)
     collector.errors.extend(found)
     # names are data: a file name that is not UTF-8 (or a pickled name with a lone

@@ -349,13 +349,13 @@ _ACTIVATION_SCALES = re.compile(r"(^|\.)(input_scale|input_global_scale|k_scale|
                                 r"weight_zero_point|output_scale)$")
 
 
-def assemble(tensors: Sequence[TensorRef], unreadable: set[str],
+def assemble(tensors: Sequence[TensorRef], unreadable: set[tuple[Path, str]],
              layout: Layout | str | None = None
              ) -> tuple[list[TensorRef], list[tuple[str, Problem]]]:
     """Put each quantized weight of ``tensors`` in place of its stored tensors.
 
-    ``unreadable`` names tensors the listing could not read (their problem is recorded
-    already): a weight with one of them is left out, and its other tensors with it.
+    ``unreadable`` names (folder, tensor) the listing could not read (their problem is
+    recorded already): a weight with one of them is left out, and its other tensors with it.
     ``layout`` overrides what the folders' configs say and what the names suggest.
     Returns the tensors in listing order (a weight where its codes were) and the problems
     (each with the file or folder it is about):
@@ -379,7 +379,8 @@ def assemble(tensors: Sequence[TensorRef], unreadable: set[str],
         if config is not None and config.error is not None:
             problems.append((str(folder), Problem(config.error)))
         found: list[Problem] = []
-        _assemble_folder(refs, unreadable, config, forced, replaced, found)
+        _assemble_folder(refs, {n for f, n in unreadable if f == folder}, config, forced,
+                         replaced, found)
         problems.extend((refs[0].source, p) for p in found)
     out: list[TensorRef] = []
     for ref in tensors:
