@@ -264,3 +264,25 @@ def test_a_fortran_ordered_npz_member_reads_back(tmp_path: Path) -> None:
     assert torch.equal(ref.read(1, 3), torch.from_numpy(np.ascontiguousarray(a[1:3])))
     assert torch.equal(other.read(2, 4), torch.tensor([2.0, 3.0], dtype=torch.float64))
     assert torch.equal(ref.read(), torch.from_numpy(np.ascontiguousarray(a)))
+
+
+def test_non_utf8_file_names_in_a_folder_and_as_out_are_shown_escaped(tmp_path: Path) -> None:
+    import pandas as pd
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    save_file({"w": torch.linspace(-1, 1, 64).reshape(2, 32)}, str(folder / "ok.safetensors"))
+    bad = os.fsdecode(os.fsencode(folder) + b"/bad\xff.safetensors")  # held as a surrogate
+    save_file({"v": torch.linspace(-2, 2, 64).reshape(2, 32)}, bad)
+    out = os.fsdecode(os.fsencode(tmp_path) + b"/out\xfe")
+    # before the fix: UnicodeEncodeError (the run lost for one name)
+    result = CliRunner().invoke(app, ["clip-rate", str(folder), "-c", "mxfp8_e4m3",
+                                      "--out", out])
+    assert result.exit_code == 0, result.output
+    table = Path(out) / "clip-rate.parquet"
+    assert f"wrote {tmp_path}/out\\xfe/clip-rate.parquet" in result.output
+    with open(table, "rb") as fh:  # (pyarrow opens no path that is not UTF-8)
+        t = pd.read_parquet(fh).set_index("tensor")
+    assert t.loc["v"].source == f"{folder}/bad\\xff.safetensors"  # shown escaped
+    assert t.loc["v"].n_finite == 64 and pd.isna(t.loc["v"].error)  # read by its real name
+    assert t.loc["*"].n_tensors == 2
