@@ -329,15 +329,15 @@ _NUMPY_SCALARS = {f"{e}{k}{n}" for e in "<>|" for k, n in
                    ("u", 4), ("u", 8), ("f", 2), ("f", 4), ("f", 8))}
 
 
-def _fingerprint(path: Path, fast: bool) -> str:
+def _fingerprint(path: Path, fast: bool, wait: bool = True) -> str | None:
     """What a kept unit records of an input file: its sha256 (or, for a ``--fast-hash`` run,
-    its size, mtime and ctime)."""
+    its size, mtime and ctime); None without ``wait`` while another thread is hashing it."""
     from driftcli.io.tables import sha256_of
 
     if fast:
         st = path.stat()
         return f"size {st.st_size} mtime {st.st_mtime_ns} ctime {st.st_ctime_ns}"
-    return sha256_of(path)
+    return sha256_of(path, wait=wait)
 
 
 _TAKEN: dict[Path, int] = {}
@@ -385,6 +385,7 @@ class Manifest:
         self._abs = Path(os.path.abspath(folder))
         self._noticed = False
         self._unkept = False
+        self._pending: list[tuple[str, object]] = []
         _refuse_link(folder)
 
     def _path(self, key: str) -> Path:
@@ -398,6 +399,7 @@ class Manifest:
     def get(self, key: str) -> tuple[bool, Any]:
         """``(True, result)`` for a unit kept here under ``key``, else ``(False, None)``; a
         kept unit that does not hold (see the class) is ``(False, None)`` with a notice."""
+        self._keep_pending()
         path = self._path(key)
         if not os.path.lexists(path) or not os.path.isdir(self.folder):
             return False, None
@@ -464,15 +466,41 @@ class Manifest:
 
     def put(self, key: str, result: object) -> None:
         """Keep a finished unit's result (written atomically: an interrupted write is not
-        taken for a result). A unit that cannot be kept (a full disk, a folder in the way)
-        only costs a rerun if the run is resumed: one notice, and the run goes on."""
+        taken for a result). A unit whose input provenance is still hashing on another thread
+        is kept with the next unit after the hash is done (the scan does not wait for it). A
+        unit that cannot be kept (a full disk, a folder in the way) only costs a rerun if the
+        run is resumed: one notice, and the run goes on."""
+        self._pending.append((key, result))
+        self._keep_pending()
+
+    def flush(self) -> None:
+        """Keep the units still waiting for their inputs' sha256, waiting for it."""
+        self._keep_pending(wait=True)
+
+    def __del__(self) -> None:
+        # what can be kept without waiting is kept (a scan that ends, or is interrupted,
+        # while provenance still hashes its input); never an error on the way out
+        with contextlib.suppress(Exception):
+            self._keep_pending()
+
+    def _keep_pending(self, wait: bool = False) -> None:
+        waiting = []
+        for key, result in self._pending:
+            if not self._keep(key, result, wait):
+                waiting.append((key, result))
+        self._pending = waiting
+
+    def _keep(self, key: str, result: object, wait: bool = False) -> bool:
+        """Write one unit; False while an input's sha256 is being worked out elsewhere."""
         from driftcli.io.tables import atomic_write
 
         fast = self._abs in _FAST_HASH
         try:
-            inputs = [[str(p), _fingerprint(p, fast)] for p in _inputs_of(key)]
+            inputs = [[str(p), _fingerprint(p, fast, wait)] for p in _inputs_of(key)]
         except OSError:
-            return  # an input gone meanwhile: a unit that could never be checked again
+            return True  # an input gone meanwhile: a unit that could never be checked again
+        if any(digest is None for _, digest in inputs):
+            return False
         body = json.dumps({"key": key, "inputs": inputs, "result": _encode(result)},
                           separators=(",", ":"), allow_nan=False).encode()
         header = json.dumps({"format": UNIT_FORMAT,
@@ -491,7 +519,8 @@ class Manifest:
                 self._unkept = True
                 warnings.warn(f"finished units cannot be kept in {self.folder} ({err}); the "
                               "run goes on, but --resume would run them again", UnitNotice,
-                              stacklevel=2)
+                              stacklevel=4)
+        return True
 
     def clear(self) -> None:
         """Forget the run (its table is written): remove the unit files, never following a
@@ -576,14 +605,16 @@ def run(units: Sequence[U], work: Callable[[U], R], execution: Execution | None 
     if execution.engine is Engine.SERIAL:
         for i in todo:
             finished(i, work(units[i]))
-        return [results[i] for i in range(len(units))]
-    import torch
-
-    threaded = _Threaded(work, execution.threads or torch.get_num_threads(), os.getcwd())
-    if execution.engine is Engine.PROCESSES:
-        _run_processes(units, todo, threaded, execution, finished)
     else:
-        _run_ray(units, todo, threaded, execution, finished)
+        import torch
+
+        threaded = _Threaded(work, execution.threads or torch.get_num_threads(), os.getcwd())
+        if execution.engine is Engine.PROCESSES:
+            _run_processes(units, todo, threaded, execution, finished)
+        else:
+            _run_ray(units, todo, threaded, execution, finished)
+    if manifest is not None:
+        manifest.flush()
     return [results[i] for i in range(len(units))]
 
 

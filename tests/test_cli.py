@@ -230,9 +230,10 @@ def test_the_demo_ends_with_what_to_run_on_your_own_checkpoint(
     tail = result.output.splitlines()[-4:]
     assert tail[0].startswith("next, on your own checkpoint")
     assert tail[1:] == [
-        "  drift clip-rate MODEL.safetensors -c mxfp8_e4m3 -c mxfp8_e4m3_ceil -c nvfp4",
-        "  drift error-bias MODEL.safetensors -c mxfp8_e4m3 -c nvfp4",
-        "  drift report drift-out --fail-on 'clip-rate:clip_rate > 0.01'"]
+        "  drift clip-rate MODEL.safetensors -c mxfp8_e4m3 -c mxfp8_e4m3_ceil -c nvfp4 --out "
+        "my-drift-out",
+        "  drift error-bias MODEL.safetensors -c mxfp8_e4m3 -c nvfp4 --out my-drift-out",
+        "  drift report my-drift-out --fail-on 'clip-rate:clip_rate > 0.01'"]
 
 
 LEAVE = """

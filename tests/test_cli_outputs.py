@@ -91,7 +91,7 @@ def test_a_run_that_measures_nothing_keeps_the_earlier_table(good: Path, broken:
     table = out / "clip-rate.parquet"
     before = table.read_bytes()
     result = runner.invoke(app, ["clip-rate", str(broken), "-c", "mxfp8_e4m3", "--out",
-                                 str(out), "-q"])
+                                 str(out), "-q", "--overwrite"])
     assert result.exit_code == 2
     assert "error: nothing could be measured: 1 tensor(s) or file(s) failed" in result.output
     assert f"no table written; {table} from an earlier run is kept" in result.output

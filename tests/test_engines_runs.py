@@ -195,7 +195,7 @@ def test_a_worker_keeps_one_checkpoint_until_its_file_changes(run: Path, text: P
 
 def _probe(run: Path, *extra: str) -> Path:
     code, _, err = drift("probe", run, *(a for p in POLICIES for a in ("-p", p)), "--draws",
-                         "3", "--batch", "4", "-q", *extra)
+                         "3", "--batch", "4", "-q", "--overwrite", *extra)
     assert code == 0, err
     return run / "probe.parquet"
 
@@ -245,6 +245,6 @@ def test_probe_resume_takes_the_kept_checkpoints(
     interrupted()
     monkeypatch.setattr(probe_mod, "probe_unit", fail)
     code, _, _ = drift("probe", run, *(a for p in POLICIES for a in ("-p", p)), "--draws", "3",
-                       "--batch", "4", "-q")
+                       "--batch", "4", "-q", "--overwrite")
     assert code != 0  # a new run: the kept units are not taken
     assert not kept.exists()

@@ -382,7 +382,7 @@ def test_a_hugging_face_command_prints_no_third_party_bars(tmp_path: Path) -> No
            if not k.startswith(("HF_", "TRANSFORMERS_"))}
     argv = [sys.executable, "-m", "driftcli", "grad-cosine", str(STORIES), "-p", "exact",
             "--text", str(tmp_path / "story.txt"), "--tokens", "32", "--out", str(tmp_path),
-            "--quiet"]
+            "--quiet", "--overwrite"]
     quiet = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
     assert quiet.stderr == "" and quiet.stdout == ""
     asked = subprocess.run(argv, capture_output=True, text=True, check=True,

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import ClassVar
+from typing import BinaryIO, ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -134,8 +134,8 @@ def test_an_interrupted_write_leaves_neither_a_partial_file_nor_the_old_one_dama
     path = write_table(tmp_path / "t.parquet", VerifyRow, rows, {"run": 1})
     before = path.read_bytes()
 
-    def interrupted(table: pa.Table, where: Path, **kw: object) -> None:
-        Path(where).write_bytes(b"PAR1 half a file")  # the writer dies mid-file
+    def interrupted(table: pa.Table, where: BinaryIO, **kw: object) -> None:
+        where.write(b"PAR1 half a file")  # the writer dies mid-file (of its temporary file)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pq, "write_table", interrupted)

@@ -102,12 +102,19 @@ _DIGESTING: dict[tuple[Any, ...], threading.Lock] = {}
 _DIGESTS_LOCK = threading.Lock()
 
 
-def sha256_of(path: Path) -> str:
+@typing.overload
+def sha256_of(path: Path) -> str: ...
+@typing.overload
+def sha256_of(path: Path, *, wait: bool) -> str | None: ...
+
+
+def sha256_of(path: Path, *, wait: bool = True) -> str | None:
     """The sha256 of a file's bytes (streamed), worked out once per process and file version:
     provenance and the kept units of ``--resume`` (see :mod:`driftcli.engines`) ask for the
     same inputs' digests, often at the same time from two threads, and the second waits for
-    the first instead of reading the file again. A version is the file's device, inode, size,
-    mtime and ctime (a rewrite that restores size and mtime still changes ctime)."""
+    the first instead of reading the file again (or, with ``wait=False``, gets None while
+    another thread is at it). A version is the file's device, inode, size, mtime and ctime
+    (a rewrite that restores size and mtime still changes ctime)."""
     st = path.stat()
     version = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
                st.st_ctime_ns)
@@ -115,7 +122,9 @@ def sha256_of(path: Path) -> str:
         if version in _DIGESTS:
             return _DIGESTS[version]
         busy = _DIGESTING.setdefault(version, threading.Lock())
-    with busy:
+    if not busy.acquire(blocking=wait):
+        return None
+    try:
         if version not in _DIGESTS:  # (another thread may have finished it meanwhile)
             digest = hashlib.sha256()
             with path.open("rb") as fh:
@@ -124,13 +133,16 @@ def sha256_of(path: Path) -> str:
             with _DIGESTS_LOCK:
                 _DIGESTS[version] = digest.hexdigest()
         return _DIGESTS[version]
+    finally:
+        busy.release()
 
 
 def file_identity(path: Path, fast_hash: bool = False) -> dict[str, Any]:
     """Path, size and sha256 (streamed) of an input, or size + mtime with ``fast_hash``."""
     stat = path.stat()
     ident: dict[str, Any] = {"path": str(path), "size": stat.st_size}
-    if fast_hash or path.is_dir():
+    # a folder, or a FIFO or device (reading one can block or never end): its stat only
+    if fast_hash or not stat_mod.S_ISREG(stat.st_mode):
         ident["mtime"] = dt.datetime.fromtimestamp(stat.st_mtime, dt.UTC).isoformat()
         return ident
     ident["sha256"] = sha256_of(path)
