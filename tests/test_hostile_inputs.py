@@ -286,3 +286,17 @@ def test_non_utf8_file_names_in_a_folder_and_as_out_are_shown_escaped(tmp_path: 
     assert t.loc["v"].source == f"{folder}/bad\\xff.safetensors"  # shown escaped
     assert t.loc["v"].n_finite == 64 and pd.isna(t.loc["v"].error)  # read by its real name
     assert t.loc["*"].n_tensors == 2
+
+
+def test_provenance_stats_a_fifo_or_a_device_and_never_reads_it(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "p.npy")
+    (tmp_path / "z.safetensors").symlink_to("/dev/zero")
+    # before the fix: file_identity hashed /dev/zero forever, or blocked opening the FIFO
+    out = bounded(f"""
+        import json
+        from pathlib import Path
+        from driftcli.io.tables import file_identity
+        print(json.dumps([sorted(file_identity(Path({str(tmp_path)!r}) / n))
+                          for n in ("p.npy", "z.safetensors")]))
+    """, timeout=30)
+    assert json.loads(out) == [["mtime", "path", "size"], ["mtime", "path", "size"]]
