@@ -904,3 +904,16 @@ def test_reads_in_chunks_equal_the_whole(tmp_path: Path, monkeypatch: pytest.Mon
             assert torch.equal(r.read(), whole[k]), (k, chunk)
             assert torch.equal(r.read(1, 3 if k == "e.down_proj" else 290),
                                whole[k][1:3 if k == "e.down_proj" else 290]), (k, chunk)
+
+
+def test_compressed_tensors_fp8_blocks(tmp_path: Path) -> None:
+    q, s = deepseek_fp8(sample((130, 70), 80), block=64)  # 64 x 64 blocks, partial edges
+    write(tmp_path, {"p.weight": q, "p.weight_scale": s},
+          {"quant_method": "compressed-tensors", "format": "float-quantized",
+           "config_groups": {"group_0": {"weights": {"strategy": "block",
+                                                     "block_structure": [64, 64]}}}})
+    ref = listed(tmp_path)["p.weight"]
+    spec = spec_of(ref)
+    assert spec is not None and spec.block == (64, 64) and spec.layout == "ct-fp8"
+    fs = [[Fraction(float(v)) for v in row] for row in s.tolist()]
+    assert same_bits(ref.read(), expect_fp8(q, fs, (64, 64)), torch.float32) == 0

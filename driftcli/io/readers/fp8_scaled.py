@@ -108,10 +108,13 @@ def build(layout: Layout, stem: str, by_name: dict[str, TensorRef],
         block = (shape[-2], shape[-1])
     elif scale.shape == (*shape[:-1], 1):
         block = (1, shape[-1])
+    elif scale.shape == _blocked(shape, config.block or DEEPSEEK_BLOCK):
+        block = config.block or DEEPSEEK_BLOCK  # compressed-tensors' block strategy
     else:
+        tile = "x".join(map(str, config.block or DEEPSEEK_BLOCK))
         return (f"tensor {scale_name} has shape {list(scale.shape)}, which is neither one scale "
-                f"per tensor nor one per row of weight {stem} {list(shape)}; re-export it, or "
-                "give --layout")
+                f"per tensor, one per row, nor one per {tile} block of weight {stem} "
+                f"{list(shape)}; re-export it, or give --layout")
     if scale.numel != 1 and scale.shape != _blocked(shape, block):
         return (f"tensor {scale_name} has shape {list(scale.shape)} but weight {stem} "
                 f"{list(shape)} in {block[0]} x {block[1]} blocks needs "

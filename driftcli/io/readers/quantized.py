@@ -334,6 +334,13 @@ def read_config(folder: Path) -> Config | None:
     if method in _QUANT_METHODS:
         return Config(_QUANT_METHODS[method], blk, pow2)  # type: ignore[arg-type]
     if method == "compressed-tensors":
+        groups = q.get("config_groups")
+        for group in groups.values() if isinstance(groups, dict) else ():
+            weights = group.get("weights") if isinstance(group, dict) else None
+            shape = weights.get("block_structure") if isinstance(weights, dict) else None
+            if isinstance(shape, list) and len(shape) == 2 and all(
+                    isinstance(b, int) and b > 0 for b in shape):
+                blk = (shape[0], shape[1])
         return Config(_CT_FORMATS.get(str(q.get("format"))), blk, pow2)
     if method == "modelopt":
         algo = str(q.get("quant_algo", "")).upper()
