@@ -185,3 +185,122 @@ def test_summaries_show_loss_bias_alignment_and_the_exact_clip_rate(tmp_path: Pa
     data = json.loads((tmp_path / "r.json").read_text())
     eb = next(t for t in data["tables"] if t["table"] == "error-bias")
     assert [g["lost"] for g in eb["groups"]] == [[{"name": "over", "n_lost": 16}], []]
+
+
+# --- item 7: output that keeps what tells rows apart ----------------------------------------
+
+def test_drift_version() -> None:
+    from driftcli import __version__
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output == f"drift {__version__}\n"
+
+
+LONG = "model.layers.0.self_attention.query_key_value.weight_with_a_long_name"
+
+
+def test_a_narrow_terminal_wraps_but_never_cuts_names_or_numbers(tmp_path: Path) -> None:
+    rows = [row(ClipRateRow, t, c, clip_rate=v, exact_clip_rate=v / 2, clipped=1)
+            for c, per in CLIP.items() for t, v in per.items()]
+    rows = [dataclasses.replace(r, tensor=f"{LONG}.{r.tensor}") if r.tensor != ALL_TENSORS
+            else r for r in rows]
+    write_table(tmp_path / "clip-rate.parquet", ClipRateRow, rows,
+                prov({NVFP4: "nvfp4", MXFP8: "mxfp8_e4m3", MXFP8_CEIL: "mxfp8_e4m3_ceil"}))
+    narrow = runner.invoke(app, ["report", str(tmp_path)], env={"COLUMNS": "90"})
+    assert narrow.exit_code == 0, narrow.output
+    table = [line for line in narrow.output.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table and max(len(line) for line in table) <= 90  # the terminal's, not 160
+    cells = [[c.strip() for c in line.strip("│").split("│")] for line in table
+             if line.startswith("│")]
+    assert [c[0] for c in cells] == ["nvfp4", "mxfp8_e4m3", "mxfp8_e4m3_ceil"]
+    assert cells[0][2:4] == ["0.03", "0.015"]  # all tensors (*), exact_clip_rate (*)
+    # the worst rows did not fit beside the numbers: named under the table, whole
+    assert f"  worst tensors (cast=nvfp4): {LONG}.a.w 0.034\n" in narrow.output
+    wide = runner.invoke(app, ["report", str(tmp_path)], env={"COLUMNS": "250"})
+    assert max(len(line) for line in wide.output.splitlines() if line[:1] == "┏") > 160
+    assert f"│ {LONG}.a.w 0.034 " in wide.output
+    assert "worst tensors (cast" not in wide.output
+
+
+def test_the_measure_summary_keeps_cast_names_whole(tmp_path: Path) -> None:
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    gen = np.random.default_rng(1)
+    long = LONG
+    save_file({f"{long}.{i}": torch.from_numpy(gen.standard_normal((4, 64)).astype(np.float32))
+               for i in range(3)}, tmp_path / "m.safetensors")
+    result = runner.invoke(app, ["clip-rate", str(tmp_path / "m.safetensors"), "-c",
+                                 "mxfp8_e4m3", "-c", "mxfp8_e4m3_ceil", "--out",
+                                 str(tmp_path / "out")], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    rows = [line.split("│")[1].strip() for line in result.output.splitlines()
+            if line.startswith("│")]
+    assert [r for r in rows if r] == ["mxfp8_e4m3", "mxfp8_e4m3_ceil"]
+    assert max(len(line) for line in result.output.splitlines() if line[:1] in "┏│") <= 80
+    assert f"worst tensors under mxfp8_e4m3: {long}." in result.output
+
+
+def test_markdown_escapes_html_in_names(tmp_path: Path) -> None:
+    rows = [row(ClipRateRow, t, MXFP8, clip_rate=v, clipped=1)
+            for t, v in (("<img src=x onerror=alert(1)>", 0.5), ("a&b", 0.4), ("c", 0.2),
+                         (ALL_TENSORS, 0.3))]
+    write_table(tmp_path / "clip-rate.parquet", ClipRateRow, rows, prov({MXFP8: "<b>mx</b>"}))
+    md = tmp_path / "r.md"
+    result = report(str(tmp_path), "--markdown", str(md), "--fail-on", "clip_rate > 0.1")
+    assert result.exit_code == 1, result.output
+    text = md.read_text()
+    assert "<img" not in text and "<b>" not in text
+    assert "| &lt;img src=x onerror=alert(1)&gt; 0.5, a&amp;b 0.4 |" in text  # worst rows
+    assert "tensor=&lt;img src=x onerror=alert(1)&gt; cast=&lt;b&gt;mx&lt;/b&gt;" in text
+    assert "names: &lt;b&gt;mx&lt;/b&gt; = " in text
+
+
+def test_markdown_appends_to_the_job_summary_and_with_append(tmp_path: Path) -> None:
+    clip_table(tmp_path / "run")
+    summary = tmp_path / "step-summary.md"
+    summary.write_text("## an earlier step\n", encoding="utf-8")
+    env = {"GITHUB_STEP_SUMMARY": str(summary)}
+    for _ in range(2):
+        result = runner.invoke(app, ["report", str(tmp_path / "run"), "--markdown",
+                                     str(summary)], env=env)
+        assert result.exit_code == 0, result.output
+    text = summary.read_text(encoding="utf-8")
+    assert text.startswith("## an earlier step\n\n# drift report\n")
+    assert text.count("# drift report\n") == 2
+    other = tmp_path / "other.md"
+    other.write_text("kept\n", encoding="utf-8")
+    report(str(tmp_path / "run"), "--markdown", str(other), "--append")
+    assert other.read_text(encoding="utf-8").startswith("kept\n\n# drift report")
+    report(str(tmp_path / "run"), "--markdown", str(other))  # not the job summary: replaced
+    assert other.read_text(encoding="utf-8").startswith("# drift report")
+    bad = report(str(tmp_path / "run"), "--append")
+    assert bad.exit_code == 2 and "needs --markdown FILE" in bad.output
+
+
+def test_every_preset_registry_is_listed_by_a_command() -> None:
+    import json
+
+    from driftcli.arith.policy import POLICIES
+    from driftcli.arith.tensorcores import PRESETS as CORES
+
+    got = runner.invoke(app, ["formats", "--tensor-cores", "--json"])
+    assert got.exit_code == 0, got.output
+    cores = {r["preset"]: r for r in json.loads(got.stdout)}
+    assert set(cores) == set(CORES)
+    h100 = cores["h100_e4m3_f32"]
+    assert (h100["use"], h100["group"], h100["kept_bits"], h100["result"]) == (
+        "tc=h100_e4m3_f32", 32, 13, "e8m13")
+    got = runner.invoke(app, ["formats", "--policies", "--json"])
+    listed = json.loads(got.stdout)
+    assert {r["preset"] for r in listed if r["registry"] == "policy"} == set(POLICIES)
+    examples = {r["preset"]: r for r in listed if r["registry"] == "example policy"}
+    assert examples["h100_fp8"]["use"] == "--policy examples/policies/h100_fp8.toml"
+    assert examples["h100_fp8"]["meaning"].startswith("Hopper's FP8 tensor core")
+    printed = runner.invoke(app, ["formats", "--tensor-cores", "--policies"],
+                            env={"COLUMNS": "200"})
+    assert "│ h100_e4m3_f32 " in printed.output and "│ mxfp8_e4m3 " in printed.output
+    presets = runner.invoke(app, ["formats", "--presets"])
+    assert "drift formats --tensor-cores" in presets.output
+    assert "drift formats --policies" in presets.output

@@ -132,6 +132,24 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from driftcli import __version__
+
+        typer.echo(f"drift {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version,
+        help="Print drift's version and exit."),
+) -> None:
+    # the group's own options; the commands are registered with @command
+    pass
+
+
 def fail(message: str) -> typer.Exit:
     """Print ``error: message`` to stderr and return the exit to raise (code 2)."""
     typer.echo(for_terminal(f"error: {message}", markup=False), err=True)

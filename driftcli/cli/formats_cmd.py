@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -19,6 +20,12 @@ def formats(
     casts: Annotated[list[str] | None, typer.Option(
         "--cast", metavar="SPEC", help="Show the canonical form of a cast spec (repeatable).")
     ] = None,
+    tensor_cores: Annotated[bool, typer.Option(
+        "--tensor-cores", help="List the tensor-core presets (tc=NAME in a matmul spec).")
+    ] = False,
+    policies: Annotated[bool, typer.Option(
+        "--policies", help="List the arithmetic policy presets (--policy NAME) and the example "
+                           "policy files.")] = False,
 ) -> None:
     """List the formats, the cast presets, or a spec's form.
 
@@ -30,6 +37,14 @@ def formats(
     from driftcli.cast import PRESETS, parse_cast
     from driftcli.formats import FORMATS, describe
 
+    if tensor_cores or policies:
+        listing = _tensor_cores() if tensor_cores else []
+        listing += _policies() if policies else []
+        if as_json:
+            typer.echo(json.dumps(listing, indent=2))
+            return
+        _print_registries(listing)
+        return
     if casts:
         rows = [{"spec": spec, "canonical": str(parse_cast(spec))} for spec in casts]
         if as_json:
@@ -69,6 +84,10 @@ def formats(
                 if r.get("implementation") == impl.name:
                     table.add_row(r["preset"], r["spec"], r["source"], r["exact"])
             console.print(table)
+        # listed by their own options: they need torch, which the cast presets do not
+        console.print("tensor-core presets (tc=NAME in a matmul spec): drift formats "
+                      "--tensor-cores; arithmetic policies (--policy NAME, example files): drift "
+                      "formats --policies", soft_wrap=True)
         return
     rows = [describe(f) for f in FORMATS.values()]
     if as_json:
@@ -85,3 +104,67 @@ def formats(
                       r["smallest_subnormal_display"], "yes" if r["has_inf"] else "no",
                       r["nan"], "yes" if r["has_neg_zero"] else "no")
     Console(width=140).print(table)
+
+
+def _tensor_cores() -> list[dict[str, Any]]:
+    """Every tensor-core preset with its unit's parameters and source."""
+    from driftcli.arith.tensorcores import PRESETS as CORES
+
+    return [{"registry": "tensor-core", "preset": name, "use": f"tc={name}",
+             "inputs": core.inputs, "group": core.unit.size, "kept_bits": core.unit.kept_bits,
+             "result": core.acc, "rounding": core.rounding.value,
+             "interleave": core.unit.interleave, "source": core.source}
+            for name, core in CORES.items()]
+
+
+def _example_policies() -> list[Path]:
+    """The example policy files of a source checkout (``examples/policies``; an installed
+    drift has none)."""
+    folder = Path(__file__).resolve().parents[2] / "examples" / "policies"
+    return sorted(folder.glob("*.toml")) if folder.is_dir() else []
+
+
+def _policies() -> list[dict[str, Any]]:
+    """The preset policies, then the example policy files with their first comment line."""
+    from driftcli.arith.policy import POLICIES
+
+    out: list[dict[str, Any]] = [{"registry": "policy", "preset": name, "use": f"--policy {name}",
+                                  "meaning": meaning} for name, (_, meaning) in POLICIES.items()]
+    for path in _example_policies():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        head = " ".join(line.lstrip("# ").strip() for line in
+                        lines[:next((i for i, ln in enumerate(lines) if not ln.startswith("#")),
+                                    len(lines))])
+        first = head.split(". ")[0].rstrip(".") + "."  # the header comment's first sentence
+        out.append({"registry": "example policy", "preset": path.stem,
+                    "use": f"--policy examples/policies/{path.name}", "meaning": first})
+    return out
+
+
+def _print_registries(listing: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from driftcli.report.terminal import width
+
+    console = Console(width=width(), soft_wrap=False)
+    cores = [r for r in listing if r["registry"] == "tensor-core"]
+    if cores:
+        table = Table(title="tensor-core presets: tc=NAME in a matmul spec (docs/tensor-cores.md)")
+        for col in ("preset", "inputs", "group", "kept bits", "result", "rounding", "source"):
+            table.add_column(col, overflow="fold", no_wrap=col == "preset")
+        for r in cores:
+            table.add_row(r["preset"], r["inputs"], str(r["group"]), str(r["kept_bits"]),
+                          r["result"], r["rounding"], r["source"])
+        console.print(table)
+    for registry, title in (("policy", "arithmetic policy presets: --policy NAME"),
+                            ("example policy", "example policy files: --policy FILE")):
+        rows = [r for r in listing if r["registry"] == registry]
+        if not rows:
+            continue
+        table = Table(title=title)
+        for col in ("preset", "use", "meaning"):
+            table.add_column(col, overflow="fold", no_wrap=col == "preset")
+        for r in rows:
+            table.add_row(r["preset"], r["use"], r["meaning"])
+        console.print(table)

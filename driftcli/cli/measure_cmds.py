@@ -94,19 +94,26 @@ def _print(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from driftcli.report.terminal import fixed_columns, width
+
     head = summary["headline"]
     table = Table(title=esc(f"{summary['measure']}: {head} (all tensors, and the worst)"))
     beside = summary.get("beside", [])
-    for col in ("cast", "tensors", head, *beside, "worst tensors"):
-        numeric = col in ("tensors", head, *beside)
-        table.add_column(col, justify="right" if numeric else "left",
-                         overflow="fold")  # wrapped, never cut: names tell rows apart
-    for c in summary["casts"]:
-        worst = ", ".join(f"{w['tensor']} {fmt(w[head])}" for w in c["worst"])
-        table.add_row(esc(c["cast"]), str(c["tensors"]), fmt(c[head]),
-                      *(fmt(c[b]) for b in beside), esc(worst or "-"))
-    out = Console(width=160)
+    casts = summary["casts"]
+    columns = [("cast", [esc(c["cast"]) for c in casts], False),
+               ("tensors", [str(c["tensors"]) for c in casts], True),
+               *((col, [fmt(c[col]) for c in casts], True) for col in (head, *beside))]
+    out = Console(width=width(), soft_wrap=True)  # lines outside the table are never broken
+    # names and numbers never cut; the worst tensors wrapped, or below the table when narrow
+    inside = fixed_columns(table, columns, "worst tensors", out.width)
+    worst = [esc(", ".join(f"{w['tensor']} {fmt(w[head])}" for w in c["worst"]) or "-")
+             for c in casts]
+    for n in range(len(casts)):
+        table.add_row(*(cells[n] for _, cells, _ in columns), *([worst[n]] if inside else []))
     out.print(table)
+    if not inside:
+        for c, w in zip(casts, worst, strict=True):
+            out.print(f"worst tensors under {esc(c['cast'])}: {w}")
     skipped = sum(c["skipped"] for c in summary["casts"]) // max(1, len(summary["casts"]))
     if skipped:
         out.print(f"skipped {skipped} non-floating-point tensor(s)")

@@ -27,7 +27,11 @@ def report(
         help="Drift tables (.parquet) or folders, searched recursively.")],
     markdown_file: Annotated[Path | None, typer.Option(
         "--markdown", metavar="FILE", dir_okay=False,
-        help="Write GitHub-flavoured Markdown (e.g. $GITHUB_STEP_SUMMARY).")] = None,
+        help="Write GitHub-flavoured Markdown (e.g. $GITHUB_STEP_SUMMARY, which is appended "
+             "to).")] = None,
+    append: Annotated[bool, typer.Option(
+        "--append", help="Append the Markdown to FILE instead of replacing it (always for "
+                         "$GITHUB_STEP_SUMMARY).")] = False,
     json_file: Annotated[Path | None, typer.Option(
         "--json", metavar="FILE", dir_okay=False, help="Write the summary as JSON.")] = None,
     html_file: Annotated[Path | None, typer.Option(
@@ -63,6 +67,8 @@ def report(
 
     if fail_on_regression is not None and baseline is None:
         raise typer.BadParameter("needs --baseline PATH", param_hint="--fail-on-regression")
+    if append and markdown_file is None:
+        raise typer.BadParameter("needs --markdown FILE", param_hint="--append")
     for option, file in (("--markdown", markdown_file), ("--json", json_file),
                          ("--html", html_file)):
         if file is not None:
@@ -74,7 +80,9 @@ def report(
     terminal.render(result)
     for path, renderer in ((markdown_file, markdown.render), (json_file, jsonout.render),
                            (html_file, html.render)):
-        if path is not None:
+        if path is not None and path == markdown_file and markdown.appends(path, append):
+            markdown.append_to(path, renderer(result))  # a job summary gathers every step's
+        elif path is not None:
             _write(path, renderer(result))
             typer.echo(for_terminal(f"wrote {path}", markup=False), err=True)
     if result.failed:
