@@ -917,3 +917,11 @@ def test_compressed_tensors_fp8_blocks(tmp_path: Path) -> None:
     assert spec is not None and spec.block == (64, 64) and spec.layout == "ct-fp8"
     fs = [[Fraction(float(v)) for v in row] for row in s.tolist()]
     assert same_bits(ref.read(), expect_fp8(q, fs, (64, 64)), torch.float32) == 0
+
+
+def test_inspect_on_a_plain_checkpoint_says_so(tmp_path: Path) -> None:
+    save_file({"w": torch.randn(4, 4)}, tmp_path / "model.safetensors")
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "no quantized weights in the inputs" in result.output
+    assert pq.read_table(tmp_path / "o" / "inspect.parquet").num_rows == 0

@@ -81,7 +81,11 @@ def _show(summary: dict[str, object]) -> None:
                       esc(r["requant"] or "-"), _num(r["requant_changed_blocks"]),
                       _num(r["requant_changed_codes"]))
     out = Console(width=160)
-    out.print(table)
+    if rows:
+        out.print(table)
+    else:
+        out.print("no quantized weights in the inputs: every tensor is stored as plain values "
+                  "(see docs/inputs.md#pre-quantized-checkpoints)")
     for f in summary["findings"]:  # type: ignore[attr-defined]
         out.print(f"[yellow]{f['lint']}[/yellow] {esc(f['tensor'])}: {esc(f['message'])}")
     out.print(f"wrote {esc(summary['table'])}")
