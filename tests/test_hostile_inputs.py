@@ -216,6 +216,25 @@ def test_tensors_past_the_limit_of_a_file_are_left_out_with_one_error(
         "15 (first: t10) are not measured; split the file, or leave out the empty tensors",
         "15 (first: t10.npy) are not read; split the archive"]
 
+
+def test_a_storage_under_many_names_is_measured_at_most_four_times_over(tmp_path: Path) -> None:
+    big = torch.linspace(-1, 1, 4096).reshape(64, 64)
+    flat = torch.arange(128, dtype=torch.float32)
+    names = {f"alias{i:02d}": big for i in range(12)}
+    torch.save({**names, "lo": flat[:64], "hi": flat[64:], "halves": flat.reshape(2, 64)},
+               tmp_path / "many.pt")
+    got = open_inputs([tmp_path / "many.pt"])
+    # before the fix: 12 names of one storage, 12 times its bytes measured (100,000 names
+    # in a file would buy 100,000 times the file's bytes of work)
+    assert [r.name for r in got.tensors] == [
+        "alias00", "alias01", "alias02", "alias03", "lo", "hi", "halves"]
+    assert [e.tensor for e in got.errors] == [f"alias{i:02d}" for i in range(4, 12)]
+    assert got.errors[0].message == (
+        f"{tmp_path / 'many.pt'}: tensor alias04 is one more view of a storage of 16,384 bytes "
+        "that the file's tensors before it already cover 4 times: drift measures a storage at "
+        "most 4 times over, so its work stays bounded by the file's bytes; save a copy of it "
+        "(t.clone())")
+
 # --- names are data -----------------------------------------------------------------------------
 
 

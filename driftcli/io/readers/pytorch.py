@@ -195,14 +195,42 @@ def _storage_problem(t: torch.Tensor) -> str | None:
             "refuses it; save a copy of it (t.contiguous())")
 
 
+SHARED_MOST = 4
+"""How many times over a file's tensors may cover one storage: tied weights are one storage
+under two names, and a flat buffer's views cover it once; 100,000 names for one large
+storage would be its bytes measured 100,000 times."""
+
+
+def _shared_problem(t: torch.Tensor, covered: dict[tuple[int, int], int]) -> str | None:
+    """Why one more view of a storage the file's earlier tensors already cover
+    :data:`SHARED_MOST` times over is refused; else None, and its bytes are counted."""
+    if t.layout is not torch.strided or t.numel() == 0:
+        return None
+    try:
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+    except RuntimeError:
+        return None
+    total = covered.get(key, 0) + t.numel() * t.element_size()
+    if total > SHARED_MOST * key[1]:
+        return (f"is one more view of a storage of {key[1]:,} bytes that the file's tensors "
+                f"before it already cover {covered.get(key, 0) / key[1]:.3g} times: drift "
+                f"measures a storage at most {SHARED_MOST} times over, so its work stays "
+                "bounded by the file's bytes; save a copy of it (t.clone())")
+    covered[key] = total
+    return None
+
+
 def torch_refs(path: Path) -> Listing:
     """The tensors of a state dict, loaded once (a file that cannot be loaded raises); a
-    view larger than its storage, and two tensors whose dotted names are the same, are
-    problems naming them."""
+    view larger than its storage, one more view of a storage covered :data:`SHARED_MOST`
+    times already, and two tensors whose dotted names are the same, are problems naming
+    them."""
     flat = _TORCH_FILES.load(path)
     refs, problems = [], []
+    covered: dict[tuple[int, int], int] = {}
     for name, t in flat.tensors.items():
-        why = _storage_problem(t)
+        why = _storage_problem(t) or _shared_problem(t, covered)
         if why is not None:
             problems.append(Problem(f"{path}: tensor {name} {why}", name))
             continue
