@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 
 from driftcli.cast import parse_cast
 from driftcli.cli import app
-from driftcli.io.tables import write_table
+from driftcli.io.tables import column, write_table
 from driftcli.measures.clip_rate import ClipRateRow
 from driftcli.measures.common import ALL_TENSORS
 
@@ -304,3 +305,39 @@ def test_every_preset_registry_is_listed_by_a_command() -> None:
     presets = runner.invoke(app, ["formats", "--presets"])
     assert "drift formats --tensor-cores" in presets.output
     assert "drift formats --policies" in presets.output
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumLike:
+    """A table grouped by long matmul specs, as accum-error's are."""
+
+    TABLE: typing.ClassVar[str] = "accum-test"
+    KEYS: typing.ClassVar[tuple[str, ...]] = ("spec", "k")
+    HEADLINE: typing.ClassVar[str] = "rel_error"
+    HIGHER_IS_WORSE: typing.ClassVar[bool] = True
+
+    spec: str = column("matmul spec")
+    k: int = column("contraction length")
+    rel_error: float | None = column("‖C - exact‖ / ‖exact‖")
+
+
+def test_long_bar_labels_become_a_caption_and_a_horizontal_chart(tmp_path: Path) -> None:
+    import warnings
+
+    from driftcli.report.load import load
+    from driftcli.report.plots import Plot, figures
+
+    specs = [f"lhs=float8_e4m3fn:block32:float8_e8m0fnu:floor,rhs={'x' * 150},acc={a}"
+             for a in ("float32", "e8m13", "float16")]
+    rows = [AccumLike(s, k, 1e-3 * (n + 1) * k) for n, s in enumerate(specs) for k in (64, 256)]
+    write_table(tmp_path / "accum-test.parquet", AccumLike, rows, prov(None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a squeezed layout warns; nothing may
+        plots = figures(load([tmp_path]).tables[0])
+    bars = [p for p in plots if isinstance(p, Plot)]
+    assert len(bars) == 1 and bars[0].alt.startswith("horizontal bar chart of max rel_error")
+    assert bars[0].caption.startswith(f"1: {specs[0]}; 2: {specs[1]}; 3: {specs[2]}. rel_error")
+    page = tmp_path / "page.html"
+    result = runner.invoke(app, ["report", str(tmp_path), "--html", str(page)])
+    assert result.exit_code == 0 and "warning" not in result.output, result.output
+    assert f"3: {specs[2]}" in page.read_text(encoding="utf-8")

@@ -62,6 +62,9 @@ MAX_LAYER_LINES = 4
 BY_ITEM_EXTRA = ("retention",)
 """Columns besides the headline plotted by item where a table has them and they are not its
 headline (the gradient tables' retention, for one)."""
+BAR_LABEL = 32
+"""Longest group label written under a bar; longer ones number the bars of a horizontal chart
+and are named in its caption."""
 MARKERS = "os^Dv<>pP*"
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf")
@@ -645,18 +648,35 @@ def by_group(table: Table) -> Plot | Note | None:
     groups = " ".join(lay.groups) or "table"
     if (bars == 0).all():
         return _nothing(table, frame, what, groups)
+    names = [str(i) for i in bars.index]
+    doc = table.docs.get(head, "")
+    title = f"{table.name}: {what} by {groups}"
+    ylabel = f"{what} [{unit(table, head) or 'value'}]"
+    if max(len(n) for n in names) > BAR_LABEL:
+        # long labels (accum-error's matmul specs) would squeeze the axes to nothing: number
+        # the bars, top down, and name them in the caption
+        fig, ax = _figure(7.0, max(2.5, 0.35 * len(bars) + 1.5))
+        ax.barh(range(len(bars)), bars.to_numpy(), color=COLOURS[0])
+        ax.set_yticks(range(len(bars)), [str(k + 1) for k in range(len(bars))])
+        ax.invert_yaxis()
+        _apply_scale(ax, "x", list(bars), pad=False)
+        ax.set_ylabel(f"{groups} (numbered, see the caption)")
+        ax.set_xlabel(ylabel)
+        ax.set_title(title)
+        ax.grid(axis="x", alpha=0.3)
+        key = "; ".join(f"{k + 1}: {n}" for k, n in enumerate(names))
+        return Plot(title, f"horizontal bar chart of {what} for each {groups} of {table.name}",
+                    f"{key}. {head}: {doc}.", _png(fig))
     fig, ax = _figure(max(5.0, 0.6 * len(bars) + 2), 4.0)
     ax.bar(range(len(bars)), bars.to_numpy(), color=COLOURS[0])
-    ax.set_xticks(range(len(bars)), [str(i) for i in bars.index], rotation=30, ha="right")
+    ax.set_xticks(range(len(bars)), names, rotation=30, ha="right")
     _apply_scale(ax, "y", list(bars), pad=False)  # bars stand on 0
     ax.set_xlabel(groups)
-    ax.set_ylabel(f"{what} [{unit(table, head) or 'value'}]")
-    ax.set_title(f"{table.name}: {what} by {groups}")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    doc = table.docs.get(head, "")
-    return Plot(f"{table.name}: {what} by {groups}",
-                f"bar chart of {what} for each {groups} of {table.name}", f"{head}: {doc}.",
-                _png(fig))
+    return Plot(title, f"bar chart of {what} for each {groups} of {table.name}",
+                f"{head}: {doc}.", _png(fig))
 
 
 def figures(table: Table, palette: Palette | None = None) -> list[Plot | Note]:
