@@ -220,7 +220,8 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
     # names are data: a file name that is not UTF-8 (or a pickled name with a lone
     # surrogate) is shown escaped in every source, name and message, so that it prints and
     # goes into a table; each reader keeps the real path to open
-    tensors = [dataclasses.replace(r, source=shown(r.source), name=shown(r.name))
+    tensors = [r if r.source.isascii() and r.name.isascii() else
+               dataclasses.replace(r, source=shown(r.source), name=shown(r.name))
                for r in collector.tensors]
     errors = [(shown(source), Problem(shown(p.message),
                                       None if p.tensor is None else shown(p.tensor)))
