@@ -341,3 +341,18 @@ def test_long_bar_labels_become_a_caption_and_a_horizontal_chart(tmp_path: Path)
     result = runner.invoke(app, ["report", str(tmp_path), "--html", str(page)])
     assert result.exit_code == 0 and "warning" not in result.output, result.output
     assert f"3: {specs[2]}" in page.read_text(encoding="utf-8")
+
+
+def test_baseline_changes_name_casts_as_the_report_shows_them(tmp_path: Path) -> None:
+    clip_table(tmp_path / "base")
+    worse = {c: {t: v * 2 for t, v in per.items()} for c, per in CLIP.items()}
+    rows = [row(ClipRateRow, t, c, clip_rate=v, exact_clip_rate=v / 2, clipped=1)
+            for c, per in worse.items() for t, v in per.items()]
+    (tmp_path / "now").mkdir()
+    write_table(tmp_path / "now" / "clip-rate.parquet", ClipRateRow, rows,
+                prov({NVFP4: "nvfp4", MXFP8: "mxfp8_e4m3", MXFP8_CEIL: "mxfp8_e4m3_ceil"}))
+    result = report(str(tmp_path / "now"), "--baseline", str(tmp_path / "base"),
+                    "--fail-on-regression", "50")
+    assert result.exit_code == 1, result.output
+    assert "regression m.safetensors a.w nvfp4: 0.034 → 0.068 (+100%)" in result.output
+    assert NVFP4 not in result.output.split("baseline ")[-1].split("names:")[0]

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from driftcli.errors import DriftError
-from driftcli.report.load import Table
+from driftcli.report.load import Table, shown
 from driftcli.report.options import INPUT_KEYS, MatchBy
 from driftcli.report.summary import plain
 
@@ -34,11 +34,14 @@ class Change:
     """(new - old) / |old| in percent; ±inf when the baseline was 0."""
     regression: bool
     """Whether the change goes the way the table declares worse."""
+    shown: str = ""
+    """The key values as the report shows them (a cast by the name its ``-c`` gave it);
+    empty: as written."""
 
     @property
     def name(self) -> str:
-        """The key values joined, for a listing."""
-        return " ".join(str(v) for _, v in self.key if v is not None)
+        """The key values joined, for a listing: as shown where the table names them."""
+        return self.shown or " ".join(str(v) for _, v in self.key if v is not None)
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,9 @@ def _compare(name: str, now: list[Table], before: list[Table],
             continue
         pct = percent(old_value, new_value)
         worse = new_value > old_value if t.higher_is_worse else new_value < old_value
-        changes.append(Change(key, old_value, new_value, pct, worse))
+        names = t.names
+        label = " ".join(str(shown(names.get(c, {}), v)) for c, v in key if v is not None)
+        changes.append(Change(key, old_value, new_value, pct, worse, label))
     changes.sort(key=lambda c: (-abs(c.pct), c.name))
     return TableComparison(
         table=name, headline=t.headline, higher_is_worse=t.higher_is_worse, keys=t.keys,
