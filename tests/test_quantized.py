@@ -925,3 +925,23 @@ def test_inspect_on_a_plain_checkpoint_says_so(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "no quantized weights in the inputs" in result.output
     assert pq.read_table(tmp_path / "o" / "inspect.parquet").num_rows == 0
+
+
+def test_requant_nvfp4_on_its_own_output(tmp_path: Path) -> None:
+    """A ModelOpt-layout checkpoint holding what drift's nvfp4 preset stores (E4M3 block
+    scales of amax / 6 over the float32 tensor scale, which is weight_scale_2): requantized
+    with nvfp4 nothing changes, compared as the preset computes (combined scale in float32)."""
+    from driftcli.quantization import QuantInfo, quantize
+
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(90)) * 0.02
+    info = quantize(x, "nvfp4", return_info=True)
+    assert isinstance(info, QuantInfo) and info.codes is not None
+    ts = info.tensor_scale
+    assert ts is not None
+    ws = (x.reshape(64, 16, 16).abs().amax(-1).double() / 6 / ts).to(torch.float8_e4m3fn)
+    write(tmp_path, {"m.weight": pack(fp4_codes(info.codes.float())), "m.weight_scale": ws,
+                     "m.weight_scale_2": torch.tensor(ts, dtype=torch.float32)})
+    (row,) = inspect([tmp_path], requant=["nvfp4"]).rows
+    assert (row.requant_changed_blocks, row.requant_changed_codes,
+            row.requant_changed_values) == (0, 0, 0)
+    assert row.order_differs is not None and row.order_differs > 0  # the orders do part

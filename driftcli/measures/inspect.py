@@ -114,8 +114,9 @@ class InspectRow:
     requant: str | None = _opt("Preset the weight was quantized again with (--requant); "
                                  "null without")
     requant_changed_blocks: int | None = _opt("Blocks whose scale the preset changes (all-zero "
-                                              "blocks not counted); null where its blocks are "
-                                              "not the layout's")
+                                              "blocks not counted; a two-level scale as its "
+                                              "float32 product); null where its blocks are not "
+                                              "the layout's")
     requant_changed_codes: int | None = _opt("Elements whose code the preset changes; null "
                                                "where its element format is not the layout's")
     requant_changed_values: int | None = _opt("Elements whose value the preset changes")
@@ -194,7 +195,7 @@ def _requant(spec: QuantSpec, values: torch.Tensor, codes_vals: torch.Tensor,
         stored = scales
         if spec.global_scale is not None:
             g = float(spec.global_scale.read().double().reshape(()))
-            stored = scales / g if spec.global_divides else scales * g
+            stored = (scales / g if spec.global_divides else scales * g).float().double()
         # an all-zero block is the same whatever its scale: only the others can change
         live = ~_per_block_all_zero(codes_vals == 0, spec.block).reshape(-1)
         moved = info.scales.double().reshape(-1) != stored
@@ -317,7 +318,10 @@ def _with_requant(rows: list[InspectRow], tensors: Sequence[TensorRef],
             if spec is None or row.error is not None or row.nan_scales:
                 out.append(replace(row, requant=preset))
                 continue
-            values = weight_ref(spec).read().double()
+            # a two-level layout's weight is requantized as the preset computes it: the
+            # combined scale rounded to float32 first (drift's nvfp4 and the libraries alike)
+            order = Order.LIBRARY if spec.global_scale is not None else Order.EXACT
+            values = weight_ref(replace(spec, order=order)).read().double()
             codes_vals = element_values(_codes(spec), spec.element)
             counts = _requant(spec, values, codes_vals, _scales(spec), preset)
             out.append(replace(row, requant=preset, **counts))  # type: ignore[arg-type]
