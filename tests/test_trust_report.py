@@ -356,3 +356,15 @@ def test_baseline_changes_name_casts_as_the_report_shows_them(tmp_path: Path) ->
     assert result.exit_code == 1, result.output
     assert "regression m.safetensors a.w nvfp4: 0.034 → 0.068 (+100%)" in result.output
     assert NVFP4 not in result.output.split("baseline ")[-1].split("names:")[0]
+
+
+def test_formats_cast_explains_a_tensor_core_preset() -> None:
+    got = runner.invoke(app, ["formats", "--cast", "tc=h100_e4m3_f32", "--cast", "nvfp4"])
+    assert got.exit_code == 0, got.output
+    assert got.output.startswith(
+        "tc=h100_e4m3_f32 = tensor core: float8_e4m3fn operands, groups of 32 products, 13 bits "
+        "kept, each group rounded (rtz) into e8m13 (a matmul spec part, not a cast; ")
+    assert f"nvfp4 = {NVFP4}\n" in got.output
+    bad = runner.invoke(app, ["formats", "--cast", "tc=h100_e4m3"])
+    assert bad.exit_code == 2 and "did you mean h100_e4m3_f32" in bad.output
+    assert "drift formats --tensor-cores" in bad.output

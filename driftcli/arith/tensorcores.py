@@ -126,7 +126,7 @@ def tensor_core(name: str) -> TensorCore:
     except KeyError:
         raise DriftError(f"unknown tensor-core preset {name!r}"
                          f"{close_matches(name, list(PRESETS))}; see docs/tensor-cores.md or "
-                         "drift formats --presets") from None
+                         "drift formats --tensor-cores") from None
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ def formats(
         _print_registries(listing)
         return
     if casts:
-        rows = [{"spec": spec, "canonical": str(parse_cast(spec))} for spec in casts]
+        rows = [_tensor_core_row(spec) if spec.strip().startswith("tc=") else
+                {"spec": spec, "canonical": str(parse_cast(spec))} for spec in casts]
         if as_json:
             typer.echo(json.dumps(rows, indent=2))
         else:
@@ -168,3 +169,17 @@ def _print_registries(listing: list[dict[str, Any]]) -> None:
         for r in rows:
             table.add_row(r["preset"], r["use"], r["meaning"])
         console.print(table)
+
+
+def _tensor_core_row(spec: str) -> dict[str, Any]:
+    """``tc=NAME`` (a matmul spec's tensor-core part) explained: the unit it stands for."""
+    from driftcli.arith.tensorcores import tensor_core
+
+    name = spec.strip().removeprefix("tc=")
+    core = tensor_core(name)  # an unknown name: a DriftError naming the closest presets
+    unit = core.unit
+    text = (f"tensor core: {core.inputs} operands, groups of {unit.size} products, "
+            f"{unit.kept_bits} bits kept, each group rounded ({core.rounding.value}) into "
+            f"{core.acc}" + (f", interleaved by {unit.interleave}" if unit.interleave else "")
+            + f" (a matmul spec part, not a cast; {core.source})")
+    return {"spec": spec, "canonical": text, "tensor_core": name}
