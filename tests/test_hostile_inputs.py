@@ -319,3 +319,13 @@ def test_provenance_stats_a_fifo_or_a_device_and_never_reads_it(tmp_path: Path) 
                           for n in ("p.npy", "z.safetensors")]))
     """, timeout=30)
     assert json.loads(out) == [["mtime", "path", "size"], ["mtime", "path", "size"]]
+
+
+def test_a_te_dump_whose_tensor_is_a_stride_0_view_is_refused(tmp_path: Path) -> None:
+    four = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    torch.save({"high_precision": four.as_strided((1 << 18, 1 << 18), (0, 0))},
+               tmp_path / "fc1_activation_iter_000001.pt")
+    got = open_inputs([tmp_path])
+    assert got.tensors == ()
+    assert [(e.tensor, e.message.split(" has ")[1][:34]) for e in got.errors] == [
+        ("fc1.activation", "68,719,476,736 elements (shape [26")]

@@ -291,6 +291,26 @@ class ByteRange:
 
 # --- what one file may cost -------------------------------------------------------------------
 
+
+def storage_problem(t: torch.Tensor) -> str | None:
+    """Why a loaded tensor's elements are not all bytes of the file: a view whose strides
+    repeat elements (a stride of 0, or rows that overlap) can claim 2^36 elements over 4
+    bytes, and measuring it would take hours; None for a tensor within its storage."""
+    if t.layout is not torch.strided or t.numel() == 0:
+        return None  # a sparse or quantized layout: reading it says whether drift can
+    need = t.numel() * t.element_size()
+    try:
+        have = t.untyped_storage().nbytes()
+    except RuntimeError:
+        return None
+    if need <= have:
+        return None
+    return (f"has {t.numel():,} elements (shape {list(t.shape)}, strides {list(t.stride())}) "
+            f"over a storage of {have:,} bytes: a view that repeats elements (a stride of 0 or "
+            "rows that overlap), so its size is not bounded by the file's bytes and drift "
+            "refuses it; save a copy of it (t.contiguous())")
+
+
 MAX_ENTRIES = 100_000
 """Tensors one file may hold. Every tensor costs a measurement fixed work (a few ms) beside
 its elements, and a 100 MB safetensors header can name 1.5 million tensors: hours bought with

@@ -26,6 +26,7 @@ from driftcli.io.readers.core import (
     ReadError,
     TensorRef,
     first_line,
+    storage_problem,
 )
 
 _REFUSED_PICKLE = ("needs arbitrary unpickling{what}, which drift refuses (it can run code); "
@@ -176,25 +177,6 @@ class _TorchEntry:
                             f"({first_line(exc)})") from exc
 
 
-def _storage_problem(t: torch.Tensor) -> str | None:
-    """Why a tensor's elements are not all bytes of the file: a view whose strides repeat
-    elements (a stride of 0, or rows that overlap) can claim 2^36 elements over 4 bytes, and
-    measuring it would take hours; None for a tensor within its storage."""
-    if t.layout is not torch.strided or t.numel() == 0:
-        return None  # a sparse or quantized layout: reading it says whether drift can
-    need = t.numel() * t.element_size()
-    try:
-        have = t.untyped_storage().nbytes()
-    except RuntimeError:
-        return None
-    if need <= have:
-        return None
-    return (f"has {t.numel():,} elements (shape {list(t.shape)}, strides {list(t.stride())}) "
-            f"over a storage of {have:,} bytes: a view that repeats elements (a stride of 0 or "
-            "rows that overlap), so its size is not bounded by the file's bytes and drift "
-            "refuses it; save a copy of it (t.contiguous())")
-
-
 SHARED_MOST = 4
 """How many times over a file's tensors may cover one storage: tied weights are one storage
 under two names, and a flat buffer's views cover it once; 100,000 names for one large
@@ -230,7 +212,7 @@ def torch_refs(path: Path) -> Listing:
     refs, problems = [], []
     covered: dict[tuple[int, int], int] = {}
     for name, t in flat.tensors.items():
-        why = _storage_problem(t) or _shared_problem(t, covered)
+        why = storage_problem(t) or _shared_problem(t, covered)
         if why is not None:
             problems.append(Problem(f"{path}: tensor {name} {why}", name))
             continue

@@ -39,6 +39,7 @@ from driftcli.io.readers.core import (
     ReadError,
     TensorRef,
     first_line,
+    storage_problem,
 )
 
 NAME = re.compile(r"^(?P<layer>.+)_(?P<tensor>activation|gradient|weight|output|wgrad|dgrad)"
@@ -236,7 +237,10 @@ def dump_refs(path: Path) -> Listing:
     name = f"{layer}.{kind}" if kind else path.stem
     refs, problems = [], []
     hp = obj.get("high_precision")
-    if isinstance(hp, torch.Tensor):
+    why = storage_problem(hp) if isinstance(hp, torch.Tensor) else None
+    if why is not None:  # a stride-0 view: 2^36 elements over 4 bytes
+        problems.append(Problem(f"{path}: tensor {name} {why}", name))
+    elif isinstance(hp, torch.Tensor):
         refs.append(TensorRef(str(path), name, str(hp.dtype).removeprefix("torch."),
                               tuple(hp.shape), role=_ROLES.get(kind or ""), layer=layer,
                               step=step, _reader=_Entry(path, "high_precision")))
