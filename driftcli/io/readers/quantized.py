@@ -301,8 +301,14 @@ _CT_FORMATS = {"float-quantized": Layout.CT_FP8, "nvfp4-pack-quantized": Layout.
                "naive-quantized": Layout.CT_FP8}
 
 
+_MAX_CONFIG = 16 << 20
+"""A config larger than this is not read (a real one is a few kilobytes)."""
+
+
 def _json(path: Path) -> dict[str, Any] | None:
     try:
+        if path.stat().st_size > _MAX_CONFIG:
+            return None
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError, UnicodeDecodeError):
         return None
