@@ -71,6 +71,7 @@ def _hostile_names(tmp_path: Path) -> None:
     save_file({n: torch.linspace(-1000, 1000, 128).reshape(8, 16) for n in (*NAMES, "plain")},
               tmp_path / "m.safetensors")
     (tmp_path / BAD_FILE).write_bytes(b"garbage!")
+    (tmp_path / "rng_state\x1b[2K.pth").write_bytes(b"training state, skipped unread")
 
 
 def test_markup_and_escapes_in_names_are_printed_as_text(tmp_path: Path,
@@ -83,6 +84,7 @@ def test_markup_and_escapes_in_names_are_printed_as_text(tmp_path: Path,
     assert run.returncode == 2, err
     assert "[/] 0" in out and "[bold red]x[/] 0" in out and "cr\\x0dfake\\x1b[2K 0" in out
     assert "wrote out/clip-rate.parquet" in out
+    assert "skipped rng_state\\x1b[2K.pth: holds no weights (training state)" in out
     assert "not measured bad[red]\\x1b]52;c;aGk=\\x07.safetensors (unreadable file)" in out
     assert err.startswith("error: 1 tensor(s) or file(s) could not be read, first "
                           "bad[red]\\x1b]52;c;aGk=\\x07.safetensors (unreadable file)")

@@ -118,9 +118,10 @@ def _print(summary: dict[str, Any]) -> None:
     if skipped:
         out.print(f"skipped {skipped} non-floating-point tensor(s)")
     for f in summary.get("skipped_files", []):
-        out.print(f"skipped {f}: holds no weights (training state)", markup=False)
+        out.print(esc(f"skipped {f}: holds no weights (training state)", markup=False),
+                  markup=False)
     for line in summary.get("axis_skipped", []):
-        out.print(f"skipped {line}", markup=False)
+        out.print(esc(f"skipped {line}", markup=False), markup=False)
     seen = set()
     for e in summary["errors"]:
         if (e["source"], e["tensor"]) not in seen:
