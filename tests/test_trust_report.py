@@ -368,3 +368,22 @@ def test_formats_cast_explains_a_tensor_core_preset() -> None:
     bad = runner.invoke(app, ["formats", "--cast", "tc=h100_e4m3"])
     assert bad.exit_code == 2 and "did you mean h100_e4m3_f32" in bad.output
     assert "drift formats --tensor-cores" in bad.output
+
+
+def test_the_html_plot_names_tensors_whose_error_is_infinite(tmp_path: Path) -> None:
+    import math
+
+    from driftcli.measures.error_bias import ErrorBiasRow
+    from driftcli.report.load import load
+    from driftcli.report.plots import Plot, figures
+
+    fp16 = str(parse_cast("fp16"))
+    values = {fp16: {"over": math.inf, "w": 2e-4, ALL_TENSORS: math.inf},
+              NVFP4: {"over": 1e-6, "w": 0.09, ALL_TENSORS: 0.05}}
+    rows = [row(ErrorBiasRow, t, c, rel_error=v, bias=-1e-3, n_lost=16 if math.isinf(v) else 0,
+                draws=1) for c, per in values.items() for t, v in per.items()]
+    write_table(tmp_path / "error-bias.parquet", ErrorBiasRow, rows,
+                prov({fp16: "fp16", NVFP4: "nvfp4"}))
+    plot = next(p for p in figures(load([tmp_path]).tables[0])
+                if isinstance(p, Plot) and p.title == "error-bias: rel_error by tensor")
+    assert plot.caption.endswith(" Not drawn, infinite: over (fp16: inf).")

@@ -416,6 +416,14 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
         more = f" Worst: {named}." + more
     ax.set_title(f"{table.name}: {column} by {item}")
     _legend(ax, _legend_title(frame, lay))
+    infinite = rows.assign(_v=values)[np.isinf(values.to_numpy(dtype=float))]
+    if not infinite.empty:  # no axis holds them: say so, never drop a lost tensor silently
+        vary = _varying(frame, lay)
+        listed = "; ".join(f"{r[item]} ({_label(r, vary)}{r['_v']:.3g})"
+                           for _, r in infinite.head(NAMED_WORST).iterrows())
+        extra = len(infinite) - NAMED_WORST
+        more += (f" Not drawn, infinite: {listed}"
+                 + (f" and {extra} more" if extra > 0 else "") + ".")
     if len(series) > MAX_SERIES:
         more += f" Showing the first {MAX_SERIES} of {len(series)} series."
     dashed = (f" Dashed lines: the all-{item}s row ({ALL_ROWS}) of each series."
