@@ -163,9 +163,9 @@ def test_report_refuses_a_table_of_more_rows_than_its_budget(tmp_path: Path) -> 
     assert time.perf_counter() - start < 20  # refused from the footer: the start-up's time
     assert run.returncode == 2
     assert run.stderr.decode() == (
-        "error: t/bomb.parquet holds 50,000,000 rows, beyond the 2,000,000 rows a report "
+        "error: t/bomb.parquet holds 50,000,000 rows, beyond the 1,000,000 rows a report "
         "reads; report fewer tables at a time, or set DRIFT_REPORT_MAX_ROWS higher if this "
-        "machine has the memory (about 100 bytes a row)\n")
+        "machine has the memory (about 700 bytes a row)\n")
 
 
 def test_the_row_budget_counts_every_table_and_is_set_by_the_environment(
