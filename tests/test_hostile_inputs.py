@@ -329,3 +329,20 @@ def test_a_te_dump_whose_tensor_is_a_stride_0_view_is_refused(tmp_path: Path) ->
     assert got.tensors == ()
     assert [(e.tensor, e.message.split(" has ")[1][:34]) for e in got.errors] == [
         ("fc1.activation", "68,719,476,736 elements (shape [26")]
+
+
+def test_a_config_json_that_is_a_fifo_or_dev_zero_is_not_read(tmp_path: Path) -> None:
+    for name, make in (("fifo", os.mkfifo), ("zero", lambda p: p.symlink_to("/dev/zero"))):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file({"w": torch.ones(2, 4)}, str(folder / "model.safetensors"))
+        make(folder / "config.json")
+    # before the fix: the quantization config was read from the FIFO (blocks) or from
+    # /dev/zero (reads until memory runs out)
+    out = bounded(f"""
+        from driftcli.io.readers import open_inputs
+        for name in ("fifo", "zero"):
+            got = open_inputs([{str(tmp_path)!r} + "/" + name])
+            print(name, [r.name for r in got.tensors], len(got.errors))
+    """, memory_gib=2.0, timeout=30)
+    assert out.splitlines() == ["fifo ['w'] 0", "zero ['w'] 0"]

@@ -29,7 +29,7 @@ import torch
 
 from driftcli.codec import decode
 from driftcli.errors import DriftError
-from driftcli.io.readers.core import Problem, ReadError, TensorRef
+from driftcli.io.readers.core import Problem, ReadError, TensorRef, not_regular
 
 
 class Layout(StrEnum):
@@ -307,7 +307,8 @@ _MAX_CONFIG = 16 << 20
 
 def _json(path: Path) -> dict[str, Any] | None:
     try:
-        if path.stat().st_size > _MAX_CONFIG:
+        # a FIFO or device (a config.json -> /dev/zero) would block or never end
+        if not_regular(path) is not None or path.stat().st_size > _MAX_CONFIG:
             return None
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError, UnicodeDecodeError):
