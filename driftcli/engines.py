@@ -389,7 +389,8 @@ class Manifest:
         _refuse_link(folder)
 
     def _path(self, key: str) -> Path:
-        return self.folder / hashlib.sha256(key.encode()).hexdigest()
+        # a key holds file names as given: a non-UTF-8 byte is a lone surrogate in them
+        return self.folder / hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
     def _notice(self, message: str) -> None:
         if not self._noticed:

@@ -389,3 +389,16 @@ def test_atomic_write_keeps_the_earlier_file_on_any_failure(tmp_path: Path) -> N
         atomic_write(path, fails)
     assert path.read_text() == "old report\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]
+
+
+def test_units_of_a_non_utf8_file_name_are_kept_and_taken(tmp_path: Path) -> None:
+    bad = Path(os.fsdecode(os.fsencode(tmp_path) + b"/bad\xff.safetensors"))
+    save_file({"v": torch.linspace(-2, 2, 64).reshape(2, 32)}, bad)
+    out = tmp_path / "out"
+    scan([bad], CASTS, rounded=False, execution=Execution(resume=units_of(out)))
+    assert len(list(units_of(out).iterdir())) == 1
+    code, _, err = clip(bad, out, "--resume")
+    assert code == 0 and "warning" not in err, err
+    df, prov = read_table(out / "clip-rate.parquet")
+    assert prov["resumed_units"] == 1
+    assert set(df.source) == {f"{tmp_path}/bad\\xff.safetensors"}  # the byte, escaped

@@ -211,6 +211,20 @@ _NUMPY = {pa.int64(): np.int64, pa.float64(): np.float64}
 _KINDS = {pa.int64(): "ib", pa.float64(): "iubf"}  # "u": numpy's type for ints >= 2**63
 
 
+def _utf8(text: str) -> bytes:
+    """A string column's value as UTF-8 (what Arrow requires). A file name's non-UTF-8 byte,
+    which Python holds as a lone surrogate, is written as ``\\xNN``, as the terminal shows it
+    (``driftcli.escaping``): the row is kept, its name readable."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        try:
+            raw = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate no file name decodes to
+            return text.encode("utf-8", "backslashreplace")
+        return raw.decode("utf-8", "backslashreplace").encode()
+
+
 def _arrow_column(values: list[Any], field: pa.Field) -> pa.Array:
     """One column as an Arrow array, built from its buffers.
 
@@ -225,7 +239,7 @@ def _arrow_column(values: list[Any], field: pa.Field) -> pa.Array:
     if field.type == pa.string():
         if any(not isinstance(v, str) for v in values if v is not None):
             raise pa.ArrowTypeError(f"column {field.name!r} of type string got a non-string")
-        data = [v.encode() if v is not None else b"" for v in values]
+        data = [_utf8(v) if v is not None else b"" for v in values]
         offsets = np.zeros(len(data) + 1, dtype=np.int64)
         np.cumsum([len(d) for d in data], out=offsets[1:])
         if offsets[-1] >= 2**31:

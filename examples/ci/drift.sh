@@ -30,9 +30,11 @@ save_file({
 PY
 fi
 
-drift clip-rate "$CHECKPOINT" "${CASTS[@]}" --out "$OUT" --quiet
-drift underflow-rate "$CHECKPOINT" "${CASTS[@]}" --out "$OUT" --quiet
-drift error-bias "$CHECKPOINT" "${CASTS[@]}" --out "$OUT" --quiet
+# --overwrite: a workspace that outlives a job (a self-hosted runner, a rerun) holds the
+# last run's tables, which drift otherwise keeps and refuses to replace
+drift clip-rate "$CHECKPOINT" "${CASTS[@]}" --out "$OUT" --quiet --overwrite
+drift underflow-rate "$CHECKPOINT" "${CASTS[@]}" --out "$OUT" --quiet --overwrite
+drift error-bias "$CHECKPOINT" "${CASTS[@]}" --out "$OUT" --quiet --overwrite
 
 REGRESSION=()
 if [ -n "${BASELINE:-}" ]; then
