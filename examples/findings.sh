@@ -141,8 +141,8 @@ exact_probes() {
     exact_runs
     log "probes of the exact runs' checkpoints"
     for seed in 0 1 2; do
-        bg drift probe "$OUT/mlp-exact-s$seed" -p exact -p fp8_e4m3 -p mxfp8_e4m3 -p mxfp8_e4m3_floor+1 -p nvfp4 -p mxfp4_e2m1 -p mxfp4_e2m1_ceil -p nvfp4:sr --draws 16 --seed 0 --threads 1 -q
-        bg drift probe "$OUT/tf-exact-s$seed" -p exact -p fp8_e4m3 -p mxfp8_e4m3 -p mxfp8_e4m3_floor+1 -p nvfp4 -p mxfp4_e2m1 -p mxfp4_e2m1_ceil --threads 1 -q
+        bg drift probe "$OUT/mlp-exact-s$seed" -p exact -p fp8_e4m3 -p mxfp8_e4m3 -p mxfp8_e4m3_floor+1 -p nvfp4 -p mxfp4_e2m1 -p mxfp4_e2m1_ceil -p nvfp4:sr --draws 16 --seed 0 --threads 1 -q --overwrite
+        bg drift probe "$OUT/tf-exact-s$seed" -p exact -p fp8_e4m3 -p mxfp8_e4m3 -p mxfp8_e4m3_floor+1 -p nvfp4 -p mxfp4_e2m1 -p mxfp4_e2m1_ceil --threads 1 -q --overwrite
     done
     join
 }
@@ -163,8 +163,8 @@ part_a() {
     exact_dumps
     log "(a) clip rates of the step-1000 operands"
     for seed in 0 1 2; do
-        drift clip-rate "$OUT/a/mlp-s$seed.safetensors" -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/a/clip-mlp-s$seed" -q
-        drift clip-rate "$OUT/a/tf-s$seed.safetensors" -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/a/clip-tf-s$seed" -q
+        drift clip-rate "$OUT/a/mlp-s$seed.safetensors" -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/a/clip-mlp-s$seed" -q --overwrite
+        drift clip-rate "$OUT/a/tf-s$seed.safetensors" -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/a/clip-tf-s$seed" -q --overwrite
     done
 }
 
@@ -172,8 +172,8 @@ part_b() {
     exact_dumps
     log "(b) operand error and bias"
     for seed in 0 1 2; do
-        drift error-bias "$OUT/a/mlp-s$seed.safetensors" -c fp8_e4m3 -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/b/eb-mlp-s$seed" -q
-        drift error-bias "$OUT/a/tf-s$seed.safetensors" -c fp8_e4m3 -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/b/eb-tf-s$seed" -q
+        drift error-bias "$OUT/a/mlp-s$seed.safetensors" -c fp8_e4m3 -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/b/eb-mlp-s$seed" -q --overwrite
+        drift error-bias "$OUT/a/tf-s$seed.safetensors" -c fp8_e4m3 -c mxfp8_e4m3 -c mxfp8_e4m3_floor+1 --out "$OUT/b/eb-tf-s$seed" -q --overwrite
     done
     exact_probes
 }
@@ -231,8 +231,8 @@ claim5() {
         done
     done
     # one table per model, a row per tensor of every dump (its source names seed and step)
-    drift clip-rate "$OUT"/claim5/tf-s*.safetensors -c mxfp8_e4m3 --out "$OUT/claim5/clip-tf" -q
-    drift clip-rate "$OUT"/claim5/mlp-s*.safetensors -c mxfp8_e4m3 --out "$OUT/claim5/clip-mlp" -q
+    drift clip-rate "$OUT"/claim5/tf-s*.safetensors -c mxfp8_e4m3 --out "$OUT/claim5/clip-tf" -q --overwrite
+    drift clip-rate "$OUT"/claim5/mlp-s*.safetensors -c mxfp8_e4m3 --out "$OUT/claim5/clip-mlp" -q --overwrite
 }
 
 claim6() {
@@ -253,8 +253,8 @@ claim7() {
     done
     join
     for seed in 0 1 2; do
-        bg drift probe "$OUT/claim7/mlp-floor-s$seed" -p exact -p mxfp4_e2m1 -p mxfp4_e2m1_ceil --threads 1 -q
-        bg drift probe "$OUT/claim7/mlp-ceil-s$seed" -p exact -p mxfp4_e2m1 -p mxfp4_e2m1_ceil --threads 1 -q
+        bg drift probe "$OUT/claim7/mlp-floor-s$seed" -p exact -p mxfp4_e2m1 -p mxfp4_e2m1_ceil --threads 1 -q --overwrite
+        bg drift probe "$OUT/claim7/mlp-ceil-s$seed" -p exact -p mxfp4_e2m1 -p mxfp4_e2m1_ceil --threads 1 -q --overwrite
     done
     join
 }
