@@ -135,6 +135,32 @@ def test_a_symlink_to_dev_zero_in_a_folder_hangs_neither_the_reader_nor_the_hash
         "data into a file")
 
 
+def test_a_file_replaced_by_a_fifo_after_listing_is_refused_when_read(tmp_path: Path) -> None:
+    import numpy as np
+
+    save_file({"w": torch.ones(2, 4)}, str(tmp_path / "a.safetensors"))
+    np.save(tmp_path / "b.npy", np.ones((2, 4), np.float32))
+    np.savez(tmp_path / "c.npz", c=np.ones((2, 4), np.float32))
+    # before the fix: the read's open() blocked forever on the FIFO put in the file's place
+    out = bounded(f"""
+        import os
+        from driftcli.io.readers import ReadError, open_inputs
+        got = open_inputs([{str(tmp_path)!r}])
+        for ref in got.tensors:
+            os.remove(ref.source)
+            os.mkfifo(ref.source)
+            try:
+                ref.read()
+            except ReadError as exc:
+                print(str(exc).split(": ", 1)[1])
+    """, timeout=30)
+    assert out.splitlines() == [
+        "cannot read tensor w: not a regular file (a pipe or a device can block or never end)",
+        "cannot read tensor b: not a regular file (a pipe or a device can block or never end)",
+        "cannot read tensor c (OSError: " + str(tmp_path / "c.npz") + " is not a regular file "
+        "any more)"]
+
+
 # --- work bounded by the bytes given ------------------------------------------------------------
 
 

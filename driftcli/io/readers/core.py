@@ -10,6 +10,7 @@ kind.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import stat
@@ -18,7 +19,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, NamedTuple, Protocol
+from typing import IO, BinaryIO, NamedTuple, Protocol
 
 import torch
 
@@ -75,6 +76,24 @@ def not_regular(path: Path) -> str | None:
     link = " (through a symbolic link)" if path.is_symlink() else ""
     return (f"{path} is {kind}{link}, not a regular file: drift reads only regular files "
             "(a pipe or a device can block or never end); copy the data into a file")
+
+
+def open_regular(path: Path, buffering: int = -1) -> BinaryIO:
+    """``path`` opened for reading, only if it is a regular file (else ``OSError``): opened
+    without blocking and checked with ``fstat`` on what was opened, so a FIFO or device put in
+    its place after the listing's ``stat`` is refused, never waited on or read."""
+    nonblocking = getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, os.O_RDONLY | nonblocking)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a pipe or a device can block or "
+                                        "never end)", str(path))
+        if nonblocking:
+            os.set_blocking(fd, True)
+        return open(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def first_line(exc: BaseException) -> str:
@@ -274,7 +293,7 @@ class ByteRange:
         try:
             # positioned reads, not mmap: a file truncated under a mapping kills the process
             # with SIGBUS, and no mapping outlives the call
-            with open(self.path, "rb", buffering=0) as fh:
+            with open_regular(self.path, buffering=0) as fh:
                 size = os.fstat(fh.fileno()).st_size
                 if end > size:
                     raise ReadError(truncated(ref.source, ref.name, self.offset, end, size))

@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import math
 import os
+import stat
 import threading
 import tokenize
 import zipfile
@@ -36,6 +37,7 @@ from driftcli.io.readers.core import (
     fill,
     first_line,
     is_count,
+    open_regular,
     row_shape,
     truncated,
     typed,
@@ -121,7 +123,7 @@ class _NpyFortran:
 def npy_refs(path: Path) -> Listing:
     """The one array of an ``.npy`` file (a file whose header is wrong raises)."""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             head = _npy_header(fh)
             size = os.fstat(fh.fileno()).st_size
     except OSError as exc:
@@ -170,6 +172,8 @@ class _OpenMember:
         """The open member and its header, opened now where the slot holds another member
         or the archive was rewritten since (its size, mtime or inode changed)."""
         st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # replaced by a FIFO or device since listed
+            raise OSError(f"{path} is not a regular file any more")
         key = (str(path), member, st.st_size, st.st_mtime_ns, st.st_ino)
         if key != self._key or self._fh is None or self._head is None:
             self.close()

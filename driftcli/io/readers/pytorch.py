@@ -26,6 +26,7 @@ from driftcli.io.readers.core import (
     ReadError,
     TensorRef,
     first_line,
+    open_regular,
     storage_problem,
 )
 
@@ -107,7 +108,7 @@ def _torch_zip(path: Path) -> bool:
     (by its first bytes); raises where that archive is truncated or damaged, so torch is
     never handed one: its directory must read, and each member must lie inside the file."""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             if fh.read(4) != b"PK\x03\x04":
                 return False
             size = os.fstat(fh.fileno()).st_size

@@ -29,6 +29,7 @@ from driftcli.io.readers.core import (
     TensorRef,
     first_line,
     is_count,
+    open_regular,
     torch_dtype,
     truncated,
 )
@@ -138,7 +139,7 @@ class _SafetensorsHeader:
 
 def _safetensors_header(path: Path) -> _SafetensorsHeader:
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             size = os.fstat(fh.fileno()).st_size
             prefix = fh.read(8)
             if len(prefix) < 8:
