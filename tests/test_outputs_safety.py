@@ -280,7 +280,7 @@ def test_a_second_run_into_one_out_keeps_the_table_unless_overwrite(ckpt: Path,
     code, stdout, err = drift("clip-rate", ckpt, "-c", "fp8_e4m3", "--out", out, "-q")
     assert code == 2 and stdout == ""
     assert err.strip() == (f"error: {table} exists (an earlier run's table); give --overwrite "
-                           "to replace it, or another --out")
+                           "to replace it, --append to merge into it, or another --out")
     assert table.read_bytes() == before
     code, _, err = drift("clip-rate", ckpt, "-c", "fp8_e4m3", "--out", out, "-q", "--overwrite")
     assert code == 0, err
@@ -402,3 +402,34 @@ def test_units_of_a_non_utf8_file_name_are_kept_and_taken(tmp_path: Path) -> Non
     df, prov = read_table(out / "clip-rate.parquet")
     assert prov["resumed_units"] == 1
     assert set(df.source) == {f"{tmp_path}/bad\\xff.safetensors"}  # the byte, escaped
+
+
+def test_append_merges_rows_by_source_tensor_and_cast(ckpt: Path, tmp_path: Path) -> None:
+    other = tmp_path / "b.safetensors"
+    save_file({"v": torch.linspace(-300, 300, 256).reshape(4, 64)}, other)
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    runs = [(ckpt, "mxfp8_e4m3"), (other, "mxfp8_e4m3"), (ckpt, "nvfp4"), (ckpt, "mxfp8_e4m3")]
+    for i, (path, cast) in enumerate(runs):
+        code, _, err = drift("clip-rate", path, "-c", cast, "--out", out, "-q",
+                             *(["--append"] if i else []))
+        assert code == 0, err
+        code, _, err = drift("clip-rate", path, "-c", cast, "--out", fresh / str(i), "-q")
+        assert code == 0, err
+    want = {row for i in range(3) for row in table_rows(fresh / str(i) / "clip-rate.parquet")}
+    got = table_rows(out / "clip-rate.parquet")
+    assert len(got) == len(want) and set(got) == want  # the 4th run replaced the 1st's rows
+    prov = read_table(out / "clip-rate.parquet")[1]
+    assert {i["path"] for i in prov["inputs"]} == {str(ckpt), str(other)}
+    assert prov["casts"] == ["mxfp8_e4m3", "nvfp4"]
+    n0, n1, n2 = (len(table_rows(fresh / str(i) / "clip-rate.parquet")) for i in range(3))
+    assert [a["rows_kept"] for a in prov["appended_to"]] == [n0, n0 + n1, n1 + n2]
+    code, _, err = drift("clip-rate", ckpt, "-c", "nvfp4", "--out", out, "-q", "--append",
+                         "--overwrite")
+    assert code == 2 and err.strip() == ("error: give --overwrite (replace the table) or "
+                                         "--append (merge into it), not both")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "clip-rate.parquet").write_bytes(
+        (out / "clip-rate.parquet").read_bytes()[:100])
+    code, _, err = drift("clip-rate", ckpt, "-c", "nvfp4", "--out", tmp_path / "other", "-q",
+                         "--append")
+    assert code == 2 and err.startswith(f"error: cannot read {tmp_path / 'other'}"), err

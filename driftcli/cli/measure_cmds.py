@@ -11,12 +11,14 @@ import typer
 
 from driftcli.cli.app import EXIT_USAGE, command
 from driftcli.cli.run import (
+    Append,
     Bar,
     EngineOpt,
     Overwrite,
     RayAddress,
     Resume,
     Workers,
+    appended,
     execution,
     fmt,
     progress_bar,
@@ -134,22 +136,22 @@ def _print(summary: dict[str, Any]) -> None:
 def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: ScanOptions,
          include: list[str] | None, exclude: list[str] | None, fast_hash: bool, quiet: bool,
          as_json: bool, engine: Engine, workers: int | None, ray_address: str | None,
-         resume: bool, overwrite: bool) -> None:
+         resume: bool, overwrite: bool, append: bool) -> None:
     from driftcli.io.outputs import check_writable
     from driftcli.measures import MEASURES
 
     m = MEASURES[name]
     check_writable(out)  # fail now, not after the scan
     path = out / f"{m.name}.parquet"
-    with table_output(path, overwrite=overwrite):  # before any work, held to the end
+    with table_output(path, overwrite=overwrite, append=append):  # held to the end
         _measure(name, path, inputs, casts, options, include, exclude, fast_hash, quiet,
-                 as_json, engine, workers, ray_address, resume)
+                 as_json, engine, workers, ray_address, resume, append)
 
 
 def _measure(name: str, path: Path, inputs: list[Path], casts: list[str], options: ScanOptions,
              include: list[str] | None, exclude: list[str] | None, fast_hash: bool,
              quiet: bool, as_json: bool, engine: Engine, workers: int | None,
-             ray_address: str | None, resume: bool) -> None:
+             ray_address: str | None, resume: bool, append: bool) -> None:
     from driftcli.engines import clear_units
     from driftcli.io.tables import identify_in_background, provenance
     from driftcli.measures import MEASURES
@@ -188,6 +190,8 @@ def _measure(name: str, path: Path, inputs: list[Path], casts: list[str], option
     summary["skipped_files"] = [str(f) for i in s.inputs for f in i.skipped]
     summary["axis_skipped"] = fit.lines()
     failed = {f"{e['source']} {e['tensor']}: {e['error']}": None for e in summary["errors"]}
+    if append:  # the summary is this run's; the table holds the earlier rows too
+        rows, prov = appended(path, m.row_type, rows, prov)
     publish(path, m.row_type, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
             failures=list(failed), failed="tensor(s) or file(s) could not be read",
             units=units_dir(path))
@@ -205,7 +209,7 @@ def clip_rate(
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False, overwrite: Overwrite = False,
+    resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
 ) -> None:
     """Share of each tensor that clips, per cast.
 
@@ -213,7 +217,7 @@ def clip_rate(
     """
     _run("clip-rate", inputs, cast, out, _options(axis, device), include, exclude, fast_hash,
          quiet, as_json, engine, workers, ray_address, resume,
-         overwrite)
+         overwrite, append)
 
 
 @command("underflow-rate")
@@ -222,12 +226,12 @@ def underflow_rate(
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False, overwrite: Overwrite = False,
+    resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
 ) -> None:
     """Share of nonzero values that flush to zero, per cast."""
     _run("underflow-rate", inputs, cast, out, _options(axis, device), include, exclude,
          fast_hash, quiet, as_json, engine, workers, ray_address, resume,
-         overwrite)
+         overwrite, append)
 
 
 @command("error-bias")
@@ -239,7 +243,7 @@ def error_bias(
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False, overwrite: Overwrite = False,
+    resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
 ) -> None:
     """Size of the cast error and its bias, per cast.
 
@@ -247,7 +251,7 @@ def error_bias(
     """
     _run("error-bias", inputs, cast, out, _options(axis, device, draws, seed), include,
          exclude, fast_hash, quiet, as_json, engine, workers, ray_address, resume,
-         overwrite)
+         overwrite, append)
 
 
 @command("cast-diff")
@@ -256,7 +260,7 @@ def cast_diff(
     device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False, overwrite: Overwrite = False,
+    resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
 ) -> None:
     """Where casts disagree with the first, element by element.
 
@@ -270,4 +274,4 @@ def cast_diff(
                          f"{len(cast)} (e.g. -c nvfp4 -c torchao/nvfp4)")
     _run("cast-diff", inputs, cast, out, _options(axis, device), include, exclude, fast_hash,
          quiet, as_json, engine, workers, ray_address, resume,
-         overwrite)
+         overwrite, append)

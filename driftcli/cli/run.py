@@ -36,6 +36,9 @@ Resume = Annotated[bool, typer.Option(
 Overwrite = Annotated[bool, typer.Option(
     "--overwrite", help="Replace a table an earlier run wrote there (without it, an existing "
                         "table is kept and the command refuses before any work).")]
+Append = Annotated[bool, typer.Option(
+    "--append", help="Merge this run's rows into the table already there: a row of the same "
+                     "source, tensor and cast replaces the earlier one, the others stay.")]
 
 
 def execution(engine: Engine, workers: int | None, ray_address: str | None,
@@ -58,20 +61,58 @@ def execution(engine: Engine, workers: int | None, ray_address: str | None,
 
 
 @contextmanager
-def table_output(path: Path, *, overwrite: bool, option: str = "--out") -> Iterator[None]:
+def table_output(path: Path, *, overwrite: bool, option: str = "--out",
+                 append: bool | None = None) -> Iterator[None]:
     """What a command holds while it makes a table: the table's lock (a second run writing the
     same table refuses with one line, see :func:`~driftcli.io.tables.table_lock`), taken
-    before any work, and the check that no earlier table is there unless ``overwrite``."""
+    before any work, and the check that no earlier table is there unless ``overwrite`` (or
+    ``append``: the command merges its rows into it, see :func:`appended`; None for a
+    command without ``--append``)."""
     import os
 
     from driftcli.io.outputs import OutputError
     from driftcli.io.tables import table_lock
 
+    if overwrite and append:
+        raise OutputError("give --overwrite (replace the table) or --append (merge into it), "
+                          "not both")
     with table_lock(path, option=option):
-        if os.path.lexists(path) and not overwrite:
+        if os.path.lexists(path) and not (overwrite or append):
+            merge = "" if append is None else " --append to merge into it,"
             raise OutputError(f"{path} exists (an earlier run's table); give --overwrite to "
-                              f"replace it, or another {option}")
+                              f"replace it,{merge} or another {option}")
         yield
+
+
+def appended(path: Path, row_type: type, rows: Sequence[Any],
+             prov: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """``rows`` merged into the table at ``path`` (when there is one) and the provenance of
+    the merged table: this run's, its inputs and casts joined to the earlier table's, and
+    ``appended_to`` naming the earlier run and the rows kept from it."""
+    import os
+
+    from driftcli.io.tables import merge_rows, read_rows
+
+    if not os.path.lexists(path):
+        return list(rows), prov
+    old, before = read_rows(path, row_type)
+    merged = merge_rows(old, rows, row_type.KEYS)
+    kept = len(merged) - len(rows)
+    given = {str(i.get("path")) for i in prov.get("inputs", [])}
+    out = dict(prov)
+    out["inputs"] = [*prov.get("inputs", []),
+                     *(i for i in before.get("inputs", []) if str(i.get("path")) not in given)]
+    if "casts" in prov:
+        out["casts"] = list(dict.fromkeys([*before.get("casts", []), *prov["casts"]]))
+    if "names" in prov:
+        names = dict(before.get("names", {}))
+        for column, mapping in prov["names"].items():
+            names[column] = {**names.get(column, {}), **mapping}
+        out["names"] = names
+    out["appended_to"] = [*before.get("appended_to", []),
+                          {"command": before.get("command"), "utc": before.get("utc"),
+                           "rows_kept": kept}]
+    return merged, out
 
 
 def write_kept(path: Path, row_type: type, rows: Sequence[Any], prov: dict[str, Any],

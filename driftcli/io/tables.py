@@ -431,6 +431,36 @@ def table_lock(table: Path, *, option: str = "--out") -> Iterator[None]:
                 folder.rmdir()
 
 
+def read_rows(path: Path, row_type: type) -> tuple[list[Any], dict[str, Any]]:
+    """A drift table of ``row_type`` as its rows (instances of ``row_type``) and provenance:
+    what ``--append`` merges into. A table of another measurement, or of another drift
+    version's columns, is a :class:`~driftcli.errors.DriftError` naming it."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise DriftError(f"cannot read {path}: {exc}; is it a Parquet file?") from None
+    meta = table.schema.metadata or {}
+    names = [f.name for f in dataclasses.fields(row_type)]
+    if meta.get(TABLE_KEY) != row_type.TABLE.encode() or table.column_names != names:
+        raise DriftError(f"{path} is not a {row_type.TABLE} table of this drift version's "
+                         "columns, so rows cannot be appended to it; give --overwrite to "
+                         "replace it, or another --out")
+    try:
+        rows = [row_type(**record) for record in table.to_pylist()]
+    except (TypeError, ValueError) as exc:
+        raise DriftError(f"{path}: its rows do not read back as {row_type.TABLE} rows "
+                         f"({exc}); give --overwrite to replace it") from None
+    return rows, json.loads(meta.get(PROVENANCE_KEY, b"{}"))
+
+
+def merge_rows(old: Sequence[Any], new: Sequence[Any], keys: Sequence[str]) -> list[Any]:
+    """``old`` rows whose ``keys`` no row of ``new`` has, in their order, then ``new``: a
+    row measured again replaces the earlier one."""
+    ident = [tuple(getattr(r, k) for k in keys) for r in new]
+    seen = set(ident)
+    return [r for r in old if tuple(getattr(r, k) for k in keys) not in seen] + list(new)
+
+
 def read_table(path: Path) -> tuple[Any, dict[str, Any]]:
     """A drift table as ``(pandas.DataFrame, provenance)``."""
     try:
