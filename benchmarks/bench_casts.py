@@ -13,15 +13,15 @@ and, for context, the throughput of ``out.copy_(x)`` into a preallocated
 tensor (memory bandwidth without allocation). A ratio is drift's throughput
 divided by the baseline's (higher is better; 1.0 means as fast as the
 baseline). Each figure is the median of ``--repeat`` timed calls after one
-warm-up call; on the compiled path the warm-up call is where
-``torch.compile`` does its work, and its seconds are printed in their own
-column, never mixed into the throughput.
+untimed warm-up call, whose seconds are printed in their own column.
 
-Two things besides the code decide these figures, and both are pinned and
-printed: whether large results land on fresh pages or on recycled memory
-(``--malloc``, see :func:`set_malloc`), and whether each format gets its own
-compilation or all share dynamo's cache, whose recompile limit sends later
-formats to the eager path (``--no-reset``, see :func:`run`).
+Each row runs on one of drift's two back-ends (:data:`PATHS`): ``torch``, the
+eager reference, or ``numba``, the CPU default; the numba rows are checked bit
+for bit against the torch rows' results.
+
+Besides the code, the allocator decides these figures: whether large results
+land on fresh pages or on recycled memory (``--malloc``, see
+:func:`set_malloc`); it is pinned and printed.
 
 Run ``python benchmarks/bench_casts.py --help`` for the options.
 """
@@ -32,13 +32,11 @@ import argparse
 import ctypes
 import ctypes.util
 import json
-import logging
 import os
 import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -47,18 +45,23 @@ from pathlib import Path
 import torch
 
 import driftcli
-from driftcli import compiling, jit
+from driftcli import kernels
 
-PATHS = ("torch", "default", "compiled")
-"""What a row runs: torch's eager kernel (``DRIFT_JIT=never DRIFT_COMPILE=never``), the
-default path (numba's kernels; inductor for large scans only), or inductor's code for every
-call (``DRIFT_COMPILE=always``)."""
+PATHS = ("torch", "numba")
+"""drift's back-ends: ``torch``, the eager reference (``DRIFT_JIT=never``), and ``numba``, the
+CPU default (see :mod:`driftcli.kernels`)."""
 
 
 def set_path(path: str) -> None:
     """Put drift on ``path`` (one of :data:`PATHS`)."""
-    jit.set_jit("never" if path == "torch" else "auto")
-    compiling.set_compile({"torch": "never", "default": "auto", "compiled": "always"}[path])
+    kernels.set_jit("never" if path == "torch" else "auto")
+
+
+def path_run(path: str) -> str:
+    """The back-end that runs when ``path`` was asked for: ``path`` itself, or ``torch (why)``
+    where numba was asked for and is not at hand."""
+    why = kernels.jit_unavailable()
+    return path if path == "torch" or why is None else f"torch ({why})"
 
 
 FIRST_CALL = """
@@ -73,7 +76,7 @@ print(t1 - t0, t2 - t1)
 
 
 def first_call(fmt: str, n: int) -> float:
-    """Seconds the first cast in a fresh process takes beyond the second one (the default
+    """Seconds the first cast in a fresh process takes beyond the second one (the numba
     path, after any on-disk cache of a previous run)."""
     out = subprocess.run([sys.executable, "-c", FIRST_CALL, fmt, str(n)], capture_output=True,
                          text=True, check=True).stdout.split()
@@ -83,7 +86,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_BITS = 16
 TARGET_BITS = 8
 TARGET_RATIOS = {"vs_native": 2.0}
-"""The default path's targets (issue 20): element casts at least twice torch's native e4m3
+"""The numba path's targets (issue 20): element casts at least twice torch's native e4m3
 round trip."""
 
 
@@ -97,8 +100,7 @@ class Row:
     mode: str
     """drift's path asked for: one of :data:`PATHS`."""
     path: str
-    """What ran: torch (eager ops), numba, compiled, or eager with the reason compilation did
-    not happen."""
+    """What ran (see :func:`path_run`)."""
     warmup_s: float
     cast_s: float
     clone_s: float
@@ -106,9 +108,9 @@ class Row:
     copy_s: float
     ml_dtypes_s: float
     n: int
-    identical_to_eager: bool | None
+    identical_to_torch: bool | None
     first_call_extra_s: float | None = None
-    """The first call in a fresh process minus a later one (the default path only)."""
+    """The first call in a fresh process minus a later one (the numba path only)."""
 
     @property
     def cast_meps(self) -> float:
@@ -205,7 +207,7 @@ def element_formats(names: Sequence[str] | None) -> list[driftcli.Format]:
     return [f for f in (driftcli.FORMATS[name] for name in driftcli.FORMATS) if f.bits <= MAX_BITS]
 
 
-# --- allocator and compiler state ----------------------------------------------------------
+# --- allocator -------------------------------------------------------------------------------
 
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
@@ -246,30 +248,6 @@ def set_malloc(regime: str, nbytes: int) -> str:
     return "reuse (no mapping, heap never trimmed)" if ok else "as-is (mallopt refused reuse)"
 
 
-class _LimitWatch(logging.Handler):
-    """Notices dynamo's warning that a function hit its recompile limit."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.hit = False
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "recompile_limit" in record.getMessage() or "cache_size_limit" in record.getMessage():
-            self.hit = True
-
-
-def compiler_failed() -> bool:
-    """Whether drift has given up compiling a kernel in this process."""
-    return compiling.fell_back()
-
-
-def graphs_compiled() -> int:
-    """How many graphs dynamo has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 # --- timing ---------------------------------------------------------------------------------
 
 
@@ -286,7 +264,7 @@ def measure(x: torch.Tensor, fmt: driftcli.Format, repeat: int) -> dict[str, flo
     Each round times ``x.clone()``, the cast, the native e4m3 round trip and a
     copy into a preallocated tensor, one after the other, so slow drifts of the
     machine's state hit all four alike. One warm-up call of each comes first;
-    the cast's is returned, as that is where compilation happens.
+    the cast's is returned.
     """
     out = torch.empty_like(x)
     calls: dict[str, Callable[[], object]] = {
@@ -308,9 +286,9 @@ def measure(x: torch.Tensor, fmt: driftcli.Format, repeat: int) -> dict[str, flo
 def interleaved(calls: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
     """Warm-up seconds of ``calls["cast"]`` and each call's median over ``repeat`` rounds.
 
-    One untimed warm-up of every call first (the cast's, where compilation
-    happens, is returned as ``warmup``); then each round times every call once,
-    one after the other, so slow drifts of the machine hit all of them alike.
+    One untimed warm-up of every call first (the cast's is returned as
+    ``warmup``); then each round times every call once, one after the other,
+    so slow drifts of the machine hit all of them alike.
     """
     result = {"warmup": once(calls["cast"])}
     for name, fn in calls.items():
@@ -334,46 +312,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run(inputs: dict[str, torch.Tensor], formats: list[driftcli.Format], modes: list[str],
-        repeat: int, *, check: bool, reset: bool, first: bool,
-        progress: Callable[[Row], None]) -> list[Row]:
-    """Measure every (path, format, input) and return the rows.
-
-    With ``reset``, dynamo's in-memory caches are cleared before each format on
-    a compiling path, so that every format is compiled as in a fresh process
-    (drift compiles one function, and dynamo stops recompiling a function after
-    ``torch._dynamo.config.recompile_limit`` variants: 8 by default). Without
-    it, the formats share one process-wide cache as in a user's session, and a
-    format that arrives after the limit runs eagerly; such rows are flagged.
-    """
-    watch = _LimitWatch()
-    logging.getLogger("torch._dynamo.convert_frame").addHandler(watch)
+        repeat: int, *, check: bool, first: bool, progress: Callable[[Row], None]) -> list[Row]:
+    """Measure every (path, format, input) and return the rows; with ``check``, a numba
+    row's result is compared bit for bit with the torch path's on the same input."""
     rows: list[Row] = []
-    seen: set[str] = set()
     for mode in modes:
         for fmt in formats:
-            compiles = mode == "compiled" or (
-                mode == "default" and jit.jit_unavailable() is not None
-                and next(iter(inputs.values())).numel() >= compiling.COMPILE_MIN_ELEMENTS)
-            if compiles and reset:
-                import torch._dynamo
-
-                torch._dynamo.reset()
             for input_name, x in inputs.items():
                 set_path(mode)
-                before = graphs_compiled() if compiles else 0
                 t = measure(x, fmt, repeat)
-                if not compiles:
-                    path = "torch" if mode == "torch" or jit.jit_unavailable() else "numba"
-                elif compiler_failed():
-                    path = "eager (compiler failed)"
-                elif graphs_compiled() > before or fmt.name in seen:
-                    path = "compiled"
-                elif reset or watch.hit:
-                    path = "eager (recompile limit)" if watch.hit else "eager (not compiled)"
-                else:
-                    path = "compiled"  # matched a kernel compiled for an earlier format
-                if path == "compiled":
-                    seen.add(fmt.name)
+                path = path_run(mode)
                 identical: bool | None = None
                 if check and mode != "torch":
                     got = driftcli.round_to_format(x, fmt, rounding="rne", overflow="saturate")
@@ -381,7 +329,7 @@ def run(inputs: dict[str, torch.Tensor], formats: list[driftcli.Format], modes: 
                     ref = driftcli.round_to_format(x, fmt, rounding="rne", overflow="saturate")
                     identical = same_bits(got, ref)
                     del got, ref
-                extra = first_call(fmt.name, x.numel()) if first and mode == "default" and (
+                extra = first_call(fmt.name, x.numel()) if first and mode == "numba" and (
                     input_name == next(iter(inputs))) else None
                 row = Row(input_name, fmt.name, fmt.bits, mode, path, t["warmup"], t["cast"],
                           t["clone"], t["native"], t["copy"], t.get("ml_dtypes", float("nan")),
@@ -400,7 +348,7 @@ COLUMNS = ("input", "format", "bits", "path", "warm-up s", "1st call +s", "Me/s"
 
 def cells(row: Row) -> tuple[str, ...]:
     """The printed cells of one row, in COLUMNS order."""
-    check = {None: "-", True: "yes", False: "NO"}[row.identical_to_eager]
+    check = {None: "-", True: "yes", False: "NO"}[row.identical_to_torch]
     first = "-" if row.first_call_extra_s is None else f"{row.first_call_extra_s:.2f}"
     return (row.input, row.format, str(row.bits), row.path, f"{row.warmup_s:.2f}", first,
             f"{row.cast_meps:.0f}", f"{row.clone_meps:.0f}", f"{row.native_meps:.0f}",
@@ -425,18 +373,18 @@ def table(rows: list[Row]) -> str:
 
 
 def verdict(rows: list[Row]) -> list[str]:
-    """Whether the default path meets the targets for every cast to <= 8 bits."""
+    """Whether the numba path meets the targets for every cast to <= 8 bits."""
     lines = []
-    targeted = [r for r in rows if r.mode == "default" and r.bits <= TARGET_BITS]
+    targeted = [r for r in rows if r.mode == "numba" and r.bits <= TARGET_BITS]
     for label, attr in (("native e4m3 round trip", "vs_native"),):
         if not targeted:
-            lines.append(f"target {label}: not measured (no default-path rows)")
+            lines.append(f"target {label}: not measured (no numba-path rows)")
             continue
         worst = min(targeted, key=lambda r: getattr(r, attr))
         goal = TARGET_RATIOS[attr]
         misses = [r for r in targeted if getattr(r, attr) < goal]
         state = "met" if not misses else f"MISSED in {len(misses)} of {len(targeted)} rows"
-        lines.append(f"target >= {goal}x {label} (default path, <= {TARGET_BITS} bits): "
+        lines.append(f"target >= {goal}x {label} (numba path, <= {TARGET_BITS} bits): "
                      f"{state}; worst {getattr(worst, attr):.2f}x ({worst.format}, {worst.input})")
     firsts = [r.first_call_extra_s for r in targeted if r.first_call_extra_s is not None]
     if firsts:
@@ -455,7 +403,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--formats", nargs="+", metavar="FMT",
                    help="formats to measure (default: every registered format of <= 16 bits)")
     p.add_argument("--path", choices=PATHS, action="append", default=None,
-                   help="drift's path to measure, repeatable (default: torch and default)")
+                   help="drift's back-end to measure, repeatable (default: torch and numba)")
     p.add_argument("--no-first-call", action="store_true",
                    help="skip the fresh-process first-call column (a process per format)")
     p.add_argument("--inputs", nargs="+", choices=("normal", "heavy"), default=["normal", "heavy"],
@@ -463,15 +411,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--malloc", choices=("fresh", "reuse", "as-is"), default="fresh",
                    help="allocator regime: fresh pages for every large tensor (default), "
                         "recycled memory, or glibc's defaults (see set_malloc)")
-    p.add_argument("--no-reset", action="store_true",
-                   help="keep one dynamo cache for all formats, as in a user's session "
-                        "(formats past dynamo's recompile limit then run eagerly)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
-    p.add_argument("--cold-cache", action="store_true",
-                   help="compile into a fresh, empty inductor cache (honest first-compile times)")
     p.add_argument("--no-check", action="store_true",
-                   help="skip comparing compiled results bit for bit with eager ones")
+                   help="skip comparing numba's results bit for bit with torch's")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
     return p.parse_args(argv)
 
@@ -481,10 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.cold_cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="drift-bench-inductor-")
     malloc = set_malloc(args.malloc, 4 * args.n)
-    modes = args.path or ["torch", "default"]
+    modes = args.path or list(PATHS)
     formats = element_formats(args.formats)
     info = machine()
     print(f"machine: {info['platform']}; {info['cpu']}; {info['cores']} cores; "
@@ -493,8 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     print(f"command: python benchmarks/bench_casts.py {' '.join(given)}".rstrip())
     print(f"n = {args.n}, repeat = {args.repeat}, paths = {', '.join(modes)}, "
-          f"malloc = {malloc}, dynamo reset per format = {not args.no_reset}, "
-          f"inductor cache = {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'drift default')}")
+          f"malloc = {malloc}, numba {kernels.jit_unavailable() or 'at hand'}")
     print("ratios: drift Me/s / baseline Me/s, baselines timed interleaved on the same input")
     sys.stdout.flush()
 
@@ -506,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  " + "  ".join(cells(row)), file=sys.stderr, flush=True)
 
     rows = run(inputs, formats, modes, args.repeat, check=not args.no_check,
-               reset=not args.no_reset, first=not args.no_first_call, progress=progress)
+               first=not args.no_first_call, progress=progress)
     print()
     print(table(rows))
     print()
@@ -517,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         derived = ("cast_meps", "clone_meps", "native_meps", "copy_meps", "vs_clone", "vs_native",
                    "vs_ml_dtypes")
         payload = {"machine": info, "n": args.n, "repeat": args.repeat, "malloc": malloc,
-                   "dynamo_reset_per_format": not args.no_reset, "command": given,
+                   "command": given,
                    "verdict": verdict(rows),
                    "rows": [asdict(r) | {k: getattr(r, k) for k in derived} for r in rows]}
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
