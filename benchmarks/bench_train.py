@@ -5,8 +5,8 @@ The model is the transformer of ``docs/findings.md`` (2 pre-norm blocks, d_model
 tanh MLP, context 32, batch 16, AdamW at 3e-3, Shakespeare unless ``--text``). A step is what
 ``drift train`` does for one update: the batch's forward and backward with every matmul under
 the policy (``driftcli.arithmetic``), then the optimizer's step. Each configuration (``exact``;
-each policy on the fused cast path, :mod:`driftcli.arith.fastcast`; with ``--general`` each
-policy on the general path, ``driftcli.quantize`` for every operand) trains its own copy of
+each policy on the numba back-end, the default; with ``--general`` each policy on the torch
+back-end, ``DRIFT_JIT=never``: see :mod:`driftcli.kernels`) trains its own copy of
 the run from the same seed, and the configurations take turns: every round runs
 ``--steps`` steps of each, one after the other, so a slow phase of a shared machine hits all
 of them alike. The figure of a configuration is the median of its step times; the ratio is
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from driftcli.arith.fastcast import use_fast_casts
+from driftcli import kernels
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import ArithmeticPolicy, get_policy
 from driftcli.models.config import TransformerConfig
@@ -65,12 +65,15 @@ class Run:
         batch = sample_windows(self.corpus.train, BATCH, CONFIG.context + 1, self.gen,
                                self.corpus.source)
         start = time.perf_counter()
-        with use_fast_casts(self.fused):
+        kernels.set_jit("auto" if self.fused else "never")
+        try:
             self.opt.zero_grad(set_to_none=True)
             with arithmetic(self.policy, model=self.model):
                 loss = next_byte_loss(self.model, batch)
                 loss.backward()
             self.opt.step()
+        finally:
+            kernels.set_jit("auto")
         self.times.append(time.perf_counter() - start)
         self.losses.append(float(loss.detach()))
 
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=5, help="steps of each run per round")
     parser.add_argument("--general", action="store_true",
-                        help="also time each policy on the general cast path")
+                        help="also time each policy on the torch back-end")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--text", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.policies:
         runs.append(Run(name, get_policy(name), True, corpus))
         if args.general:
-            runs.append(Run(f"{name} (general path)", get_policy(name), False, corpus))
+            runs.append(Run(f"{name} (torch back-end)", get_policy(name), False, corpus))
     for run in runs:  # warm-up: the first steps load or compile kernels
         run.step()
         run.step()
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         pair = [r for r in runs if r.policy.name == name]
         if len(pair) == 2:
             same = pair[0].losses == pair[1].losses
-            print(f"{name}: fused and general paths give the same loss at every step "
+            print(f"{name}: numba and torch back-ends give the same loss at every step "
                   f"({len(pair[0].losses)} steps): {'yes' if same else 'NO'}")
 
 

@@ -3,22 +3,24 @@
 A :class:`~driftcli.cast.Cast` says how (element format, scaling, rounding, overflow); here the
 tensor is cut into its scale groups (:func:`~driftcli.scaling.to_blocks`), each group's scale is
 chosen by its rule, and every element is rounded onto the format's grid times that scale
-(:mod:`driftcli.rounding`). Large inputs run the same steps compiled (see
-:mod:`driftcli.compiling`), with the same bits. :mod:`driftcli.measures.stats` counts what a
-cast did from the same block layout.
+(:mod:`driftcli.rounding`), on the back-end :mod:`driftcli.kernels` chooses (the same bits on
+each). :mod:`driftcli.measures.stats` counts what a cast did from the same block layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
+import numpy as np
 import torch
 
-from driftcli import compiling, jit
+from driftcli import kernels
 from driftcli import rounding as fast
 from driftcli.cast import Cast, parse_cast
 from driftcli.errors import DriftError
+from driftcli.kernels import jit
 from driftcli.modes import (
     DEFAULT_SR_BITS,
     AmaxPolicy,
@@ -35,6 +37,8 @@ from driftcli.scaling import (
     plan_divisors,
     plan_pow2_exponents,
     pow2_exponents,
+    pow2_range,
+    rule_threshold,
     to_blocks,
     two_level_scales,
 )
@@ -99,14 +103,10 @@ def checked_bits(what: str, x: Tensor, c: Cast, seed: int | None, random_bits: T
     return random_bits
 
 
-def _scales(amax: Tensor, tensor_amax: Tensor, c: Cast, job: int = 0) -> tuple[Tensor, Tensor]:
-    """Each row's scale (the exponent ``k`` of ``2**k``, or the divisor) and if it clamped;
-    compiled when ``job`` (elements of the work this is part of) makes that worth it."""
+def _scales(amax: Tensor, tensor_amax: Tensor, c: Cast) -> tuple[Tensor, Tensor]:
+    """Each row's scale (the exponent ``k`` of ``2**k``, or the divisor) and if it clamped."""
     plan = ScalePlan.of(c.format, c.scaling)
-    div = plan.divisors(amax)
-    out = compiling.run_compiled(plan_scales, job, amax, tensor_amax, div, plan=plan) \
-        if job else None
-    return out if out is not None else plan_scales(amax, tensor_amax, div, plan=plan)
+    return plan_scales(amax, tensor_amax, plan.divisors(amax), plan=plan)
 
 
 def plan_scales(amax: Tensor, tensor_amax: Tensor, div: Tensor, *,
@@ -121,8 +121,7 @@ def plan_scales(amax: Tensor, tensor_amax: Tensor, div: Tensor, *,
 def _apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, nonfinite: Tensor, *,
            tgt: fast.Target, rounding: Rounding, overflow: Overflow, sr_bits: int, pow2: bool,
            blocked: bool, wide: bool) -> Tensor:
-    """The element cast of every row under its scale: plain tensors and hashable constants
-    only, so a compiler sees one graph."""
+    """The element cast of every row under its scale, on the torch back-end."""
     if pow2:
         # a scaled grid beyond float32's range is rounded in float64, then stored as float32
         work = blocks.double() if wide else blocks
@@ -207,11 +206,7 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
                               blocks.dtype)
         ones = torch.ones(n_rows, dtype=torch.float64, device=blocks.device)
         return Blocked(blocks, q, ones, no_blocks, no_blocks, back, bits, None)
-    out = None
-    n = blocks.numel() if s.blocked else 0  # only block and tile scalings compile
-    use_jit = not compiling.forced() and jit.usable(blocks, bits)
-    stats = None if use_jit else compiling.run_compiled(amax_and_nonfinite, n, blocks)
-    if use_jit:
+    if kernels.numba_runs(blocks, bits):
         amax, nonfinite = jit.block_amax(blocks)
         top = tensor_amax_of(amax, tensor_amax)
         if s.granularity is Granularity.TENSOR:
@@ -219,26 +214,14 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
         scale, clamped = _scales(amax, top, c)
         q = _jit_apply(blocks, bits, scale, nonfinite if s.blocked else None, c, sr_bits,
                        pow2 and needs_wide(amax, c))
-        out = (q, scale, clamped)
-    elif stats is not None:  # compiled: amax pass, scales per block eagerly, element pass
-        amax, nonfinite = stats
-        top = tensor_amax_of(amax, tensor_amax)
-        scale, clamped = _scales(amax, top, c, n)
-        q = compiling.run_compiled(
-            _apply, n, blocks, bits, scale, nonfinite, tgt=fast.target_of(elem),
-            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits, pow2=pow2,
-            blocked=True, wide=pow2 and needs_wide(amax, c))
-        out = None if q is None else (q, scale, clamped)
-    if out is None:
+    else:
         amax, nonfinite = amax_and_nonfinite(blocks)
         top = tensor_amax_of(amax, tensor_amax)
         if s.granularity is Granularity.TENSOR:
             amax = top.expand_as(amax)
         static = {"c": c, "sr_bits": sr_bits, "wide": pow2 and needs_wide(amax, c)}
-        # eagerly, in cache-sized slices (tensor and channel scalings always: one long row
-        # per tensor or channel has tripped dynamo's shape specialisation)
-        out = _sliced(blocks, bits, amax, nonfinite, top, static)
-    q, scale, clamped = out
+        # in cache-sized slices: several times faster than whole tensors
+        q, scale, clamped = _sliced(blocks, bits, amax, nonfinite, top, static)
     bad_blocks = nonfinite if s.blocked else no_blocks
     clamped = clamped & ~bad_blocks  # a NaN block's scale is NaN, not clamped
     scales = torch.ldexp(torch.ones_like(scale, dtype=torch.float64), scale.double()) \
@@ -264,7 +247,7 @@ def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
         none = torch.zeros(n_rows, dtype=torch.bool, device=blocks.device)
         ones = torch.ones(n_rows, dtype=torch.float64, device=blocks.device)
         return Blocked(blocks, blocks.clone(), ones, none, none, back, bits, None)
-    use_jit = not compiling.forced() and jit.usable(blocks, bits)
+    use_jit = kernels.numba_runs(blocks, bits)
     finite_amax, bad = jit.block_amax(blocks) if use_jit else amax_and_nonfinite(blocks)
     amax = group_amax(blocks, finite_amax, bad, a.amax)
     top = tensor_amax_of(amax, tensor_amax)
@@ -363,6 +346,10 @@ def element_masks(b: Blocked, c: Cast, sr_bits: int) -> Masks:
 def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
               sr_bits: int, want_info: bool) -> Tensor | QuantInfo:
     """The cast; the masks only when asked (they cost more passes than the cast itself)."""
+    if not want_info:
+        fused = _block_cast_numba(x, c, axis, random_bits, sr_bits)
+        if fused is not None:
+            return fused
     b = cast_blocks(x, c, axis, random_bits, sr_bits, None)
     if not want_info:
         return b.back(b.q).to(x.dtype)
@@ -404,3 +391,84 @@ def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor
         scales.append(scale)
         clamps.append(clamped)
     return q, torch.cat(scales), torch.cat(clamps)
+
+
+# --- block casts in two passes, on the numba back-end ------------------------------------------
+# A training step casts dozens of operands of thousands of elements each; there a cast's cost is
+# the dozen small torch operations that choose the block scales, not its element arithmetic
+# (docs/performance.md#simulated-training-benchmarksbench_trainpy). For the two block-scaled
+# families the policies use, one numba pass computes every block's scale and one rounds: the
+# same bits as cast_blocks (tests/test_fastcast.py).
+
+_VECTOR_ROUNDINGS = (Rounding.RNE, Rounding.SR)
+"""The rounding modes of :func:`driftcli.kernels.jit.round_pow2_rows` (the others round
+power-of-two blocks with :func:`driftcli.kernels.jit.round_bits`)."""
+_FLOAT32_TINY = 2.0**-126
+
+
+@cache
+def _pow2_rule(c: Cast) -> np.ndarray | None:
+    """The one-pass kernel's rule vector of a power-of-two cast (``emax, threshold, strict,
+    headroom, low, high``), or None for a rule not written as a threshold."""
+    plan = ScalePlan.of(c.format, c.scaling)
+    found = rule_threshold(plan)
+    if found is None:
+        return None
+    low, high = pow2_range(c.scaling.scale_format)  # type: ignore[arg-type]
+    return np.array([plan.elem_emax, found[0], int(found[1]), plan.headroom, low, high],
+                    dtype=np.int64)
+
+
+@cache
+def _two_level_consts(c: Cast) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The float32 constants and the scale rounding's parameters of a two-level cast."""
+    plan = ScalePlan.of(c.format, c.scaling)
+    consts = np.array([plan.elem_max, plan.two_level_max, plan.smallest, plan.largest,
+                       _FLOAT32_TINY], dtype=np.float32)
+    q = fast.jit_params(src=fast.source_of(torch.float32),
+                        tgt=plan.scale_target,  # type: ignore[arg-type]
+                        rounding=Rounding.RNE, overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
+    return consts, q
+
+
+def fused_block_cast_applies(x: Tensor, c: Cast) -> bool:
+    """Whether :func:`quantize` casts ``x`` under ``c`` in two numba passes (a float32 CPU
+    tensor, blocks of a power-of-two rule written as a threshold or of the two-level rule,
+    drift's exact scale arithmetic); otherwise it takes the general steps, with the same
+    bits."""
+    s = c.scaling
+    return (x.dtype == torch.float32 and x.numel() > 0 and s.granularity is Granularity.BLOCK
+            and s.arithmetic.exact and s.rule is not None
+            and (s.rule is ScaleRule.TWO_LEVEL or (s.rule.power_of_two
+                                                   and _pow2_rule(c) is not None))
+            and kernels.numba_runs(x))
+
+
+def _block_cast_numba(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
+                      sr_bits: int) -> Tensor | None:
+    """``quantize(x, c)`` in two numba passes (one for the scales, one for the elements), or
+    None where :func:`fused_block_cast_applies` does not hold or a power-of-two grid leaves
+    float32's range (the general steps round it in float64)."""
+    if not fused_block_cast_applies(x, c):
+        return None
+    s = c.scaling
+    blocks, back = to_blocks(x, s, axis)
+    blocks = blocks.contiguous()
+    bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
+    p = fast.jit_params(src=fast.source_of(torch.float32), tgt=fast.target_of(c.format),
+                        rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+    if s.rule is ScaleRule.TWO_LEVEL:
+        consts, q = _two_level_consts(c)
+        divisor, bad = jit.two_level_block_scales(blocks, consts, q)
+        return back(jit.round_divided(blocks, divisor, bits, p, bad)).to(x.dtype)
+    rule = _pow2_rule(c)
+    if rule is None:
+        return None
+    ks, bad, kmin, kmax = jit.pow2_block_scales(blocks, rule)
+    fmt = c.format
+    if (kmin != jit.NO_ROW and kmin + fmt.qmin < -149) or kmax + fmt.emax >= 128:
+        return None
+    tgt = fast.target_of(fmt)
+    if c.rounding not in _VECTOR_ROUNDINGS or not (tgt.signed and tgt.has_zero):
+        return back(jit.round_bits(blocks, None, bits, ks[:, None], p, bad)).to(x.dtype)
+    return back(jit.round_pow2_rows(blocks, bits, ks, bad, p)).to(x.dtype)

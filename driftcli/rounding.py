@@ -20,10 +20,11 @@ from typing import Any, cast
 
 import torch
 
-from driftcli import compiling, jit
+from driftcli import kernels
 from driftcli.errors import DriftError
 from driftcli.exact import two_sum
 from driftcli.formats import FORMATS, Format, get_format
+from driftcli.kernels import jit
 from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding, parse_choice
 
 Tensor = torch.Tensor
@@ -226,19 +227,18 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp
 
 def _run(x: Tensor, residual: Tensor | None, random: Tensor | None,
          scale_exp: Tensor | None = None, **static: Any) -> Tensor:
-    """The kernel on the fastest path at hand: numba's machine code (:mod:`driftcli.jit`),
-    unless ``DRIFT_COMPILE=always`` asks for inductor's; then torch.compile for large calls;
-    then torch's eager ops. Every path gives the same bits."""
-    if not compiling.forced() and jit.usable(x, residual, random, scale_exp):
+    """The kernel on the back-end :func:`driftcli.kernels.numba_runs` chooses: numba's machine
+    code (:mod:`driftcli.kernels.jit`), or torch's ops in cache-sized chunks. Both give the
+    same bits."""
+    if kernels.numba_runs(x, residual, random, scale_exp):
         return jit.round_bits(x, residual, random, scale_exp, jit_params(**static))
-    out = compiling.run_compiled(_kernel, x.numel(), x, residual, random, scale_exp, **static)
-    return out if out is not None else _eager(x, residual, random, scale_exp, **static)
+    return _eager(x, residual, random, scale_exp, **static)
 
 
 @cache
 def jit_params(*, src: _Source, tgt: Target, rounding: Rounding, overflow: Overflow,
                sr_bits: int) -> tuple[int, ...]:
-    """The numba kernels' parameter vector (:data:`driftcli.jit.PARAMS`) of one rounding."""
+    """The numba kernels' parameter vector (:data:`driftcli.kernels.jit.PARAMS`) of one rounding."""
     return jit.params(src.ebits, src.mbits, tgt, rounding.value, overflow.value, sr_bits)
 
 
@@ -350,18 +350,13 @@ def target_of(fmt: Format) -> Target:
     return Target.of(fmt)
 
 
-def round_sum(s: Tensor, r: Tensor, tgt: Target, rounding: Rounding, *, wide: bool,
-              eager: bool) -> Tensor:
+def round_sum(s: Tensor, r: Tensor, tgt: Target, rounding: Rounding, *, wide: bool) -> Tensor:
     """``s + r`` rounded once onto ``tgt``'s grid, with ``r`` the exact error of ``s`` (see
     :func:`driftcli.exact.two_sum`), overflowing to inf as IEEE addition does: one step of a
-    simulated accumulator. ``wide`` for float64 sums; ``eager`` for the chunked eager kernel
-    (outside a compiled function; inside one, the one-pass kernel is the compiled code)."""
+    simulated accumulator. ``wide`` for float64 sums."""
     static = {"src": _F64 if wide else _F32, "tgt": tgt, "rounding": rounding,
               "overflow": Overflow.IEEE, "sr_bits": DEFAULT_SR_BITS}
-    s, r = s.contiguous(), r.contiguous()
-    if eager and jit.usable(s, r):
-        return jit.round_bits(s, r, None, None, jit_params(**static))
-    return (_eager if eager else _kernel)(s, r, None, None, **static)
+    return _run(s.contiguous(), r.contiguous(), None, None, **static)
 
 
 def round_fused(x: Tensor, fmt: Format | Target, rounding: Rounding, overflow: Overflow,

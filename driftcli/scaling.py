@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import cache
 from typing import cast
 
@@ -346,3 +347,30 @@ FAST_RULES: dict[ScaleRule, ExponentRule | DivisorRule] = {
 :data:`DivisorRule` for any other (see :class:`~driftcli.modes.ScaleRule`; the exact ones are
 :data:`driftcli.oracle.EXACT_RULES`)."""
 check_rule_table(FAST_RULES, "driftcli.scaling.FAST_RULES")
+
+
+def _fraction_bits(value: float) -> int | None:
+    """The 23 fraction bits of a significand in [1, 2], or None when it has more; 2 gives
+    ``2**23``, above every fraction."""
+    f = (Fraction(value) - 1) * (1 << 23)
+    return int(f) if f.denominator == 1 and 0 <= f <= (1 << 23) else None
+
+
+def rule_threshold(plan: ScalePlan) -> tuple[int, bool] | None:
+    """A power-of-two rule as ``(threshold, strict)`` on float32 amaxes: its exponent is
+    ``floor(log2 amax) - emax`` (plus the headroom, clamped), plus one where amax's significand,
+    as 23 fraction bits, is above the threshold (``strict``) or at least it. The numba
+    back-end's one-pass block scales read a rule so (:mod:`driftcli.kernels.castcode`); the
+    tests compare every rule on every format with :data:`FAST_RULES`. None for a rule that is
+    not written so."""
+    rule = plan.rule
+    if rule is ScaleRule.FLOOR:
+        return 1 << 23, True  # never above: no 23-bit fraction exceeds it
+    if rule is ScaleRule.CEIL_AMAX:
+        return 0, True  # any significand above 1
+    threshold = {ScaleRule.CEIL: (plan.elem_max_significand, True),
+                 ScaleRule.EVEN: (plan.even_threshold, False)}.get(rule)
+    if threshold is None:
+        return None
+    bits = _fraction_bits(threshold[0])
+    return None if bits is None else (bits, threshold[1])

@@ -31,8 +31,7 @@ def test_the_public_api_is_not_shadowed_by_a_submodule() -> None:
 
 LAYERS = (
     ("errors", "_version", "lazy"),
-    ("formats", "modes", "text", "compiling", "jit", "jitkernels", "exact", "memory",
-     "progress", "engines"),
+    ("formats", "modes", "text", "escaping", "kernels", "exact", "memory", "progress", "engines"),
     ("cast", "oracle", "oracle_blockfma", "oracle_arith", "codec", "recipes"),
     ("rounding",),
     ("scaling", "scalearith"),
@@ -149,3 +148,16 @@ def test_a_lazy_export_that_is_also_a_submodule_is_refused() -> None:
     namespace = {"__name__": "driftcli.report", "__path__": driftcli.report.__path__}
     with pytest.raises(ImportError, match="exports load, which are also its submodules"):
         exports(namespace, {"load": "driftcli.report.load", "Table": "driftcli.report.load"})
+
+
+def test_no_module_reaches_for_a_compiler_of_torch() -> None:
+    """drift's kernels are torch ops or numba code (driftcli.kernels): no module imports
+    dynamo or inductor, whose code differs by instruction set and compiles in every new
+    process."""
+    from pathlib import Path
+
+    root = Path(driftcli.__file__).parent
+    found = [str(p.relative_to(root)) for p in root.rglob("*.py")
+             if "torch._dynamo" in p.read_text(encoding="utf-8")
+             or "torch._inductor" in p.read_text(encoding="utf-8")]
+    assert found == []

@@ -1,7 +1,8 @@
-"""The fused cast path of simulated training (driftcli.arith.fastcast) gives quantize's bits:
-element rounding against the jit kernel on every float32 exponent and the mantissas around
-every cut, each power-of-two rule's threshold against the rule's own implementation, whole
-casts against quantize on constructed tensors, and a 20-step training run both ways."""
+"""quantize's two-pass block casts on the numba back-end (driftcli.kernels.castcode) give the
+general steps' bits: element rounding against the jit kernel on every float32 exponent and the
+mantissas around every cut, each power-of-two rule's threshold against the rule's own
+implementation, whole casts against the general steps (cast_blocks) and the torch back-end on
+constructed tensors, and a 20-step training run on both back-ends."""
 
 from __future__ import annotations
 
@@ -13,23 +14,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from driftcli import jit
+from driftcli import kernels
 from driftcli import rounding as fast
-from driftcli.arith import castkernels
-from driftcli.arith.fastcast import (
-    applies,
-    fast_cast,
-    rule_threshold,
-    use_fast_casts,
-)
 from driftcli.cast import parse_cast
 from driftcli.formats import FORMATS
+from driftcli.kernels import castcode as castkernels
+from driftcli.kernels import jit
 from driftcli.models import TransformerConfig
-from driftcli.modes import Overflow, Rounding, ScaleRule
-from driftcli.quantization import quantize
+from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding, ScaleRule
+from driftcli.quantization import (
+    _block_cast_numba,
+    cast_blocks,
+    fused_block_cast_applies,
+    quantize,
+)
 from driftcli.rounding import draw_random_bits
 from driftcli.runs import TrainConfig, train
-from driftcli.scaling import ScalePlan, plan_pow2_exponents, pow2_range
+from driftcli.scaling import ScalePlan, plan_pow2_exponents, pow2_range, rule_threshold
 
 ELEMENT_FORMATS = [n for n, f in FORMATS.items() if f.signed and f.has_zero and f.bits <= 16]
 
@@ -163,20 +164,32 @@ def constructed(shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
     return [normal, heavy, special.reshape(shape), tiny, huge, torch.zeros(shape), -normal * 0]
 
 
+def fast_cast(x: torch.Tensor, c: object, axis: int,
+              bits: torch.Tensor | None) -> torch.Tensor | None:
+    return _block_cast_numba(x, c, axis, bits, DEFAULT_SR_BITS)  # type: ignore[arg-type]
+
+
+def general(x: torch.Tensor, c: object, axis: int, bits: torch.Tensor | None) -> torch.Tensor:
+    """The general steps of quantize: block amax, the rule's own scales, the rounding."""
+    b = cast_blocks(x, c, axis, bits, DEFAULT_SR_BITS, None)  # type: ignore[arg-type]
+    return b.back(b.q).to(x.dtype)
+
+
 @pytest.mark.parametrize("spec", CASTS)
-def test_fast_cast_is_quantize_bit_for_bit(spec: str) -> None:
+def test_two_pass_block_cast_is_the_general_steps_bit_for_bit(spec: str) -> None:
     c = parse_cast(spec)
     for i, (shape, axis) in enumerate(SHAPES):
         for j, x in enumerate(constructed(shape, i)):
             bits = draw_random_bits(shape, 10 * i + j) if c.rounding is Rounding.SR else None
             got = fast_cast(x, c, axis, bits)
-            want = quantize(x, c, axis=axis, random_bits=bits)
+            want = general(x, c, axis, bits)
             assert got is not None, (spec, shape, j)
             assert torch.equal(_bits(got), _bits(want)), (spec, shape, axis, j)
             assert got.stride() == want.stride()  # the matmul reads the same layout
+            assert torch.equal(_bits(quantize(x, c, axis=axis, random_bits=bits)), _bits(got))
 
 
-def test_what_the_fused_path_leaves_to_quantize() -> None:
+def test_what_the_two_pass_cast_leaves_to_the_general_steps() -> None:
     x = torch.randn(8, 64)
     assert fast_cast(x.double(), parse_cast("mxfp8_e4m3"), -1, None) is None
     assert fast_cast(x, parse_cast("fp8_e4m3"), -1, None) is None  # one scale per tensor
@@ -184,17 +197,20 @@ def test_what_the_fused_path_leaves_to_quantize() -> None:
     assert fast_cast(x, parse_cast("torchao/mxfp8"), -1, None) is None  # its arithmetic
     # a grid that leaves float32's range: the general path rounds it in float64
     wide = parse_cast("float8_e4m3fn:block32:floor+100")
-    assert applies(x, wide) and fast_cast(x * 1e20, wide, -1, None) is None
-    with use_fast_casts(False):
+    assert fused_block_cast_applies(x, wide) and fast_cast(x * 1e20, wide, -1, None) is None
+    kernels.set_jit("never")
+    try:
         assert fast_cast(x, parse_cast("mxfp8_e4m3"), -1, None) is None
+    finally:
+        kernels.set_jit("auto")
 
 
-# --- a training run both ways -----------------------------------------------------------------
+# --- a training run on both back-ends ------------------------------------------------------------
 
 @pytest.mark.parametrize("policy", ["mxfp8_e4m3", "nvfp4:sr"])
-def test_twenty_steps_fused_and_general_are_the_same_run(policy: str, tmp_path: Path) -> None:
+def test_twenty_steps_on_both_back_ends_are_the_same_run(policy: str, tmp_path: Path) -> None:
     """The transformer (attention's matmuls included), 20 steps, logging every 5: the same
-    table and the same checkpoint bytes whichever path casts."""
+    table and the same checkpoint bytes whichever back-end casts."""
     text = tmp_path / "t.txt"
     text.write_text("to be, or not to be, that is the question: whether 'tis nobler in "
                     "the mind to suffer the slings and arrows of outrageous fortune\n" * 60)
@@ -204,12 +220,15 @@ def test_twenty_steps_fused_and_general_are_the_same_run(policy: str, tmp_path: 
                          lr=1e-2)
     runs = {}
     for fused in (True, False):
-        with use_fast_casts(fused):
+        kernels.set_jit("auto" if fused else "never")
+        try:
             runs[fused] = train(config, tmp_path / str(fused) / "run", text)
-    fused, general = runs[True], runs[False]
+        finally:
+            kernels.set_jit("auto")
+    fused, general_ = runs[True], runs[False]
     assert len(fused.rows) == 20
-    assert fused.rows == general.rows  # every column: losses, norms, operand rates
-    for a, b in zip(fused.checkpoints, general.checkpoints, strict=True):
+    assert fused.rows == general_.rows  # every column: losses, norms, operand rates
+    for a, b in zip(fused.checkpoints, general_.checkpoints, strict=True):
         assert load_file(a).keys() == load_file(b).keys()
         for key, t in load_file(a).items():
             assert torch.equal(t, load_file(b)[key]), key

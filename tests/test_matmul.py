@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from driftcli import FORMATS, compiling, oracle, quantize
+from driftcli import FORMATS, kernels, oracle, quantize
 from driftcli import rounding as fast
 from driftcli.arith import (
     MatmulSpec,
@@ -404,19 +404,19 @@ def test_the_float32_layout_truncation_equals_the_rounding_kernel(name: str,
         r = torch.where(ok, sign * gap * frac, 0.0).float()
         got = mm.truncate_float32(s, r, drop, mode)
         # the reference rounds the same exact value from float64, as drift.add does
-        want = fast.round_sum(s.double(), r.double(), fast.target_of(fmt), mode, wide=True,
-                              eager=False).float()
+        want = fast.round_sum(s.double(), r.double(), fast.target_of(fmt), mode,
+                              wide=True).float()
         assert _same(got, want), (name, mode, frac)
 
 
-def test_compiled_and_eager_accumulation_agree() -> None:
-    """The compiled step function (forced) gives the eager bits: the float32-layout path, the
-    generic kernel in float32 with a short last chunk, and the float64 path."""
-    if (why := compiling.compile_unavailable()) is not None:
-        pytest.xfail(f"{why}: nothing compiled to compare")
+def test_accumulation_agrees_on_both_back_ends() -> None:
+    """The accumulator steps on numba and on torch: the float32-layout path, the generic kernel
+    in float32 with a short last chunk, and the float64 path."""
+    if (why := kernels.jit_unavailable()) is not None:
+        pytest.xfail(f"{why}: only one back-end to compare")
     gen = torch.Generator().manual_seed(10)
     a, b = torch.randn(6, 20, generator=gen), torch.randn(20, 7, generator=gen)
-    k = mm.STEPS_PER_CALL  # one compiled variant per spec: whole calls of k steps
+    k = mm.STEPS_PER_CALL
     cases = [(a[:, :2 * k], b[:2 * k], matmul_spec(lhs="mxfp8_e4m3", rhs="mxfp8_e4m3",
                                                   accumulator="bfloat16", acc_rounding="rtz")),
              # chunks of k, k and 4 terms: the short last chunk keeps its sum
@@ -425,12 +425,11 @@ def test_compiled_and_eager_accumulation_agree() -> None:
              (a, b, matmul_spec(lhs="nvfp4", rhs="nvfp4", accumulator="e8m13",
                                 order=f"chunked:{k}"))]
     try:
-        compiling.set_compile("never")
-        eager = [matmul(x, y, s) for x, y, s in cases]
-        compiling.set_compile("always")
-        compiled = [matmul(x, y, s) for x, y, s in cases]
+        kernels.set_jit("never")
+        reference = [matmul(x, y, s) for x, y, s in cases]
+        kernels.set_jit("auto")
+        fast_ = [matmul(x, y, s) for x, y, s in cases]
     finally:
-        compiling.set_compile("auto")
-    assert not compiling.fell_back(mm._steps), "the step function did not compile here"
-    for (_, _, s), e, c in zip(cases, eager, compiled, strict=True):
+        kernels.set_jit("auto")
+    for (_, _, s), e, c in zip(cases, reference, fast_, strict=True):
         assert _same(e, c), str(s)

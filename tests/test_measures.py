@@ -17,10 +17,9 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from driftcli import compiling
+from driftcli import kernels
 from driftcli.cast import parse_cast
 from driftcli.cli import app
-from driftcli.compiling import compile_unavailable
 from driftcli.errors import DriftError
 from driftcli.io.tables import read_table, schema_of
 from driftcli.measures import MEASURES
@@ -199,42 +198,6 @@ def test_huge_pages_are_asked_for_only_where_offered(
     assert os.environ.get("THP_MEM_ALLOC_ENABLE") == left
 
 
-@pytest.mark.xfail(compile_unavailable() is not None, strict=True,
-                   reason=f"{compile_unavailable()}: no compiled passes to take large slices")
-@pytest.mark.parametrize("casts", [["mxfp8_e4m3"], ["nvfp4", "fp8_e4m3"],
-                                   ["float8_e4m3fn", "bfloat16"],
-                                   ["mxfp8_e4m3", "float8_e4m3fn:channel"]])
-def test_eager_clip_counting_keeps_the_small_slices(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch,
-                                                    casts: list[str]) -> None:
-    """Counting without rounding takes large slices only where the compiled passes run:
-    eagerly it is a full cast, with temporaries of several times the slice."""
-    from driftcli.measures import scan as scan_mod
-
-    path = tmp_path / "x.safetensors"
-    save_file({"x": torch.randn(64, 64, generator=torch.Generator().manual_seed(3))}, str(path))
-    monkeypatch.setattr(scan_mod, "CHUNK_ELEMENTS", 512)
-    monkeypatch.setattr(scan_mod, "COUNT_CHUNK_ELEMENTS", 2048)
-    sizes: list[int] = []
-
-    def counted(x: torch.Tensor, *args: object, **kwargs: object) -> object:
-        sizes.append(x.numel())
-        return cast_stats(x, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(scan_mod, "cast_stats", counted)
-    got = {}
-    try:
-        for mode in ("never", "always"):
-            compiling.set_compile(mode)
-            sizes.clear()
-            got[mode] = [r.draws[0] for r in scan([path], casts, rounded=False).results]
-            got[mode + " slices"] = max(sizes)
-    finally:
-        compiling.set_compile("auto")
-    assert got["never slices"] == 512 and got["always slices"] == 2048
-    assert got["never"] == got["always"]
-
-
 def test_large_tensors_are_read_in_aligned_slices(tmp_path: Path) -> None:
     torch.manual_seed(1)
     x = torch.randn(48, 64)
@@ -254,7 +217,7 @@ def test_large_tensors_are_read_in_aligned_slices(tmp_path: Path) -> None:
     assert row_alignment((48, 64), parse_cast("float8_e4m3fn:channel"), 0) is None
 
 
-@pytest.mark.parametrize("mode", ["never", "always"])
+@pytest.mark.parametrize("mode", ["never", "auto"])
 @pytest.mark.parametrize("rounded", [False, True])
 def test_channels_along_the_first_axis_are_cut_along_the_last(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rounded: bool, mode: str) -> None:
@@ -262,9 +225,7 @@ def test_channels_along_the_first_axis_are_cut_along_the_last(
     dim (tiles kept whole), so its transposed copy is made one slice at a time."""
     from driftcli.measures import scan as scan_mod
 
-    if mode == "always" and (why := compile_unavailable()) is not None:
-        pytest.xfail(f"{why}: the compiled passes cannot run here")  # "always" would be eager
-    monkeypatch.setattr(compiling, "_compile_mode", mode)
+    monkeypatch.setattr(kernels.jit, "_jit_mode", mode)  # torch's back-end, or numba's
 
     torch.manual_seed(2)
     x = torch.randn(48, 64) * torch.logspace(-6, 4, 64)
@@ -398,22 +359,21 @@ def test_bad_input_is_one_line_exit_2(ckpt: Path, tmp_path: Path, args: list[str
                                            ("float8_e4m3fn:channel", -12),
                                            ("int8:channel:float32:amax", -30),
                                            ("float8_e5m2:channel:float8_e8m0fnu:floor:sr", -30)])
-def test_the_compiled_one_pass_sums_equal_the_eager_masks(spec: str, low: int) -> None:
+def test_the_fused_numba_pass_equals_the_torch_masks(spec: str, low: int) -> None:
 
-    if (why := compiling.compile_unavailable()) is not None:
-        pytest.xfail(f"{why}: nothing compiled to compare")
+    if (why := kernels.jit_unavailable()) is not None:
+        pytest.xfail(f"{why}: only one back-end to compare")
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(96, 160, generator=gen) * torch.logspace(low, 6, 160)
     x[:4] *= 2.0**-100  # scaled grids below float32's smallest subnormal, where a scale allows
     x[5, 7], x[9, 0], x[11, 3] = math.nan, math.inf, 0.0
     try:
-        compiling.set_compile("never")
+        kernels.set_jit("never")
         eager, q_eager = cast_stats(x, spec, seed=2)
-        compiling.set_compile("always")
+        kernels.set_jit("auto")
         fused, q_fused = cast_stats(x, spec, seed=2)
     finally:
-        compiling.set_compile("auto")
-    assert _sums_pass_compiled()
+        kernels.set_jit("auto")
     assert q_eager is not None and q_fused is not None
     assert torch.equal(q_eager.view(torch.int32), q_fused.view(torch.int32))
     assert eager.underflowed > 0 and eager.nonfinite == 2
@@ -429,9 +389,9 @@ def test_the_compiled_one_pass_sums_equal_the_eager_masks(spec: str, low: int) -
                                   "float8_e4m3fn:block32:float32:floor", "float8_e4m3fn",
                                   "float8_e5m2:ieee", "int8", "float4_e2m1fn",
                                   "float8_e4m3fn:channel", "int8:channel:float32:amax"])
-@pytest.mark.parametrize("compile_mode", ["never", "always"])
+@pytest.mark.parametrize("backend", ["never", "auto"])
 def test_counting_without_rounding_gives_the_same_clip_counts(spec: str,
-                                                              compile_mode: str) -> None:
+                                                              backend: str) -> None:
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(64, 128, generator=gen) * torch.logspace(-30, 6, 128)
@@ -443,13 +403,13 @@ def test_counting_without_rounding_gives_the_same_clip_counts(spec: str,
     x[11, 0] = -127.5 / 64
     x[20, 127], x[21, 127] = 1.95 * 2.0**30, -1.8 * 2.0**30  # clip under a floor tensor scale
     x[5, 7], x[9, 0], x[12, 3], x[13, 100] = math.nan, math.inf, -math.inf, 0.0
-    compiling.set_compile("never")
+    kernels.set_jit("never")
     try:
         full, _ = cast_stats(x, spec, seed=2)
-        compiling.set_compile(compile_mode)
+        kernels.set_jit(backend)
         clip, values = cast_stats(x, spec, want_values=False, rounded=False)
     finally:
-        compiling.set_compile("auto")
+        kernels.set_jit("auto")
     assert values is None
     assert full.nonfinite == 3
     assert full.clipped > 0 or spec == "fp8_e4m3"  # amax scaling leaves nothing to clip
@@ -471,15 +431,15 @@ def test_casts_sharing_slice_facts_count_the_same(spec: str, rounded: bool) -> N
     x = torch.randn(48, 96, generator=gen) * torch.exp(2 * torch.randn(48, 96, generator=gen))
     x[3, 17], x[30, 64], x[31, 5] = math.nan, math.inf, -math.inf  # 48*96 is no 4096s
     x[40, 95] = 1.95 * 2.0**20
-    compiling.set_compile("never")
+    kernels.set_jit("never")
     try:
         alone, _ = cast_stats(x, spec, seed=3, want_values=False, rounded=rounded)
-        compiling.set_compile("always")
-        facts = slice_facts(x, 16, 1 << 30)
+        kernels.set_jit("auto")
+        facts = slice_facts(x, 16)
         shared, _ = cast_stats(x, spec, seed=3, want_values=False, rounded=rounded,
                                facts=facts)
     finally:
-        compiling.set_compile("auto")
+        kernels.set_jit("auto")
     derived = facts.group_amax(x, parse_cast(spec), -1)
     assert (derived is None) == (spec == "nvfp4_2d")  # tiles are not runs of the flat tensor
     assert facts.finite == 48 * 96 - 3
@@ -498,13 +458,13 @@ def test_clip_excess_far_beyond_a_clamped_scale_is_summed_exactly() -> None:
     x = torch.full((64, 64), 0.5)  # these rows do not clip
     x[:8] = torch.randn(8, 64, generator=gen) * 1e14
     spec = "float8_e4m3fn:block32:float8_e5m2:floor"
-    compiling.set_compile("never")
+    kernels.set_jit("never")
     try:
         eager, _ = cast_stats(x, spec, want_values=False, rounded=False)
-        compiling.set_compile("always")
+        kernels.set_jit("auto")
         fused, _ = cast_stats(x, spec, want_values=False, rounded=False)
     finally:
-        compiling.set_compile("auto")
+        kernels.set_jit("auto")
     assert eager.clipped == fused.clipped > 400 and eager.scale_clamped == 16
     exact = sum(abs(Fraction(v)) - 448 * 2**15 for v in x[:8].reshape(-1).tolist()
                 if abs(v) > 448 * 2**15)
@@ -515,13 +475,13 @@ def test_clip_excess_far_beyond_a_clamped_scale_is_summed_exactly() -> None:
 def test_the_asymmetric_int8_range_is_settled_element_by_element() -> None:
     x = torch.zeros(2, 32)
     x[0, 0], x[1, 0] = 127.5, -127.5  # the scale is 1 in both blocks (floor rule, emax 6)
-    for mode in ("never", "always"):
+    for mode in ("never", "auto"):
 
-        compiling.set_compile(mode)
+        kernels.set_jit(mode)
         try:
             st, _ = cast_stats(x, "mxint8", want_values=False, rounded=False)
         finally:
-            compiling.set_compile("auto")
+            kernels.set_jit("auto")
         assert (st.clipped, st.clipped_groups) == (1, 1), mode
         assert st.clip_excess == 0.5
 
@@ -529,12 +489,12 @@ def test_the_asymmetric_int8_range_is_settled_element_by_element() -> None:
 def test_values_come_back_only_when_wanted() -> None:
 
     x = torch.linspace(-3, 3, 64).reshape(2, 32)
-    compiling.set_compile("never")  # the eager path: the fused one never makes them unasked
+    kernels.set_jit("never")  # the eager path: the fused one never makes them unasked
     try:
         wanted, q = cast_stats(x, "mxfp8_e4m3")
         unwanted, none = cast_stats(x, "mxfp8_e4m3", want_values=False)
     finally:
-        compiling.set_compile("auto")
+        kernels.set_jit("auto")
     assert none is None and wanted == unwanted
     assert q is not None and torch.equal(q, quantize(x, "mxfp8_e4m3"))
 
@@ -544,10 +504,6 @@ def test_values_need_the_rounding() -> None:
         cast_stats(torch.ones(4), "mxfp8_e4m3", rounded=False)
 
 
-def _sums_pass_compiled() -> bool:
-    from driftcli.measures.stats import _sums_pass
-
-    return compiling.was_compiled(_sums_pass)
 
 
 ROOT = Path(__file__).resolve().parents[1]

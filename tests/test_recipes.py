@@ -275,7 +275,7 @@ def test_torchao_preset_equals_torchao_on_every_stories260k_weight(name: str,
 
 
 def test_the_torch_kernels_give_the_numba_kernels_bits_on_every_preset() -> None:
-    from driftcli import jit
+    from driftcli.kernels import jit
 
     xs = [boundary_rows(name, 64, 256, 3) for name in IMPLEMENTATION_PRESETS]
     fast = [info_of(x, name) for x, name in zip(xs, IMPLEMENTATION_PRESETS, strict=True)]

@@ -39,7 +39,6 @@ from typing import Any, cast
 
 import torch
 
-from driftcli.arith.fastcast import fast_cast
 from driftcli.arith.matmul import MatmulSpec, Order, ScaleApplication, matmul
 from driftcli.arith.policy import ArithmeticPolicy, BackwardState, Role
 from driftcli.cast import Cast
@@ -101,9 +100,6 @@ def cast_operand(x: Tensor, c: Cast | None, axis: int, bits: Tensor | None) -> T
     # detached: a tensor that requires grad is refused by the numba kernels (an autograd
     # function's inputs keep requires_grad inside its forward) and would take torch's kernel
     work = x.detach() if x.dtype in _EXACT_DTYPES else x.detach().float()
-    fused = fast_cast(work, c, axis, bits)
-    if fused is not None:
-        return fused
     return cast(Tensor, quantize(work, c, axis=axis, random_bits=bits))
 
 

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from driftcli import jit
+from driftcli import kernels
 from driftcli.errors import DriftError
 from driftcli.formats import FORMATS, Format
+from driftcli.kernels import jit
 from driftcli.modes import Overflow, Rounding
 from driftcli.rounding import add, jit_params, round_to_format, source_of, target_of
 
@@ -52,7 +53,7 @@ values reach 2**-298): it keeps ``2**(kept - E)``, ``2**(E - kept)`` and an oper
 either finite and normal in float64 for an all-zero group, whatever ``min_exp`` says."""
 TOP_CEIL = 300
 """The highest ``min_exp`` a unit may have, and the ceiling the numba kernel puts on a running
-sum's exponent (``fmakernels.TOP_CEIL``): above every finite term's exponent (products of
+sum's exponent (``kernels.fmacode.TOP_CEIL``): above every finite term's exponent (products of
 float32 values stay below 2**256), so that ``2**(kept - E)`` stays normal in float64."""
 SPECIALISE_WORK = 1 << 24
 """Products in one call from which the numba kernel is compiled for the unit's own group size
@@ -228,7 +229,7 @@ def prepare(a: Tensor, b: Tensor, emin_a: int, emin_b: int, *, c: Tensor | None 
                          f"{tuple(c.shape)}")
     c = None if c is None else c.double().contiguous()
     arrays = None
-    if jit.usable(a, b, c):
+    if kernels.numba_runs(a, b, c):
         empty = np.empty(0, dtype=np.float64)
         arrays = (a.float().reshape(-1).numpy(), exponents(a, emin_a).reshape(-1).numpy(),
                   b.float().reshape(-1).numpy(), exponents(b, emin_b).reshape(-1).numpy(),
@@ -347,7 +348,7 @@ def _params(fmt: Format, rounding: Rounding) -> np.ndarray:
 
 
 def _numba(prep: Prepared, how: Accumulation) -> Tensor:
-    from driftcli.arith import fmakernels  # numba, on first use only
+    from driftcli.kernels import fmacode as fmakernels  # numba, on first use only
 
     unit = how.unit
     batch, M, N = prep.shape
@@ -393,7 +394,7 @@ def survivors(prep: Prepared, size: int, interleave: int,
                 got.isnan() & want.isnan())
             out.append(bool(same.all()))
         return out
-    from driftcli.arith import fmakernels  # numba, on first use only
+    from driftcli.kernels import fmacode as fmakernels  # numba, on first use only
 
     for kept, _, _, promote in candidates:
         FMAUnit(size, kept, min_exp, interleave)  # each checked as a unit

@@ -47,7 +47,6 @@ from typing import cast
 
 import torch
 
-from driftcli import compiling
 from driftcli import rounding as fast
 from driftcli.arith.blockfma import C_EMIN, Accumulation, FMAUnit, fma_dot, parse_unit
 from driftcli.arith.tensorcores import tensor_core
@@ -628,7 +627,7 @@ def _float32_exact(qa: Tensor, qb: Tensor, spec: MatmulSpec) -> bool:
 
 @dataclass(frozen=True)
 class _Rule:
-    """How one accumulator step rounds; hashable, so a compiled step specializes on it."""
+    """How one accumulator step rounds."""
 
     target: fast.Target
     """The rounding kernel's constants for the accumulator format."""
@@ -639,8 +638,6 @@ class _Rule:
     """For a format laid out as float32 (8 exponent bits, bias 127, IEEE specials, subnormals)
     with fewer mantissa bits: how many float32 mantissa bits it drops. None: the generic
     kernel."""
-    eager: bool = True
-    """Round in cache-sized chunks (eagerly); False inside a compiled function."""
 
 
 def _float32_layout(fmt: Format) -> bool:
@@ -697,7 +694,7 @@ def _round_sum(acc: Tensor, term: Tensor, rule: _Rule) -> Tensor:
         r = torch.where(torch.isfinite(s), r, torch.zeros_like(r))
     if rule.drop is not None:
         return truncate_float32(s, r, rule.drop, rule.rounding)
-    return fast.round_sum(s, r, rule.target, rule.rounding, wide=rule.wide, eager=rule.eager)
+    return fast.round_sum(s, r, rule.target, rule.rounding, wide=rule.wide)
 
 
 def _steps(acc: Tensor, a: Tensor, b: Tensor, live: Tensor | None, *, rule: _Rule,
@@ -711,21 +708,14 @@ def _steps(acc: Tensor, a: Tensor, b: Tensor, live: Tensor | None, *, rule: _Rul
 
 
 STEPS_PER_CALL = 8
-"""Accumulator steps per call of the compiled step function (one pass over the accumulator)."""
+"""Accumulator steps per call of the step function (one pass over the accumulator)."""
 
 
-def _run_steps(acc: Tensor, terms: _Terms, index: Tensor, live: Tensor | None, rule: _Rule,
-               work: int) -> Tensor:
-    """:func:`_steps` over the terms ``index``, compiled when drift's compile policy wants it
-    for ``work`` element-steps (see :func:`driftcli.compiling.set_compile`), else eagerly."""
+def _run_steps(acc: Tensor, terms: _Terms, index: Tensor, live: Tensor | None,
+               rule: _Rule) -> Tensor:
+    """:func:`_steps` over the terms ``index``."""
     a, b = terms.factors(index)
-    count = index.shape[0]
-    # the rule's integers (shift amounts, masks) are constants of the compiled code, as every
-    # integer argument is (driftcli.compiling.run_compiled), or its loops do not vectorize
-    out = compiling.run_compiled(_steps, work, acc, a.contiguous(), b.contiguous(), live,
-                                 rule=_Rule(rule.target, rule.rounding, rule.wide, rule.drop,
-                                            False), count=count)
-    return out if out is not None else _steps(acc, a, b, live, rule=rule, count=count)
+    return _steps(acc, a, b, live, rule=rule, count=index.shape[0])
 
 
 def _accumulate(terms: _Terms, spec: MatmulSpec) -> Tensor:
@@ -734,23 +724,22 @@ def _accumulate(terms: _Terms, spec: MatmulSpec) -> Tensor:
     rule = _rule(spec.accumulator, spec.acc_rounding, wide)
     if spec.order is Order.PAIRWISE:
         return _pairwise(terms, rule)
-    work = math.prod(terms.shape) * terms.count
     if spec.order is Order.SEQUENTIAL:
-        return _sequential(terms, rule, work)
+        return _sequential(terms, rule)
     chunk = spec.chunk // spec.block if spec.block else spec.chunk
-    return _chunked(terms, chunk, rule, _rule(MASTER, Rounding.RNE, wide), work)
+    return _chunked(terms, chunk, rule, _rule(MASTER, Rounding.RNE, wide))
 
 
-def _sequential(terms: _Terms, rule: _Rule, work: int) -> Tensor:
+def _sequential(terms: _Terms, rule: _Rule) -> Tensor:
     # a cleared accumulator: +0
     acc = torch.zeros(terms.shape, dtype=terms.dtype, device=terms.device)
     for k in range(0, terms.count, STEPS_PER_CALL):
         index = torch.arange(k, min(k + STEPS_PER_CALL, terms.count), device=terms.device)
-        acc = _run_steps(acc, terms, index, None, rule, work)
+        acc = _run_steps(acc, terms, index, None, rule)
     return acc
 
 
-def _chunked(terms: _Terms, chunk: int, rule: _Rule, master_rule: _Rule, work: int) -> Tensor:
+def _chunked(terms: _Terms, chunk: int, rule: _Rule, master_rule: _Rule) -> Tensor:
     """All chunks at once: position ``j`` of every chunk is added in one vectorized step (the
     chunk axis first, so that the innermost axis is N)."""
     n_chunks = -(-terms.count // chunk)
@@ -762,7 +751,7 @@ def _chunked(terms: _Terms, chunk: int, rule: _Rule, master_rule: _Rule, work: i
         # only the last chunk can be short: its missing terms leave its sum as it is
         live = index < terms.count
         mask = None if bool(live.all()) else live.reshape(*live.shape, *[1] * len(terms.shape))
-        acc = _run_steps(acc, terms, index.clamp(max=terms.count - 1), mask, rule, work)
+        acc = _run_steps(acc, terms, index.clamp(max=terms.count - 1), mask, rule)
     master = torch.zeros(terms.shape, dtype=terms.dtype, device=terms.device)
     for c in range(n_chunks):
         master = _round_sum(master, acc[c], master_rule)

@@ -2,7 +2,7 @@
 underflow-rate and error-bias.
 
 Each tensor is read once, in row slices of about :data:`CHUNK_ELEMENTS` elements
-(:data:`COUNT_CHUNK_ELEMENTS` when compiled passes round nothing) aligned to the cast's scale
+aligned to the cast's scale
 groups (a held tensor whose channels span its first dimension is cut along its last), and
 every cast is applied to each slice while it is in memory, so memory stays
 bounded by a slice and a held tensor (:data:`WHOLE_BYTES`), not a checkpoint. Per-tensor
@@ -36,7 +36,6 @@ from driftcli.measures.stats import (
     finite_amax,
     run_amax,
     run_length,
-    runs_compiled,
     slice_facts,
 )
 from driftcli.modes import Device, Engine, Granularity, Rounding, ScaleRule
@@ -46,15 +45,9 @@ from driftcli.quantization import working_dtype
 Tensor = torch.Tensor
 
 CHUNK_ELEMENTS = 1 << 22
-"""Elements per slice (16 MiB of float32) when every element is rounded: large enough to
-amortise per-call costs, small enough that a few copies of it are nothing next to a
-checkpoint."""
-
-COUNT_CHUNK_ELEMENTS = 1 << 24
-"""Elements per slice when only clipping is counted (no rounding) by the compiled passes:
-their temporaries are per row of a scale group, so a slice can be four times larger, and
-fewer calls cost less. (Eagerly, clipping is counted on a full cast, whose float64
-temporaries keep the slice at :data:`CHUNK_ELEMENTS`.)"""
+"""Elements per slice (16 MiB of float32): large enough to amortise per-call costs, small
+enough that the torch back-end's float64 temporaries of a slice are nothing next to a
+checkpoint (the numba back-end's passes keep none)."""
 
 WHOLE_BYTES = 1 << 28
 """A tensor of up to this many stored bytes (256 MiB) is read once, whole, and sliced in
@@ -77,8 +70,7 @@ class ScanOptions:
     device: Device = Device.CPU
     """Where the casts run."""
     chunk_elements: int | None = None
-    """Elements per slice of a large tensor; None: :data:`CHUNK_ELEMENTS`, or
-    :data:`COUNT_CHUNK_ELEMENTS` for a compiled scan that does not round."""
+    """Elements per slice of a large tensor; None: :data:`CHUNK_ELEMENTS`."""
     whole_bytes: int = WHOLE_BYTES
     """Stored bytes up to which a tensor is read whole (see :data:`WHOLE_BYTES`)."""
     compare: bool = False
@@ -209,15 +201,13 @@ class _Staging:
 
 
 def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
-                    job: int, rounded: bool, staging: _Staging,
+                    rounded: bool, staging: _Staging,
                     advance: Callable[[int], None]) -> list[Result]:
     """Every cast of one tensor, reading it slice by slice; without ``rounded``, only what
     needs no rounding (one draw: clipping does not depend on it). ``advance`` is told the
     tensor's bytes done after each slice."""
     if opts.chunk_elements is None:
-        counted = not rounded and runs_compiled(job)
-        opts = dataclasses.replace(
-            opts, chunk_elements=COUNT_CHUNK_ELEMENTS if counted else CHUNK_ELEMENTS)
+        opts = dataclasses.replace(opts, chunk_elements=CHUNK_ELEMENTS)
     slicing = _slices(ref, casts, opts)
     slices = slicing.ranges
     by_rows = slicing.dim == 0
@@ -241,12 +231,12 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
     # a half-width tensor's float32 copy would be made for nothing
     wide_whole = None if whole is None or not (chunk or need_amax) else \
         _widen(whole, opts.device)
-    runs = None if wide_whole is None else run_amax(wide_whole, chunk, job)
+    runs = None if wide_whole is None else run_amax(wide_whole, chunk)
     amax = None
     if need_amax:
         # one slice is the whole tensor, and a cast reads its own amax
-        amax = finite_amax(wide_whole, job, runs) if wide_whole is not None else \
-            max(finite_amax(read(a, b), job) for a, b in slices)
+        amax = finite_amax(wide_whole, runs) if wide_whole is not None else \
+            max(finite_amax(read(a, b)) for a, b in slices)
     del wide_whole  # a half-width tensor's float32 copy: slices widen their own
     row_elems = ref.numel // ref.shape[0] if ref.shape and ref.shape[0] else 1
     draws = [_n_draws(c, opts) if rounded else 1 for c in casts]
@@ -258,7 +248,7 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         x = read(start, stop)
         own = None if runs is None else \
             runs[start * row_elems // chunk:stop * row_elems // chunk]
-        facts = slice_facts(x, chunk, job, own)
+        facts = slice_facts(x, chunk, own)
         for ci, c in enumerate(casts):
             n = draws[ci]
             total: Tensor | None = None
@@ -267,7 +257,7 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
                 seed = _draw_seed(opts.seed, ref.source, ref.name, c, d, start)
                 sr = rounded and c.rounding is Rounding.SR
                 st, q = cast_stats(x, c, axis=opts.axis, tensor_amax=amax,
-                                   seed=seed if sr else None, job_elements=job,
+                                   seed=seed if sr else None,
                                    want_values=sr, rounded=rounded, facts=facts)
                 parts[ci][d].append(st)
                 if q is not None and sr:
@@ -360,8 +350,6 @@ class TensorUnit:
     ref: TensorRef
     casts: tuple[Cast, ...]
     options: ScanOptions
-    job: int
-    """Elements of the whole scan, for the compile policy: the same for every unit."""
     rounded: bool
 
     def key(self) -> str:
@@ -369,8 +357,7 @@ class TensorUnit:
         name for them; see :mod:`driftcli.engines`)."""
         ref = self.ref
         return (f"scan|{self.input}|{engines.stamp(ref.source)}|{ref.name}|{ref.dtype}|"
-                f"{list(ref.shape)}|{[str(c) for c in self.casts]}|{self.options}|{self.job}|"
-                f"{self.rounded}")
+                f"{list(ref.shape)}|{[str(c) for c in self.casts]}|{self.options}|{self.rounded}")
 
 
 _WORKER_STAGING = _Staging()
@@ -383,8 +370,8 @@ def scan_unit(unit: TensorUnit, advance: Callable[[int], None] | None = None,
     """Every cast of one tensor: its results, or an error result per cast when it cannot be
     read. ``advance`` is told the tensor's bytes done after each slice (serial scans)."""
     try:
-        return _tensor_results(unit.input, unit.ref, unit.casts, unit.options, unit.job,
-                               unit.rounded, staging, advance or (lambda within: None))
+        return _tensor_results(unit.input, unit.ref, unit.casts, unit.options, unit.rounded,
+                               staging, advance or (lambda within: None))
     except ReadError as err:
         return [Result(unit.input, unit.ref, unit.ref.source, c, (), None, str(err))
                 for c in unit.casts]
@@ -423,7 +410,7 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     todo = total_bytes([i for _, i in opened])
     if on_open is not None:
         on_open([f for _, i in opened for f in i.files])
-    units = [TensorUnit(inp, ref, parsed, options, todo // 4, rounded)
+    units = [TensorUnit(inp, ref, parsed, options, rounded)
              for inp, inputs in opened for ref in inputs.tensors if ref.is_float]
     if execution.engine is Engine.SERIAL:
         per_unit = _serial(units, todo, progress, execution.resume)

@@ -49,7 +49,7 @@ def _numba_problem() -> str | None:
     # one cache per user, wherever drift is installed (a site-packages may be read-only)
     os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(cache_home, "drift", "numba"))
     try:
-        import driftcli.jitkernels  # noqa: F401
+        import driftcli.kernels.jitcode  # noqa: F401
     except ImportError as err:
         return f"numba is not importable ({err}): pip install numba"
     return None
@@ -116,13 +116,6 @@ def params(src_ebits: int, src_mbits: int, tgt: Any, rounding: str, overflow: st
     return tuple(int(own[name]) if name in own else int(getattr(tgt, name)) for name in PARAMS)
 
 
-def usable(*tensors: Tensor | None) -> bool:
-    """Whether the numba kernels take these tensors: numba is at hand and every tensor is on
-    the CPU."""
-    return jit_unavailable() is None and not torch.compiler.is_compiling() and all(
-        t is None or (t.device.type == "cpu" and not t.requires_grad) for t in tensors)
-
-
 def _flat(t: Tensor | None, dtype: torch.dtype | None = None) -> np.ndarray | None:
     if t is None:
         return None
@@ -140,7 +133,7 @@ def _or_empty(a: np.ndarray | None, itype: type) -> np.ndarray:
 
 
 def _code() -> Any:
-    import driftcli.jitkernels as code  # numba, on first use only
+    import driftcli.kernels.jitcode as code  # numba, on first use only
 
     return code
 
@@ -214,3 +207,129 @@ def block_amax(blocks: Tensor) -> tuple[Tensor, Tensor]:
     if rows:
         spread(_code().block_amax, rows, cols, bits, cols, top, bad, inf_bits)
     return torch.from_numpy(top).view(blocks.dtype), torch.from_numpy(bad)
+
+
+# --- the scan's fused passes (driftcli.kernels.statcode) ---------------------------------------
+
+PIECE = 1 << 12
+"""Elements per piece of the fused passes' sums (the unit a thread takes, and the order the
+float64 sums are added in: pieces in order, whatever the thread count)."""
+
+_MASK = {torch.float32: 0x7FFFFFFF, torch.float64: 0x7FFFFFFFFFFFFFFF}
+_INF_BITS = {torch.float32: 0x7F800000, torch.float64: 0x7FF0000000000000}
+
+
+def _stat_code() -> Any:
+    import driftcli.kernels.statcode as code  # numba, on first use only
+
+    return code
+
+
+def slice_facts(x: Tensor, chunk: int) -> tuple[Tensor | None, int, float]:
+    """One read of a float32 or float64 slice ``x`` (flattened): the raw amax of each run of
+    ``chunk`` consecutive elements (NaN where the run holds a NaN, else inf where an inf;
+    None when ``chunk`` is 0 or does not divide the slice), its finite elements and their
+    Σ|x| in float64."""
+    values = _array(x)
+    n = values.size
+    bits = values.view(np.int32 if x.dtype == torch.float32 else np.int64)
+    chunk = chunk if chunk and n % chunk == 0 else 0
+    piece = chunk * max(1, PIECE // chunk) if chunk else PIECE
+    pieces = -(-n // piece)
+    tops = np.empty(n // chunk if chunk else 0, dtype=bits.dtype)
+    finite = np.empty(pieces, dtype=np.int64)
+    sums = np.empty(pieces, dtype=np.float64)
+    if pieces:
+        spread(_stat_code().facts_kernel, pieces, piece, bits, values, n, chunk, piece,
+               _MASK[x.dtype], _INF_BITS[x.dtype], tops, finite, sums)
+    counts, totals = _stat_code().add_pieces(np.zeros((0, 0), np.int64),
+                                             np.zeros((0, 0), np.float64), finite, sums)
+    amax = torch.from_numpy(tops).view(x.dtype) if chunk else None
+    return amax, int(counts[0]), float(totals[0])
+
+
+def cast_counts(blocks: Tensor, cols: int, random: Tensor | None, sexp: Tensor | None,
+                div: Tensor | None, bad: Tensor | None, amax: Tensor, p: tuple[int, ...],
+                ends: tuple[float, float, float], rounded: bool, want_q: bool
+                ) -> tuple[list[int], list[float], Tensor | None]:
+    """Every element of a contiguous float32 or float64 ``blocks`` (scale groups of ``cols``
+    consecutive elements) cast under its group's scale, and counted in one pass: the six
+    counts of :data:`driftcli.kernels.statcode.N_COUNTS` and five float64 sums of
+    ``N_SUMS``, and the cast values when ``want_q``. ``sexp`` holds the exponent of each
+    group's power-of-two scale, else ``div`` its divisor; ``bad`` the groups that are NaN
+    whole; ``amax`` each group's largest finite magnitude (float64)."""
+    values = _array(blocks)
+    n = values.size
+    itype = np.int32 if blocks.dtype == torch.float32 else np.int64
+    bits = values.view(itype)
+    piece = cols * max(1, PIECE // cols) if cols < n else PIECE
+    pieces = -(-n // piece)
+    counts = np.zeros((pieces, 6), dtype=np.int64)
+    sums = np.zeros((pieces, 5), dtype=np.float64)
+    out = np.empty_like(values) if want_q else values[:0]
+    draws = _flat(None if random is None else random.to(_INT[blocks.dtype]))
+    pow2 = sexp is not None
+    exps = _flat(sexp.to(torch.int64)) if sexp is not None else _EMPTY[np.int64]
+    divs = _array(div.to(blocks.dtype)) if div is not None else values[:0]
+    flags = _flat(bad)
+    kernel = _stat_code().counts_kernel(pow2, rounded, flags is not None, want_q)
+    if pieces:
+        spread(kernel, pieces, piece, bits, values, _or_empty(draws, itype), exps,
+               divs if divs.size else np.ones(1, dtype=values.dtype),
+               _or_empty(flags, np.bool_), _array(amax.double()), cols, piece, n, out, counts,
+               sums, p, np.asarray(ends, dtype=np.float64))
+    c, s = _stat_code().add_pieces(counts, sums, np.zeros(0, np.int64), np.zeros(0))
+    q = torch.from_numpy(out).view(blocks.shape) if want_q else None
+    return [int(v) for v in c[:6]], [float(v) for v in s[:5]], q
+
+
+# --- a block-scaled cast's scales in one pass (driftcli.kernels.castcode) -----------------------
+
+def _cast_code() -> Any:
+    import driftcli.kernels.castcode as code  # numba, on first use only
+
+    return code
+
+
+NO_ROW = 1 << 40
+"""Stands for "no row" in the exponent range :func:`pow2_block_scales` returns (the value of
+:data:`driftcli.kernels.castcode.NONE`, kept here so that reading it imports no numba)."""
+
+
+def pow2_block_scales(blocks: Tensor, rule: np.ndarray) -> tuple[Tensor, Tensor, int, int]:
+    """Per row of a contiguous 2-D float32 ``blocks``: the exponent of its power-of-two scale
+    under ``rule`` (:func:`driftcli.kernels.castcode.pow2_scales`), whether it holds NaN or
+    inf, and the smallest and largest exponents (``NO_ROW`` and ``-NO_ROW`` for none)."""
+    rows, cols = blocks.shape
+    ks = np.empty(rows, dtype=np.int64)
+    bad = np.empty(rows, dtype=np.bool_)
+    kmin, kmax = _cast_code().pow2_scales(_array(blocks, torch.int32), cols, ks, bad, rule)
+    return torch.from_numpy(ks), torch.from_numpy(bad), int(kmin), int(kmax)
+
+
+def two_level_block_scales(blocks: Tensor, consts: np.ndarray,
+                           q: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """Per row of a contiguous 2-D float32 ``blocks``: the float32 divisor of a two-level
+    (NVFP4) scale (:func:`driftcli.kernels.castcode.two_level_scales`) and whether the row
+    holds NaN or inf."""
+    rows, cols = blocks.shape
+    divisor = np.empty(rows, dtype=np.float32)
+    bad = np.empty(rows, dtype=np.bool_)
+    _cast_code().two_level_scales(_array(blocks, torch.int32), cols, divisor, bad, consts,
+                                  np.asarray(q, dtype=np.int64))
+    return torch.from_numpy(divisor), torch.from_numpy(bad)
+
+
+def round_pow2_rows(blocks: Tensor, random: Tensor | None, ks: Tensor, bad: Tensor,
+                    p: tuple[int, ...]) -> Tensor:
+    """Rows of a contiguous 2-D float32 ``blocks`` rounded (``p``: ``rne`` or ``sr``, a signed
+    format with zero) on the grid scaled by ``2**ks[row]``, a ``bad`` row NaN
+    (:func:`driftcli.kernels.castcode.pow2_round_kernel`: :func:`round_bits`' bits, in fewer
+    steps)."""
+    rows, cols = blocks.shape
+    kernel = _cast_code().pow2_round_kernel(p[13], p[14], random is not None)
+    draws = _EMPTY[np.int32] if random is None else _array(random.to(torch.int32))
+    view = _array(blocks, torch.int32)
+    out = np.empty_like(view)
+    spread(kernel, rows, cols, view, draws, _array(ks), _array(bad), cols, out, p)
+    return torch.from_numpy(out).view(torch.float32).view(rows, cols)

@@ -3,9 +3,9 @@
 A kernel is made per group size and interleave (compile-time constants: a loop of known length
 unrolls and vectorizes, about three times faster than one of run-time length) and per
 combination of ``c``, block scales and pairing; each is compiled once per machine and cached
-on disk like :mod:`driftcli.jitkernels`. A group is two passes over its products: the largest
+on disk like :mod:`driftcli.kernels.jitcode`. A group is two passes over its products: the largest
 exponent, then the cut terms summed; its one rounding is done on the integer sum where the
-result is a normal number below the top binade, else by :func:`driftcli.jitkernels.round_one`
+result is a normal number below the top binade, else by :func:`driftcli.kernels.jitcode.round_one`
 on float64 bits (the torch kernels' integer steps). Both are correctly rounded, so the numba
 and torch implementations give the same bits (tests and ``drift verify-formats`` compare them
 with the exact reference).
@@ -31,11 +31,10 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-# importing jitkernels also puts its on-disk cache locator ahead of numba's own
-from driftcli.jitkernels import bit_length, round_one, row_limits
+# importing jitcode also puts its on-disk cache locator ahead of numba's own
+from driftcli.kernels.jitcode import OPTIONS, bit_length, round_one, row_limits
 
-_OPTIONS: dict[str, Any] = {"cache": True, "nogil": True, "error_model": "numpy"}
-_SUMS: dict[str, Any] = {**_OPTIONS, "fastmath": {"reassoc"}}
+_SUMS: dict[str, Any] = {**OPTIONS, "fastmath": {"reassoc"}}
 
 NONE_EXP = -(1 << 20)
 C_EMIN = -126
@@ -43,13 +42,13 @@ TOP_CEIL = 300
 """Above every finite term's exponent (products of float32 values stay below 2**256)."""
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def pow2(e: int) -> float:
     """``2.0**e`` for a normal float64 exponent, from its bits."""
     return np.int64((e + 1023) << 52).view(np.float64)
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def exponent_of(x: float) -> int:
     """floor(log2 |x|) of a normal float64 ``x != 0``, at least :data:`C_EMIN`; NONE for 0."""
     if x == 0.0:
@@ -57,7 +56,7 @@ def exponent_of(x: float) -> int:
     return max(((np.float64(x).view(np.int64) >> 52) & 0x7FF) - 1023, C_EMIN)
 
 
-@njit(**_OPTIONS)
+@njit(**OPTIONS)
 def rounded(x: float, r: float, has_res: bool, lim: Any, p: Any) -> float:
     """``x`` (+ its residual ``r``) rounded by the parameters ``p``, as a float64."""
     bits = round_one(np.float64(x).view(np.int64), np.float64(r).view(np.int64), has_res, 0,
@@ -65,7 +64,7 @@ def rounded(x: float, r: float, has_res: bool, lim: Any, p: Any) -> float:
     return np.int64(bits).view(np.float64)
 
 
-@njit(**_OPTIONS)
+@njit(**OPTIONS)
 def added(x: float, y: float, lim: Any, p: Any) -> float:
     """``x + y`` rounded once by ``p``: TwoSum's error enters the rounding as a sticky bit."""
     s = x + y
@@ -76,7 +75,7 @@ def added(x: float, y: float, lim: Any, p: Any) -> float:
     return rounded(s, r, True, lim, p)
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def finish(s: float, top: int, kept: int, lim: Any, p: Any) -> float:
     """A group's exact sum ``s * 2**(top - kept)`` (``s`` an integer) rounded once, to nearest
     even or toward zero (an exact zero is +0, as in the published models).
@@ -183,14 +182,14 @@ def dot(ar: Any, er: Any, br: Any, fr: Any, K: int, c0: float, sa: Any, sb: Any,
     return master if per else acc
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def unpack(q: Any) -> Any:
     """A parameter vector as the tuple :func:`round_one` reads."""
     return (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
             q[13], q[14], q[15])
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def rows_of(i: int, M: int, N: int, paired: bool) -> tuple[int, int]:
     """The rows of ``a`` and ``b`` that result ``i`` multiplies."""
     if paired:

@@ -1,4 +1,4 @@
-"""The numba code of :mod:`driftcli.jit` (imported on first use: importing it imports numba).
+"""The numba code of :mod:`driftcli.kernels.jit` (imported on first use: it imports numba).
 
 :func:`round_one` is :func:`driftcli.rounding._kernel` for one element: the same integer steps
 on the same bit fields; :func:`round_lean` reaches the same bits for float32 inputs in fewer
@@ -20,10 +20,10 @@ from numba import njit
 from numba.core import caching
 from numba.cpython.unsafe.numbers import leading_zeros
 
-_OPTIONS: dict[str, Any] = {"cache": True, "nogil": True, "error_model": "numpy"}
+OPTIONS: dict[str, Any] = {"cache": True, "nogil": True, "error_model": "numpy"}
 
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent
 
 
 class _ByContent(caching.UserProvidedCacheLocator):
@@ -50,13 +50,13 @@ if isinstance(_LOCATORS, list) and _ByContent not in _LOCATORS:
     _LOCATORS.insert(0, _ByContent)
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def bit_length(v: int) -> int:
     """Bits of a non-negative integer (``int.bit_length``), from the count of leading zeros."""
     return 64 - leading_zeros(np.int64(v))
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def assemble(mag: int, qexp: int, ebits: int, mbits: int) -> int:
     """Bits of the float ``mag * 2**qexp`` of ``ebits`` and ``mbits`` (a representable value,
     ``mag < 2**(mbits + 2)``)."""
@@ -72,7 +72,7 @@ def assemble(mag: int, qexp: int, ebits: int, mbits: int) -> int:
     return mag << shift
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def row_limits(k: int, p: Any) -> tuple[int, int, int, int, int]:
     """For a grid scaled by ``2**k``: its smallest normal exponent and top quantum exponent,
     the bits of its largest magnitude for a positive and a negative value, and the bits of
@@ -84,7 +84,7 @@ def row_limits(k: int, p: Any) -> tuple[int, int, int, int, int]:
             assemble(min_sig, qmax + k, ebits, mbits), assemble(1, smallest_exp + k, ebits, mbits))
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def round_one(bits: int, rbits: int, has_res: bool, draw: int, lim: Any, p: Any) -> int:
     """One element of :func:`driftcli.rounding._kernel`: ``bits`` (+ the residual ``rbits``)
     of a float of ``p[0]`` exponent and ``p[1]`` fraction bits, rounded onto the grid whose
@@ -142,7 +142,7 @@ def round_one(bits: int, rbits: int, has_res: bool, draw: int, lim: Any, p: Any)
     return finish(out, over, neg, u, nonfinite, lim_neg if neg else lim_pos, lim[4], p)
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def finish(out: int, over: bool, neg: bool, u: int, nonfinite: bool, limit_bits: int,
            smallest_bits: int, p: Any) -> int:
     """The bits of a rounded magnitude ``out`` after overflow (``over``), nonfinite inputs,
@@ -181,7 +181,7 @@ def finish(out: int, over: bool, neg: bool, u: int, nonfinite: bool, limit_bits:
     return out
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def round_lean(bits: int, draw: int, lim: Any, p: Any) -> int:
     """:func:`round_one` for a float32 without residual, in fewer steps: the rounding is an
     increment added to the bits, whose carry runs into the exponent field as the value's
@@ -226,20 +226,20 @@ def round_lean(bits: int, draw: int, lim: Any, p: Any) -> int:
     return finish(out, over, neg, u, u == 0x7F800000, limit, lim[4], p)
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def lean_quotient(y: Any, draw: int, lim: Any, p: Any) -> Any:
     """A float32 quotient rounded by ``p``, as a float32."""
     return np.int32(round_lean(np.float32(y).view(np.int32), draw, lim, p)).view(np.float32)
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def wide_quotient(y: Any, draw: int, lim: Any, p: Any) -> Any:
     """A float64 quotient rounded by ``p``, as a float64."""
     q = round_one(np.float64(y).view(np.int64), 0, False, draw, lim, p)
     return np.int64(q).view(np.float64)
 
 
-@njit(**_OPTIONS)
+@njit(**OPTIONS)
 def block_amax(x: Any, cols: int, top_bits: Any, bad: Any, inf_bits: int, start: int,
                stop: int) -> None:
     """Per row of ``cols`` elements of an integer view: the bits of the largest finite
@@ -267,7 +267,7 @@ def flat_kernel(rounding: int, overflow: int, lean: bool, has_res: bool, has_dra
     ``cols`` elements when ``scaled``, ``bad`` per row when ``has_bad``: the row becomes
     NaN. ``lean``: float32 without residual, by :func:`round_lean`."""
 
-    @njit(**_OPTIONS)
+    @njit(**OPTIONS)
     def kernel(x: Any, res: Any, draws: Any, sexp: Any, bad: Any, cols: int, out: Any, q: Any,
                start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
@@ -309,7 +309,7 @@ def divided_kernel(rounding: int, overflow: int, has_draws: bool, wide: bool,
     d)`` with ``d`` the divisor of each row of ``cols`` elements, every step one IEEE
     operation in float32 (float64 when ``wide``); a ``bad`` row becomes NaN."""
 
-    @njit(**_OPTIONS)
+    @njit(**OPTIONS)
     def kernel(x: Any, divisor: Any, draws: Any, bad: Any, cols: int, out: Any, q: Any,
                start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
@@ -345,7 +345,7 @@ def scaled_kernel(rounding: int, overflow: int, has_draws: bool, has_bad: bool, 
     code multiplied by (``undo_div``: divided by) its row's ``undo``, every step one IEEE
     float32 operation; a ``bad`` row becomes NaN. The element pass of a scale arithmetic."""
 
-    @njit(**_OPTIONS)
+    @njit(**OPTIONS)
     def kernel(x: Any, apply: Any, undo: Any, draws: Any, bad: Any, cols: int, out: Any, q: Any,
                start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],

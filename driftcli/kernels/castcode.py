@@ -1,11 +1,12 @@
-"""The numba code of :mod:`driftcli.arith.fastcast` (imported on first use: it imports numba).
+"""The numba code of a block-scaled cast in two passes (imported on first use: it imports
+numba): :func:`driftcli.quantization.quantize`'s numba path for block scalings.
 
 Two kernels give a block-scaled cast's per-block scales in one pass over a tensor's rows:
 :func:`pow2_scales` (amax, then the power-of-two rule's exponent, the headroom and the clamp)
 and :func:`two_level_scales` (NVFP4's float32 tensor scale and block divisors, every step one
 IEEE float32 operation in the order of :func:`driftcli.scaling.plan_two_level_scales`). The
-elements are then rounded by :mod:`driftcli.jitkernels`' own kernels, unchanged. Each kernel is
-compiled once per machine and cached on disk like :mod:`driftcli.jitkernels`.
+elements are then rounded by :mod:`driftcli.kernels.jitcode`' own kernels, unchanged. Each kernel is
+compiled once per machine and cached on disk like :mod:`driftcli.kernels.jitcode`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-# importing jitkernels also puts its on-disk cache locator ahead of numba's own
-from driftcli.jitkernels import bit_length, round_lean, row_limits
-
-_OPTIONS: dict[str, Any] = {"cache": True, "nogil": True, "error_model": "numpy"}
+# importing jitcode also puts its on-disk cache locator ahead of numba's own
+from driftcli.kernels.jitcode import OPTIONS, bit_length, round_lean, row_limits
 
 INF_BITS = 0x7F800000
 """float32 +inf: magnitudes at or above it are not finite."""
@@ -28,7 +27,7 @@ NONE = 1 << 40
 """Stands for "no row" in the exponent range :func:`pow2_scales` returns."""
 
 
-@njit(inline="always", **_OPTIONS)
+@njit(inline="always", **OPTIONS)
 def row_amax(xs: Any) -> tuple[int, bool]:
     """The bits of a row's largest finite magnitude (non-negative floats order as their bits
     do) and whether the row holds NaN or inf, from its int32 view."""
@@ -40,7 +39,7 @@ def row_amax(xs: Any) -> tuple[int, bool]:
     return top, worst >= INF_BITS
 
 
-@njit(**_OPTIONS)
+@njit(**OPTIONS)
 def pow2_scales(x: Any, cols: int, ks: Any, bad: Any, rule: Any) -> tuple[int, int]:
     """Per row of ``cols`` elements of a float32 tensor's int32 view: the scale exponent ``k``
     of a power-of-two rule (``ks``) and whether the row holds NaN or inf (``bad``).
@@ -77,7 +76,7 @@ def pow2_scales(x: Any, cols: int, ks: Any, bad: Any, rule: Any) -> tuple[int, i
     return kmin, kmax
 
 
-@njit(**_OPTIONS)
+@njit(**OPTIONS)
 def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: Any) -> None:
     """Per row of ``cols`` elements of a float32 tensor's int32 view: the two-level divisor
     (``divisor``, float32) and whether the row holds NaN or inf (``bad``).
@@ -88,7 +87,7 @@ def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: 
     :func:`driftcli.scaling.plan_two_level_scales`, each one IEEE float32 operation:
     ``S = max(fl(amax_tensor / two_level_max), tiny)`` (1 for an all-zero tensor),
     ``raw = fl(fl(amax / elem_max) / S)``, the block scale ``raw`` rounded to nearest into the
-    scale format by :func:`driftcli.jitkernels.round_lean` with the parameters ``q`` (IEEE
+    scale format by :func:`driftcli.kernels.jitcode.round_lean` with the parameters ``q`` (IEEE
     overflow), set to ``largest`` where that overflows and raised to ``smallest`` below it
     (``smallest`` for an all-zero row), and the divisor ``fl(scale · S)``.
     """
@@ -130,16 +129,16 @@ def pow2_round_kernel(rounding: int, overflow: int, has_draws: bool) -> Callable
     """``kernel(x, draws, ks, bad, cols, out, q, start, stop)``: rows ``start..stop`` of
     ``cols`` float32 elements (an int32 view, every element of a row that is not ``bad``
     finite) rounded onto the element grid of ``q`` scaled by ``2**ks[row]``; a ``bad`` row
-    becomes NaN. The result is :func:`driftcli.jitkernels.round_lean`'s, bit for bit
+    becomes NaN. The result is :func:`driftcli.kernels.jitcode.round_lean`'s, bit for bit
     (``rounding`` is its code 0, nearest even, or 5, stochastic; the format has a zero and a
     sign), in steps that vectorize: a finite input needs none of its NaN and infinity
     branches, and where the grid's smallest normal ``2**lo`` is a float32 normal (``lo >=
     -126``) a float32 subnormal's binade does not matter (``max(e, lo)`` is ``lo`` for every
     ``e`` below it), so it is not computed; rows where it is not run
-    :func:`~driftcli.jitkernels.round_lean` itself. Overflow, the sign and a negative zero
-    follow :func:`~driftcli.jitkernels.finish`."""
+    :func:`~driftcli.kernels.jitcode.round_lean` itself. Overflow, the sign and a negative zero
+    follow :func:`~driftcli.kernels.jitcode.finish`."""
 
-    @njit(**_OPTIONS)
+    @njit(**OPTIONS)
     def kernel(x: Any, draws: Any, ks: Any, bad: Any, cols: int, out: Any, q: Any,
                start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
