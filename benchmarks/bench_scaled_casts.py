@@ -2,18 +2,18 @@
 
 Times ``driftcli.quantize(x, spec)`` (and with ``return_info=True``) for the casts
 ``fp8_e4m3``, ``mxfp8_e4m3``, ``mxfp4_e2m1`` and ``nvfp4`` on 2**24 standard-normal float32
-values shaped (4096, 4096), on torch's kernels (``DRIFT_JIT=never DRIFT_COMPILE=never``), the
-default path (numba's kernels) and, with ``--compiled``, inductor's; and prints Me/s with
+values shaped (4096, 4096), on drift's two back-ends, ``torch`` (the eager reference,
+``DRIFT_JIT=never``) and ``numba`` (the CPU default); and prints Me/s with
 ratios measured in the same process, interleaved round by round: against ``x.clone()``,
 torch's native round trip ``x.to(torch.float8_e4m3fn).float()``, and torchao's CPU path for
 the same recipe (``to_mx`` + ``to_dtype``; ``NVFP4Tensor.to_nvfp4`` + ``dequantize`` with the
-per-tensor scale). Results of every path are checked bit for bit against the torch kernels'.
+per-tensor scale). numba's results are checked bit for bit against torch's.
 Each figure is the median of ``--repeat`` rounds after one untimed warm-up (its seconds are
 printed apart); "1st call +s" is the first call in a fresh process beyond a later one.
 
 With ``--implementations`` it times instead every implementation preset (``torchao/…``,
 ``te/…``, ``deepseek/…``, docs/recipes.md) against drift's exact cast of the same recipe,
-interleaved in the same process on the default path, values only, and checks each against
+interleaved in the same process on the numba path, values only, and checks each against
 :data:`IMPLEMENTATION_TARGET`.
 
 Run ``python benchmarks/bench_scaled_casts.py --help`` for the options.
@@ -32,13 +32,14 @@ from pathlib import Path
 import torch
 
 import driftcli
+from driftcli import kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_casts import interleaved, machine, same_bits, set_malloc, set_path
+from bench_casts import PATHS, interleaved, machine, same_bits, set_malloc, set_path
 
 SPECS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4")
 TARGET = 3.0
-"""The default path against torchao's CPU path for MX and NVFP4 casts (issue 20)."""
+"""The numba path against torchao's CPU path for MX and NVFP4 casts (issue 20)."""
 IMPLEMENTATION_TARGET = 0.8
 """An implementation preset against drift's exact cast of the same recipe (issue 15)."""
 
@@ -98,7 +99,7 @@ def measure(x: torch.Tensor, spec: str, info: bool, repeat: int) -> dict[str, fl
 
 
 def first_call(spec: str) -> float:
-    """Seconds the first cast in a fresh process takes beyond a later one (default path)."""
+    """Seconds the first cast in a fresh process takes beyond a later one (numba path)."""
     out = subprocess.run([sys.executable, "-c", FIRST_CALL, spec], capture_output=True,
                          text=True, check=True).stdout.split()
     return float(out[0]) - float(out[1])
@@ -108,7 +109,7 @@ def implementation_rows(x: torch.Tensor, repeat: int, names: list[str]) -> list[
     """Each implementation preset and its exact twin, interleaved: Me/s of both, the ratio."""
     from driftcli.recipes import IMPLEMENTATION_PRESETS
 
-    set_path("default")
+    set_path("numba")
     print(f"{'preset':28s} {'Me/s':>8s} {'exact Me/s':>11s} {'ratio':>6s}  exact cast")
     rows = []
     for name in names or list(IMPLEMENTATION_PRESETS):
@@ -134,8 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--specs", nargs="*", default=list(SPECS))
     parser.add_argument("--malloc", choices=("fresh", "reuse", "as-is"), default="fresh")
-    parser.add_argument("--compiled", action="store_true",
-                        help="also measure inductor's code (DRIFT_COMPILE=always; compiles)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--implementations", nargs="*", metavar="PRESET",
                         help="time implementation presets (all, or those named) against "
@@ -147,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     malloc = set_malloc(args.malloc, x.numel() * 4)
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
-          f"{info['threads']} threads, commit {info['commit']}; malloc {malloc}")
+          f"{info['threads']} threads, commit {info['commit']}; malloc {malloc}; "
+          f"numba {kernels.jit_unavailable() or 'at hand'}")
     print(f"input: {shape[0]} x {shape[1]} float32 standard normal ({x.numel():,} elements)")
     if args.implementations is not None:
         rows = implementation_rows(x, args.repeat, args.implementations)
@@ -161,18 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     rows = []
-    paths = ["torch", "default"] + (["compiled"] if args.compiled else [])
     for spec in args.specs:
         for with_info in (False, True):
             reference = None
-            for path in paths:
+            for path in PATHS:
                 set_path(path)
                 m = measure(x, spec, with_info, args.repeat)
                 out = driftcli.quantize(x, spec, return_info=with_info)
                 values = out.values if with_info else out  # type: ignore[union-attr]
                 equal = None if reference is None else same_bits(reference, values)
                 reference = values if reference is None else reference
-                first = first_call(spec) if path == "default" and not with_info else None
+                first = first_call(spec) if path == "numba" and not with_info else None
                 row = {"spec": spec, "info": with_info, "path": path,
                        "meps": x.numel() / m["cast"] / 1e6, "vs_clone": m["clone"] / m["cast"],
                        "vs_native": m["native"] / m["cast"],
@@ -185,15 +184,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['vs_clone']:8.3f} {row['vs_native']:9.3f} {vs_peer:>10s} "
                       f"{m['warmup']:10.2f} {'-' if first is None else f'{first:.2f}':>12s} "
                       f"{'' if equal is None else str(equal):>8s}", flush=True)
-    set_path("default")
+    set_path("numba")
     peers = {r["spec"]: r["torchao_meps"] for r in rows if r["torchao_meps"] is not None}
     print("torchao's CPU path, Me/s: " + ", ".join(f"{k} {v:.1f}" for k, v in peers.items()))
-    targeted = [r for r in rows if r["path"] == "default" and not r["info"]
+    targeted = [r for r in rows if r["path"] == "numba" and not r["info"]
                 and r["vs_torchao"] is not None]
     if targeted:
         worst = min(targeted, key=lambda r: r["vs_torchao"])
         verdict = "met" if worst["vs_torchao"] >= TARGET else "missed"
-        print(f"target >= {TARGET}x torchao for MX and NVFP4, default path, values only: "
+        print(f"target >= {TARGET}x torchao for MX and NVFP4, numba path, values only: "
               f"{verdict}; worst {worst['vs_torchao']:.2f}x ({worst['spec']})")
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "malloc": malloc, "rows": rows},
