@@ -1,7 +1,7 @@
 """Simulated matmuls against ``torch.matmul`` in float32, side by side in one process.
 
 ``driftcli.arith.matmul`` on ``--size`` cubed (default 1024 x 1024 x 1024) standard-normal
-float32 operands (seed 0), both cast with ``mxfp8_e4m3`` along K, under four specs:
+float32 operands (seed 0), both cast with ``mxfp8_e4m3`` along K, under five specs:
 
 * ``native`` with a float32 accumulator: the casts, then ``torch.matmul`` of the dequantized
   operands (the fast path). Its own baseline is the same work done by hand
@@ -10,18 +10,18 @@ float32 operands (seed 0), both cast with ``mxfp8_e4m3`` along K, under four spe
   ``e8m13`` accumulator (promotion into float32 every 128 products): every addition rounded
   exactly in the accumulator; target: at most 100x ``torch.matmul`` at K = 1024.
 * ``blockfma`` with H100's FP8 unit (``tc=h100_e4m3_f32``: operands cast to E4M3 unscaled, groups
-  of 32 products, 13 kept bits, an e8m13 result): target at most 60x ``torch.matmul``. Its
-  bits are compared with the torch implementation (``DRIFT_JIT=never``) on the first rows.
+  of 32 products, 13 kept bits, an e8m13 result): target at most 60x ``torch.matmul``.
 
 Every row is timed interleaved, round by round, with ``torch.matmul(a, b)`` on the float32
 inputs, and with a memory-traffic floor for the custom orders: the accumulator passes their
 step function makes (one read and one write of the accumulator per
 ``STEPS_PER_CALL`` additions; for ``chunked`` the chunk sums as well, then one pass per chunk
 into the master sum), each timed as ``out.copy_(acc)`` of an accumulator-sized float32 tensor.
-Figures are medians of ``--repeat`` rounds after one untimed warm-up call, whose seconds (where
-``torch.compile`` does its work) are printed apart. Compiled results are compared bit for bit
-with the eager path on the first ``--check-rows`` rows of C, and native with the hand-made
-baseline.
+Figures are medians of ``--repeat`` rounds after one untimed warm-up call, whose seconds are
+printed apart. drift runs on one back-end of its kernel seam (``--path``: ``numba``, the CPU
+default, or ``torch``, the eager reference); the custom orders' results on the numba back-end
+are compared bit for bit with the torch back-end's on the first ``--check-rows`` rows of C, and
+native with the hand-made baseline.
 
 Run ``python benchmarks/bench_matmul.py --help`` for the options.
 """
@@ -40,11 +40,10 @@ from pathlib import Path
 import torch
 
 import driftcli
-from driftcli import compiling, jit
 from driftcli.arith import MatmulSpec, matmul, matmul_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_casts import interleaved, machine, same_bits, set_malloc
+from bench_casts import PATHS, interleaved, machine, path_run, same_bits, set_malloc, set_path
 
 simulated = importlib.import_module("driftcli.arith.matmul")
 
@@ -79,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds (default 3)")
     parser.add_argument("--specs", nargs="*", default=list(SPECS), choices=list(SPECS))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    parser.add_argument("--path", choices=PATHS, default="numba",
+                        help="drift's back-end to time (default numba)")
     parser.add_argument("--check-rows", type=int, default=16,
-                        help="rows of C compared bit for bit with the eager path (default 16)")
+                        help="rows of C compared bit for bit with the torch back-end "
+                             "(default 16; numba path only)")
     parser.add_argument("--malloc", choices=("fresh", "reuse", "as-is"), default="reuse")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
@@ -93,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
           f"{info['threads']} threads, commit {info['commit']}; load average {info['loadavg']}; "
-          f"malloc {malloc}")
+          f"malloc {malloc}; drift on {path_run(args.path)}")
     print(f"operands: {n} x {n} @ {n} x {n} float32 standard normal, both cast {CAST} along K; "
-          f"{simulated.STEPS_PER_CALL} accumulator steps per compiled call")
+          f"{simulated.STEPS_PER_CALL} accumulator steps per pass over the accumulator")
     header = (f"{'spec':20s} {'drift s':>8s} {'matmul s':>9s} {'x matmul':>9s} "
               f"{'base s':>8s} {'x base':>7s} {'warm-up s':>10s} {'bit-equal':>9s}")
     print(header)
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     acc = torch.randn(n, n)
     copy_out = torch.empty_like(acc)
     rows = []
-    compiling.set_compile("auto")  # n**3 >= 2**25 element-steps: the step function compiles
+    set_path(args.path)
     for name in args.specs:
         spec = SPECS[name]
         calls: dict[str, Callable[[], object]] = {
@@ -117,28 +119,26 @@ def main(argv: list[str] | None = None) -> int:
             calls["copy"] = lambda: copy_out.copy_(acc)
         m = interleaved(calls, args.repeat)
         got = matmul(a, b, spec)
+        equal: bool | None = None
         if spec.order.value == "native":
             base_s = m["base"]
             equal = same_bits(got, calls["base"]())  # type: ignore[arg-type]
-        elif spec.order.value == "blockfma":
-            base_s = math.nan  # no traffic floor: the unit reads every product once
-            jit.set_jit("never")
-            equal = same_bits(got[: args.check_rows], matmul(a[: args.check_rows], b, spec))
-            jit.set_jit("auto")
         else:
-            base_s = passes(spec, n) * m["copy"]
-            compiling.set_compile("never")
-            rows_a = a[: args.check_rows]
-            equal = same_bits(got[: args.check_rows], matmul(rows_a, b, spec))
-            compiling.set_compile("auto")
+            # blockfma has no traffic floor: the unit reads every product once
+            base_s = math.nan if spec.order.value == "blockfma" else passes(spec, n) * m["copy"]
+            if args.path == "numba":
+                set_path("torch")
+                rows_a = a[: args.check_rows]
+                equal = same_bits(got[: args.check_rows], matmul(rows_a, b, spec))
+                set_path("numba")
         row = {"spec": name, "canonical": str(spec), "drift_s": m["cast"],
                "matmul_s": m["matmul"], "vs_matmul": m["cast"] / m["matmul"],
                "base_s": base_s, "vs_base": m["cast"] / base_s, "warmup_s": m["warmup"],
-               "bit_equal": equal, "compiled": not compiling.fell_back(simulated._steps)}
+               "bit_equal": equal, "path": path_run(args.path)}
         rows.append(row)
         print(f"{name:20s} {m['cast']:8.3f} {m['matmul']:9.4f} {row['vs_matmul']:9.1f} "
-              f"{base_s:8.4f} {row['vs_base']:7.1f} {m['warmup']:10.2f} {equal!s:>9s}",
-              flush=True)
+              f"{base_s:8.4f} {row['vs_base']:7.1f} {m['warmup']:10.2f} "
+              f"{'-' if equal is None else str(equal):>9s}", flush=True)
     print("base: native -> casts + torch.matmul by hand; custom orders -> the traffic floor "
           "(accumulator passes x copy_ of the accumulator)")
     for row in rows:
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "size": n, "malloc": malloc,
-                                         "rows": rows}, indent=2))
+                                         "path": args.path, "rows": rows}, indent=2))
         print(f"wrote {args.json}")
     return 0
 
