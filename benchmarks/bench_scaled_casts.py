@@ -135,11 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--specs", nargs="*", default=list(SPECS))
     parser.add_argument("--malloc", choices=("fresh", "reuse", "as-is"), default="fresh")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--implementations", nargs="*", metavar="PRESET",
                         help="time implementation presets (all, or those named) against "
                              "drift's exact casts instead")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     side = int(args.n**0.5)
     shape = (side, args.n // side)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
