@@ -20,7 +20,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check driftcli tests benchmarks examples
-	$(BIN)/python -m pytest -q
+	# both cores of a 2-core CI machine (docs/contributing.md#the-test-suite)
+	$(BIN)/python -m pytest -q -n 2
 
 clean:
 	rm -rf $(VENV) drift-out .pytest_cache

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The width drift draws tables at comes from $COLUMNS (docs/report.md); pytest-xdist's workers
+# set it to the controller's terminal width, which made the printed summaries differ between a
+# serial and a parallel run. A test that needs a width sets it.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 ISA_INDEPENDENT = {
     # exact arithmetic only: Python's integers and fractions, numba code compiled for this CPU
@@ -19,6 +26,9 @@ ISA_INDEPENDENT = {
     # drift report: pandas and matplotlib over tables the tests write (numpy chooses its own
     # SIMD code; ATEN_CPU_CAPABILITY does not reach it)
     "test_report.py", "test_report_html.py", "test_report_runs.py", "test_report_attention.py",
+    "test_trust_report.py",
+    # what drift does with hostile folders, outputs and sizes: files, locks, limits, messages
+    "test_outputs_safety.py", "test_hostile_inputs.py", "test_hostile_bounds.py",
 }
 """Test files whose outcomes no choice of torch's CPU kernels can change. `.ci/run` runs the
 suite a second time under another instruction set and one thread (docs/contributing.md) and

@@ -86,7 +86,7 @@ def _units(folder: Path) -> list[TensorUnit]:
 
     casts = tuple(parse_cast(c) for c in CASTS)
     found = open_inputs([folder / "a.safetensors"])
-    return [TensorUnit(str(folder), ref, casts, ScanOptions(draws=2), 0, True)
+    return [TensorUnit(str(folder), ref, casts, ScanOptions(draws=2), True)
             for ref in found.tensors]
 
 

@@ -116,14 +116,39 @@ def _log2_shortcut_plan(amax, plan):  # type: ignore[no-untyped-def]
     return torch.where(zero, plan.low, k.clamp(plan.low, plan.high)), torch.zeros_like(zero)
 
 
+def _log2_shortcut_rows(real):  # type: ignore[no-untyped-def]
+    """The same bug planted in the numba back-end's block scales: each row's exponent moved
+    by what float32's log2 adds to the exact exponent of its amax (+1 just below a power of
+    two, where log2 rounds up to the next integer)."""
+    import torch
+
+    def planted(blocks, rule):  # type: ignore[no-untyped-def]
+        ks, bad, kmin, kmax = real(blocks, rule)
+        amax = blocks.abs().amax(dim=1)
+        finite = torch.isfinite(amax) & (amax > 0)
+        safe = torch.where(finite, amax, torch.ones_like(amax))
+        exact = torch.frexp(safe).exponent.long() - 1  # read from the bits
+        shift = torch.where(finite, torch.floor(torch.log2(safe)).long() - exact, 0)
+        ks = ks + shift
+        return ks, bad, min(kmin, int(ks.min())), max(kmax, int(ks.max()))
+    return planted
+
+
+@pytest.mark.parametrize("backend", ["torch", "jit"])
 @pytest.mark.parametrize("where", ["cast", "verify"])
-def test_a_planted_log2_scale_rule_is_caught(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Planted in quantize (the elements) or in the scale path alone (the block scales)."""
+def test_a_planted_log2_scale_rule_is_caught(where: str, backend: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted in quantize (the elements; on each back-end, which computes block scales its
+    own way) or in the scale path alone (the block scales)."""
+    from driftcli.kernels import jit
+
     if where == "cast":
         monkeypatch.setattr(quantization, "plan_pow2_exponents", _log2_shortcut_plan)
+        monkeypatch.setattr(jit, "pow2_block_scales", _log2_shortcut_rows(jit.pow2_block_scales))
     else:
         monkeypatch.setattr(blocks, "pow2_exponents", _log2_shortcut)
-    outcomes = verify([FORMATS["float4_e2m1fn"]], Plan(quick=True))
+    with kernel_path(backend):
+        outcomes = verify([FORMATS["float4_e2m1fn"]], Plan(quick=True))
     failing = {o.check for o in outcomes if o.n_failed}
     assert failing == ({"blocks"} if where == "cast" else {"block scales"})
 
@@ -158,7 +183,7 @@ def test_pairwise_where_sequential_is_asked_is_caught(tmp_path: Path,
     simulated = importlib.import_module("driftcli.arith.matmul")
     real_pairwise = simulated._pairwise
     monkeypatch.setattr(simulated, "_sequential",
-                        lambda terms, rule, work: real_pairwise(terms, rule))
+                        lambda terms, rule: real_pairwise(terms, rule))
     code, df = _run(tmp_path, "--quick", "-f", "float8_e5m2")
     assert code == 1
     summary = df[df.kind == "summary"]
