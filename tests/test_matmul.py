@@ -433,3 +433,135 @@ def test_accumulation_agrees_on_both_back_ends() -> None:
         kernels.set_jit("auto")
     for (_, _, s), e, c in zip(cases, reference, fast_, strict=True):
         assert _same(e, c), str(s)
+
+
+# --- the accumulation on the numba back-end (driftcli.kernels.accumcode) ---------------------
+
+BACK_END_ACCUMULATORS = ("float32", "bfloat16", "float16", "float8_e5m2", "e8m13", "e5m7")
+"""verify-formats' matmul accumulators, and a custom eXmY off float32's layout."""
+SR_MX = "float8_e4m3fn:block32:float8_e8m0fnu:floor:sr:saturate"
+BACK_END_CASTS = [
+    # (operand cast, scale application, order of a chunk of 16 products)
+    ("none", "dequantized", "chunked:16"),  # float64 work: 24 + 24 bits
+    ("mxfp8_e4m3", "dequantized", "chunked:16"),  # float32 work where exact
+    ("nvfp4", "dequantized", "chunked:16"),  # real scales: float64 work
+    (SR_MX, "dequantized", "chunked:16"),  # stochastic operand casts
+    ("mxfp8_e4m3", "block", "chunked:64"),  # one term per block of 32: chunks of 2 blocks
+    ("mxfp4_e2m1", "block", "chunked:32"),
+]
+
+
+def _back_end_operands(k: int = 70) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Operands with batch axes that broadcast both ways ((2, 1) with (3,)) and K = 70 (a
+    short last chunk of 16 products and of 2 blocks, a short last block, an odd pairwise
+    level): random magnitudes over 2**-20..2**20, plus rows that sum to an exact zero, rows of
+    -0, rows that overflow every accumulator, and (a second pair) inf and NaN."""
+    gen = torch.Generator().manual_seed(33)
+    a = torch.randn(2, 1, 5, k, generator=gen) * torch.exp2(
+        torch.randint(-20, 21, (2, 1, 5, k), generator=gen).float())
+    b = torch.randn(3, k, 6, generator=gen)
+    a[0, 0, 1] = torch.cat([a[0, 0, 0, : k // 2], -a[0, 0, 0, : k // 2]])  # x then -x
+    b[:, k // 2:] = b[:, : k // 2]  # ... against the same column values: an exact zero
+    a[1, 0, 2] = -0.0
+    a[1, 0, 3] = 3e38  # products far past every accumulator's top
+    special = a.clone()
+    special[0, 0, 4, 3] = float("inf")
+    special[1, 0, 4, 5] = float("nan")
+    return [(a, b), (special, b)]
+
+
+def _both(a: torch.Tensor, b: torch.Tensor, spec: MatmulSpec,
+          seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The matmul on the torch back-end and on the numba back-end."""
+    try:
+        kernels.set_jit("never")
+        want = matmul(a, b, spec, seed=seed)
+        kernels.set_jit("auto")
+        got = matmul(a, b, spec, seed=seed)
+    finally:
+        kernels.set_jit("auto")
+    return want, got
+
+
+@pytest.mark.parametrize("acc", BACK_END_ACCUMULATORS)
+def test_numba_accumulation_equals_the_torch_back_end_bit_for_bit(acc: str) -> None:
+    """Every order x accumulator rounding x operand cast (plain, stochastic, block-scaled):
+    the numba kernels give the torch steps' bits, -0 and NaN included."""
+    if (why := kernels.jit_unavailable()) is not None:
+        pytest.xfail(f"{why}: only one back-end to compare")
+    checked = 0
+    for x, y in _back_end_operands():
+        for cast, scale, chunked in BACK_END_CASTS:
+            for order in ("sequential", chunked, "pairwise"):
+                for mode in ("rne", "rtz"):
+                    spec = matmul_spec(lhs=cast, rhs=cast, accumulator=acc, acc_rounding=mode,
+                                       order=order, scale_application=scale)
+                    want, got = _both(x, y, spec)
+                    assert want.shape == (2, 3, 5, 6)
+                    assert _same(want, got), str(spec)
+                    checked += 1
+    assert checked == 2 * len(BACK_END_CASTS) * 3 * 2
+
+
+def test_the_back_end_comparison_sees_one_output_summed_in_another_order() -> None:
+    """A planted fault: one output's products added in reverse order (by the numba kernel
+    itself) makes the comparison fail, though every other output is left alone."""
+    if (why := kernels.jit_unavailable()) is not None:
+        pytest.xfail(f"{why}: only one back-end to compare")
+    a, b = _back_end_operands()[0]
+    spec = matmul_spec(lhs="mxfp8_e4m3", rhs="mxfp8_e4m3", accumulator="bfloat16",
+                       order="sequential")
+    want, got = _both(a, b, spec)
+    assert _same(want, got)
+    # the cast is along K, so flipping K in both operands flips each output's products
+    flipped = matmul(a[0, 0, :1].flip(-1), b[0].flip(-2)[:, :1], spec)
+    planted = got.clone()
+    planted[0, 0, 0, 0] = flipped[0, 0]
+    assert float(flipped[0, 0]) != float(want[0, 0, 0, 0])
+    assert not _same(want, planted)
+    assert int((planted != want).sum()) == 1
+
+
+def test_the_numba_back_end_runs_the_accumulation_as_one_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the numba back-end each custom order is one call of jit.accumulate (no torch step
+    loop); on the torch back-end none."""
+    if (why := kernels.jit_unavailable()) is not None:
+        pytest.xfail(f"{why}: only one back-end here")
+    calls: list[str] = []
+    real = mm.jit.accumulate
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(str(args[5]))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mm.jit, "accumulate", counted)
+    a, b = _back_end_operands()[0]
+    for order in ("sequential", "chunked:16", "pairwise"):
+        matmul(a, b, matmul_spec(accumulator="bfloat16", order=order))
+    assert calls == ["sequential", "chunked", "pairwise"]
+    try:
+        kernels.set_jit("never")
+        matmul(a, b, matmul_spec(accumulator="bfloat16", order="pairwise"))
+    finally:
+        kernels.set_jit("auto")
+    assert len(calls) == 3
+    # the native order and the block-FMA unit have kernels of their own
+    matmul(a, b, matmul_spec(order="native"))
+    assert len(calls) == 3
+
+
+def test_numba_accumulation_of_empty_and_one_term_shapes() -> None:
+    """K = 0 gives +0 in every order; K = 1 is the product rounded once (from +0); M or N of 0
+    give empty results; the same bits as the torch back-end."""
+    if (why := kernels.jit_unavailable()) is not None:
+        pytest.xfail(f"{why}: only one back-end to compare")
+    gen = torch.Generator().manual_seed(2)
+    for m, k, n in ((3, 0, 4), (3, 1, 4), (0, 5, 4), (3, 5, 0)):
+        a, b = -torch.rand(m, k, generator=gen), torch.rand(k, n, generator=gen)
+        for order in ("sequential", "chunked:2", "pairwise"):
+            spec = matmul_spec(accumulator="e5m7", acc_rounding="rtz", order=order)
+            want, got = _both(a, b, spec)
+            assert got.shape == (m, n) and _same(want, got), (m, k, n, order)
+            if k == 0:
+                assert not bool(torch.signbit(got).any())

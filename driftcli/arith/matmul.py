@@ -47,6 +47,7 @@ from typing import cast
 
 import torch
 
+from driftcli import kernels
 from driftcli import rounding as fast
 from driftcli.arith.blockfma import C_EMIN, Accumulation, FMAUnit, fma_dot, parse_unit
 from driftcli.arith.tensorcores import tensor_core
@@ -54,7 +55,8 @@ from driftcli.cast import Cast, parse_cast
 from driftcli.errors import DriftError, close_matches
 from driftcli.exact import two_sum
 from driftcli.formats import FORMATS, Format, get_format
-from driftcli.modes import Granularity, Rounding, parse_choice
+from driftcli.kernels import jit
+from driftcli.modes import DEFAULT_SR_BITS, Granularity, Overflow, Rounding, parse_choice
 from driftcli.quantization import QuantInfo, quantize
 
 Tensor = torch.Tensor
@@ -464,7 +466,7 @@ def _blockfma(qa: Tensor, qb: Tensor, sa: Tensor | None, sb: Tensor | None, spec
 # --- terms ----------------------------------------------------------------------------------
 #
 # The accumulator adds terms t[k]. Each is handed over as two factors whose product is the term
-# exactly (a product of operands; or a block term times 1), so that a compiled step multiplies
+# exactly (a product of operands; or a block term times 1), so that a step multiplies
 # and accumulates in one pass without storing the products.
 
 class _Terms:
@@ -484,6 +486,16 @@ class _Terms:
 
     def rows(self, start: int, stop: int) -> _Terms:
         """The same terms for rows ``start:stop`` of the output only."""
+        raise NotImplementedError
+
+    def sources(self) -> tuple[Tensor, ...]:
+        """The tensors the terms are read from."""
+        raise NotImplementedError
+
+    def operands(self) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+        """The terms in the numba kernel's layout (:func:`driftcli.kernels.jit.accumulate`):
+        ``a`` ``(rows_a, K)``, ``b`` ``(rows_b, N)``, each batch's first row of ``a`` (in
+        matrices of ``m`` rows) and of ``b`` (in matrices of K rows), and ``m``."""
         raise NotImplementedError
 
     @property
@@ -525,6 +537,27 @@ class _ProductTerms(_Terms):
 
     def rows(self, start: int, stop: int) -> _Terms:
         return _ProductTerms(self.a[..., start:stop, :], self.bt.transpose(-1, -2), self.dtype)
+
+    def sources(self) -> tuple[Tensor, ...]:
+        return self.a, self.bt
+
+    def operands(self) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+        a, a_of = _distinct(self.a)
+        b, b_of = _distinct(self.bt.transpose(-1, -2))
+        return a.reshape(a.shape[0] * a.shape[1], a.shape[2]), \
+            b.reshape(b.shape[0] * b.shape[1], b.shape[2]), a_of, b_of, self.shape[-2]
+
+
+def _distinct(t: Tensor) -> tuple[Tensor, Tensor]:
+    """The matrices of ``t`` (``(*batch, R, C)``) without the copies broadcasting made (a
+    batch axis of stride 0 is one matrix), contiguous as ``(D, R, C)``, and the index of each
+    batch's matrix among them."""
+    batch = t.shape[:-2]
+    keep = tuple(slice(0, 1) if t.stride(d) == 0 else slice(None) for d in range(len(batch)))
+    base = t[keep]
+    count = math.prod(base.shape[:-2])
+    index = torch.arange(count).reshape(base.shape[:-2]).expand(batch)
+    return base.contiguous().reshape(count, *t.shape[-2:]), index.reshape(-1)
 
 
 class _BlockTerms(_Terms):
@@ -576,6 +609,16 @@ class _BlockTerms(_Terms):
         part = _BlockTerms.__new__(_BlockTerms)
         part._init(self.terms[..., start:stop, :, :])
         return part
+
+    def sources(self) -> tuple[Tensor, ...]:
+        return (self.terms,)
+
+    def operands(self) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+        # each output row its own "batch" of one row: its terms times 1, as factors() has them
+        rows = math.prod(self.shape[:-1])
+        by_row = self.terms.movedim(-1, -2).reshape(rows * self.count, self.shape[-1])
+        ones = torch.ones(1, self.count, dtype=torch.float64)
+        return ones, by_row, torch.zeros(rows, dtype=torch.int64), torch.arange(rows), 1
 
 
 def significant_bits(c: Cast | None) -> int:
@@ -719,15 +762,43 @@ def _run_steps(acc: Tensor, terms: _Terms, index: Tensor, live: Tensor | None,
 
 
 def _accumulate(terms: _Terms, spec: MatmulSpec) -> Tensor:
-    """The accumulated sum of the terms in the spec's order, in the working dtype."""
+    """The accumulated sum of the terms in the spec's order, in the working dtype: on the
+    back-end :func:`driftcli.kernels.numba_runs` chooses (the same bits on both)."""
     wide = terms.dtype == torch.float64
     rule = _rule(spec.accumulator, spec.acc_rounding, wide)
+    chunk = spec.chunk // spec.block if spec.block else spec.chunk
+    if kernels.numba_runs(*terms.sources()):
+        return _numba_accumulate(terms, spec.order, chunk, rule,
+                                 _rule(MASTER, Rounding.RNE, wide))
     if spec.order is Order.PAIRWISE:
         return _pairwise(terms, rule)
     if spec.order is Order.SEQUENTIAL:
         return _sequential(terms, rule)
-    chunk = spec.chunk // spec.block if spec.block else spec.chunk
     return _chunked(terms, chunk, rule, _rule(MASTER, Rounding.RNE, wide))
+
+
+def _kernel_params(rule: _Rule, dtype: torch.dtype) -> tuple[int, ...]:
+    return fast.jit_params(src=fast.source_of(dtype), tgt=rule.target, rounding=rule.rounding,
+                           overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
+
+
+def _numba_accumulate(terms: _Terms, order: Order, chunk: int, rule: _Rule,
+                      master_rule: _Rule) -> Tensor:
+    """:func:`_accumulate` as one numba kernel (:mod:`driftcli.kernels.accumcode`): each step
+    the one of :func:`_round_sum`, chosen by the same rule."""
+    if rule.wide:
+        kind, drop = "rounded", 0
+    elif rule.drop == 0 and rule.rounding is Rounding.RNE:
+        kind, drop = "plain", 0
+    elif rule.drop is not None:
+        kind, drop = "layout", rule.drop
+    else:
+        kind, drop = "rounded", 0
+    a, b, a_of, b_of, m = terms.operands()
+    out = jit.accumulate(a, b, a_of, b_of, m, order.value, chunk, kind, drop,
+                         _kernel_params(rule, terms.dtype),
+                         _kernel_params(master_rule, terms.dtype))
+    return out.reshape(terms.shape)
 
 
 def _sequential(terms: _Terms, rule: _Rule) -> Tensor:
@@ -763,7 +834,7 @@ def _pairwise(terms: _Terms, rule: _Rule) -> Tensor:
     keep the level-0 terms within :data:`PAIRWISE_ELEMENTS`."""
     M = terms.shape[-2]
     per_row = math.prod(terms.shape[:-2]) * terms.shape[-1] * max(terms.count, 1)
-    group = max(1, PAIRWISE_ELEMENTS // per_row)
+    group = max(1, PAIRWISE_ELEMENTS // max(per_row, 1))  # N = 0: no products at all
     out = torch.zeros(terms.shape, dtype=terms.dtype, device=terms.device)
     for start in range(0, M, group):
         part = terms.rows(start, min(M, start + group))

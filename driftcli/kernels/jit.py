@@ -333,3 +333,44 @@ def round_pow2_rows(blocks: Tensor, random: Tensor | None, ks: Tensor, bad: Tens
     out = np.empty_like(view)
     spread(kernel, rows, cols, view, draws, _array(ks), _array(bad), cols, out, p)
     return torch.from_numpy(out).view(torch.float32).view(rows, cols)
+
+
+# --- the simulated matmul's accumulation (driftcli.kernels.accumcode) --------------------------
+
+def _accum_code() -> Any:
+    import driftcli.kernels.accumcode as code  # numba, on first use only
+
+    return code
+
+
+PAIRWISE_TERMS = 1 << 22
+"""Terms the pairwise kernel holds at once per thread (K times the columns worked together)."""
+
+
+def accumulate(a: Tensor, b: Tensor, a_of: Tensor, b_of: Tensor, m: int, order: str,
+               chunk: int, kind: str, drop: int, p: tuple[int, ...], pm: tuple[int, ...]
+               ) -> Tensor:
+    """The simulated matmul's accumulated sums (:func:`driftcli.kernels.accumcode.accum_kernel`)
+    as a ``(len(a_of) * m, N)`` tensor in the dtype of ``a`` and ``b`` (float32 or float64):
+    ``a`` is ``(rows_a, K)``, ``b`` is ``(rows_b, N)``, output row ``i`` of batch ``i // m``
+    sums ``a[a_of[batch] * m + i % m, j] * b[b_of[batch] * K + j, :]`` over ``j`` in
+    ``order`` (``sequential``, ``chunked`` with ``chunk`` terms per chunk, ``pairwise``) with
+    steps of ``kind`` (float32: ``plain``, ``layout`` with ``drop`` bits cut, ``rounded``;
+    float64 steps are always rounded) rounding by ``p``, the chunks' master sum by ``pm``."""
+    code = _accum_code()
+    k = a.shape[1]
+    rows, n = a_of.numel() * m, b.shape[1]
+    wide = a.dtype == torch.float64
+    out = np.zeros((rows, n), dtype=np.float64 if wide else np.float32)
+    if rows == 0 or n == 0:
+        return torch.from_numpy(out)
+    number = {"sequential": code.SEQUENTIAL, "chunked": code.CHUNKED,
+              "pairwise": code.PAIRWISE}[order]
+    kinds = {"plain": code.PLAIN, "layout": code.LAYOUT, "rounded": code.ROUNDED}
+    kernel = code.accum_kernel(wide, code.WIDE if wide else kinds[kind])
+    width = max(1, min(code.TILE, PAIRWISE_TERMS // max(k, 1)))
+    spread(kernel, rows, max(n * k, 1), a.contiguous().numpy(), b.contiguous().numpy(),
+           _array(a_of.to(torch.int64)), _array(b_of.to(torch.int64)), m, k, number,
+           max(chunk, 1), width, np.asarray(p, dtype=np.int64), np.asarray(pm, dtype=np.int64),
+           drop, out)
+    return torch.from_numpy(out)

@@ -1,0 +1,177 @@
+"""The numba code of the simulated matmul's accumulation (:mod:`driftcli.arith.matmul`'s
+``_sequential``, ``_chunked`` and ``_pairwise``), imported on first use: it imports numba.
+
+Every step is the torch step :func:`driftcli.arith.matmul._round_sum` for one element: the
+term ``a * b`` in the working dtype (float32 where the products and sums are exact in it, else
+float64), TwoSum, then one rounding of ``s + r`` onto the accumulator: none for a float32
+accumulator rounding to nearest (``fl(acc + t)`` is already that), the float32-layout cut of
+:func:`truncate32` (``truncate_float32``), or :func:`driftcli.kernels.jitcode.round_one` with
+the residual as a sticky bit (``rounding.round_sum``), in float64 with no residual where the
+sum is not finite. An exact-zero sum keeps IEEE's sign as ``fl(acc + t)`` gives it. No step may
+be reassociated: the kernels are compiled without ``fastmath``.
+
+Each output row's columns are worked side by side (the accumulators of a tile of columns in a
+small array, the terms of one ``k`` read along a row of ``B``): each column's steps run in
+their own order, and the columns' independent chains keep the processor busy where one chain
+would wait on every step. A kernel is made per working dtype and kind of step, and cached on
+disk like :mod:`driftcli.kernels.jitcode`: one per working dtype and kind of step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+# importing jitcode also puts its on-disk cache locator ahead of numba's own
+from driftcli.kernels.jitcode import OPTIONS, round_one, row_limits
+
+PLAIN, LAYOUT, ROUNDED, WIDE = 0, 1, 2, 3
+"""The kinds of step: ``fl(acc + t)`` in float32 (a float32 accumulator rounding to nearest);
+the float32-layout cut (:func:`truncate32`); the generic rounding from float32; the generic
+rounding from float64."""
+SEQUENTIAL, CHUNKED, PAIRWISE = 0, 1, 2
+"""The orders, as the kernel factory takes them."""
+
+TILE = 64
+"""Output columns worked side by side: their accumulators stay in the first-level cache."""
+
+
+@njit(inline="always", **OPTIONS)
+def truncate32(s: Any, r: Any, drop: int, rne: bool) -> Any:
+    """``s + r`` (a float32 TwoSum pair) rounded to a format laid out as float32 with ``drop``
+    fewer mantissa bits: :func:`driftcli.arith.matmul.truncate_float32` for one element."""
+    bits = np.int64(np.float32(s).view(np.int32))
+    mag = bits & 0x7FFFFFFF
+    toward = (r < 0 and s > 0) or (r > 0 and s < 0)
+    stepped = mag - (1 if toward else 0)
+    kept = stepped >> drop
+    if rne:
+        if drop == 0:
+            return s  # float32 addition is already rounded to nearest even
+        low = stepped & ((1 << drop) - 1)
+        half = 1 << (drop - 1)
+        if low > half or (low == half and (r != 0 or (kept & 1) == 1)):
+            kept += 1
+    out = (kept << drop) if mag < 0x7F800000 else mag
+    return np.int32(out | (bits & -(1 << 31))).view(np.float32)
+
+
+@njit(inline="always", **OPTIONS)
+def step32(acc: Any, t: Any, kind: int, drop: int, rne: bool, lim: Any, p: Any) -> Any:
+    """``round(acc + t)`` of a float32 accumulator step (``kind``: PLAIN, LAYOUT or ROUNDED)."""
+    s = acc + t
+    if kind == PLAIN:
+        return s
+    bb = s - acc
+    r = (acc - (s - bb)) + (t - bb)
+    if kind == LAYOUT:
+        return truncate32(s, r, drop, rne)
+    bits = round_one(np.int64(np.float32(s).view(np.int32)),
+                     np.int64(np.float32(r).view(np.int32)), True, 0, lim, p)
+    return np.int32(bits).view(np.float32)
+
+
+@njit(inline="always", **OPTIONS)
+def step64(acc: Any, t: Any, lim: Any, p: Any) -> Any:
+    """``round(acc + t)`` of a float64 accumulator step; no residual where the sum is inf or
+    NaN (TwoSum's error is then NaN, not an error)."""
+    s = acc + t
+    bb = s - acc
+    r = (acc - (s - bb)) + (t - bb)
+    if not np.isfinite(s):
+        r = 0.0
+    bits = round_one(np.float64(s).view(np.int64), np.float64(r).view(np.int64), True, 0,
+                     lim, p)
+    return np.int64(bits).view(np.float64)
+
+
+@cache
+def accum_kernel(wide: bool, kind: int) -> Callable[..., None]:
+    """``kernel(a, b, a_of, b_of, m, k, order, chunk, width, q, qm, drop, out, start, stop)``:
+    rows ``start..stop`` of ``out`` (rows x N), each output ``out[row, n]`` the accumulated
+    sum of its ``k`` terms ``a[a_of[row // m] * m + row % m, j] * b[b_of[row // m] * k + j, n]``
+    in ``order`` (``CHUNKED``: ``chunk`` terms per chunk, each chunk's sum added into a float32
+    master sum rounded to nearest; ``PAIRWISE``: ``width`` columns at a time). Every step is
+    one of ``kind`` (float64 when ``wide``) rounding by the parameters ``q``, the master sum's
+    by ``qm``; ``drop`` is the float32-layout cut's. The order and the rounding are read at
+    run time (a branch outside the inner loops, or one the predictor always gets right), so
+    that four kernels serve every accumulator."""
+
+    @njit(**OPTIONS)
+    def kernel(a: Any, b: Any, a_of: Any, b_of: Any, m: int, k: int, order: int, chunk: int,
+               width: int, q: Any, qm: Any, drop: int, out: Any, start: int, stop: int) -> None:
+        p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
+             q[13], q[14], q[15])
+        pm = (qm[0], qm[1], qm[2], qm[3], qm[4], qm[5], qm[6], qm[7], qm[8], qm[9], qm[10],
+              qm[11], qm[12], qm[13], qm[14], qm[15])
+        rne = q[13] == 0
+        lim = row_limits(0, p)
+        limm = row_limits(0, pm)
+        n_cols = out.shape[1]
+        tile = width if order == PAIRWISE else TILE
+        acc = np.zeros(tile, dtype=out.dtype)
+        master = np.zeros(tile, dtype=out.dtype)
+        buf = np.zeros((k if order == PAIRWISE else 0, tile), dtype=out.dtype)
+        zero = acc[0]  # +0 of the working dtype
+        for n0 in range(0, n_cols, tile):  # a tile of B's columns serves every row
+            w = min(tile, n_cols - n0)
+            for row in range(start, stop):
+                batch = row // m
+                ar = a[a_of[batch] * m + row % m]
+                b0 = b_of[batch] * k
+                if order == PAIRWISE:
+                    for j in range(k):
+                        x = ar[j]
+                        bk = b[b0 + j, n0:n0 + w]
+                        level = buf[j]
+                        for c in range(w):
+                            level[c] = x * bk[c]
+                    n = k
+                    while n > 1:  # adjacent pairs, an odd last one carried up unchanged
+                        for i in range(n // 2):
+                            left, right, dest = buf[2 * i], buf[2 * i + 1], buf[i]
+                            for c in range(w):
+                                if wide:
+                                    dest[c] = step64(left[c], right[c], lim, p)
+                                else:
+                                    dest[c] = step32(left[c], right[c], kind, drop, rne,
+                                                     lim, p)
+                        if n % 2:
+                            buf[n // 2, :w] = buf[n - 1, :w]
+                        n = (n + 1) // 2
+                    for c in range(w):  # the root added to +0 (no terms: +0)
+                        if k == 0:
+                            out[row, n0 + c] = zero
+                        elif wide:
+                            out[row, n0 + c] = step64(zero, buf[0, c], lim, p)
+                        else:
+                            out[row, n0 + c] = step32(zero, buf[0, c], kind, drop, rne, lim,
+                                                      p)
+                    continue
+                master[:w] = zero
+                size = chunk if order == CHUNKED else max(k, 1)
+                for c0 in range(0, k, size):
+                    acc[:w] = zero
+                    for j in range(c0, min(c0 + size, k)):
+                        x = ar[j]
+                        bk = b[b0 + j, n0:n0 + w]
+                        for c in range(w):
+                            if wide:
+                                acc[c] = step64(acc[c], x * bk[c], lim, p)
+                            else:
+                                acc[c] = step32(acc[c], x * bk[c], kind, drop, rne, lim, p)
+                    if order == CHUNKED:  # promotion: the master sum, float32 to nearest
+                        for c in range(w):
+                            if wide:
+                                master[c] = step64(master[c], acc[c], limm, pm)
+                            else:
+                                master[c] = master[c] + acc[c]
+                    else:
+                        master[:w] = acc[:w]
+                out[row, n0:n0 + w] = master[:w]
+
+    return kernel
