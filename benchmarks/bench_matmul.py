@@ -13,10 +13,12 @@ float32 operands (seed 0), both cast with ``mxfp8_e4m3`` along K, under five spe
   of 32 products, 13 kept bits, an e8m13 result): target at most 60x ``torch.matmul``.
 
 Every row is timed interleaved, round by round, with ``torch.matmul(a, b)`` on the float32
-inputs, and with a memory-traffic floor for the custom orders: the accumulator passes their
-step function makes (one read and one write of the accumulator per
+inputs, and with a memory-traffic floor for the custom orders: the accumulator passes the torch
+back-end's step function makes (one read and one write of the accumulator per
 ``STEPS_PER_CALL`` additions; for ``chunked`` the chunk sums as well, then one pass per chunk
 into the master sum), each timed as ``out.copy_(acc)`` of an accumulator-sized float32 tensor.
+The numba back-end (:mod:`driftcli.kernels.accumcode`) makes no such passes: it keeps a tile
+of accumulators in cache for all K steps, so on it the floor is a yardstick, not a bound.
 Figures are medians of ``--repeat`` rounds after one untimed warm-up call, whose seconds are
 printed apart. drift runs on one back-end of its kernel seam (``--path``: ``numba``, the CPU
 default, or ``torch``, the eager reference); the custom orders' results on the numba back-end
