@@ -565,3 +565,47 @@ def test_numba_accumulation_of_empty_and_one_term_shapes() -> None:
             assert got.shape == (m, n) and _same(want, got), (m, k, n, order)
             if k == 0:
                 assert not bool(torch.signbit(got).any())
+
+
+def _level_tree(k: int) -> set[tuple[int, int, int]]:
+    """The torch back-end's pairwise additions as (lo, mid, hi) blocks of terms: adjacent
+    pairs level by level, an odd last one carried up."""
+    level = [(j, j + 1) for j in range(k)]
+    steps = set()
+    while len(level) > 1:
+        pairs = [(level[i][0], level[i][1], level[i + 1][1]) for i in range(0, len(level) - 1, 2)]
+        steps.update(pairs)
+        level = [(lo, hi) for lo, _, hi in pairs] + (level[-1:] if len(level) % 2 else [])
+    return steps
+
+
+def test_the_numba_pairwise_tree_is_the_level_by_level_tree() -> None:
+    """The kernel's streaming tree (a stack of finished subtrees) adds the same blocks as the
+    torch back-end's levels, for every K up to 300; each addition's halves are made before it."""
+    accumcode = pytest.importorskip("driftcli.kernels.accumcode")
+    for k in range(301):
+        steps = accumcode.pairwise_tree(k)
+        assert len(steps) == max(k - 1, 0) and set(steps) == _level_tree(k), k
+        made = {(j, j + 1) for j in range(k)}
+        for lo, mid, hi in steps:
+            assert (lo, mid) in made and (mid, hi) in made, (k, lo, mid, hi)
+            made.add((lo, hi))
+        assert k == 0 or (0, k) in made
+
+
+@pytest.mark.parametrize("acc", ["bfloat16", "float16"])
+def test_numba_pairwise_equals_the_torch_back_end_for_every_small_k(acc: str) -> None:
+    """Pairwise on both back-ends for K = 1..40 and a few powers of two and their neighbours
+    (the right edge of the tree changes with every bit of K)."""
+    if (why := kernels.jit_unavailable()) is not None:
+        pytest.xfail(f"{why}: only one back-end to compare")
+    gen = torch.Generator().manual_seed(4)
+    for k in [*range(1, 41), 63, 64, 65, 127, 128, 129]:
+        a = torch.randn(3, k, generator=gen) * torch.exp2(
+            torch.randint(-8, 9, (3, k), generator=gen).float())
+        b = torch.randn(k, 5, generator=gen)
+        for cast in ("none", "mxfp8_e4m3"):
+            spec = matmul_spec(lhs=cast, rhs=cast, accumulator=acc, acc_rounding="rtz",
+                               order="pairwise")
+            want, got = _both(a, b, spec)
+            assert _same(want, got), (k, str(spec))

@@ -343,10 +343,6 @@ def _accum_code() -> Any:
     return code
 
 
-PAIRWISE_TERMS = 1 << 22
-"""Terms the pairwise kernel holds at once per thread (K times the columns worked together)."""
-
-
 def accumulate(a: Tensor, b: Tensor, a_of: Tensor, b_of: Tensor, m: int, order: str,
                chunk: int, kind: str, drop: int, p: tuple[int, ...], pm: tuple[int, ...]
                ) -> Tensor:
@@ -367,10 +363,9 @@ def accumulate(a: Tensor, b: Tensor, a_of: Tensor, b_of: Tensor, m: int, order: 
     number = {"sequential": code.SEQUENTIAL, "chunked": code.CHUNKED,
               "pairwise": code.PAIRWISE}[order]
     kinds = {"plain": code.PLAIN, "layout": code.LAYOUT, "rounded": code.ROUNDED}
-    kernel = code.accum_kernel(wide, code.WIDE if wide else kinds[kind])
-    width = max(1, min(code.TILE, PAIRWISE_TERMS // max(k, 1)))
+    kernel = code.accum_kernel(wide, code.WIDE if wide else kinds[kind], p[13])
     spread(kernel, rows, max(n * k, 1), a.contiguous().numpy(), b.contiguous().numpy(),
            _array(a_of.to(torch.int64)), _array(b_of.to(torch.int64)), m, k, number,
-           max(chunk, 1), width, np.asarray(p, dtype=np.int64), np.asarray(pm, dtype=np.int64),
+           max(chunk, 1), np.asarray(p, dtype=np.int64), np.asarray(pm, dtype=np.int64),
            drop, out)
     return torch.from_numpy(out)
