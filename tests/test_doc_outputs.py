@@ -42,9 +42,8 @@ GENERATED = {"docs/cli-reference.md"}
 """Pages written by a command and compared whole elsewhere (tests/test_cli.py checks the
 reference against the commands' --help), so their blocks need no markers."""
 PENDING = {f"docs/{name}.md" for name in (
-    "accum-error", "calibrate", "cast-diff", "cli", "clip-rate", "dequantize", "dump",
-    "error-bias", "formats", "grad-cosine", "inspect", "probe", "report", "scaling", "train",
-    "underflow-rate", "verify-formats")}
+    "accum-error", "calibrate", "cast-diff", "cli", "dequantize", "dump", "formats",
+    "grad-cosine", "inspect", "probe", "report", "scaling", "train", "verify-formats")}
 """Pages whose blocks are not marked yet (being gone through): the check skips them."""
 WIDTH = "160"
 
@@ -405,3 +404,63 @@ def test_readme_tensor_core_prose_is_what_accum_error_measures(steps: Steps) -> 
     plain, promoted = table["accum_rel_error"].tolist()
     assert f"loses {round(100 * plain)} % of a sum of 16,384 positive" in readme
     assert f"keeps the loss at {promoted:.0e}".replace("e-04", "e-4") in readme
+
+
+EXAMPLE = "python examples/make_checkpoint.py drift-out/example.safetensors"
+FOUR_CASTS = "drift-out/example.safetensors -c fp8_e4m3 -c mxfp8_e4m3 -c mxfp8_e4m3_ceil -c nvfp4"
+
+
+def _doc(name: str) -> str:
+    return (ROOT / "docs" / name).read_text(encoding="utf-8")
+
+
+def _headline(printed: str, cast: str) -> float:
+    """A summary's first figure (all tensors) on ``cast``'s row."""
+    return float(re.search(rf"│ {re.escape(cast)} +│ +\d+ │ +([-\d.e]+) │", printed).group(1))
+
+
+def _worst(printed: str, cast: str, tensor: str) -> float:
+    """``tensor``'s figure among the worst tensors on ``cast``'s row."""
+    row = re.search(rf"│ {re.escape(cast)} +│[^\n]*", printed).group(0)
+    return float(re.search(rf"{re.escape(tensor)} ([-\d.e]+)", row).group(1))
+
+
+def test_scan_pages_prose_cites_their_blocks(steps: Steps) -> None:
+    """clip-rate.md's 60 % and 2.8 %, underflow-rate.md's 60 %: their marked blocks."""
+    clip = steps.output((EXAMPLE, f"drift clip-rate {FOUR_CASTS}")).output
+    page = _doc("clip-rate.md")
+    assert f"clips {round(100 * _worst(clip, 'mxfp8_e4m3', 'activations.tanh'))} % of the " \
+           "tanh activations" in page
+    assert f"NVFP4 clips {100 * _headline(clip, 'nvfp4'):.1f} % of the" in page
+    assert re.search(r"│ nvfp4 +│ +\d+ │ +[\d.]+ │ +0 │", clip), "nvfp4's exact_clip_rate 0"
+    under = steps.output((EXAMPLE, f"drift underflow-rate {FOUR_CASTS}")).output
+    flushed = _worst(under, "nvfp4", "gradients.layers.1")
+    assert f"NVFP4 flushes {round(100 * flushed)} % of the small gradients" in \
+           _doc("underflow-rate.md")
+
+
+def test_error_bias_sr_table_is_the_marked_runs_table(steps: Steps) -> None:
+    """error-bias.md's per-tensor table and its 0.0892 and −0.88: the SR block's Parquet."""
+    import pandas as pd
+
+    block = next(b for b in BLOCKS if b.doc == "docs/error-bias.md" and "--draws 16" in
+                 b.commands[0])
+    sequence = block.setup + block.commands
+    assert steps.output(sequence).exit_code == 0
+    table = pd.read_parquet(steps.after(sequence) / "sr" / "error-bias.parquet")
+    page = _doc("error-bias.md").replace("−", "-")
+    shown = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[1] in ("rne", "sr"):
+            shown[cells[0], cells[1]] = cells[2:]
+    assert len(shown) == 4
+    for row in table[table.tensor != "*"].itertuples():
+        rounding = "sr" if ":sr:" in row.cast else "rne"
+        want = [f"{row.rel_error:.4f}", f"{row.bias:.4f}", f"{row.alignment:.4f}",
+                "" if rounding == "rne" else f"{row.expected_rel_error:.4f}"]
+        assert shown[row.tensor, rounding] == want, (row.tensor, rounding)
+        if row.tensor == "layers.0.mlp.up.weight" and rounding == "sr":
+            assert f"({row.expected_rel_error:.4f} after 16 draws" in page
+        if row.tensor == "activations.tanh" and rounding == "rne":
+            assert f"aligned\nwith the signal ({row.alignment:.2f})" in page
