@@ -8,9 +8,10 @@ A marker is an HTML comment on the line(s) right before the opening fence:
     <!-- output -->                  the block is a transcript: `$ CMD` lines, each followed by
                                      what CMD prints
     <!-- output: drift formats -->   the block is what that command prints (no `$` line shown)
-    <!-- output exit=1 abridged -->  options: the last command's exit code (default 0), and
-                                     `abridged` (the block's lines are lines of the output, in
-                                     order; a line `...` stands for lines left out)
+    <!-- output exit=1 abridged -->  options: the commands' exit code (default 0; `exit=0,2`
+                                     one per command), and `abridged` (the block's lines are
+                                     lines of the output, in order; a line `...` stands for
+                                     lines left out)
 
 Commands run in a temporary folder holding a link to examples/, with $COLUMNS=160: `drift ...`
 in this process through typer's CliRunner (stdout and stderr interleaved, as a terminal shows
@@ -42,13 +43,13 @@ GENERATED = {"docs/cli-reference.md"}
 """Pages written by a command and compared whole elsewhere (tests/test_cli.py checks the
 reference against the commands' --help), so their blocks need no markers."""
 PENDING = {f"docs/{name}.md" for name in (
-    "accum-error", "calibrate", "cast-diff", "cli", "dequantize", "dump", "formats",
+    "accum-error", "calibrate", "cast-diff", "dequantize", "dump",
     "grad-cosine", "inspect", "probe", "report", "scaling", "train", "verify-formats")}
 """Pages whose blocks are not marked yet (being gone through): the check skips them."""
 WIDTH = "160"
 
 MARKER = re.compile(r"^<!--\s*(setup|output|not-run)\b(.*?)-->\s*$")
-OPTIONS = re.compile(r"^((?:\s+(?:abridged|exit=\d+))*)\s*(?::\s*(.*?))?\s*$")
+OPTIONS = re.compile(r"^((?:\s+(?:abridged|exit=\d+(?:,\d+)*))*)\s*(?::\s*(.*?))?\s*$")
 
 # What changes from run to run and is masked on both sides: the provenance line's version,
 # commit and time.
@@ -68,7 +69,7 @@ class Block:
     setup: tuple[str, ...]
     commands: tuple[str, ...]
     outputs: tuple[str, ...]
-    exit_code: int
+    exit_codes: tuple[int, ...]
     abridged: bool
 
     @property
@@ -114,7 +115,9 @@ def parse(text: str, doc: str) -> tuple[list[Block], list[tuple[int, str]]]:
         end = start + 1
         while end < len(lines) and not lines[end].lstrip().startswith("```"):
             end += 1
-        body = lines[start + 1:end]
+        indent = len(lines[start]) - len(lines[start].lstrip())  # a block in a list item
+        body = [line[indent:] if not line[:indent].strip() else line
+                for line in lines[start + 1:end]]
         markers = []
         j = start - 1
         while j >= 0 and MARKER.match(lines[j].strip()):
@@ -129,13 +132,18 @@ def parse(text: str, doc: str) -> tuple[list[Block], list[tuple[int, str]]]:
             if opts is None:
                 raise ValueError(f"{doc}:{start + 1}: cannot read the marker {out[0].group(0)}")
             flags = opts.group(1).split()
-            code = next((int(f.split("=")[1]) for f in flags if f.startswith("exit=")), 0)
+            codes = next((f[5:] for f in flags if f.startswith("exit=")), "0").split(",")
             if opts.group(2):
                 commands, outputs = [opts.group(2)], ["\n".join(body)]
             else:
                 commands, outputs = _transcript(body)
-            blocks.append(Block(doc, start + 1, setup, tuple(commands), tuple(outputs), code,
-                                "abridged" in flags))
+            if len(codes) == 1:
+                codes *= len(commands)
+            if len(codes) != len(commands):
+                raise ValueError(f"{doc}:{start + 1}: exit= names {len(codes)} codes for "
+                                 f"{len(commands)} commands")
+            blocks.append(Block(doc, start + 1, setup, tuple(commands), tuple(outputs),
+                                tuple(int(c) for c in codes), "abridged" in flags))
         elif not any(m.group(1) == "not-run" for m in markers):
             first = body[0] if body else ""
             shows_output = any(line.strip() and not line.startswith(("$ ", " ")) for line in body)
@@ -279,13 +287,13 @@ def check(block: Block, steps: Steps) -> list[str]:
     problems = []
     for k, (command, shown) in enumerate(zip(block.commands, block.outputs, strict=True)):
         sequence = block.setup + block.commands[:k + 1]
-        for n in range(1, len(block.setup) + k + 1):
+        for n in range(1, len(block.setup) + 1):
             ran = steps.output(sequence[:n])
             if ran.exit_code != 0:
                 problems.append(f"`{sequence[n - 1]}` exited {ran.exit_code}:\n{ran.output}")
                 return problems
         ran = steps.output(sequence)
-        want = block.exit_code if k == len(block.commands) - 1 else 0
+        want = block.exit_codes[k]
         if ran.exit_code != want:
             problems.append(f"`{command}` exited {ran.exit_code}, the doc says {want}:\n"
                             f"{ran.output}")
