@@ -681,6 +681,11 @@ class _Rule:
     """For a format laid out as float32 (8 exponent bits, bias 127, IEEE specials, subnormals)
     with fewer mantissa bits: how many float32 mantissa bits it drops. None: the generic
     kernel."""
+    numba: bool = False
+    """Whether the order's whole accumulation runs as the numba kernel (as
+    :func:`_accumulate` found, asking :func:`driftcli.kernels.numba_runs` once): each order's
+    function then hands its work to it, so that whatever runs as an order runs on the chosen
+    back-end."""
 
 
 def _float32_layout(fmt: Format) -> bool:
@@ -689,9 +694,9 @@ def _float32_layout(fmt: Format) -> bool:
             and fmt.nan is FLOAT32.nan and fmt.mbits <= FLOAT32.mbits)
 
 
-def _rule(fmt: Format, rounding: Rounding, wide: bool) -> _Rule:
+def _rule(fmt: Format, rounding: Rounding, wide: bool, numba: bool = False) -> _Rule:
     drop = FLOAT32.mbits - fmt.mbits if _float32_layout(fmt) and not wide else None
-    return _Rule(fast.target_of(fmt), rounding, wide, drop)
+    return _Rule(fast.target_of(fmt), rounding, wide, drop, numba)
 
 
 _SIGN, _ABS, _INF = -(1 << 31), (1 << 31) - 1, 0x7F800000
@@ -765,11 +770,8 @@ def _accumulate(terms: _Terms, spec: MatmulSpec) -> Tensor:
     """The accumulated sum of the terms in the spec's order, in the working dtype: on the
     back-end :func:`driftcli.kernels.numba_runs` chooses (the same bits on both)."""
     wide = terms.dtype == torch.float64
-    rule = _rule(spec.accumulator, spec.acc_rounding, wide)
+    rule = _rule(spec.accumulator, spec.acc_rounding, wide, kernels.numba_runs(*terms.sources()))
     chunk = spec.chunk // spec.block if spec.block else spec.chunk
-    if kernels.numba_runs(*terms.sources()):
-        return _numba_accumulate(terms, spec.order, chunk, rule,
-                                 _rule(MASTER, Rounding.RNE, wide))
     if spec.order is Order.PAIRWISE:
         return _pairwise(terms, rule)
     if spec.order is Order.SEQUENTIAL:
@@ -802,6 +804,8 @@ def _numba_accumulate(terms: _Terms, order: Order, chunk: int, rule: _Rule,
 
 
 def _sequential(terms: _Terms, rule: _Rule) -> Tensor:
+    if rule.numba:
+        return _numba_accumulate(terms, Order.SEQUENTIAL, 0, rule, rule)
     # a cleared accumulator: +0
     acc = torch.zeros(terms.shape, dtype=terms.dtype, device=terms.device)
     for k in range(0, terms.count, STEPS_PER_CALL):
@@ -813,6 +817,8 @@ def _sequential(terms: _Terms, rule: _Rule) -> Tensor:
 def _chunked(terms: _Terms, chunk: int, rule: _Rule, master_rule: _Rule) -> Tensor:
     """All chunks at once: position ``j`` of every chunk is added in one vectorized step (the
     chunk axis first, so that the innermost axis is N)."""
+    if rule.numba:
+        return _numba_accumulate(terms, Order.CHUNKED, chunk, rule, master_rule)
     n_chunks = -(-terms.count // chunk)
     acc = torch.zeros((n_chunks, *terms.shape), dtype=terms.dtype, device=terms.device)
     starts = torch.arange(n_chunks, device=terms.device) * chunk
@@ -832,6 +838,8 @@ def _chunked(terms: _Terms, chunk: int, rule: _Rule, master_rule: _Rule) -> Tens
 def _pairwise(terms: _Terms, rule: _Rule) -> Tensor:
     """Level by level: adjacent pairs summed, an odd last element carried; in row groups that
     keep the level-0 terms within :data:`PAIRWISE_ELEMENTS`."""
+    if rule.numba:
+        return _numba_accumulate(terms, Order.PAIRWISE, 0, rule, rule)
     M = terms.shape[-2]
     per_row = math.prod(terms.shape[:-2]) * terms.shape[-1] * max(terms.count, 1)
     group = max(1, PAIRWISE_ELEMENTS // max(per_row, 1))  # N = 0: no products at all
