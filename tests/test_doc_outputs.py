@@ -479,3 +479,33 @@ def test_report_prose_cites_the_ci_example(steps: Steps) -> None:
     row = re.search(r"│ fp8_e4m3 +│ +\d+ │ +([-\d.e]+) │ +([-\d.e]+) │", printed)
     assert row is not None and float(row.group(2)) == 0
     assert f"scale saturates {100 * float(row.group(1)):.4f} % of the elements" in _doc("report.md")
+
+
+def test_accum_error_cast_table_is_the_commands_table(steps: Steps) -> None:
+    """accum-error.md's table of MXFP8 operands under two accumulators and orders, and its
+    "20 % short" and "leaves 1.1 %": the Parquet of the command the page shows."""
+    import pandas as pd
+
+    page = _doc("accum-error.md")
+    match = re.search(r"\$ (drift accum-error --shape 32x1024x32 [^\n]*?)\\\n\s*([^\n]*)\n", page)
+    assert match is not None, "the page's command"
+    command = f"{match.group(1).strip()} {match.group(2).strip()}"
+    ran = steps.output((command,))
+    assert ran.exit_code == 0, ran.output
+    table = pd.read_parquet(steps.after((command,)) / "drift-out" / "accum-error.parquet")
+    shown = {}
+    for line in page.replace("−", "-").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0] in ("normal", "halfnormal"):
+            shown[cells[0], cells[1], cells[2]] = cells[3:]
+    assert len(shown) == len(table) == 8
+    for row in table.itertuples():
+        key = (row.dist, row.accumulator.split(":")[0], row.order)
+        want = [f"{row.rel_error:.4g}", f"{row.cast_rel_error:.4g}",
+                f"{row.accum_rel_error:.4g}", f"{row.bias:.3g}", f"{row.accum_bias:.3g}"]
+        assert shown[key] == want, key
+    lost = table[(table.dist == "halfnormal") & table.accumulator.str.startswith("bfloat16")]
+    sequential, chunked = (lost[lost.order == o].iloc[0] for o in ("sequential", "chunked:128"))
+    assert f"the result is {round(-100 * sequential.bias)} % short (bias " \
+           f"{sequential.bias:.2f}".replace("-", "−") in page
+    assert f"leaves {100 * chunked.accum_rel_error:.1f} %" in page  # the accumulation's own
