@@ -1,33 +1,33 @@
-"""A checkpoint scan against one plain read of the same file, side by side in one process.
+"""drift's checkpoint scan side by side with a plain read and with the torch + torchao script a
+user would write instead, in one run.
 
-Builds (once, seeded) a ~1 GB float32 safetensors checkpoint shaped like a small
-transformer (an embedding, four layers of attention and MLP matrices, norm
-vectors; 39 tensors, heavy-tailed values so that casts clip and underflow), then
-times, interleaved round by round after one untimed warm-up (where compilation
-happens):
+Builds (once, seeded) a ~0.55 GB float32 safetensors checkpoint shaped like a small transformer
+(an embedding, four layers of attention and MLP matrices, norm vectors; 39 tensors,
+heavy-tailed values so that casts clip and underflow), then:
 
-- ``read``: every tensor read through ``safetensors.safe_open`` and summed (safetensors
-  maps the file: nothing is copied, a floor no reader that copies can reach);
-- ``copy``: the file read into memory in 16 MiB pieces and summed: the plain read the
-  target is measured against, as drift's readers copy too;
-- ``scan``: ``clip-rate`` with the casts ``fp8_e4m3``, ``mxfp8_e4m3`` and ``nvfp4``
-  (the library call behind the command: read, cast three ways, count).
+1. **library calls, in this process**, interleaved round by round after one untimed warm-up:
+   ``copy`` (the file read into memory in 16 MiB pieces and summed: the plain read the targets
+   are measured against), ``read`` (every tensor through ``safetensors.safe_open``, mapped),
+   drift's ``clip-rate``, ``underflow-rate`` and ``error-bias`` with the casts ``fp8_e4m3``,
+   ``mxfp8_e4m3`` and ``nvfp4`` (the library call behind each command), and ``script``: the
+   torch + torchao code a user would write for the same clip counts (``safe_open``, torch's
+   native float8 cast per tensor, torchao's ``to_mx`` and ``NVFP4Tensor``);
+2. **fresh processes**, as a user runs them, on every instruction set this machine offers
+   torch (``ATEN_CPU_CAPABILITY``: the default, ``avx2``) and with no C++ compiler on
+   ``PATH``: ``import torch`` alone, each command (``drift clip-rate FILE -c ... --quiet
+   --fast-hash``), and the user's script; with each command's peak resident memory against
+   the largest tensor.
 
-It prints them and the ratios (scan speed / read speed), then runs the real
-command (``drift clip-rate FILE -c ... --quiet``) in a child process and reports
-its wall time and peak resident memory against the largest tensor, and the time
-the provenance sha256 of the input takes (``--fast-hash`` skips it).
-
-Like the command, the process backs large tensors with huge pages where Linux offers them
-(:func:`driftcli.memory.use_huge_pages`); ``THP_MEM_ALLOC_ENABLE=0`` turns that off.
-
-Run ``python benchmarks/bench_scan.py --help`` for the options.
+Run ``python benchmarks/bench_scan.py --help`` for the options; figures go in
+``docs/performance.md#checkpoint-scan-benchmarksbench_scanpy``.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,14 +45,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_casts import interleaved, machine
 
 CASTS = ("fp8_e4m3", "mxfp8_e4m3", "nvfp4")
-TARGET = 0.3  # scan speed / copying read speed
-D, FF, VOCAB, LAYERS = 2048, 5504, 24576, 4
+COMMANDS = ("clip-rate", "underflow-rate", "error-bias")
+TARGETS = {"clip-rate": 0.5, "underflow-rate": 0.2, "error-bias": 0.2}
+"""Each command's library scan speed against the copying read's (issue 33)."""
+D, FF, VOCAB, LAYERS = 1536, 4096, 16384, 4
 
 
 def shapes(d: int = D, ff: int = FF, vocab: int = VOCAB, layers: int = LAYERS,
            head_bias: bool = True) -> dict[str, tuple[int, ...]]:
-    """A small transformer's tensors: by default 39 tensors, 1.01 GB of float32, the
-    embedding the largest (201 MB)."""
+    """A small transformer's tensors: by default 39 tensors, 0.55 GB of float32, the
+    embedding the largest (101 MB)."""
     out: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d)}
     for i in range(layers):
         p = f"layers.{i}."
@@ -88,11 +90,8 @@ def plain_read(path: Path) -> float:
 
 def copy_read(path: Path) -> float:
     """The file read into memory in 16 MiB pieces and summed: a read that copies, as
-    drift's readers do (they never keep the file mapped).
-
-    It sums on one thread: with two, waking the second after every read made this read
-    bimodal from one process to the next (about 3.5 or 10 GB/s here); one thread gives the
-    fast one every time."""
+    drift's readers do (they never keep the file mapped). One thread: waking a second after
+    every read made this read bimodal from one process to the next."""
     total = 0.0
     buf = bytearray(16 << 20)
     threads = torch.get_num_threads()
@@ -106,6 +105,45 @@ def copy_read(path: Path) -> float:
         torch.set_num_threads(threads)
     return total
 
+
+SCRIPT = r"""
+import logging, sys, torch
+from safetensors import safe_open
+for name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(name).setLevel(logging.ERROR)
+from torchao.prototype.mx_formats.mx_tensor import to_mx
+from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+def clip_counts(path):
+    # what a user writes for "how much clips under fp8_e4m3, mxfp8_e4m3 and nvfp4"
+    counts = {"fp8_e4m3": 0, "mxfp8_e4m3": 0, "nvfp4": 0, "elements": 0}
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            x = f.get_tensor(name).float()
+            counts["elements"] += x.numel()
+            amax = x.abs().max()
+            scale = (amax / 448).clamp(min=1e-12)
+            y = x / scale
+            counts["fp8_e4m3"] += int((y.abs() > 448).sum())
+            y.to(torch.float8_e4m3fn)                      # the cast itself
+            if x.shape[-1] % 32 == 0:
+                s, data = to_mx(x, torch.float8_e4m3fn, 32)
+                blocks = x.reshape(-1, 32).abs()
+                k = s.view(torch.uint8).reshape(-1, 1).to(torch.int32) - 127
+                limit = 448 * k.float().exp2()
+                counts["mxfp8_e4m3"] += int((blocks > limit).sum())
+            if x.shape[-1] % 16 == 0:
+                x2 = x.reshape(-1, x.shape[-1])  # to_nvfp4 takes 2-D or 3-D tensors
+                t = NVFP4Tensor.to_nvfp4(x2, per_tensor_scale=per_tensor_amax_to_scale(amax))
+                block = t.scale.float().reshape(-1, 1) * t.per_tensor_scale.float()
+                counts["nvfp4"] += int((x.reshape(-1, 16).abs() > 6 * block).sum())
+    return counts
+
+if __name__ == "__main__":
+    print(clip_counts(sys.argv[1]))
+"""
+"""The script a user would write instead (torch + torchao), run as it is in a fresh process and
+imported for the in-process round."""
 
 PEAK = """
 import runpy, sys
@@ -122,24 +160,56 @@ print(next(l.split()[1] for l in status.splitlines() if l.startswith("VmHWM")), 
 # this (large) process into the child's ru_maxrss
 
 
+def _script_module(folder: Path) -> Path:
+    path = folder / "user_script.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def fresh(cmd: list[str], env: dict[str, str]) -> tuple[float, int | None]:
+    """Wall seconds of ``cmd`` in a fresh process, and its peak RSS when it reports one."""
+    start = time.perf_counter()
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    last = done.stderr.strip().splitlines()[-1:] if done.stderr.strip() else []
+    peak = int(last[0]) * 1024 if last and last[0].isdigit() else None
+    return wall, peak
+
+
 def child(path: Path, fast_hash: bool) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of the real command in a fresh process."""
+    """Wall seconds and peak RSS (bytes) of ``drift clip-rate`` with the three casts in a fresh
+    process (``bench_engines.py`` holds its engines to this serial peak)."""
     cmd = [sys.executable, "-c", PEAK, "drift", "clip-rate", str(path), "--quiet",
            "--out", tempfile.mkdtemp(), *(a for c in CASTS for a in ("-c", c))]
-    if fast_hash:
-        cmd.append("--fast-hash")
-    start = time.perf_counter()
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    return wall, int(done.stderr.strip().splitlines()[-1]) * 1024
+    wall, peak = fresh([*cmd, "--fast-hash"] if fast_hash else cmd, dict(os.environ))
+    if peak is None:
+        raise RuntimeError(f"no peak memory reported by {' '.join(cmd)}")
+    return wall, peak
+
+
+def settings() -> dict[str, dict[str, str]]:
+    """The environments of the fresh-process rounds: the default instruction set, AVX2 where
+    the default is wider, and no C++ compiler on PATH."""
+    base = dict(os.environ)
+    out = {"default": base}
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "DEFAULT"):
+        out["avx2"] = {**base, "ATEN_CPU_CAPABILITY": "avx2"}
+    bin_dir = os.path.dirname(sys.executable)
+    no_cc = {k: v for k, v in base.items() if k != "CXX"}
+    no_cc["PATH"] = bin_dir
+    if shutil.which("c++", path=bin_dir) is None:
+        out["no compiler"] = no_cc
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Build the checkpoint if needed, time read and scan, print the figures."""
+    """Build the checkpoint if needed, time everything side by side, print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--file", type=Path, default=Path(tempfile.gettempdir()) /
-                        "drift-bench-scan.safetensors", help="checkpoint to build or reuse")
+                        "drift-bench-scan-550.safetensors", help="checkpoint to build or reuse")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--fresh-repeat", type=int, default=3,
+                        help="fresh processes per command and setting (the median is shown)")
     args = parser.parse_args(argv)
     huge = use_huge_pages()  # as the drift command does, before the first tensor
     if not args.file.exists():
@@ -150,34 +220,60 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
           f"{info['threads']} threads, commit {info['commit']}, "
-          f"huge pages {'on' if huge else 'off'}")
+          f"huge pages {'on' if huge else 'off'}, load {info['loadavg']}")
     print(f"checkpoint: {args.file} ({size / 1e9:.3f} GB, {len(shapes())} tensors, "
           f"largest {largest / 1e6:.0f} MB)")
-    measure = MEASURES["clip-rate"]
-    calls = {"cast": lambda: measure.run([args.file], list(CASTS)),
-             "read": lambda: plain_read(args.file), "copy": lambda: copy_read(args.file)}
+    work = Path(tempfile.mkdtemp())
+    script = _script_module(work)
+    tiny = work / "tiny.safetensors"  # a command's fixed start: one 256 x 256 tensor
+    save_file({"w": torch.randn(256, 256, generator=torch.Generator().manual_seed(1))}, str(tiny))
+    sys.path.insert(0, str(work))
+    import user_script  # type: ignore[import-not-found]
+
+    calls = {"cast": lambda: MEASURES["clip-rate"].run([args.file], list(CASTS)),
+             "copy": lambda: copy_read(args.file), "read": lambda: plain_read(args.file),
+             **{name: (lambda name=name: MEASURES[name].run([args.file], list(CASTS)))
+                for name in COMMANDS[1:]},
+             "script": lambda: user_script.clip_counts(str(args.file))}
     t = interleaved(calls, args.repeat)
-    ratio = t["copy"] / t["cast"]
-    print(f"mapped read (no copy): {t['read']:.2f} s  ({size / t['read'] / 1e9:.2f} GB/s); "
-          f"scan / mapped read speed {t['read'] / t['cast']:.3f}x")
-    print(f"copying read: {t['copy']:.2f} s  ({size / t['copy'] / 1e9:.2f} GB/s)")
-    print(f"clip-rate {'+'.join(CASTS)}: {t['cast']:.2f} s  ({size / t['cast'] / 1e9:.2f} GB/s)"
-          f"  warm-up {t['warmup']:.1f} s")
-    print(f"scan / copying read speed: {ratio:.3f}x  (target >= {TARGET}x: "
-          f"{'met' if ratio >= TARGET else 'MISSED'})")
-    start = time.perf_counter()
-    digest = hashlib.sha256()
-    with args.file.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    print(f"sha256 of the input (provenance): {time.perf_counter() - start:.2f} s")
-    for fast in (False, True):
-        wall, peak = child(args.file, fast)
+    t["clip-rate"] = t["cast"]
+    print(f"\nlibrary calls, one process, medians of {args.repeat} (warm-up {t['warmup']:.1f} s):")
+    print(f"  {'what':<16s} {'s':>7s} {'GB/s':>6s} {'x copy':>7s} {'target':>7s} {'x script':>9s}")
+    for name in ("copy", "read", *COMMANDS, "script"):
+        ratio = t["copy"] / t[name]
+        target = TARGETS.get(name)
+        mark = "" if target is None else f"{target:.1f} {'met' if ratio >= target else 'MISSED'}"
+        print(f"  {name:<16s} {t[name]:7.2f} {size / t[name] / 1e9:6.2f} {ratio:7.3f} "
+              f"{mark:>7s} {t['script'] / t[name]:9.2f}")
+    for setting, env in settings().items():
+        rounds: dict[str, list[float]] = {}
+        peaks: dict[str, int] = {}
+        for _ in range(args.fresh_repeat):
+            rounds.setdefault("import torch", []).append(
+                fresh([sys.executable, "-c", "import torch"], env)[0])
+            rounds.setdefault("start", []).append(
+                fresh([sys.executable, "-c", PEAK, "drift", "clip-rate", str(tiny), "--quiet",
+                       "--out", tempfile.mkdtemp(), *(a for c in CASTS for a in ("-c", c))],
+                      env)[0])
+            for name in COMMANDS:
+                wall, peak = fresh([sys.executable, "-c", PEAK, "drift", name, str(args.file),
+                                    "--quiet", "--fast-hash", "--out", tempfile.mkdtemp(),
+                                    *(a for c in CASTS for a in ("-c", c))], env)
+                rounds.setdefault(name, []).append(wall)
+                peaks[name] = max(peaks.get(name, 0), peak or 0)
+            rounds.setdefault("script", []).append(
+                fresh([sys.executable, str(script), str(args.file)], env)[0])
+        med = {k: statistics.median(v) for k, v in rounds.items()}
         bound = 3 * largest + 300e6
-        print(f"drift clip-rate{' --fast-hash' if fast else ''}: {wall:.1f} s wall "
-              f"(incl. start-up and compilation), peak RSS {peak / 1e6:.0f} MB = "
-              f"{peak / largest:.2f}x largest tensor (bound 3x + 300 MB = {bound / 1e6:.0f} MB:"
-              f" {'met' if peak <= bound else 'MISSED'})")
+        print(f"\nfresh processes, {setting}, medians of {args.fresh_repeat}:")
+        start = med["start"] - med["import torch"]
+        print(f"  import torch: {med['import torch']:.2f} s; user script (torch + torchao): "
+              f"{med['script']:.2f} s; a command's fixed start (a 256 x 256 file): "
+              f"{start:+.2f} s over import torch (target 1 s: {'met' if start <= 1 else 'MISSED'})")
+        for name in COMMANDS:
+            print(f"  drift {name:<15s} {med[name]:6.2f} s  {med['script'] / med[name]:5.2f}x "
+                  f"the script (target 3x)  peak {peaks[name] / 1e6:5.0f} MB "
+                  f"({'within' if peaks[name] <= bound else 'OVER'} 3x largest + 300 MB)")
     return 0
 
 

@@ -407,7 +407,7 @@ _FLOAT32_TINY = 2.0**-126
 
 
 @cache
-def _pow2_rule(c: Cast) -> np.ndarray | None:
+def pow2_rule(c: Cast) -> np.ndarray | None:
     """The one-pass kernel's rule vector of a power-of-two cast (``emax, threshold, strict,
     headroom, low, high``), or None for a rule not written as a threshold."""
     plan = ScalePlan.of(c.format, c.scaling)
@@ -420,7 +420,7 @@ def _pow2_rule(c: Cast) -> np.ndarray | None:
 
 
 @cache
-def _two_level_consts(c: Cast) -> tuple[np.ndarray, tuple[int, ...]]:
+def two_level_consts(c: Cast) -> tuple[np.ndarray, tuple[int, ...]]:
     """The float32 constants and the scale rounding's parameters of a two-level cast."""
     plan = ScalePlan.of(c.format, c.scaling)
     consts = np.array([plan.elem_max, plan.two_level_max, plan.smallest, plan.largest,
@@ -440,7 +440,7 @@ def fused_block_cast_applies(x: Tensor, c: Cast) -> bool:
     return (x.dtype == torch.float32 and x.numel() > 0 and s.granularity is Granularity.BLOCK
             and s.arithmetic.exact and s.rule is not None
             and (s.rule is ScaleRule.TWO_LEVEL or (s.rule.power_of_two
-                                                   and _pow2_rule(c) is not None))
+                                                   and pow2_rule(c) is not None))
             and kernels.numba_runs(x))
 
 
@@ -458,13 +458,13 @@ def _block_cast_numba(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
     p = fast.jit_params(src=fast.source_of(torch.float32), tgt=fast.target_of(c.format),
                         rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
     if s.rule is ScaleRule.TWO_LEVEL:
-        consts, q = _two_level_consts(c)
-        divisor, bad = jit.two_level_block_scales(blocks, consts, q)
+        consts, q = two_level_consts(c)
+        divisor, bad, *_ = jit.two_level_block_scales(blocks, consts, q)
         return back(jit.round_divided(blocks, divisor, bits, p, bad)).to(x.dtype)
-    rule = _pow2_rule(c)
+    rule = pow2_rule(c)
     if rule is None:
         return None
-    ks, bad, kmin, kmax = jit.pow2_block_scales(blocks, rule)
+    ks, bad, _, kmin, kmax, _ = jit.pow2_block_scales(blocks, rule)
     fmt = c.format
     if (kmin != jit.NO_ROW and kmin + fmt.qmin < -149) or kmax + fmt.emax >= 128:
         return None

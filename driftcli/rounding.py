@@ -362,14 +362,15 @@ def round_sum(s: Tensor, r: Tensor, tgt: Target, rounding: Rounding, *, wide: bo
 def round_fused(x: Tensor, fmt: Format | Target, rounding: Rounding, overflow: Overflow,
                 random: Tensor | None = None, scale_exp: Tensor | None = None,
                 sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
-    """The kernel itself on a contiguous float32 or float64 tensor, for larger functions that
-    are compiled whole: no argument checks, no chunking, the result in ``x``'s dtype. Inside
-    a compiled function pass ``target_of(fmt)``, made outside it."""
+    """The rounding on a float32 or float64 tensor for the steps of a larger function (a
+    scale rounded into its format, elements under their block's exponent): no argument checks,
+    the result in ``x``'s dtype, on the back-end :func:`driftcli.kernels.numba_runs` chooses.
+    ``scale_exp`` is one exponent per element or one per row of a 2-D ``x``."""
     src = _F64 if x.dtype == torch.float64 else _F32
     tgt = fmt if isinstance(fmt, Target) else Target.of(fmt)
-    return _kernel(x, None, None if random is None else random.to(src.idtype),
-                   None if scale_exp is None else scale_exp.to(src.idtype), src=src,
-                   tgt=tgt, rounding=rounding, overflow=overflow, sr_bits=sr_bits)
+    return _run(x.contiguous(), None, None if random is None else random.to(src.idtype),
+                None if scale_exp is None else scale_exp.to(src.idtype).contiguous(), src=src,
+                tgt=tgt, rounding=rounding, overflow=overflow, sr_bits=sr_bits)
 
 
 def draw_random_bits(shape: torch.Size | tuple[int, ...], seed: int | torch.Generator,

@@ -130,9 +130,13 @@ def test_rule_thresholds_match_the_rules_own_implementation(rule: ScaleRule,
         low, high = pow2_range(c.scaling.scale_format)  # type: ignore[arg-type]
         rule_vec = np.array([plan.elem_emax, found[0], int(found[1]), plan.headroom, low,
                              high], dtype=np.int64)
-        castkernels.pow2_scales(_bits(blocks).reshape(-1).numpy(), 32, ks, bad, rule_vec)
-        want, _ = plan_pow2_exponents(x, plan)
+        tops = np.empty(x.numel(), dtype=np.int32)
+        _, _, clamped = castkernels.pow2_scales(_bits(blocks).reshape(-1).numpy(), 32, ks, bad,
+                                                rule_vec, tops)
+        want, want_clamped = plan_pow2_exponents(x, plan)
         assert ks.tolist() == want.tolist(), spec
+        assert clamped == int(want_clamped.sum()) > 0, spec  # the binades reach both ends
+        assert tops.view(np.float32).tolist() == x.abs().tolist()
         assert not bad.any()
 
 

@@ -123,14 +123,15 @@ def _log2_shortcut_rows(real):  # type: ignore[no-untyped-def]
     import torch
 
     def planted(blocks, rule):  # type: ignore[no-untyped-def]
-        ks, bad, kmin, kmax = real(blocks, rule)
-        amax = blocks.abs().amax(dim=1)
-        finite = torch.isfinite(amax) & (amax > 0)
+        got = real(blocks, rule)
+        amax = got.amax
+        finite = amax > 0
         safe = torch.where(finite, amax, torch.ones_like(amax))
         exact = torch.frexp(safe).exponent.long() - 1  # read from the bits
         shift = torch.where(finite, torch.floor(torch.log2(safe)).long() - exact, 0)
-        ks = ks + shift
-        return ks, bad, min(kmin, int(ks.min())), max(kmax, int(ks.max()))
+        ks = got.scale + shift
+        return got._replace(scale=ks, kmin=min(got.kmin, int(ks.min())),
+                            kmax=max(got.kmax, int(ks.max())))
     return planted
 
 

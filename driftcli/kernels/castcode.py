@@ -40,23 +40,27 @@ def row_amax(xs: Any) -> tuple[int, bool]:
 
 
 @njit(**OPTIONS)
-def pow2_scales(x: Any, cols: int, ks: Any, bad: Any, rule: Any) -> tuple[int, int]:
+def pow2_scales(x: Any, cols: int, ks: Any, bad: Any, rule: Any,
+                tops: Any) -> tuple[int, int, int]:
     """Per row of ``cols`` elements of a float32 tensor's int32 view: the scale exponent ``k``
-    of a power-of-two rule (``ks``) and whether the row holds NaN or inf (``bad``).
+    of a power-of-two rule (``ks``), whether the row holds NaN or inf (``bad``) and the bits
+    of its largest finite magnitude (``tops``).
 
     ``rule`` is ``(emax, threshold, strict, headroom, low, high)``: ``k = floor(log2 amax) -
     emax + step + headroom`` clamped to ``[low, high]``, where ``step`` is 1 when amax's
     significand, as its 23 fraction bits, is above ``threshold`` (``strict``) or at least it;
     an all-zero row gets ``low``. Returns the smallest ``k`` of a row with a nonzero amax and
     the largest ``k`` of any row (:data:`NONE` and ``-NONE`` when there is none): the range
-    :func:`driftcli.quantization.needs_wide` reads.
+    :func:`driftcli.quantization.needs_wide` reads; and how many rows without NaN or inf had
+    their ``k`` clamped (as :func:`driftcli.scaling.plan_pow2_exponents` flags them).
     """
     emax, threshold, strict, headroom, low, high = (rule[0], rule[1], rule[2], rule[3],
                                                     rule[4], rule[5])
-    kmin, kmax = NONE, -NONE
+    kmin, kmax, clamped = NONE, -NONE, 0
     for row in range(ks.size):
         top, nonfinite = row_amax(x[row * cols:(row + 1) * cols])
         bad[row] = nonfinite
+        tops[row] = top
         if top == 0:
             k = low
         else:
@@ -69,17 +73,24 @@ def pow2_scales(x: Any, cols: int, ks: Any, bad: Any, rule: Any) -> tuple[int, i
                 e = field - 127
                 fraction = top & 0x7FFFFF
             up = fraction > threshold if strict else fraction >= threshold
-            k = min(max(e - emax + (1 if up else 0) + headroom, low), high)
+            free = e - emax + (1 if up else 0) + headroom
+            k = min(max(free, low), high)
+            clamped += int(k != free and not nonfinite)
             kmin = min(kmin, k)
         kmax = max(kmax, k)
         ks[row] = k
-    return kmin, kmax
+    return kmin, kmax, clamped
 
 
 @njit(**OPTIONS)
-def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: Any) -> None:
+def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: Any,
+                     tops: Any, given_top: int) -> int:
     """Per row of ``cols`` elements of a float32 tensor's int32 view: the two-level divisor
-    (``divisor``, float32) and whether the row holds NaN or inf (``bad``).
+    (``divisor``, float32), whether the row holds NaN or inf (``bad``) and the bits of its
+    largest finite magnitude (``tops``). The tensor's amax is the largest of the rows' unless
+    ``given_top`` (its float32 bits) is not negative: a slice of a larger tensor. Returns how
+    many rows without NaN or inf had their block scale clamped (as
+    :func:`driftcli.scaling.plan_two_level_scales` flags them).
 
     ``consts`` holds, as float32, the element format's max ``M``, ``two_level_max`` (the scale
     format's max times ``M``), the scale format's ``smallest`` and ``largest`` values and
@@ -94,13 +105,14 @@ def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: 
     elem_max, two_level_max, smallest, largest, tiny = (consts[0], consts[1], consts[2],
                                                         consts[3], consts[4])
     rows = divisor.size
-    tops = np.empty(rows, dtype=np.int32)
     tensor_top = 0
     for row in range(rows):
         top, nonfinite = row_amax(x[row * cols:(row + 1) * cols])
         tops[row] = top
         bad[row] = nonfinite
         tensor_top = max(tensor_top, top)
+    if given_top >= 0:
+        tensor_top = given_top
     amaxes = tops.view(np.float32)
     tensor_amax = np.int32(tensor_top).view(np.float32)
     if tensor_amax > 0:
@@ -110,6 +122,7 @@ def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: 
     p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
          q[13], q[14], q[15])
     lim = row_limits(0, p)
+    clamped = 0
     for row in range(rows):
         amax = amaxes[row]
         if amax == 0:
@@ -120,8 +133,10 @@ def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: 
             # to the same float32: double rounding is harmless at twice the precision + 2)
             raw = np.float32(np.float32(amax / elem_max) / tensor_scale)
             scale = np.int32(round_lean(raw.view(np.int32), 0, lim, p)).view(np.float32)
+            clamped += int((not np.isfinite(scale) or raw < smallest) and not bad[row])
             scale = max(scale, smallest) if np.isfinite(scale) else largest
         divisor[row] = np.float32(scale * tensor_scale)
+    return clamped
 
 
 @cache

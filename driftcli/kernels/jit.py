@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -296,28 +296,50 @@ NO_ROW = 1 << 40
 :data:`driftcli.kernels.castcode.NONE`, kept here so that reading it imports no numba)."""
 
 
-def pow2_block_scales(blocks: Tensor, rule: np.ndarray) -> tuple[Tensor, Tensor, int, int]:
+class BlockScales(NamedTuple):
+    """Per row of a block layout: its scale (the exponent ``k`` of ``2**k``, or the float32
+    divisor), whether it holds NaN or inf, its largest finite magnitude; and over all rows,
+    the smallest and largest exponent (power-of-two rules; ``NO_ROW`` and ``-NO_ROW`` for
+    none) and how many rows without NaN or inf had their scale clamped."""
+
+    scale: Tensor
+    bad: Tensor
+    amax: Tensor
+    kmin: int
+    kmax: int
+    clamped: int
+
+
+def pow2_block_scales(blocks: Tensor, rule: np.ndarray) -> BlockScales:
     """Per row of a contiguous 2-D float32 ``blocks``: the exponent of its power-of-two scale
-    under ``rule`` (:func:`driftcli.kernels.castcode.pow2_scales`), whether it holds NaN or
-    inf, and the smallest and largest exponents (``NO_ROW`` and ``-NO_ROW`` for none)."""
+    under ``rule`` (:func:`driftcli.kernels.castcode.pow2_scales`), with the rest of
+    :class:`BlockScales`."""
     rows, cols = blocks.shape
     ks = np.empty(rows, dtype=np.int64)
     bad = np.empty(rows, dtype=np.bool_)
-    kmin, kmax = _cast_code().pow2_scales(_array(blocks, torch.int32), cols, ks, bad, rule)
-    return torch.from_numpy(ks), torch.from_numpy(bad), int(kmin), int(kmax)
+    tops = np.empty(rows, dtype=np.int32)
+    kmin, kmax, clamped = _cast_code().pow2_scales(_array(blocks, torch.int32), cols, ks, bad,
+                                                   rule, tops)
+    return BlockScales(torch.from_numpy(ks), torch.from_numpy(bad),
+                       torch.from_numpy(tops.view(np.float32)), int(kmin), int(kmax),
+                       int(clamped))
 
 
-def two_level_block_scales(blocks: Tensor, consts: np.ndarray,
-                           q: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+def two_level_block_scales(blocks: Tensor, consts: np.ndarray, q: tuple[int, ...],
+                           tensor_amax: float | None = None) -> BlockScales:
     """Per row of a contiguous 2-D float32 ``blocks``: the float32 divisor of a two-level
-    (NVFP4) scale (:func:`driftcli.kernels.castcode.two_level_scales`) and whether the row
-    holds NaN or inf."""
+    (NVFP4) scale (:func:`driftcli.kernels.castcode.two_level_scales`), with the rest of
+    :class:`BlockScales`; ``tensor_amax`` is the whole tensor's when ``blocks`` are a slice
+    of it (else the rows' largest)."""
     rows, cols = blocks.shape
     divisor = np.empty(rows, dtype=np.float32)
     bad = np.empty(rows, dtype=np.bool_)
-    _cast_code().two_level_scales(_array(blocks, torch.int32), cols, divisor, bad, consts,
-                                  np.asarray(q, dtype=np.int64))
-    return torch.from_numpy(divisor), torch.from_numpy(bad)
+    tops = np.empty(rows, dtype=np.int32)
+    given = -1 if tensor_amax is None else int(np.float32(tensor_amax).view(np.int32))
+    clamped = _cast_code().two_level_scales(_array(blocks, torch.int32), cols, divisor, bad,
+                                            consts, np.asarray(q, dtype=np.int64), tops, given)
+    return BlockScales(torch.from_numpy(divisor), torch.from_numpy(bad),
+                       torch.from_numpy(tops.view(np.float32)), NO_ROW, -NO_ROW, int(clamped))
 
 
 def round_pow2_rows(blocks: Tensor, random: Tensor | None, ks: Tensor, bad: Tensor,

@@ -23,15 +23,18 @@ from driftcli import rounding as fast
 from driftcli.cast import Cast, parse_cast
 from driftcli.errors import DriftError
 from driftcli.kernels import jit
-from driftcli.modes import DEFAULT_SR_BITS, Granularity, Rounding
+from driftcli.modes import DEFAULT_SR_BITS, Granularity, Rounding, ScaleRule
 from driftcli.quantization import (
     amax_and_nonfinite,
     cast_blocks,
     checked_bits,
     element_masks,
+    fused_block_cast_applies,
     needs_wide,
     plan_scales,
+    pow2_rule,
     tensor_amax_of,
+    two_level_consts,
     working,
 )
 from driftcli.scaling import ScalePlan, block_stats, to_blocks
@@ -340,6 +343,14 @@ def _numba_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
         blocks, back = to_blocks(work, s, axis)
         blocks = blocks.contiguous()
         rbits = None if bits is None else to_blocks(bits, s, axis)[0].contiguous()
+    fused = _fused_scales(blocks, c, tensor_amax)
+    if fused is not None:  # the scales in one numba pass over the blocks, as quantize's
+        if fused is _OUT_OF_RANGE:
+            return None
+        facts = facts or slice_facts(work)
+        return _count(x, c, blocks, back, rbits, fused.scale, fused.bad, fused.amax,
+                      s.rule is not None and s.rule.power_of_two, fused.clamped, facts,
+                      sr_bits, rounded, want_q, one_scale=False)
     facts = facts or slice_facts(work, run_length(tuple(work.shape), c, axis))
     if one_scale:
         # the runs' largest magnitudes are the finite amax where every element is finite
@@ -362,9 +373,45 @@ def _numba_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
         plan = ScalePlan.of(elem, s)
         scale, clamped = plan_scales(amax.contiguous(), top, plan.divisors(amax), plan=plan)
     bad = nonfinite if s.blocked else None
-    n_bad = 0 if bad is None else int(bad.sum())
     n_clamped = int((clamped if bad is None else clamped & ~bad).sum())
-    p = fast.jit_params(src=fast.source_of(work.dtype), tgt=fast.target_of(elem),
+    return _count(x, c, blocks, back, rbits, scale, bad, row_amax, pow2, n_clamped, facts,
+                  sr_bits, rounded, want_q, one_scale=one_scale)
+
+
+_OUT_OF_RANGE = jit.BlockScales(torch.empty(0), torch.empty(0), torch.empty(0), 0, 0, 0)
+"""What :func:`_fused_scales` returns where the blocks' power-of-two grid leaves float32's
+range (the torch back-end rounds those in float64)."""
+
+
+def _fused_scales(blocks: Tensor, c: Cast,
+                  tensor_amax: float | None) -> jit.BlockScales | None:
+    """The scales of float32 blocks in one numba pass (the kernels of quantize's fused block
+    cast, :func:`driftcli.quantization.fused_block_cast_applies`); None where that does not
+    apply (the scales are then planned on torch from the rows' amax)."""
+    if not fused_block_cast_applies(blocks, c):
+        return None
+    if c.scaling.rule is ScaleRule.TWO_LEVEL:
+        consts, q = two_level_consts(c)
+        return jit.two_level_block_scales(blocks, consts, q, tensor_amax)
+    rule = pow2_rule(c)
+    if rule is None:
+        return None
+    got = jit.pow2_block_scales(blocks, rule)
+    if (got.kmin != jit.NO_ROW and got.kmin + c.format.qmin < -149) or \
+            got.kmax + c.format.emax >= 128:
+        return _OUT_OF_RANGE
+    return got
+
+
+def _count(x: Tensor, c: Cast, blocks: Tensor, back: Any, rbits: Tensor | None, scale: Tensor,
+           bad: Tensor | None, row_amax: Tensor, pow2: bool, n_clamped: int, facts: SliceFacts,
+           sr_bits: int, rounded: bool, want_q: bool, *,
+           one_scale: bool) -> tuple[CastStats, Tensor | None]:
+    """The numba pass that casts every element of ``blocks`` under its row's scale and counts
+    (:func:`driftcli.kernels.jit.cast_counts`), as :class:`CastStats`."""
+    elem = c.format
+    n_bad = 0 if bad is None else int(bad.sum())
+    p = fast.jit_params(src=fast.source_of(blocks.dtype), tgt=fast.target_of(elem),
                         rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
     counts, sums, q = jit.cast_counts(
         blocks, blocks.shape[1], rbits, scale if pow2 else None, None if pow2 else scale, bad,
