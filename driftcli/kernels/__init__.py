@@ -9,8 +9,9 @@ The two back-ends:
   :mod:`driftcli.arith.matmul` and :mod:`driftcli.arith.blockfma`;
 - **numba** (the CPU default): :mod:`driftcli.kernels.jit` calls the machine code of
   :mod:`driftcli.kernels.jitcode` (element rounding, block amax), :mod:`driftcli.kernels.statcode`
-  (the scan's fused passes), :mod:`driftcli.kernels.castcode` (a training step's block casts)
-  and :mod:`driftcli.kernels.fmacode` (the block-FMA unit).
+  (the scan's fused passes), :mod:`driftcli.kernels.castcode` (block scales and block casts),
+  :mod:`driftcli.kernels.accumcode` (the simulated matmul's accumulation orders) and
+  :mod:`driftcli.kernels.fmacode` (the block-FMA unit).
 
 Each operation's exact twin is in the oracle (:mod:`driftcli.oracle`, ``oracle_arith``,
 ``oracle_blockfma``); ``docs/architecture.md`` maps which module owns which operation. Both
