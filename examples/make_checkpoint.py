@@ -12,28 +12,39 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
 
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, the same for the same seed."""
-    g = torch.Generator().manual_seed(seed)
+    """The checkpoint's tensors, the same for the same seed on every CPU: drawn and computed
+    by numpy in float64, then rounded once to float32 (torch.randn and torch.tanh choose
+    their code by instruction set, and their last bits differ from one CPU to the next,
+    which moved the docs' figures)."""
+    rng = np.random.default_rng(seed)
+
+    def randn(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape)
+
+    def f32(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(x, dtype=np.float32))
+
     d, ff, vocab = 128, 512, 512
-    out = {"embed.weight": 0.02 * torch.randn(vocab, d, generator=g)}
+    out = {"embed.weight": f32(0.02 * randn(vocab, d))}
     for i in range(2):
-        up = torch.randn(ff, d, generator=g) / d**0.5
+        up = randn(ff, d) / d**0.5
         up[:, :4] *= 30.0  # a few outlier input channels, as trained MLPs grow
         out |= {
-            f"layers.{i}.attn.qkv.weight": torch.randn(3 * d, d, generator=g) / d**0.5,
-            f"layers.{i}.mlp.up.weight": up,
-            f"layers.{i}.mlp.down.weight": torch.randn(d, ff, generator=g) / ff**0.5,
-            f"layers.{i}.norm.weight": 1.0 + 0.1 * torch.randn(d, generator=g),
+            f"layers.{i}.attn.qkv.weight": f32(randn(3 * d, d) / d**0.5),
+            f"layers.{i}.mlp.up.weight": f32(up),
+            f"layers.{i}.mlp.down.weight": f32(randn(d, ff) / ff**0.5),
+            f"layers.{i}.norm.weight": f32(1.0 + 0.1 * randn(d)),
         }
     out["lm_head.weight"] = out["embed.weight"].to(torch.bfloat16)
-    out["activations.tanh"] = torch.tanh(3.0 * torch.randn(256, ff, generator=g))
-    n = torch.randn(256, d, generator=g)
-    out["gradients.layers.1"] = 1e-5 * n * torch.exp(2.0 * torch.randn(256, d, generator=g))
+    out["activations.tanh"] = f32(np.tanh(3.0 * randn(256, ff)))
+    n = randn(256, d)
+    out["gradients.layers.1"] = f32(1e-5 * n * np.exp(2.0 * randn(256, d)))
     out["position_ids"] = torch.arange(256)
     return out
 
