@@ -397,7 +397,8 @@ def test_readme_clip_rate_prose_cites_the_marked_block(steps: Steps) -> None:
 
 
 def test_readme_tensor_core_prose_is_what_accum_error_measures(steps: Steps) -> None:
-    """"loses 22 % ... keeps the loss at 6e-4": accum_rel_error of the README's command."""
+    """"loses 22 % ... keeps the loss at 6e-4": accum_rel_error of the README's command; the
+    same cells of tensor-cores.md's table and prose."""
     import pandas as pd
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -410,6 +411,17 @@ def test_readme_tensor_core_prose_is_what_accum_error_measures(steps: Steps) -> 
     plain, promoted = table["accum_rel_error"].tolist()
     assert f"loses {round(100 * plain)} % of a sum of 16,384 positive" in readme
     assert f"keeps the loss at {promoted:.0e}".replace("e-04", "e-4") in readme
+    # tensor-cores.md's table holds the same two cells (halfnormal, K = 16,384) and prose
+    page = _doc("tensor-cores.md")
+    cells = {}
+    for line in page.splitlines():
+        parts = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(parts) == 7 and parts[3]:
+            cells[parts[0]] = parts[3].replace("*", "").split()[0]
+    assert cells["`h100_e4m3_f32` (32:13, e8m13 rtz)"] == f"{plain:.1e}"
+    assert cells["the same, promoted every 128 (DeepSeek-V3)"] == f"{promoted:.1e}"
+    assert f"without promotion loses {round(100 * plain)} % of a sum of 16,384" in page
+    assert f"holds the loss at {promoted:.0e}".replace("e-04", "e-4") in page
 
 
 EXAMPLE = "python examples/make_checkpoint.py drift-out/example.safetensors"
