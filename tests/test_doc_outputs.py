@@ -8,6 +8,7 @@ A marker is an HTML comment on the line(s) right before the opening fence:
     <!-- output -->                  the block is a transcript: `$ CMD` lines, each followed by
                                      what CMD prints
     <!-- output: drift formats -->   the block is what that command prints (no `$` line shown)
+    <!-- output: python-above -->     the block is what the ```python block above it prints
     <!-- output exit=1 abridged -->  options: the commands' exit code (default 0; `exit=0,2`
                                      one per command), and `abridged` (the block's lines are
                                      lines of the output, in order; a line `...` stands for
@@ -22,12 +23,15 @@ sequence of steps that leads to them, so a command shared by several blocks runs
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import traceback
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +47,11 @@ GENERATED = {"docs/cli-reference.md"}
 """Pages written by a command and compared whole elsewhere (tests/test_cli.py checks the
 reference against the commands' --help), so their blocks need no markers."""
 WIDTH = "160"
+
+PYTHON_ABOVE = "python-above"
+"""The command of a block that shows what the nearest ```python block above it prints."""
+SNIPPETS: dict[str, str] = {}
+"""The code of each python-above command, by its name in the steps."""
 
 MARKER = re.compile(r"^<!--\s*(setup|output|not-run)\b(.*?)-->\s*$")
 OPTIONS = re.compile(r"^((?:\s+(?:abridged|exit=\d+(?:,\d+)*))*)\s*(?::\s*(.*?))?\s*$")
@@ -102,6 +111,7 @@ def parse(text: str, doc: str) -> tuple[list[Block], list[tuple[int, str]]]:
     lines = text.splitlines()
     blocks: list[Block] = []
     unmarked: list[tuple[int, str]] = []
+    python_above = ""
     i = 0
     while i < len(lines):
         if not lines[i].lstrip().startswith("```"):
@@ -114,6 +124,8 @@ def parse(text: str, doc: str) -> tuple[list[Block], list[tuple[int, str]]]:
         indent = len(lines[start]) - len(lines[start].lstrip())  # a block in a list item
         body = [line[indent:] if not line[:indent].strip() else line
                 for line in lines[start + 1:end]]
+        if lines[start].strip() == "```python":
+            python_above = "\n".join(body)
         markers = []
         j = start - 1
         while j >= 0 and MARKER.match(lines[j].strip()):
@@ -129,7 +141,11 @@ def parse(text: str, doc: str) -> tuple[list[Block], list[tuple[int, str]]]:
                 raise ValueError(f"{doc}:{start + 1}: cannot read the marker {out[0].group(0)}")
             flags = opts.group(1).split()
             codes = next((f[5:] for f in flags if f.startswith("exit=")), "0").split(",")
-            if opts.group(2):
+            if opts.group(2) == PYTHON_ABOVE:
+                commands = [f"{PYTHON_ABOVE} {zlib.crc32(python_above.encode()):08x}"]
+                outputs = ["\n".join(body)]
+                SNIPPETS[commands[0]] = python_above
+            elif opts.group(2):
                 commands, outputs = [opts.group(2)], ["\n".join(body)]
             else:
                 commands, outputs = _transcript(body)
@@ -214,6 +230,8 @@ def run_step(command: str, folder: Path) -> Ran:
     """Run one doc command in ``folder``: drift in this process, anything else as a
     subprocess (`python` is this interpreter, and its folder, which holds `drift`, leads
     $PATH for scripts such as examples/ci/drift.sh)."""
+    if command.startswith(f"{PYTHON_ABOVE} "):
+        return _run_snippet(SNIPPETS[command], folder)
     argv = shlex.split(command)
     if argv[0] == "drift":
         saved = sys.argv
@@ -232,6 +250,20 @@ def run_step(command: str, folder: Path) -> Ran:
     proc = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": WIDTH, "PATH": path})
     return Ran(proc.stdout + proc.stderr, proc.returncode)
+
+
+def _run_snippet(code: str, folder: Path) -> Ran:
+    """A doc's Python example, run in this process in ``folder``: what it prints, and exit
+    code 1 with the traceback where it raises."""
+    out = io.StringIO()
+    status = 0
+    with _inside(folder), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            exec(compile(code, "<doc example>", "exec"), {"__name__": "__doc_example__"})
+        except Exception:  # whatever the example raises is what the test reports
+            out.write(traceback.format_exc())
+            status = 1
+    return Ran(out.getvalue(), status)
 
 
 class Steps:
