@@ -272,7 +272,7 @@ def cast_counts(blocks: Tensor, cols: int, random: Tensor | None, sexp: Tensor |
     exps = _flat(sexp.to(torch.int64)) if sexp is not None else _EMPTY[np.int64]
     divs = _array(div.to(blocks.dtype)) if div is not None else values[:0]
     flags = _flat(bad)
-    kernel = _stat_code().counts_kernel(pow2, rounded, flags is not None, want_q)
+    kernel = _stat_code().counts_kernel(pow2, rounded, flags is not None, want_q, p[13], p[14])
     if pieces:
         spread(kernel, pieces, piece, bits, values, _or_empty(draws, itype), exps,
                divs if divs.size else np.ones(1, dtype=values.dtype),

@@ -80,7 +80,8 @@ N_SUMS = 5
 
 
 @cache
-def counts_kernel(pow2: bool, rounded: bool, has_bad: bool, want_q: bool) -> Callable[..., None]:
+def counts_kernel(pow2: bool, rounded: bool, has_bad: bool, want_q: bool, rounding: int,
+                  overflow: int) -> Callable[..., None]:
     """``kernel(bits, values, draws, sexp, div, bad, amax, cols, piece, n, out, counts, sums,
     q, ends, start, stop)``: pieces ``start..stop`` of ``piece`` elements of a flat slice
     whose scale groups are runs of ``cols`` elements, each cast under its group's scale
@@ -93,19 +94,22 @@ def counts_kernel(pow2: bool, rounded: bool, has_bad: bool, want_q: bool) -> Cal
     only clipping is counted; with ``want_q`` the cast values go to ``out``. ``draws`` (SR's
     random bits) is empty for every other rounding.
 
-    The rounding mode and overflow policy are read at run time from ``q`` (not folded in as
-    constants, as the element kernels of :mod:`driftcli.kernels.jitcode` are): a scan meets
-    few casts, and a kernel per mode and policy would compile dozens of variants of this
-    larger loop on a machine's first scans.
+    The rounding mode and overflow policy are this kernel's ``rounding`` and ``overflow``
+    (constants, as in the element kernels of :mod:`driftcli.kernels.jitcode`), and each group
+    is rounded in a loop of its own into a scratch row before it is counted: the rounding then
+    compiles to vector code, as the casts' does. A scan meets few modes, so few variants.
     """
 
     @njit(**OPTIONS)
     def kernel(bits: Any, values: Any, draws: Any, sexp: Any, div: Any, bad: Any, amax: Any,
                cols: int, piece: int, n: int, out: Any, counts: Any, sums: Any, q: Any,
                ends: Any, start: int, stop: int) -> None:
-        p = q
+        p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
+             rounding, overflow, q[15])
         lean = values.itemsize == 4  # float32: the lean rounding
         has_draws = draws.size > 0
+        cast = np.empty(piece, dtype=np.float64)  # a group's cast values
+        subs = np.empty(piece, dtype=np.bool_)  # and which of them are subnormal
         e_max, e_min, e_small = ends[0], ends[1], ends[2]
         lim = row_limits(0, p)
         d = div[0]
@@ -117,19 +121,15 @@ def counts_kernel(pow2: bool, rounded: bool, has_bad: bool, want_q: bool) -> Cal
             excess = xx = ee = ex = es = 0.0
             ex_c = es_c = 0.0  # compensations of the two signed sums (Neumaier)
             i = a
-            while i < b:
+            while i < b:  # group by group: the clips, and the rounding into cast[]
                 g = i // cols
                 end = min((g + 1) * cols, b)
                 xs, vs = bits[i:end], values[i:end]
-                ds = draws[i:end] if has_draws else draws
+                qs, ss = cast[i - a:end - a], subs[i - a:end - a]
                 if has_bad and bad[g]:
-                    for j in range(vs.size):
-                        v = np.float64(vs[j])
-                        if np.isfinite(v):
-                            lost += 1
-                            nonzero += int(v != 0)
-                        if want_q:
-                            out[i + j] = np.nan
+                    if rounded:  # lost whole: counted as lost below
+                        qs[:] = np.nan
+                        ss[:] = False
                     i = end
                     continue
                 top = amax[g]
@@ -157,40 +157,50 @@ def counts_kernel(pow2: bool, rounded: bool, has_bad: bool, want_q: bool) -> Cal
                             excess += abs(v) - limit
                 clipped_groups += int(clipped > before)
                 if rounded:
-                    for j in range(vs.size):
-                        r = ds[j] if has_draws else 0
-                        v = np.float64(vs[j])
-                        if pow2:
+                    ds = draws[i:end] if has_draws else draws
+                    if pow2:  # the value, rounded on the grid scaled by the group's 2**k
+                        for j in range(vs.size):
+                            r = ds[j] if has_draws else 0
                             if lean:
                                 qv = np.float64(np.int32(round_lean(xs[j], r, lim, p)).view(
                                     np.float32))
                             else:
                                 qv = np.int64(round_one(xs[j], 0, False, r, lim, p)).view(
                                     np.float64)
-                            is_sub = qv != 0 and abs(qv) < small
-                        else:
+                            qs[j] = qv
+                            ss[j] = qv != 0 and abs(qv) < small
+                    else:  # the quotient rounded, then multiplied back
+                        for j in range(vs.size):
+                            r = ds[j] if has_draws else 0
                             y = vs[j] / d
                             code = lean_quotient(y, r, lim, p) if lean else \
                                 wide_quotient(y, r, lim, p)
                             # the value a float32 cast returns is the product rounded to float32
-                            qv = np.float64(np.float32(code * d)) if lean else np.float64(code * d)
-                            is_sub = code != 0 and abs(code) < e_small
-                        if want_q:
-                            out[i + j] = qv
-                        fin_q = np.isfinite(qv)
-                        if np.isfinite(v):
-                            nonzero += int(v != 0)
-                            if fin_q:
-                                under += int(v != 0 and qv == 0)
-                                e = qv - v
-                                xx += v * v
-                                ee += e * e
-                                ex, ex_c = _add(ex, ex_c, e * v)
-                                es, es_c = _add(es, es_c, e)
-                            else:
-                                lost += 1
-                        sub += int(is_sub and fin_q)
+                            qs[j] = np.float64(np.float32(code * d)) if lean else \
+                                np.float64(code * d)
+                            ss[j] = code != 0 and abs(code) < e_small
                 i = end
+            if rounded:  # the whole piece at once: its counts and sums
+                m = b - a
+                vs, qs, ss = values[a:b], cast[:m], subs[:m]
+                if want_q:
+                    out[a:b] = qs
+                for j in range(m):
+                    v = np.float64(vs[j])
+                    qv = qs[j]
+                    fin_q = np.isfinite(qv)
+                    if np.isfinite(v):
+                        nonzero += int(v != 0)
+                        if fin_q:
+                            under += int(v != 0 and qv == 0)
+                            e = qv - v
+                            xx += v * v
+                            ee += e * e
+                            ex, ex_c = _add(ex, ex_c, e * v)
+                            es, es_c = _add(es, es_c, e)
+                        else:
+                            lost += 1
+                    sub += int(ss[j] and fin_q)
             counts[pc, 0] = clipped
             counts[pc, 1] = clipped_groups
             counts[pc, 2] = nonzero
