@@ -146,15 +146,14 @@ if __name__ == "__main__":
 imported for the in-process round."""
 
 PEAK = """
-import runpy, sys
+import atexit, runpy, sys
+def peak():
+    status = open("/proc/self/status").read()
+    print(next(l.split()[1] for l in status.splitlines() if l.startswith("VmHWM")),
+          file=sys.stderr, flush=True)
+atexit.register(peak)  # drift's console script runs the exit handlers, then os._exit
 sys.argv = sys.argv[1:]
-try:
-    runpy.run_module("driftcli", run_name="__main__")
-except SystemExit as done:
-    if done.code:
-        raise
-status = open("/proc/self/status").read()
-print(next(l.split()[1] for l in status.splitlines() if l.startswith("VmHWM")), file=sys.stderr)
+runpy.run_module("driftcli", run_name="__main__")
 """
 # VmHWM, not getrusage: Linux carries the pre-exec high-water mark of the forked copy of
 # this (large) process into the child's ru_maxrss
