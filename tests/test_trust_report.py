@@ -148,6 +148,22 @@ def test_an_element_lost_to_inf_makes_rel_error_inf_and_ranks_worst(tmp_path: Pa
     assert over.bias is not None and abs(over.bias) < 1e-3
 
 
+def test_the_json_summary_of_a_lost_element_is_strict_json(tmp_path: Path) -> None:
+    """A tensor whose rel_error is inf: ``--json`` writes it as the report does ("inf"), not
+    as ``Infinity``, which JSON parsers refuse."""
+    import json
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    result = runner.invoke(app, ["error-bias", str(overflow_checkpoint(tmp_path)), "-c", "fp16",
+                                 "--json", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "Infinity" not in result.output
+    summary = json.loads(result.output, parse_constant=refuse)
+    assert "inf" in json.dumps(summary)
+
+
 def test_summaries_show_loss_bias_alignment_and_the_exact_clip_rate(tmp_path: Path) -> None:
     import json
 

@@ -4,7 +4,6 @@ could not be measured. A command is its typer signature, one library call and th
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -202,7 +201,9 @@ def publish(path: Path, row_type: type, rows: Sequence[Any], prov: dict[str, Any
     ``error: N <failed>, first <failure>; the others were measured into <table>``."""
     write_kept(path, row_type, rows, prov, units)
     if as_json:
-        typer.echo(json.dumps(summary, indent=2, default=str))
+        from driftcli.report.jsonout import strict  # the report's JSON convention
+
+        typer.echo(strict(summary))
     elif not quiet:
         show(summary)
     if failures:

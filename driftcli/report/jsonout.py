@@ -92,6 +92,12 @@ def to_dict(report: Report) -> dict[str, Any]:
     return _plain(out)
 
 
+def strict(value: Any) -> str:
+    """``value`` as indented, strict JSON: non-finite numbers as ``"inf"``, ``"-inf"`` and
+    ``"nan"`` (``json.dumps`` would write ``Infinity``, which JSON parsers refuse)."""
+    return json.dumps(_plain(value), indent=2, allow_nan=False, default=str)
+
+
 def render(report: Report) -> str:
     """The report as indented JSON text."""
-    return json.dumps(to_dict(report), indent=2, allow_nan=False, default=str) + "\n"
+    return strict(to_dict(report)) + "\n"
