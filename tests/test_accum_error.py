@@ -430,11 +430,15 @@ def test_the_documented_default_run_reproduces(tmp_path: Path) -> None:
         cells = [c.strip() for c in line.strip("│").split("│")]
         if line.startswith("│") and cells[0].startswith("acc="):
             shown[cells[0]] = cells[1:6]
-    assert len(shown) == 13
+    # the page's block is abridged: order=native (torch.matmul, which differs by CPU) is left
+    # out at its "..." line; checked against the run here within a tolerance instead
+    assert len(shown) == 12 and not any("native" in k for k in shown)
     res = runner.invoke(app, ["accum-error", "--out", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
     got = {s["label"]: s for s in json.loads(res.stdout)["specs"]}
-    assert sorted(got) == sorted(shown)
+    native = [k for k in got if "order=native" in k]
+    assert len(native) == 1 and sorted(got) == sorted([*shown, *native])
+    shown[native[0]] = ["3", "2.04e-07", "2.45e-07", "9.81", "0"]  # as the page once showed it
     for label, cells in shown.items():
         s = got[label]
         values = (s["median_rel_error"], s["max_rel_error"], s["mean_abs_error_ulps"],
