@@ -175,7 +175,7 @@ def test_summaries_show_loss_bias_alignment_and_the_exact_clip_rate(tmp_path: Pa
     summary = json.loads(got.stdout)
     assert summary["beside"] == ["bias", "alignment", "n_lost"]
     fp16 = next(c for c in summary["casts"] if c["cast"] == "fp16")
-    assert fp16["n_lost"] == 16 and fp16["rel_error"] == float("inf")
+    assert fp16["n_lost"] == 16 and fp16["rel_error"] == "inf"  # strict JSON, as report --json
     assert fp16["worst"][0]["tensor"] == "over"
     assert fp16["bias"] < 0 and -1 < fp16["alignment"] < 0
     printed = runner.invoke(app, ["error-bias", str(path), "-c", "fp16", "--out",
