@@ -444,6 +444,46 @@ def test_ambiguous_and_contradictory_layouts(tmp_path: Path) -> None:
                            "deepseek-fp8" in errors[0]
 
 
+def test_scan_commands_take_layout(tmp_path: Path) -> None:
+    """The ambiguous folder's error names --layout, and every scan command takes it."""
+    from driftcli.cli.run import LAYOUTS
+    from driftcli.io.readers.quantized import Layout
+
+    assert LAYOUTS == tuple(Layout)  # --help lists them without importing torch
+    q, s = deepseek_fp8(sample((200, 300), 10))
+    folder = write(tmp_path / "amb", {"a.weight": q, "a.weight_scale_inv": s,
+                                      "a.weight_scale": torch.ones(1),
+                                      "b.weight": torch.randn(4, 4)})
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["clip-rate", str(folder), "-c", "mxfp8_e4m3",
+                                      "--out", str(out / "none"), "-q"])
+    assert result.exit_code == 2 and "give --layout" in result.output
+    assert "b.weight" in pq.read_table(out / "none" / "clip-rate.parquet")["tensor"].to_pylist()
+    want = listed(folder, layout="deepseek-fp8")["a.weight"].read()
+    for cmd, casts in [("clip-rate", ["-c", "mxfp8_e4m3"]), ("underflow-rate", ["-c", "nvfp4"]),
+                       ("error-bias", ["-c", "mxfp8_e4m3"]),
+                       ("cast-diff", ["-c", "mxfp8_e4m3", "-c", "fp8_e4m3"])]:
+        result = CliRunner().invoke(app, [cmd, str(folder), *casts, "--layout", "deepseek-fp8",
+                                          "--out", str(out / cmd), "-q"])
+        assert result.exit_code == 0, (cmd, result.output)
+        table = pq.read_table(out / cmd / f"{cmd}.parquet").to_pydict()
+        assert sorted(set(table["tensor"]) - {"*"}) == ["a.weight", "b.weight"], cmd
+        numel = {t: n for t, n in zip(table["tensor"], table["numel"], strict=True)}
+        assert numel["a.weight"] == want.numel() == 60_000
+    # the weight measured is the dequantized one: its clip rate is the library call's
+    from driftcli.measures import MEASURES
+
+    rows = MEASURES["clip-rate"].run([folder], ["float8_e4m3fn:none"], layout="deepseek-fp8",
+                                     include=["a.weight"])
+    clipped = int((want.abs() > 448).sum())
+    assert clipped > 0
+    got = next(r for r in rows if r.tensor == "a.weight")
+    assert got.clip_rate == clipped / want.numel()
+    result = CliRunner().invoke(app, ["clip-rate", str(folder), "-c", "mxfp8_e4m3",
+                                      "--layout", "fp9", "--out", str(out / "bad"), "-q"])
+    assert result.exit_code == 2 and "--layout 'fp9' is not a layout" in result.output
+
+
 def test_clip_rate_lists_weights_under_their_names(tmp_path: Path) -> None:
     q, s = deepseek_fp8(sample((200, 300), 11))
     blocks, scales = gpt_oss(sample((2, 4, 64), 12))

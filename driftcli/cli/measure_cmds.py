@@ -14,6 +14,7 @@ from driftcli.cli.run import (
     Append,
     Bar,
     EngineOpt,
+    LayoutOpt,
     Overwrite,
     RayAddress,
     Resume,
@@ -136,7 +137,7 @@ def _print(summary: dict[str, Any]) -> None:
 def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: ScanOptions,
          include: list[str] | None, exclude: list[str] | None, fast_hash: bool, quiet: bool,
          as_json: bool, engine: Engine, workers: int | None, ray_address: str | None,
-         resume: bool, overwrite: bool, append: bool) -> None:
+         resume: bool, overwrite: bool, append: bool, layout: str | None) -> None:
     from driftcli.io.outputs import check_writable
     from driftcli.measures import MEASURES
 
@@ -145,13 +146,14 @@ def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: Sc
     path = out / f"{m.name}.parquet"
     with table_output(path, overwrite=overwrite, append=append):  # held to the end
         _measure(name, path, inputs, casts, options, include, exclude, fast_hash, quiet,
-                 as_json, engine, workers, ray_address, resume, append)
+                 as_json, engine, workers, ray_address, resume, append, layout)
 
 
 def _measure(name: str, path: Path, inputs: list[Path], casts: list[str], options: ScanOptions,
              include: list[str] | None, exclude: list[str] | None, fast_hash: bool,
              quiet: bool, as_json: bool, engine: Engine, workers: int | None,
-             ray_address: str | None, resume: bool, append: bool) -> None:
+             ray_address: str | None, resume: bool, append: bool,
+             layout: str | None) -> None:
     from driftcli.engines import clear_units
     from driftcli.io.tables import identify_in_background, provenance
     from driftcli.measures import MEASURES
@@ -160,18 +162,19 @@ def _measure(name: str, path: Path, inputs: list[Path], casts: list[str], option
     from driftcli.memory import bound_memory
 
     m = MEASURES[name]
-    fit = axis_misfits(inputs, options.axis, include or (), exclude or ())
+    fit = axis_misfits(inputs, options.axis, include or (), exclude or (), layout)
     run_on = execution(engine, workers, ray_address, units_dir(path), resume, fast_hash)
     identities: list[Callable[[], list[dict[str, Any]]]] = []  # hashing, from the inputs opening
     bound_memory()
     with progress_bar("scanning", Bar.BYTES, quiet) as advance:
         s = scan(inputs, casts, options=m.scan_options(options), include=include or (),
                  exclude=[*(exclude or ()), *fit.exclude],
-                 progress=advance, rounded=m.rounded, execution=run_on,
+                 progress=advance, rounded=m.rounded, execution=run_on, layout=layout,
                  on_open=lambda files: identities.append(identify_in_background(files,
                                                                                 fast_hash)))
     prov = provenance(s.files, seed=options.seed, device=options.device.value,
                       fast_hash=fast_hash, extra={"casts": casts, "axis": options.axis,
+                                                  **({"layout": layout} if layout else {}),
                                                   "draws": options.draws,
                                                   "names": {"cast": cast_names(casts)},
                                                   **run_on.describe()},
@@ -210,6 +213,7 @@ def clip_rate(
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
     resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
+    layout: LayoutOpt = None,
 ) -> None:
     """Share of each tensor that clips, per cast.
 
@@ -217,7 +221,7 @@ def clip_rate(
     """
     _run("clip-rate", inputs, cast, out, _options(axis, device), include, exclude, fast_hash,
          quiet, as_json, engine, workers, ray_address, resume,
-         overwrite, append)
+         overwrite, append, layout)
 
 
 @command("underflow-rate")
@@ -227,11 +231,12 @@ def underflow_rate(
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
     resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
+    layout: LayoutOpt = None,
 ) -> None:
     """Share of nonzero values that flush to zero, per cast."""
     _run("underflow-rate", inputs, cast, out, _options(axis, device), include, exclude,
          fast_hash, quiet, as_json, engine, workers, ray_address, resume,
-         overwrite, append)
+         overwrite, append, layout)
 
 
 @command("error-bias")
@@ -244,6 +249,7 @@ def error_bias(
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
     resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
+    layout: LayoutOpt = None,
 ) -> None:
     """Size of the cast error and its bias, per cast.
 
@@ -251,7 +257,7 @@ def error_bias(
     """
     _run("error-bias", inputs, cast, out, _options(axis, device, draws, seed), include,
          exclude, fast_hash, quiet, as_json, engine, workers, ray_address, resume,
-         overwrite, append)
+         overwrite, append, layout)
 
 
 @command("cast-diff")
@@ -261,6 +267,7 @@ def cast_diff(
     fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
     engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
     resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
+    layout: LayoutOpt = None,
 ) -> None:
     """Where casts disagree with the first, element by element.
 
@@ -274,4 +281,4 @@ def cast_diff(
                          f"{len(cast)} (e.g. -c nvfp4 -c torchao/nvfp4)")
     _run("cast-diff", inputs, cast, out, _options(axis, device), include, exclude, fast_hash,
          quiet, as_json, engine, workers, ray_address, resume,
-         overwrite, append)
+         overwrite, append, layout)

@@ -9,15 +9,9 @@ from typing import Annotated
 import typer
 
 from driftcli.cli.app import command
+from driftcli.cli.run import LayoutOpt
 from driftcli.escaping import for_terminal as esc
 
-_LAYOUTS = ("deepseek-fp8", "mxfp8", "ct-fp8", "ct-nvfp4", "modelopt-nvfp4", "gpt-oss-mxfp4")
-"""``driftcli.io.readers.quantized.Layout``'s values (kept here so --help needs no torch)."""
-
-LayoutOpt = Annotated[str | None, typer.Option(
-    "--layout", metavar="LAYOUT",
-    help=f"The quantized layout, where the config and the names leave it in doubt: "
-         f"{', '.join(_LAYOUTS)}.")]
 OrderOpt = Annotated[str, typer.Option(
     "--order", metavar="exact|library",
     help="exact: code x scales rounded once; library: an NVFP4 combined scale rounded to "

@@ -53,13 +53,14 @@ class AxisFit:
 
 
 def axis_misfits(paths: Sequence[str | Path], axis: int, include: Sequence[str] = (),
-                 exclude: Sequence[str] = ()) -> AxisFit:
+                 exclude: Sequence[str] = (), layout: str | None = None) -> AxisFit:
     """The selected floating-point tensors of ``paths`` that ``axis`` does not fit, from
     their headers. Raises :class:`DriftError` when it fits none of them (nothing would be
     measured). The default axes (-1, 0) fit every tensor, and list nothing."""
     if axis in (-1, 0):
         return AxisFit(axis, ())
-    refs = [r for p in paths for r in open_inputs([p], include, exclude).tensors if r.is_float]
+    refs = [r for p in paths for r in open_inputs([p], include, exclude, layout).tensors
+            if r.is_float]
     bad = {r.name for r in refs if not fits(r.shape, axis)}
     skipped = tuple(r for r in refs if r.name in bad)
     if refs and len(skipped) == len(refs):

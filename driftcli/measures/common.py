@@ -173,7 +173,10 @@ class Measure:
 
     def run(self, paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
             options: ScanOptions | None = None, include: Sequence[str] = (),
-            exclude: Sequence[str] = (), progress: Progress | None = None) -> list[Any]:
-        """Scan ``paths`` under ``casts`` and return this measure's rows."""
+            exclude: Sequence[str] = (), progress: Progress | None = None,
+            layout: str | None = None) -> list[Any]:
+        """Scan ``paths`` under ``casts`` and return this measure's rows (``layout``: that of
+        pre-quantized weights, where the checkpoint leaves it in doubt)."""
         return self.rows(scan(paths, casts, options=self.scan_options(options), include=include,
-                              exclude=exclude, progress=progress, rounded=self.rounded))
+                              exclude=exclude, progress=progress, rounded=self.rounded,
+                              layout=layout))

@@ -381,7 +381,7 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
          options: ScanOptions | None = None, include: Sequence[str] = (),
          exclude: Sequence[str] = (), progress: Progress | None = None,
          rounded: bool = True, on_open: Callable[[list[Path]], None] | None = None,
-         execution: Execution | None = None) -> Scan:
+         execution: Execution | None = None, layout: str | None = None) -> Scan:
     """Cast every selected floating-point tensor of ``paths`` with every cast and count.
 
     ``rounded=False`` counts only what needs no rounding (see
@@ -390,6 +390,8 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     open, before the first tensor is read: the command starts hashing them then.
     ``execution`` runs the tensors (one :class:`TensorUnit` each) on an engine; every engine
     gives the same results in the same order (see :mod:`driftcli.engines`).
+    ``layout`` names the layout of pre-quantized weights where a checkpoint's config and
+    tensor names leave it in doubt (:func:`driftcli.io.readers.open_inputs`).
 
     Missing paths and folders without tensor files raise at once; a file or tensor that
     cannot be read becomes a :class:`Result` with ``error`` set and the rest go on.
@@ -403,7 +405,7 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
         raise DriftError(f"--draws must be at least 1, not {options.draws}")
     _check_device(options.device)
     parsed = tuple(parse_cast(c) for c in casts)
-    opened = [(str(p), open_inputs([p], include, exclude)) for p in paths]
+    opened = [(str(p), open_inputs([p], include, exclude, layout)) for p in paths]
     empty = {inp: why for inp, inputs in opened if (why := nothing_to_measure(inp, inputs))}
     if len(empty) == len(opened):
         raise NothingToMeasure("; ".join(empty.values()))
