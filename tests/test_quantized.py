@@ -5,6 +5,7 @@ rounded once to the output dtype."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from collections import Counter
@@ -449,7 +450,7 @@ def test_scan_commands_take_layout(tmp_path: Path) -> None:
     from driftcli.cli.run import LAYOUTS
     from driftcli.io.readers.quantized import Layout
 
-    assert LAYOUTS == tuple(Layout)  # --help lists them without importing torch
+    assert tuple(Layout) == LAYOUTS  # --help lists them without importing torch
     q, s = deepseek_fp8(sample((200, 300), 10))
     folder = write(tmp_path / "amb", {"a.weight": q, "a.weight_scale_inv": s,
                                       "a.weight_scale": torch.ones(1),
@@ -985,3 +986,93 @@ def test_requant_nvfp4_on_its_own_output(tmp_path: Path) -> None:
     assert (row.requant_changed_blocks, row.requant_changed_codes,
             row.requant_changed_values) == (0, 0, 0)
     assert row.order_differs is not None and row.order_differs > 0  # the orders do part
+
+
+# --- a pre-quantized model runs: grad-cosine and dump on a Hugging Face folder -----------------
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "stories260K-hf"
+NO_MODEL = importlib.util.find_spec("transformers") is None or not STORIES.is_dir()
+NO_MODEL_REASON = ("needs transformers (driftcli[hf]) and ../shared/data/models/stories260K-hf "
+                   "(a fresh clone outside the workspace)")
+
+
+def _quantized_stories(folder: Path, nan: bool = False) -> Path:
+    """stories260K with every projection stored as DeepSeek FP8 (128 x 128 scales; the
+    projections are 32 to 172 wide, so every block is a partial edge block)."""
+    from safetensors.torch import load_file
+
+    stored: dict[str, torch.Tensor] = {}
+    for name, w in load_file(STORIES / "model.safetensors").items():
+        if name.endswith("proj.weight"):
+            stored[name], stored[name + "_scale_inv"] = deepseek_fp8(w.float())
+        else:
+            stored[name] = w
+    if nan:
+        stored["model.layers.1.mlp.up_proj.weight_scale_inv"][0, 0] = math.nan
+    config = json.loads((STORIES / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    folder.mkdir()
+    save_file(stored, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        (folder / f).write_bytes((STORIES / f).read_bytes())
+    return folder
+
+
+@pytest.mark.skipif(NO_MODEL, reason=NO_MODEL_REASON)
+def test_a_quantized_model_folder_runs(tmp_path: Path) -> None:
+    """The model holds the weights the scans read (exact product, rounded once to float32),
+    computes what the same weights written plain compute, and grad-cosine runs on it."""
+    from driftcli.io.dequantize import dequantize
+    from driftcli.models.loaders import load_causal_lm
+
+    folder = _quantized_stories(tmp_path / "q")
+    lm = load_causal_lm(folder, float64_copies=4)
+    held = lm.model.state_dict()
+    read = {t.name: t.read() for t in open_inputs([folder]).tensors}
+    assert len(read) == 48 - 1  # the tied head is not stored
+    for name, want in read.items():
+        assert held[name].dtype == torch.float32 and torch.equal(held[name], want.float()), name
+    assert torch.equal(held["lm_head.weight"], held["model.embed_tokens.weight"])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    from safetensors.torch import load_file
+
+    plain_w = load_file(STORIES / "model.safetensors")[q]
+    assert not torch.equal(held[q], plain_w)  # it is the FP8 weight, not the original
+    # the same weights written plain, loaded by transformers: the same logits, bit for bit
+    # (one machine, one process, the same float32 kernels on the same values)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    dequantize([folder], plain / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(config))
+    ids = torch.tensor([[1, 200, 31, 7, 400, 12, 99, 5]])
+    other = load_causal_lm(plain)
+    with torch.no_grad():
+        assert torch.equal(lm.logits(lm.model, ids), other.logits(other.model, ids))
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a little dog who liked to run in the park. " * 3)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["grad-cosine", str(folder), "-p", "exact", "-p",
+                                      "mxfp8_e4m3", "--text", str(text), "--tokens", "16",
+                                      "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out / "grad-cosine.parquet").to_pydict()
+    assert q in table["parameter"] and q + "_scale_inv" not in table["parameter"]
+    exact = [c for p, c in zip(table["policy"], table["cosine"], strict=True) if p == "exact"]
+    assert exact and all(c == 1.0 for c in exact if c is not None)
+
+
+@pytest.mark.skipif(NO_MODEL, reason=NO_MODEL_REASON)
+def test_a_quantized_model_with_a_nan_scale_is_refused(tmp_path: Path) -> None:
+    from driftcli.models.loaders import CheckpointError, load_causal_lm
+
+    folder = _quantized_stories(tmp_path / "q", nan=True)
+    with pytest.raises(CheckpointError) as info:
+        load_causal_lm(folder)
+    message = str(info.value)
+    assert "\n" not in message
+    assert ("tensor model.layers.1.mlp.up_proj.weight_scale_inv holds a NaN scale, so weight "
+            "model.layers.1.mlp.up_proj.weight cannot be dequantized") in message
+    assert message.endswith("the model needs every weight")

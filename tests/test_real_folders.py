@@ -139,18 +139,23 @@ def test_fresh_weights_are_refused_and_named(tmp_path: Path) -> None:
             "initialised at random: model.layers.0.mlp.up_proj.weight;") in message
 
 
-def test_quantized_folder_is_one_line(tmp_path: Path) -> None:
+def test_quantized_folders_load_where_drift_reads_the_layout(tmp_path: Path) -> None:
+    from driftcli.models.loaders import load_causal_lm
+
+    # a layout drift reads: loaded as stored (here no weight is stored quantized, so each is
+    # read as it is; test_quantized.py runs a folder whose projections are FP8)
     folder = _llama(tmp_path / "fp8", quantization_config={"quant_method": "fp8",
                                                             "weight_block_size": [128, 128]})
-    message = _refusal(folder)
-    assert message.endswith(
-        "holds quantized weights (quantization_config, quant_method fp8), not yet supported "
-        "by grad-cosine, dump and probe; drift clip-rate and friends read it (layout "
-        "deepseek-fp8); give the unquantized model's folder to run the model")
+    from safetensors.torch import load_file
+
+    stored = load_file(folder / "model.safetensors")
+    held = load_causal_lm(folder, float64_copies=4).model.state_dict()
+    assert all(torch.equal(held[k], v) for k, v in stored.items())
     gptq = _llama(tmp_path / "gptq", quantization_config={"quant_method": "gptq", "bits": 4})
     assert _refusal(gptq).endswith(
-        "holds quantized weights (quantization_config, quant_method gptq), not yet supported "
-        "by grad-cosine, dump and probe; give the unquantized model's folder to run the model")
+        "holds quantized weights (quantization_config, quant_method gptq) in a layout drift "
+        "does not read (it reads deepseek-fp8, mxfp8, ct-fp8, ct-nvfp4, modelopt-nvfp4, "
+        "gpt-oss-mxfp4); give the unquantized model's folder to run the model")
 
 
 def test_config_without_sizes_is_refused(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from driftcli.errors import DriftError
+from driftcli.io.readers.quantized import Layout
 from driftcli.io.readers.quantized import read_config as read_quant_config
 from driftcli.models.checkpoint import load_checkpoint
 from driftcli.models.nets import ByteTokenizer
@@ -129,16 +131,14 @@ def _hf_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{where} is not a JSON object; give a Hugging Face model folder")
     quant = data.get("quantization_config")
     declared = read_quant_config(path)
-    if quant is not None or declared is not None:
+    if (quant is not None or declared is not None) and (declared is None
+                                                         or declared.layout is None):
         method = (quant.get("quant_method", "?") if isinstance(quant, dict)
                   else "hf_quant_config.json")
-        # the scans dequantize the layouts they know exactly; a model run does not yet
-        readers = (f"; drift clip-rate and friends read it (layout {declared.layout})"
-                   if declared is not None and declared.layout is not None else "")
         raise CheckpointError(
-            f"{path} holds quantized weights (quantization_config, quant_method {method}), "
-            f"not yet supported by grad-cosine, dump and probe{readers}; give the "
-            "unquantized model's folder to run the model")
+            f"{path} holds quantized weights (quantization_config, quant_method {method}) in a "
+            f"layout drift does not read (it reads {', '.join(Layout)}); give the unquantized "
+            "model's folder to run the model")
     model_type = data.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         what = ("no model_type" if model_type is None else f"model_type {model_type!r}, "
@@ -174,14 +174,25 @@ def _hf_config(path: Path) -> dict[str, Any]:
     return data
 
 
+def _plain_config(path: Path) -> Any:
+    """The folder's transformers config without its ``quantization_config``: drift
+    dequantizes the weights itself (:func:`_load_quantized`), so the model is built plain."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
 def estimate_memory(path: Path, float64_copies: int) -> tuple[int, int]:
     """The parameter count of the Hugging Face model in ``path`` (built on the meta device
     from its config: no weights read, no memory taken) and the bytes a measurement holds:
     the model as loaded plus ``float64_copies`` float64 tensors of every parameter."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = _plain_config(path)
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError, TypeError, KeyError, AttributeError, ImportError,
@@ -217,6 +228,58 @@ def _fresh_weights(path: Path, info: dict[str, Any]) -> None:
             "a causal LM")
 
 
+def _load_quantized(path: Path) -> nn.Module:
+    """The model of a pre-quantized folder in float32, each quantized weight dequantized
+    exactly as the scans read it (the product of code and scales rounded once to float32,
+    ``docs/inputs.md``), the other tensors as stored (widened exactly). Refused, naming
+    the tensor, where a weight cannot be dequantized or the tensors do not fit the model."""
+    from transformers import AutoModelForCausalLM
+
+    from driftcli.io.readers import open_inputs
+
+    try:
+        inputs = open_inputs([path])
+    except DriftError as err:
+        raise CheckpointError(str(err)) from None
+    if inputs.errors:
+        e = inputs.errors[0]
+        more = f" (and {len(inputs.errors) - 1} more)" if len(inputs.errors) > 1 else ""
+        raise CheckpointError(f"{e.message}{more}; the model needs every weight")
+    try:
+        with torch.random.fork_rng(devices=[]):  # its initial draw is overwritten: RNG as is
+            model = AutoModelForCausalLM.from_config(
+                _plain_config(path), attn_implementation="sdpa", dtype=torch.float32)
+    except (OSError, ValueError, TypeError, ImportError) as err:
+        raise CheckpointError(f"cannot build {path}'s model from its config.json: "
+                              f"{str(err).splitlines()[0]}") from None
+    own = model.state_dict()
+    state: dict[str, Tensor] = {}
+    for ref in inputs.tensors:
+        if ref.name in own and tuple(own[ref.name].shape) != ref.shape:
+            raise CheckpointError(f"{ref.source}: tensor {ref.name} has shape "
+                                  f"{list(ref.shape)}, the model's config needs "
+                                  f"{list(own[ref.name].shape)}; give the config.json the "
+                                  "checkpoint was saved with")
+        try:
+            state[ref.name] = ref.read()
+        except DriftError as err:  # a NaN scale is found when the weight is read
+            raise CheckpointError(f"{err}; the model needs every weight") from None
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected",
+                                              None) or ()]
+    extra = sorted(k for k in set(state) - set(own) if not any(p.search(k) for p in ignored))
+    if extra:
+        raise CheckpointError(f"{path} holds {len(extra)} tensor(s) its model has no place "
+                              f"for, first {extra[0]}; give the config.json the checkpoint "
+                              "was saved with")
+    model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+    model.tie_weights()  # a tied head is not stored: it shares the embedding loaded above
+    loaded = {own_t.data_ptr() for k, own_t in model.state_dict().items() if k in state}
+    fresh = sorted(k for k, t in model.state_dict().items()
+                   if k not in state and t.data_ptr() not in loaded)
+    _fresh_weights(path, {"missing_keys": fresh})
+    return model
+
+
 def _load_hf(path: Path, float64_copies: int = 0, available: int | None = None) -> CausalLM:
     if importlib.util.find_spec("transformers") is None:
         raise CheckpointError(f"{path} is a Hugging Face model folder, which needs the optional "
@@ -226,15 +289,19 @@ def _load_hf(path: Path, float64_copies: int = 0, available: int | None = None) 
     # every check reads config.json only: a wrong model is refused before any weight is read
     _hf_config(path)
     _check_memory(path, float64_copies, available_memory() if available is None else available)
-    try:
-        # sdpa: the mode decomposes F.scaled_dot_product_attention itself, and the float64
-        # reference then runs its softmax in float64 (the eager kernel's is float32)
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, attn_implementation="sdpa", output_loading_info=True)
-    except (OSError, ValueError, ImportError) as err:
-        raise CheckpointError(f"cannot load {path} as a Hugging Face causal LM: "
-                              f"{str(err).splitlines()[0]}") from None
-    _fresh_weights(path, info)
+    if read_quant_config(path) is not None:  # a layout drift reads (_hf_config refused others)
+        model = _load_quantized(path)
+    else:
+        try:
+            # sdpa: the mode decomposes F.scaled_dot_product_attention itself, and the float64
+            # reference then runs its softmax in float64 (the eager kernel's is float32)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, attn_implementation="sdpa",
+                output_loading_info=True)
+        except (OSError, ValueError, ImportError) as err:
+            raise CheckpointError(f"cannot load {path} as a Hugging Face causal LM: "
+                                  f"{str(err).splitlines()[0]}") from None
+        _fresh_weights(path, info)
     model.eval()
     tokenize = None
     try:
