@@ -462,3 +462,31 @@ def _assemble_folder(refs: list[TensorRef], unreadable: set[str], config: Config
         replaced[f"{got.codes.source}\0{got.codes.name}"] = weight_ref(got)
     if quantized:  # activation scales and zero points are never weights
         drop([r.name for r in refs if _ACTIVATION_SCALES.search(r.name)])
+        _orphans(refs, families, replaced, problems)
+
+
+def _orphans(refs: list[TensorRef], families: dict[Layout, Family],
+             replaced: dict[str, TensorRef | None], problems: list[Problem]) -> None:
+    """In a quantized folder, the tensors no weight took that are a weight's part by name
+    (a scale whose weight is not there) or FP8 codes without a scale: each is a problem and
+    left out, since measuring a scale as a weight, or codes without their scale, is the
+    silent garbage these readers exist to prevent."""
+    suffixes = tuple(sorted({p for lay, fam in families.items() for p in fam.parts(lay, "")
+                             if p}, key=len, reverse=True))
+    for r in refs:
+        key = f"{r.source}\0{r.name}"
+        if key in replaced:
+            continue
+        part = next((x for x in suffixes if r.name.endswith(x)), None)
+        if part is not None:
+            why = (f"is a weight's {part.lstrip('_.')} part, but no weight "
+                   f"{r.name.removesuffix(part)} is beside it to take it")
+        elif r.dtype.startswith("float8"):
+            why = ("holds FP8 codes with no scale beside it, and would be measured without "
+                   "its scale")
+        else:
+            continue
+        problems.append(Problem(f"{r.source}: tensor {r.name} {why}; drift measures weights, "
+                                "never their parts: re-export the checkpoint, or --exclude it",
+                                r.name))
+        replaced[key] = None
