@@ -20,6 +20,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check driftcli tests benchmarks examples
+	# docs/contributing.md#types
+	$(BIN)/mypy
 	# both cores of a 2-core CI machine (docs/contributing.md#the-test-suite)
 	$(BIN)/python -m pytest -q -n 2
 

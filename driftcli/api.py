@@ -16,6 +16,7 @@ import stat
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,16 +24,17 @@ from torch import nn
 
 from driftcli.cast import Cast
 from driftcli.errors import DriftError
-from driftcli.io.tables import schema_of
+from driftcli.io.tables import Row, schema_of
 from driftcli.measures import MEASURES
 from driftcli.measures.axes import axis_misfits
 from driftcli.measures.scan import ScanOptions
 from driftcli.modes import Device, parse_choice
 
+fcntl: ModuleType | None
 try:
     import fcntl
 except ImportError:  # not on Windows: calls there are not serialised
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -90,7 +92,7 @@ def _scratch(label: str) -> Iterator[Path]:
             path.unlink(missing_ok=True)
 
 
-def _frame(row_type: type, rows: list[Any], skipped: list[str]) -> pd.DataFrame:
+def _frame(row_type: type[Row], rows: list[Any], skipped: list[str]) -> pd.DataFrame:
     """The rows as the Parquet table reads back (the table's schema, then pandas), with the
     tensors the axis does not fit in ``attrs["skipped"]``."""
     import pyarrow as pa

@@ -28,7 +28,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from driftcli.errors import CastSpecError, DriftError, FormatSpecError, close_matches
 from driftcli.formats import FORMATS, Format, get_format
@@ -45,6 +45,7 @@ from driftcli.modes import (
     ScaleRule,
     SmallestRcp,
     TwoLevelOrder,
+    parse_choice,
 )
 
 
@@ -125,7 +126,7 @@ class ScaleArithmetic:
     def parse(text: str) -> ScaleArithmetic:
         """The arithmetic a ``key=value,...`` spec part names (unnamed keys keep defaults)."""
         kinds = {f.name: f for f in fields(ScaleArithmetic)}
-        found: dict[str, object] = {}
+        found: dict[str, Any] = {}
         for item in text.split(","):
             key, _, value = item.partition("=")
             if key not in kinds:
@@ -142,7 +143,7 @@ class ScaleArithmetic:
                 found[key] = kind(value)
             else:
                 found[key] = _parse_number(value)
-        return ScaleArithmetic(**found)  # type: ignore[arg-type]
+        return ScaleArithmetic(**found)
 
 
 EXACT_ARITHMETIC = ScaleArithmetic()
@@ -330,7 +331,7 @@ def _bad(spec: str, part: str, why: str, hint: str = "") -> CastSpecError:
 
 
 def _classify(spec: str, parts: list[str]) -> _Parts:
-    found: dict[str, object] = {}
+    found: dict[str, Any] = {}
 
     def put(kind: str, value: object, part: str) -> None:
         if kind in found:
@@ -347,7 +348,7 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
             gran = Granularity(g[1] or g[2])
             put("granularity", (gran, int(g[3] or 0)), part)
         elif (r := _RULE.fullmatch(part)) and r[1] in ScaleRule.__members__.values():
-            put("rule", (ScaleRule(r[1]), int(r[2] or 0)), part)
+            put("rule", (parse_choice(ScaleRule, r[1], "scale rule"), int(r[2] or 0)), part)
         elif part in Rounding.__members__.values():
             put("rounding", Rounding(part), part)
         elif part in Overflow.__members__.values():
@@ -362,9 +363,9 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
                      *list(Rounding), *list(Overflow), *FORMATS]
             guess = close_matches(part, words).removeprefix("; ")
             raise _bad(spec, part, "unknown part", f" ({guess})" if guess else "")
-    return _Parts(found.get("granularity"), found.get("rule"),  # type: ignore[arg-type]
-                  found.get("scale format"), found.get("rounding"),  # type: ignore[arg-type]
-                  found.get("overflow"), found.get("scale arithmetic"))  # type: ignore[arg-type]
+    return _Parts(found.get("granularity"), found.get("rule"),
+                  found.get("scale format"), found.get("rounding"),
+                  found.get("overflow"), found.get("scale arithmetic"))
 
 
 def _preset(name: str) -> Cast | None:

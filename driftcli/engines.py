@@ -36,7 +36,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, TypeVar, cast
 
 from driftcli.errors import DriftError
 from driftcli.modes import Engine
@@ -306,9 +306,13 @@ def _decode(value: Any) -> Any:
 
         return np.dtype(value["$n"]).type(_decode(value.get("v")))
     if "$e" in value:
+        import enum
+
         cls = _known_type(value["$e"])
         try:
-            return cls[value.get("n")]  # type: ignore[index]
+            if not issubclass(cls, enum.Enum):
+                raise TypeError(cls)
+            return cls[str(value.get("n"))]
         except (KeyError, TypeError):
             raise _Damaged(f"no member {value.get('n')!r} of {value['$e']}") from None
     if "$c" in value and isinstance(value.get("f"), dict):
@@ -317,7 +321,7 @@ def _decode(value: Any) -> Any:
         if set(value["f"]) != fields:
             raise _Damaged(f"fields {sorted(value['f'])} where {value['$c']} has "
                            f"{sorted(fields)}")
-        made = object.__new__(cls)
+        made: Any = object.__new__(cls)
         for name, v in value["f"].items():
             object.__setattr__(made, name, _decode(v))
         return made
@@ -587,7 +591,7 @@ def run(units: Sequence[U], work: Callable[[U], R], execution: Execution | None 
     for i in range(len(units)):
         kept, result = manifest.get(keys[i]) if manifest is not None else (False, None)
         if kept:
-            results[i] = result
+            results[i] = cast(R, result)
         else:
             todo.append(i)
     done = sum(weight(units[i]) for i in results)

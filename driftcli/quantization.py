@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
@@ -219,7 +220,7 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
         top = tensor_amax_of(amax, tensor_amax)
         if s.granularity is Granularity.TENSOR:
             amax = top.expand_as(amax)
-        static = {"c": c, "sr_bits": sr_bits, "wide": pow2 and needs_wide(amax, c)}
+        static: dict[str, Any] = {"c": c, "sr_bits": sr_bits, "wide": pow2 and needs_wide(amax, c)}
         # in cache-sized slices: several times faster than whole tensors
         q, scale, clamped = _sliced(blocks, bits, amax, nonfinite, top, static)
     bad_blocks = nonfinite if s.blocked else no_blocks
@@ -373,7 +374,7 @@ def working(x: Tensor) -> Tensor:
 
 
 def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,
-            tensor_amax: Tensor, static: dict[str, object]) -> tuple[Tensor, Tensor, Tensor]:
+            tensor_amax: Tensor, static: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_scaled_values` eagerly, on cache-sized slices (faster than whole tensors)."""
     n_rows, n_cols = blocks.shape
     col_step = min(n_cols, fast.EAGER_CHUNK)
@@ -387,7 +388,7 @@ def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor
             part = None if bits is None else bits[rows, cols].contiguous()
             q[rows, cols], scale, clamped = _scaled_values(
                 blocks[rows, cols].contiguous(), part, amax[rows], nonfinite[rows], tensor_amax,
-                **static)  # type: ignore[arg-type]
+                **static)
         scales.append(scale)
         clamps.append(clamped)
     return q, torch.cat(scales), torch.cat(clamps)
@@ -414,7 +415,9 @@ def pow2_rule(c: Cast) -> np.ndarray | None:
     found = rule_threshold(plan)
     if found is None:
         return None
-    low, high = pow2_range(c.scaling.scale_format)  # type: ignore[arg-type]
+    if c.scaling.scale_format is None:  # ScalePlan.of has refused it already
+        return None
+    low, high = pow2_range(c.scaling.scale_format)
     return np.array([plan.elem_emax, found[0], int(found[1]), plan.headroom, low, high],
                     dtype=np.int64)
 
@@ -426,7 +429,7 @@ def two_level_consts(c: Cast) -> tuple[np.ndarray, tuple[int, ...]]:
     consts = np.array([plan.elem_max, plan.two_level_max, plan.smallest, plan.largest,
                        _FLOAT32_TINY], dtype=np.float32)
     q = fast.jit_params(src=fast.source_of(torch.float32),
-                        tgt=plan.scale_target,  # type: ignore[arg-type]
+                        tgt=plan.scale_target,
                         rounding=Rounding.RNE, overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
     return consts, q
 

@@ -189,7 +189,7 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp
                                  torch.full_like(u, max_bits))
         smallest_bits: Tensor | int = _pow2_bits(src, tgt.smallest_exp)
     else:
-        limit_bits = _assemble(src, limit_sig, qmax)
+        limit_bits = _assemble(src, limit_sig, scale_exp + tgt.qmax)
         smallest_bits = _assemble(src, torch.ones_like(u), scale_exp + tgt.smallest_exp)
     inf_bits = exp_all << src.mbits
     nan_bits = inf_bits | (1 << (src.mbits - 1))

@@ -171,7 +171,8 @@ def _real_scales(amax: Tensor, plan: ScalePlan, scaling: Scaling) -> ArithScales
         held = torch.clamp(held, min=a.smin)
     # into the scale format: the rule's rounding (mirrored for a reciprocal: r rounded down
     # is s rounded up), through float32 log2 with pow2=log2
-    mode = {ScaleRule.AMAX_RNE: Rounding.RNE, ScaleRule.AMAX_UP: Rounding.RUP}.get(rule)  # type: ignore[arg-type]
+    mode = (None if rule is None
+            else {ScaleRule.AMAX_RNE: Rounding.RNE, ScaleRule.AMAX_UP: Rounding.RUP}.get(rule))
     if reciprocal and mode is Rounding.RUP:
         mode = Rounding.RDOWN
     finite = torch.isfinite(held) & (held > 0)
@@ -201,7 +202,8 @@ def _real_scales(amax: Tensor, plan: ScalePlan, scaling: Scaling) -> ArithScales
     undo = s if a.undo is ElementOp.MUL else r
     scale = s.double() if not reciprocal or a.undo is ElementOp.MUL else 1 / held.double()
     if a.guard is Guard.DRIFT:  # an all-zero group keeps its zeros (unless a floor made a scale)
-        zero = (w == 0) if not (a.smin and not reciprocal) else torch.zeros_like(held, dtype=bool)
+        zero = ((w == 0) if not (a.smin and not reciprocal)
+                else torch.zeros_like(held, dtype=torch.bool))
         apply, undo = torch.where(zero, 1.0, apply), torch.where(zero, 1.0, undo)
         scale = torch.where(zero, plan.smallest, scale)
         clamped = clamped & ~zero

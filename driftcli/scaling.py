@@ -47,7 +47,7 @@ from driftcli.cast import Scaling
 from driftcli.errors import CastSpecError
 from driftcli.formats import Format, pow2
 from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule, check_rule_table
-from driftcli.rounding import round_fused, target_of
+from driftcli.rounding import Target, round_fused, target_of
 
 Tensor = torch.Tensor
 
@@ -158,7 +158,7 @@ class ScalePlan:
     smallest: float
     """The scale format's smallest positive value."""
     largest: float
-    scale_target: object
+    scale_target: Target
     """The rounding kernel's constants of the scale format."""
     scale_special: bool
     """The scale format has inf or NaN (overflow shows as a nonfinite rounding)."""
@@ -169,13 +169,15 @@ class ScalePlan:
     @cache
     def of(elem: Format, scaling: Scaling) -> ScalePlan:
         """The plan of a scaling with element format ``elem`` (cached)."""
+        if scaling.rule is None:
+            raise ValueError(f"a scale plan needs a scale rule; {scaling} has none")
         fmt = _scale_format(scaling)
         low, high = pow2_range(fmt)
         return ScalePlan(
             scaling.rule, elem.emax, float(elem.max), float(elem.max / pow2(elem.emax)),
             2 - 2.0 ** -(elem.mbits + 1), scaling.headroom, low, high,
             float(fmt.smallest_positive), float(fmt.max), target_of(fmt),
-            fmt.has_inf or fmt.has_nan, float(fmt.max * elem.max))  # type: ignore[arg-type]
+            fmt.has_inf or fmt.has_nan, float(fmt.max * elem.max))
 
     def divisors(self, like: Tensor) -> Tensor:
         """``[M, Ms · M]`` as a tensor of ``like``'s dtype and device. Divisors enter the
@@ -226,7 +228,7 @@ def _into_scale_format(raw: Tensor, plan: ScalePlan,
     if mode is None:
         scale, over = raw, raw > plan.largest
     else:
-        scale = round_fused(raw.contiguous(), plan.scale_target,  # type: ignore[arg-type]
+        scale = round_fused(raw.contiguous(), plan.scale_target,
                             mode, Overflow.IEEE)
         over = ~torch.isfinite(scale) if plan.scale_special else raw > plan.largest
     low = raw < plan.smallest

@@ -168,7 +168,7 @@ class PolicyMatmul(torch.autograd.Function):
     """``a @ b`` whose forward, dgrad and wgrad matmuls follow a policy (module docs)."""
 
     @staticmethod
-    def forward(ctx: Any, a: Tensor, b: Tensor, call: MatmulCall) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, a: Tensor, b: Tensor, call: MatmulCall) -> Tensor:
         policy = call.policy
         spec = policy.forward
         dtype = a.dtype
@@ -188,7 +188,7 @@ class PolicyMatmul(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dc: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, dc: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         a, b = ctx.saved_tensors
         call: MatmulCall = ctx.call
         a_shape, b_shape = ctx.shapes

@@ -405,7 +405,7 @@ def survivors(prep: Prepared, size: int, interleave: int,
     a, ea, b, eb, bad_a, bad_b, c = prep.arrays[:7]
     kernel = fmakernels.search_kernel(prep.c is not None, prep.paired, output is not None)
     n = len(candidates)
-    kept = np.array([cand[0] for cand in candidates], dtype=np.int64)
+    kept_all = np.array([cand[0] for cand in candidates], dtype=np.int64)
     per = np.array([cand[3] // size for cand in candidates], dtype=np.int64)
     p_acc = np.stack([_params(cand[1], cand[2]) for cand in candidates]) if n else \
         np.empty((0, 16), dtype=np.int64)
@@ -414,7 +414,7 @@ def survivors(prep: Prepared, size: int, interleave: int,
     ok = np.zeros(n, dtype=np.bool_)
     if n:
         jit.spread(kernel, n, max(1, want.numel() // 8), a, ea, b, eb, bad_a, bad_b, c,
-                   prep.a.shape[1], M, N, size, interleave, max(min_exp, TOP_FLOOR), kept, per,
-                   p_acc, p_near,
+                   prep.a.shape[1], M, N, size, interleave, max(min_exp, TOP_FLOOR), kept_all,
+                   per, p_acc, p_near,
                    _params(MASTER, Rounding.RNE), p_out, want.numpy(), ok)
     return [bool(x) for x in ok]

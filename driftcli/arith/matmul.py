@@ -305,7 +305,7 @@ def matmul_spec(*, lhs: Cast | str | None = None, rhs: Cast | str | None = None,
                                       ("fma", unit)) if v is not None]
         if given:
             raise MatmulSpecError(f"tc={tc} sets {', '.join(given)}; give the preset or them")
-        if parsed not in (None, Order.BLOCKFMA):
+        if parsed is not None and parsed is not Order.BLOCKFMA:
             raise MatmulSpecError(f"tc={tc} is a block-FMA unit: its order is blockfma "
                                   f"(blockfma:N to promote), not {parsed.value}")
         core = tensor_core(tc)

@@ -87,7 +87,7 @@ class DriftGroup(TyperGroup):
 
     def format_commands(self, ctx: Any, formatter: Any) -> None:
         width = formatter.width - 6 - max(len(n) for n in self.commands)
-        listed = set()
+        listed: set[str] = set()
         for title, names in (*SECTIONS, ("Other", tuple(self.list_commands(ctx)))):
             rows = [(n, self.commands[n].get_short_help_str(width)) for n in names
                     if n in self.commands and n not in listed]
@@ -98,9 +98,10 @@ class DriftGroup(TyperGroup):
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True,
-             **extra: Any) -> Any:
+             windows_expand_args: bool = True, **extra: Any) -> Any:
         try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            code = super().main(args, prog_name, complete_var, standalone_mode=False,
+                                windows_expand_args=windows_expand_args, **extra)
         except UsageError as err:
             if isinstance(err, NoArgsIsHelpError):  # bare `drift`: the help, as asked
                 typer.echo(err.ctx.get_help() if err.ctx is not None else "")

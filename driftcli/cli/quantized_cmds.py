@@ -4,7 +4,7 @@ ones, and what their codes and scales hold (``docs/dequantize.md``, ``docs/inspe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -55,7 +55,7 @@ def dequantize_cmd(
             typer.echo(f"wrote {esc(str(f), markup=False)}")
 
 
-def _show(summary: dict[str, object]) -> None:
+def _show(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -65,7 +65,7 @@ def _show(summary: dict[str, object]) -> None:
              "requant", "changed blocks", "changed codes")
     for h in heads:
         table.add_column(h, justify="left" if h in ("tensor", "layout", "requant") else "right")
-    for r in rows:  # type: ignore[attr-defined]
+    for r in rows:
         if r["error"] is not None:
             continue
         span = ("-" if r["scale_min"] is None else
@@ -80,7 +80,7 @@ def _show(summary: dict[str, object]) -> None:
     else:
         out.print("no quantized weights in the inputs: every tensor is stored as plain values "
                   "(see docs/inputs.md#pre-quantized-checkpoints)")
-    for f in summary["findings"]:  # type: ignore[attr-defined]
+    for f in summary["findings"]:
         out.print(f"[yellow]{f['lint']}[/yellow] {esc(f['tensor'])}: {esc(f['message'])}")
     out.print(f"wrote {esc(summary['table'])}")
 

@@ -15,7 +15,7 @@ WIDTH = 100
 
 
 def _help(path: list[str]) -> str:
-    group = typer.main.get_command(app)
+    group = typer.main.get_group(app)
     ctx = group.make_context("drift", [], resilient_parsing=True, terminal_width=WIDTH)
     if not path:
         return ctx.get_help()
@@ -29,7 +29,7 @@ def _help(path: list[str]) -> str:
 def reference() -> str:
     """The Markdown page: ``drift --help``, then each command's ``--help`` in the order the
     top-level help lists them."""
-    group = typer.main.get_command(app)
+    group = typer.main.get_group(app)
     ctx = group.make_context("drift", [], resilient_parsing=True)
     names = group.list_commands(ctx)
     parts = ["# Command-line reference", "",

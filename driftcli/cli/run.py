@@ -20,6 +20,7 @@ from driftcli.progress import Progress
 
 if TYPE_CHECKING:
     from driftcli.engines import Execution
+    from driftcli.io.tables import Row
 
 EngineOpt = Annotated[Engine, typer.Option(
     help="Where the independent units run: this process, local processes, or a Ray cluster "
@@ -90,7 +91,7 @@ def table_output(path: Path, *, overwrite: bool, option: str = "--out",
         yield
 
 
-def appended(path: Path, row_type: type, rows: Sequence[Any],
+def appended(path: Path, row_type: type[Row], rows: Sequence[Any],
              prov: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
     """``rows`` merged into the table at ``path`` (when there is one) and the provenance of
     the merged table: this run's, its inputs and casts joined to the earlier table's, and
@@ -121,7 +122,7 @@ def appended(path: Path, row_type: type, rows: Sequence[Any],
     return merged, out
 
 
-def write_kept(path: Path, row_type: type, rows: Sequence[Any], prov: dict[str, Any],
+def write_kept(path: Path, row_type: type[Row], rows: Sequence[Any], prov: dict[str, Any],
                units: Path | None) -> Path:
     """Write the table (atomically and durably), then clear the units kept for it in
     ``units``: only once the table holds them. A table that cannot be written (a full disk)
@@ -198,7 +199,7 @@ def fmt(value: Any, spec: str = ".4g") -> str:
     return str(value)
 
 
-def publish(path: Path, row_type: type, rows: Sequence[Any], prov: dict[str, Any],
+def publish(path: Path, row_type: type[Row], rows: Sequence[Any], prov: dict[str, Any],
             summary: dict[str, Any], show: Callable[[dict[str, Any]], None], *, as_json: bool,
             quiet: bool, failures: Sequence[str] = (),
             failed: str = "input(s) could not be measured", units: Path | None = None) -> Path:

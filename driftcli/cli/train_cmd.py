@@ -62,18 +62,19 @@ def model_config(model: ModelKind, width: int | None, layers: int | None,
                  activation: Activation | None) -> ModelConfig:
     """The model config the train options describe (unset sizes take the defaults); an
     option of the other model family is an error rather than silently ignored."""
-    given = {k: v for k, v in (("layers", layers), ("context", context)) if v is not None}
+    given: dict[str, Any] = {k: v for k, v in (("layers", layers), ("context", context))
+                             if v is not None}
     if model is ModelKind.MLP:
         wrong = [o for o, v in (("--heads", heads), ("--activation", activation)) if v is not None]
         if wrong:
             raise ModelError(f"{', '.join(wrong)} set the transformer's shape; add --model "
                              "transformer or leave them out")
-        extra = {k: v for k, v in (("hidden", width), ("embed", embed)) if v is not None}
-        return MLPConfig(**given, **extra)
+        sizes = {k: v for k, v in (("hidden", width), ("embed", embed)) if v is not None}
+        return MLPConfig(**given, **sizes)
     if embed is not None:
         raise ModelError("--embed sets the MLP's byte embedding; the transformer's is --d-model")
-    extra = {k: v for k, v in (("d_model", width), ("heads", heads),
-                               ("activation", activation)) if v is not None}
+    extra: dict[str, Any] = {k: v for k, v in (("d_model", width), ("heads", heads),
+                                               ("activation", activation)) if v is not None}
     return TransformerConfig(**given, **extra)
 
 

@@ -102,7 +102,7 @@ def _write_file(fh: IO[bytes], refs: list[TensorRef], meta: dict[str, str],
         raw = data.contiguous().view(torch.uint8).reshape(-1)
         if raw.numel() != size:  # cannot happen for a listed ref; never write a bad layout
             raise DequantizeError(f"tensor {ref.name} read {raw.numel()} bytes, not {size}")
-        fh.write(memoryview(raw.numpy()))
+        fh.write(raw.numpy().data)  # the array's own buffer: no copy
 
 
 def _umask() -> int:

@@ -51,6 +51,10 @@ class Row(Protocol):
     """The column a report summarizes first."""
     HIGHER_IS_WORSE: ClassVar[bool]
     """Direction of the headline."""
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    """A row type is a dataclass; it is called with its columns."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...
 
 
 def column(doc: str, **kwargs: Any) -> Any:
@@ -70,7 +74,7 @@ def _arrow_type(hint: Any) -> tuple[pa.DataType, bool]:
     return _ARROW[hint], False
 
 
-def schema_of(row_type: type) -> pa.Schema:
+def schema_of(row_type: type[Row]) -> pa.Schema:
     """The Arrow schema of a row type, field docs and table facts in the metadata."""
     hints = typing.get_type_hints(row_type)
     fields = []
@@ -347,7 +351,7 @@ def write_text(path: Path, text: str) -> Path:
     return atomic_write(path, write)
 
 
-def write_table(path: Path, row_type: type, rows: Iterable[Any], prov: dict[str, Any]) -> Path:
+def write_table(path: Path, row_type: type[Row], rows: Iterable[Any], prov: dict[str, Any]) -> Path:
     """Write ``rows`` (instances of ``row_type``) to ``path`` atomically and durably (see
     :func:`atomic_write`); return the path."""
     schema = schema_of(row_type)
@@ -431,7 +435,7 @@ def table_lock(table: Path, *, option: str = "--out") -> Iterator[None]:
                 folder.rmdir()
 
 
-def read_rows(path: Path, row_type: type) -> tuple[list[Any], dict[str, Any]]:
+def read_rows(path: Path, row_type: type[Row]) -> tuple[list[Any], dict[str, Any]]:
     """A drift table of ``row_type`` as its rows (instances of ``row_type``) and provenance:
     what ``--append`` merges into. A table of another measurement, or of another drift
     version's columns, is a :class:`~driftcli.errors.DriftError` naming it."""

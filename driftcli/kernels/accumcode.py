@@ -145,7 +145,7 @@ def accum_kernel(wide: bool, kind: int, rounding: int) -> Callable[..., None]:
         tile = TILE
         acc = np.zeros(tile, dtype=out.dtype)
         master = np.zeros(tile, dtype=out.dtype)
-        levels = 64 - leading_zeros(np.int64(k)) + 1
+        levels = 64 - leading_zeros(np.int64(k)) + 1  # type: ignore[call-arg]  # numba's intrinsic
         stack = np.zeros((levels, tile), dtype=out.dtype)
         zero = acc[0]  # +0 of the working dtype
         for n0 in range(0, n_cols, tile):  # a tile of B's columns serves every row

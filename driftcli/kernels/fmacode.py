@@ -53,7 +53,7 @@ def exponent_of(x: float) -> int:
     """floor(log2 |x|) of a normal float64 ``x != 0``, at least :data:`C_EMIN`; NONE for 0."""
     if x == 0.0:
         return NONE_EXP
-    return max(((np.float64(x).view(np.int64) >> 52) & 0x7FF) - 1023, C_EMIN)
+    return max(int((np.float64(x).view(np.int64) >> 52) & 0x7FF) - 1023, C_EMIN)
 
 
 @njit(**OPTIONS)

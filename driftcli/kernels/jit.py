@@ -128,7 +128,7 @@ def _array(t: Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
     return t.reshape(-1).numpy()
 
 
-def _or_empty(a: np.ndarray | None, itype: type) -> np.ndarray:
+def _or_empty(a: np.ndarray | None, itype: Any) -> np.ndarray:
     return _EMPTY[itype] if a is None else a
 
 

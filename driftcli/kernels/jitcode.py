@@ -53,7 +53,7 @@ if isinstance(_LOCATORS, list) and _ByContent not in _LOCATORS:
 @njit(inline="always", **OPTIONS)
 def bit_length(v: int) -> int:
     """Bits of a non-negative integer (``int.bit_length``), from the count of leading zeros."""
-    return 64 - leading_zeros(np.int64(v))
+    return 64 - leading_zeros(np.int64(v))  # type: ignore[call-arg]  # numba adds the context
 
 
 @njit(inline="always", **OPTIONS)

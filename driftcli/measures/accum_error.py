@@ -257,7 +257,7 @@ def _names(p: Problem, spec: MatmulSpec) -> dict[str, Any]:
             "rhs_cast": "none" if spec.rhs is None else str(spec.rhs)}
 
 
-_NULLS = {"rel_error": None, "bias": None, "max_abs_error_ulps": None,
+_NULLS: dict[str, Any] = {"rel_error": None, "bias": None, "max_abs_error_ulps": None,
           "mean_abs_error_ulps": None, "cast_rel_error": None, "accum_rel_error": None,
           "accum_bias": None, "accum_max_error_ulps": None, "ref_bound_ulps": None,
           "n_outputs": None, "n_nonfinite": None}
@@ -307,9 +307,9 @@ def measure(problem: Problem, specs: Sequence[MatmulSpec | str], *,
     problem = checked(problem)
     need, have = matmul_bytes(*problem.shape), available_memory()
     if problem.error is None and need > have:  # a dump's 1×K and K×1e6 operands: 1e12 outputs
-        b, m, k, n = problem.shape
+        nb, m, k, n = problem.shape
         problem = replace(problem, a=None, b=None, error=(
-            f"a {b}x{m}x{k}x{n} matmul takes about {_gib(need)} to measure, more than the "
+            f"a {nb}x{m}x{k}x{n} matmul takes about {_gib(need)} to measure, more than the "
             f"{_gib(have)} of memory available; leave it out with --exclude"))
     if problem.error is not None or problem.a is None or problem.b is None:
         return [AccumErrorRow(**_names(problem, s), **_NULLS, error=problem.error)
@@ -410,7 +410,7 @@ def summarize(rows: Sequence[AccumErrorRow], path: Path) -> dict[str, Any]:
     for r in rows:
         if r.error is None and r.rel_error is not None:
             by_spec.setdefault(r.spec, []).append(r)
-    specs = []
+    specs: list[dict[str, Any]] = []
     for spec, group in by_spec.items():
         worst = max(group, key=lambda r: r.rel_error or 0.0)
         biases = [r.bias for r in group if r.bias is not None]

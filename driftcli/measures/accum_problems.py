@@ -186,7 +186,7 @@ def _is_linear(site: _Site) -> bool:
 
 def _site_problems(source: str, name: str, site: _Site) -> Iterator[Problem]:
     """The forward, dgrad and wgrad matmuls whose operands the site recorded."""
-    names = {"layer": site.layer, "step": site.step}
+    names: dict[str, Any] = {"layer": site.layer, "step": site.step}
     try:
         x = _read(site.lhs) if site.lhs is not None else None
         w = _read(site.rhs) if site.rhs is not None else None

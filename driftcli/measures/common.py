@@ -49,9 +49,9 @@ class TensorCastRow:
     error: str | None = column("Why this tensor or file could not be measured; null when it was")
 
 
-def ratio(num: float, den: float) -> float | None:
-    """``num / den``, null when there is nothing to divide by."""
-    return num / den if den else None
+def ratio(num: float | None, den: float | None) -> float | None:
+    """``num / den``, null when there is nothing to divide by (or a count was not taken)."""
+    return num / den if num is not None and den else None
 
 
 def _cast_columns(c: Cast) -> dict[str, Any]:
@@ -94,7 +94,8 @@ class Measure:
     """One measurement: its command name, row type and how its columns are computed."""
 
     name: str
-    row_type: type
+    row_type: type[Any]
+    """The measure's :class:`~driftcli.io.tables.Row` type (called with its columns)."""
     columns: Columns
     rounded: bool = True
     """Whether its columns need the rounded values; clip-rate's do not, and skips the
@@ -147,7 +148,8 @@ class Measure:
             # ``against`` is a column of the row type, so the nulls hold it too: it is given
             # below for every row, failed ones included
             nulls = {k: v for k, v in self._nulls().items() if k != "against"}
-            own = own_columns(r.draws[0], b.draws[0], r.diff) if ok else nulls  # type: ignore[arg-type]
+            own = (own_columns(r.draws[0], b.draws[0], r.diff)
+                   if ok and r.diff is not None else nulls)
             out.append(self.row_type(**_tensor_base(r), against=first, **own))
         groups = list(iter_groups(s))
         baseline = {inp: results for inp, c, results in groups if str(c) == first}

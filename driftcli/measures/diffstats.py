@@ -39,9 +39,9 @@ class DiffStats:
         """The stats of a whole tensor from those of its slices."""
         if not parts:
             return DiffStats(0, 0, 0, 0, 0.0)
-        return DiffStats(*(sum(getattr(p, f.name) for p in parts) for f in fields(DiffStats)
-                           if f.name != "max_spacings"),
-                         max(p.max_spacings for p in parts))
+        counts = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(DiffStats)
+                  if f.name != "max_spacings"}
+        return DiffStats(**counts, max_spacings=max(p.max_spacings for p in parts))
 
 
 def _bits_differ(a: Tensor, b: Tensor) -> Tensor:

@@ -60,6 +60,8 @@ class ErrorBiasRow(TensorCastRow):
 def metrics(st: CastStats) -> dict[str, float | None]:
     """The five error metrics from one set of sums; an element lost to inf or NaN makes the
     error infinite (it is not in the sums, and leaving it out would read as no error)."""
+    if st.ee is None or st.xx is None or st.ex is None:
+        raise ValueError("error metrics need the rounded sums (cast_stats(rounded=True))")
     norms = math.sqrt(st.ee * st.xx)
     lost = bool(st.lost)
     rel = math.inf if lost else math.sqrt(st.ee / st.xx) if st.xx else None

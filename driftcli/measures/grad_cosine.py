@@ -379,8 +379,8 @@ def grad_cosine_checkpoint(checkpoint: str | Path, source: BatchSource,
 def _row(common: dict[str, Any], name: str, shape: str | None, numel: int,
          draws: list[_Sums], expected: _Sums, stochastic: bool) -> GradCosineRow:
     each = [s.metrics() for s in draws]
-    own = {m: _mean([e[m] for e in each]) for m in METRICS}
-    exp = expected.metrics() if stochastic else dict.fromkeys(METRICS)
+    own: dict[str, Any] = {m: _mean([e[m] for e in each]) for m in METRICS}
+    exp: dict[str, Any] = expected.metrics() if stochastic else dict.fromkeys(METRICS)
     return GradCosineRow(parameter=name, shape=shape, numel=numel, **own,
                          grad_norm_exact=math.sqrt(expected.gg), **common,
                          **{f"expected_{m}": exp[m] for m in METRICS})
@@ -397,7 +397,8 @@ def summarize(rows: Sequence[GradCosineRow], path: Path) -> dict[str, Any]:
     for agg in (r for r in rows if r.parameter == ALL_PARAMETERS):
         params = [r for r in rows if r.policy == agg.policy and r.parameter != ALL_PARAMETERS
                   and r.cosine is not None]
-        params.sort(key=lambda r: r.cosine if not math.isnan(r.cosine) else -math.inf)
+        params.sort(key=lambda r: r.cosine if r.cosine is not None and not math.isnan(r.cosine)
+                    else -math.inf)
         out["checkpoint"] = agg.checkpoint
         out["loss_exact"] = agg.loss_exact
         out["policies"].append({

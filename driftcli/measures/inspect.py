@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -60,7 +60,7 @@ _SUBNORMAL_BELOW = {"float32": 2.0 ** -126, "bfloat16": 2.0 ** -126, "float16": 
 """Where a scale format's normals start (E8M0 has no subnormals)."""
 
 
-def _opt(doc: str) -> object:
+def _opt(doc: str) -> Any:
     """A nullable column, null unless set (most are null for a weight that fails)."""
     return column(doc, default=None)
 
@@ -323,8 +323,8 @@ def _with_requant(rows: list[InspectRow], tensors: Sequence[TensorRef],
             order = Order.LIBRARY if spec.global_scale is not None else Order.EXACT
             values = weight_ref(replace(spec, order=order)).read().double()
             codes_vals = element_values(_codes(spec), spec.element)
-            counts = _requant(spec, values, codes_vals, _scales(spec), preset)
-            out.append(replace(row, requant=preset, **counts))  # type: ignore[arg-type]
+            counts: dict[str, Any] = _requant(spec, values, codes_vals, _scales(spec), preset)
+            out.append(replace(row, requant=preset, **counts))
     return out
 
 

@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -239,8 +240,8 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
             max(finite_amax(read(a, b)) for a, b in slices)
     del wide_whole  # a half-width tensor's float32 copy: slices widen their own
     row_elems = ref.numel // ref.shape[0] if ref.shape and ref.shape[0] else 1
-    draws = [_n_draws(c, opts) if rounded else 1 for c in casts]
-    parts: list[list[list[CastStats]]] = [[[] for _ in range(n)] for n in draws]
+    n_draws = [_n_draws(c, opts) if rounded else 1 for c in casts]
+    parts: list[list[list[CastStats]]] = [[[] for _ in range(n)] for n in n_draws]
     expected: list[list[CastStats]] = [[] for _ in casts]
     diffs: list[list[DiffStats]] = [[] for _ in casts]
     extent = slices[-1][1] or 1  # the length of the dimension the slices cut
@@ -250,7 +251,7 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
             runs[start * row_elems // chunk:stop * row_elems // chunk]
         facts = slice_facts(x, chunk, own)
         for ci, c in enumerate(casts):
-            n = draws[ci]
+            n = n_draws[ci]
             total: Tensor | None = None
             first: CastStats | None = None
             for d in range(n):
@@ -268,7 +269,7 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
             if opts.compare and ci:
                 diffs[ci].append(cast_diff_stats(x, casts[0], c, opts.axis, amax))
         advance(ref.nbytes * stop // extent)
-    out = []
+    out: list[Result] = []
     for ci, c in enumerate(casts):
         draws = tuple(CastStats.merge(p, _per_tensor(c)) for p in parts[ci])
         exp = CastStats.merge(expected[ci], _per_tensor(c)) if expected[ci] else None
@@ -448,18 +449,19 @@ def _serial(units: Sequence[TensorUnit], todo: int, progress: Progress | None,
     """The units one after another in this process, the bar moving after every slice (as
     :func:`driftcli.engines.run` does, with the finished units ``kept`` there)."""
     manifest = engines.Manifest(kept) if kept is not None else None
-    out, done, staging = [], 0, _Staging()
+    out: list[list[Result]] = []
+    done, staging = 0, _Staging()
     keys = [unit.key() for unit in units] if manifest is not None else []
     for n, unit in enumerate(units):
         def advance(within: int, before: int = done, unit: TensorUnit = unit) -> None:
             if progress is not None:
                 progress(before + within, todo, unit.ref.name)
 
-        found, result = manifest.get(keys[n]) if manifest is not None else (False, None)
-        if not found:
-            result = scan_unit(unit, advance, staging)
-            if manifest is not None:
-                manifest.put(keys[n], result)
+        found, kept = manifest.get(keys[n]) if manifest is not None else (False, None)
+        result: list[Result] = (cast(list[Result], kept) if found
+                                else scan_unit(unit, advance, staging))
+        if not found and manifest is not None:
+            manifest.put(keys[n], result)
         out.append(result)
         advance(unit.ref.nbytes)  # also for a tensor that failed part way
         done += unit.ref.nbytes

@@ -13,6 +13,7 @@ few bits (the tests compare them at a relative 1e-12).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -127,7 +128,7 @@ class CastStats:
         cast has one scale for the whole tensor (each slice then counted that one group).
         A field is ``None`` when any slice's is."""
         if not parts:
-            return CastStats(*(0 for _ in _STAT_FIELDS))  # type: ignore[arg-type]
+            return CastStats(**dict.fromkeys(_STAT_FIELDS, 0))
         total = {f: _total([getattr(p, f) for p in parts]) for f in _STAT_FIELDS}
         if per_tensor:
             for f in ("groups", "clipped_groups", "scale_clamped", "nonfinite_groups"):
@@ -185,7 +186,8 @@ def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
         scale_clamped=int(b.clamped.sum()), nonfinite_groups=int(b.bad_blocks.sum()),
         lost=int((m.finite & ~valid).sum()), xx=xx, ee=ee, ex=ex, e_sum=e_sum)
     if not rounded:
-        return replace(stats, **dict.fromkeys(_ROUNDED)), None
+        nulls: dict[str, Any] = dict.fromkeys(_ROUNDED)
+        return replace(stats, **nulls), None
     return stats, (b.back(b.q).to(x.dtype) if want_values else None)
 
 
@@ -333,6 +335,7 @@ def _numba_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
         return None
     one_scale = s.granularity in _WHOLE  # one scale for the tensor, or none
     work = working(x)
+    back: Callable[[Tensor], Tensor]
     if one_scale:
         blocks = work.reshape(1, -1).contiguous()
         rbits = None if bits is None else bits.reshape(1, -1)

@@ -295,9 +295,10 @@ def _load_hf(path: Path, float64_copies: int = 0, available: int | None = None) 
         try:
             # sdpa: the mode decomposes F.scaled_dot_product_attention itself, and the float64
             # reference then runs its softmax in float64 (the eager kernel's is float32)
-            model, info = AutoModelForCausalLM.from_pretrained(
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, attn_implementation="sdpa",
                 output_loading_info=True)
+            model, info = loaded
         except (OSError, ValueError, ImportError) as err:
             raise CheckpointError(f"cannot load {path} as a Hugging Face causal LM: "
                                   f"{str(err).splitlines()[0]}") from None

@@ -219,7 +219,7 @@ def _fail(rule: str, pos: int, what: str) -> ExpressionError:
 
 def _string(text: str, start: int) -> tuple[str, int]:
     """The string literal opening at ``start``; returns its value and the index after it."""
-    quote, i, out = text[start], start + 1, []
+    quote, i, out = text[start], start + 1, list[str]()
     while i < len(text):
         ch = text[i]
         if ch == quote:

@@ -65,10 +65,11 @@ def render(report: Report) -> str:
     if report.violations:
         body.append("<h2>Broken rules</h2><ul>")
         for v in report.violations:
-            rows = "".join(f"<li><code>{escape(d.violation_row(r))}</code></li>" for r in v.rows)
+            items = "".join(f"<li><code>{escape(d.violation_row(r))}</code></li>"
+                            for r in v.rows)
             more = (f"<li>... and {v.n_rows - len(v.rows)} more row(s)</li>"
                     if v.n_rows > len(v.rows) else "")
-            body.append(f'<li class="error">{escape(d.violation_head(v))}<ul>{rows}{more}'
+            body.append(f'<li class="error">{escape(d.violation_head(v))}<ul>{items}{more}'
                         "</ul></li>")
         body.append("</ul>")
     palette = Palette()
@@ -81,7 +82,7 @@ def render(report: Report) -> str:
                                                    for line in d.about(summary))
                     + "".join(f'<li class="error">{escape(line)}</li>'
                               for line in d.freshness(summary)) + "</ul>")
-        rows = []
+        rows: list[str] = []
         for g in summary.groups:
             tds = []
             for i, c in enumerate(d.cells(summary, g, vary)):

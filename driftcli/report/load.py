@@ -41,7 +41,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from driftcli.errors import DriftError
-from driftcli.io.tables import PROVENANCE_KEY, TABLE_KEY, file_identity, read_table, schema_of
+from driftcli.io.tables import (
+    PROVENANCE_KEY,
+    TABLE_KEY,
+    Row,
+    file_identity,
+    read_table,
+    schema_of,
+)
 
 ALL_ROWS = "*"
 """The key value of a row that aggregates the others (``driftcli.measures.common.ALL_TENSORS``
@@ -103,7 +110,7 @@ class Table:
     kinds: dict[str, str] = field(compare=False, repr=False, default_factory=dict)
     """Column → ``string``, ``int``, ``float`` or ``bool`` from the Arrow schema (pandas
     turns an integer column with nulls into floats)."""
-    row_type: type | None = field(compare=False, default=None)
+    row_type: type[Row] | None = field(compare=False, default=None)
     """This drift's row type for the table, or None for a table it does not know."""
 
     @property
@@ -202,7 +209,7 @@ def _written_by(prov: dict[str, Any]) -> str:
     return f"drift {version}" if version else "another drift"
 
 
-def check_schema(path: Path, schema: pa.Schema, row_type: type, prov: dict[str, Any]) -> None:
+def check_schema(path: Path, schema: pa.Schema, row_type: type[Row], prov: dict[str, Any]) -> None:
     """Raise :class:`SchemaError` unless ``schema`` has ``row_type``'s columns, types and
     table facts."""
     from driftcli import __version__

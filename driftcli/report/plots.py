@@ -407,9 +407,9 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
         worst = rows.assign(_v=values, _s=row_series).sort_values(
             "_v", ascending=not table.higher_is_worse, kind="stable").head(NAMED_WORST)
         for n, (_, r) in enumerate(worst.iterrows(), 1):
-            where = (pos[str(r[item])] + place.get(r["_s"], 0.0), r["_v"])
-            ax.scatter(*where, s=90, facecolors="none", edgecolors="black", linewidths=1)
-            ax.annotate(str(n), where, fontsize=8, fontweight="bold", xytext=(5, -3),
+            ring = (pos[str(r[item])] + place.get(r["_s"], 0.0), r["_v"])
+            ax.scatter(*ring, s=90, facecolors="none", edgecolors="black", linewidths=1)
+            ax.annotate(str(n), ring, fontsize=8, fontweight="bold", xytext=(5, -3),
                         textcoords="offset points")
         named = "; ".join(f"{n} {r[item]} ({_label(r, vary)}{r['_v']:.3g})"
                           for n, (_, r) in enumerate(worst.iterrows(), 1))

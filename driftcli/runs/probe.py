@@ -222,7 +222,7 @@ def next_updates(ck: DriftCheckpoint, policy: ArithmeticPolicy, batch: Tensor, *
     copy of the checkpoint's model; a stochastic policy draws with ``seed``."""
     ref = copy.deepcopy(ck.model).double()
     named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
+    params: list[Tensor] = [p for _, p in named]
     with arithmetic(with_seed(policy, seed), model=ref):
         grads = _gradient(ref, params, batch.long())
     return {name: next_update(ck, name, p.detach(), g)

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import replace
 from fractions import Fraction
-from functools import cache
+from functools import cache, partial
 from typing import cast
 
 import torch
@@ -149,7 +149,7 @@ def constructed_cases(fmt: Format, c: Cast) -> list[Tensor]:
                           float(torch.nextafter(v, torch.tensor(float("inf"))))]
     peaks.append(float(torch.nextafter(torch.tensor(8.0), torch.tensor(0.0))))
     peaks.append(torch.finfo(torch.float32).max)  # 2**128 after a ceil scale: inf in float32
-    cases = []
+    cases: list[Tensor] = []
     for peak in peaks:
         block = body * peak
         block[0] = -peak if len(cases) % 2 else peak
@@ -244,7 +244,7 @@ def check_cast(fmt: Format, c: Cast, plan: Plan, random: bool = True) -> Iterato
     size = k * k if s.granularity is Granularity.TILE else k
     # every element of constructed blocks, and of random blocks
     out = Outcome(fmt.name, "blocks", spec, c.rounding.value, c.overflow.value)
-    cases = constructed_cases(fmt, c)
+    cases: list[Tensor] = constructed_cases(fmt, c)
     if not plan.quick and random:
         pool = random_blocks(BLOCK_FULL_SAMPLE, size, plan.seed + 7)
         cases += ([pool.reshape(-1, k, k)[i] for i in range(BLOCK_FULL_SAMPLE // 16)]
@@ -253,13 +253,15 @@ def check_cast(fmt: Format, c: Cast, plan: Plan, random: bool = True) -> Iterato
         got = cast_quantize(case, c).flatten()
         expected = torch.tensor(_oracle_cast(case, c), dtype=torch.float64)
         raw = case.flatten().view(torch.int32).tolist()
-        judge(out, expected, got, lambda i, raw=raw: f"element {i} float32 "
-              f"0x{raw[i] & 0xFFFFFFFF:08x}")
+        judge(out, expected, got, partial(_element_bits, raw))
     yield out
     # the scale of many random blocks: the rule's whole job
     if s.granularity is Granularity.TILE or not random:
         return  # a tile's scale is a block's scale; tiling is checked element by element
-    exponent_rule = s.rule is not None and s.rule.power_of_two
+    rule = s.rule
+    if rule is None:
+        return  # no scale rule, no scales to check
+    exponent_rule = rule.power_of_two
     count = BLOCK_SCALE_SAMPLE if exponent_rule else REAL_SCALE_SAMPLE
     count //= 10 if plan.quick else 1
     group = 8  # two-level: blocks form tensors of 8 blocks, each with its own tensor scale
@@ -270,18 +272,25 @@ def check_cast(fmt: Format, c: Cast, plan: Plan, random: bool = True) -> Iterato
     scale_format = s.scale_format or f32
     if exponent_rule:
         low = oracle.binade(scale_format.smallest_positive)
-        expected = [float(pow2(oracle.pow2_scale_exponent(a, fmt, s.rule, s.headroom, low,
-                                                          scale_format.emax)[0]))
-                    for a in amax]
+        want = [float(pow2(oracle.pow2_scale_exponent(a, fmt, rule, s.headroom, low,
+                                                      scale_format.emax)[0]))
+                for a in amax]
     else:
         group_amax = [max(amax[i:i + group]) for i in range(0, len(amax), group)]
-        expected = [to_float(oracle.cast_block(
-            [Exact.of(a)], fmt, scale_format, s.rule, 0, s.blocked, f32,
+        want = [to_float(oracle.cast_block(
+            [Exact.of(a)], fmt, scale_format, rule, 0, s.blocked, f32,
             tensor_amax=group_amax[i // group], scale_only=True)[1])
             for i, a in enumerate(amax)]
-    judge(out, torch.tensor(expected, dtype=torch.float64), got,
-          lambda i, amax=amax: f"block {i} amax {float(amax[i])!r}")
+    judge(out, torch.tensor(want, dtype=torch.float64), got, partial(_block_amax, amax))
     yield out
+
+
+def _element_bits(raw: list[int], i: int) -> str:
+    return f"element {i} float32 0x{raw[i] & 0xFFFFFFFF:08x}"
+
+
+def _block_amax(amax: tuple[Fraction, ...], i: int) -> str:
+    return f"block {i} amax {float(amax[i])!r}"
 
 
 def cast_quantize(x: Tensor, c: Cast) -> Tensor:

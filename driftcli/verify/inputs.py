@@ -57,7 +57,7 @@ def check_float32_inputs(fmt: Format, plan: Plan) -> Iterator[Outcome]:
             out = Outcome(fmt.name, "float32-inputs", "cast", mode.value, policy.value)
             if mode is Rounding.SR:
                 top = (1 << DEFAULT_SR_BITS) - 1
-                draws = [torch.zeros(x.shape, dtype=torch.int32),
+                draws: list[Tensor | None] = [torch.zeros(x.shape, dtype=torch.int32),
                          torch.full(x.shape, top, dtype=torch.int32),
                          fast.draw_random_bits(x.shape, plan.seed)]
             else:

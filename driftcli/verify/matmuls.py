@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import torch
@@ -133,9 +134,18 @@ def matmul_cases(plan: Plan, native: bool = False) -> list[MatmulCase]:
     return [*cases, *edges, _matmul_constructed(96 if plan.quick else MATMUL_CONSTRUCTED_K)]
 
 
+def _element(case: str, n: int, i: int) -> str:
+    """Output element ``i`` of an ``m x n`` case, named."""
+    return f"{case} element ({i // n}, {i % n})"
+
+
 def matmul_specs(fmt: Format, plan: Plan) -> list[MatmulSpec]:
     """The matmul specs checked with accumulator ``fmt`` (see the module docs)."""
     modes = (Rounding.RNE, Rounding.RTZ)
+    casts: tuple[str, ...]
+    orders: tuple[str, ...]
+    block_orders: tuple[str, ...]
+    block_casts: tuple[str, ...]
     if plan.quick:
         casts, orders, block_orders = ("none", "nvfp4"), MATMUL_ORDERS[:3], ("sequential",)
         block_casts = MATMUL_BLOCK_CASTS[:1]
@@ -279,8 +289,7 @@ def check_matmul(fmt: Format, plan: Plan) -> Iterator[Outcome]:
                                     dtype=torch.float64)
             got = matmul_fast(case.a, case.b, spec).flatten()
             n = case.b.shape[1]
-            judge(out, expected, got,
-                   lambda i, case=case, n=n: f"{case.name} element ({i // n}, {i % n})")
+            judge(out, expected, got, partial(_element, case.name, n))
         yield out
 
 

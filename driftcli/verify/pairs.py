@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
+from functools import partial
 
 import torch
 
@@ -35,6 +36,14 @@ WIDE_PAIRS = 1 << 14
 """Seeded pairs per cell for formats wider than 16 bits (float32, e8m13, …)."""
 OTHER_SAMPLE_16 = 1 << 16
 """Seeded pairs per 16-bit format for every cell but (rne, saturate), in the full run."""
+
+
+def _with_draw(describe: Callable[[int], str], r: int, i: int) -> str:
+    return f"{describe(i)} r={r}"
+
+
+def _with_drawn(describe: Callable[[int], str], drawn: list[int], i: int) -> str:
+    return f"{describe(i)} r={drawn[i]}"
 
 
 def _boundary_codes(fmt: Format) -> list[int]:
@@ -125,7 +134,7 @@ def _check_pair_set(fmt: Format, plan: Plan, ref: dict[int, Exact], label: str, 
                     bits = torch.full(xa.shape, r, dtype=torch.int32)
                     got = fast_op(xa, xb, fmt, rounding=mode, overflow=policy,
                                   random_bits=bits, sr_bits=PAIR_SR_BITS)
-                    judge(out, expected, got, lambda i, r=r: f"{describe(i)} r={r}")
+                    judge(out, expected, got, partial(_with_draw, describe, r))
             else:
                 bits = fast.draw_random_bits(xa.shape, plan.seed)
                 expected = torch.tensor(
@@ -133,6 +142,6 @@ def _check_pair_set(fmt: Format, plan: Plan, ref: dict[int, Exact], label: str, 
                      for k, r in zip(index.tolist(), bits.tolist(), strict=True)],
                     dtype=torch.float64)
                 got = fast_op(xa, xb, fmt, rounding=mode, overflow=policy, random_bits=bits)
-                judge(out, expected, got, lambda i, b=bits: f"{describe(i)} r={int(b[i])}")
+                judge(out, expected, got, partial(_with_drawn, describe, bits.tolist()))
             yield out
 

@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, BinaryIO, NamedTuple, Protocol
+from typing import IO, BinaryIO, NamedTuple, Protocol, cast
 
 import torch
 
@@ -253,13 +253,19 @@ def truncated(source: str, name: str, begin: int, end: int, size: int) -> str:
             "(truncated?); re-save or re-download it")
 
 
+class _ReadsInto(Protocol):
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
 def fill(fh: IO[bytes], buf: torch.Tensor) -> int:
     """Read into the uint8 tensor ``buf`` until it is full or the stream ends; bytes read."""
-    view = memoryview(buf.numpy()).cast("B")
+    view = buf.numpy().data.cast("B")
     got = 0
     while got < len(view):
         # one read() may return less than asked (Linux caps it near 2 GiB), so loop
-        n = fh.readinto(view[got:])  # type: ignore[attr-defined]
+        # every stream drift reads is a buffered file or a zip member: both read into a
+        # buffer, which typing.IO does not declare
+        n = cast(_ReadsInto, fh).readinto(view[got:])
         if not n:
             break
         got += n

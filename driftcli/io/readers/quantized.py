@@ -339,7 +339,7 @@ def read_config(folder: Path) -> Config | None:
            and all(isinstance(b, int) and b > 0 for b in block) else None)
     pow2 = q.get("scale_fmt") == "ue8m0"
     if method in _QUANT_METHODS:
-        return Config(_QUANT_METHODS[method], blk, pow2)  # type: ignore[arg-type]
+        return Config(_QUANT_METHODS[method], blk, pow2)
     if method == "compressed-tensors":
         groups = q.get("config_groups")
         for group in groups.values() if isinstance(groups, dict) else ():
@@ -401,8 +401,8 @@ def assemble(tensors: Sequence[TensorRef], unreadable: set[tuple[Path, str]],
         key = f"{ref.source}\0{ref.name}"
         if key not in replaced:
             out.append(ref)
-        elif replaced[key] is not None:
-            out.append(replaced[key])  # type: ignore[arg-type]
+        elif (weight := replaced[key]) is not None:
+            out.append(weight)
     return out, problems
 
 
