@@ -7,6 +7,8 @@ import importlib.util
 import pkgutil
 import types
 
+import pytest
+
 import driftcli
 
 
@@ -31,13 +33,13 @@ def test_the_public_api_is_not_shadowed_by_a_submodule() -> None:
 
 LAYERS = (
     ("errors", "_version", "lazy"),
-    ("formats", "modes", "text", "escaping", "kernels", "exact", "memory", "progress", "engines"),
+    ("formats", "modes", "text", "escaping", "kernels", "exact", "memory", "progress"),
     ("cast", "oracle", "oracle_blockfma", "oracle_arith", "codec", "recipes"),
     ("rounding",),
     ("scaling", "scalearith"),
     ("quantization",),
     ("arith",),
-    ("io",),
+    ("io", "engines"),
     ("models",),
     ("measures", "verify"),
     ("runs", "api"),
@@ -49,39 +51,66 @@ LAYERS = (
 
 
 def _module_imports() -> dict[str, set[str]]:
-    """Each module's module-level imports of other drift modules (imports inside functions, as
-    the CLI makes them to start without torch, and ``TYPE_CHECKING`` blocks are not edges)."""
-    import ast
+    """Each module's imports of other drift modules (:func:`_imports_in`)."""
     from pathlib import Path
 
-    root = Path(driftcli.__file__).parent
-    names = {m: m for m in _every_module()} | {"driftcli": "driftcli"}
+    names = set(_every_module()) | {"driftcli"}
     edges: dict[str, set[str]] = {}
     for name in [*_every_module(), "driftcli"]:
         spec = importlib.util.find_spec(name)
         assert spec is not None and spec.origin is not None
         path = Path(spec.origin)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        found: set[str] = set()
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            if isinstance(node, ast.ImportFrom) and node.level:
-                target = package.rsplit(".", node.level - 1)[0] + (f".{node.module}"
-                                                                  if node.module else "")
-            elif isinstance(node, ast.ImportFrom):
-                target = node.module or ""
-            elif isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name in names}
-                continue
-            else:
-                continue
-            subs = {f"{target}.{a.name}" for a in node.names} & names.keys()
-            if subs:  # from a package, its modules
-                found |= subs
-            elif target in names:
-                found.add(target)
-        assert root.is_dir()
-        edges[name] = found - {name}
+        edges[name] = _imports_in(path.read_text(encoding="utf-8"), package, names) - {name}
     return edges
+
+
+def _imports_in(source: str, package: str, names: set[str]) -> set[str]:
+    """The modules of ``names`` that ``source`` (a module of ``package``) imports, inside
+    functions too: the CLI makes them to start without torch, but a deferred import is still
+    a dependency, and one that goes up or round is a circle the module level hides.
+    ``TYPE_CHECKING`` blocks are not edges: they never run."""
+    import ast
+
+    found: set[str] = set()
+    tree = ast.parse(source)
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(block.test) for n in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level:
+            target = package.rsplit(".", node.level - 1)[0] + (f".{node.module}"
+                                                              if node.module else "")
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in names}
+            continue
+        else:
+            continue
+        subs = {f"{target}.{a.name}" for a in node.names} & names
+        if subs:  # from a package, its modules
+            found |= subs
+        elif target in names:
+            found.add(target)
+    return found
+
+
+def test_imports_inside_functions_count_and_type_checking_ones_do_not() -> None:
+    """The checker's planted case: a deferred import is an edge, a typing-only one is not."""
+    source = """
+from typing import TYPE_CHECKING
+from driftcli.formats import Format
+if TYPE_CHECKING:
+    from driftcli.report import load
+def late() -> None:
+    from driftcli.cli import app
+    from . import scaling
+"""
+    names = {"driftcli.formats", "driftcli.report.load", "driftcli.cli.app", "driftcli.scaling"}
+    assert _imports_in(source, "driftcli", names) == {"driftcli.formats", "driftcli.cli.app",
+                                                      "driftcli.scaling"}
 
 
 def _layer(module: str) -> int:
@@ -99,7 +128,7 @@ def test_imports_go_only_downward() -> None:
     assert not upward
 
 
-def test_there_is_no_import_circle() -> None:
+def _circles() -> list[list[str]]:
     edges = _module_imports()
     state: dict[str, int] = {}
     circles: list[list[str]] = []
@@ -116,7 +145,23 @@ def test_there_is_no_import_circle() -> None:
     for module in sorted(edges):
         if module not in state:
             visit(module, [module])
-    assert not circles
+    return circles
+
+
+GRAMMAR_AND_RECIPES = ["driftcli.cast", "driftcli.recipes", "driftcli.cast"]
+"""The one circle left: the cast grammar looks implementation presets up in ``recipes``,
+which builds them from ``Cast``."""
+
+
+def test_there_is_no_import_circle() -> None:
+    assert [c for c in _circles() if c != GRAMMAR_AND_RECIPES] == []
+
+
+@pytest.mark.xfail(strict=True, reason="cast.py looks the implementation presets up in "
+                   "recipes.py (inside two functions), which builds them from Cast; issue 30 "
+                   "item 2: one preset table that both read")
+def test_the_grammar_and_the_recipes_form_no_circle() -> None:
+    assert GRAMMAR_AND_RECIPES not in _circles()
 
 
 def test_no_module_imports_a_private_name_of_another() -> None:
@@ -140,8 +185,6 @@ def test_no_module_imports_a_private_name_of_another() -> None:
 def test_a_lazy_export_that_is_also_a_submodule_is_refused() -> None:
     """``driftcli.report.load`` is a module; exporting a function ``load`` from the package
     would give the module or the function depending on what was imported first."""
-    import pytest
-
     import driftcli.report
     from driftcli.lazy import exports
 

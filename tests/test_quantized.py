@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from driftcli.cli import app
 from driftcli.io.readers import ReadError, open_inputs
-from driftcli.io.readers.quantized import Order, spec_of, with_options
+from driftcli.io.readers.quantized_weight import Order, spec_of, with_options
 from driftcli.measures.inspect import InspectRow, inspect
 
 E4M3_MAX = 448.0
@@ -473,7 +473,7 @@ def test_ambiguous_and_contradictory_layouts(tmp_path: Path) -> None:
 def test_scan_commands_take_layout(tmp_path: Path) -> None:
     """The ambiguous folder's error names --layout, and every scan command takes it."""
     from driftcli.cli.run import LAYOUTS
-    from driftcli.io.readers.quantized import Layout
+    from driftcli.io.readers.quantized_weight import Layout
 
     assert tuple(Layout) == LAYOUTS  # --help lists them without importing torch
     q, s = deepseek_fp8(sample((200, 300), 10))
@@ -859,7 +859,7 @@ def test_damaged_quantized_files_are_errors_never_crashes(tmp_path: Path) -> Non
                "o.weight": ("o.weight", "o.weight_scale", "o.weight_scale_2"),
                "f.weight": ("f.weight", "f.weight_scale"),
                "n.weight": ("n.weight",)}
-    from driftcli.io.readers.quantized import Layout
+    from driftcli.io.readers.quantized_weight import Layout
 
     layouts = {spec.layout for t in open_inputs([sound]).tensors
                if (spec := spec_of(t)) is not None}
@@ -975,7 +975,7 @@ def test_te_dump_tensors(tmp_path: Path) -> None:
 
 
 def test_reads_in_chunks_equal_the_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import driftcli.io.readers.quantized as quantized
+    import driftcli.io.readers.quantized_weight as quantized
 
     q, s = deepseek_fp8(sample((300, 260), 70))
     blocks, scales = gpt_oss(sample((3, 5, 96), 71))

@@ -183,11 +183,50 @@ def write_real_grad(folder: Path) -> Path:
 
 # --- reading and schema checks -------------------------------------------------------------
 
-def test_row_types_are_found_not_listed() -> None:
-    found = row_types()
-    assert found["clip-rate"] is ClipRateRow and found["verify-formats"] is VerifyRow
-    assert found["error-bias"] is ErrorBiasRow and found["underflow-rate"] is UnderflowRateRow
+def _declared_row_types() -> dict[str, type]:
+    """Every row dataclass a module of the package defines, by its TABLE (every module
+    imported: what the registry must list)."""
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    import driftcli
+
+    found: dict[str, type] = {}
+    for m in pkgutil.walk_packages(driftcli.__path__, "driftcli."):
+        if m.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(m.name)
+        for obj in vars(module).values():
+            if (isinstance(obj, type) and dataclasses.is_dataclass(obj)
+                    and obj.__module__ == module.__name__
+                    and isinstance(getattr(obj, "TABLE", None), str)
+                    and isinstance(getattr(obj, "KEYS", None), tuple)):
+                found[obj.TABLE] = obj
+    return found
+
+
+def test_every_row_type_is_registered() -> None:
+    from driftcli.report.load import ROW_TYPES
+
+    declared = _declared_row_types()
+    assert row_types() == declared  # every one listed, under its own TABLE, and no other
+    assert list(ROW_TYPES) == sorted(ROW_TYPES)
+    assert declared["clip-rate"] is ClipRateRow and declared["verify-formats"] is VerifyRow
     assert ALL_ROWS == ALL_TENSORS
+
+
+def test_a_row_type_left_out_of_the_registry_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    import driftcli.report.load as load_mod
+
+    monkeypatch.setattr(load_mod, "ROW_TYPES", {k: v for k, v in load_mod.ROW_TYPES.items()
+                                                if k != "inspect"})
+    load_mod.row_types.cache_clear()
+    try:
+        # the registry test's comparison fails on it
+        assert row_types() != _declared_row_types() and "inspect" not in row_types()
+    finally:
+        load_mod.row_types.cache_clear()
 
 
 def test_folders_recurse_and_non_drift_parquet_is_named_and_skipped(run: Path) -> None:

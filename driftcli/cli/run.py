@@ -40,7 +40,7 @@ Append = Annotated[bool, typer.Option(
     "--append", help="Merge this run's rows into the table already there: a row of the same "
                      "source, tensor and cast replaces the earlier one, the others stay.")]
 LAYOUTS = ("deepseek-fp8", "mxfp8", "ct-fp8", "ct-nvfp4", "modelopt-nvfp4", "gpt-oss-mxfp4")
-"""``driftcli.io.readers.quantized.Layout``'s values (kept here so --help needs no torch; a
+"""``driftcli.io.readers.quantized_weight.Layout``'s values (kept here so --help needs no torch; a
 test holds them equal)."""
 LayoutOpt = Annotated[str | None, typer.Option(
     "--layout", metavar="LAYOUT",

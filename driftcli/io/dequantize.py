@@ -24,7 +24,13 @@ import torch
 
 from driftcli.errors import DriftError
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
-from driftcli.io.readers.quantized import OUT_DTYPES, Layout, Order, spec_of, with_options
+from driftcli.io.readers.quantized_weight import (
+    OUT_DTYPES,
+    Layout,
+    Order,
+    spec_of,
+    with_options,
+)
 from driftcli.io.tables import write_text
 
 _CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",

@@ -35,7 +35,7 @@ import torch
 from driftcli.cast import parse_cast
 from driftcli.formats import get_format
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
-from driftcli.io.readers.quantized import (
+from driftcli.io.readers.quantized_weight import (
     Layout,
     Order,
     QuantSpec,

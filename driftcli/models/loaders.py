@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from driftcli.errors import DriftError
-from driftcli.io.readers.quantized import Layout
 from driftcli.io.readers.quantized import read_config as read_quant_config
+from driftcli.io.readers.quantized_weight import Layout
 from driftcli.models.checkpoint import load_checkpoint
 from driftcli.models.nets import ByteTokenizer
 

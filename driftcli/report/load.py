@@ -23,7 +23,6 @@ refused in milliseconds instead of taking gigabytes.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import functools
 import importlib
@@ -54,9 +53,23 @@ ALL_ROWS = "*"
 """The key value of a row that aggregates the others (``driftcli.measures.common.ALL_TENSORS``
 for tensors, the same star for parameters)."""
 
-_PACKAGE = Path(__file__).resolve().parents[1]
-_ROW_MARKER = "TABLE: ClassVar[str]"
-_NOT_ROW_MODULES = ("cli", "report")
+ROW_TYPES: dict[str, str] = {
+    "accum-error": "driftcli.measures.accum_error:AccumErrorRow",
+    "attention": "driftcli.measures.probe_attention:AttentionRow",
+    "calibrate": "driftcli.measures.calibrate:CalibrateRow",
+    "cast-diff": "driftcli.measures.cast_diff:CastDiffRow",
+    "clip-rate": "driftcli.measures.clip_rate:ClipRateRow",
+    "error-bias": "driftcli.measures.error_bias:ErrorBiasRow",
+    "grad-cosine": "driftcli.measures.grad_cosine:GradCosineRow",
+    "inspect": "driftcli.measures.inspect:InspectRow",
+    "probe": "driftcli.runs.probe:ProbeRow",
+    "train": "driftcli.runs.training:TrainRow",
+    "underflow-rate": "driftcli.measures.underflow_rate:UnderflowRateRow",
+    "verify-formats": "driftcli.verify.compare:VerifyRow",
+}
+"""Every table drift writes, and where its row type is (``module:class``), imported when a
+report first needs it. A new table is one entry here; ``tests/test_report.py`` checks that
+every row type of the package is listed, under its own ``TABLE``."""
 
 
 class SchemaError(DriftError):
@@ -160,34 +173,16 @@ class Loaded:
     skipped: tuple[Skipped, ...]
 
 
-def _is_row_type(obj: Any) -> bool:
-    return (isinstance(obj, type) and dataclasses.is_dataclass(obj)
-            and all(isinstance(getattr(obj, a, None), t) for a, t in
-                    (("TABLE", str), ("KEYS", tuple), ("HEADLINE", str),
-                     ("HIGHER_IS_WORSE", bool))))
-
-
 @functools.cache
-def row_types() -> dict[str, type]:
-    """Every row type this drift declares, by table name.
-
-    Found, not listed: each module of the package whose source declares ``TABLE:
-    ClassVar[str]`` is imported and its row dataclasses collected, so a new measurement's
-    table is known to the report as soon as its module exists.
-    """
-    found: dict[str, type] = {}
-    for path in sorted(_PACKAGE.rglob("*.py")):
-        rel = path.relative_to(_PACKAGE)
-        if rel.parts[0] in _NOT_ROW_MODULES or _ROW_MARKER not in path.read_text("utf-8"):
-            continue
-        name = ".".join(("driftcli", *rel.with_suffix("").parts))
+def row_types() -> dict[str, type[Row]]:
+    """Every row type this drift declares, by table name (:data:`ROW_TYPES`)."""
+    found: dict[str, type[Row]] = {}
+    for table, where in ROW_TYPES.items():
+        module, _, name = where.partition(":")
         try:
-            module = importlib.import_module(name.removesuffix(".__init__"))
+            found[table] = getattr(importlib.import_module(module), name)
         except ImportError:  # an optional dependency missing: its tables read from metadata
             continue
-        for obj in vars(module).values():
-            if _is_row_type(obj) and obj.__module__ == module.__name__:
-                found.setdefault(obj.TABLE, obj)
     return found
 
 

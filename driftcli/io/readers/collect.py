@@ -22,7 +22,8 @@ from driftcli.io.readers.core import (
 )
 from driftcli.io.readers.npy import NPY, NPZ
 from driftcli.io.readers.pytorch import PYTORCH
-from driftcli.io.readers.quantized import Layout, assemble
+from driftcli.io.readers.quantized import assemble
+from driftcli.io.readers.quantized_weight import Layout
 from driftcli.io.readers.safetensors import INDEX_SUFFIX, SAFETENSORS, Index, is_index, read_index
 from driftcli.io.readers.te_dumps import TE_DUMPS
 

@@ -10,7 +10,7 @@ bytes, 3-D expert tensors).
 from __future__ import annotations
 
 from driftcli.io.readers.core import TensorRef
-from driftcli.io.readers.quantized import Config, Family, Layout, QuantSpec
+from driftcli.io.readers.quantized_weight import Config, Family, Layout, QuantSpec
 
 NV_BLOCK = 16
 """Elements of a row one NVFP4 scale covers."""

@@ -10,7 +10,7 @@ the reference code of each convention.
 from __future__ import annotations
 
 from driftcli.io.readers.core import TensorRef
-from driftcli.io.readers.quantized import Config, Family, Layout, QuantSpec
+from driftcli.io.readers.quantized_weight import Config, Family, Layout, QuantSpec
 
 _FP8 = {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
 _E8M0 = {"uint8", "float8_e8m0fnu"}

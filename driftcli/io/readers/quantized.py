@@ -1,299 +1,30 @@
-"""Pre-quantized weights: several stored tensors (codes, block scales, a global scale) read
-as the one weight they stand for, dequantized exactly.
+"""Pre-quantized checkpoints: finding the weights of a listing.
 
-A layout family module (:mod:`~driftcli.io.readers.fp8_scaled` for FP8 elements with a
-scale tensor, :mod:`~driftcli.io.readers.fp4_packed` for packed FP4 nibbles) turns the
-tensors of one weight into a :class:`QuantSpec`; :func:`assemble` finds the weights of a
-listing (the layout from ``config.json`` / ``hf_quant_config.json``, from ``--layout``, or
-recognised from the tensor names) and puts one :class:`~driftcli.io.readers.core.TensorRef`
-per weight, under the weight's own name, in place of its stored tensors.
-
-The value of a quantized element is defined as the exact product of its decoded code and
-its scale(s) (divided by a global scale where the layout's global scale is a divisor),
-rounded once, to nearest even, to the output dtype. ``docs/inputs.md`` lists each layout
-and where its convention comes from.
+:func:`assemble` finds the quantized weights of a listing (the layout from ``config.json`` /
+``hf_quant_config.json``, from ``--layout``, or recognised from the tensor names) and puts
+one :class:`~driftcli.io.readers.core.TensorRef` per weight, under the weight's own name, in
+place of its stored tensors. Each layout family (:mod:`~driftcli.io.readers.fp8_scaled`,
+:mod:`~driftcli.io.readers.fp4_packed`) says which tensors a weight of its layouts claims and
+builds its :class:`~driftcli.io.readers.quantized_weight.QuantSpec`; a new layout is a
+family's entry there.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from driftcli.codec import decode
 from driftcli.errors import DriftError
-from driftcli.io.readers.core import Problem, ReadError, TensorRef, not_regular
+from driftcli.io.readers.core import Problem, TensorRef, not_regular
+from driftcli.io.readers.fp4_packed import FAMILY as FP4
+from driftcli.io.readers.fp8_scaled import FAMILY as FP8
+from driftcli.io.readers.quantized_weight import Config, Family, Layout, weight_ref
 
-
-class Layout(StrEnum):
-    """The quantized layouts drift reads (``--layout``)."""
-
-    DEEPSEEK_FP8 = "deepseek-fp8"
-    """FP8 E4M3 ``weight`` and a ``weight_scale_inv`` multiplier per 128 x 128 block
-    (float32, or E8M0 bytes for the ue8m0 checkpoints)."""
-    MXFP8 = "mxfp8"
-    """FP8 ``weight`` and E8M0 byte scales (U8 or F8_E8M0), one per 32 elements of a row."""
-    CT_FP8 = "ct-fp8"
-    """compressed-tensors / ModelOpt FP8: ``weight`` and a float ``weight_scale`` per tensor
-    or per output channel."""
-    CT_NVFP4 = "ct-nvfp4"
-    """compressed-tensors NVFP4: ``weight_packed``, E4M3 ``weight_scale`` per 16, and a
-    ``weight_global_scale`` the block scale is divided by."""
-    MODELOPT_NVFP4 = "modelopt-nvfp4"
-    """ModelOpt NVFP4: packed ``weight``, E4M3 ``weight_scale`` per 16, and a
-    ``weight_scale_2`` the block scale is multiplied by."""
-    GPT_OSS_MXFP4 = "gpt-oss-mxfp4"
-    """gpt-oss MXFP4: ``*_blocks`` (16 bytes of nibbles per 32 elements) and ``*_scales``
-    (E8M0 bytes)."""
-
-
-class Order(StrEnum):
-    """How a two-level scale is applied (``--order``)."""
-
-    EXACT = "exact"
-    """The exact product of code, block scale and global scale, rounded once."""
-    LIBRARY = "library"
-    """As compressed-tensors' and ModelOpt's eager decoders do: the combined scale (block
-    scale / or x global scale) rounded to float32 first, then the product rounded."""
-
-
-class QuantizedError(ReadError):
-    """A quantized weight whose tensors cannot be read as one: missing, mismatched or NaN."""
-
-
-CHUNK_ELEMENTS = 1 << 22
-"""Elements dequantized at a time (the float64 work holds about 40 bytes each)."""
-
-OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The dtypes a quantized weight can be dequantized to."""
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """One quantized weight: where its codes and scales are, and how they combine."""
-
-    name: str
-    """The weight's own name (``model.layers.0.mlp.down_proj.weight``)."""
-    layout: Layout
-    element: str
-    """The element format's drift name (``float8_e4m3fn``, ``float4_e2m1fn``)."""
-    shape: tuple[int, ...]
-    """The dequantized weight's shape."""
-    codes: TensorRef
-    """The stored codes: one per byte, or two nibbles per byte (low nibble first)."""
-    packed: bool
-    scale: TensorRef
-    scale_format: str
-    """How the scale's bytes are read: a torch float dtype name, or ``e8m0`` for bytes
-    holding a biased power-of-two exponent."""
-    block: tuple[int, int]
-    """Rows x columns of the weight's last two dims that one scale covers."""
-    global_scale: TensorRef | None = None
-    global_divides: bool = False
-    """Whether the element is divided by the global scale (compressed-tensors) rather than
-    multiplied by it (ModelOpt)."""
-    pow2_declared: bool = False
-    """Whether the layout declares every scale a power of two (ue8m0, E8M0)."""
-    order: Order = Order.EXACT
-    out_dtype: str = "float32"
-    extras: tuple[str, ...] = field(default=())
-    """Other stored tensors of this weight (input scales), never measured."""
-
-    @property
-    def tensors(self) -> tuple[str, ...]:
-        """Every stored tensor this weight is read from."""
-        names = [self.codes.name, self.scale.name]
-        if self.global_scale is not None:
-            names.append(self.global_scale.name)
-        return (*names, *self.extras)
-
-
-# --- exact decoding -----------------------------------------------------------------------
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit codes per byte along the last dim, the low nibble first (every FP4 layout
-    drift reads stores element ``2i`` in the low nibble of byte ``i``)."""
-    b = packed.to(torch.int64)
-    return torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
-
-
-def scale_values(raw: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Stored scales as exact float64 values: E8M0 bytes as 2**(byte - 127), 255 as NaN."""
-    if fmt == "e8m0":
-        b = raw.view(torch.uint8).to(torch.int64) if raw.dtype != torch.uint8 else raw.to(
-            torch.int64)
-        vals = torch.ldexp(torch.ones(b.shape, dtype=torch.float64),
-                           (b - 127).to(torch.float64))
-        return torch.where(b == 255, torch.nan, vals)
-    if raw.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return decode(raw.view(torch.uint8), str(raw.dtype).removeprefix("torch.")).double()
-    return raw.to(torch.float64)
-
-
-def element_values(codes: torch.Tensor, element: str) -> torch.Tensor:
-    """Integer codes as their exact float64 values in ``element`` (drift's codec)."""
-    return decode(codes, element).double()
-
-
-def round_once(x: torch.Tensor, dtype: str) -> torch.Tensor:
-    """Exact float64 values (or values already rounded once, see the docs) rounded to
-    nearest even in ``dtype``, overflowing to infinity."""
-    if dtype == "float32":
-        return x.to(torch.float32)  # IEEE conversion: one RNE rounding
-    # float64 -> bfloat16/float16 in torch goes through float32 (two roundings); drift's
-    # rounding reads the float64 bits and rounds once
-    from driftcli.rounding import round_to_format
-    return round_to_format(x, dtype, overflow="ieee").to(OUT_DTYPES[dtype])
-
-
-def _expand(scales: torch.Tensor, block: tuple[int, int], rows: tuple[int, int],
-            shape: tuple[int, ...]) -> torch.Tensor:
-    """Block scales spread over the elements they cover, cut to ``shape``; ``rows`` is the
-    (offset, count) of the last-but-one dim wanted within the first scale row's block."""
-    br, bc = block
-    x = scales.repeat_interleave(bc, dim=-1)[..., :shape[-1]]
-    x = x.repeat_interleave(br, dim=-2)
-    off, n = rows
-    return x[..., off:off + n, :]
-
-
-def read_weight(spec: QuantSpec, start: int, stop: int) -> torch.Tensor:
-    """Rows ``[start, stop)`` (of dim 0) of the dequantized weight, in ``spec.out_dtype``.
-
-    Raises :class:`QuantizedError` naming the weight where a scale it needs is NaN or
-    infinite."""
-    codes = spec.codes.read(start, stop)
-    if spec.packed:
-        if len(spec.shape) < len(spec.codes.shape):  # gpt-oss: (..., G, 16) -> (..., G*32)
-            codes = codes.reshape(*codes.shape[:-2], -1)
-        codes = unpack_nibbles(codes.view(torch.uint8))
-    else:
-        codes = codes.view(torch.uint8)
-    vals = element_values(codes, spec.element)
-    out_shape = (stop - start, *spec.shape[1:])
-    if spec.scale.numel == 1:
-        raw = spec.scale.read()
-        scale = scale_values(raw, spec.scale_format).reshape(())
-    elif len(spec.shape) == 2:  # dim 0 is the blocked row dim
-        br = spec.block[0]
-        first, last = start // br, -(-stop // br)
-        raw = spec.scale.read(first, last)
-        scale = _expand(scale_values(raw, spec.scale_format), spec.block,
-                        (start - first * br, stop - start), out_shape)
-    else:  # dim 0 leads (experts); the blocks tile the last two dims
-        raw = spec.scale.read(start, stop)
-        scale = _expand(scale_values(raw, spec.scale_format), spec.block,
-                        (0, spec.shape[-2]), out_shape)
-    bad = ~torch.isfinite(scale)
-    if bool(bad.any()):
-        raise QuantizedError(f"{spec.scale.source}: tensor {spec.scale.name} holds a "
-                             f"{'NaN' if bool(scale.isnan().any()) else 'infinite'} scale, so "
-                             f"weight {spec.name} cannot be dequantized; re-export the "
-                             "checkpoint")
-    if spec.global_scale is None:
-        return round_once(vals * scale, spec.out_dtype)  # exact: <= 4 + 24 bits
-    g = spec.global_scale.read().to(torch.float64).reshape(())
-    if not math.isfinite(float(g)) or float(g) == 0:
-        raise QuantizedError(f"{spec.global_scale.source}: tensor {spec.global_scale.name} "
-                             f"is {float(g)}, so weight {spec.name} cannot be dequantized; "
-                             "re-export the checkpoint")
-    if spec.order is Order.LIBRARY:
-        combined = (scale / g if spec.global_divides else scale * g).to(torch.float32)
-        return round_once(vals * combined.double(), spec.out_dtype)
-    # code (2 bits) x E4M3 scale (4 bits) x float32 global (24 bits) is exact in float64; a
-    # quotient is rounded once to 53 bits, which cannot move it across a float32 or bfloat16
-    # rounding boundary (see docs/inputs.md), so the final rounding is the only one that counts
-    full = vals * scale / g if spec.global_divides else vals * scale * g
-    return round_once(full, spec.out_dtype)
-
-
-@dataclass(frozen=True)
-class QuantReader:
-    """The :class:`~driftcli.io.readers.core.Reader` of a quantized weight."""
-
-    spec: QuantSpec
-
-    def read(self, ref: TensorRef, start: int, stop: int,
-             into: torch.Tensor | None) -> torch.Tensor:
-        """Rows ``[start, stop)`` dequantized (``into`` is not used), a few million elements
-        at a time: the float64 work takes about 40 bytes an element, the result 2 or 4."""
-        del ref, into
-        spec = self.spec
-        row = math.prod(spec.shape[1:])
-        step = max(1, CHUNK_ELEMENTS // max(row, 1))
-        if len(spec.shape) == 2 and step > spec.block[0]:
-            step -= step % spec.block[0]  # whole blocks: each scale row read once
-        if stop - start <= step:
-            return read_weight(spec, start, stop)
-        out = torch.empty((stop - start, *spec.shape[1:]), dtype=OUT_DTYPES[spec.out_dtype])
-        for at in range(start, stop, step):
-            out[at - start:min(at + step, stop) - start] = read_weight(
-                spec, at, min(at + step, stop))
-        return out
-
-
-def weight_ref(spec: QuantSpec) -> TensorRef:
-    """The one tensor a quantized weight is listed as."""
-    return TensorRef(spec.codes.source, spec.name, spec.out_dtype, spec.shape,
-                     _reader=QuantReader(spec))
-
-
-def spec_of(ref: TensorRef) -> QuantSpec | None:
-    """The quantized weight behind ``ref``, or None for a stored tensor."""
-    reader = ref._reader  # the reader is how a listed ref carries where it comes from
-    return reader.spec if isinstance(reader, QuantReader) else None
-
-
-def with_options(ref: TensorRef, out_dtype: str = "float32",
-                 order: Order = Order.EXACT) -> TensorRef:
-    """``ref`` read to ``out_dtype`` and in ``order`` where it is a quantized weight."""
-    spec = spec_of(ref)
-    if spec is None:
-        return ref
-    return weight_ref(replace(spec, out_dtype=out_dtype, order=order))
-
-
-# --- finding the weights of a listing -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Config:
-    """What a checkpoint folder's config says about its quantization."""
-
-    layout: Layout | None
-    block: tuple[int, int] | None = None
-    pow2_declared: bool = False
-    error: str | None = None
-    """Why the folder's config could not be used (an unknown ``quant_method``)."""
-
-
-@dataclass(frozen=True)
-class Family:
-    """The layouts one module reads: which weights a folder's tensors claim, and how the
-    tensors of one weight become its spec."""
-
-    layouts: tuple[Layout, ...]
-    claims: Callable[[dict[str, TensorRef], set[str]], dict[str, set[Layout]]]
-    """Weight name -> the layouts its stored tensors' names, dtypes and shapes suggest, from
-    the folder's readable tensors and the names of its unreadable ones."""
-    build: Callable[[Layout, str, dict[str, TensorRef], Config], QuantSpec | str]
-    """The spec of one weight, or a one-line problem naming the tensor at fault."""
-    parts: Callable[[Layout, str], tuple[str, ...]]
-    """The stored names a weight of this layout may have."""
-
-
-def _families() -> list[Family]:
-    from driftcli.io.readers.fp4_packed import FAMILY as FP4
-    from driftcli.io.readers.fp8_scaled import FAMILY as FP8
-    return [FP8, FP4]
+FAMILIES = (FP8, FP4)
+"""Every layout family, in the order their claims are read."""
 
 
 _QUANT_METHODS = {"fp8": Layout.DEEPSEEK_FP8, "mxfp4": Layout.GPT_OSS_MXFP4}
@@ -424,7 +155,7 @@ def _resolve(suggested: set[Layout], forced: Layout | None,
 def _assemble_folder(refs: list[TensorRef], unreadable: set[str], config: Config | None,
                      forced: Layout | None, replaced: dict[str, TensorRef | None],
                      problems: list[Problem]) -> None:
-    families = {lay: fam for fam in _families() for lay in fam.layouts}
+    families = {lay: fam for fam in FAMILIES for lay in fam.layouts}
     by_name = {r.name: r for r in refs}
     stems: dict[str, set[Layout]] = {}
     for fam in dict.fromkeys(families.values()):
