@@ -84,12 +84,19 @@ class ScaleRule(StrEnum):
     in exact arithmetic nothing clips: a clip under it comes only from rounding that real scale
     (or the quotient ``x / s``), and counts in ``clipped_by_rounding``. ``floor`` and ``even``
     define their scale as a power of two below ``amax / M``: their clips are the rule's."""
+    rounding: Rounding | None
+    """A real-valued rule's rounding of ``amax / M`` into the scale format, or None where the
+    scale is kept as computed (``amax``, and the power-of-two rules, whose scale is exact).
+    Both implementations read it here (``scalearith``, ``oracle_arith``, the oracle's
+    ``real_rule``), so a new rule states it once."""
 
-    def __new__(cls, value: str, power_of_two: bool, covers_amax: bool = False) -> ScaleRule:
+    def __new__(cls, value: str, power_of_two: bool, covers_amax: bool = False,
+                rounding: Rounding | None = None) -> ScaleRule:
         rule = str.__new__(cls, value)
         rule._value_ = value
         rule.power_of_two = power_of_two
         rule.covers_amax = covers_amax
+        rule.rounding = rounding
         return rule
 
     FLOOR = "floor", True
@@ -100,9 +107,9 @@ class ScaleRule(StrEnum):
     """amax rounded to the element's mantissa width (ties away) first, then ``floor``."""
     AMAX = "amax", False, True
     """Real-valued ``amax / max_elem`` in float32, kept as is (current scaling)."""
-    AMAX_RNE = "amax-rne", False, True
+    AMAX_RNE = "amax-rne", False, True, Rounding.RNE
     """``amax / max_elem`` rounded to nearest into the scale format."""
-    AMAX_UP = "amax-up", False, True
+    AMAX_UP = "amax-up", False, True, Rounding.RUP
     """``amax / max_elem`` rounded up into the scale format (nothing clips)."""
     TWO_LEVEL = "two-level", False, True
     """A float32 tensor scale over block scales in the scale format (NVFP4)."""

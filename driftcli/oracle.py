@@ -253,9 +253,9 @@ EXACT_RULES: dict[ScaleRule, ExponentRule | DivisorRule] = {
     ScaleRule.FLOOR: floor_exponent,
     ScaleRule.CEIL: ceil_exponent,
     ScaleRule.EVEN: even_exponent,
-    ScaleRule.AMAX: real_rule(None),
-    ScaleRule.AMAX_RNE: real_rule(Rounding.RNE),
-    ScaleRule.AMAX_UP: real_rule(Rounding.RUP),
+    ScaleRule.AMAX: real_rule(ScaleRule.AMAX.rounding),
+    ScaleRule.AMAX_RNE: real_rule(ScaleRule.AMAX_RNE.rounding),
+    ScaleRule.AMAX_UP: real_rule(ScaleRule.AMAX_UP.rounding),
     ScaleRule.TWO_LEVEL: two_level_divisor,
     ScaleRule.CEIL_AMAX: ceil_amax_exponent,
 }

@@ -267,8 +267,7 @@ def _real(amax: Exact, elem: Format,
     if a.smin:
         held = at_least(held, of(a.smin))
     rule = scaling.rule
-    mode = {ScaleRule.AMAX_RNE: Rounding.RNE, ScaleRule.AMAX_UP: Rounding.RUP}.get(
-        cast(ScaleRule, rule))
+    mode = None if rule is None else rule.rounding
     if reciprocal and mode is Rounding.RUP:
         mode = Rounding.RDOWN
     finite = finite_positive(held)

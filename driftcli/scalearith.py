@@ -171,8 +171,7 @@ def _real_scales(amax: Tensor, plan: ScalePlan, scaling: Scaling) -> ArithScales
         held = torch.clamp(held, min=a.smin)
     # into the scale format: the rule's rounding (mirrored for a reciprocal: r rounded down
     # is s rounded up), through float32 log2 with pow2=log2
-    mode = (None if rule is None
-            else {ScaleRule.AMAX_RNE: Rounding.RNE, ScaleRule.AMAX_UP: Rounding.RUP}.get(rule))
+    mode = None if rule is None else rule.rounding
     if reciprocal and mode is Rounding.RUP:
         mode = Rounding.RDOWN
     finite = torch.isfinite(held) & (held > 0)
