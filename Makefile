@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test test-fast lint setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: $(STAMP)
 	$(BIN)/mypy
 	# both cores of a 2-core CI machine (docs/contributing.md#the-test-suite)
 	$(BIN)/python -m pytest -q -n 2
+
+# the inner loop while developing: everything but the tests marked slow (make test runs them)
+test-fast: $(STAMP)
+	$(BIN)/ruff check driftcli tests benchmarks examples
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
 
 clean:
 	rm -rf $(VENV) drift-out .pytest_cache

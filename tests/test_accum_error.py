@@ -115,6 +115,7 @@ def swamping_operands() -> tuple[torch.Tensor, torch.Tensor]:
     return a, b
 
 
+@pytest.mark.slow
 def test_bfloat16_sequential_swamping_by_hand() -> None:
     a, b = swamping_operands()
     specs = ["acc=bfloat16:rne,order=sequential", "acc=bfloat16:rtz,order=sequential",

@@ -59,6 +59,7 @@ def _round_on(path: str, x: torch.Tensor, fmt: str, mode: Rounding, policy: Over
                                      random_bits=random, sr_bits=sr_bits)
 
 
+@pytest.mark.slow
 def test_every_format_mode_and_policy_agrees_with_torch() -> None:
     """The numba kernels against torch's eager kernel: the lean float32 one on every cell of
     every format, the general one (float64 inputs) on every format and every mode."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from driftcli import FORMATS
@@ -14,6 +15,7 @@ from driftcli.io.tables import read_table
 from driftcli.verify import MATMUL_ACCUMULATORS, Plan, matmul_specs
 
 
+@pytest.mark.slow
 def test_full_verify_formats_has_no_disagreement(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["verify-formats", "--out", str(tmp_path), "-j", "2"])
     assert result.exit_code == 0, result.output
