@@ -209,6 +209,24 @@ def block_amax(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(top).view(blocks.dtype), torch.from_numpy(bad)
 
 
+
+def block_ranges(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of a 2-D float32 or float64 tensor: the largest finite magnitude (0 for none),
+    the smallest nonzero finite one (inf for none) and whether the row holds NaN or inf
+    (:func:`driftcli.kernels.blockcode.range_kernel`)."""
+    import driftcli.kernels.blockcode as code  # numba, on first use only
+
+    rows, cols = blocks.shape
+    bits = _array(blocks, _INT[blocks.dtype])
+    top = np.empty(rows, dtype=bits.dtype)
+    low = np.empty(rows, dtype=bits.dtype)
+    bad = np.empty(rows, dtype=np.bool_)
+    if rows:
+        spread(code.range_kernel, rows, cols, bits, cols, _MASK[blocks.dtype],
+               _INF_BITS[blocks.dtype], top, low, bad)
+    return (torch.from_numpy(top).view(blocks.dtype), torch.from_numpy(low).view(blocks.dtype),
+            torch.from_numpy(bad))
+
 # --- the scan's fused passes (driftcli.kernels.statcode) ---------------------------------------
 
 PIECE = 1 << 12

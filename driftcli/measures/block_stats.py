@@ -1,0 +1,389 @@
+"""``block-stats``: what happens inside the scale groups of a cast, per tensor, cast and
+direction.
+
+A block-scaled operand is read along its rows by the forward matmul and along its columns by
+the weight-gradient matmul (the transpose): the same tensor gives other blocks, other scales
+and other clips. For each direction (``rows``: blocks along the last axis; ``columns``: along
+the first axis of the tensor seen as 2-D, leading axes folded into it; ``tiles`` for a tile
+cast, whose tiles are the same either way; ``tensor`` for one tensor scale) and each scale
+group g with largest finite magnitude ``amax_g`` and smallest nonzero finite magnitude
+``low_g``, the scale ``s_g`` the cast's rule gives (the rule's own implementation, as
+``quantize`` runs it) and ``M`` the element format's max:
+
+- the scale code histogram (:class:`BlockScaleRow`): blocks per code of the scale format (the
+  block scale of a two-level cast, without its tensor scale);
+- clipped blocks: at least one ``|x / s_g|`` above ``M`` (as clip-rate counts them);
+- scales at the scale format's max (saturated), in its subnormals, at its smallest value;
+- the block's dynamic range in binades, ``floor(log2 amax_g) - floor(log2 low_g)`` read from
+  the bits, against the element format's span ``floor(log2 M) - floor(log2 m)`` (``m`` its
+  smallest positive value): a block above it cannot hold its smallest element beside its
+  largest;
+- the spread of the scales: ``max - min`` of ``floor(log2 s_g)``.
+
+Scale flags and ranges count the *live* blocks: finite, holding a nonzero value (an all-zero
+block gets the smallest scale by convention, a block holding NaN or inf becomes NaN).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from driftcli import engines, kernels
+from driftcli.cast import Cast, parse_cast
+from driftcli.codec import encode
+from driftcli.engines import Execution
+from driftcli.errors import DriftError
+from driftcli.formats import Format
+from driftcli.io.readers import ReadError, TensorRef, open_inputs
+from driftcli.io.tables import column
+from driftcli.kernels import jit
+from driftcli.measures.scan import NothingToMeasure, nothing_to_measure
+from driftcli.modes import Granularity, ScaleRule
+from driftcli.progress import Progress
+from driftcli.quantization import working
+from driftcli.scaling import (
+    ScalePlan,
+    binade_and_significand,
+    plan_divisors,
+    plan_pow2_exponents,
+    plan_two_level_scales,
+    to_blocks,
+)
+
+Tensor = torch.Tensor
+
+
+class Direction(StrEnum):
+    """Which way a tensor's scale groups run."""
+
+    ROWS = "rows"
+    """Along the last axis: the forward matmul's operand."""
+    COLUMNS = "columns"
+    """Along the first axis (the transpose): the weight-gradient matmul's operand."""
+    TILES = "tiles"
+    """2-D tiles: the same groups whichever way the tensor is read."""
+    TENSOR = "tensor"
+    """One scale for the whole tensor."""
+
+
+@dataclass(frozen=True)
+class BlockStatsRow:
+    """One tensor under one cast, in one direction: its blocks."""
+
+    TABLE: ClassVar[str] = "block-stats"
+    KEYS: ClassVar[tuple[str, ...]] = ("source", "tensor", "cast", "direction")
+    HEADLINE: ClassVar[str] = "clipped_block_share"
+    HIGHER_IS_WORSE: ClassVar[bool] = True
+
+    source: str = column("File holding the tensor")
+    tensor: str = column("Tensor name")
+    layer: str | None = column("Layer (module) from a drift dump; null if unknown")
+    dtype: str | None = column("Stored dtype")
+    shape: str | None = column("Shape as a JSON list")
+    cast: str = column("Canonical cast spec")
+    format: str = column("Element format")
+    scale_format: str = column("Scale format (of the block scale, for a two-level cast)")
+    granularity: str = column("Scale granularity: tensor, channel, block or tile")
+    block: int = column("Block or tile size (0 for tensor and channel scales)")
+    direction: str = column("rows (along the last axis), columns (along the first: the "
+                            "transpose), tiles or tensor")
+    n_blocks: int | None = column("Scale groups in this direction")
+    zero_blocks: int | None = column("Groups whose finite elements are all zero")
+    nonfinite_blocks: int | None = column("Groups holding a NaN or inf")
+    clipped_blocks: int | None = column("Groups with at least one |x/s| above the element max")
+    clipped_block_share: float | None = column("clipped_blocks / n_blocks")
+    scale_at_max: int | None = column("Live groups whose scale is the scale format's max "
+                                      "(saturated)")
+    scale_subnormal: int | None = column("Live groups whose scale is a subnormal of the scale "
+                                         "format")
+    scale_at_min: int | None = column("Live groups whose scale is the scale format's smallest "
+                                      "positive value")
+    scale_exponent_min: int | None = column("Smallest floor(log2 s) over the live groups")
+    scale_exponent_max: int | None = column("Largest floor(log2 s) over the live groups")
+    scale_spread: int | None = column("scale_exponent_max - scale_exponent_min (binades)")
+    element_span: int = column("floor(log2 max) - floor(log2 smallest positive) of the "
+                               "element format (binades)")
+    range_median: int | None = column("Lower median over live groups of floor(log2 amax) - "
+                                      "floor(log2 smallest nonzero |x|) (binades)")
+    range_max: int | None = column("Largest such dynamic range (binades)")
+    range_over_span: float | None = column("Share of live groups whose range exceeds "
+                                           "element_span")
+    error: str | None = column("Why this tensor could not be measured; null when it was")
+
+
+@dataclass(frozen=True)
+class BlockScaleRow:
+    """How many blocks of a tensor, cast and direction have one scale code."""
+
+    TABLE: ClassVar[str] = "block-scales"
+    KEYS: ClassVar[tuple[str, ...]] = ("source", "tensor", "cast", "direction", "scale_code")
+    HEADLINE: ClassVar[str] = "blocks"
+    HIGHER_IS_WORSE: ClassVar[bool] = False
+
+    source: str = column("File holding the tensor")
+    tensor: str = column("Tensor name")
+    layer: str | None = column("Layer (module) from a drift dump; null if unknown")
+    cast: str = column("Canonical cast spec")
+    direction: str = column("rows, columns, tiles or tensor (as in block-stats)")
+    scale_code: int = column("Code of the scale in the scale format (E8M0: exponent + 127)")
+    scale_exponent: int = column("floor(log2 s) of that scale")
+    blocks: int = column("Finite groups with this scale")
+
+
+# --- the pass over the groups (the kernel seam: numba or torch) -------------------------------
+
+def block_ranges(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of 2-D float32 or float64 ``blocks``: the largest finite magnitude (0 for
+    none), the smallest nonzero finite one (inf for none), and whether it holds NaN or inf.
+    The numba back-end is :func:`driftcli.kernels.jit.block_ranges`; this is its torch twin."""
+    if kernels.numba_runs(blocks):
+        return jit.block_ranges(blocks.contiguous())
+    finite = torch.isfinite(blocks)
+    mags = blocks.abs()
+    top = torch.where(finite, mags, 0.0).amax(dim=1)
+    low = torch.where(finite & (blocks != 0), mags, torch.inf).amin(dim=1)
+    return top, low, ~finite.all(dim=1)
+
+
+def floor_log2(value: Fraction) -> int:
+    """``floor(log2 value)`` of a positive rational, exactly."""
+    e = value.numerator.bit_length() - value.denominator.bit_length()
+    return e - 1 if value < Fraction(2) ** e else e
+
+
+def element_span(fmt: Format) -> int:
+    """Binades from the format's smallest positive value to its largest."""
+    return floor_log2(fmt.max) - floor_log2(fmt.smallest_positive)
+
+
+def directions(c: Cast, ndim: int) -> tuple[Direction, ...]:
+    """The directions ``c`` has groups in for a tensor of ``ndim`` axes."""
+    g = c.scaling.granularity
+    if g is Granularity.TENSOR:
+        return (Direction.TENSOR,)
+    if g is Granularity.TILE:
+        return (Direction.TILES,)
+    return (Direction.ROWS, Direction.COLUMNS) if ndim >= 2 else (Direction.ROWS,)
+
+
+def _checked(c: Cast) -> Cast:
+    s = c.scaling
+    if s.granularity is Granularity.NONE:
+        raise DriftError(f"block-stats: cast {c} has no scales; give a scaled cast "
+                         "(mxfp8_e4m3, nvfp4, fp8_e4m3, ...)")
+    if not s.arithmetic.exact:
+        raise DriftError(f"block-stats: cast {c} sets a scale arithmetic, which block-stats "
+                         "does not model yet; give the exact cast (e.g. nvfp4 for "
+                         "torchao/nvfp4)")
+    return c
+
+
+@dataclass(frozen=True)
+class _Scales:
+    value: Tensor
+    """Each group's scale in the scale format, float64 (a two-level cast's block scale)."""
+    clipped: Tensor
+    """Each group holds an element with |x / s| above the element format's max."""
+
+
+def _scales(blocks: Tensor, amax: Tensor, c: Cast) -> _Scales:
+    """Each group's scale by the rule's fast implementation (``plan_*``: what ``quantize``
+    divides by) and whether the group clips, from its amax."""
+    s, elem = c.scaling, c.format
+    plan = ScalePlan.of(elem, s)
+    top = amax.max()
+    if s.granularity is Granularity.TENSOR:
+        amax = top.expand_as(amax).contiguous()
+    rule = s.rule
+    big = float(elem.max)
+    symmetric = -elem.min == elem.max
+    if rule is not None and rule.power_of_two:
+        k, _ = plan_pow2_exponents(amax, plan)
+        value = torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double())
+        # |x| > M·2**k in float64 is exact (as quantize's masks test it)
+        if symmetric:
+            clipped = amax.double() > value * big
+        else:
+            wide = blocks.double()
+            clipped = ((wide > (value * big)[:, None]) |
+                       (wide < (value * float(elem.min))[:, None])).any(dim=1)
+        return _Scales(value, clipped)
+    div = plan.divisors(amax)
+    if rule is ScaleRule.TWO_LEVEL:
+        two = plan_two_level_scales(amax, top, div, plan)
+        value, divisor = two.block_scale.double(), two.divisor
+    else:
+        divisor, _ = plan_divisors(amax, top, div, plan)
+        value = divisor.double()
+    # the cast's own float division, monotone in x: the group's largest quotient is amax's
+    d = divisor.to(blocks.dtype)
+    if symmetric:
+        clipped = (amax / d) > big
+    else:
+        y = blocks / d[:, None]
+        clipped = ((y > big) | (y < float(elem.min))).any(dim=1)
+    return _Scales(value, clipped)
+
+
+def _group_rows(x: Tensor, d: Direction, c: Cast) -> Tensor:
+    """``x``'s groups under ``c`` in direction ``d``, one row each."""
+    two = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
+    axis = 0 if d is Direction.COLUMNS else -1
+    return to_blocks(two, c.scaling, axis)[0].contiguous()
+
+
+def _binade(t: Tensor) -> Tensor:
+    return binade_and_significand(t)[0] if t.numel() else torch.zeros(0, dtype=torch.long)
+
+
+def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
+                                                                 dict[int, tuple[int, int]]]:
+    """The block-stats columns of ``x`` under ``c`` in direction ``d``, and its histogram:
+    scale code -> (floor(log2 scale), finite groups)."""
+    blocks = _group_rows(working(x), d, c)
+    amax, low, bad = block_ranges(blocks)
+    sc = _scales(blocks, amax, c)
+    sf = c.scaling.scale_format
+    if sf is None:  # every scaled cast has one (Scaling checks it)
+        raise DriftError(f"block-stats: cast {c} has no scale format")
+    finite = ~bad
+    live = finite & (amax > 0)
+    scale = sc.value
+    n = blocks.shape[0]
+    clipped = int((sc.clipped & finite).sum())  # a NaN group's elements are NaN, not clips
+    sl = scale[live]
+    exps = _binade(sl)
+    sub = sf.has_subnormals and not sf.integer
+    ranges = _binade(amax[live]) - _binade(low[live])
+    span = element_span(c.format)
+    n_live = int(live.sum())
+    cols: dict[str, Any] = {
+        "n_blocks": n, "zero_blocks": int((finite & (amax == 0)).sum()),
+        "nonfinite_blocks": int(bad.sum()), "clipped_blocks": clipped,
+        "clipped_block_share": clipped / n if n else None,
+        "scale_at_max": int((sl == float(sf.max)).sum()),
+        "scale_subnormal": int((sl < float(sf.smallest_normal)).sum()) if sub else 0,
+        "scale_at_min": int((sl == float(sf.smallest_positive)).sum()),
+        "scale_exponent_min": int(exps.min()) if n_live else None,
+        "scale_exponent_max": int(exps.max()) if n_live else None,
+        "scale_spread": int(exps.max() - exps.min()) if n_live else None,
+        "element_span": span,
+        "range_median": int(ranges.median()) if n_live else None,
+        "range_max": int(ranges.max()) if n_live else None,
+        "range_over_span": int((ranges > span).sum()) / n_live if n_live else None,
+    }
+    kept = scale[finite]
+    hist: dict[int, tuple[int, int]] = {}
+    if kept.numel():
+        values, counts = torch.unique(kept, return_counts=True)
+        codes = encode(values, sf)
+        for v, code, count in zip(_binade(values).tolist(), codes.tolist(), counts.tolist(),
+                                  strict=True):
+            hist[int(code)] = (int(v), int(count))
+    return cols, hist
+
+
+# --- tensors, units, rows ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BlockUnit:
+    """One tensor under every cast: the work unit an engine runs."""
+
+    input: str
+    ref: TensorRef
+    casts: tuple[Cast, ...]
+
+    def key(self) -> str:
+        """Everything the unit's rows depend on, its file's stamp included."""
+        ref = self.ref
+        return (f"block-stats|{self.input}|{engines.stamp(ref.source)}|{ref.name}|{ref.dtype}|"
+                f"{list(ref.shape)}|{[str(c) for c in self.casts]}")
+
+
+def _base(ref: TensorRef, c: Cast) -> dict[str, Any]:
+    s = c.scaling
+    return {"source": ref.source, "tensor": ref.name, "layer": ref.layer, "dtype": ref.dtype,
+            "shape": json.dumps(list(ref.shape)), "cast": str(c), "format": c.format.name,
+            "scale_format": s.scale_format.name if s.scale_format else "",
+            "granularity": s.granularity.value, "block": s.block}
+
+
+_NULLS = {f: None for f in BlockStatsRow.__dataclass_fields__
+          if f not in ("source", "tensor", "layer", "dtype", "shape", "cast", "format",
+                       "scale_format", "granularity", "block", "direction", "element_span",
+                       "error")}
+
+
+def block_unit(unit: BlockUnit) -> tuple[list[BlockStatsRow], list[BlockScaleRow]]:
+    """Every cast and direction of one tensor: its rows and histogram rows (an error row per
+    cast when the tensor cannot be read)."""
+    ref = unit.ref
+    try:
+        x = ref.read()
+    except ReadError as err:
+        return ([BlockStatsRow(**_base(ref, c), direction="", **_NULLS,
+                               element_span=element_span(c.format), error=str(err))
+                 for c in unit.casts], [])
+    rows, hist = [], []
+    for c in unit.casts:
+        for d in directions(c, x.dim()):
+            cols, codes = direction_stats(x, c, d)
+            rows.append(BlockStatsRow(**_base(ref, c), direction=d.value, **cols, error=None))
+            hist.extend(BlockScaleRow(ref.source, ref.name, ref.layer, str(c), d.value, code,
+                                      exp, count)
+                        for code, (exp, count) in sorted(codes.items()))
+    return rows, hist
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """What ``block-stats`` found: a row per tensor, cast and direction, the histogram rows,
+    and every file read (for provenance)."""
+
+    rows: list[BlockStatsRow]
+    scales: list[BlockScaleRow]
+    files: list[Path]
+
+
+def block_stats(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
+                include: Sequence[str] = (), exclude: Sequence[str] = (),
+                execution: Execution | None = None,
+                progress: Progress | None = None) -> BlockStats:
+    """Every selected floating-point tensor of ``paths`` under every cast, in each direction
+    its groups run: :class:`BlockStatsRow` and :class:`BlockScaleRow` rows, the same on every
+    engine. A tensor that cannot be read gets an error row per cast; the others go on."""
+    if not casts:
+        raise DriftError("no cast given; add --cast SPEC (a block cast such as mxfp8_e4m3 or "
+                         "nvfp4, see drift formats --presets)")
+    parsed = tuple(_checked(parse_cast(c)) for c in casts)
+    opened = [(str(p), open_inputs([p], include, exclude)) for p in paths]
+    empty = [why for inp, inputs in opened if (why := nothing_to_measure(inp, inputs))]
+    if len(empty) == len(opened):
+        raise NothingToMeasure("; ".join(empty))
+    units = [BlockUnit(inp, ref, parsed) for inp, inputs in opened for ref in inputs.tensors
+             if ref.is_float]
+    found = engines.run(units, block_unit, execution or Execution(), progress=progress,
+                        label=lambda u: u.ref.name, size=lambda u: u.ref.nbytes)
+    rows: list[BlockStatsRow] = []
+    scales: list[BlockScaleRow] = []
+    for inp, inputs in opened:
+        for e in inputs.errors:
+            rows.extend(BlockStatsRow(
+                source=e.source, tensor=e.tensor or "(unreadable file)", layer=None, dtype=None,
+                shape=None, cast=str(c), format=c.format.name,
+                scale_format=c.scaling.scale_format.name if c.scaling.scale_format else "",
+                granularity=c.scaling.granularity.value, block=c.scaling.block, direction="",
+                **_NULLS, element_span=element_span(c.format), error=e.message)
+                for c in parsed)
+    for r, h in found:
+        rows.extend(r)
+        scales.extend(h)
+    return BlockStats(rows, scales, [f for _, i in opened for f in i.files])
