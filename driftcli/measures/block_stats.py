@@ -374,7 +374,7 @@ def block_stats(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
                         label=lambda u: u.ref.name, size=lambda u: u.ref.nbytes)
     rows: list[BlockStatsRow] = []
     scales: list[BlockScaleRow] = []
-    for inp, inputs in opened:
+    for _, inputs in opened:
         for e in inputs.errors:
             rows.extend(BlockStatsRow(
                 source=e.source, tensor=e.tensor or "(unreadable file)", layer=None, dtype=None,
