@@ -249,3 +249,50 @@ def test_fraction_spans_match_the_bits() -> None:
     f = parse_cast("nvfp4").format
     assert _binade(float(f.max)) - _binade(float(f.smallest_positive)) == element_span(f)
     assert Fraction(float(f.max)) == f.max
+
+
+def test_the_reports_heatmaps_show_the_planted_exponents_and_clips(tmp_path: Path) -> None:
+    """The html report embeds a tensors x scale-exponent heatmap per cast and direction and a
+    tensors x clipped-share one; their cells are coloured where the blocks are: a tensor
+    whose every block has one scale fills one cell with the colour map's top (yellow)."""
+    import base64
+    import io
+    import re
+
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path / "a.safetensors"
+    clip = torch.ones(8, 64)
+    clip[:, ::32] = 1.9  # every row block clips (1.9 > 1.75 * 2**0 under scale 2**-8)
+    save_file({"flat": torch.ones(8, 64), "clip": clip}, str(path))
+    out = tmp_path / "out"
+    assert runner.invoke(app, ["block-stats", str(path), "-c", "mxfp8_e4m3", "--out", str(out),
+                               "-q"]).exit_code == 0
+    page = tmp_path / "r.html"
+    result = runner.invoke(app, ["report", str(out / "block-stats.parquet"),
+                                 str(out / "block-scales.parquet"), "--html", str(page)])
+    assert result.exit_code == 0, result.output
+    text = page.read_text()
+    images = {alt: base64.b64decode(png) for png, alt in
+              re.findall(r'src="data:image/png;base64,([^"]+)"[^>]*alt="([^"]+)"', text)}
+    maps = [a for a in images if a.startswith("heatmap")]
+    assert len(maps) == 3, list(images)  # clips; exponents along rows and along columns
+
+    def yellow(png: bytes) -> int:
+        rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+        return int(((rgb[..., 0] > 230) & (rgb[..., 1] > 210) & (rgb[..., 2] < 80)).sum())
+
+    rows_map = next(images[a] for a in maps if "exponent" in a and a.endswith("rows"))
+    clip_map = next(images[a] for a in maps if "clipping" in a)
+    assert yellow(rows_map) > 500  # both tensors' blocks all at 2**-8: full cells
+    assert yellow(clip_map) > 500  # the clip tensor's row blocks all clip
+    empty = torch.ones(8, 64)  # and a tensor with no clip draws no yellow on the clip map
+    save_file({"flat": empty}, str(path))
+    again = tmp_path / "again"
+    runner.invoke(app, ["block-stats", str(path), "-c", "mxfp8_e4m3", "--out", str(again), "-q"])
+    runner.invoke(app, ["report", str(again / "block-stats.parquet"), "--html", str(page)])
+    text = page.read_text()
+    got = {alt: base64.b64decode(png) for png, alt in
+           re.findall(r'src="data:image/png;base64,([^"]+)"[^>]*alt="([^"]+)"', text)}
+    assert yellow(next(v for a, v in got.items() if "clipping" in a)) == 0
