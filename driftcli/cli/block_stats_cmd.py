@@ -79,6 +79,8 @@ def _print(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from driftcli.report.terminal import width
+
     table = Table(title="block-stats: over all tensors, per cast and direction")
     head = ("cast", "direction", "tensors", "blocks", "clipped", "scale max", "scale sub",
             "scale min", "spread", "range max", "over span", "most clipped")
@@ -92,7 +94,7 @@ def _print(summary: dict[str, Any]) -> None:
                       str(c["scale_subnormal"]), str(c["scale_at_min"]), fmt(c["scale_spread"]),
                       fmt(c["range_max"]), fmt(c["range_over_span"]),
                       esc(f"{w['tensor']} {fmt(w['clipped_block_share'])}"))
-    out = Console(width=200)
+    out = Console(width=width(), soft_wrap=True)
     out.print(table)
     for e in summary["errors"]:
         out.print(f"[red]not measured[/red] {esc(e['source'])} {esc(e['tensor'])}: "
