@@ -210,22 +210,33 @@ def block_amax(blocks: Tensor) -> tuple[Tensor, Tensor]:
 
 
 
-def block_ranges(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per row of a 2-D float32 or float64 tensor: the largest finite magnitude (0 for none),
-    the smallest nonzero finite one (inf for none) and whether the row holds NaN or inf
-    (:func:`driftcli.kernels.blockcode.range_kernel`)."""
+def block_ranges(blocks: Tensor, k: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per row of a 2-D float32 or float64 tensor (with ``k``: per group of ``k`` rows of each
+    column, in the transpose's block order, read in place): the largest finite magnitude (0
+    for none), the smallest nonzero finite one (inf for none), the binades between them (-1
+    for none) and whether it holds NaN or inf (:mod:`driftcli.kernels.blockcode`)."""
     import driftcli.kernels.blockcode as code  # numba, on first use only
 
     rows, cols = blocks.shape
     bits = _array(blocks, _INT[blocks.dtype])
-    top = np.empty(rows, dtype=bits.dtype)
-    low = np.empty(rows, dtype=bits.dtype)
-    bad = np.empty(rows, dtype=np.bool_)
-    if rows:
-        spread(code.range_kernel, rows, cols, bits, cols, _MASK[blocks.dtype],
-               _INF_BITS[blocks.dtype], top, low, bad)
+    n = cols * -(-rows // k) if k else rows
+    top = np.empty(n, dtype=bits.dtype)
+    low = np.empty(n, dtype=bits.dtype)
+    span = np.empty(n, dtype=np.int64)
+    bad = np.empty(n, dtype=np.bool_)
+    layout = _LAYOUT_BITS[blocks.dtype]
+    consts = (_MASK[blocks.dtype], _INF_BITS[blocks.dtype], *layout, top, low, span, bad)
+    if n and k:
+        spread(code.column_range_kernel, -(-rows // k), k * cols, bits, rows, cols, k, *consts)
+    elif n:
+        spread(code.range_kernel, rows, cols, bits, cols, *consts)
     return (torch.from_numpy(top).view(blocks.dtype), torch.from_numpy(low).view(blocks.dtype),
-            torch.from_numpy(bad))
+            torch.from_numpy(span), torch.from_numpy(bad))
+
+
+_LAYOUT_BITS = {torch.float32: (23, 127), torch.float64: (52, 1023)}
+"""Significand bits and exponent bias of the float layouts the kernels read."""
+
 
 # --- the scan's fused passes (driftcli.kernels.statcode) ---------------------------------------
 

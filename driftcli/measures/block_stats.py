@@ -27,6 +27,7 @@ block gets the smallest scale by convention, a block holding NaN or inf becomes 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -140,17 +141,22 @@ class BlockScaleRow:
 
 # --- the pass over the groups (the kernel seam: numba or torch) -------------------------------
 
-def block_ranges(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def block_ranges(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per row of 2-D float32 or float64 ``blocks``: the largest finite magnitude (0 for
-    none), the smallest nonzero finite one (inf for none), and whether it holds NaN or inf.
-    The numba back-end is :func:`driftcli.kernels.jit.block_ranges`; this is its torch twin."""
+    none), the smallest nonzero finite one (inf for none), the binades from it to the largest,
+    ``floor(log2 top) - floor(log2 low)`` (-1 for none), and whether it holds NaN or inf.
+    The numba back-end is :func:`driftcli.kernels.jit.block_ranges`; this is its torch
+    twin."""
     if kernels.numba_runs(blocks):
         return jit.block_ranges(blocks.contiguous())
     finite = torch.isfinite(blocks)
     mags = blocks.abs()
     top = torch.where(finite, mags, 0.0).amax(dim=1)
     low = torch.where(finite & (blocks != 0), mags, torch.inf).amin(dim=1)
-    return top, low, ~finite.all(dim=1)
+    has = torch.isfinite(low)
+    span = binade_and_significand(torch.where(has, top, 1.0))[0] - \
+        binade_and_significand(torch.where(has, low, 1.0))[0]
+    return top, low, torch.where(has, span, -1), ~finite.all(dim=1)
 
 
 def floor_log2(value: Fraction) -> int:
@@ -190,13 +196,22 @@ def _checked(c: Cast) -> Cast:
 class _Scales:
     value: Tensor
     """Each group's scale in the scale format, float64 (a two-level cast's block scale)."""
+    exponent: Tensor | None
+    """Each group's ``k`` of a power-of-two scale ``2**k``; None for the other rules."""
     clipped: Tensor
     """Each group holds an element with |x / s| above the element format's max."""
 
 
-def _scales(blocks: Tensor, amax: Tensor, c: Cast) -> _Scales:
+def _symmetric(c: Cast) -> bool:
+    """Whether the element format's range is ±max (an integer format's reaches one further
+    below), so that a group clips exactly when its amax does."""
+    return bool(-c.format.min == c.format.max)
+
+
+def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
     """Each group's scale by the rule's fast implementation (``plan_*``: what ``quantize``
-    divides by) and whether the group clips, from its amax."""
+    divides by) and whether the group clips, from its amax (and from its elements, ``blocks``,
+    for an asymmetric element format)."""
     s, elem = c.scaling, c.format
     plan = ScalePlan.of(elem, s)
     top = amax.max()
@@ -204,18 +219,17 @@ def _scales(blocks: Tensor, amax: Tensor, c: Cast) -> _Scales:
         amax = top.expand_as(amax).contiguous()
     rule = s.rule
     big = float(elem.max)
-    symmetric = -elem.min == elem.max
     if rule is not None and rule.power_of_two:
         k, _ = plan_pow2_exponents(amax, plan)
         value = torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double())
         # |x| > M·2**k in float64 is exact (as quantize's masks test it)
-        if symmetric:
+        if blocks is None:
             clipped = amax.double() > value * big
         else:
             wide = blocks.double()
             clipped = ((wide > (value * big)[:, None]) |
                        (wide < (value * float(elem.min))[:, None])).any(dim=1)
-        return _Scales(value, clipped)
+        return _Scales(value, k, clipped)
     div = plan.divisors(amax)
     if rule is ScaleRule.TWO_LEVEL:
         two = plan_two_level_scales(amax, top, div, plan)
@@ -224,71 +238,111 @@ def _scales(blocks: Tensor, amax: Tensor, c: Cast) -> _Scales:
         divisor, _ = plan_divisors(amax, top, div, plan)
         value = divisor.double()
     # the cast's own float division, monotone in x: the group's largest quotient is amax's
-    d = divisor.to(blocks.dtype)
-    if symmetric:
+    d = divisor.to(amax.dtype)
+    if blocks is None:
         clipped = (amax / d) > big
     else:
         y = blocks / d[:, None]
         clipped = ((y > big) | (y < float(elem.min))).any(dim=1)
-    return _Scales(value, clipped)
+    return _Scales(value, None, clipped)
 
 
-def _group_rows(x: Tensor, d: Direction, c: Cast) -> Tensor:
-    """``x``'s groups under ``c`` in direction ``d``, one row each."""
+def _groups(x: Tensor, c: Cast, d: Direction) -> tuple[Tensor | None, tuple[Tensor, ...]]:
+    """``x``'s groups under ``c`` in direction ``d``: one row each (None where the numba pass
+    read the columns in place and nothing else needs the elements) and their
+    :func:`block_ranges`."""
     two = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
-    axis = 0 if d is Direction.COLUMNS else -1
-    return to_blocks(two, c.scaling, axis)[0].contiguous()
+    s = c.scaling
+    if d is Direction.COLUMNS and _symmetric(c) and kernels.numba_runs(two) and \
+            s.granularity in (Granularity.BLOCK, Granularity.CHANNEL):
+        k = s.block if s.granularity is Granularity.BLOCK else two.shape[0]
+        return None, jit.block_ranges(two.contiguous(), k)
+    blocks = to_blocks(two, s, 0 if d is Direction.COLUMNS else -1)[0].contiguous()
+    return blocks, block_ranges(blocks)
 
 
-def _binade(t: Tensor) -> Tensor:
-    return binade_and_significand(t)[0] if t.numel() else torch.zeros(0, dtype=torch.long)
+def _floor_log2(v: float) -> int:
+    return math.frexp(v)[1] - 1  # v = m * 2**e, 0.5 <= m < 1: exact
+
+
+def _histogram(sc: _Scales, finite: Tensor, sf: Format) -> dict[int, tuple[int, int]]:
+    """Scale code -> (floor(log2 scale), finite groups with it)."""
+    if sc.exponent is not None:  # powers of two: count the exponents, encode the few found
+        k = sc.exponent[finite]
+        if not k.numel():
+            return {}
+        low = int(k.min())
+        counts = torch.bincount(k - low)
+        ks = counts.nonzero()[:, 0] + low
+        values = torch.ldexp(torch.ones_like(ks, dtype=torch.float64), ks.double())
+        found = counts[counts > 0]
+    elif sf.bits <= 16 and not sf.integer:
+        # a narrow float format's values are float32s whose low significand bits are zero:
+        # count the float32 bits above them (scales are positive: key 0 is no scale)
+        shift = 23 - sf.mbits
+        keys = torch.where(finite, sc.value.float().view(torch.int32) >> shift, 0)
+        counts = torch.bincount(keys.long())
+        counts[0] = 0
+        present = counts.nonzero()[:, 0]
+        values = (present.int() << shift).view(torch.float32).double()
+        found = counts[present]
+    else:
+        values, found = torch.unique(sc.value[finite], return_counts=True)
+    codes = encode(values, sf)
+    return {int(code): (_floor_log2(v), int(n))
+            for code, v, n in zip(codes.tolist(), values.tolist(), found.tolist(), strict=True)}
+
+
+def _lower_median(values: Tensor) -> int:
+    """The lower median of small non-negative integers, by counting."""
+    counts = torch.bincount(values)
+    return int(torch.searchsorted(counts.cumsum(0), (values.numel() - 1) // 2, right=True))
+
+
+def _count(mask: Tensor) -> int:
+    return int(torch.count_nonzero(mask))  # several times faster than a bool sum
 
 
 def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
                                                                  dict[int, tuple[int, int]]]:
     """The block-stats columns of ``x`` under ``c`` in direction ``d``, and its histogram:
     scale code -> (floor(log2 scale), finite groups)."""
-    blocks = _group_rows(working(x), d, c)
-    amax, low, bad = block_ranges(blocks)
-    sc = _scales(blocks, amax, c)
+    c = _checked(c)
+    blocks, (amax, _, span, bad) = _groups(working(x), c, d)
+    sc = _scales(None if _symmetric(c) else blocks, amax, c)
     sf = c.scaling.scale_format
     if sf is None:  # every scaled cast has one (Scaling checks it)
         raise DriftError(f"block-stats: cast {c} has no scale format")
-    finite = ~bad
+    # a NaN or inf makes a block scaling's group NaN; a tensor or channel scale reads the
+    # finite elements and casts them as any other
+    finite = ~bad if c.scaling.blocked else torch.ones_like(bad)
     live = finite & (amax > 0)
     scale = sc.value
-    n = blocks.shape[0]
-    clipped = int((sc.clipped & finite).sum())  # a NaN group's elements are NaN, not clips
-    sl = scale[live]
-    exps = _binade(sl)
+    n = int(amax.numel())
+    n_live = _count(live)
+    clipped = _count(sc.clipped & finite)  # a NaN group's elements are NaN, not clips
     sub = sf.has_subnormals and not sf.integer
-    ranges = _binade(amax[live]) - _binade(low[live])
-    span = element_span(c.format)
-    n_live = int(live.sum())
+    ranges = span[live]
+    elem_span = element_span(c.format)
+    lo = float(torch.where(live, scale, torch.inf).min()) if n_live else 0.0
+    hi = float(torch.where(live, scale, 0.0).max()) if n_live else 0.0
     cols: dict[str, Any] = {
-        "n_blocks": n, "zero_blocks": int((finite & (amax == 0)).sum()),
-        "nonfinite_blocks": int(bad.sum()), "clipped_blocks": clipped,
+        "n_blocks": n, "zero_blocks": _count(finite & (amax == 0)),
+        "nonfinite_blocks": _count(bad), "clipped_blocks": clipped,
         "clipped_block_share": clipped / n if n else None,
-        "scale_at_max": int((sl == float(sf.max)).sum()),
-        "scale_subnormal": int((sl < float(sf.smallest_normal)).sum()) if sub else 0,
-        "scale_at_min": int((sl == float(sf.smallest_positive)).sum()),
-        "scale_exponent_min": int(exps.min()) if n_live else None,
-        "scale_exponent_max": int(exps.max()) if n_live else None,
-        "scale_spread": int(exps.max() - exps.min()) if n_live else None,
-        "element_span": span,
-        "range_median": int(ranges.median()) if n_live else None,
+        "scale_at_max": _count((scale == float(sf.max)) & live),
+        "scale_subnormal": _count((scale < float(sf.smallest_normal)) & live)
+        if sub else 0,
+        "scale_at_min": _count((scale == float(sf.smallest_positive)) & live),
+        "scale_exponent_min": _floor_log2(lo) if n_live else None,
+        "scale_exponent_max": _floor_log2(hi) if n_live else None,
+        "scale_spread": _floor_log2(hi) - _floor_log2(lo) if n_live else None,
+        "element_span": elem_span,
+        "range_median": _lower_median(ranges) if n_live else None,
         "range_max": int(ranges.max()) if n_live else None,
-        "range_over_span": int((ranges > span).sum()) / n_live if n_live else None,
+        "range_over_span": _count(ranges > elem_span) / n_live if n_live else None,
     }
-    kept = scale[finite]
-    hist: dict[int, tuple[int, int]] = {}
-    if kept.numel():
-        values, counts = torch.unique(kept, return_counts=True)
-        codes = encode(values, sf)
-        for v, code, count in zip(_binade(values).tolist(), codes.tolist(), counts.tolist(),
-                                  strict=True):
-            hist[int(code)] = (int(v), int(count))
-    return cols, hist
+    return cols, _histogram(sc, finite, sf)
 
 
 # --- tensors, units, rows ----------------------------------------------------------------------
