@@ -49,7 +49,7 @@ from driftcli.kernels import jit
 from driftcli.measures.scan import NothingToMeasure, nothing_to_measure
 from driftcli.modes import Granularity, ScaleRule
 from driftcli.progress import Progress
-from driftcli.quantization import working
+from driftcli.quantization import pow2_rule, working
 from driftcli.scaling import (
     ScalePlan,
     binade_and_significand,
@@ -220,7 +220,12 @@ def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
     rule = s.rule
     big = float(elem.max)
     if rule is not None and rule.power_of_two:
-        k, _ = plan_pow2_exponents(amax, plan)
+        vector = pow2_rule(c) if amax.dtype == torch.float32 and kernels.numba_runs(amax) \
+            else None
+        if vector is not None:  # castcode's scale kernel, each group's amax a block of one
+            k = jit.pow2_block_scales(amax.reshape(-1, 1).contiguous(), vector).scale
+        else:
+            k, _ = plan_pow2_exponents(amax, plan)
         value = torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double())
         # |x| > M·2**k in float64 is exact (as quantize's masks test it)
         if blocks is None:
@@ -299,6 +304,10 @@ def _lower_median(values: Tensor) -> int:
     return int(torch.searchsorted(counts.cumsum(0), (values.numel() - 1) // 2, right=True))
 
 
+_BIG = 1 << 20
+"""Beyond any scale exponent: the neutral element of their min and max."""
+
+
 def _count(mask: Tensor) -> int:
     return int(torch.count_nonzero(mask))  # several times faster than a bool sum
 
@@ -324,8 +333,12 @@ def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
     sub = sf.has_subnormals and not sf.integer
     ranges = span[live]
     elem_span = element_span(c.format)
-    lo = float(torch.where(live, scale, torch.inf).min()) if n_live else 0.0
-    hi = float(torch.where(live, scale, 0.0).max()) if n_live else 0.0
+    if sc.exponent is not None and n_live:  # 2**k is monotone in k: its extremes are k's
+        lo = math.ldexp(1.0, int(torch.where(live, sc.exponent, _BIG).min()))
+        hi = math.ldexp(1.0, int(torch.where(live, sc.exponent, -_BIG).max()))
+    else:
+        lo = float(torch.where(live, scale, torch.inf).min()) if n_live else 0.0
+        hi = float(torch.where(live, scale, 0.0).max()) if n_live else 0.0
     cols: dict[str, Any] = {
         "n_blocks": n, "zero_blocks": _count(finite & (amax == 0)),
         "nonfinite_blocks": _count(bad), "clipped_blocks": clipped,
