@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from numba import njit
 
 from driftcli.kernels.jitcode import OPTIONS
@@ -94,3 +95,40 @@ def column_range_kernel(bits: Any, rows: int, cols: int, k: int, mask: int, inf_
         for j in range(cols):
             _close(j * bands + b, his[j], los[j], nfs[j] != 0, inf_bits, mbits, bias, top, low,
                    span, bad)
+
+
+@njit(**OPTIONS)
+def summary_kernel(top: Any, span: Any, bad: Any, poison: bool, scale: Any, clipped: Any,
+                   ends: Any, elem_span: int, ranges: Any, out: Any, extremes: Any) -> None:
+    """One pass over the groups' facts (their amax ``top``, binades ``span``, NaN/inf flag
+    ``bad``, scale and clip flag): the counts of :func:`driftcli.measures.block_stats.
+    block_summary` into ``out`` (live, zero, nonfinite, clipped, scale at max, subnormal
+    scale, scale at min, range over span, largest range), the live scales' extremes into
+    ``extremes`` and the live ranges' histogram into ``ranges``. ``ends`` are the scale
+    format's max, smallest normal (0 where it has no subnormals) and smallest value; with
+    ``poison``, a group holding NaN or inf is not finite (a block scaling makes it NaN)."""
+    lo = np.inf
+    hi = 0.0
+    for i in range(top.size):
+        if bad[i]:
+            out[2] += 1
+        if poison and bad[i]:
+            continue
+        if clipped[i]:
+            out[3] += 1
+        if top[i] == 0:
+            out[1] += 1
+            continue
+        out[0] += 1
+        s = scale[i]
+        out[4] += s == ends[0]
+        out[5] += s < ends[1]
+        out[6] += s == ends[2]
+        lo = min(lo, s)
+        hi = max(hi, s)
+        r = span[i]
+        out[7] += r > elem_span
+        out[8] = max(out[8], r)
+        ranges[r] += 1
+    extremes[0] = lo
+    extremes[1] = hi

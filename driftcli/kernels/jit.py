@@ -234,6 +234,22 @@ def block_ranges(blocks: Tensor, k: int = 0) -> tuple[Tensor, Tensor, Tensor, Te
             torch.from_numpy(span), torch.from_numpy(bad))
 
 
+def block_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, scale: Tensor,
+                  clipped: Tensor, ends: tuple[float, float, float], elem_span: int,
+                  max_span: int) -> tuple[list[int], tuple[float, float], Tensor]:
+    """The counts, live scales' extremes and live ranges' histogram of the groups' facts, in
+    one pass (:func:`driftcli.kernels.blockcode.summary_kernel`)."""
+    import driftcli.kernels.blockcode as code  # numba, on first use only
+
+    out = np.zeros(9, dtype=np.int64)
+    extremes = np.zeros(2, dtype=np.float64)
+    ranges = np.zeros(max_span + 1, dtype=np.int64)
+    code.summary_kernel(_array(top), _array(span), _array(bad), poison,
+                        _array(scale.double()), _array(clipped), np.array(ends, np.float64),
+                        elem_span, ranges, out, extremes)
+    return out.tolist(), (float(extremes[0]), float(extremes[1])), torch.from_numpy(ranges)
+
+
 _LAYOUT_BITS = {torch.float32: (23, 127), torch.float64: (52, 1023)}
 """Significand bits and exponent bias of the float layouts the kernels read."""
 

@@ -298,14 +298,41 @@ def _histogram(sc: _Scales, finite: Tensor, sf: Format) -> dict[int, tuple[int, 
             for code, v, n in zip(codes.tolist(), values.tolist(), found.tolist(), strict=True)}
 
 
-def _lower_median(values: Tensor) -> int:
-    """The lower median of small non-negative integers, by counting."""
-    counts = torch.bincount(values)
-    return int(torch.searchsorted(counts.cumsum(0), (values.numel() - 1) // 2, right=True))
+MAX_SPAN = 2200
+"""Above any group's range in binades (float64: 2**1023 over 2**-1074 is 2097)."""
+
+Summary = tuple[list[int], tuple[float, float], Tensor]
+"""Counts (live, zero, nonfinite, clipped, scale at max, subnormal scale, scale at min,
+range over span, largest range), the live scales' smallest and largest, and the live ranges'
+histogram (groups per binade count)."""
 
 
-_BIG = 1 << 20
-"""Beyond any scale exponent: the neutral element of their min and max."""
+def block_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, scale: Tensor,
+                  clipped: Tensor, ends: tuple[float, float, float],
+                  elem_span: int) -> Summary:
+    """What block-stats counts of the groups' facts (their amax ``top``, ranges ``span``,
+    NaN/inf flags ``bad``, scales and clip flags; ``ends``: the scale format's max, smallest
+    normal, 0 where it has no subnormals, and smallest value; with ``poison`` a group holding
+    NaN or inf is not counted but as nonfinite). The numba back-end is
+    :func:`driftcli.kernels.jit.block_summary`; this is its torch twin."""
+    if kernels.numba_runs(top, scale):
+        return jit.block_summary(top, span, bad, poison, scale, clipped, ends, elem_span,
+                                 MAX_SPAN)
+    finite = ~bad if poison else torch.ones_like(bad)
+    live = finite & (top > 0)
+    ranges = span[live]
+    sl = scale.double()[live]
+    counts = [_count(live), _count(finite & (top == 0)), _count(bad), _count(clipped & finite),
+              _count(sl == ends[0]), _count(sl < ends[1]), _count(sl == ends[2]),
+              _count(ranges > elem_span), int(ranges.max()) if ranges.numel() else 0]
+    lo = float(sl.min()) if sl.numel() else math.inf
+    hi = float(sl.max()) if sl.numel() else 0.0
+    return counts, (lo, hi), torch.bincount(ranges, minlength=MAX_SPAN + 1)
+
+
+def _lower_median(ranges: Tensor, n: int) -> int:
+    """The lower median of ``n`` values from their histogram ``ranges``."""
+    return int(torch.searchsorted(ranges.cumsum(0), (n - 1) // 2, right=True))
 
 
 def _count(mask: Tensor) -> int:
@@ -324,37 +351,28 @@ def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
         raise DriftError(f"block-stats: cast {c} has no scale format")
     # a NaN or inf makes a block scaling's group NaN; a tensor or channel scale reads the
     # finite elements and casts them as any other
-    finite = ~bad if c.scaling.blocked else torch.ones_like(bad)
-    live = finite & (amax > 0)
-    scale = sc.value
-    n = int(amax.numel())
-    n_live = _count(live)
-    clipped = _count(sc.clipped & finite)  # a NaN group's elements are NaN, not clips
+    poison = c.scaling.blocked
     sub = sf.has_subnormals and not sf.integer
-    ranges = span[live]
+    ends = (float(sf.max), float(sf.smallest_normal) if sub else 0.0,
+            float(sf.smallest_positive))
     elem_span = element_span(c.format)
-    if sc.exponent is not None and n_live:  # 2**k is monotone in k: its extremes are k's
-        lo = math.ldexp(1.0, int(torch.where(live, sc.exponent, _BIG).min()))
-        hi = math.ldexp(1.0, int(torch.where(live, sc.exponent, -_BIG).max()))
-    else:
-        lo = float(torch.where(live, scale, torch.inf).min()) if n_live else 0.0
-        hi = float(torch.where(live, scale, 0.0).max()) if n_live else 0.0
+    counts, (lo, hi), ranges = block_summary(amax, span, bad, poison, sc.value, sc.clipped,
+                                             ends, elem_span)
+    n_live, zero, nonfinite, clipped, at_max, n_sub, at_min, over, widest = counts
+    n = int(amax.numel())
     cols: dict[str, Any] = {
-        "n_blocks": n, "zero_blocks": _count(finite & (amax == 0)),
-        "nonfinite_blocks": _count(bad), "clipped_blocks": clipped,
-        "clipped_block_share": clipped / n if n else None,
-        "scale_at_max": _count((scale == float(sf.max)) & live),
-        "scale_subnormal": _count((scale < float(sf.smallest_normal)) & live)
-        if sub else 0,
-        "scale_at_min": _count((scale == float(sf.smallest_positive)) & live),
+        "n_blocks": n, "zero_blocks": zero, "nonfinite_blocks": nonfinite,
+        "clipped_blocks": clipped, "clipped_block_share": clipped / n if n else None,
+        "scale_at_max": at_max, "scale_subnormal": n_sub, "scale_at_min": at_min,
         "scale_exponent_min": _floor_log2(lo) if n_live else None,
         "scale_exponent_max": _floor_log2(hi) if n_live else None,
         "scale_spread": _floor_log2(hi) - _floor_log2(lo) if n_live else None,
         "element_span": elem_span,
-        "range_median": _lower_median(ranges) if n_live else None,
-        "range_max": int(ranges.max()) if n_live else None,
-        "range_over_span": _count(ranges > elem_span) / n_live if n_live else None,
+        "range_median": _lower_median(ranges, n_live) if n_live else None,
+        "range_max": widest if n_live else None,
+        "range_over_span": over / n_live if n_live else None,
     }
+    finite = ~bad if poison else torch.ones_like(bad)
     return cols, _histogram(sc, finite, sf)
 
 
