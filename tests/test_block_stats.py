@@ -298,3 +298,21 @@ def test_the_reports_heatmaps_show_the_planted_exponents_and_clips(tmp_path: Pat
            re.findall(r'src="data:image/png;base64,([^"]+)"[^>]*alt="([^"]+)"', text)}
     # (the colour bar's top end is a few yellow pixels on every map)
     assert yellow(next(v for a, v in got.items() if "clipping" in a)) < 50
+
+
+def test_fail_on_gates_on_block_stats_columns(tmp_path: Path) -> None:
+    """The planted fault (a block pinned at E8M0's minimum) breaks a gate on scale_at_min;
+    the same gate holds on the clean tensor."""
+    for name, pinned, code in (("planted", True, 1), ("clean", False, 0)):
+        path = tmp_path / f"{name}.safetensors"
+        x = torch.ones(4, 32)
+        if pinned:
+            x[0] = 2.0 ** -140
+        save_file({"w": x}, str(path))
+        out = tmp_path / name
+        assert runner.invoke(app, ["block-stats", str(path), "-c", "mxfp8_e4m3", "--out",
+                                   str(out), "-q"]).exit_code == 0
+        result = runner.invoke(app, ["report", str(out / "block-stats.parquet"), "--fail-on",
+                                     "block-stats:scale_at_min > 0"])
+        assert result.exit_code == code, result.output
+        assert ("FAIL" in result.output) == pinned
