@@ -19,6 +19,7 @@ from driftcli.cast import parse_cast
 from driftcli.cli import app
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
+from driftcli.io.readers import open_inputs
 from driftcli.io.tables import read_table
 from driftcli.measures.block_stats import (
     BlockScaleRow,
@@ -197,14 +198,30 @@ def test_an_unscaled_cast_is_refused(tmp_path: Path) -> None:
         block_stats([path], ["bf16"])
 
 
-def test_tables_are_equal_on_the_serial_and_process_engines(tmp_path: Path) -> None:
+def test_tables_are_equal_from_kept_units_and_on_the_process_engine(tmp_path: Path) -> None:
+    """What an engine does to a unit: pickle it to a worker, record its rows and read them
+    back (--resume). The units pickle, and rows read back from the kept units (the JSON
+    record every engine's results go through) equal the serial run's; one worker process
+    gives the same tables (one worker: each spawn costs a torch import)."""
+    import pickle
+
+    from driftcli.measures.block_stats import BlockUnit, block_unit
+
     path = tmp_path / "a.safetensors"
     save_file({"w": _sample(), "v": torch.linspace(-3, 3, 96).reshape(3, 32).contiguous()},
               str(path))
-    serial = block_stats([path], ["mxfp8_e4m3", "nvfp4"])
-    procs = block_stats([path], ["mxfp8_e4m3", "nvfp4"],
-                        execution=Execution(Engine.PROCESSES, workers=2))
-    assert serial.rows == procs.rows and serial.scales == procs.scales
+    casts = ["mxfp8_e4m3", "nvfp4"]
+    serial = block_stats([path], casts)
+    kept = tmp_path / "kept"
+    first = block_stats([path], casts, execution=Execution(resume=kept))
+    again = block_stats([path], casts, execution=Execution(resume=kept))  # read back
+    assert serial.rows == first.rows == again.rows
+    assert serial.scales == first.scales == again.scales
+    unit = BlockUnit(str(path), open_inputs([path]).tensors[0],
+                     tuple(parse_cast(c) for c in casts))
+    assert block_unit(pickle.loads(pickle.dumps(unit))) == block_unit(unit)
+    procs = block_stats([path], casts, execution=Execution(Engine.PROCESSES, workers=1))
+    assert procs.rows == serial.rows and procs.scales == serial.scales
     assert {(r.tensor, r.direction) for r in serial.rows} == \
         {("w", "rows"), ("w", "columns"), ("v", "rows"), ("v", "columns")}
     assert sum(r.blocks for r in serial.scales if r.tensor == "v" and r.direction == "rows"
