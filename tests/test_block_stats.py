@@ -333,3 +333,24 @@ def test_fail_on_gates_on_block_stats_columns(tmp_path: Path) -> None:
                                      "block-stats:scale_at_min > 0"])
         assert result.exit_code == code, result.output
         assert ("FAIL" in result.output) == pinned
+
+
+def test_an_empty_tensor_and_an_unreadable_file_give_rows_not_crashes(tmp_path: Path) -> None:
+    good = tmp_path / "in" / "a.safetensors"
+    good.parent.mkdir()
+    save_file({"empty": torch.zeros(0, 32), "w": torch.ones(2, 32, dtype=torch.float64)},
+              str(good))
+    (tmp_path / "in" / "b.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    found = block_stats([good.parent], ["mxfp8_e4m3", "fp8_e4m3"])
+    empty = [r for r in found.rows if r.tensor == "empty"]
+    assert [(r.direction, r.n_blocks, r.range_max) for r in empty] == \
+        [("rows", 0, None), ("columns", 0, None), ("tensor", 0, None)]
+    bad = [r for r in found.rows if r.error is not None]
+    assert len(bad) == 2 and all(r.source.endswith("b.safetensors") for r in bad)
+    # a float64 tensor's float32 tensor scale: counted under the nearest float32's code
+    tensor_row = next(r for r in found.scales if r.tensor == "w" and r.direction == "tensor")
+    assert (tensor_row.scale_exponent, tensor_row.blocks) == (-9, 1)
+    result = runner.invoke(app, ["block-stats", str(good.parent), "-c", "mxfp8_e4m3",
+                                 "--out", str(tmp_path / "o"), "-q"])
+    assert result.exit_code == 2 and "b.safetensors" in result.output
+    assert (tmp_path / "o" / "block-stats.parquet").exists()  # the others were measured

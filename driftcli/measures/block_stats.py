@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from fractions import Fraction
 from pathlib import Path
@@ -292,10 +292,15 @@ def _histogram(sc: _Scales, finite: Tensor, sf: Format) -> dict[int, tuple[int, 
         values = (present.int() << shift).view(torch.float32).double()
         found = counts[present]
     else:
-        values, found = torch.unique(sc.value[finite], return_counts=True)
+        # a float32 scale: drift computes a float64 tensor's in float64 (as quantize divides
+        # by it); a scale register holds it as float32, so it is counted under the code of
+        # the nearest float32
+        values, found = torch.unique(sc.value[finite].float().double(), return_counts=True)
     codes = encode(values, sf)
-    return {int(code): (_floor_log2(v), int(n))
-            for code, v, n in zip(codes.tolist(), values.tolist(), found.tolist(), strict=True)}
+    out: dict[int, tuple[int, int]] = {}
+    for code, v, n in zip(codes.tolist(), values.tolist(), found.tolist(), strict=True):
+        out[int(code)] = (_floor_log2(v), out.get(int(code), (0, 0))[1] + int(n))
+    return out
 
 
 MAX_SPAN = 2200
@@ -344,6 +349,11 @@ def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
     """The block-stats columns of ``x`` under ``c`` in direction ``d``, and its histogram:
     scale code -> (floor(log2 scale), finite groups)."""
     c = _checked(c)
+    if x.numel() == 0:  # no group: every count 0, every statistic of groups null
+        return {**dict.fromkeys(_NULLS), "n_blocks": 0, "zero_blocks": 0,
+                "nonfinite_blocks": 0, "clipped_blocks": 0, "scale_at_max": 0,
+                "scale_subnormal": 0, "scale_at_min": 0,
+                "element_span": element_span(c.format)}, {}
     blocks, (amax, _, span, bad) = _groups(working(x), c, d)
     sc = _scales(None if _symmetric(c) else blocks, amax, c)
     sf = c.scaling.scale_format
@@ -401,8 +411,8 @@ def _base(ref: TensorRef, c: Cast) -> dict[str, Any]:
             "granularity": s.granularity.value, "block": s.block}
 
 
-_NULLS = {f: None for f in BlockStatsRow.__dataclass_fields__
-          if f not in ("source", "tensor", "layer", "dtype", "shape", "cast", "format",
+_NULLS = {f.name: None for f in fields(BlockStatsRow)
+          if f.name not in ("source", "tensor", "layer", "dtype", "shape", "cast", "format",
                        "scale_format", "granularity", "block", "direction", "element_span",
                        "error")}
 
