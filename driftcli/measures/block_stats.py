@@ -134,7 +134,8 @@ class BlockScaleRow:
     layer: str | None = column("Layer (module) from a drift dump; null if unknown")
     cast: str = column("Canonical cast spec")
     direction: str = column("rows, columns, tiles or tensor (as in block-stats)")
-    scale_code: int = column("Code of the scale in the scale format (E8M0: exponent + 127)")
+    scale_code: int = column("Code of the scale in the scale format (E8M0: exponent + 127; "
+                             "a float32 scale of a float64 tensor: the nearest float32's)")
     scale_exponent: int = column("floor(log2 s) of that scale")
     blocks: int = column("Finite groups with this scale")
 
