@@ -215,10 +215,12 @@ def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
     for an asymmetric element format)."""
     s, elem = c.scaling, c.format
     plan = ScalePlan.of(elem, s)
-    top = amax.max()
+    rule = s.rule
+    # the tensor's amax: read by a tensor scale and by the rules that take it (two-level's)
+    top = amax.max() if s.granularity is Granularity.TENSOR or not (
+        rule is not None and rule.power_of_two) else amax[:0]
     if s.granularity is Granularity.TENSOR:
         amax = top.expand_as(amax).contiguous()
-    rule = s.rule
     big = float(elem.max)
     if rule is not None and rule.power_of_two:
         vector = pow2_rule(c) if amax.dtype == torch.float32 and kernels.numba_runs(amax) \
