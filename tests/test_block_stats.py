@@ -5,6 +5,7 @@ and the process engine giving equal tables, and the command's tables."""
 from __future__ import annotations
 
 import math
+import shutil
 from fractions import Fraction
 from pathlib import Path
 
@@ -354,3 +355,41 @@ def test_an_empty_tensor_and_an_unreadable_file_give_rows_not_crashes(tmp_path: 
                                  "--out", str(tmp_path / "o"), "-q"])
     assert result.exit_code == 2 and "b.safetensors" in result.output
     assert (tmp_path / "o" / "block-stats.parquet").exists()  # the others were measured
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (Debian: apt-get "
+                    "install chromium); the pixel checks of the PNGs above still run")
+def test_the_heatmaps_are_readable_in_headless_chromium(tmp_path: Path) -> None:
+    """The report page as a browser draws it: the block-stats heatmaps show (the colour map's
+    yellow cells of the planted tensor, where every block has one scale and clips)."""
+    import subprocess
+
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path / "a.safetensors"
+    clip = torch.ones(8, 64)
+    clip[:, ::32] = 1.9
+    save_file({"clip": clip}, str(path))
+    out = tmp_path / "out"
+    assert runner.invoke(app, ["block-stats", str(path), "-c", "mxfp8_e4m3", "--out", str(out),
+                               "-q"]).exit_code == 0
+    page = tmp_path / "r.html"
+    assert runner.invoke(app, ["report", str(out / "block-stats.parquet"),
+                               str(out / "block-scales.parquet"), "--html",
+                               str(page)]).exit_code == 0
+    shot = tmp_path / "shot.png"
+    proc = subprocess.run(
+        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--host-resolver-rules=MAP * ~NOTFOUND",
+         "--window-size=1200,4000", "--hide-scrollbars", "--force-device-scale-factor=1",
+         f"--screenshot={shot}", page.as_uri()],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rgb = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    yellow = (rgb[..., 0] > 230) & (rgb[..., 1] > 210) & (rgb[..., 2] < 80)
+    assert yellow.sum() > 1500  # full cells on the clip map and the exponent maps
