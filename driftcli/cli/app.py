@@ -36,7 +36,7 @@ EXIT_USAGE = 2
 
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Measure", ("clip-rate", "underflow-rate", "error-bias", "cast-diff", "accum-error",
-                 "grad-cosine")),
+                 "grad-cosine", "block-stats")),
     ("Verify", ("verify-formats", "formats", "calibrate")),
     ("Quantized checkpoints", ("inspect", "dequantize")),
     ("Report", ("report",)),

@@ -209,6 +209,51 @@ def block_amax(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(top).view(blocks.dtype), torch.from_numpy(bad)
 
 
+
+def block_ranges(blocks: Tensor, k: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per row of a 2-D float32 or float64 tensor (with ``k``: per group of ``k`` rows of each
+    column, in the transpose's block order, read in place): the largest finite magnitude (0
+    for none), the smallest nonzero finite one (inf for none), the binades between them (-1
+    for none) and whether it holds NaN or inf (:mod:`driftcli.kernels.blockcode`)."""
+    import driftcli.kernels.blockcode as code  # numba, on first use only
+
+    rows, cols = blocks.shape
+    bits = _array(blocks, _INT[blocks.dtype])
+    n = cols * -(-rows // k) if k else rows
+    top = np.empty(n, dtype=bits.dtype)
+    low = np.empty(n, dtype=bits.dtype)
+    span = np.empty(n, dtype=np.int64)
+    bad = np.empty(n, dtype=np.bool_)
+    layout = _LAYOUT_BITS[blocks.dtype]
+    consts = (_MASK[blocks.dtype], _INF_BITS[blocks.dtype], *layout, top, low, span, bad)
+    if n and k:
+        spread(code.column_range_kernel, -(-rows // k), k * cols, bits, rows, cols, k, *consts)
+    elif n:
+        spread(code.range_kernel, rows, cols, bits, cols, *consts)
+    return (torch.from_numpy(top).view(blocks.dtype), torch.from_numpy(low).view(blocks.dtype),
+            torch.from_numpy(span), torch.from_numpy(bad))
+
+
+def block_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, scale: Tensor,
+                  clipped: Tensor, ends: tuple[float, float, float], elem_span: int,
+                  max_span: int) -> tuple[list[int], tuple[float, float], Tensor]:
+    """The counts, live scales' extremes and live ranges' histogram of the groups' facts, in
+    one pass (:func:`driftcli.kernels.blockcode.summary_kernel`)."""
+    import driftcli.kernels.blockcode as code  # numba, on first use only
+
+    out = np.zeros(9, dtype=np.int64)
+    extremes = np.zeros(2, dtype=np.float64)
+    ranges = np.zeros(max_span + 1, dtype=np.int64)
+    code.summary_kernel(_array(top), _array(span), _array(bad), poison,
+                        _array(scale.double()), _array(clipped), np.array(ends, np.float64),
+                        elem_span, ranges, out, extremes)
+    return out.tolist(), (float(extremes[0]), float(extremes[1])), torch.from_numpy(ranges)
+
+
+_LAYOUT_BITS = {torch.float32: (23, 127), torch.float64: (52, 1023)}
+"""Significand bits and exponent bias of the float layouts the kernels read."""
+
+
 # --- the scan's fused passes (driftcli.kernels.statcode) ---------------------------------------
 
 PIECE = 1 << 12

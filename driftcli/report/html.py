@@ -11,6 +11,7 @@ import re
 from html import escape
 
 from driftcli.report import display as d
+from driftcli.report.blockmaps import block_maps
 from driftcli.report.model import Report
 from driftcli.report.plots import Note, Palette, Plot, figures
 
@@ -96,7 +97,7 @@ def render(report: Report) -> str:
         if fails:
             body.append('<ul class="error">' + "".join(f"<li>{escape(f)}</li>" for f in fails)
                         + "</ul>")
-        body += [_figure(p) for p in figures(table, palette)]
+        body += [_figure(p) for p in [*figures(table, palette), *block_maps(table)]]
         body.append("</section>")
     if report.comparison is not None:
         body.append(f"<h2>Baseline <code>{escape(str(report.options.baseline))}</code></h2>")

@@ -1,0 +1,134 @@
+"""The numba code of block-stats' pass (imported on first use: importing it imports numba).
+
+:func:`range_kernel` reads each scale group once for what block-stats needs of it: the largest
+and the smallest nonzero finite magnitude, the binades between them, and whether it holds a
+NaN or inf. :func:`column_range_kernel` does the same for groups that run down the columns of
+a row-major matrix (the transpose a weight-gradient matmul reads), without copying it.
+Magnitudes are compared as the bits of ``|x|`` (for non-negative floats the bit order is the
+value order) and binades read from the exponent field, so nothing is rounded; the torch twin
+is :func:`driftcli.measures.block_stats.block_ranges`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from driftcli.kernels.jitcode import OPTIONS
+
+
+@njit(**OPTIONS)
+def binade(m: int, mbits: int, bias: int) -> int:
+    """``floor(log2 v)`` of the positive finite float whose bits are ``m``: its exponent field
+    less the bias, or for a subnormal, its significand's top bit less ``bias + mbits - 1``."""
+    field = m >> mbits
+    if field:
+        return field - bias
+    top = -1
+    while m:
+        m >>= 1
+        top += 1
+    return top - bias - mbits + 1
+
+
+@njit(**OPTIONS)
+def _close(r: int, hi: int, lo: int, nonfinite: bool, inf_bits: int, mbits: int, bias: int,
+           top: Any, low: Any, span: Any, bad: Any) -> None:
+    top[r] = hi
+    low[r] = lo
+    bad[r] = nonfinite
+    span[r] = binade(hi, mbits, bias) - binade(lo, mbits, bias) if lo < inf_bits else -1
+
+
+@njit(**OPTIONS)
+def range_kernel(bits: Any, cols: int, mask: int, inf_bits: int, mbits: int, bias: int,
+                 top: Any, low: Any, span: Any, bad: Any, start: int, stop: int) -> None:
+    """Rows ``start..stop`` of a row-major ``(rows, cols)`` block layout (its float bits):
+    per row the largest finite ``bits & mask`` (0 for none), the smallest nonzero finite one
+    (``inf_bits`` for none), the binades from that one to the largest (-1 for none) and
+    whether the row holds a NaN or inf."""
+    for r in range(start, stop):
+        xs = bits[r * cols:(r + 1) * cols]
+        hi = 0
+        lo = inf_bits
+        nonfinite = False
+        for i in range(xs.size):
+            m = xs[i] & mask
+            if m >= inf_bits:
+                nonfinite = True
+            else:
+                hi = max(hi, m)
+                if m != 0:
+                    lo = min(lo, m)
+        _close(r, hi, lo, nonfinite, inf_bits, mbits, bias, top, low, span, bad)
+
+
+@njit(**OPTIONS)
+def column_range_kernel(bits: Any, rows: int, cols: int, k: int, mask: int, inf_bits: int,
+                        mbits: int, bias: int, top: Any, low: Any, span: Any, bad: Any,
+                        start: int, stop: int) -> None:
+    """Bands ``start..stop`` of ``k`` rows of a row-major ``(rows, cols)`` matrix: per column
+    j and band b, what :func:`range_kernel` gives the group of the band's elements of column
+    j, at ``j * bands + b`` (the order of the transpose's blocks). The band is read row by
+    row, in memory order, into one accumulator per column."""
+    bands = (rows + k - 1) // k
+    his = bits[:cols].copy()
+    los = bits[:cols].copy()
+    nfs = bits[:cols].copy()
+    for b in range(start, stop):
+        for j in range(cols):
+            his[j] = 0
+            los[j] = inf_bits
+            nfs[j] = 0
+        for i in range(b * k, min((b + 1) * k, rows)):
+            xs = bits[i * cols:(i + 1) * cols]
+            for j in range(cols):
+                m = xs[j] & mask
+                if m >= inf_bits:
+                    nfs[j] = 1
+                else:
+                    his[j] = max(his[j], m)
+                    if m != 0:
+                        los[j] = min(los[j], m)
+        for j in range(cols):
+            _close(j * bands + b, his[j], los[j], nfs[j] != 0, inf_bits, mbits, bias, top, low,
+                   span, bad)
+
+
+@njit(**OPTIONS)
+def summary_kernel(top: Any, span: Any, bad: Any, poison: bool, scale: Any, clipped: Any,
+                   ends: Any, elem_span: int, ranges: Any, out: Any, extremes: Any) -> None:
+    """One pass over the groups' facts (their amax ``top``, binades ``span``, NaN/inf flag
+    ``bad``, scale and clip flag): the counts of :func:`driftcli.measures.block_stats.
+    block_summary` into ``out`` (live, zero, nonfinite, clipped, scale at max, subnormal
+    scale, scale at min, range over span, largest range), the live scales' extremes into
+    ``extremes`` and the live ranges' histogram into ``ranges``. ``ends`` are the scale
+    format's max, smallest normal (0 where it has no subnormals) and smallest value; with
+    ``poison``, a group holding NaN or inf is not finite (a block scaling makes it NaN)."""
+    lo = np.inf
+    hi = 0.0
+    for i in range(top.size):
+        if bad[i]:
+            out[2] += 1
+        if poison and bad[i]:
+            continue
+        if clipped[i]:
+            out[3] += 1
+        if top[i] == 0:
+            out[1] += 1
+            continue
+        out[0] += 1
+        s = scale[i]
+        out[4] += s == ends[0]
+        out[5] += s < ends[1]
+        out[6] += s == ends[2]
+        lo = min(lo, s)
+        hi = max(hi, s)
+        r = span[i]
+        out[7] += r > elem_span
+        out[8] = max(out[8], r)
+        ranges[r] += 1
+    extremes[0] = lo
+    extremes[1] = hi
