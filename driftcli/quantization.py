@@ -30,6 +30,7 @@ from driftcli.modes import (
     Rounding,
     ScaleRule,
 )
+from driftcli.fouroversix import four_over_six_scales
 from driftcli.scalearith import apply_ops, arith_scales, group_amax, undo_ops
 from driftcli.scaling import (
     ScalePlan,
@@ -253,20 +254,30 @@ def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
     top = tensor_amax_of(amax, tensor_amax)
     if s.granularity is Granularity.TENSOR:
         amax = top.expand_as(amax).contiguous()
-    sc = arith_scales(amax, top, c.format, s)
-    poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
-    if use_jit:
-        p = fast.jit_params(src=fast.source_of(torch.float32), tgt=fast.target_of(c.format),
-                            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
-        q = jit.round_scaled(blocks, sc.apply, sc.undo, bits, p, poisoned,
-                             sc.apply_op is ElementOp.MUL, sc.undo_op is ElementOp.DIV)
+    def rounded(apply: Tensor, apply_op: ElementOp, undo: Tensor, undo_op: ElementOp,
+                rounding: Rounding, overflow: Overflow, bits: Tensor | None,
+                poisoned: Tensor | None) -> Tensor:
+        if use_jit:
+            p = fast.jit_params(src=fast.source_of(torch.float32),
+                                tgt=fast.target_of(c.format), rounding=rounding,
+                                overflow=overflow, sr_bits=sr_bits)
+            return jit.round_scaled(blocks, apply, undo, bits, p, poisoned,
+                                    apply_op is ElementOp.MUL, undo_op is ElementOp.DIV)
+        y = apply_ops(apply, apply_op, blocks).contiguous()
+        code = fast.round_fused(y, fast.target_of(c.format), rounding, overflow, bits, None,
+                                sr_bits)
+        q = undo_ops(undo, undo_op, code)
+        return q if poisoned is None else torch.where(poisoned[:, None], torch.nan, q)
+
+    if a.two.four_over_six:  # the candidates' codes: nearest even, saturating, undone by 1
+        ones = torch.ones_like(amax)
+        sc = four_over_six_scales(blocks, amax, top, a.two, lambda m: rounded(
+            m, ElementOp.MUL, ones, ElementOp.MUL, Rounding.RNE, Overflow.SATURATE, None, None))
     else:
-        y = apply_ops(sc.apply, sc.apply_op, blocks).contiguous()
-        code = fast.round_fused(y, fast.target_of(c.format), c.rounding, c.overflow, bits,
-                                None, sr_bits)
-        q = undo_ops(sc.undo, sc.undo_op, code)
-        if poisoned is not None:
-            q = torch.where(poisoned[:, None], torch.nan, q)
+        sc = arith_scales(amax, top, c.format, s)
+    poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
+    q = rounded(sc.apply, sc.apply_op, sc.undo, sc.undo_op, c.rounding, c.overflow, bits,
+                poisoned)
     bad_blocks = bad if s.blocked else torch.zeros_like(bad)
     scales = sc.scale if poisoned is None else torch.where(poisoned, torch.nan, sc.scale)
     clamped = sc.clamped & ~(poisoned if poisoned is not None else torch.zeros_like(bad))

@@ -34,7 +34,7 @@ LAYERS = (
     ("formats", "modes", "text", "escaping", "kernels", "exact", "memory", "progress", "engines"),
     ("cast", "oracle", "oracle_blockfma", "oracle_arith", "codec", "recipes"),
     ("rounding",),
-    ("scaling", "scalearith"),
+    ("scaling", "scalearith", "fouroversix"),
     ("quantization",),
     ("arith",),
     ("io",),
