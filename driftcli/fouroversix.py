@@ -33,6 +33,9 @@ map-to-4 block scale (1.5x the map-to-6 one) stays within E4M3's 448 (reference 
 382-384)."""
 GLOBAL_MAX = 6.0 * E4M3_BOUND
 EXPAND = 1.5
+PREFER_MAP4: Callable[[Tensor, Tensor], Tensor] = torch.lt
+"""Where map-to-4's error beats map-to-6's: strictly smaller (line 637: ties, and a NaN error,
+keep map-to-6); a module constant so that a test can plant ``torch.le``."""
 """``expand_to_map4`` (quantize_4over6_nvfp4.cuh line 131)."""
 
 
@@ -100,7 +103,7 @@ def four_over_six_scales(blocks: Tensor, amax: Tensor, tensor_amax: Tensor,
     sb4, sb6, inv4, inv6, raw4, raw6 = candidate_scales(amax, enc, dec)
     err4 = block_errors(blocks, codes_of(inv4), sb4, t, enc, order)
     err6 = block_errors(blocks, codes_of(inv6), sb6, t, enc, order)
-    pick4 = err4 < err6  # ties, and NaN errors, keep map-to-6
+    pick4 = PREFER_MAP4(err4, err6)
     sb = torch.where(pick4, sb4, sb6)
     raw = torch.where(pick4, raw4, raw6)
     apply = torch.where(pick4, inv4, inv6)

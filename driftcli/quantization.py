@@ -20,6 +20,7 @@ from driftcli import kernels
 from driftcli import rounding as fast
 from driftcli.cast import Cast, parse_cast
 from driftcli.errors import DriftError
+from driftcli.fouroversix import four_over_six_scales
 from driftcli.kernels import jit
 from driftcli.modes import (
     DEFAULT_SR_BITS,
@@ -30,7 +31,6 @@ from driftcli.modes import (
     Rounding,
     ScaleRule,
 )
-from driftcli.fouroversix import four_over_six_scales
 from driftcli.scalearith import apply_ops, arith_scales, group_amax, undo_ops
 from driftcli.scaling import (
     ScalePlan,
