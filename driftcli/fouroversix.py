@@ -7,10 +7,10 @@ The op sequence follows ``transformer_engine/pytorch/custom_recipes/reference_nv
 lines 523-648, ``_ref_nvfp4_4over6_fp16_candidate`` lines 465-510) and the kernel it mirrors,
 ``common/cast/nvfp4/quantize_4over6_nvfp4.cuh`` lines 126-201, 246-258 (NVIDIA/
 TransformerEngine at d0067d0); dequantized as ``dequantize_nvfp4.cuh`` lines 66-69 do with
-``E4M3_MAX = 256``. Each step is one IEEE float32 operation in torch. The candidates' codes come
-from the kernel seam's element rounding (``codes_of``), so both back-ends round them the same
-way; the choice (16 float32 additions per block, in the reference's order) is float32
-elementwise torch, the same on every CPU. Its exact twin is
+``E4M3_MAX = 256``. Each step is one IEEE float32 operation. The scales are torch (one value per
+block); the candidates' codes and errors, the hot loop, run on the kernel seam: numba's
+``kernels.fourcode.errors_kernel`` (with the element kernel's rounding) or torch's element
+rounding and :func:`block_errors`, the same bits. Its exact twin is
 ``driftcli.oracle_arith.four_over_six``.
 """
 
@@ -20,7 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from driftcli.formats import FORMATS
+from driftcli import kernels
+from driftcli import rounding as fast
+from driftcli.formats import FORMATS, Format
+from driftcli.kernels import jit
 from driftcli.modes import DEFAULT_SR_BITS, ElementOp, Overflow, Rounding, TwoLevelOrder
 from driftcli.rounding import round_values
 from driftcli.scalearith import F32_MAX, ArithScales
@@ -91,18 +94,37 @@ def block_errors(blocks: Tensor, q: Tensor, sb: Tensor, t: Tensor, enc: Tensor,
     return err
 
 
-def four_over_six_scales(blocks: Tensor, amax: Tensor, tensor_amax: Tensor,
-                         order: TwoLevelOrder,
-                         codes_of: Callable[[Tensor], Tensor]) -> ArithScales:
+def candidate_errors(blocks: Tensor, elem: Format, sb4: Tensor, sb6: Tensor, inv4: Tensor,
+                     inv6: Tensor, t: Tensor, enc: Tensor,
+                     order: TwoLevelOrder) -> tuple[Tensor, Tensor]:
+    """Both candidates' errors per row, on whichever back-end runs (numba:
+    ``kernels.fourcode.errors_kernel``; torch: the element rounding and
+    :func:`block_errors`), the same bits."""
+    tgt = fast.target_of(elem)
+    if kernels.numba_runs(blocks):
+        p = fast.jit_params(src=fast.source_of(torch.float32), tgt=tgt, rounding=Rounding.RNE,
+                            overflow=Overflow.SATURATE, sr_bits=DEFAULT_SR_BITS)
+        consts = (float(t), float(enc), float(torch.tensor(GLOBAL_MAX, dtype=torch.float32)))
+        return jit.four_over_six_errors(blocks, inv4, inv6, sb4, sb6, consts, p, order.squared,
+                                        order.fp16_error)
+
+    def codes(m: Tensor) -> Tensor:
+        return fast.round_fused((blocks * m[:, None]).contiguous(), tgt, Rounding.RNE,
+                                Overflow.SATURATE, None, None, DEFAULT_SR_BITS)
+
+    return (block_errors(blocks, codes(inv4), sb4, t, enc, order),
+            block_errors(blocks, codes(inv6), sb6, t, enc, order))
+
+
+def four_over_six_scales(blocks: Tensor, amax: Tensor, tensor_amax: Tensor, elem: Format,
+                         order: TwoLevelOrder) -> ArithScales:
     """The scales of every 1 x 16 block (rows of float32 ``blocks``, ``amax`` each row's
-    ``fmaxf`` amax, ``tensor_amax`` the tensor's) under 4/6: both candidates cast
-    (``codes_of(multiplier)``: the E2M1 codes, nearest even and saturating, of
-    ``fl(x · multiplier)`` row by row), their errors, the choice."""
+    ``fmaxf`` amax, ``tensor_amax`` the tensor's) under 4/6: both candidates cast (codes of
+    ``fl(x · multiplier)`` in ``elem``, nearest even, saturating), their errors, the choice."""
     t = tensor_amax.float()
     enc, dec = tensor_scales(t)
     sb4, sb6, inv4, inv6, raw4, raw6 = candidate_scales(amax, enc, dec)
-    err4 = block_errors(blocks, codes_of(inv4), sb4, t, enc, order)
-    err6 = block_errors(blocks, codes_of(inv6), sb6, t, enc, order)
+    err4, err6 = candidate_errors(blocks, elem, sb4, sb6, inv4, inv6, t, enc, order)
     pick4 = PREFER_MAP4(err4, err6)
     sb = torch.where(pick4, sb4, sb6)
     raw = torch.where(pick4, raw4, raw6)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
@@ -220,7 +221,7 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
         top = tensor_amax_of(amax, tensor_amax)
         if s.granularity is Granularity.TENSOR:
             amax = top.expand_as(amax)
-        static = {"c": c, "sr_bits": sr_bits, "wide": pow2 and needs_wide(amax, c)}
+        static: dict[str, Any] = {"c": c, "sr_bits": sr_bits, "wide": pow2 and needs_wide(amax, c)}
         # in cache-sized slices: several times faster than whole tensors
         q, scale, clamped = _sliced(blocks, bits, amax, nonfinite, top, static)
     bad_blocks = nonfinite if s.blocked else no_blocks
@@ -254,30 +255,21 @@ def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
     top = tensor_amax_of(amax, tensor_amax)
     if s.granularity is Granularity.TENSOR:
         amax = top.expand_as(amax).contiguous()
-    def rounded(apply: Tensor, apply_op: ElementOp, undo: Tensor, undo_op: ElementOp,
-                rounding: Rounding, overflow: Overflow, bits: Tensor | None,
-                poisoned: Tensor | None) -> Tensor:
-        if use_jit:
-            p = fast.jit_params(src=fast.source_of(torch.float32),
-                                tgt=fast.target_of(c.format), rounding=rounding,
-                                overflow=overflow, sr_bits=sr_bits)
-            return jit.round_scaled(blocks, apply, undo, bits, p, poisoned,
-                                    apply_op is ElementOp.MUL, undo_op is ElementOp.DIV)
-        y = apply_ops(apply, apply_op, blocks).contiguous()
-        code = fast.round_fused(y, fast.target_of(c.format), rounding, overflow, bits, None,
-                                sr_bits)
-        q = undo_ops(undo, undo_op, code)
-        return q if poisoned is None else torch.where(poisoned[:, None], torch.nan, q)
-
-    if a.two.four_over_six:  # the candidates' codes: nearest even, saturating, undone by 1
-        ones = torch.ones_like(amax)
-        sc = four_over_six_scales(blocks, amax, top, a.two, lambda m: rounded(
-            m, ElementOp.MUL, ones, ElementOp.MUL, Rounding.RNE, Overflow.SATURATE, None, None))
-    else:
-        sc = arith_scales(amax, top, c.format, s)
+    sc = (four_over_six_scales(blocks, amax, top, c.format, a.two) if a.two.four_over_six
+          else arith_scales(amax, top, c.format, s))
     poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
-    q = rounded(sc.apply, sc.apply_op, sc.undo, sc.undo_op, c.rounding, c.overflow, bits,
-                poisoned)
+    if use_jit:
+        p = fast.jit_params(src=fast.source_of(torch.float32), tgt=fast.target_of(c.format),
+                            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+        q = jit.round_scaled(blocks, sc.apply, sc.undo, bits, p, poisoned,
+                             sc.apply_op is ElementOp.MUL, sc.undo_op is ElementOp.DIV)
+    else:
+        y = apply_ops(sc.apply, sc.apply_op, blocks).contiguous()
+        code = fast.round_fused(y, fast.target_of(c.format), c.rounding, c.overflow, bits,
+                                None, sr_bits)
+        q = undo_ops(sc.undo, sc.undo_op, code)
+        if poisoned is not None:
+            q = torch.where(poisoned[:, None], torch.nan, q)
     bad_blocks = bad if s.blocked else torch.zeros_like(bad)
     scales = sc.scale if poisoned is None else torch.where(poisoned, torch.nan, sc.scale)
     clamped = sc.clamped & ~(poisoned if poisoned is not None else torch.zeros_like(bad))
@@ -384,7 +376,7 @@ def working(x: Tensor) -> Tensor:
 
 
 def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,
-            tensor_amax: Tensor, static: dict[str, object]) -> tuple[Tensor, Tensor, Tensor]:
+            tensor_amax: Tensor, static: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_scaled_values` eagerly, on cache-sized slices (faster than whole tensors)."""
     n_rows, n_cols = blocks.shape
     col_step = min(n_cols, fast.EAGER_CHUNK)
@@ -398,7 +390,7 @@ def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor
             part = None if bits is None else bits[rows, cols].contiguous()
             q[rows, cols], scale, clamped = _scaled_values(
                 blocks[rows, cols].contiguous(), part, amax[rows], nonfinite[rows], tensor_amax,
-                **static)  # type: ignore[arg-type]
+                **static)
         scales.append(scale)
         clamps.append(clamped)
     return q, torch.cat(scales), torch.cat(clamps)
@@ -425,7 +417,9 @@ def pow2_rule(c: Cast) -> np.ndarray | None:
     found = rule_threshold(plan)
     if found is None:
         return None
-    low, high = pow2_range(c.scaling.scale_format)  # type: ignore[arg-type]
+    if c.scaling.scale_format is None:  # ScalePlan.of has refused it already
+        return None
+    low, high = pow2_range(c.scaling.scale_format)
     return np.array([plan.elem_emax, found[0], int(found[1]), plan.headroom, low, high],
                     dtype=np.int64)
 
@@ -437,7 +431,7 @@ def two_level_consts(c: Cast) -> tuple[np.ndarray, tuple[int, ...]]:
     consts = np.array([plan.elem_max, plan.two_level_max, plan.smallest, plan.largest,
                        _FLOAT32_TINY], dtype=np.float32)
     q = fast.jit_params(src=fast.source_of(torch.float32),
-                        tgt=plan.scale_target,  # type: ignore[arg-type]
+                        tgt=plan.scale_target,
                         rounding=Rounding.RNE, overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
     return consts, q
 

@@ -115,17 +115,32 @@ def test_a_planted_448_bound_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _recipe_failures("te/nvfp4_4over6") > 0
 
 
-def test_a_planted_reversed_error_sum_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The errors summed from the last element: float32 addition is not associative, and
-    verify-formats' 4/6 blocks include one, per error path, whose choice the order decides."""
-    honest = fouroversix.block_errors
+@pytest.mark.parametrize("path", ["numba", "torch"])
+def test_a_planted_reversed_error_sum_is_caught(path: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The errors summed from the last element, on either back-end: float32 addition is not
+    associative, and verify-formats' 4/6 blocks include one, per error path, whose choice the
+    order decides."""
+    if path == "numba":
+        honest_kernel = jit.four_over_six_errors
 
-    def reversed_sum(blocks: torch.Tensor, q: torch.Tensor, *rest: object) -> torch.Tensor:
-        return honest(blocks.flip(1), q.flip(1), *rest)  # type: ignore[arg-type]
+        def reversed_kernel(blocks: torch.Tensor, *rest: object) -> object:
+            return honest_kernel(blocks.flip(1).contiguous(), *rest)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(fouroversix, "block_errors", reversed_sum)
-    assert _recipe_failures("te/nvfp4_4over6") > 0
-    assert _recipe_failures("te/nvfp4_4over6_fast") > 0
+        monkeypatch.setattr(jit, "four_over_six_errors", reversed_kernel)
+    else:
+        honest = fouroversix.block_errors
+
+        def reversed_sum(blocks: torch.Tensor, q: torch.Tensor, *rest: object) -> torch.Tensor:
+            return honest(blocks.flip(1), q.flip(1), *rest)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(fouroversix, "block_errors", reversed_sum)
+        jit.set_jit("never")
+    try:
+        assert _recipe_failures("te/nvfp4_4over6") > 0
+        assert _recipe_failures("te/nvfp4_4over6_fast") > 0
+    finally:
+        jit.set_jit("auto")
 
 
 @requires_stories
