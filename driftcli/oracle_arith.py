@@ -352,7 +352,7 @@ def _two_level_te(amax: Exact, tensor_amax: Exact, elem: Format,
 _TWO_LEVEL: dict[TwoLevelOrder, Callable[[Exact, Exact, Format, Scaling],
                                          tuple[Exact, ElementOp, Exact]]] = {
     TwoLevelOrder.DRIFT: _two_level_drift, TwoLevelOrder.TORCHAO: _two_level_torchao,
-    TwoLevelOrder.TE: _two_level_te}
+    TwoLevelOrder.TE: _two_level_te, TwoLevelOrder.TE_ROW: _two_level_te}
 """Each two-level order, exactly (the fast ones: ``driftcli.scalearith._TWO_LEVEL``)."""
 
 

@@ -191,6 +191,10 @@ _TE_4OVER6_SOURCE = ("pytorch/custom_recipes/reference_nvfp4.py _quantize_blockw
                      "_quantize_blockwise_4over6_reference; common/cast/nvfp4/"
                      "quantize_4over6_nvfp4.cuh, dequantize_nvfp4.cuh (E4M3_MAX 256)")
 
+_TE_ROW_SOURCE = ("pytorch/custom_recipes/reference_nvfp4.py _quantize, "
+                  "_quantize_blockwise_reference (row_scaled_nvfp4); common/cast/nvfp4/"
+                  "dequantize_nvfp4.cuh (ROW_SCALED_NVFP4)")
+
 
 def _te_presets() -> list[ImplementationPreset]:
     e4m3, e5m2 = FORMATS["float8_e4m3fn"], FORMATS["float8_e5m2"]
@@ -240,6 +244,11 @@ def _te_presets() -> list[ImplementationPreset]:
             "te/nvfp4_2d", scaled(fp4, tile, 16, _E4M3, ScaleRule.TWO_LEVEL, nvfp4),
             "NVFP4BlockScaling, 16 x 16 tiles (weights)", TE,
             _TE_NVFP4_SOURCE.replace("nvfp4_kernel", "nvfp4_2D_kernel"), "nvfp4_2d"),
+        ImplementationPreset(
+            "te/nvfp4_row", scaled(fp4, block, 16, _E4M3, ScaleRule.TWO_LEVEL,
+                                   ScaleArithmetic(amax=AmaxPolicy.FMAX, two=TwoLevelOrder.TE_ROW)),
+            "row-scaled NVFP4 (row_scaled_nvfp4): te/nvfp4 with one float32 amax per row "
+            "instead of per tensor", TE, _TE_ROW_SOURCE, "nvfp4"),
         *[ImplementationPreset(
             f"te/nvfp4_4over6{suffix}",
             scaled(fp4, block, 16, _E4M3, ScaleRule.TWO_LEVEL,

@@ -147,6 +147,34 @@ def te_nvfp4(x: np.ndarray, granularity: Granularity) -> tuple[np.ndarray, np.nd
     return back((codes * final[:, None]).astype(F)), back(codes)
 
 
+def te_nvfp4_row(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """reference_nvfp4.py (TransformerEngine d0067d0) with ``row_scaled_nvfp4=True``, 1 x 16
+    tiles: ``global_amax_row`` one float32 amax per row (``_quantize`` line 881), then
+    ``_quantize_blockwise_reference`` lines 709-777 with it viewed (m, 1, 1): ``S_enc =
+    min(fl(2688 / amax_row), max)``, 1 where it is 0, ``S_dec = fl(1 / S_enc)``, ``sb =
+    rn(clamp(min(fl(vec_max · fl(S_enc · fl(1 / 6))), max), ±448))``, ``min(fl(1 / fl(sb ·
+    S_dec)), max)``, codes of ``clamp(fl(x · that), ±6)``; dequantized as dequantize_nvfp4.cuh
+    lines 66-69 with ``ROW_SCALED_NVFP4`` (``amax = tensor_amax[y]``) and ``E4M3_MAX = 448``.
+    Amaxes by ``fmaxf`` (the reference's ``torch.max`` differs only on NaN, left out)."""
+    r, c = x.shape
+    rows = np.fmax.reduce(np.abs(x), axis=1, initial=F(0)).astype(F)
+    with np.errstate(divide="ignore"):
+        enc = (F(448.0 * 6.0) / rows).astype(F)
+    enc = np.minimum(enc, FLT_MAX).astype(F)
+    enc = np.where(enc == 0, F(1), enc).astype(F)
+    dec = (F(1) / enc).astype(F)
+    g = x.reshape(r, c // 16, 16)
+    vec_max = np.fmax.reduce(np.abs(g), axis=2, initial=F(0)).astype(F)
+    mult = (enc * (F(1) / F(6))).astype(F)
+    raw = np.minimum((vec_max * mult[:, None]).astype(F), FLT_MAX).astype(F)
+    sb = cvt_rn_satfinite(raw, *E4M3)
+    with np.errstate(divide="ignore"):
+        inv = np.minimum(F(1) / (sb * dec[:, None]).astype(F), FLT_MAX).astype(F)
+    codes = cvt_rn_satfinite((g * inv[:, :, None]).astype(F), *E2M1)
+    final = ((sb * rows[:, None]).astype(F) * F(F(1) / F(2688))).astype(F)
+    return (codes * final[:, :, None]).astype(F).reshape(r, c), codes.reshape(r, c)
+
+
 def _reference_cast_to_fp4(x: np.ndarray) -> np.ndarray:
     """reference_nvfp4.py ``cast_to_fp4x2`` then ``cast_from_fp4x2`` (lines 49-115): the
     threshold table (nearest, ties to the even code), decoded. The table puts -0.0 in code 0
@@ -251,6 +279,7 @@ REFERENCES: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
     "te/mxfp8": te_mxfp8,
     "te/nvfp4": lambda x: te_nvfp4(x, B),
     "te/nvfp4_2d": lambda x: te_nvfp4(x, TL),
+    "te/nvfp4_row": te_nvfp4_row,
     "te/nvfp4_4over6": lambda x: te_nvfp4_4over6(x, False, False),
     "te/nvfp4_4over6_mse": lambda x: te_nvfp4_4over6(x, True, False),
     "te/nvfp4_4over6_fast": lambda x: te_nvfp4_4over6(x, False, True),

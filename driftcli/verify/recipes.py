@@ -72,6 +72,13 @@ def four_over_six_cases() -> list[Tensor]:
     return out
 
 
+def row_scaled_case() -> Tensor:
+    """Rows of two blocks whose amaxes lie 2**-20 apart: under one tensor amax the small row's
+    block scale rounds to E4M3's zero, under its own it is 448 (a row-scaled cast's check)."""
+    return torch.tensor([[2688.0] + [0.0] * 15 + [1.0] * 16, [3e-3, 1e-3] + [0.0] * 30,
+                         [0.5, -0.25] + [2.0**-20] * 30])
+
+
 def recipe_cases(fmt: Format, c: Cast, plan: Plan) -> list[Tensor]:
     """The tensors one preset is checked on: drift's constructed blocks (amax at and beside
     powers of two and element maxima, ties, NaN, inf, zeros, partial blocks and tiles); in the
@@ -85,6 +92,8 @@ def recipe_cases(fmt: Format, c: Cast, plan: Plan) -> list[Tensor]:
         cases = cases[:QUICK_CASES - 3] + cases[-5:-2]  # and NaN, inf, -inf
     if c.scaling.arithmetic.two.four_over_six:
         cases = cases + four_over_six_cases()
+    if c.scaling.arithmetic.two.row_scaled:
+        cases = [*cases, row_scaled_case()]
     if plan.quick or c.scaling.granularity is Granularity.TILE:
         return cases
     k = c.scaling.block or 32
@@ -125,8 +134,13 @@ def oracle_recipe(case: Tensor, c: Cast) -> tuple[list[Exact], list[Exact]]:
     tensor_amax = amax_of(values, s.arithmetic.amax)
     out: list[Exact] = list(values)
     codes: list[Exact] = list(values)
+    cols = case.shape[-1] if case.dim() else 1
     for idx in blocks_of(case, c):
-        deq, code, _ = cast_group([values[i] for i in idx], c.format, s, tensor_amax,
+        top = tensor_amax
+        if s.arithmetic.two.row_scaled:  # the amax of the group's row
+            start = idx[0] // cols * cols
+            top = amax_of(values[start:start + cols], s.arithmetic.amax)
+        deq, code, _ = cast_group([values[i] for i in idx], c.format, s, top,
                                   c.rounding, c.overflow)
         for i, v, q in zip(idx, deq, code, strict=True):
             out[i], codes[i] = v, q
