@@ -73,3 +73,15 @@ def test_the_row_amax_is_the_largest_block_amax_of_each_row() -> None:
     amax = torch.tensor([1.0, 3.0, 2.0, 0.5, 0.25, 0.0])
     assert scalearith.row_amax(amax, 48, 16).tolist() == [3.0] * 3 + [0.5] * 3
     assert scalearith.row_amax(amax, 40, 16).tolist() == [3.0] * 3 + [0.5] * 3  # padded
+
+
+def test_a_scan_never_cuts_a_row_of_a_row_scaled_cast() -> None:
+    """The scan slices dim 0 where every cast allows; a row-scaled cast's rows lie along the
+    block axis, so a 1-D tensor, or blocks along dim 0, are never cut (each row's amax whole)."""
+    from driftcli.measures.scan import row_alignment
+
+    row = parse_cast("te/nvfp4_row")
+    assert row_alignment((4096,), row, -1) is None
+    assert row_alignment((64, 4096), row, 0) is None
+    assert row_alignment((64, 4096), row, -1) == 1
+    assert row_alignment((4096,), parse_cast("te/nvfp4"), -1) == 16  # a tensor amax is given
