@@ -189,6 +189,13 @@ class Scaling:
         if self.rule is ScaleRule.TWO_LEVEL and not blocked:
             raise CastSpecError("the two-level rule needs block or tile granularity")
         _check_arithmetic(self.arithmetic, self.rule, self.scale_format)
+        if self.arithmetic.two.row_scaled and self.granularity is not Granularity.BLOCK:
+            raise CastSpecError(f"two={self.arithmetic.two} (row-scaled NVFP4) takes 1 x 16 "
+                                "blocks (block16), not tiles")
+        if self.arithmetic.two.four_over_six and (self.granularity is not Granularity.BLOCK
+                                                  or self.block != 16):
+            raise CastSpecError(f"two={self.arithmetic.two} is implemented for 1 x 16 blocks "
+                                "(block16); 16 x 16 tiles are not yet")
 
     @property
     def blocked(self) -> bool:

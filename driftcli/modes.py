@@ -217,6 +217,41 @@ class TwoLevelOrder(StrEnum):
     ``sb = rn(fl(amax_b · fl(S_enc · fl(1/6))))`` (0 below 2**-10),
     ``fl(x · min(fl(1 / fl(sb · fl(1 / S_enc))), max))``, and its dequantize kernel's
     ``fl(q · fl(fl(sb · amax_t) · fl(1 / 2688)))``."""
+    TE_ROW = "te-row"
+    """Transformer Engine's row-scaled NVFP4 (``row_scaled_nvfp4``): ``te``'s operations with
+    one float32 amax per row (along the block axis) in place of the tensor's."""
+    TE_4OVER6_MAE = "te-4over6-mae"
+    """Transformer Engine's four over six (``nvfp4_use_4over6``, ``nvfp4_e4m3_max=256``): each
+    block cast twice, with ``sb6 = rn(fl(fl(amax_b / 6) · S_enc))`` and ``sb4 = rn(fl(that
+    product · 1.5))``, ``S_enc = fl(1536 / amax_t)``; the candidate with the smaller sum of
+    ``|fl(fl(fl(q·sb)·amax_t) / 1536) − x|`` kept, ties to ``sb6`` (docs/recipes.md)."""
+    TE_4OVER6_MSE = "te-4over6-mse"
+    """The same, the error a sum of squares."""
+    TE_4OVER6_MAE_FP16 = "te-4over6-mae-fp16"
+    """Four over six with ``nvfp4_4over6_err_use_fast_math``: the error between the exact
+    FP16 product ``q·sb`` and ``fl(x · S_enc)``, absolute."""
+    TE_4OVER6_MSE_FP16 = "te-4over6-mse-fp16"
+    """The fast error path, squared."""
+
+    @property
+    def row_scaled(self) -> bool:
+        """Whether the "tensor" amax is each row's own."""
+        return self is TwoLevelOrder.TE_ROW
+
+    @property
+    def four_over_six(self) -> bool:
+        """Whether the order picks between a map-to-6 and a map-to-4 block scale."""
+        return self.value.startswith("te-4over6")
+
+    @property
+    def squared(self) -> bool:
+        """Four over six's error: a sum of squares (MSE) rather than of magnitudes (MAE)."""
+        return "-mse" in self.value
+
+    @property
+    def fp16_error(self) -> bool:
+        """Four over six's fast error path (the FP16 product against ``fl(x · S_enc)``)."""
+        return self.value.endswith("-fp16")
 
 
 def check_rule_table(table: Mapping[ScaleRule, object], name: str) -> None:

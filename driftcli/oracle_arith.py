@@ -205,7 +205,10 @@ def cast_group(values: list[Exact], elem: Format, scaling: Scaling, tensor_amax:
         return [NAN] * len(values), [NAN] * len(values), NAN
     amax = amax_of(values, a.amax)
     rule = scaling.rule
-    if rule is ScaleRule.TWO_LEVEL:
+    if rule is ScaleRule.TWO_LEVEL and a.two.four_over_six:
+        apply, apply_op, undo_by = four_over_six(values, amax, tensor_amax, elem, scaling)
+        undo_op = ElementOp.MUL
+    elif rule is ScaleRule.TWO_LEVEL:
         apply, apply_op, undo_by = _TWO_LEVEL[a.two](amax, tensor_amax, elem, scaling)
         undo_op = ElementOp.MUL
     elif rule is not None and rule.power_of_two:
@@ -348,5 +351,59 @@ def _two_level_te(amax: Exact, tensor_amax: Exact, elem: Format,
 _TWO_LEVEL: dict[TwoLevelOrder, Callable[[Exact, Exact, Format, Scaling],
                                          tuple[Exact, ElementOp, Exact]]] = {
     TwoLevelOrder.DRIFT: _two_level_drift, TwoLevelOrder.TORCHAO: _two_level_torchao,
-    TwoLevelOrder.TE: _two_level_te}
+    TwoLevelOrder.TE: _two_level_te, TwoLevelOrder.TE_ROW: _two_level_te}
 """Each two-level order, exactly (the fast ones: ``driftcli.scalearith._TWO_LEVEL``)."""
+
+
+def _plus(a: Exact, b: Exact) -> Exact:
+    """``fl(a + b)`` (IEEE specials; the sign of a zero sum is not kept: 4/6 takes the
+    magnitude or the square of what it adds)."""
+    if nan(a) or nan(b) or (a.kind is b.kind is Kind.INF and a.negative != b.negative):
+        return NAN
+    if Kind.INF in (a.kind, b.kind):
+        return a if a.kind is Kind.INF else b
+    return fl(Exact.of(a.value + b.value))
+
+
+def _minus(a: Exact, b: Exact) -> Exact:
+    """``fl(a - b)``."""
+    return _plus(a, Exact(b.kind, not b.negative, b.mag))
+
+
+_FOUR_OVER_SIX_MAX = Exact.of(1536)  # 6 · nvfp4_e4m3_max (256)
+
+
+def four_over_six(values: list[Exact], amax: Exact, tensor_amax: Exact, elem: Format,
+                  scaling: Scaling) -> tuple[Exact, ElementOp, Exact]:
+    """Four over six exactly (``driftcli.fouroversix``, its sources there): both candidates of
+    a 1 x 16 block (zero padded: a zero adds a zero error), their errors summed from 0 in
+    element order, map-to-4 kept only where its error is smaller (a NaN error never is)."""
+    order = scaling.arithmetic.two
+    t = tensor_amax
+    enc = at_most(div(_FOUR_OVER_SIX_MAX, t), Exact.of(F32.max))
+    if (t.kind is Kind.FINITE and t.mag == 0) or (enc.kind is Kind.FINITE and enc.mag == 0):
+        enc = ONE
+    dec = div(ONE, enc)
+    base = mul(div(amax, Exact.of(6)), enc)
+    xs = values + [ZERO] * (scaling.block - len(values))
+
+    def candidate(raw: Exact) -> tuple[Exact, Exact, Exact]:
+        sb = round_exact(_E4M3, raw, Rounding.RNE, Overflow.SATURATE)
+        inv = at_most(div(ONE, mul(sb, dec)), Exact.of(F32.max))
+        err = ZERO
+        for v in xs:
+            q = round_exact(elem, mul(v, inv), Rounding.RNE, Overflow.SATURATE)
+            if order.fp16_error:  # the FP16 product q·sb is exact
+                diff = _minus(product(q, sb), mul(v, enc))
+            else:
+                diff = _minus(div(mul(mul(q, sb), t), _FOUR_OVER_SIX_MAX), v)
+            term = mul(diff, diff) if order.squared else (
+                diff if nan(diff) else Exact(diff.kind, False, diff.mag))
+            err = _plus(err, term)
+        return sb, inv, err
+
+    sb4, inv4, err4 = candidate(mul(base, Exact.of(Fraction(3, 2))))
+    sb6, inv6, err6 = candidate(base)
+    four = not nan(err4) and not nan(err6) and _less(err4, err6)
+    sb, inv = (sb4, inv4) if four else (sb6, inv6)
+    return inv, ElementOp.MUL, mul(mul(sb, t), div(ONE, _FOUR_OVER_SIX_MAX))

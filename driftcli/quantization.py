@@ -21,6 +21,7 @@ from driftcli import kernels
 from driftcli import rounding as fast
 from driftcli.cast import Cast, parse_cast
 from driftcli.errors import DriftError
+from driftcli.fouroversix import four_over_six_scales
 from driftcli.kernels import jit
 from driftcli.modes import (
     DEFAULT_SR_BITS,
@@ -31,7 +32,7 @@ from driftcli.modes import (
     Rounding,
     ScaleRule,
 )
-from driftcli.scalearith import apply_ops, arith_scales, group_amax, undo_ops
+from driftcli.scalearith import apply_ops, arith_scales, group_amax, row_amax, undo_ops
 from driftcli.scaling import (
     ScalePlan,
     block_stats,
@@ -252,9 +253,12 @@ def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
     finite_amax, bad = jit.block_amax(blocks) if use_jit else amax_and_nonfinite(blocks)
     amax = group_amax(blocks, finite_amax, bad, a.amax)
     top = tensor_amax_of(amax, tensor_amax)
+    if a.two.row_scaled:  # one amax per row: a slice of whole rows needs no tensor amax
+        top = row_amax(amax, x.shape[axis] if x.dim() else 1, s.block)
     if s.granularity is Granularity.TENSOR:
         amax = top.expand_as(amax).contiguous()
-    sc = arith_scales(amax, top, c.format, s)
+    sc = (four_over_six_scales(blocks, amax, top, c.format, a.two) if a.two.four_over_six
+          else arith_scales(amax, top, c.format, s))
     poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
     if use_jit:
         p = fast.jit_params(src=fast.source_of(torch.float32), tgt=fast.target_of(c.format),

@@ -187,6 +187,14 @@ _TE_MXFP8_SOURCE = ("common/cast/mxfp8/quantize_mxfp8.cuh quantize_mxfp8_kernel,
 _TE_NVFP4_SOURCE = ("common/cast/nvfp4/quantize_transpose_nvfp4.cuh "
                     "quantize_transpose_nvfp4_kernel, core_nvfp4.cuh, dequantize_nvfp4.cuh")
 
+_TE_4OVER6_SOURCE = ("pytorch/custom_recipes/reference_nvfp4.py _quantize_blockwise_reference, "
+                     "_quantize_blockwise_4over6_reference; common/cast/nvfp4/"
+                     "quantize_4over6_nvfp4.cuh, dequantize_nvfp4.cuh (E4M3_MAX 256)")
+
+_TE_ROW_SOURCE = ("pytorch/custom_recipes/reference_nvfp4.py _quantize, "
+                  "_quantize_blockwise_reference (row_scaled_nvfp4); common/cast/nvfp4/"
+                  "dequantize_nvfp4.cuh (ROW_SCALED_NVFP4)")
+
 
 def _te_presets() -> list[ImplementationPreset]:
     e4m3, e5m2 = FORMATS["float8_e4m3fn"], FORMATS["float8_e5m2"]
@@ -236,6 +244,23 @@ def _te_presets() -> list[ImplementationPreset]:
             "te/nvfp4_2d", scaled(fp4, tile, 16, _E4M3, ScaleRule.TWO_LEVEL, nvfp4),
             "NVFP4BlockScaling, 16 x 16 tiles (weights)", TE,
             _TE_NVFP4_SOURCE.replace("nvfp4_kernel", "nvfp4_2D_kernel"), "nvfp4_2d"),
+        ImplementationPreset(
+            "te/nvfp4_row", scaled(fp4, block, 16, _E4M3, ScaleRule.TWO_LEVEL,
+                                   ScaleArithmetic(amax=AmaxPolicy.FMAX, two=TwoLevelOrder.TE_ROW)),
+            "row-scaled NVFP4 (row_scaled_nvfp4): te/nvfp4 with one float32 amax per row "
+            "instead of per tensor", TE, _TE_ROW_SOURCE, "nvfp4"),
+        *[ImplementationPreset(
+            f"te/nvfp4_4over6{suffix}",
+            scaled(fp4, block, 16, _E4M3, ScaleRule.TWO_LEVEL,
+                   ScaleArithmetic(amax=AmaxPolicy.FMAX, two=order)),
+            f"NVFP4 four over six ({what}): each block cast with sb6 and sb4 = rn(1.5·...), "
+            "S_enc = fl(1536 / amax), the smaller error kept, ties to sb6", TE,
+            _TE_4OVER6_SOURCE, "nvfp4")
+          for suffix, order, what in (
+              ("", TwoLevelOrder.TE_4OVER6_MAE, "MAE, TE's default"),
+              ("_mse", TwoLevelOrder.TE_4OVER6_MSE, "MSE"),
+              ("_fast", TwoLevelOrder.TE_4OVER6_MAE_FP16, "MAE, fp16 fast error path"),
+              ("_mse_fast", TwoLevelOrder.TE_4OVER6_MSE_FP16, "MSE, fp16 fast error path"))],
     ]
 
 

@@ -77,6 +77,13 @@ def group_amax(blocks: Tensor, finite_amax: Tensor, bad: Tensor, policy: AmaxPol
     return out
 
 
+def row_amax(amax: Tensor, row_length: int, block: int) -> Tensor:
+    """Each block's row amax (row-scaled NVFP4's "tensor" amax): the largest of the block
+    amaxes of its row, ``row_length`` elements along the block axis in blocks of ``block``."""
+    per_row = -(-max(row_length, 1) // block)
+    return amax.view(-1, per_row).amax(dim=1).repeat_interleave(per_row)
+
+
 def pow2_f32(k: Tensor) -> Tensor:
     """``2**k`` as float32 for integer ``k`` in [-149, 127]: built as a float64 from its bits,
     then narrowed (exact: every such power of two is a float32, subnormal or not)."""
@@ -237,7 +244,8 @@ def _two_level_torchao(amax: Tensor, tensor_amax: Tensor, plan: ScalePlan) -> Ar
 
 
 def _two_level_te(amax: Tensor, tensor_amax: Tensor, plan: ScalePlan) -> ArithScales:
-    """Transformer Engine's NVFP4 quantize kernels and its dequantize kernel (docs/recipes.md)."""
+    """Transformer Engine's NVFP4 quantize kernels and its dequantize kernel (docs/recipes.md);
+    ``tensor_amax`` one per row for row-scaled NVFP4."""
     t = tensor_amax.float()
     enc = torch.clamp(torch.tensor(2688.0) / t, max=F32_MAX)
     enc = torch.where((t == 0) | (enc == 0), 1.0, enc)
@@ -247,11 +255,12 @@ def _two_level_te(amax: Tensor, tensor_amax: Tensor, plan: ScalePlan) -> ArithSc
     apply = torch.clamp(1 / (block * dec), max=F32_MAX)
     undo = (block * t) * (1 / torch.tensor(2688.0))
     clamped = (raw > 448.0) | ((raw > 0) & (block == 0))
-    return ArithScales(apply, undo, undo.double(), clamped, float(dec), ElementOp.MUL)
+    return ArithScales(apply, undo, undo.double(), clamped,
+                       float(dec) if dec.numel() == 1 else None, ElementOp.MUL)
 
 
 _TWO_LEVEL = {TwoLevelOrder.DRIFT: _two_level_drift, TwoLevelOrder.TORCHAO: _two_level_torchao,
-              TwoLevelOrder.TE: _two_level_te}
+              TwoLevelOrder.TE: _two_level_te, TwoLevelOrder.TE_ROW: _two_level_te}
 """Each two-level order's operations."""
 
 

@@ -147,6 +147,97 @@ def te_nvfp4(x: np.ndarray, granularity: Granularity) -> tuple[np.ndarray, np.nd
     return back((codes * final[:, None]).astype(F)), back(codes)
 
 
+def te_nvfp4_row(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """reference_nvfp4.py (TransformerEngine d0067d0) with ``row_scaled_nvfp4=True``, 1 x 16
+    tiles: ``global_amax_row`` one float32 amax per row (``_quantize`` line 881), then
+    ``_quantize_blockwise_reference`` lines 709-777 with it viewed (m, 1, 1): ``S_enc =
+    min(fl(2688 / amax_row), max)``, 1 where it is 0, ``S_dec = fl(1 / S_enc)``, ``sb =
+    rn(clamp(min(fl(vec_max · fl(S_enc · fl(1 / 6))), max), ±448))``, ``min(fl(1 / fl(sb ·
+    S_dec)), max)``, codes of ``clamp(fl(x · that), ±6)``; dequantized as dequantize_nvfp4.cuh
+    lines 66-69 with ``ROW_SCALED_NVFP4`` (``amax = tensor_amax[y]``) and ``E4M3_MAX = 448``.
+    Amaxes by ``fmaxf`` (the reference's ``torch.max`` differs only on NaN, left out)."""
+    r, c = x.shape
+    rows = np.fmax.reduce(np.abs(x), axis=1, initial=F(0)).astype(F)
+    with np.errstate(divide="ignore"):
+        enc = (F(448.0 * 6.0) / rows).astype(F)
+    enc = np.minimum(enc, FLT_MAX).astype(F)
+    enc = np.where(enc == 0, F(1), enc).astype(F)
+    dec = (F(1) / enc).astype(F)
+    g = x.reshape(r, c // 16, 16)
+    vec_max = np.fmax.reduce(np.abs(g), axis=2, initial=F(0)).astype(F)
+    mult = (enc * (F(1) / F(6))).astype(F)
+    raw = np.minimum((vec_max * mult[:, None]).astype(F), FLT_MAX).astype(F)
+    sb = cvt_rn_satfinite(raw, *E4M3)
+    with np.errstate(divide="ignore"):
+        inv = np.minimum(F(1) / (sb * dec[:, None]).astype(F), FLT_MAX).astype(F)
+    codes = cvt_rn_satfinite((g * inv[:, :, None]).astype(F), *E2M1)
+    final = ((sb * rows[:, None]).astype(F) * F(F(1) / F(2688))).astype(F)
+    return (codes * final[:, :, None]).astype(F).reshape(r, c), codes.reshape(r, c)
+
+
+def _reference_cast_to_fp4(x: np.ndarray) -> np.ndarray:
+    """reference_nvfp4.py ``cast_to_fp4x2`` then ``cast_from_fp4x2`` (lines 49-115): the
+    threshold table (nearest, ties to the even code), decoded. The table puts -0.0 in code 0
+    (+0) and NaN in code 0; the kernel's ``cvt.rn.satfinite.e2m1x2.f32`` keeps a zero's sign,
+    which drift follows, so a zero takes ``x``'s sign here (a zero code's sign changes no
+    error: the candidates' errors take magnitudes or squares)."""
+    a = np.abs(x)
+    up = [(0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)]  # the boundaries, in the table's order
+    value = np.zeros_like(x)
+    grid = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+    for i, edge in enumerate(up[0]):
+        # code i+1 from its lower boundary: ties at 0.25, 1.25, 2.5, 5.0 go down (to the even
+        # code: code 0, 2, 4, 6), at 0.75, 1.75, 3.5 up (code 2, 4, 6)
+        above = a > edge if i % 2 == 0 else a >= edge
+        value = np.where(above, F(grid[i + 1]), value)
+    return np.copysign(value, x).astype(F)
+
+
+def te_nvfp4_4over6(x: np.ndarray, squared: bool, fp16: bool) -> tuple[np.ndarray, np.ndarray]:
+    """reference_nvfp4.py (TransformerEngine d0067d0) with ``nvfp4_use_4over6=True``,
+    ``nvfp4_e4m3_max=256``, 1 x 16 tiles: the global scale of ``_quantize_blockwise_reference``
+    (lines 696-730: ``S_enc = min(fl((256 · 6) / amax), max)``, 1 where it is 0, ``S_dec =
+    fl(1 / S_enc)``) and ``_quantize_blockwise_4over6_reference`` (lines 551-647): ``base =
+    fl(fl(vec_max / 6) · S_enc)``, the candidates ``rn(clamp(fl(base · 1.5)))`` and
+    ``rn(clamp(base))`` into E4M3, ``min(fl(1 / fl(sb · S_dec)), max)``, the codes of
+    ``clamp(fl(x · that), ±6)``; the error per element in order from 0 (lines 601-635):
+    ``fl(fl(fl(q · sb) · amax) / 1536) - x`` or, fast, the FP16 product ``q · sb`` (exact,
+    lines 465-510) minus ``fl(x · S_enc)``; ``|d|`` or ``d · d`` added; map-to-4 where its error
+    is strictly smaller (line 637). Dequantized as dequantize_nvfp4.cuh lines 66-69 with
+    ``E4M3_MAX = 256``. Amaxes by ``fmaxf`` as the kernel (the reference's ``torch.amax``
+    differs only on NaN, which the comparison leaves out)."""
+    t = np.fmax.reduce(np.abs(x).ravel(), initial=F(0)).astype(F)
+    with np.errstate(divide="ignore"):
+        enc = F(F(256.0 * 6.0) / t)
+    enc = F(min(enc, FLT_MAX))
+    if enc == 0:
+        enc = F(1)
+    dec = F(F(1) / enc)
+    g, back = groups(x, Granularity.BLOCK, 16)
+    base = ((fmax_amax(g) / F(6)).astype(F) * enc).astype(F)
+    candidates = []
+    for raw in ((base * F(1.5)).astype(F), base):
+        sb = cvt_rn_satfinite(raw, *E4M3)
+        with np.errstate(divide="ignore"):
+            inv = np.minimum(F(1) / (sb * dec).astype(F), FLT_MAX).astype(F)
+        q = _reference_cast_to_fp4(np.clip((g * inv[:, None]).astype(F), -6, 6))
+        err = np.zeros(len(g), dtype=F)
+        for i in range(16):
+            if fp16:
+                d = ((q[:, i] * sb).astype(F) - (g[:, i] * enc).astype(F)).astype(F)
+            else:
+                val = (((q[:, i] * sb).astype(F) * t).astype(F) / F(1536)).astype(F)
+                d = (val - g[:, i]).astype(F)
+            err = (err + ((d * d).astype(F) if squared else np.abs(d))).astype(F)
+        candidates.append((sb, q, err))
+    (sb4, q4, err4), (sb6, q6, err6) = candidates
+    four = err4 < err6
+    sb = np.where(four, sb4, sb6)
+    codes = np.where(four[:, None], q4, q6)
+    final = ((sb * t).astype(F) * F(F(1) / F(1536))).astype(F)
+    return back((codes * final[:, None]).astype(F)), back(codes)
+
+
 # --- DeepSeek ----------------------------------------------------------------------------------
 
 def deepseek_act(x: np.ndarray, ue8m0: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -188,6 +279,11 @@ REFERENCES: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
     "te/mxfp8": te_mxfp8,
     "te/nvfp4": lambda x: te_nvfp4(x, B),
     "te/nvfp4_2d": lambda x: te_nvfp4(x, TL),
+    "te/nvfp4_row": te_nvfp4_row,
+    "te/nvfp4_4over6": lambda x: te_nvfp4_4over6(x, False, False),
+    "te/nvfp4_4over6_mse": lambda x: te_nvfp4_4over6(x, True, False),
+    "te/nvfp4_4over6_fast": lambda x: te_nvfp4_4over6(x, False, True),
+    "te/nvfp4_4over6_mse_fast": lambda x: te_nvfp4_4over6(x, True, True),
     "deepseek/v3": lambda x: deepseek_act(x, False),
     "deepseek/v3_ue8m0": lambda x: deepseek_act(x, True),
     "deepseek/v3_weight": lambda x: deepseek_weight(x, False),

@@ -118,7 +118,8 @@ def row_alignment(shape: tuple[int, ...], c: Cast, axis: int) -> int | None:
         return None
     a = axis % nd
     g, k = c.scaling.granularity, c.scaling.block
-    if g is Granularity.CHANNEL:
+    if g is Granularity.CHANNEL or c.scaling.arithmetic.two.row_scaled:
+        # a channel, or a row-scaled cast's row (its amax), spans the axis whole
         return None if a == 0 else 1
     if g is Granularity.BLOCK:
         return k if a == 0 else 1

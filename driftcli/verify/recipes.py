@@ -42,6 +42,43 @@ def _group_size(c: Cast) -> int:
     return s.block * s.block if s.granularity is Granularity.TILE else s.block or 32
 
 
+FOUR_OVER_SIX_BLOCKS = (
+    (1536.0, 768.0),  # both candidates exact: a tie at 0, kept at map-to-6
+    (1536.0, 1280.0),  # 1280 an E2M1 tie under map-to-6: map-to-4 wins
+    (1536.0, 1344.0, -1344.0, 5.25 * 256),  # equal nonzero errors: a tie
+    # found by a seeded search: map-to-4 or map-to-6 by the order of the MAE sum (the two
+    # sums differ in their last bit when added from the last element)
+    (1536.0, 500.7586975097656, -63.88329315185547, -1279.8004150390625, -384.05908203125,
+     -768.00537109375, 1344.5618896484375, 439.3720703125, -578.7420654296875,
+     483.65057373046875, -1536.0, 893.8468017578125, 275.6475524902344, -63.6159782409668,
+     -1273.1719970703125, -992.3137817382812),
+    # the same for the fast (FP16) error path
+    (1536.0, -700.727294921875, 1348.2852783203125, -127.89717864990234, -495.9152526855469,
+     -1536.0, 384.109375, 1153.4844970703125, 960.0608520507812, -675.4094848632812,
+     -576.0596923828125, -1153.0875244140625, 1344.02099609375, 639.7029418945312,
+     0.43209803104400635, -1023.8630981445312),
+)
+"""Blocks that part four over six's choices: ties between the two errors, a win of map-to-4,
+and sums whose order decides (each its own tensor, so amax 1536 gives S_enc = 1)."""
+
+
+def four_over_six_cases() -> list[Tensor]:
+    """:data:`FOUR_OVER_SIX_BLOCKS` as 1 x 16 tensors (zero padded)."""
+    out = []
+    for head in FOUR_OVER_SIX_BLOCKS:
+        x = torch.zeros(1, 16)
+        x[0, : len(head)] = torch.tensor(head)
+        out.append(x)
+    return out
+
+
+def row_scaled_case() -> Tensor:
+    """Rows of two blocks whose amaxes lie 2**-20 apart: under one tensor amax the small row's
+    block scale rounds to E4M3's zero, under its own it is 448 (a row-scaled cast's check)."""
+    return torch.tensor([[2688.0] + [0.0] * 15 + [1.0] * 16, [3e-3, 1e-3] + [0.0] * 30,
+                         [0.5, -0.25] + [2.0**-20] * 30])
+
+
 def recipe_cases(fmt: Format, c: Cast, plan: Plan) -> list[Tensor]:
     """The tensors one preset is checked on: drift's constructed blocks (amax at and beside
     powers of two and element maxima, ties, NaN, inf, zeros, partial blocks and tiles); in the
@@ -53,6 +90,10 @@ def recipe_cases(fmt: Format, c: Cast, plan: Plan) -> list[Tensor]:
         cases = cases[:1] if plan.quick else cases[::12]
     elif plan.quick:
         cases = cases[:QUICK_CASES - 3] + cases[-5:-2]  # and NaN, inf, -inf
+    if c.scaling.arithmetic.two.four_over_six:
+        cases = cases + four_over_six_cases()
+    if c.scaling.arithmetic.two.row_scaled:
+        cases = [*cases, row_scaled_case()]
     if plan.quick or c.scaling.granularity is Granularity.TILE:
         return cases
     k = c.scaling.block or 32
@@ -93,8 +134,13 @@ def oracle_recipe(case: Tensor, c: Cast) -> tuple[list[Exact], list[Exact]]:
     tensor_amax = amax_of(values, s.arithmetic.amax)
     out: list[Exact] = list(values)
     codes: list[Exact] = list(values)
+    cols = case.shape[-1] if case.dim() else 1
     for idx in blocks_of(case, c):
-        deq, code, _ = cast_group([values[i] for i in idx], c.format, s, tensor_amax,
+        top = tensor_amax
+        if s.arithmetic.two.row_scaled:  # the amax of the group's row
+            start = idx[0] // cols * cols
+            top = amax_of(values[start:start + cols], s.arithmetic.amax)
+        deq, code, _ = cast_group([values[i] for i in idx], c.format, s, top,
                                   c.rounding, c.overflow)
         for i, v, q in zip(idx, deq, code, strict=True):
             out[i], codes[i] = v, q

@@ -1,0 +1,134 @@
+"""Four over six (4/6): Transformer Engine's NVFP4 cast that quantizes each 1 x 16 block twice,
+with the map-to-6 block scale and a map-to-4 one 1.5x larger, and keeps the candidate with the
+smaller error (ties to map-to-6), the tensor scale's E4M3 bound 256 instead of 448.
+
+The op sequence follows ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``
+(``_quantize_blockwise_reference`` lines 694-746, ``_quantize_blockwise_4over6_reference``
+lines 523-648, ``_ref_nvfp4_4over6_fp16_candidate`` lines 465-510) and the kernel it mirrors,
+``common/cast/nvfp4/quantize_4over6_nvfp4.cuh`` lines 126-201, 246-258 (NVIDIA/
+TransformerEngine at d0067d0); dequantized as ``dequantize_nvfp4.cuh`` lines 66-69 do with
+``E4M3_MAX = 256``. Each step is one IEEE float32 operation. The scales are torch (one value per
+block); the candidates' codes and errors, the hot loop, run on the kernel seam: numba's
+``kernels.fourcode.errors_kernel`` (with the element kernel's rounding) or torch's element
+rounding and :func:`block_errors`, the same bits. Its exact twin is
+``driftcli.oracle_arith.four_over_six``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from driftcli import kernels
+from driftcli import rounding as fast
+from driftcli.formats import FORMATS, Format
+from driftcli.kernels import jit
+from driftcli.modes import DEFAULT_SR_BITS, ElementOp, Overflow, Rounding, TwoLevelOrder
+from driftcli.rounding import round_values
+from driftcli.scalearith import F32_MAX, ArithScales
+
+Tensor = torch.Tensor
+
+E4M3_BOUND = 256.0
+"""``nvfp4_e4m3_max`` under 4/6: the tensor scale maps amax to 6 · 256 = 1536, so that a
+map-to-4 block scale (1.5x the map-to-6 one) stays within E4M3's 448 (reference lines 696,
+382-384)."""
+GLOBAL_MAX = 6.0 * E4M3_BOUND
+EXPAND = 1.5
+PREFER_MAP4: Callable[[Tensor, Tensor], Tensor] = torch.lt
+"""Where map-to-4's error beats map-to-6's: strictly smaller (line 637: ties, and a NaN error,
+keep map-to-6); a module constant so that a test can plant ``torch.le``."""
+"""``expand_to_map4`` (quantize_4over6_nvfp4.cuh line 131)."""
+
+
+def _e4m3(raw: Tensor) -> Tensor:
+    """``.to(torch.float8_e4m3fn)`` after the reference's clamp to ±448: nearest even,
+    saturating, NaN kept."""
+    return round_values(raw.contiguous(), None, FORMATS["float8_e4m3fn"], Rounding.RNE,
+                        Overflow.SATURATE, None, DEFAULT_SR_BITS, raw.dtype)
+
+
+def tensor_scales(tensor_amax: Tensor) -> tuple[Tensor, Tensor]:
+    """``S_enc = min(fl(1536 / amax_t), max)`` (1 where it is 0, or amax_t is 0: core_nvfp4.cuh
+    ``compute_global_encode_scaling_factor_FP4``) and ``S_dec = fl(1 / S_enc)``, float32."""
+    t = tensor_amax.float()
+    enc = torch.clamp(torch.tensor(GLOBAL_MAX) / t, max=F32_MAX)
+    enc = torch.where((t == 0) | (enc == 0), 1.0, enc)
+    return enc, 1 / enc
+
+
+def candidate_scales(amax: Tensor, enc: Tensor, dec: Tensor) -> tuple[Tensor, ...]:
+    """Per row: the map-to-4 and map-to-6 E4M3 block scales, their float32 multipliers
+    ``min(fl(1 / fl(sb · S_dec)), max)`` and the raw map-to-4 and map-to-6 scales."""
+    base = (amax / torch.tensor(6.0)) * enc
+    raw4 = base * torch.tensor(EXPAND)
+    sb4, sb6 = _e4m3(raw4), _e4m3(base)
+    inv4 = torch.clamp(1 / (sb4 * dec), max=F32_MAX)
+    inv6 = torch.clamp(1 / (sb6 * dec), max=F32_MAX)
+    return sb4, sb6, inv4, inv6, raw4, base
+
+
+def fp16_product(q: Tensor, sb: Tensor) -> Tensor:
+    """``q · sb`` as the kernel's FP16 product (reference lines 465-510): every product of an
+    E2M1 and an E4M3 value is an FP16 value (at most 8 significant bits, magnitudes 2**-10 to
+    2688), so it is the exact product in float32; an E4M3 NaN scale gives NaN."""
+    return q * sb[:, None]
+
+
+def block_errors(blocks: Tensor, q: Tensor, sb: Tensor, t: Tensor, enc: Tensor,
+                 order: TwoLevelOrder) -> Tensor:
+    """Each row's error of one candidate (codes ``q``, block scale ``sb``), accumulated from 0
+    over its elements in order, one float32 addition each (reference lines 601-635)."""
+    if order.fp16_error:
+        cand = fp16_product(q, sb)
+        original = blocks * enc
+        diff = cand - original
+    else:
+        val = ((q * sb[:, None]) * t) / torch.tensor(GLOBAL_MAX)
+        diff = val - blocks
+    terms = diff * diff if order.squared else diff.abs()
+    err = torch.zeros(blocks.shape[0], dtype=torch.float32, device=blocks.device)
+    for i in range(blocks.shape[1]):  # the reference's order: element 0 first
+        err = err + terms[:, i]
+    return err
+
+
+def candidate_errors(blocks: Tensor, elem: Format, sb4: Tensor, sb6: Tensor, inv4: Tensor,
+                     inv6: Tensor, t: Tensor, enc: Tensor,
+                     order: TwoLevelOrder) -> tuple[Tensor, Tensor]:
+    """Both candidates' errors per row, on whichever back-end runs (numba:
+    ``kernels.fourcode.errors_kernel``; torch: the element rounding and
+    :func:`block_errors`), the same bits."""
+    tgt = fast.target_of(elem)
+    if kernels.numba_runs(blocks):
+        p = fast.jit_params(src=fast.source_of(torch.float32), tgt=tgt, rounding=Rounding.RNE,
+                            overflow=Overflow.SATURATE, sr_bits=DEFAULT_SR_BITS)
+        consts = (float(t), float(enc), float(torch.tensor(GLOBAL_MAX, dtype=torch.float32)))
+        return jit.four_over_six_errors(blocks, inv4, inv6, sb4, sb6, consts, p, order.squared,
+                                        order.fp16_error)
+
+    def codes(m: Tensor) -> Tensor:
+        return fast.round_fused((blocks * m[:, None]).contiguous(), tgt, Rounding.RNE,
+                                Overflow.SATURATE, None, None, DEFAULT_SR_BITS)
+
+    return (block_errors(blocks, codes(inv4), sb4, t, enc, order),
+            block_errors(blocks, codes(inv6), sb6, t, enc, order))
+
+
+def four_over_six_scales(blocks: Tensor, amax: Tensor, tensor_amax: Tensor, elem: Format,
+                         order: TwoLevelOrder) -> ArithScales:
+    """The scales of every 1 x 16 block (rows of float32 ``blocks``, ``amax`` each row's
+    ``fmaxf`` amax, ``tensor_amax`` the tensor's) under 4/6: both candidates cast (codes of
+    ``fl(x · multiplier)`` in ``elem``, nearest even, saturating), their errors, the choice."""
+    t = tensor_amax.float()
+    enc, dec = tensor_scales(t)
+    sb4, sb6, inv4, inv6, raw4, raw6 = candidate_scales(amax, enc, dec)
+    err4, err6 = candidate_errors(blocks, elem, sb4, sb6, inv4, inv6, t, enc, order)
+    pick4 = PREFER_MAP4(err4, err6)
+    sb = torch.where(pick4, sb4, sb6)
+    raw = torch.where(pick4, raw4, raw6)
+    apply = torch.where(pick4, inv4, inv6)
+    undo = (sb * t) * (1 / torch.tensor(GLOBAL_MAX))
+    clamped = (raw > 448.0) | ((raw > 0) & (sb == 0))
+    return ArithScales(apply, undo, undo.double(), clamped, float(dec), ElementOp.MUL)
