@@ -414,7 +414,7 @@ def _base(ref: TensorRef, c: Cast) -> dict[str, Any]:
             "granularity": s.granularity.value, "block": s.block}
 
 
-_NULLS = {f.name: None for f in fields(BlockStatsRow)
+_NULLS: dict[str, Any] = {f.name: None for f in fields(BlockStatsRow)
           if f.name not in ("source", "tensor", "layer", "dtype", "shape", "cast", "format",
                        "scale_format", "granularity", "block", "direction", "element_span",
                        "error")}
@@ -430,7 +430,8 @@ def block_unit(unit: BlockUnit) -> tuple[list[BlockStatsRow], list[BlockScaleRow
         return ([BlockStatsRow(**_base(ref, c), direction="", **_NULLS,
                                element_span=element_span(c.format), error=str(err))
                  for c in unit.casts], [])
-    rows, hist = [], []
+    rows: list[BlockStatsRow] = []
+    hist: list[BlockScaleRow] = []
     for c in unit.casts:
         for d in directions(c, x.dim()):
             cols, codes = direction_stats(x, c, d)

@@ -56,6 +56,8 @@ for tensors, the same star for parameters)."""
 ROW_TYPES: dict[str, str] = {
     "accum-error": "driftcli.measures.accum_error:AccumErrorRow",
     "attention": "driftcli.measures.probe_attention:AttentionRow",
+    "block-scales": "driftcli.measures.block_stats:BlockScaleRow",
+    "block-stats": "driftcli.measures.block_stats:BlockStatsRow",
     "calibrate": "driftcli.measures.calibrate:CalibrateRow",
     "cast-diff": "driftcli.measures.cast_diff:CastDiffRow",
     "clip-rate": "driftcli.measures.clip_rate:ClipRateRow",
