@@ -306,6 +306,9 @@ _NAMED: tuple[Format, ...] = (
     Format("float6_e2m3fn", 2, 3, 1),
     Format("float4_e2m1fn", 2, 1, 1),
     Format("float8_e8m0fnu", 8, 0, 127, signed=False, nan=NanEncoding.TOP, has_subnormals=False),
+    # block-scale formats of the FP4 recipes after OCP (docs/formats.md#ue5m3-and-ue4m3)
+    Format("ue5m3", 5, 3, 15, signed=False, nan=NanEncoding.TOP),
+    Format("ue4m3", 4, 3, 7, signed=False, nan=NanEncoding.TOP),
     Format("int8", 0, 7, -6, integer=True),
     Format("int4", 0, 3, -2, integer=True),
 )
