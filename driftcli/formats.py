@@ -320,10 +320,10 @@ MAX_CUSTOM_EBITS, MAX_CUSTOM_MBITS = 8, 23
 
 
 def _same_widths(ebits: int, mbits: int) -> list[str]:
-    """The registered floats of at most 8 bits with these exponent and mantissa widths: a
+    """The registered signed floats of at most 8 bits with these widths: a
     custom ``eXmY`` of their widths would read as one of them (``e4m3`` as float8_e4m3fn)."""
-    return [f.name for f in _NAMED
-            if not f.integer and f.bits <= 8 and (f.ebits, f.mbits) == (ebits, mbits)]
+    return [f.name for f in _NAMED  # signed, as a custom float is (not UE4M3, a scale format)
+            if f.signed and not f.integer and f.bits <= 8 and (f.ebits, f.mbits) == (ebits, mbits)]
 
 
 def _custom(name: str) -> Format | None:
