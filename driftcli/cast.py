@@ -10,6 +10,7 @@ parts may come in any order and are recognised by their words::
     float8_e4m3fn:tensor:amax                                    (per-tensor current scaling)
     mxfp8_e4m3_floor+1                                           (a preset)
     mxfp4_e2m1:sr                                                (a preset, rounding changed)
+    nvfp4:ue5m3                                                  (a preset, scale format changed)
 
 Granularity: ``none`` ``tensor`` ``channel`` ``block<k>`` ``tile<k>``. Rule:
 ``floor`` ``floor+<k>`` ``ceil`` ``even`` ``amax`` ``amax-rne`` ``amax-up``
@@ -403,9 +404,20 @@ def parse_cast(spec: str | Cast) -> Cast:
     head, *rest = spec.strip().split(":")
     if (base := _preset(head)) is not None:  # rounding or overflow changed: mxfp4_e2m1:sr
         p = _classify(spec, rest)
-        if p.granularity or p.rule or p.scale_format or p.arithmetic:
+        if p.granularity or p.rule or p.arithmetic:
             raise _bad(spec, ":".join(rest), "a preset fixes its scaling; write the full spec "
                        f"({base}) to change it, not")
+        scaling = base.scaling
+        if p.scale_format is not None:  # another block-scale format: nvfp4:ue5m3 (AMD-FP4)
+            if scaling.granularity is Granularity.NONE:
+                raise _bad(spec, p.scale_format.name,
+                           f"preset {head!r} is unscaled: it takes no scale format")
+            try:
+                scaling = replace(scaling, scale_format=p.scale_format)
+                return replace(base, scaling=scaling, rounding=p.rounding or base.rounding,
+                               overflow=p.overflow or base.overflow)
+            except CastSpecError as err:
+                raise CastSpecError(f"cast spec {spec!r}: {err}") from None
         return replace(base, rounding=p.rounding or base.rounding,
                        overflow=p.overflow or base.overflow)
     try:

@@ -306,6 +306,9 @@ _NAMED: tuple[Format, ...] = (
     Format("float6_e2m3fn", 2, 3, 1),
     Format("float4_e2m1fn", 2, 1, 1),
     Format("float8_e8m0fnu", 8, 0, 127, signed=False, nan=NanEncoding.TOP, has_subnormals=False),
+    # block-scale formats of the FP4 recipes after OCP (docs/formats.md#ue5m3-and-ue4m3)
+    Format("ue5m3", 5, 3, 15, signed=False, nan=NanEncoding.TOP),
+    Format("ue4m3", 4, 3, 7, signed=False, nan=NanEncoding.TOP),
     Format("int8", 0, 7, -6, integer=True),
     Format("int4", 0, 3, -2, integer=True),
 )
@@ -317,10 +320,10 @@ MAX_CUSTOM_EBITS, MAX_CUSTOM_MBITS = 8, 23
 
 
 def _same_widths(ebits: int, mbits: int) -> list[str]:
-    """The registered floats of at most 8 bits with these exponent and mantissa widths: a
+    """The registered signed floats of at most 8 bits with these widths: a
     custom ``eXmY`` of their widths would read as one of them (``e4m3`` as float8_e4m3fn)."""
-    return [f.name for f in _NAMED
-            if not f.integer and f.bits <= 8 and (f.ebits, f.mbits) == (ebits, mbits)]
+    return [f.name for f in _NAMED  # signed, as a custom float is (not UE4M3, a scale format)
+            if f.signed and not f.integer and f.bits <= 8 and (f.ebits, f.mbits) == (ebits, mbits)]
 
 
 def _custom(name: str) -> Format | None:

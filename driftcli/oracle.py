@@ -7,8 +7,8 @@ infinities and NaN. It imports neither torch nor the fast path it judges.
 Rounding a value ``x`` to a format:
 
 1. NaN stays NaN. ±inf is an overflow that is exact (see 5).
-2. On an unsigned format a negative nonzero value is out of range: the smallest
-   value under ``saturate``, NaN under ``ieee``.
+2. On an unsigned format a negative nonzero value is out of range: the least value
+   (0, or E8M0's 2**-127) under ``saturate``, NaN under ``ieee``.
 3. Zero keeps its sign where the format has −0; a format with no zero (E8M0)
    gives its smallest value instead of zero.
 4. Otherwise ``|x|`` lies in the binade ``2**e <= |x| < 2**(e+1)``, with ``e``
@@ -101,7 +101,7 @@ def round_exact(fmt: Format, x: Exact, rounding: Rounding = Rounding.RNE,
     limit = fmt.extremes[x.negative]
     if not fmt.signed and x.negative and (x.kind is Kind.INF or x.mag):
         if overflow is Overflow.SATURATE or not fmt.has_nan:
-            return Exact(Kind.FINITE, False, fmt.smallest_positive)
+            return Exact(Kind.FINITE, False, Fraction(0) if fmt.has_zero else fmt.smallest_positive)
         return NAN
     if x.kind is Kind.INF:
         return _overflow(fmt, x.negative, limit, rounding, overflow, exact_inf=True)

@@ -220,7 +220,9 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp
         if overflow is Overflow.IEEE and tgt.has_nan:
             out = torch.where(below, nan_bits, out)
         else:
-            out = torch.where(below, smallest_bits, out)
+            # the format's least value: 0 where it has a zero (UE5M3), else its smallest (E8M0)
+            least = 0 if tgt.has_zero else smallest_bits
+            out = torch.where(below, least, out)
     out = torch.where(is_nan, nan_bits, out)
     return out.view(src.fdtype)
 

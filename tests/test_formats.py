@@ -23,6 +23,9 @@ TABLE = {
     "float6_e2m3fn": (2, 3, 1, Fraction(15, 2), False, NanEncoding.NONE, True),
     "float4_e2m1fn": (2, 1, 1, Fraction(6), False, NanEncoding.NONE, True),
     "float8_e8m0fnu": (8, 0, 127, Fraction(2**127), False, NanEncoding.TOP, False),
+    # the block scales after OCP (docs/formats.md#ue5m3-and-ue4m3): unsigned, NaN at the top
+    "ue5m3": (5, 3, 15, Fraction(114688), False, NanEncoding.TOP, False),
+    "ue4m3": (4, 3, 7, Fraction(448), False, NanEncoding.TOP, False),
 }
 
 

@@ -177,7 +177,8 @@ def finish(out: int, over: bool, neg: bool, u: int, nonfinite: bool, limit_bits:
         if neg and (out != 0 or has_neg_zero):
             out |= -(1 << (ebits + mbits))
     elif neg and (u != 0 or nonfinite):
-        out = nan_bits if (overflow == 1 and has_nan) else smallest_bits
+        # an unsigned format's least value: 0 where it has a zero (UE5M3), else its smallest
+        out = nan_bits if (overflow == 1 and has_nan) else (0 if has_zero else smallest_bits)
     return out
 
 

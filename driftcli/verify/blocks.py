@@ -39,6 +39,7 @@ is checked exhaustively by the element checks)."""
 
 
 _E8M0, _E4M3, _F32 = (FORMATS[n] for n in ("float8_e8m0fnu", "float8_e4m3fn", "float32"))
+_UE5M3, _UE4M3 = FORMATS["ue5m3"], FORMATS["ue4m3"]
 _BLOCK, _TILE = Granularity.BLOCK, Granularity.TILE
 
 RULE_SCALINGS: dict[ScaleRule, tuple[Scaling, ...]] = {
@@ -51,7 +52,10 @@ RULE_SCALINGS: dict[ScaleRule, tuple[Scaling, ...]] = {
     ScaleRule.AMAX_RNE: (Scaling(Granularity.CHANNEL, 0, _E4M3, ScaleRule.AMAX_RNE),),
     ScaleRule.AMAX_UP: (Scaling(_BLOCK, 32, _E8M0, ScaleRule.AMAX_UP),),  # up to powers of two
     ScaleRule.TWO_LEVEL: (Scaling(_BLOCK, 16, _E4M3, ScaleRule.TWO_LEVEL),
-                          Scaling(_TILE, 16, _E4M3, ScaleRule.TWO_LEVEL)),
+                          Scaling(_TILE, 16, _E4M3, ScaleRule.TWO_LEVEL),
+                          # the unsigned block scales after OCP: AMD-FP4's, tcgen05's mxf4nvf4
+                          Scaling(_BLOCK, 16, _UE5M3, ScaleRule.TWO_LEVEL),
+                          Scaling(_BLOCK, 16, _UE4M3, ScaleRule.TWO_LEVEL)),
 }
 """The scalings that stress what a rule does; a rule not listed here (``ceil``, ``even``, and
 any new one) is checked under the scaling that ``FORMAT:block32:RULE`` gives: blocks of 32 in
