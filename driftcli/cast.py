@@ -258,6 +258,15 @@ class Cast:
                 f"two-level scaling needs a scale format whose max times {self.format.name}'s "
                 f"max fits a float32 (the tensor scale is amax / that product); "
                 f"{s.scale_format.name} does not: use float8_e4m3fn as NVFP4 does")
+        two = s.arithmetic.two
+        if two is not TwoLevelOrder.DRIFT and (self.format, s.scale_format) != _NVFP4_PAIR:
+            # the libraries' orders are written with NVFP4's constants (6, 448, 2688) and an
+            # E4M3 rounding of the block scale: on other formats they would be silently wrong
+            raise CastSpecError(
+                f"two={two} is {two.value.split('-')[0]}'s NVFP4 order, written for "
+                f"float4_e2m1fn elements under float8_e4m3fn block scales, not "
+                f"{self.format.name} under {s.scale_format.name if s.scale_format else 'none'}; "
+                "leave two= out for drift's exact two-level rule on these formats")
 
     def __str__(self) -> str:
         s = self.scaling
@@ -330,6 +339,10 @@ class _Parts(NamedTuple):
     rounding: Rounding | None
     overflow: Overflow | None
     arithmetic: ScaleArithmetic | None
+
+
+_NVFP4_PAIR = (FORMATS["float4_e2m1fn"], FORMATS["float8_e4m3fn"])
+"""The element and block-scale formats the libraries' two-level orders are written for."""
 
 
 def _bad(spec: str, part: str, why: str, hint: str = "") -> CastSpecError:

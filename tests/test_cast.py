@@ -218,3 +218,19 @@ def test_an_ambiguous_custom_name_is_refused_as_a_cast() -> None:
     assert result.exit_code == 2
     assert "'e4m3' is ambiguous" in result.output and "float8_e4m3fn" in result.output
     assert "e4m3b7" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_librarys_nvfp4_order_is_refused_on_other_formats() -> None:
+    """torchao's and Transformer Engine's two-level orders carry NVFP4's constants (6, 448,
+    2688) and round the block scale as E4M3: on other formats they would be silently wrong."""
+    from driftcli.cast import parse_cast
+    from driftcli.errors import CastSpecError
+
+    for spec in ("float8_e4m3fn:block16:float8_e4m3fn:two-level:two=te-4over6-mae",
+                 "torchao/nvfp4:ue5m3", "te/nvfp4:ue4m3",
+                 "float6_e2m3fn:block16:float8_e4m3fn:two-level:two=te"):
+        with pytest.raises(CastSpecError, match="NVFP4 order, written for float4_e2m1fn "
+                                                "elements under float8_e4m3fn block scales"):
+            parse_cast(spec)
+    assert str(parse_cast("nvfp4:ue5m3")).endswith("ue5m3:two-level:rne:saturate")
+    assert "two=te-4over6-mae" in str(parse_cast("te/nvfp4_4over6"))
