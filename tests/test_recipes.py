@@ -101,7 +101,8 @@ def arithmetic_casts(draw: st.DrawFn) -> Cast:
         st.sampled_from(["float8_e8m0fnu", "float32", "float8_e4m3fn"]))]
     size = 16 if gran in (Granularity.BLOCK, Granularity.TILE) else 0
     arithmetic = draw(_arithmetic_for(rule, scale))
-    if gran is Granularity.TILE and arithmetic.two.four_over_six:  # 4/6: 1 x 16 blocks only
+    if gran is Granularity.TILE and (arithmetic.two.four_over_six
+                                     or arithmetic.two.row_scaled):  # 1 x 16 blocks only
         gran = Granularity.BLOCK
     return Cast(FORMATS["float4_e2m1fn"], Scaling(gran, size, scale, rule,
                                                   arithmetic=arithmetic))
