@@ -1105,7 +1105,9 @@ def test_a_quantized_model_folder_runs(tmp_path: Path) -> None:
     table = pq.read_table(out / "grad-cosine.parquet").to_pydict()
     assert q in table["parameter"] and q + "_scale_inv" not in table["parameter"]
     exact = [c for p, c in zip(table["policy"], table["cosine"], strict=True) if p == "exact"]
-    assert exact and all(c == 1.0 for c in exact if c is not None)
+    # the exact policy's gradient is the reference itself: its cosine is 1 up to the float64
+    # roundings of the dot product and the norms (a few ulps, kernel-dependent)
+    assert exact and all(abs(c - 1.0) < 1e-12 for c in exact if c is not None)
 
 
 @pytest.mark.skipif(NO_MODEL, reason=NO_MODEL_REASON)

@@ -137,11 +137,12 @@ def _check_pair_set(fmt: Format, plan: Plan, ref: dict[int, Exact], label: str, 
                     judge(out, expected, got, partial(_with_draw, describe, r))
             else:
                 bits = fast.draw_random_bits(xa.shape, plan.seed)
+                drawn = bits.tolist()
                 expected = torch.tensor(
                     [to_float(oracle.round_exact(fmt, uniq[k], mode, policy, r))
-                     for k, r in zip(index.tolist(), bits.tolist(), strict=True)],
+                     for k, r in zip(index.tolist(), drawn, strict=True)],
                     dtype=torch.float64)
                 got = fast_op(xa, xb, fmt, rounding=mode, overflow=policy, random_bits=bits)
-                judge(out, expected, got, partial(_with_drawn, describe, bits.tolist()))
+                judge(out, expected, got, partial(_with_drawn, describe, drawn))
             yield out
 
