@@ -20,7 +20,7 @@ from driftcli.lazy import exports
 
 _API = {
     "FORMATS": "driftcli.formats", "Format": "driftcli.formats", "get_format": "driftcli.formats",
-    "PRESETS": "driftcli.cast", "Cast": "driftcli.cast", "parse_cast": "driftcli.cast",
+    "PRESETS": "driftcli.presets", "Cast": "driftcli.cast", "parse_cast": "driftcli.castspec",
     "Overflow": "driftcli.modes", "Rounding": "driftcli.modes",
     "DriftError": "driftcli.errors",
     "quantize": "driftcli.quantization",

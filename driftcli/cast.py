@@ -1,38 +1,21 @@
-"""Casts as settings: a format, a scaling, a rounding mode and an overflow policy; the spec
-strings and the presets. Nothing here imports torch (``drift formats`` and ``--help`` use it).
+"""The cast record: what one tensor's cast is (an element format, a scaling with its scale
+arithmetic, a rounding mode and an overflow policy), and the checks that make every record a
+cast drift can compute. Nothing here imports torch (``drift formats`` and ``--help`` use it).
 
-A cast spec is colon-separated parts, the element format first; the other
-parts may come in any order and are recognised by their words::
-
-    float8_e4m3fn:block32:float8_e8m0fnu:floor:rne:saturate     (the canonical form)
-    float8_e4m3fn:block32                                        (the same, by defaults)
-    float4_e2m1fn:block16:float8_e4m3fn:two-level                (NVFP4)
-    float8_e4m3fn:tensor:amax                                    (per-tensor current scaling)
-    mxfp8_e4m3_floor+1                                           (a preset)
-    mxfp4_e2m1:sr                                                (a preset, rounding changed)
-    nvfp4:ue5m3                                                  (a preset, scale format changed)
-
-Granularity: ``none`` ``tensor`` ``channel`` ``block<k>`` ``tile<k>``. Rule:
-``floor`` ``floor+<k>`` ``ceil`` ``even`` ``amax`` ``amax-rne`` ``amax-up``
-``two-level``. Scale format: any format name. Rounding: ``rne`` ``rna``
-``rtz`` ``rup`` ``rdown`` ``sr``. Overflow: ``saturate`` ``ieee``. Defaults:
-no scaling; with a granularity, ``floor`` for blocks and tiles and ``amax``
-for tensors and channels; the scale format ``float8_e8m0fnu`` for
-power-of-two rules, ``float8_e4m3fn`` for ``two-level``, ``float32`` for the
-``amax`` rules; ``rne``; ``saturate``. ``str(cast)`` writes every part, in
-the order above, and ``parse_cast(str(c)) == c``.
+The spec strings that name casts are :mod:`driftcli.castspec`'s; the named casts (presets) are
+:mod:`driftcli.presets`'.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import Any, NamedTuple
+from typing import Any
 
-from driftcli.errors import CastSpecError, DriftError, FormatSpecError, close_matches
-from driftcli.formats import FORMATS, Format, get_format
+from driftcli.errors import CastSpecError, close_matches
+from driftcli.formats import FORMATS, Format
 from driftcli.modes import (
     AmaxPolicy,
     ElementOp,
@@ -46,7 +29,6 @@ from driftcli.modes import (
     ScaleRule,
     SmallestRcp,
     TwoLevelOrder,
-    parse_choice,
 )
 
 
@@ -259,7 +241,7 @@ class Cast:
                 f"max fits a float32 (the tensor scale is amax / that product); "
                 f"{s.scale_format.name} does not: use float8_e4m3fn as NVFP4 does")
         two = s.arithmetic.two
-        if two is not TwoLevelOrder.DRIFT and (self.format, s.scale_format) != _NVFP4_PAIR:
+        if two is not TwoLevelOrder.DRIFT and (self.format, s.scale_format) != NVFP4_PAIR:
             # the libraries' orders are written with NVFP4's constants (6, 448, 2688) and an
             # E4M3 rounding of the block scale: on other formats they would be silently wrong
             raise CastSpecError(
@@ -282,186 +264,5 @@ class Cast:
         return ":".join([*parts, self.rounding.value, self.overflow.value, *tail])
 
 
-# --- presets ----------------------------------------------------------------------------------
-
-E8M0 = FORMATS["float8_e8m0fnu"]
-
-
-def _mx(elem: str, rule: ScaleRule = ScaleRule.FLOOR, headroom: int = 0) -> Cast:
-    return Cast(FORMATS[elem], Scaling(Granularity.BLOCK, 32, E8M0, rule, headroom))
-
-
-_MX = {"mxfp8_e4m3": "float8_e4m3fn", "mxfp8_e5m2": "float8_e5m2",
-       "mxfp6_e3m2": "float6_e3m2fn", "mxfp6_e2m3": "float6_e2m3fn",
-       "mxfp4_e2m1": "float4_e2m1fn", "mxint8": "int8"}
-_NVFP4 = (FORMATS["float4_e2m1fn"], FORMATS["float8_e4m3fn"])
-
-PRESETS: dict[str, tuple[Cast, str]] = {
-    "bf16": (Cast(FORMATS["bfloat16"], overflow=Overflow.IEEE),
-             "plain bfloat16 cast, no scaling (overflow to inf, as torch)"),
-    "fp16": (Cast(FORMATS["float16"], overflow=Overflow.IEEE),
-             "plain float16 cast, no scaling (overflow to inf, as torch)"),
-    "fp8_e4m3": (Cast(FORMATS["float8_e4m3fn"],
-                      Scaling(Granularity.TENSOR, 0, FORMATS["float32"], ScaleRule.AMAX)),
-                 "FP8 E4M3 with one float32 scale amax/448 per tensor (current scaling)"),
-    "fp8_e5m2": (Cast(FORMATS["float8_e5m2"],
-                      Scaling(Granularity.TENSOR, 0, FORMATS["float32"], ScaleRule.AMAX)),
-                 "FP8 E5M2 with one float32 scale amax/57344 per tensor (current scaling)"),
-    "fp8_e4m3_unscaled": (Cast(FORMATS["float8_e4m3fn"]), "the bare FP8 E4M3 cast, scale 1"),
-    **{name: (_mx(elem), f"OCP MX: {elem} in blocks of 32, E8M0 scale, floor rule")
-       for name, elem in _MX.items()},
-    **{f"{name}_ceil": (_mx(elem, ScaleRule.CEIL), f"{name} with the scale rounded up (ceil)")
-       for name, elem in _MX.items()},
-    **{f"{name}_even": (_mx(elem, ScaleRule.EVEN), f"{name} with the even rule")
-       for name, elem in _MX.items()},
-    **{f"{name}_floor+1": (_mx(elem, headroom=1), f"{name} with one binade of headroom")
-       for name, elem in _MX.items()},
-    "nvfp4": (Cast(_NVFP4[0], Scaling(Granularity.BLOCK, 16, _NVFP4[1], ScaleRule.TWO_LEVEL)),
-              "NVFP4: FP4 E2M1 in blocks of 16, E4M3 block scales under a float32 tensor scale"),
-    "nvfp4_2d": (Cast(_NVFP4[0], Scaling(Granularity.TILE, 16, _NVFP4[1], ScaleRule.TWO_LEVEL)),
-                 "NVFP4 with 16x16 tiles (as for weights)"),
-}
-"""Every preset: its cast and what it means."""
-
-
-# --- parsing ----------------------------------------------------------------------------------
-
-_GRANULARITY = re.compile(r"(none|tensor|channel)|(block|tile)(\d+)")
-_RULE = re.compile(r"(.+?)(?:\+(\d+))?")
-"""A rule part: a :class:`ScaleRule` member's name, optionally ``+<headroom>``; the names are
-the members' (read at parse time, so the grammar is the enum)."""
-
-
-class _Parts(NamedTuple):
-    granularity: tuple[Granularity, int] | None
-    rule: tuple[ScaleRule, int] | None
-    scale_format: Format | None
-    rounding: Rounding | None
-    overflow: Overflow | None
-    arithmetic: ScaleArithmetic | None
-
-
-_NVFP4_PAIR = (FORMATS["float4_e2m1fn"], FORMATS["float8_e4m3fn"])
+NVFP4_PAIR = (FORMATS["float4_e2m1fn"], FORMATS["float8_e4m3fn"])
 """The element and block-scale formats the libraries' two-level orders are written for."""
-
-
-def _bad(spec: str, part: str, why: str, hint: str = "") -> CastSpecError:
-    return CastSpecError(f"cast spec {spec!r}: {why} {part!r}{hint}; write FORMAT[:GRANULARITY]"
-                         "[:SCALE_FORMAT][:RULE][:ROUNDING][:OVERFLOW], e.g. "
-                         "float8_e4m3fn:block32:floor, or a preset (drift formats --presets)")
-
-
-def _classify(spec: str, parts: list[str]) -> _Parts:
-    found: dict[str, Any] = {}
-
-    def put(kind: str, value: object, part: str) -> None:
-        if kind in found:
-            raise _bad(spec, part, f"a second {kind}")
-        found[kind] = value
-
-    for part in parts:
-        if "=" in part:
-            try:
-                put("scale arithmetic", ScaleArithmetic.parse(part), part)
-            except CastSpecError as err:
-                raise CastSpecError(f"cast spec {spec!r}: {err}") from None
-        elif g := _GRANULARITY.fullmatch(part):
-            gran = Granularity(g[1] or g[2])
-            put("granularity", (gran, int(g[3] or 0)), part)
-        elif (r := _RULE.fullmatch(part)) and r[1] in ScaleRule.__members__.values():
-            put("rule", (parse_choice(ScaleRule, r[1], "scale rule"), int(r[2] or 0)), part)
-        elif part in Rounding.__members__.values():
-            put("rounding", Rounding(part), part)
-        elif part in Overflow.__members__.values():
-            put("overflow", Overflow(part), part)
-        elif part in FORMATS or re.fullmatch(r"e\d+m\d+(b-?\d+)?", part):
-            try:
-                put("scale format", get_format(part), part)
-            except FormatSpecError as err:
-                raise CastSpecError(f"cast spec {spec!r}: scale format: {err}") from None
-        else:
-            words = ["none", "tensor", "channel", "block32", "tile16", *list(ScaleRule),
-                     *list(Rounding), *list(Overflow), *FORMATS]
-            guess = close_matches(part, words).removeprefix("; ")
-            raise _bad(spec, part, "unknown part", f" ({guess})" if guess else "")
-    return _Parts(found.get("granularity"), found.get("rule"),
-                  found.get("scale format"), found.get("rounding"),
-                  found.get("overflow"), found.get("scale arithmetic"))
-
-
-def _preset(name: str) -> Cast | None:
-    """The cast a preset name stands for: drift's (:data:`PRESETS`) or an implementation's
-    (:data:`driftcli.recipes.IMPLEMENTATION_PRESETS`, looked up when asked: that module builds
-    its presets from this one)."""
-    if name in PRESETS:
-        return PRESETS[name][0]
-    from driftcli.recipes import IMPLEMENTATION_PRESETS
-
-    found = IMPLEMENTATION_PRESETS.get(name)
-    return None if found is None else found.cast
-
-
-def preset_names() -> list[str]:
-    """Every preset name: drift's, then the implementations'."""
-    from driftcli.recipes import IMPLEMENTATION_PRESETS
-
-    return [*PRESETS, *IMPLEMENTATION_PRESETS]
-
-
-def parse_cast(spec: str | Cast) -> Cast:
-    """A :class:`Cast` from a preset name or a spec string (see the module docs)."""
-    if isinstance(spec, Cast):
-        return spec
-    if (whole := _preset(spec)) is not None:
-        return whole
-    head, *rest = spec.strip().split(":")
-    if (base := _preset(head)) is not None:  # rounding or overflow changed: mxfp4_e2m1:sr
-        p = _classify(spec, rest)
-        if p.granularity or p.rule or p.arithmetic:
-            raise _bad(spec, ":".join(rest), "a preset fixes its scaling; write the full spec "
-                       f"({base}) to change it, not")
-        scaling = base.scaling
-        if p.scale_format is not None:  # another block-scale format: nvfp4:ue5m3 (AMD-FP4)
-            if scaling.granularity is Granularity.NONE:
-                raise _bad(spec, p.scale_format.name,
-                           f"preset {head!r} is unscaled: it takes no scale format")
-            try:
-                scaling = replace(scaling, scale_format=p.scale_format)
-                return replace(base, scaling=scaling, rounding=p.rounding or base.rounding,
-                               overflow=p.overflow or base.overflow)
-            except CastSpecError as err:
-                raise CastSpecError(f"cast spec {spec!r}: {err}") from None
-        return replace(base, rounding=p.rounding or base.rounding,
-                       overflow=p.overflow or base.overflow)
-    try:
-        elem = get_format(head)
-    except FormatSpecError as err:
-        raise CastSpecError(f"cast spec {spec!r}: {err}") from None
-    except DriftError:
-        raise CastSpecError(
-            f"cast spec {spec!r}: unknown format or preset {head!r}"
-            f"{close_matches(head, [*preset_names(), *FORMATS])} (see drift formats --presets)"
-        ) from None
-    p = _classify(spec, rest)
-    gran, size = p.granularity or (Granularity.NONE, 0)
-    if gran is Granularity.NONE:
-        if p.rule is not None or p.scale_format is not None or p.arithmetic is not None:
-            raise _bad(spec, ":".join(rest), "a rule or scale format needs a granularity, not")
-        scaling = Scaling()
-    else:
-        rule, headroom = p.rule or (
-            (ScaleRule.FLOOR, 0) if gran in (Granularity.BLOCK, Granularity.TILE)
-            else (ScaleRule.AMAX, 0))
-        if headroom and rule is not ScaleRule.FLOOR:
-            raise _bad(spec, f"{rule}+{headroom}", "headroom applies to floor only, not")
-        default_scale = ("float8_e8m0fnu" if rule.power_of_two else
-                         "float8_e4m3fn" if rule is ScaleRule.TWO_LEVEL else "float32")
-        try:
-            scaling = Scaling(gran, size, p.scale_format or FORMATS[default_scale], rule,
-                              headroom, p.arithmetic or EXACT_ARITHMETIC)
-        except CastSpecError as err:
-            raise CastSpecError(f"cast spec {spec!r}: {err}") from None
-    try:
-        return Cast(elem, scaling, p.rounding or Rounding.RNE, p.overflow or Overflow.SATURATE)
-    except CastSpecError as err:
-        raise CastSpecError(f"cast spec {spec!r}: {err}") from None

@@ -19,7 +19,8 @@ import torch
 
 from driftcli import kernels
 from driftcli import rounding as fast
-from driftcli.cast import Cast, parse_cast
+from driftcli.cast import Cast
+from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
 from driftcli.fouroversix import four_over_six_scales
 from driftcli.kernels import jit

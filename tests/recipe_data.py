@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import driftcli as drift
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.formats import Format, Kind
 from driftcli.modes import Granularity, ScaleRule
 from driftcli.quantization import QuantInfo

@@ -18,7 +18,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from driftcli import oracle
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.cli import app
 from driftcli.errors import DriftError
 from driftcli.exact import exact_matmul

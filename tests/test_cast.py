@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import driftcli as drift
-from driftcli.cast import PRESETS, Cast, Scaling
+from driftcli.cast import Cast, Scaling
 from driftcli.cli import app
 from driftcli.errors import CastSpecError
 from driftcli.formats import FORMATS
 from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule
+from driftcli.presets import PRESETS
 from driftcli.quantization import QuantInfo, quantize
 from driftcli.recipes import IMPLEMENTATION_PRESETS
 
@@ -223,7 +224,7 @@ def test_an_ambiguous_custom_name_is_refused_as_a_cast() -> None:
 def test_a_librarys_nvfp4_order_is_refused_on_other_formats() -> None:
     """torchao's and Transformer Engine's two-level orders carry NVFP4's constants (6, 448,
     2688) and round the block scale as E4M3: on other formats they would be silently wrong."""
-    from driftcli.cast import parse_cast
+    from driftcli.castspec import parse_cast
     from driftcli.errors import CastSpecError
 
     for spec in ("float8_e4m3fn:block16:float8_e4m3fn:two-level:two=te-4over6-mae",

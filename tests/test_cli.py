@@ -185,15 +185,15 @@ def test_help_and_formats_never_import_torch(argv: list[str]) -> None:
 def test_a_warning_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     import warnings
 
-    import driftcli.cast
+    import driftcli.castspec
 
-    real = driftcli.cast.parse_cast
+    real = driftcli.castspec.parse_cast
 
     def warned(spec: str) -> object:
         warnings.warn("something to know", UserWarning, stacklevel=1)
         return real(spec)
 
-    monkeypatch.setattr(driftcli.cast, "parse_cast", warned)
+    monkeypatch.setattr(driftcli.castspec, "parse_cast", warned)
     result = runner.invoke(app, ["formats", "--cast", "nvfp4"])
     assert result.exit_code == 0
     lines = result.output.splitlines()

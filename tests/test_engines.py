@@ -81,7 +81,7 @@ class DiesOnce:
 
 
 def _units(folder: Path) -> list[TensorUnit]:
-    from driftcli.cast import parse_cast
+    from driftcli.castspec import parse_cast
     from driftcli.io.readers import open_inputs
 
     casts = tuple(parse_cast(c) for c in CASTS)

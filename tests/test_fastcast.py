@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from driftcli import kernels
 from driftcli import rounding as fast
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.formats import FORMATS
 from driftcli.kernels import castcode as castkernels
 from driftcli.kernels import jit

@@ -13,7 +13,8 @@ from recipe_data import differences, info_of, requires_stories, stories_weights
 from recipe_refs import REFERENCES
 
 from driftcli import fouroversix
-from driftcli.cast import CastSpecError, parse_cast
+from driftcli.castspec import parse_cast
+from driftcli.errors import CastSpecError
 from driftcli.formats import FORMATS
 from driftcli.kernels import jit
 from driftcli.verify import Plan

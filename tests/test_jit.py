@@ -16,9 +16,9 @@ from kernel_paths import kernel_path
 
 import driftcli as drift
 from driftcli import rounding as fast
-from driftcli.cast import PRESETS
 from driftcli.kernels import jit
 from driftcli.modes import Overflow, Rounding
+from driftcli.presets import PRESETS
 from driftcli.scaling import block_stats
 from driftcli.verify import float32_inputs
 

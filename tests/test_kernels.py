@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from driftcli import kernels
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.measures.stats import CastStats, cast_stats
 from driftcli.modes import Overflow, Rounding, ScaleRule
 from driftcli.quantization import quantize

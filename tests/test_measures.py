@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from driftcli import kernels
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.cli import app
 from driftcli.errors import DriftError
 from driftcli.io.tables import read_table, schema_of

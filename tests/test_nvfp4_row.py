@@ -11,7 +11,8 @@ from recipe_data import differences, info_of
 from recipe_refs import REFERENCES
 
 from driftcli import quantization, scalearith
-from driftcli.cast import CastSpecError, parse_cast
+from driftcli.castspec import parse_cast
+from driftcli.errors import CastSpecError
 from driftcli.formats import FORMATS
 from driftcli.kernels import jit
 from driftcli.verify import Plan

@@ -29,9 +29,10 @@ from driftcli.arith.policy import (
     policy_from_toml,
     uniform_policy,
 )
-from driftcli.cast import PRESETS, parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
 from driftcli.modes import Rounding
+from driftcli.presets import PRESETS
 from driftcli.quantization import quantize
 from driftcli.rounding import draw_random_bits
 

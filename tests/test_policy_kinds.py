@@ -23,7 +23,7 @@ from driftcli.arith.policy import (
     policy_from_dict,
     policy_from_toml,
 )
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.models import TransformerConfig, build_model
 from driftcli.models.nets import next_byte_loss
 from driftcli.quantization import quantize

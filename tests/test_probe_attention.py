@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.measures.probe_attention import NO_CAST, AttentionRecorder, measured_casts
 from driftcli.models import TransformerConfig, build_model
 from driftcli.models.nets import AttentionTensors, next_byte_loss, watch_attention

@@ -31,7 +31,8 @@ from recipe_data import (
 )
 
 import driftcli as drift
-from driftcli.cast import ARITHMETIC_KEYS, Cast, ScaleArithmetic, Scaling, parse_cast
+from driftcli.cast import ARITHMETIC_KEYS, Cast, ScaleArithmetic, Scaling
+from driftcli.castspec import parse_cast
 from driftcli.errors import CastSpecError
 from driftcli.formats import FORMATS, Format
 from driftcli.modes import (

@@ -18,7 +18,7 @@ from recipe_data import (
 )
 from recipe_refs import REFERENCES
 
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.modes import Granularity
 from driftcli.recipes import DEEPSEEK, IMPLEMENTATION_PRESETS, TE
 

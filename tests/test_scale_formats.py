@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 
 from driftcli import FORMATS
 from driftcli import rounding as fast
-from driftcli.cast import Cast, parse_cast
+from driftcli.cast import Cast
+from driftcli.castspec import parse_cast
 from driftcli.cli import app
 from driftcli.errors import CastSpecError
 from driftcli.formats import Kind

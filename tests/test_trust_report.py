@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.cli import app
 from driftcli.io.tables import column, write_table
 from driftcli.measures.clip_rate import ClipRateRow

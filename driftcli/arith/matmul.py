@@ -51,7 +51,8 @@ from driftcli import kernels
 from driftcli import rounding as fast
 from driftcli.arith.blockfma import C_EMIN, Accumulation, FMAUnit, fma_dot, parse_unit
 from driftcli.arith.tensorcores import tensor_core
-from driftcli.cast import Cast, parse_cast
+from driftcli.cast import Cast
+from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError, close_matches
 from driftcli.exact import two_sum
 from driftcli.formats import FORMATS, Format, get_format

@@ -14,7 +14,7 @@ forward's operands (:class:`BackwardState`). ``with driftcli.arithmetic(policy):
 to any model (:mod:`driftcli.arith.mode`).
 
 Policies come from presets (``exact``, ``float32`` and one per cast preset of
-:data:`driftcli.cast.PRESETS`), from a cast spec (every operand cast with it), or from a TOML
+:data:`driftcli.presets.PRESETS`), from a cast spec (every operand cast with it), or from a TOML
 file (:func:`policy_from_toml`; docs/arithmetic.md describes the format).
 """
 
@@ -29,9 +29,11 @@ from typing import Any, cast
 
 from driftcli.arith.intercept import MatmulKind
 from driftcli.arith.matmul import MatmulSpec, Order, matmul_spec
-from driftcli.cast import PRESETS, Cast, parse_cast
+from driftcli.cast import Cast
+from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError, close_matches
 from driftcli.modes import Rounding, parse_choice
+from driftcli.presets import PRESETS
 
 
 class PolicyError(DriftError, ValueError):

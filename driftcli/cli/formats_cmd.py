@@ -34,8 +34,9 @@ def formats(
     from rich.console import Console
     from rich.table import Table
 
-    from driftcli.cast import PRESETS, parse_cast
+    from driftcli.castspec import parse_cast
     from driftcli.formats import FORMATS, describe
+    from driftcli.presets import PRESETS
 
     if tensor_cores or policies:
         listing = _tensor_cores() if tensor_cores else []

@@ -61,7 +61,7 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.
 def cast_names(given: list[str]) -> dict[str, str]:
     """Each cast's canonical spec → the name the user gave it, where they differ (a preset
     reads better than its canonical spec): the summary and the report show these names."""
-    from driftcli.cast import parse_cast
+    from driftcli.castspec import parse_cast
 
     return {spec: g for g in given if (spec := str(parse_cast(g))) != g}
 

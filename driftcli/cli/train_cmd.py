@@ -83,7 +83,7 @@ def attention_table(rows: list[AttentionRow], title: str) -> Table:
     one)."""
     from rich.table import Table
 
-    from driftcli.cast import PRESETS
+    from driftcli.presets import PRESETS
 
     names = {str(c): name for name, (c, _) in reversed(PRESETS.items())}
     table = Table(title=esc(title))

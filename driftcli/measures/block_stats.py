@@ -38,7 +38,8 @@ from typing import Any, ClassVar
 import torch
 
 from driftcli import engines, kernels
-from driftcli.cast import Cast, parse_cast
+from driftcli.cast import Cast
+from driftcli.castspec import parse_cast
 from driftcli.codec import encode
 from driftcli.engines import Execution
 from driftcli.errors import DriftError

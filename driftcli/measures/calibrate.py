@@ -57,7 +57,7 @@ from driftcli.arith.blockfma import (
 )
 from driftcli.arith.matmul import MatmulSpec, Order, input_emin, matmul, matmul_spec
 from driftcli.arith.tensorcores import Recordings, read_recordings
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
 from driftcli.formats import FORMATS, Format, get_format
 from driftcli.io.tables import column

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.formats import get_format
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
 from driftcli.io.readers.quantized_weight import (

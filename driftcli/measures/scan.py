@@ -24,7 +24,8 @@ from typing import cast
 import torch
 
 from driftcli import engines
-from driftcli.cast import Cast, parse_cast
+from driftcli.cast import Cast
+from driftcli.castspec import parse_cast
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs

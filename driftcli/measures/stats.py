@@ -21,7 +21,8 @@ import torch
 
 from driftcli import kernels
 from driftcli import rounding as fast
-from driftcli.cast import Cast, parse_cast
+from driftcli.cast import Cast
+from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
 from driftcli.kernels import jit
 from driftcli.modes import DEFAULT_SR_BITS, Granularity, Rounding, ScaleRule

@@ -42,7 +42,8 @@ from torch import nn
 
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import ArithmeticPolicy, Role, get_policy, with_seed
-from driftcli.cast import Cast, parse_cast
+from driftcli.cast import Cast
+from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
 from driftcli.io.capture import capture
 from driftcli.io.dumps import DUMP_KEY, ROLES

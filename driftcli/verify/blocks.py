@@ -12,9 +12,11 @@ from typing import cast
 import torch
 
 from driftcli import oracle
-from driftcli.cast import PRESETS, Cast, Scaling, parse_cast
+from driftcli.cast import Cast, Scaling
+from driftcli.castspec import parse_cast
 from driftcli.formats import FORMATS, Exact, Format, Kind, pow2
 from driftcli.modes import Granularity, Overflow, ScaleRule
+from driftcli.presets import PRESETS
 from driftcli.scaling import ScalePlan, block_stats, plan_divisors, pow2_exponents
 from driftcli.verify.compare import (
     DETERMINISTIC,

@@ -10,7 +10,8 @@ from typing import cast
 
 import torch
 
-from driftcli.cast import Cast, parse_cast
+from driftcli.cast import Cast
+from driftcli.castspec import parse_cast
 from driftcli.formats import Exact, Format, Kind
 from driftcli.modes import Granularity, ScaleRule
 from driftcli.oracle_arith import amax_of, cast_group
