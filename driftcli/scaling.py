@@ -339,9 +339,9 @@ FAST_RULES: dict[ScaleRule, ExponentRule | DivisorRule] = {
     ScaleRule.FLOOR: _floor,
     ScaleRule.CEIL: _ceil,
     ScaleRule.EVEN: _even,
-    ScaleRule.AMAX: real_rule(None),
-    ScaleRule.AMAX_RNE: real_rule(Rounding.RNE),
-    ScaleRule.AMAX_UP: real_rule(Rounding.RUP),
+    ScaleRule.AMAX: real_rule(ScaleRule.AMAX.rounding),
+    ScaleRule.AMAX_RNE: real_rule(ScaleRule.AMAX_RNE.rounding),
+    ScaleRule.AMAX_UP: real_rule(ScaleRule.AMAX_UP.rounding),
     ScaleRule.TWO_LEVEL: _two_level,
     ScaleRule.CEIL_AMAX: _ceil_amax,
 }
@@ -358,21 +358,26 @@ def _fraction_bits(value: float) -> int | None:
     return int(f) if f.denominator == 1 and 0 <= f <= (1 << 23) else None
 
 
+THRESHOLD_RULES: dict[ScaleRule, Callable[[ScalePlan], tuple[float, bool]]] = {
+    ScaleRule.FLOOR: lambda plan: (2.0, True),  # no significand in [1, 2) is above 2
+    ScaleRule.CEIL_AMAX: lambda plan: (1.0, True),  # one binade up unless a power of two
+    ScaleRule.CEIL: lambda plan: (plan.elem_max_significand, True),
+    ScaleRule.EVEN: lambda plan: (plan.even_threshold, False),
+}
+"""The power-of-two rules written as a threshold on amax's significand (:func:`rule_threshold`),
+keyed by member; a rule absent here is not written so, and its casts take the two-pass path."""
+
+
 def rule_threshold(plan: ScalePlan) -> tuple[int, bool] | None:
     """A power-of-two rule as ``(threshold, strict)`` on float32 amaxes: its exponent is
     ``floor(log2 amax) - emax`` (plus the headroom, clamped), plus one where amax's significand,
     as 23 fraction bits, is above the threshold (``strict``) or at least it. The numba
     back-end's one-pass block scales read a rule so (:mod:`driftcli.kernels.castcode`); the
     tests compare every rule on every format with :data:`FAST_RULES`. None for a rule that is
-    not written so."""
-    rule = plan.rule
-    if rule is ScaleRule.FLOOR:
-        return 1 << 23, True  # never above: no 23-bit fraction exceeds it
-    if rule is ScaleRule.CEIL_AMAX:
-        return 0, True  # any significand above 1
-    threshold = {ScaleRule.CEIL: (plan.elem_max_significand, True),
-                 ScaleRule.EVEN: (plan.even_threshold, False)}.get(rule)
-    if threshold is None:
+    not written so (:data:`THRESHOLD_RULES`)."""
+    written = THRESHOLD_RULES.get(plan.rule)
+    if written is None:
         return None
-    bits = _fraction_bits(threshold[0])
-    return None if bits is None else (bits, threshold[1])
+    threshold, strict = written(plan)
+    bits = _fraction_bits(threshold)
+    return None if bits is None else (bits, strict)

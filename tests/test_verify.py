@@ -12,11 +12,12 @@ from typer.testing import CliRunner
 
 from driftcli import FORMATS, oracle, quantization, scaling
 from driftcli import rounding as fast
+from driftcli.cast import Scaling
 from driftcli.cli import app
 from driftcli.engines import Execution
 from driftcli.formats import Exact, Kind
 from driftcli.io.tables import read_table
-from driftcli.modes import Engine, Rounding, ScaleRule, check_rule_table
+from driftcli.modes import Engine, Granularity, Rounding, ScaleRule, check_rule_table
 from driftcli.verify import Plan, block_casts, blocks, check_cast, driver, element_formats, verify
 
 runner = CliRunner()
@@ -199,11 +200,12 @@ def test_pairwise_where_sequential_is_asked_is_caught(tmp_path: Path,
 
 # --- every scale rule is verified, a new one with no edit of verify-formats -------------------
 
-def _add_rule(monkeypatch: pytest.MonkeyPatch, name: str, value: str,
-              power_of_two: bool) -> ScaleRule:
+def _add_rule(monkeypatch: pytest.MonkeyPatch, name: str, value: str, power_of_two: bool,
+              covers_amax: bool = False, rounding: Rounding | None = None) -> ScaleRule:
     """Extend ScaleRule by one member for this test only, as a line in modes.py would (enums
     take no new members once built, so the member maps are patched; undone after the test)."""
-    rule = ScaleRule._new_member_(ScaleRule, value, power_of_two)  # type: ignore[attr-defined]
+    rule = ScaleRule._new_member_(ScaleRule, value, power_of_two,  # type: ignore[attr-defined]
+                                  covers_amax, rounding)
     rule._name_ = name
     rule.__objclass__ = ScaleRule  # type: ignore[misc]
     monkeypatch.setitem(ScaleRule._member_map_, name, rule)
@@ -298,6 +300,39 @@ def test_a_new_scale_rule_is_verified_with_no_other_edit(
     else:
         assert code == 1
         assert set(failing.operation) == {spec.format(rule)} and len(failing) == 2
+
+
+@pytest.mark.parametrize("fast_mode", [Rounding.RTZ, Rounding.RNE])
+def test_a_new_real_valued_rule_is_verified_with_no_other_edit(
+        fast_mode: Rounding, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``amax-rtz`` (``amax / M`` rounded toward zero into the scale format) added as a real-valued
+    rule is: a member stating its rounding, its fast and exact divisors read from the member,
+    and its stressing scaling in ``RULE_SCALINGS`` (float32 scales would hide any rounding).
+    Verified clean; a fast version that rounds to nearest instead fails its cells only."""
+    rule = _add_rule(monkeypatch, "AMAX_RTZ", "amax-rtz", power_of_two=False,
+                     rounding=Rounding.RTZ)
+    assert rule.rounding is Rounding.RTZ
+    monkeypatch.setitem(scaling.FAST_RULES, rule, scaling.real_rule(fast_mode))
+    monkeypatch.setitem(oracle.EXACT_RULES, rule, oracle.real_rule(rule.rounding))
+    e4m3 = FORMATS["float8_e4m3fn"]
+    monkeypatch.setitem(blocks.RULE_SCALINGS, rule,
+                        (Scaling(Granularity.BLOCK, 32, e4m3, rule),))
+    monkeypatch.setattr(blocks, "BLOCK_FULL_SAMPLE", 32)
+    monkeypatch.setattr(blocks, "BLOCK_SCALE_SAMPLE", 800)
+    monkeypatch.setattr(blocks, "REAL_SCALE_SAMPLE", 800)
+    monkeypatch.setattr(driver, "CHECKS", [c for c in driver.CHECKS
+                                           if c.__name__ not in ("check_recipes", "check_matmul")])
+    code, df = _run(tmp_path, "-f", "float4_e2m1fn")
+    summary = df[df.kind == "summary"]
+    spec = "float4_e2m1fn:block32:float8_e4m3fn:amax-rtz:rne:saturate"
+    new = summary[summary.operation == spec]
+    assert sorted(new.check) == ["block scales", "blocks"] and new.n_checked.min() >= 800
+    failing = summary[summary.n_failed > 0]
+    if fast_mode is Rounding.RTZ:
+        assert code == 0 and failing.empty
+    else:
+        assert code == 1
+        assert set(failing.operation) == {spec} and int(failing.n_failed.sum()) > 0
 
 
 # --- engines ---------------------------------------------------------------------------------
