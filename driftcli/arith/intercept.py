@@ -6,10 +6,10 @@ capture (:mod:`driftcli.io.capture`), which records the operands of those same p
 a dump. So a dump's operands are the operands a policy casts, and a function added here is
 cast and recorded alike.
 
-Each routed function has a *route*: ``route(engine, name, func, *args, **kwargs)`` finds the
-products the call makes and hands them to an :class:`Engine`. It first asks
-``engine.passthrough(lhs, rhs, name)`` whether the call runs as the model wrote it (then it
-calls ``func`` itself); otherwise it makes each product with ``engine.product``. Most routes
+Each routed function has a *route*: ``route(sink, name, func, *args, **kwargs)`` finds the
+products the call makes and hands them to a :class:`ProductSink`. It first asks
+``sink.passthrough(lhs, rhs, name)`` whether the call runs as the model wrote it (then it
+calls ``func`` itself); otherwise it makes each product with ``sink.product``. Most routes
 multiply two of the call's own arguments (``F.linear``'s input and weight, ``addmm``'s two
 matrices). Two decompose: ``torch.einsum`` with two operands becomes one batched matmul
 (batch, free and contracted indices laid out as ``(batch..., M, K) @ (batch..., K, N)``), and
@@ -71,7 +71,7 @@ def matmul_kind(name: str, a: Any, b: Any, is_parameter: Callable[[Any], bool]) 
     return MatmulKind.ATTENTION
 
 
-class Engine(Protocol):
+class ProductSink(Protocol):
     """What a route hands its products to: the arithmetic mode (which casts them) or capture
     (which records them)."""
 
@@ -92,8 +92,8 @@ class Engine(Protocol):
 
 
 Route = Callable[..., Any]
-"""``route(engine, name, func, *args, **kwargs)``: the call ``func(*args, **kwargs)`` made of
-products on ``engine`` (module docs)."""
+"""``route(sink, name, func, *args, **kwargs)``: the call ``func(*args, **kwargs)`` made of
+products on ``sink`` (module docs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,56 +121,56 @@ def _check_out(name: str, kwargs: dict[str, Any]) -> None:
                                      "assign the result instead")
 
 
-def _linear(engine: Engine, name: str, func: Route, input: Tensor, weight: Tensor,
+def _linear(sink: ProductSink, name: str, func: Route, input: Tensor, weight: Tensor,
             bias: Tensor | None = None) -> Tensor:
-    if engine.passthrough(input, weight, name):
+    if sink.passthrough(input, weight, name):
         return func(input, weight, bias)
-    out = engine.product(input, weight.transpose(-1, -2) if weight.dim() > 1 else weight, name)
+    out = sink.product(input, weight.transpose(-1, -2) if weight.dim() > 1 else weight, name)
     return out if bias is None else out + bias
 
 
-def _matmul(engine: Engine, name: str, func: Route, input: Tensor, other: Tensor,
+def _matmul(sink: ProductSink, name: str, func: Route, input: Tensor, other: Tensor,
             **kwargs: Any) -> Tensor:
     _check_out(name, kwargs)
-    if engine.passthrough(input, other, name):
+    if sink.passthrough(input, other, name):
         return func(input, other, **kwargs)
-    return engine.product(input, other, name)
+    return sink.product(input, other, name)
 
 
-def _rmatmul(engine: Engine, name: str, func: Route, input: Tensor,
+def _rmatmul(sink: ProductSink, name: str, func: Route, input: Tensor,
              other: Tensor) -> Tensor:
-    return _matmul(engine, name, lambda a, b: func(b, a), other, input)
+    return _matmul(sink, name, lambda a, b: func(b, a), other, input)
 
 
-def _mm(engine: Engine, name: str, func: Route, input: Tensor, mat2: Tensor,
+def _mm(sink: ProductSink, name: str, func: Route, input: Tensor, mat2: Tensor,
         **kwargs: Any) -> Tensor:
     _check_out(name, kwargs)
     want = 3 if name == "torch.bmm" else 2
     if any(isinstance(t, Tensor) and t.dim() != want for t in (input, mat2)):
         return func(input, mat2, **kwargs)  # torch reports its own shape error
-    return _matmul(engine, name, func, input, mat2)
+    return _matmul(sink, name, func, input, mat2)
 
 
-def _add_product(engine: Engine, name: str, func: Route, input: Tensor, mat1: Tensor,
+def _add_product(sink: ProductSink, name: str, func: Route, input: Tensor, mat1: Tensor,
                  mat2: Tensor, *, beta: float = 1, alpha: float = 1, **kwargs: Any) -> Tensor:
     _check_out(name, kwargs)
-    if engine.passthrough(mat1, mat2, name):
+    if sink.passthrough(mat1, mat2, name):
         return func(input, mat1, mat2, beta=beta, alpha=alpha)
-    prod = engine.product(mat1, mat2, name)
+    prod = sink.product(mat1, mat2, name)
     prod = prod if alpha == 1 else prod * alpha
     return prod + (input if beta == 1 else input * beta) if beta != 0 else prod
 
 
-def _mv(engine: Engine, name: str, func: Route, input: Tensor, vec: Tensor,
+def _mv(sink: ProductSink, name: str, func: Route, input: Tensor, vec: Tensor,
         **kwargs: Any) -> Tensor:
-    return _matmul(engine, name, func, input, vec, **kwargs)
+    return _matmul(sink, name, func, input, vec, **kwargs)
 
 
-def _sdpa(engine: Engine, name: str, func: Route, query: Tensor, key: Tensor,
+def _sdpa(sink: ProductSink, name: str, func: Route, query: Tensor, key: Tensor,
           value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
           is_causal: bool = False, scale: float | None = None,
           enable_gqa: bool = False) -> Tensor:
-    if engine.passthrough(query, key, name, products=(f"{name}.qk", f"{name}.pv")):
+    if sink.passthrough(query, key, name, products=(f"{name}.qk", f"{name}.pv")):
         return func(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                     is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if dropout_p:
@@ -183,7 +183,7 @@ def _sdpa(engine: Engine, name: str, func: Route, query: Tensor, key: Tensor,
         groups = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(groups, dim=-3)
         value = value.repeat_interleave(groups, dim=-3)
-    scores = engine.product(query, key.transpose(-2, -1), f"{name}.qk") * factor
+    scores = sink.product(query, key.transpose(-2, -1), f"{name}.qk") * factor
     # the softmax runs in float32, or in the scores' dtype where that is wider
     work = torch.promote_types(scores.dtype, torch.float32)
     scores = scores.to(work)
@@ -199,13 +199,13 @@ def _sdpa(engine: Engine, name: str, func: Route, query: Tensor, key: Tensor,
     # a row masked everywhere attends to nothing (torch's math kernel gives zeros too)
     probs = torch.where(torch.isneginf(scores).all(dim=-1, keepdim=True),
                         torch.zeros((), dtype=work, device=probs.device), probs)
-    return engine.product(probs.to(value.dtype), value, f"{name}.pv")
+    return sink.product(probs.to(value.dtype), value, f"{name}.pv")
 
 
 _LETTERS = string.ascii_letters
 
 
-def _einsum(engine: Engine, name: str, func: Route, equation: str,
+def _einsum(sink: ProductSink, name: str, func: Route, equation: str,
             *operands: Any) -> Tensor:
     if len(operands) == 1 and isinstance(operands[0], list | tuple):
         operands = tuple(operands[0])
@@ -222,7 +222,7 @@ def _einsum(engine: Engine, name: str, func: Route, equation: str,
             "einsums")
     a, b = operands
     terms, out = _parse_einsum(equation, a.dim(), b.dim())
-    return _einsum_product(engine, name, equation, lambda: func(equation, a, b), a, b, terms,
+    return _einsum_product(sink, name, equation, lambda: func(equation, a, b), a, b, terms,
                            out)
 
 
@@ -269,11 +269,11 @@ def _parse_einsum(equation: str, ndim_a: int, ndim_b: int) -> tuple[list[str], s
     return terms, out
 
 
-def _einsum_product(engine: Engine, name: str, equation: str,
+def _einsum_product(sink: ProductSink, name: str, equation: str,
                     as_written: Callable[[], Tensor], a: Tensor, b: Tensor, terms: list[str],
                     out: str) -> Tensor:
-    """The einsum as one batched matmul on ``engine``; ``as_written`` (the einsum itself)
-    wherever the engine passes it through, so that ``exact`` is the model's own op."""
+    """The einsum as one batched matmul on ``sink``; ``as_written`` (the einsum itself)
+    wherever the sink passes it through, so that ``exact`` is the model's own op."""
     ta, tb = terms
     # indices only one operand has and the output lacks are summed over first
     a_sum = [i for i, c in enumerate(ta) if c not in tb and c not in out]
@@ -286,7 +286,7 @@ def _einsum_product(engine: Engine, name: str, equation: str,
         tb = "".join(c for i, c in enumerate(tb) if i not in b_sum)
     contract = [c for c in ta if c in tb and c not in out]
     if not contract:
-        engine.note_plain(name, "no contracted index")
+        sink.note_plain(name, "no contracted index")
         return as_written()
     batch = [c for c in out if c in ta and c in tb]
     a_free = [c for c in ta if c not in tb]
@@ -305,9 +305,9 @@ def _einsum_product(engine: Engine, name: str, equation: str,
         *[size_a[c] for c in batch], M, K)
     rhs = b.permute(*[tb.index(c) for c in batch + contract + b_free]).reshape(
         *[size_b[c] for c in batch], K, N)
-    if engine.passthrough(lhs, rhs, name):
+    if sink.passthrough(lhs, rhs, name):
         return as_written()
-    prod = engine.product(lhs, rhs, name)
+    prod = sink.product(lhs, rhs, name)
     sizes = [max(size_a[c], size_b[c]) for c in batch]
     prod = prod.reshape(*sizes, *[size_a[c] for c in a_free], *[size_b[c] for c in b_free])
     have = batch + a_free + b_free

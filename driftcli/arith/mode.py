@@ -17,7 +17,7 @@ matmuls: ``q·kᵀ``, the scale, the causal and given masks, the softmax in floa
 then ``p·v``; dropout must be 0). The functions, and how each call becomes products, are the
 table :data:`driftcli.arith.intercept.MATMULS`, which capture reads too: the operands it
 records are those the policy casts. The mode is the table's casting
-:class:`~driftcli.arith.intercept.Engine`.
+:class:`~driftcli.arith.intercept.ProductSink`.
 
 What runs as the plain torch op, counted in ``plain``: matmuls inside a module kept in high
 precision (the policy's ``keep_high_precision`` regexes on qualified module names; the model's

@@ -68,7 +68,7 @@ class _Product:
 
 
 class _Products:
-    """Capture's :class:`~driftcli.arith.intercept.Engine`: it notes the products a route
+    """Capture's :class:`~driftcli.arith.intercept.ProductSink`: it notes the products a route
     makes and casts nothing.
 
     For a route that multiplies two of the call's arguments, the first ``passthrough`` names
