@@ -248,7 +248,7 @@ COSINES = {"te/nvfp4": 0.446, "te/nvfp4_recipe": 0.526, "te/mxfp8_recipe": 0.979
            "deepseek/v3_recipe": 0.980}
 
 
-@pytest.mark.slow  # every recipe on the real model: about 50 s of one core
+@pytest.mark.slow  # every recipe on the real model: 28-65 s on the shared 2-core machine
 @pytest.mark.skipif(NO_HF, reason=NO_HF_REASON)
 def test_every_recipe_under_grad_cosine_on_stories260k() -> None:
     stories = loaders.load_causal_lm(STORIES)
