@@ -13,9 +13,10 @@ operand, ``dC·Bᵀ``, and ``wgrad`` that of the right one, ``Aᵀ·dC``. An
 forward's operands (:class:`BackwardState`). ``with driftcli.arithmetic(policy):`` applies it
 to any model (:mod:`driftcli.arith.mode`).
 
-Policies come from presets (``exact``, ``float32`` and one per cast preset of
-:data:`driftcli.presets.PRESETS`), from a cast spec (every operand cast with it), or from a TOML
-file (:func:`policy_from_toml`; docs/arithmetic.md describes the format).
+Policies come from presets (``exact``, ``float32``, one per cast preset of
+:data:`driftcli.presets.PRESETS` and one per recipe of
+:data:`driftcli.arith.recipe_policies.RECIPES`), from a cast spec (every operand cast with
+it), or from a TOML file (:func:`policy_from_toml`; docs/arithmetic.md describes the format).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, cast
 
 from driftcli.arith.intercept import MatmulKind
 from driftcli.arith.matmul import MatmulSpec, Order, matmul_spec
+from driftcli.arith.recipe_policies import RECIPES, RecipeEntry
 from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError, close_matches
@@ -204,7 +206,27 @@ POLICIES: dict[str, tuple[ArithmeticPolicy, str]] = {
               f"every operand of every matmul cast as {name} ({doc}); float32 accumulation")
        for name, (c, doc) in PRESETS.items()},
 }
-"""Every preset policy and what it means."""
+"""Every preset policy and what it means (the recipe policies are added below)."""
+
+
+def recipe_policy(entry: RecipeEntry) -> ArithmeticPolicy:
+    """The policy of one recipe table entry (:mod:`driftcli.arith.recipe_policies`): each
+    role's two casts, the entry's accumulation, backward state and kept matmuls; a role whose
+    two slots are ``none`` is plain."""
+    def spec(role: Role) -> MatmulSpec | None:
+        lhs, rhs = entry.role_casts(role.value)
+        if lhs == rhs == "none":
+            return None
+        if entry.tc:
+            return matmul_spec(lhs=lhs, rhs=rhs, tc=entry.tc, order=entry.order)
+        return matmul_spec(lhs=lhs, rhs=rhs, accumulator=entry.acc, order=entry.order)
+
+    return ArithmeticPolicy(entry.name, spec(Role.FORWARD), spec(Role.DGRAD), spec(Role.WGRAD),
+                            BackwardState(entry.backward_state), entry.keep_high_precision,
+                            keep_matmuls=tuple(MatmulKind(k) for k in entry.keep_matmuls))
+
+
+POLICIES.update({r.name: (recipe_policy(r), r.meaning) for r in RECIPES})
 
 
 # --- TOML files ---------------------------------------------------------------------------------

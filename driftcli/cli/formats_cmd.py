@@ -24,7 +24,8 @@ def formats(
         "--tensor-cores", help="List the tensor-core presets (tc=NAME in a matmul spec).")
     ] = False,
     policies: Annotated[bool, typer.Option(
-        "--policies", help="List the arithmetic policy presets (--policy NAME) and the example "
+        "--policies", help="List the arithmetic policy presets (--policy NAME), the recipe "
+                           "policies with each role's casts and source, and the example "
                            "policy files.")] = False,
 ) -> None:
     """List the formats, the cast presets, or a spec's form.
@@ -129,9 +130,23 @@ def _example_policies() -> list[Path]:
 def _policies() -> list[dict[str, Any]]:
     """The preset policies, then the example policy files with their first comment line."""
     from driftcli.arith.policy import POLICIES
+    from driftcli.arith.recipe_policies import RECIPE_BY_NAME, RECIPES
 
     out: list[dict[str, Any]] = [{"registry": "policy", "preset": name, "use": f"--policy {name}",
-                                  "meaning": meaning} for name, (_, meaning) in POLICIES.items()]
+                                  "meaning": meaning} for name, (_, meaning) in POLICIES.items()
+                                 if name not in RECIPE_BY_NAME]
+    for r in RECIPES:
+        out.append({
+            "registry": "recipe policy", "preset": r.name, "use": f"--policy {r.name}",
+            "meaning": r.meaning,
+            "roles": {role: dict(zip(("lhs", "rhs"), r.role_casts(role), strict=True))
+                      for role in ("forward", "dgrad", "wgrad")},
+            "accumulation": f"tc={r.tc}, order={r.order}" if r.tc
+            else f"acc={r.acc}, order={r.order}",
+            "backward_state": r.backward_state, "keep_matmuls": list(r.keep_matmuls),
+            "keep_high_precision": list(r.keep_high_precision),
+            # the recipe's RHT is recorded, not applied: the cast option is not wired yet
+            "rht_not_yet": list(r.rht), "departures": r.departures, "source": r.source})
     for path in _example_policies():
         lines = path.read_text(encoding="utf-8").splitlines()
         head = " ".join(line.lstrip("# ").strip() for line in
@@ -160,9 +175,13 @@ def _print_registries(listing: list[dict[str, Any]]) -> None:
                           r["result"], r["rounding"], r["source"])
         console.print(table)
     for registry, title in (("policy", "arithmetic policy presets: --policy NAME"),
+                            ("recipe policy", ""),
                             ("example policy", "example policy files: --policy FILE")):
         rows = [r for r in listing if r["registry"] == registry]
         if not rows:
+            continue
+        if registry == "recipe policy":
+            _print_recipes(console, rows)
             continue
         table = Table(title=title)
         for col in ("preset", "use", "meaning"):
@@ -170,6 +189,32 @@ def _print_registries(listing: list[dict[str, Any]]) -> None:
         for r in rows:
             table.add_row(r["preset"], r["use"], r["meaning"])
         console.print(table)
+
+
+def _print_recipes(console: Any, recipes: list[dict[str, Any]]) -> None:
+    """The recipe policies: each role's casts (lhs · rhs), what the backward reads, what stays
+    in high precision and the RHT not yet applied; then each one's source and departures."""
+    from rich.table import Table
+
+    table = Table(title="recipe policies: --policy NAME, a cast per role and operand "
+                        "(docs/recipes.md#recipe-policies)")
+    for col in ("policy", "forward X·Wᵀ", "dgrad dY·W", "wgrad Xᵀ·dY", "backward, kept"):
+        table.add_column(col, overflow="fold", no_wrap=col == "policy")
+    def cell(r: dict[str, Any], role: str) -> str:
+        casts = r["roles"][role]
+        if casts["lhs"] == casts["rhs"] == "none":
+            return "plain (high precision)"
+        return " · ".join(casts[side] + (" (RHT: not yet)" if f"{role}.{side}" in
+                                         r["rht_not_yet"] else "") for side in ("lhs", "rhs"))
+
+    for r in recipes:
+        kept = ", ".join([*r["keep_matmuls"], *r["keep_high_precision"]]) or "nothing"
+        table.add_row(r["preset"], cell(r, "forward"), cell(r, "dgrad"), cell(r, "wgrad"),
+                      f"{r['backward_state']}; {r['accumulation']}; keeps {kept}")
+    console.print(table)
+    for r in recipes:  # the sources are long: one paragraph each, below the table
+        departs = f" Departs: {r['departures']}." if r["departures"] else ""
+        console.print(f"{r['preset']}: {r['source']}.{departs}", soft_wrap=True)
 
 
 def _tensor_core_row(spec: str) -> dict[str, Any]:
