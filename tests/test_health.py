@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import test_train
 import torch
 from test_train import _one_line_error, drift
 
+from driftcli.cast import parse_cast
 from driftcli.io.tables import read_table
 from driftcli.models import MLPConfig, load_checkpoint, save_checkpoint
 from driftcli.models.nets import build_model, next_byte_loss
@@ -151,3 +153,138 @@ def test_freeze_prediction_against_a_bfloat16_run(runs: tuple[Path, Path]) -> No
 def test_first_step() -> None:
     assert first_step([0, 5, 10], [None, 0.4, 0.5], 0.5) == 10
     assert first_step([0, 5], [None, 0.49], 0.5) is None
+
+
+# --- gradient-to-noise ratio -------------------------------------------------------------------
+
+E2M1 = "float4_e2m1fn:none"
+"""FP4 elements without a scale: the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (either sign)."""
+
+
+def test_a_gradient_below_the_sqrt3_ratio_is_flagged() -> None:
+    """0.2 is below half of E2M1's least subnormal (0.5): round to nearest flushes it, the
+    noise is the gradient itself (ratio 1); 1.25 rounds to 1 (a tie, to the even
+    significand), noise 0.25 a coordinate (ratio 5). Under stochastic rounding the expected
+    squared noise is (g − lo)(hi − g): 0.2·0.3 and 0.25·0.25 a coordinate."""
+    small, large = torch.full((64,), 0.2), torch.full((64,), 1.25)
+    norm, noise = gradient_noise(small, E2M1)
+    assert norm == pytest.approx(1.6) and noise == pytest.approx(1.6)
+    low = ratio(norm, noise)
+    assert low is not None and low < GNR_FLOOR
+    high = ratio(*gradient_noise(large, E2M1))
+    assert high == pytest.approx(5.0, rel=1e-12) and high > GNR_FLOOR
+    sr_low = ratio(*gradient_noise(small, f"{E2M1}:sr"))
+    assert sr_low == pytest.approx(0.2 / math.sqrt(0.2 * 0.3), rel=1e-6)  # 0.8165
+    sr_high = ratio(*gradient_noise(large, f"{E2M1}:sr"))
+    assert sr_high == pytest.approx(5.0, rel=1e-12)
+    assert ratio(*gradient_noise(torch.full((8,), 1.5), E2M1)) == math.inf  # on the grid
+    assert ratio(0.0, 0.0) is None
+
+
+def test_the_sr_expectation_is_the_mean_of_draws() -> None:
+    """The expectation against 400 drawn casts of a gradient under MXFP4 with SR (400 copies
+    cast at once, each block its own random bits): within 2 % (the draws' own spread is
+    about 0.5 %; drift's SR reads a finite number of random bits)."""
+    from driftcli.quantization import quantize
+
+    g = torch.randn(4, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    _, expected = gradient_noise(g, "mxfp4_e2m1:sr")
+    copies = g.expand(400, 4, 64).contiguous()
+    drawn = quantize(copies, "mxfp4_e2m1:sr", seed=0)
+    assert isinstance(drawn, torch.Tensor)
+    mean = float((drawn - copies).pow(2).sum()) / 400
+    assert math.sqrt(mean) == pytest.approx(expected, rel=0.02)
+
+
+def test_health_counts_the_ratio_per_parameter_and_over_all(runs: tuple[Path, Path]) -> None:
+    float32, _ = runs
+    rows = health(float32, grad_cast="mxfp4_e2m1", checkpoints="step-00000[0-2].safetensors")
+    assert [r.step for r in rows if r.parameter == "*"] == [0, 1, 2]
+    for step in (0, 1, 2):
+        mine = [r for r in rows if r.step == step]
+        parts, total = mine[:-1], mine[-1]
+        assert all(r.gnr is not None and r.gnr_low == (r.gnr < GNR_FLOOR) for r in mine)
+        grad = math.sqrt(sum((r.grad_norm or 0.0) ** 2 for r in parts))
+        noise = math.sqrt(sum((r.noise_norm or 0.0) ** 2 for r in parts))
+        assert total.grad_norm == pytest.approx(grad, rel=1e-12)
+        assert total.gnr == pytest.approx(grad / noise, rel=1e-12)
+        assert total.frozen_share is None if step == 0 else total.frozen_share is not None
+
+
+# --- oscillation -------------------------------------------------------------------------------
+
+def test_a_weight_oscillating_between_two_codes() -> None:
+    """Element 0 goes 1.24, 1.26, … across E2M1's midpoint 1.25: its code flips 1 ↔ 1.5 at
+    every interval, a quantized path of 4 · 0.5 against a master path of 4 · 0.02 (ratio 25).
+    Element 1 walks 1.0 → 1.4 (one flip, ratio 1.25); element 2 stays; element 3 moves its
+    code once while the master path is 0.02 (ratio 25, but one flip)."""
+    series = [[1.24, 1.0, 0.5, 1.24], [1.26, 1.1, 0.5, 1.26], [1.24, 1.2, 0.5, 1.26],
+              [1.26, 1.3, 0.5, 1.26], [1.24, 1.4, 0.5, 1.26]]
+    w = [torch.tensor(s) for s in series]
+    q = [weight_cast(t, parse_cast(E2M1)) for t in w]
+    assert q[0].tolist() == [1.0, 1.0, 0.5, 1.0] and q[1].tolist() == [1.5, 1.0, 0.5, 1.5]
+    osc = oscillation(w, q)
+    assert osc.flips.tolist() == [4, 1, 0, 1]
+    assert osc.quantized_path.tolist() == [2.0, 0.5, 0.0, 0.5]
+    assert osc.oscillating().tolist() == [True, False, False, True]
+    assert osc.oscillating(26.0).tolist() == [False, False, False, False]
+    with pytest.raises(HealthError):
+        oscillation(w[:1], q[:1])
+
+
+def test_health_finds_the_oscillating_bias(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Five checkpoints of the float32 run with head.bias[0] set to 1.24, 1.26, …: one element
+    of 256 oscillates under E2M1, flipping at every interval of the window."""
+    float32, _ = runs
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in range(5):
+        ck = load_checkpoint(float32 / checkpoint_name(step))
+        with torch.no_grad():
+            ck.model.head.bias.fill_(0.5)
+            ck.model.head.bias[0] = 1.24 if step % 2 == 0 else 1.26
+        save_checkpoint(run / checkpoint_name(step), ck.model, ck.config, ck.state,
+                        ck.optimizer)
+    rows = [r for r in health(run, cast=E2M1, window=2) if r.parameter == "head.bias"]
+    assert [r.window for r in rows] == [0, 1, 2, 2, 2]
+    assert [r.oscillating_share for r in rows] == [None, 1 / 256, 1 / 256, 1 / 256, 1 / 256]
+    assert [r.flips_mean for r in rows] == [None, 1 / 256, 2 / 256, 2 / 256, 2 / 256]
+    assert rows[0].cast == "float4_e2m1fn:none:rne:saturate"
+
+
+# --- the command -------------------------------------------------------------------------------
+
+def test_health_command_writes_its_table(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    float32, bf16 = runs
+    out = tmp_path / "out"
+    code, stdout, err = drift("health", bf16, "--reference", float32, "--checkpoints",
+                              "step-00001[2-6].safetensors", "--out", out, "--json")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["freeze_steps"]["*"] == {"freeze_step": 13, "predicted_freeze_step": 13}
+    assert [r["step"] for r in summary["rows"]] == [12, 13, 14, 15, 16]
+    frame, meta = read_table(out / "health.parquet")
+    assert len(frame) == 5 * 6 and list(frame["parameter"][:6]) == [
+        "embed.weight", "hidden.0.weight", "hidden.0.bias", "head.weight", "head.bias", "*"]
+    assert meta["reference"] == str(float32) and meta["storage"] == "bfloat16"
+    code, stdout, err = drift("health", bf16, "--checkpoints", "step-00001[2-6].safetensors",
+                              "--out", out)
+    _one_line_error(code, err, "--overwrite")
+    code, stdout, err = drift("health", bf16, "--out", out, "--overwrite", "-q")
+    assert code == 0 and stdout == "", err
+    assert HealthRow.TABLE == "health"
+
+
+def test_bad_health_input_is_one_line_exit_2(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    float32, bf16 = runs
+    short = tmp_path / "short"
+    short.mkdir()
+    for step in range(3):
+        shutil.copy(float32 / checkpoint_name(step), short)
+    _one_line_error(*drift("health", bf16, "--reference", short, "--checkpoints",
+                           "step-00000[0-3].safetensors", "--out", tmp_path / "a")[::2],
+                    "reference", "same steps")
+    _one_line_error(*drift("health", bf16, "--threshold", "1.5", "--out", tmp_path / "b")[::2],
+                    "threshold")
+    _one_line_error(*drift("health", bf16, "--cast", "float5", "--out", tmp_path / "c")[::2],
+                    "float5")
