@@ -288,3 +288,11 @@ def test_bad_health_input_is_one_line_exit_2(runs: tuple[Path, Path], tmp_path: 
                     "threshold")
     _one_line_error(*drift("health", bf16, "--cast", "float5", "--out", tmp_path / "c")[::2],
                     "float5")
+
+
+def test_every_column_is_documented() -> None:
+    from dataclasses import fields
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "health.md").read_text()
+    for f in fields(HealthRow):
+        assert f"| `{f.name}` |" in page, f"{f.name} missing from docs/health.md"
