@@ -32,6 +32,7 @@ from driftcli.runs.health import (
     ratio,
     weight_cast,
 )
+from driftcli.runs.optstate import dynamic_map, quantized, state_counts, state_values
 from driftcli.runs.probe import update_lost_exact
 from driftcli.runs.training import checkpoint_name, deterministic, optimizer_buffers
 from driftcli.text import load_corpus, sample_windows
@@ -296,3 +297,64 @@ def test_every_column_is_documented() -> None:
     page = (Path(__file__).resolve().parents[1] / "docs" / "health.md").read_text()
     for f in fields(HealthRow):
         assert f"| `{f.name}` |" in page, f"{f.name} missing from docs/health.md"
+
+
+# --- optimizer state ---------------------------------------------------------------------------
+
+def test_the_8bit_state_is_torchao_bit_for_bit() -> None:
+    """drift's reading of torchao's 8-bit Adam state against torchao's own OptimState8bit
+    (torchao 0.18.0, the dev extra): the maps, and the stored values of moments spread over
+    35 binades, signed (exp_avg) and unsigned (exp_avg_sq), ties included."""
+    from torchao.optim.quant_utils import create_dynamic_map
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    for signed in (True, False):
+        assert torch.equal(dynamic_map(signed), torch.tensor(create_dynamic_map(signed=signed)))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=gen) * torch.exp2(
+        torch.randint(-30, 5, (64, 1), generator=gen).float())
+    qmap = dynamic_map(True)
+    x[0, :255] = (qmap[:-1] + qmap[1:]) / 2  # every midpoint of the signed map, under max 1
+    x[0, 255] = 1.0
+    for signed, t in ((True, x), (False, x.square())):
+        state = OptimState8bit.zeros(t.shape, signed, 256)
+        state.copy_(t)
+        assert torch.equal(state.dequantize(), state_values(t, signed)), signed
+    assert quantized(4096) and not quantized(2048) and not quantized(4096 + 128)
+
+
+def test_an_adam_state_whose_updates_round_back() -> None:
+    """A block of 256 first moments: 1.0 (the block's max, its gradient 1.0 keeps it), 0.5 with
+    a gradient of 0.51 (the EMA moves it by 0.001, under half the map's spacing of about 0.014
+    there: stale), 0.5 with a gradient of 1.5 (moves by 0.1: not stale), zeros without
+    gradient (their EMA does not move: not counted). The second moment holds 1e-9 under a
+    max of 1: below half the unsigned map's least value (3.25e-7), stored as 0."""
+    b1, b2 = 0.9, 0.99
+    m0 = torch.zeros(256)
+    m0[:3] = torch.tensor([1.0, 0.5, 0.5])
+    g = torch.zeros(256)
+    g[:3] = torch.tensor([1.0, 0.51, 1.5])
+    m1 = b1 * m0 + (1 - b1) * g
+    v0 = torch.zeros(256)
+    v0[:3] = 1.0
+    v1 = b2 * v0 + (1 - b2) * g * g
+    v1[3] = 1e-9
+    counts = state_counts(m0, v0, m1, v1, betas=(b1, b2), eps=1e-8, step=10)
+    assert counts.m_moved == 2 and counts.m_stale == 1  # the max and the zeros did not move
+    assert counts.v_zero == 1 and counts.v_nonzero == 4
+    assert counts.cosine() == pytest.approx(1.0, abs=1e-3)
+
+
+def test_health_counts_the_state_of_the_tensors_the_layout_quantizes(
+        runs: tuple[Path, Path]) -> None:
+    float32, _ = runs
+    rows = health(float32, state_layout="torchao-8bit",
+                  checkpoints="step-00000[0-3].safetensors")
+    by = {(r.step, r.parameter): r for r in rows}
+    assert by[(1, "*")].m_stale_share is None  # step 0 holds no moments yet
+    for name in ("embed.weight", "head.weight"):  # 4,096 values each
+        r = by[(2, name)]
+        assert r.m_stale_share is not None and r.v_zero_share == 0.0
+        assert r.update_cosine is not None and r.update_cosine > 0.999
+    assert by[(2, "hidden.0.weight")].m_stale_share is None  # 2,048 values stay float32
+    assert by[(2, "*")].update_cosine is not None

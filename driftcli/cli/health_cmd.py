@@ -38,6 +38,10 @@ def health_command(
     grad_cast: Annotated[str | None, typer.Option(
         metavar="CAST",
         help="Cast of the gradient for the gradient-to-noise ratio (e.g. nvfp4:sr).")] = None,
+    state_layout: Annotated[str | None, typer.Option(
+        metavar="LAYOUT",
+        help="Quantized layout of Adam's moments for the optimizer-state columns: "
+             "torchao-8bit.")] = None,
     window: Annotated[int, typer.Option(
         metavar="N", min=1, help="Intervals between checkpoints the oscillation spans.")] = 8,
     checkpoints: Annotated[str, typer.Option(
@@ -81,13 +85,14 @@ def health_command(
             rows = health(run, storage=storage, reference=reference, threshold=threshold,
                           cast=cast, grad_cast=grad_cast, window=window, windows=batch,
                           text=text, seed=seed, checkpoints=checkpoints, threads=threads,
-                          progress=advance)
+                          state_layout=state_layout, progress=advance)
         files = list(dict.fromkeys(run / r.checkpoint for r in rows))
         if reference is not None:
             files += list(dict.fromkeys(reference / r.checkpoint for r in rows))
         prov = provenance(files, seed=seed, extra={
             "storage": storage.value, "reference": None if reference is None else str(reference),
             "threshold": threshold, "cast": cast, "grad_cast": grad_cast, "window": window,
+            "state_layout": state_layout,
             "checkpoints": checkpoints})
         written = write_table(path, HealthRow, rows, prov)
     totals = summary(rows)
@@ -104,13 +109,15 @@ def health_command(
 
     table = Table(title=esc(f"health: {run} (all parameters; freeze in {storage.value})"))
     for col in ("step", "frozen", "predicted", "gnr", "gnr < √3", "oscillating",
-                "flips/elem"):
+                "flips/elem", "m stale", "v stale", "v → 0", "update cos"):
         table.add_column(col, justify="right")
     for t in totals:
         low = t["gnr_low"]
         table.add_row(str(t["step"]), fmt(t["frozen_share"]), fmt(t["predicted_frozen_share"]),
                       fmt(t["gnr"]), "-" if low is None else ("yes" if low else "no"),
-                      fmt(t["oscillating_share"]), fmt(t["flips_mean"]))
+                      fmt(t["oscillating_share"]), fmt(t["flips_mean"]),
+                      fmt(t["m_stale_share"]), fmt(t["v_stale_share"]), fmt(t["v_zero_share"]),
+                      fmt(t["update_cosine"]))
     console = Console(width=120)
     console.print(table)
     console.print(esc(f"first step frozen ≥ {threshold:g} (actual / predicted): " + ", ".join(

@@ -53,6 +53,7 @@ from driftcli.models.nets import next_byte_loss
 from driftcli.modes import Rounding, Storage, parse_choice
 from driftcli.progress import Progress
 from driftcli.quantization import quantize
+from driftcli.runs.optstate import StateCounts, StateLayout, quantized, state_counts
 from driftcli.runs.probe import probe_batch, probe_corpus, run_checkpoints, update_lost
 from driftcli.runs.training import deterministic
 
@@ -119,6 +120,15 @@ class HealthRow:
         "Share of elements whose quantized weight's path over the window is 16 times the "
         "master weight's or more (TetraJet's ratio); null at the first checkpoint")
     flips_mean: float | None = column("Mean code changes per element over the window")
+    state_layout: str | None = column("The quantized layout of Adam's moments; null if none")
+    m_stale_share: float | None = column(
+        "Of the exp_avg values the step's float32 EMA moved, the share whose stored value the "
+        "layout's update leaves unchanged (one-step intervals, tensors the layout quantizes); "
+        "else null")
+    v_stale_share: float | None = column("As m_stale_share, for exp_avg_sq")
+    v_zero_share: float | None = column("Share of nonzero exp_avg_sq values stored as 0")
+    update_cosine: float | None = column(
+        "Cosine of the Adam direction from the stored moments against the float32 one")
 
 
 @dataclass(frozen=True)
@@ -135,6 +145,7 @@ class HealthSettings:
     text: str | None = None
     seed: int = 0
     threads: int = 1
+    state_layout: StateLayout | None = None
 
 
 # --- freeze -------------------------------------------------------------------------------------
@@ -277,6 +288,7 @@ class _Counts:
     noise_sq: float | None = None
     oscillating: int | None = None
     flips: int | None = None
+    state: StateCounts | None = None
 
 
 def _reference_paths(run: Path, reference: str | Path | None, pattern: str,
@@ -304,6 +316,7 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
            cast: Cast | str | None = None, grad_cast: Cast | str | None = None,
            window: int = 8, windows: int | None = None, text: str | Path | None = None,
            seed: int = 0, checkpoints: str = CHECKPOINTS, threads: int = 1,
+           state_layout: StateLayout | str | None = None,
            progress: Progress | None = None) -> list[HealthRow]:
     """The health rows of every checkpoint of ``run`` (module docs): per checkpoint, each
     trainable parameter in the model's order, then ``*``. Torch runs deterministically on
@@ -316,7 +329,9 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
         parse_choice(Storage, storage, "storage format"), threshold,
         None if cast is None else parse_cast(cast),
         None if grad_cast is None else parse_cast(grad_cast), window, windows,
-        None if text is None else str(text), seed, threads)
+        None if text is None else str(text), seed, threads,
+        None if state_layout is None else parse_choice(StateLayout, state_layout,
+                                                       "optimizer-state layout"))
     folder = Path(run)
     paths = run_checkpoints(folder, checkpoints)
     steps = [int(read_info(p)[1].get("step", 0)) for p in paths]
@@ -327,6 +342,7 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
         history: deque[tuple[dict[str, Tensor], dict[str, Tensor]]] = deque(
             maxlen=window + 1)
         prev: dict[str, Tensor] | None = None
+        prev_ck: DriftCheckpoint | None = None
         prev_ref: dict[str, Tensor] | None = None
         prev_step = 0
         for done, (ck, ref_w) in enumerate(_walk(paths, ref)):
@@ -340,6 +356,9 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
                     counts[n].frozen = int(frozen(prev[n], t, settings.storage).sum())
                     counts[n].predicted = int(predicted_frozen(
                         source_prev[n], source_now[n], between, settings.storage).sum())
+            if settings.state_layout is not None and prev_ck is not None and between == 1:
+                for n, c in _moments(prev_ck, ck).items():
+                    counts[n].state = c
             if settings.grad_cast is not None:
                 for n, g in _gradients(ck, settings).items():
                     norm, noise = gradient_noise(g, settings.grad_cast, seed=seed)
@@ -353,10 +372,29 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
                         counts[n].oscillating = int(osc.oscillating().sum())
                         counts[n].flips = int(osc.flips.sum())
             per_step.append((ck, between, counts))
-            prev, prev_ref, prev_step = w, ref_w, ck.step
+            prev, prev_ref, prev_step, prev_ck = w, ref_w, ck.step, ck
             if progress is not None:
                 progress(done + 1, len(paths), ck.path.name)
     return _rows(name, per_step, settings)
+
+
+def _moments(before: DriftCheckpoint, after: DriftCheckpoint) -> dict[str, StateCounts]:
+    """Per parameter the layout quantizes and both checkpoints hold AdamW moments of: the
+    moments' counts over the one step between them."""
+    train = after.state.get("train") or {}
+    if str(train.get("optimizer", "adamw")) != "adamw":
+        return {}
+    b1, b2 = (float(b) for b in train.get("betas", (0.9, 0.999)))
+    eps = float(train.get("eps", 1e-8))
+    step = int(after.state.get("optimizer_step", after.step))
+    out: dict[str, StateCounts] = {}
+    m0s, v0s = before.optimizer.get("exp_avg", {}), before.optimizer.get("exp_avg_sq", {})
+    m1s, v1s = after.optimizer.get("exp_avg", {}), after.optimizer.get("exp_avg_sq", {})
+    for name, m1 in m1s.items():
+        if name in m0s and name in v0s and name in v1s and quantized(m1.numel()):
+            out[name] = state_counts(m0s[name], v0s[name], m1, v1s[name], betas=(b1, b2),
+                                     eps=eps, step=step)
+    return out
 
 
 def _total(counts: dict[str, _Counts]) -> _Counts:
@@ -371,6 +409,10 @@ def _total(counts: dict[str, _Counts]) -> _Counts:
         value = add(field)
         setattr(out, field, None if value is None else int(value))
     out.grad_sq, out.noise_sq = add("grad_sq"), add("noise_sq")
+    held = [c.state for c in parts if c.state is not None]
+    if held:
+        out.state = StateCounts(*(sum(getattr(h, f.name) for h in held)
+                                  for f in dataclasses.fields(StateCounts)))
     return out
 
 
@@ -391,7 +433,7 @@ def _rows(name: str, per_step: list[tuple[DriftCheckpoint, int | None, dict[str,
     rows = []
     spans = {id(ck): i for i, (ck, _, _) in enumerate(per_step)}
     for ck, between, parameter, c in table:
-        gnr = None
+        gnr, st = None, c.state
         if c.grad_sq is not None and c.noise_sq is not None:
             gnr = ratio(math.sqrt(c.grad_sq), math.sqrt(c.noise_sq))
         span = None
@@ -410,7 +452,12 @@ def _rows(name: str, per_step: list[tuple[DriftCheckpoint, int | None, dict[str,
             gnr=gnr, gnr_low=None if gnr is None else gnr < GNR_FLOOR,
             cast=None if settings.cast is None else str(settings.cast), window=span,
             oscillating_share=_share(c.oscillating, c.numel),
-            flips_mean=None if c.flips is None else c.flips / c.numel))
+            flips_mean=None if c.flips is None else c.flips / c.numel,
+            state_layout=None if settings.state_layout is None else settings.state_layout.value,
+            m_stale_share=None if st is None else _share(st.m_stale, st.m_moved),
+            v_stale_share=None if st is None else _share(st.v_stale, st.v_moved),
+            v_zero_share=None if st is None else _share(st.v_zero, st.v_nonzero),
+            update_cosine=None if st is None else st.cosine()))
     return rows
 
 
@@ -423,5 +470,7 @@ def summary(rows: Sequence[HealthRow]) -> list[dict[str, object]]:
     return [{"step": r.step, "frozen_share": r.frozen_share,
              "predicted_frozen_share": r.predicted_frozen_share, "gnr": r.gnr,
              "gnr_low": r.gnr_low, "oscillating_share": r.oscillating_share,
-             "flips_mean": r.flips_mean}
+             "flips_mean": r.flips_mean, "m_stale_share": r.m_stale_share,
+             "v_stale_share": r.v_stale_share, "v_zero_share": r.v_zero_share,
+             "update_cosine": r.update_cosine}
             for r in rows if r.parameter == ALL_PARAMETERS]
