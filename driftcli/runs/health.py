@@ -337,7 +337,7 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
     steps = [int(read_info(p)[1].get("step", 0)) for p in paths]
     ref = _reference_paths(folder, reference, checkpoints, steps)
     name = folder.resolve().name
-    per_step: list[tuple[DriftCheckpoint, int | None, dict[str, _Counts]]] = []
+    per_step: list[_Point] = []
     with deterministic(threads):
         history: deque[tuple[dict[str, Tensor], dict[str, Tensor]]] = deque(
             maxlen=window + 1)
@@ -371,7 +371,7 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
                         osc = oscillation([h[0][n] for h in history], [h[1][n] for h in history])
                         counts[n].oscillating = int(osc.oscillating().sum())
                         counts[n].flips = int(osc.flips.sum())
-            per_step.append((ck, between, counts))
+            per_step.append(_Point(len(per_step), ck.step, ck.path.name, between, counts))
             prev, prev_ref, prev_step, prev_ck = w, ref_w, ck.step, ck
             if progress is not None:
                 progress(done + 1, len(paths), ck.path.name)
@@ -416,12 +416,23 @@ def _total(counts: dict[str, _Counts]) -> _Counts:
     return out
 
 
-def _rows(name: str, per_step: list[tuple[DriftCheckpoint, int | None, dict[str, _Counts]]],
-          settings: HealthSettings) -> list[HealthRow]:
-    table: list[tuple[DriftCheckpoint, int | None, str, _Counts]] = []
-    for ck, between, counts in per_step:
-        table += [(ck, between, n, c) for n, c in counts.items()]
-        table.append((ck, between, ALL_PARAMETERS, _total(counts)))
+@dataclass(frozen=True)
+class _Point:
+    """One checkpoint's counts (the checkpoint itself is not kept: a long series would hold
+    every model)."""
+
+    index: int
+    step: int
+    checkpoint: str
+    between: int | None
+    counts: dict[str, _Counts]
+
+
+def _rows(name: str, per_step: list[_Point], settings: HealthSettings) -> list[HealthRow]:
+    table: list[tuple[_Point, int | None, str, _Counts]] = []
+    for ck in per_step:
+        table += [(ck, ck.between, n, c) for n, c in ck.counts.items()]
+        table.append((ck, ck.between, ALL_PARAMETERS, _total(ck.counts)))
     first: dict[str, tuple[int | None, int | None]] = {}
     for parameter in dict.fromkeys(p for _, _, p, _ in table):
         mine = [(ck.step, c) for ck, _, p, c in table if p == parameter]
@@ -431,16 +442,15 @@ def _rows(name: str, per_step: list[tuple[DriftCheckpoint, int | None, dict[str,
             first_step(steps, [_share(c.predicted, c.numel) for _, c in mine],
                        settings.threshold))
     rows = []
-    spans = {id(ck): i for i, (ck, _, _) in enumerate(per_step)}
     for ck, between, parameter, c in table:
         gnr, st = None, c.state
         if c.grad_sq is not None and c.noise_sq is not None:
             gnr = ratio(math.sqrt(c.grad_sq), math.sqrt(c.noise_sq))
         span = None
         if settings.cast is not None:
-            span = min(spans[id(ck)], settings.window)
+            span = min(ck.index, settings.window)
         rows.append(HealthRow(
-            run=name, checkpoint=ck.path.name, step=ck.step, parameter=parameter,
+            run=name, checkpoint=ck.checkpoint, step=ck.step, parameter=parameter,
             numel=c.numel, storage=settings.storage.value, steps_between=between,
             frozen_share=_share(c.frozen, c.numel),
             predicted_frozen_share=_share(c.predicted, c.numel),
