@@ -11,6 +11,7 @@ from driftcli.cli import (  # noqa: F401
     demo_cmd,
     formats_cmd,
     grad_cosine_cmd,
+    health_cmd,
     measure_cmds,
     quantized_cmds,
     report_cmd,

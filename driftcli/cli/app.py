@@ -40,7 +40,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Verify", ("verify-formats", "formats", "calibrate")),
     ("Quantized checkpoints", ("inspect", "dequantize")),
     ("Report", ("report",)),
-    ("Train and probe", ("train", "dump", "probe")),
+    ("Train and probe", ("train", "dump", "probe", "health")),
     ("Try it", ("demo",)),
 )
 """How ``drift --help`` groups the commands, in this order."""

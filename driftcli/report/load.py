@@ -63,6 +63,7 @@ ROW_TYPES: dict[str, str] = {
     "clip-rate": "driftcli.measures.clip_rate:ClipRateRow",
     "error-bias": "driftcli.measures.error_bias:ErrorBiasRow",
     "grad-cosine": "driftcli.measures.grad_cosine:GradCosineRow",
+    "health": "driftcli.runs.health:HealthRow",
     "inspect": "driftcli.measures.inspect:InspectRow",
     "probe": "driftcli.runs.probe:ProbeRow",
     "train": "driftcli.runs.training:TrainRow",

@@ -1,0 +1,360 @@
+"""drift health: the freeze prediction of a float32 run against the exact freeze count of a
+run stored in bfloat16, the gradient-to-noise ratio on hand-built gradients either side of √3,
+a weight oscillating between two codes, the table, the command and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import test_train
+import torch
+from test_train import _one_line_error, drift
+
+from driftcli.cast import parse_cast
+from driftcli.io.tables import read_table
+from driftcli.models import MLPConfig, load_checkpoint, save_checkpoint
+from driftcli.models.nets import build_model, next_byte_loss
+from driftcli.runs import TrainConfig, train
+from driftcli.runs.health import (
+    GNR_FLOOR,
+    HealthError,
+    HealthRow,
+    first_step,
+    frozen,
+    gradient_noise,
+    health,
+    oscillation,
+    predicted_frozen,
+    ratio,
+    weight_cast,
+)
+from driftcli.runs.optstate import dynamic_map, quantized, state_counts, state_values
+from driftcli.runs.probe import update_lost_exact
+from driftcli.runs.training import checkpoint_name, deterministic, optimizer_buffers
+from driftcli.text import load_corpus, sample_windows
+
+text = test_train.text
+
+SMALL = TrainConfig(MLPConfig(context=8, hidden=16, layers=1), steps=16, batch=8, lr=3e-3,
+                    schedule="cosine", checkpoint_every=1, log_every=0, eval_every=0)
+
+
+def bfloat16_run(config: TrainConfig, source: Path, out: Path) -> Path:
+    with deterministic(1):
+        return _bfloat16_run(config, source, out)
+
+
+def _bfloat16_run(config: TrainConfig, source: Path, out: Path) -> Path:
+    """The run ``drift train`` makes of ``config``, its weights stored in bfloat16: the same
+    initialisation, batches, learning rates and AdamW (state in float32), each step's weights
+    rounded once to bfloat16 (as torch's bfloat16 parameters are), a checkpoint every step."""
+    corpus = load_corpus(source)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model)
+    params = list(model.parameters())
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p.bfloat16().float())
+    opt = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, eps=config.eps,
+                            weight_decay=config.weight_decay)
+    gen = torch.Generator().manual_seed(config.seed)
+    state = {"seed": config.seed, "policy": "exact", "train": config.to_json(),
+             "text": corpus.describe()}
+    out.mkdir(parents=True)
+    save_checkpoint(out / checkpoint_name(0), model, config.model, {**state, "step": 0})
+    for step in range(1, config.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = config.lr_at(step)
+        batch = sample_windows(corpus.train, config.batch, config.model.context + 1, gen,
+                               corpus.source)
+        opt.zero_grad(set_to_none=True)
+        next_byte_loss(model, batch).backward()
+        opt.step()
+        with torch.no_grad():
+            for p in params:
+                p.copy_(p.bfloat16().float())
+        save_checkpoint(out / checkpoint_name(step), model, config.model,
+                        {**state, "step": step}, optimizer_buffers(model, opt))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(text: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A float32 drift run and the same run stored in bfloat16, a checkpoint every step."""
+    base = tmp_path_factory.mktemp("health")
+    train(SMALL, base / "float32", text)
+    return base / "float32", bfloat16_run(SMALL, text, base / "bfloat16")
+
+
+# --- freeze ------------------------------------------------------------------------------------
+
+def test_predicted_freeze_is_the_exact_rule_over_one_step() -> None:
+    """Over one step the prediction is probe's rule, value by value, against exact rationals:
+    weights spread over six binades, updates at and one float32 step either side of half a
+    bfloat16 gap, either way."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.rand(4000, generator=gen) * 2 - 1) * torch.exp2(
+        torch.randint(-6, 0, (4000,), generator=gen).float())
+    ulp = torch.exp2(torch.floor(torch.log2(w.abs().bfloat16().float())) - 7)
+    half = ulp / 2 * torch.tensor([1, -1], dtype=torch.float32).repeat(2000)
+    nudge = torch.tensor([0.999, 1.0, 1.001, 0.25]).repeat(1000)
+    after = w + half * nudge
+    got = predicted_frozen(w, after, 1, "bfloat16")
+    want = [update_lost_exact(a, float(b) - float(a), "bfloat16")
+            for a, b in zip(w.tolist(), after.tolist(), strict=True)]
+    assert got.tolist() == want
+    assert 0.3 < sum(want) / len(want) < 0.95  # both verdicts occur
+
+
+def test_frozen_compares_stored_values() -> None:
+    before = torch.tensor([1.0, 1.0, -0.0, 1.0, float("nan")])
+    after = torch.tensor([1.0 + 2**-9, 1.0 + 2**-7, 0.0, 1.0 + 2**-8, float("nan")])
+    # 1 + 2**-8 is a tie in bfloat16 and goes to the even 1.0; NaN equals nothing
+    assert frozen(before, after, "bfloat16").tolist() == [True, False, True, True, False]
+    assert frozen(before, after, "float32").tolist() == [False, False, True, False, False]
+
+
+def test_freeze_prediction_against_a_bfloat16_run(runs: tuple[Path, Path]) -> None:
+    """The float32 trajectory's half-ulp prediction against what the bfloat16 run did: every
+    parameter's share within 0.5 percentage points at every step (measured: 0.3 at most),
+    the same first step past one half for every parameter, and the frozen share the exact
+    count of unchanged bfloat16 weights."""
+    float32, bf16 = runs
+    rows = health(bf16, reference=float32, storage="bfloat16", threshold=0.5)
+    assert [r.step for r in rows if r.parameter == "*"] == list(range(17))
+    later = [r for r in rows if r.step > 0]
+    assert all(r.frozen_share is not None and r.predicted_frozen_share is not None
+               for r in later)
+    worst = max(abs(r.frozen_share - r.predicted_frozen_share) for r in later
+                if r.frozen_share is not None and r.predicted_frozen_share is not None)
+    assert worst < 0.005
+    steps = {r.parameter: (r.freeze_step, r.predicted_freeze_step) for r in rows}
+    assert steps == {"embed.weight": (1, 1), "hidden.0.weight": (None, None),
+                     "hidden.0.bias": (None, None), "head.weight": (14, 14),
+                     "head.bias": (14, 14), "*": (12, 12)}
+    a, b = (dict(load_checkpoint(bf16 / checkpoint_name(s)).model.named_parameters())
+            for s in (13, 14))
+    kept = {n: int((p.detach() == b[n].detach()).sum()) for n, p in a.items()}
+    at14 = {r.parameter: r for r in rows if r.step == 14}
+    for name, count in kept.items():
+        assert at14[name].frozen_share == count / at14[name].numel, name
+    assert at14["*"].frozen_share == sum(kept.values()) / at14["*"].numel
+    # the float32 run read in bfloat16 moves more than storage lets the bfloat16 run move: its
+    # master weights carry the small updates across rounding boundaries (0.639 against 0.688)
+    own = {r.parameter: r for r in health(float32, storage="bfloat16") if r.step == 14}
+    assert own["*"].predicted_frozen_share == at14["*"].predicted_frozen_share
+    assert own["*"].frozen_share is not None and at14["*"].frozen_share is not None
+    assert own["*"].frozen_share < at14["*"].frozen_share - 0.03
+
+
+def test_first_step() -> None:
+    assert first_step([0, 5, 10], [None, 0.4, 0.5], 0.5) == 10
+    assert first_step([0, 5], [None, 0.49], 0.5) is None
+
+
+# --- gradient-to-noise ratio -------------------------------------------------------------------
+
+E2M1 = "float4_e2m1fn:none"
+"""FP4 elements without a scale: the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (either sign)."""
+
+
+def test_a_gradient_below_the_sqrt3_ratio_is_flagged() -> None:
+    """0.2 is below half of E2M1's least subnormal (0.5): round to nearest flushes it, the
+    noise is the gradient itself (ratio 1); 1.25 rounds to 1 (a tie, to the even
+    significand), noise 0.25 a coordinate (ratio 5). Under stochastic rounding the expected
+    squared noise is (g − lo)(hi − g): 0.2·0.3 and 0.25·0.25 a coordinate."""
+    small, large = torch.full((64,), 0.2), torch.full((64,), 1.25)
+    norm, noise = gradient_noise(small, E2M1)
+    assert norm == pytest.approx(1.6) and noise == pytest.approx(1.6)
+    low = ratio(norm, noise)
+    assert low is not None and low < GNR_FLOOR
+    high = ratio(*gradient_noise(large, E2M1))
+    assert high == pytest.approx(5.0, rel=1e-12) and high > GNR_FLOOR
+    sr_low = ratio(*gradient_noise(small, f"{E2M1}:sr"))
+    assert sr_low == pytest.approx(0.2 / math.sqrt(0.2 * 0.3), rel=1e-6)  # 0.8165
+    sr_high = ratio(*gradient_noise(large, f"{E2M1}:sr"))
+    assert sr_high == pytest.approx(5.0, rel=1e-12)
+    assert ratio(*gradient_noise(torch.full((8,), 1.5), E2M1)) == math.inf  # on the grid
+    assert ratio(0.0, 0.0) is None
+
+
+def test_the_sr_expectation_is_the_mean_of_draws() -> None:
+    """The expectation against 400 drawn casts of a gradient under MXFP4 with SR (400 copies
+    cast at once, each block its own random bits): within 2 % (the draws' own spread is
+    about 0.5 %; drift's SR reads a finite number of random bits)."""
+    from driftcli.quantization import quantize
+
+    g = torch.randn(4, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    _, expected = gradient_noise(g, "mxfp4_e2m1:sr")
+    copies = g.expand(400, 4, 64).contiguous()
+    drawn = quantize(copies, "mxfp4_e2m1:sr", seed=0)
+    assert isinstance(drawn, torch.Tensor)
+    mean = float((drawn - copies).pow(2).sum()) / 400
+    assert math.sqrt(mean) == pytest.approx(expected, rel=0.02)
+
+
+def test_health_counts_the_ratio_per_parameter_and_over_all(runs: tuple[Path, Path]) -> None:
+    float32, _ = runs
+    rows = health(float32, grad_cast="mxfp4_e2m1", checkpoints="step-00000[0-2].safetensors")
+    assert [r.step for r in rows if r.parameter == "*"] == [0, 1, 2]
+    for step in (0, 1, 2):
+        mine = [r for r in rows if r.step == step]
+        parts, total = mine[:-1], mine[-1]
+        assert all(r.gnr is not None and r.gnr_low == (r.gnr < GNR_FLOOR) for r in mine)
+        grad = math.sqrt(sum((r.grad_norm or 0.0) ** 2 for r in parts))
+        noise = math.sqrt(sum((r.noise_norm or 0.0) ** 2 for r in parts))
+        assert total.grad_norm == pytest.approx(grad, rel=1e-12)
+        assert total.gnr == pytest.approx(grad / noise, rel=1e-12)
+        assert total.frozen_share is None if step == 0 else total.frozen_share is not None
+
+
+# --- oscillation -------------------------------------------------------------------------------
+
+def test_a_weight_oscillating_between_two_codes() -> None:
+    """Element 0 goes 1.24, 1.26, … across E2M1's midpoint 1.25: its code flips 1 ↔ 1.5 at
+    every interval, a quantized path of 4 · 0.5 against a master path of 4 · 0.02 (ratio 25).
+    Element 1 walks 1.0 → 1.4 (one flip, ratio 1.25); element 2 stays; element 3 moves its
+    code once while the master path is 0.02 (ratio 25, but one flip)."""
+    series = [[1.24, 1.0, 0.5, 1.24], [1.26, 1.1, 0.5, 1.26], [1.24, 1.2, 0.5, 1.26],
+              [1.26, 1.3, 0.5, 1.26], [1.24, 1.4, 0.5, 1.26]]
+    w = [torch.tensor(s) for s in series]
+    q = [weight_cast(t, parse_cast(E2M1)) for t in w]
+    assert q[0].tolist() == [1.0, 1.0, 0.5, 1.0] and q[1].tolist() == [1.5, 1.0, 0.5, 1.5]
+    osc = oscillation(w, q)
+    assert osc.flips.tolist() == [4, 1, 0, 1]
+    assert osc.quantized_path.tolist() == [2.0, 0.5, 0.0, 0.5]
+    assert osc.oscillating().tolist() == [True, False, False, True]
+    assert osc.oscillating(26.0).tolist() == [False, False, False, False]
+    with pytest.raises(HealthError):
+        oscillation(w[:1], q[:1])
+
+
+def test_health_finds_the_oscillating_bias(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Five checkpoints of the float32 run with head.bias[0] set to 1.24, 1.26, …: one element
+    of 256 oscillates under E2M1, flipping at every interval of the window."""
+    float32, _ = runs
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in range(5):
+        ck = load_checkpoint(float32 / checkpoint_name(step))
+        with torch.no_grad():
+            ck.model.head.bias.fill_(0.5)
+            ck.model.head.bias[0] = 1.24 if step % 2 == 0 else 1.26
+        save_checkpoint(run / checkpoint_name(step), ck.model, ck.config, ck.state,
+                        ck.optimizer)
+    rows = [r for r in health(run, cast=E2M1, window=2) if r.parameter == "head.bias"]
+    assert [r.window for r in rows] == [0, 1, 2, 2, 2]
+    assert [r.oscillating_share for r in rows] == [None, 1 / 256, 1 / 256, 1 / 256, 1 / 256]
+    assert [r.flips_mean for r in rows] == [None, 1 / 256, 2 / 256, 2 / 256, 2 / 256]
+    assert rows[0].cast == "float4_e2m1fn:none:rne:saturate"
+
+
+# --- the command -------------------------------------------------------------------------------
+
+def test_health_command_writes_its_table(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    float32, bf16 = runs
+    out = tmp_path / "out"
+    code, stdout, err = drift("health", bf16, "--reference", float32, "--checkpoints",
+                              "step-00001[2-6].safetensors", "--out", out, "--json")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["freeze_steps"]["*"] == {"freeze_step": 13, "predicted_freeze_step": 13}
+    assert [r["step"] for r in summary["rows"]] == [12, 13, 14, 15, 16]
+    frame, meta = read_table(out / "health.parquet")
+    assert len(frame) == 5 * 6 and list(frame["parameter"][:6]) == [
+        "embed.weight", "hidden.0.weight", "hidden.0.bias", "head.weight", "head.bias", "*"]
+    assert meta["reference"] == str(float32) and meta["storage"] == "bfloat16"
+    code, stdout, err = drift("health", bf16, "--checkpoints", "step-00001[2-6].safetensors",
+                              "--out", out)
+    _one_line_error(code, err, "--overwrite")
+    code, stdout, err = drift("health", bf16, "--out", out, "--overwrite", "-q")
+    assert code == 0 and stdout == "", err
+    assert HealthRow.TABLE == "health"
+
+
+def test_bad_health_input_is_one_line_exit_2(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    float32, bf16 = runs
+    short = tmp_path / "short"
+    short.mkdir()
+    for step in range(3):
+        shutil.copy(float32 / checkpoint_name(step), short)
+    _one_line_error(*drift("health", bf16, "--reference", short, "--checkpoints",
+                           "step-00000[0-3].safetensors", "--out", tmp_path / "a")[::2],
+                    "reference", "same steps")
+    _one_line_error(*drift("health", bf16, "--threshold", "1.5", "--out", tmp_path / "b")[::2],
+                    "threshold")
+    _one_line_error(*drift("health", bf16, "--cast", "float5", "--out", tmp_path / "c")[::2],
+                    "float5")
+
+
+def test_every_column_is_documented() -> None:
+    from dataclasses import fields
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "health.md").read_text()
+    for f in fields(HealthRow):
+        assert f"| `{f.name}` |" in page, f"{f.name} missing from docs/health.md"
+
+
+# --- optimizer state ---------------------------------------------------------------------------
+
+def test_the_8bit_state_is_torchao_bit_for_bit() -> None:
+    """drift's reading of torchao's 8-bit Adam state against torchao's own OptimState8bit
+    (torchao 0.18.0, the dev extra): the maps, and the stored values of moments spread over
+    35 binades, signed (exp_avg) and unsigned (exp_avg_sq), ties included."""
+    from torchao.optim.quant_utils import create_dynamic_map
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    for signed in (True, False):
+        assert torch.equal(dynamic_map(signed), torch.tensor(create_dynamic_map(signed=signed)))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=gen) * torch.exp2(
+        torch.randint(-30, 5, (64, 1), generator=gen).float())
+    qmap = dynamic_map(True)
+    x[0, :255] = (qmap[:-1] + qmap[1:]) / 2  # every midpoint of the signed map, under max 1
+    x[0, 255] = 1.0
+    for signed, t in ((True, x), (False, x.square())):
+        state = OptimState8bit.zeros(t.shape, signed, 256)
+        state.copy_(t)
+        assert torch.equal(state.dequantize(), state_values(t, signed)), signed
+    assert quantized(4096) and not quantized(2048) and not quantized(4096 + 128)
+
+
+def test_an_adam_state_whose_updates_round_back() -> None:
+    """A block of 256 first moments: 1.0 (the block's max, its gradient 1.0 keeps it), 0.5 with
+    a gradient of 0.51 (the EMA moves it by 0.001, under half the map's spacing of about 0.014
+    there: stale), 0.5 with a gradient of 1.5 (moves by 0.1: not stale), zeros without
+    gradient (their EMA does not move: not counted). The second moment holds 1e-9 under a
+    max of 1: below half the unsigned map's least value (3.25e-7), stored as 0."""
+    b1, b2 = 0.9, 0.99
+    m0 = torch.zeros(256)
+    m0[:3] = torch.tensor([1.0, 0.5, 0.5])
+    g = torch.zeros(256)
+    g[:3] = torch.tensor([1.0, 0.51, 1.5])
+    m1 = b1 * m0 + (1 - b1) * g
+    v0 = torch.zeros(256)
+    v0[:3] = 1.0
+    v1 = b2 * v0 + (1 - b2) * g * g
+    v1[3] = 1e-9
+    counts = state_counts(m0, v0, m1, v1, betas=(b1, b2), eps=1e-8, step=10)
+    assert counts.m_moved == 2 and counts.m_stale == 1  # the max and the zeros did not move
+    assert counts.v_zero == 1 and counts.v_nonzero == 4
+    assert counts.cosine() == pytest.approx(1.0, abs=1e-3)
+
+
+def test_health_counts_the_state_of_the_tensors_the_layout_quantizes(
+        runs: tuple[Path, Path]) -> None:
+    float32, _ = runs
+    rows = health(float32, state_layout="torchao-8bit",
+                  checkpoints="step-00000[0-3].safetensors")
+    by = {(r.step, r.parameter): r for r in rows}
+    assert by[(1, "*")].m_stale_share is None  # step 0 holds no moments yet
+    for name in ("embed.weight", "head.weight"):  # 4,096 values each
+        r = by[(2, name)]
+        assert r.m_stale_share is not None and r.v_zero_share == 0.0
+        assert r.update_cosine is not None and r.update_cosine > 0.999
+    assert by[(2, "hidden.0.weight")].m_stale_share is None  # 2,048 values stay float32
+    assert by[(2, "*")].update_cosine is not None
