@@ -14,7 +14,7 @@ import test_train
 import torch
 from test_train import _one_line_error, drift
 
-from driftcli.cast import parse_cast
+from driftcli.castspec import parse_cast
 from driftcli.io.tables import read_table
 from driftcli.models import MLPConfig, load_checkpoint, save_checkpoint
 from driftcli.models.nets import build_model, next_byte_loss

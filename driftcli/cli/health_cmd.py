@@ -69,7 +69,7 @@ def health_command(
     trajectory, the gradient-to-noise ratio under a cast (flagged below √3), and the weights
     oscillating between grid points under a cast (TetraJet's ratio).
     """
-    from driftcli.cast import parse_cast
+    from driftcli.castspec import parse_cast
     from driftcli.io.outputs import check_writable
     from driftcli.io.tables import provenance, write_table
     from driftcli.runs.health import HEALTH_FILE, HealthRow, health, summary

@@ -43,7 +43,8 @@ from typing import ClassVar
 
 import torch
 
-from driftcli.cast import Cast, parse_cast
+from driftcli.cast import Cast
+from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
 from driftcli.io.tables import column
 from driftcli.measures.grad_cosine import ALL_PARAMETERS
