@@ -65,9 +65,8 @@ def probe_columns(fmt: Format, k: int, gen: torch.Generator) -> Tensor:
 
 def probe_rows(fmt: Format, k: int, gen: torch.Generator) -> Tensor:
     """A (rows x K) of the structure probes (see :mod:`driftcli.measures.calibrate`), exact in
-    ``fmt``; each
-    family at two anchors, 1 and the top power of two, so that the columns' large and tiny
-    entries stretch the gaps a row can hold."""
+    ``fmt``; each family at two anchors, 1 and the top power of two, so that the columns'
+    large and tiny entries stretch the gaps a row can hold."""
     lo, hi = _exponent_range(fmt)
     tiny = fmt.smallest_positive
     bottom = max(tiny.numerator.bit_length() - tiny.denominator.bit_length(), -80)
