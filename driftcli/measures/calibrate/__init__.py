@@ -29,8 +29,8 @@ matmuls of several K and three distributions (normal, heavy-tailed, cancelling),
 outputs it reproduces bit for bit. Where no model survives, the best one's share of the probes
 is reported, and its checks say by how much it misses.
 
-``calibrate_recordings`` does the same from recorded dot products (the layout of
-``../shared/data/hw-tensor-cores``): one instruction each, with its ``c``, so the search also
+``calibrate_recordings`` does the same from recorded dot products (the folder layout of
+docs/tensor-cores.md#against-real-hardware): one instruction each, with its ``c``, so the search also
 tries the harness's handling of ``c`` (as recorded, rounded to the result format, or 0).
 
 The package, one module per part, in the order the driver runs them: :mod:`.backends` (what
