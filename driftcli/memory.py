@@ -20,8 +20,8 @@ def use_huge_pages(switch: Path = THP_SWITCH) -> bool:
 
     A scan reads each tensor into fresh memory and makes per-row temporaries: in 4 KiB pages
     the page faults are a large share of a clip-rate scan's time (measured in
-    ``docs/performance-history.md``). Torch reads the setting at its first allocation in the process,
-    so this takes effect only when called before that: the drift command calls it first; a
+    ``docs/performance-history.md``). Torch reads the setting at its first allocation in the
+    process, so this takes effect only when called before that: the drift command calls it first; a
     notebook calls it before making any tensor, or sets the variable.
     """
     key = "THP_MEM_ALLOC_ENABLE"

@@ -312,7 +312,8 @@ class Masks:
 
 def element_masks(b: Blocked, c: Cast, sr_bits: int) -> Masks:
     """Which elements clipped, underflowed, came out subnormal, and each one's code: the
-    definitions of docs/measurements.md#what-is-measured, with s the scale each element's block was divided by."""
+    definitions of docs/measurements.md#what-is-measured, with s the scale each element's
+    block was divided by."""
     elem, s = c.format, c.scaling
     blocks, q, scales = b.blocks, b.q, b.scales
     finite = torch.isfinite(blocks)

@@ -30,8 +30,8 @@ outputs it reproduces bit for bit. Where no model survives, the best one's share
 is reported, and its checks say by how much it misses.
 
 ``calibrate_recordings`` does the same from recorded dot products (the folder layout of
-docs/tensor-cores.md#against-real-hardware): one instruction each, with its ``c``, so the search also
-tries the harness's handling of ``c`` (as recorded, rounded to the result format, or 0).
+docs/tensor-cores.md#against-real-hardware): one instruction each, with its ``c``, so the
+search also tries the harness's handling of ``c`` (as recorded, rounded to the result format, or 0).
 
 The package, one module per part, in the order the driver runs them: :mod:`.backends` (what
 is multiplied), :mod:`.family` (the models), :mod:`.design` (the probes' rows and columns),
