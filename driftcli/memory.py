@@ -20,8 +20,8 @@ def use_huge_pages(switch: Path = THP_SWITCH) -> bool:
 
     A scan reads each tensor into fresh memory and makes per-row temporaries: in 4 KiB pages
     the page faults are a large share of a clip-rate scan's time (measured in
-    ``docs/performance.md``). Torch reads the setting at its first allocation in the process,
-    so this takes effect only when called before that: the drift command calls it first; a
+    ``docs/performance-history.md``). Torch reads the setting at its first allocation in the
+    process, so this takes effect only when called before that: the drift command calls it first; a
     notebook calls it before making any tensor, or sets the variable.
     """
     key = "THP_MEM_ALLOC_ENABLE"
@@ -44,7 +44,7 @@ def bound_memory() -> None:
     the size of every large block freed (up to 32 MiB), so slice-sized buffers of varying
     sizes then come from the heap, which fragments and grows a scan's resident memory well
     past its slices; a fixed threshold maps them anew each time (the figures are in
-    ``docs/performance.md``)."""
+    ``docs/performance-history.md``)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)

@@ -313,7 +313,8 @@ class Masks:
 
 def element_masks(b: Blocked, c: Cast, sr_bits: int) -> Masks:
     """Which elements clipped, underflowed, came out subnormal, and each one's code: the
-    definitions of design §9, with s the scale each element's block was divided by."""
+    definitions of docs/measurements.md#what-is-measured, with s the scale each element's
+    block was divided by."""
     elem, s = c.format, c.scaling
     blocks, q, scales = b.blocks, b.q, b.scales
     finite = torch.isfinite(blocks)
@@ -402,7 +403,7 @@ def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor
 # --- block casts in two passes, on the numba back-end ------------------------------------------
 # A training step casts dozens of operands of thousands of elements each; there a cast's cost is
 # the dozen small torch operations that choose the block scales, not its element arithmetic
-# (docs/performance.md#simulated-training-benchmarksbench_trainpy). For the two block-scaled
+# (docs/performance-history.md#simulated-training-benchmarksbench_trainpy). For the two block-scaled
 # families the policies use, one numba pass computes every block's scale and one rounds: the
 # same bits as cast_blocks (tests/test_fastcast.py).
 

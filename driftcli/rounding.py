@@ -246,7 +246,7 @@ def jit_params(*, src: _Source, tgt: Target, rounding: Rounding, overflow: Overf
 
 EAGER_CHUNK = 1 << 18
 """Elements per eager step: the kernel's ~40 elementwise passes then stay in cache (several
-times faster than one pass over the whole tensor; docs/performance.md)."""
+times faster than one pass over the whole tensor; docs/performance-history.md)."""
 
 
 def _eager(x: Tensor, residual: Tensor | None, random: Tensor | None,

@@ -138,7 +138,7 @@ def _rounded_log2(v: Tensor, up: bool) -> Tensor:
     """``ceil`` (``up``) or ``floor`` of torch's float32 ``log2(v)``, as int64 (±1024 for
     ±inf, 0 for NaN: callers mask NaN). On the CPU, ``log2``, ``ceil`` and ``floor`` of a long
     vector go through MKL's threaded vector math, whose threads cost milliseconds a call on a
-    busy machine (docs/performance.md): ``log2`` is taken in slices of :data:`LOG2_SLICE`
+    busy machine (docs/performance-history.md): ``log2`` is taken in slices of :data:`LOG2_SLICE`
     (the same function, element by element the same values), the rounding on integers."""
     flat = v.reshape(-1)
     t = torch.cat([torch.log2(part) for part in flat.split(LOG2_SLICE)]).reshape(v.shape) \

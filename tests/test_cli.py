@@ -257,3 +257,65 @@ def test_leaving_early_keeps_the_exit_handlers_output_and_status(
     assert proc.stdout == "buffered, not yet flushed"
     assert mark.read_text() == "ran"
     assert proc.stderr == ("" if code.isdigit() else "no input\n")
+
+
+def _click_commands() -> tuple[object, dict[str, object]]:
+    import typer
+
+    group = typer.main.get_group(app)
+    ctx = group.make_context("drift", [], resilient_parsing=True)
+    return ctx, {name: group.get_command(ctx, name) for name in _commands()}
+
+
+def _unnamed_readers(help_text: str) -> list[str]:
+    """The reader kinds (their endings, or their name where they have none) a help text leaves
+    out: it is kept by hand, because the readers' registry imports torch and --help must not."""
+    from driftcli.io.readers.collect import KINDS
+
+    return [w for kind in KINDS for w in (kind.suffixes or (kind.name,))
+            if not re.search(rf"(?<!\w){re.escape(w.lstrip('.'))}s?(?!\w)", help_text)]
+
+
+def test_the_inputs_help_check_catches_a_stale_list() -> None:
+    # the help as it was before issue 30: .pth files and Transformer Engine dumps unnamed
+    stale = ("safetensors (or its .index.json folder), .pt/.bin state dicts, .npz/.npy, or "
+             "folders of these; drift dumps too.")
+    assert _unnamed_readers(stale) == ["Transformer Engine dump", ".pth"]
+
+
+def test_help_names_every_reader_engine_and_layout() -> None:
+    from driftcli.cli.measure_cmds import Inputs
+    from driftcli.io.layouts import Layout
+    from driftcli.modes import Engine
+
+    every_reader = Inputs.__metadata__[0].help
+    assert _unnamed_readers(every_reader) == []
+    seen = {"inputs": 0, "engine": 0, "layout": 0}
+    ctx, commands = _click_commands()
+    for name, command in commands.items():
+        for param in command.params:  # type: ignore[attr-defined]
+            if param.name == "inputs" and param.help == every_reader:
+                seen["inputs"] += 1
+            elif param.name == "engine":
+                shown = param.get_help_record(ctx)[0]  # '--engine <serial|processes|ray>'
+                assert shown.endswith(f"<{'|'.join(Engine)}>"), name
+                seen["engine"] += 1
+            elif param.name == "layout":
+                assert [v for v in Layout if v.value not in param.help] == [], name
+                seen["layout"] += 1
+    # the four scans and block-stats take these inputs; nine commands run on the engines;
+    # the scans and the two quantized-weight commands take --layout
+    assert seen == {"inputs": 5, "engine": 9, "layout": 6}
+
+
+def test_the_scan_commands_share_one_option_bundle() -> None:
+    import dataclasses
+
+    from driftcli.cli.measure_cmds import ScanArgs
+
+    bundle = [f.name for f in dataclasses.fields(ScanArgs)]
+    _, commands = _click_commands()
+    own = {"clip-rate": [], "underflow-rate": [], "cast-diff": [], "error-bias": ["draws", "seed"]}
+    for name, extra in own.items():
+        names = [p.name for p in commands[name].params]  # type: ignore[attr-defined]
+        assert names == [*bundle[:4], *extra, *bundle[4:]], name

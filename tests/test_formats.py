@@ -1,4 +1,4 @@
-"""The format registry against design §2's table, and the custom-format grammar."""
+"""The format registry against docs/formats.md's table, and the custom-format grammar."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from driftcli import FORMATS, get_format
 from driftcli.errors import DriftError, FormatSpecError, UnknownFormatError
 from driftcli.formats import Kind, NanEncoding
 
-# (E, M, bias, max finite, has inf, NaN encoding, has -0): design §2, row by row
+# (E, M, bias, max finite, has inf, NaN encoding, has -0): docs/formats.md, row by row
 TABLE = {
     "float32": (8, 23, 127, Fraction((2**24 - 1) * 2**104), True, NanEncoding.IEEE, True),
     "bfloat16": (8, 7, 127, Fraction(255 * 2**120), True, NanEncoding.IEEE, True),

@@ -609,3 +609,27 @@ def test_numba_pairwise_equals_the_torch_back_end_for_every_small_k(acc: str) ->
                                order="pairwise")
             want, got = _both(a, b, spec)
             assert _same(want, got), (k, str(spec))
+
+
+def test_accumulate_is_the_matmul_of_operands_already_cast() -> None:
+    """``accumulate`` is ``matmul`` after its casts: given the cast values and, under
+    ``scale=block``, the casts' block scales, it gives matmul's bits without casting again."""
+    from typing import cast as typed
+
+    from driftcli.arith.matmul import MatmulSpecError, accumulate
+    from driftcli.quantization import QuantInfo
+
+    gen = torch.Generator().manual_seed(30)
+    a, b = torch.randn(2, 3, 96, generator=gen), torch.randn(96, 5, generator=gen)
+    for text in ("lhs=mxfp8_e4m3,rhs=mxfp8_e4m3,acc=bfloat16,order=chunked:32,scale=block",
+                 "lhs=mxfp8_e4m3,rhs=mxfp8_e4m3,order=blockfma:32,fma=32:13,scale=block",
+                 "lhs=nvfp4,rhs=nvfp4,acc=e8m13,order=pairwise"):
+        spec = parse_matmul_spec(text)
+        ia = typed(QuantInfo, quantize(a, spec.lhs, axis=-1, return_info=True))
+        ib = typed(QuantInfo, quantize(b, spec.rhs, axis=-2, return_info=True))
+        got = accumulate(ia.values, ib.values, spec, lhs_scales=ia.scales,
+                         rhs_scales=ib.scales)
+        assert _same(got, matmul(a, b, spec)), text
+    with pytest.raises(MatmulSpecError, match="block scales"):  # none given: refused, not guessed
+        accumulate(ia.values, ib.values, parse_matmul_spec(
+            "lhs=mxfp8_e4m3,rhs=mxfp8_e4m3,acc=bfloat16,scale=block"))

@@ -473,3 +473,30 @@ def test_the_policy_files_in_the_docs_are_the_example_files() -> None:
         path = EXAMPLES / re.search(r"examples/policies/(\S+\.toml)", block)[1]
         shown = policy_from_dict(tomllib.loads(block), default_name=path.stem)
         assert shown == policy_from_toml(path)
+
+
+def test_block_scale_application_casts_each_operand_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``scale=block`` the forward hands the casts' own block scales to the accumulation
+    (``accumulate``), so each operand is cast once (it was cast again to recover its scales),
+    and the product is still ``matmul``'s."""
+    import importlib
+
+    import driftcli.arith.autograd as autograd_module
+
+    real = autograd_module.quantize
+    casts: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        casts.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    g = torch.Generator().manual_seed(30)
+    x, w = torch.randn(4, 64, generator=g), torch.randn(64, 3, generator=g)
+    spec = matmul_spec(lhs="mxfp8_e4m3", rhs="mxfp8_e4m3", accumulator="bfloat16",
+                       order="chunked:32", scale_application="block")
+    for module in (autograd_module, importlib.import_module("driftcli.arith.matmul")):
+        monkeypatch.setattr(module, "quantize", counted)  # every cast either module makes
+    y = policy_matmul(x, w, ArithmeticPolicy("t", spec, None, None))
+    monkeypatch.undo()
+    assert len(casts) == 2
+    assert torch.equal(y, matmul(x, w, spec))

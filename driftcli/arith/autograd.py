@@ -22,9 +22,9 @@ twice), then the dequantized values are taken as float32 (exact for every elemen
 at most 24 significant bits under a power-of-two scale: every MX format and plain casts; a
 float32 tensor scale, as in ``fp8_e4m3`` or NVFP4, makes the dequantized value one float32
 rounding of the exact product, as a float32 kernel epilogue would). ``native`` order is then
-``torch.matmul`` in float32; other orders go through :func:`driftcli.arith.matmul.matmul`
-(operands already cast; with ``scale=block`` the block cast is applied again, which returns
-the same values for power-of-two block scales). The output cast, if any, follows; the result
+``torch.matmul`` in float32; other orders go through :func:`driftcli.arith.matmul.accumulate`
+(the operands as cast, with the casts' block scales under ``scale=block``: nothing is cast
+twice). The output cast, if any, follows; the result
 takes the operands' dtype. A role whose spec is None is ``torch.matmul`` in the operands' own
 dtype.
 """
@@ -33,18 +33,18 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, cast
 
 import torch
 
-from driftcli.arith.matmul import MatmulSpec, Order, ScaleApplication, matmul
+from driftcli.arith.matmul import MatmulSpec, ScaleApplication, accumulate
 from driftcli.arith.policy import ArithmeticPolicy, BackwardState, Role
 from driftcli.cast import Cast
 from driftcli.errors import DriftError
 from driftcli.modes import DEFAULT_SR_BITS, Rounding
-from driftcli.quantization import quantize
+from driftcli.quantization import QuantInfo, quantize
 from driftcli.rounding import draw_random_bits
 
 Tensor = torch.Tensor
@@ -95,41 +95,54 @@ def _bits(c: Cast | None, shape: torch.Size, seed: int, device: torch.device) ->
 
 def cast_operand(x: Tensor, c: Cast | None, axis: int, bits: Tensor | None) -> Tensor:
     """``x`` cast along ``axis`` (dequantized values; float32 for half-precision input)."""
+    return cast_with_scales(x, c, axis, bits, want_scales=False)[0]
+
+
+def cast_with_scales(x: Tensor, c: Cast | None, axis: int, bits: Tensor | None, *,
+                     want_scales: bool) -> tuple[Tensor, Tensor | None]:
+    """``x`` cast along ``axis`` (as :func:`cast_operand`) and, with ``want_scales``, the
+    cast's per-block scales (what :func:`~driftcli.arith.matmul.accumulate` needs under
+    ``scale=block``; None without a cast)."""
     if c is None:
-        return x
+        return x, None
     # detached: a tensor that requires grad is refused by the numba kernels (an autograd
     # function's inputs keep requires_grad inside its forward) and would take torch's kernel
     work = x.detach() if x.dtype in _EXACT_DTYPES else x.detach().float()
-    return cast(Tensor, quantize(work, c, axis=axis, random_bits=bits))
+    if want_scales:
+        info = cast(QuantInfo, quantize(work, c, axis=axis, random_bits=bits, return_info=True))
+        return info.values, info.scales
+    return cast(Tensor, quantize(work, c, axis=axis, random_bits=bits)), None
 
 
-def simulated_product(qa: Tensor, qb: Tensor, spec: MatmulSpec, out_seed: int) -> Tensor:
-    """``qa·qb`` of operands already cast by ``spec``'s casts: the accumulation and output cast
-    of ``spec`` (float32 result; see the module docs)."""
+def simulated_product(qa: Tensor, qb: Tensor, spec: MatmulSpec, out_seed: int, *,
+                      lhs_scales: Tensor | None = None,
+                      rhs_scales: Tensor | None = None) -> Tensor:
+    """``qa·qb`` of operands already cast by ``spec``'s casts (with their block scales under
+    ``scale=block``): the accumulation and output cast of ``spec`` (float32 result; see the
+    module docs)."""
     a32, b32 = qa.float(), qb.float()
     # the spec fixes the arithmetic: an autocast region around the model must not lower it
     with torch.autocast(a32.device.type, enabled=False):
-        if spec.order is Order.NATIVE:
-            c = torch.matmul(a32, b32)
-        elif spec.scale_application is ScaleApplication.DEQUANTIZED:
-            c = matmul(a32, b32, replace(spec, lhs=None, rhs=None, out=None))
-        else:  # block terms need the block scales: the block cast again (same values back)
-            c = matmul(a32, b32, replace(spec, out=None), seed=out_seed)
+        c = accumulate(a32, b32, spec, lhs_scales=lhs_scales, rhs_scales=rhs_scales)
     if spec.out is not None:
         c = cast_operand(c, spec.out, -1, _bits(spec.out, c.shape, out_seed, c.device))
     return c
 
 
+def _blocked(spec: MatmulSpec) -> bool:
+    """Whether ``spec``'s accumulation reads its operands' block scales."""
+    return spec.scale_application is ScaleApplication.BLOCK
+
+
 def role_product(lhs: Tensor, rhs: Tensor, spec: MatmulSpec | None, *, lhs_bits: Tensor | None,
-                 rhs_bits: Tensor | None, out_seed: int, dtype: torch.dtype,
-                 cast_lhs: bool = True, cast_rhs: bool = True) -> Tensor:
-    """One role's matmul ``lhs·rhs``: each side cast along the contraction axis (unless its
-    ``cast_*`` is False), then accumulated; ``torch.matmul`` when ``spec`` is None."""
+                 rhs_bits: Tensor | None, out_seed: int, dtype: torch.dtype) -> Tensor:
+    """One role's matmul ``lhs·rhs``: each side cast along the contraction axis, then
+    accumulated; ``torch.matmul`` when ``spec`` is None."""
     if spec is None:
         return torch.matmul(lhs.to(dtype), rhs.to(dtype))
-    qa = cast_operand(lhs, spec.lhs, -1, lhs_bits) if cast_lhs else lhs
-    qb = cast_operand(rhs, spec.rhs, -2, rhs_bits) if cast_rhs else rhs
-    return simulated_product(qa, qb, spec, out_seed).to(dtype)
+    qa, sa = cast_with_scales(lhs, spec.lhs, -1, lhs_bits, want_scales=_blocked(spec))
+    qb, sb = cast_with_scales(rhs, spec.rhs, -2, rhs_bits, want_scales=_blocked(spec))
+    return simulated_product(qa, qb, spec, out_seed, lhs_scales=sa, rhs_scales=sb).to(dtype)
 
 
 # --- layouts of the backward operands ---------------------------------------------------------
@@ -176,11 +189,14 @@ class PolicyMatmul(torch.autograd.Function):
             qa, qb = a, b
             out = torch.matmul(a, b)
         else:
-            qa = cast_operand(a, spec.lhs, -1,
-                              _bits(spec.lhs, a.shape, call.seed(Slot.FORWARD_LHS), a.device))
-            qb = cast_operand(b, spec.rhs, -2,
-                              _bits(spec.rhs, b.shape, call.seed(Slot.FORWARD_RHS), b.device))
-            out = simulated_product(qa, qb, spec, call.seed(Slot.FORWARD_OUT)).to(dtype)
+            qa, sa = cast_with_scales(
+                a, spec.lhs, -1, _bits(spec.lhs, a.shape, call.seed(Slot.FORWARD_LHS), a.device),
+                want_scales=_blocked(spec))
+            qb, sb = cast_with_scales(
+                b, spec.rhs, -2, _bits(spec.rhs, b.shape, call.seed(Slot.FORWARD_RHS), b.device),
+                want_scales=_blocked(spec))
+            out = simulated_product(qa, qb, spec, call.seed(Slot.FORWARD_OUT), lhs_scales=sa,
+                                    rhs_scales=sb).to(dtype)
         saved = policy.backward_state is BackwardState.SAVED_CAST
         ctx.save_for_backward(qa if saved else a, qb if saved else b)
         ctx.call = call

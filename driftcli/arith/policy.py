@@ -1,6 +1,6 @@
 """Arithmetic policies: which matmul arithmetic each role of a training step uses.
 
-A linear map ``Y = X·Wᵀ`` takes three matmuls per step (design §6):
+A linear map ``Y = X·Wᵀ`` takes three matmuls per step (docs/arithmetic.md#roles):
 
 - ``forward``: ``X·Wᵀ``, contracting over the input features;
 - ``dgrad``: ``dX = dY·W``, contracting over the output features;

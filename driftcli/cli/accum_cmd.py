@@ -21,6 +21,7 @@ from driftcli.cli.run import (
     progress_bar,
     publish,
     table_output,
+    table_provenance,
     units_dir,
 )
 from driftcli.escaping import for_terminal as esc
@@ -103,7 +104,7 @@ def accum_error_cmd(
     By accumulator format, order and K, on synthetic operands or on a dump's matmuls.
     """
     from driftcli.io.outputs import check_writable
-    from driftcli.io.tables import identify_in_background, provenance
+    from driftcli.io.tables import identify_in_background
     from driftcli.measures.accum_error import AccumErrorRow, accum_error, choose_specs, summarize
     from driftcli.measures.accum_problems import parse_shape, synthetic_shapes
 
@@ -119,11 +120,10 @@ def accum_error_cmd(
             rows = accum_error(dumps or (), shapes=shapes, dists=dist, specs=specs, seed=seed,
                                include=include or (), exclude=exclude or (), progress=advance,
                                execution=run_on)
-        prov = provenance(dumps or (), seed=seed, extra={
+        prov = table_provenance(dumps or (), run_on, seed=seed, identities=identities(), extra={
             "specs": [str(s) for s in specs], "shapes": None if shapes is None else
             [list(s) for s in shapes], "dists": None if dist is None else [d.value for d in dist],
-            "reference": "Sum2 (compensated) sum of exact float64 products; see ref_bound_ulps",
-            **run_on.describe()}, identities=identities())
+            "reference": "Sum2 (compensated) sum of exact float64 products; see ref_bound_ulps"})
         summary = summarize(rows, path)
         publish(path, AccumErrorRow, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
                 failures=[f"{e['source']} {e['matmul']}: {e['error']}"

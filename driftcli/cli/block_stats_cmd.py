@@ -32,6 +32,7 @@ from driftcli.cli.run import (
     progress_bar,
     publish,
     table_output,
+    table_provenance,
     units_dir,
 )
 from driftcli.escaping import for_terminal as esc
@@ -116,7 +117,7 @@ def block_stats_command(
     subnormals or at its minimum, each block's dynamic range in binades, the scales' spread.
     """
     from driftcli.io.outputs import check_writable
-    from driftcli.io.tables import identify_in_background, provenance, write_table
+    from driftcli.io.tables import identify_in_background, write_table
     from driftcli.measures.block_stats import BlockScaleRow, BlockStatsRow, block_stats
     from driftcli.memory import bound_memory
 
@@ -131,9 +132,9 @@ def block_stats_command(
             found = block_stats(inputs, cast, include=include or (), exclude=exclude or (),
                                 execution=run_on, progress=advance)
         identities = identify_in_background(found.files, fast_hash)
-        prov = provenance(found.files, fast_hash=fast_hash, extra={
-            "casts": cast, "names": {"cast": cast_names(cast)}, **run_on.describe()},
-            identities=identities())
+        prov = table_provenance(found.files, run_on, fast_hash=fast_hash,
+                                identities=identities(),
+                                extra={"casts": cast, "names": {"cast": cast_names(cast)}})
         write_table(scales_path, BlockScaleRow, found.scales, prov)
         summary = summarize(found.rows, path, cast)
         summary["scales_table"] = str(scales_path)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from driftcli.cli.app import command, fail
-from driftcli.cli.run import Bar, Overwrite, fmt, progress_bar, table_output
+from driftcli.cli.run import Bar, Overwrite, fmt, progress_bar, table_output, table_provenance
 from driftcli.escaping import for_terminal as esc
 
 OUT = Path("drift-out")
@@ -76,7 +76,7 @@ def calibrate_cmd(
     import json
 
     from driftcli.io.outputs import check_writable
-    from driftcli.io.tables import provenance, write_table
+    from driftcli.io.tables import write_table
     from driftcli.measures.calibrate import CalibrateRow, calibrate, calibrate_recordings
 
     if not backend and recordings is None:
@@ -91,8 +91,8 @@ def calibrate_cmd(
             if recordings is not None:
                 rows += calibrate_recordings(recordings, progress=advance)
         path = write_table(out / f"{CalibrateRow.TABLE}.parquet", CalibrateRow, rows,
-                           provenance([recordings] if recordings else [], seed=seed,
-                                      extra={"backends": list(backend or [])}))
+                           table_provenance([recordings] if recordings else [], seed=seed,
+                                            extra={"backends": list(backend or [])}))
         if as_json:
             typer.echo(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
         elif not quiet:

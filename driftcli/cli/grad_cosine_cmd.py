@@ -21,6 +21,7 @@ from driftcli.cli.run import (
     progress_bar,
     publish,
     table_output,
+    table_provenance,
     units_dir,
 )
 from driftcli.escaping import for_terminal as esc
@@ -86,7 +87,7 @@ def grad_cosine_command(
     """
     from driftcli.arith.policy import get_policy
     from driftcli.io.outputs import check_writable
-    from driftcli.io.tables import identify_in_background, provenance
+    from driftcli.io.tables import identify_in_background
     from driftcli.measures.grad_cosine import (
         BatchSource,
         GradCosineRow,
@@ -111,10 +112,9 @@ def grad_cosine_command(
         with progress_bar("grad-cosine", Bar.ITEMS, quiet) as advance:
             rows = grad_cosine_checkpoint(checkpoint, source, resolved, draws=draws, seed=seed,
                                           execution=run_on, progress=advance)
-        prov = provenance(files, seed=seed, extra={
+        prov = table_provenance(files, run_on, seed=seed, identities=identities(), extra={
             "checkpoint_kind": kind, "policies": policy, "draws": draws,
             "batch_shape": shape, "tokens": tokens if text is not None else None,
-            "windows": windows if text is not None else None, **run_on.describe()},
-            identities=identities())
+            "windows": windows if text is not None else None})
         publish(path, GradCosineRow, rows, prov, summarize(rows, path), _print,
                 as_json=as_json, quiet=quiet, units=units_dir(path))

@@ -3,7 +3,10 @@ scan each, one Parquet table each, with the same inputs and options."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -25,6 +28,7 @@ from driftcli.cli.run import (
     progress_bar,
     publish,
     table_output,
+    table_provenance,
     units_dir,
 )
 from driftcli.escaping import for_terminal as esc
@@ -40,8 +44,10 @@ WORST = 3
 
 Inputs = Annotated[list[Path], typer.Argument(
     metavar="INPUT...", show_default=False,
-    help="safetensors (or its .index.json folder), .pt/.bin state dicts, .npz/.npy, or folders "
-         "of these; drift dumps too.")]
+    # the readers' registry (io/readers/collect.KINDS) imports torch, which --help must not:
+    # a test holds this list to every kind's name and endings
+    help="safetensors (or its .index.json folder), .pt/.pth/.bin state dicts, .npz/.npy, "
+         "Transformer Engine dumps, or folders of these; drift dumps too.")]
 Casts = Annotated[list[str], typer.Option(
     "--cast", "-c", metavar="SPEC", show_default=False,
     help="A preset (mxfp8_e4m3, nvfp4, ...) or a cast spec; repeatable.")]
@@ -134,51 +140,109 @@ def _print(summary: dict[str, Any]) -> None:
     out.print(f"wrote {esc(summary['table'])}")
 
 
-def _run(name: str, inputs: list[Path], casts: list[str], out: Path, options: ScanOptions,
-         include: list[str] | None, exclude: list[str] | None, fast_hash: bool, quiet: bool,
-         as_json: bool, engine: Engine, workers: int | None, ray_address: str | None,
-         resume: bool, overwrite: bool, append: bool, layout: str | None) -> None:
+@dataclass(frozen=True)
+class ScanArgs:
+    """The options every scan command shares, as one bundle (:func:`scan_command` gives a
+    command these parameters): a new scan command takes it whole."""
+
+    inputs: list[Path]
+    cast: list[str]
+    out: Path
+    axis: int
+    device: Device
+    include: list[str] | None
+    exclude: list[str] | None
+    fast_hash: bool
+    quiet: bool
+    as_json: bool
+    engine: Engine
+    workers: int | None
+    ray_address: str | None
+    resume: bool
+    overwrite: bool
+    append: bool
+    layout: str | None
+
+
+def _shared(
+    inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
+    device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
+    fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
+    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
+    resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
+    layout: LayoutOpt = None,
+) -> None:
+    """The typer signature of :class:`ScanArgs` (read by :func:`scan_command`, never called)."""
+
+
+_AFTER = 4
+"""A command's own options come after the shared ``INPUT... --cast --out --axis`` (where
+error-bias has always shown ``--draws`` and ``--seed``)."""
+
+
+def scan_command(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register ``fn(args: ScanArgs, **own)`` as the scan command ``name``: its typer
+    signature is :class:`ScanArgs`'s options with ``fn``'s own ones after ``--axis``."""
+
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        shared = list(inspect.signature(_shared, eval_str=True).parameters.values())
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
+               if p.name != "args"]
+        names = [p.name for p in shared]
+
+        @functools.wraps(fn)
+        def bundled(**given: Any) -> None:
+            fn(ScanArgs(**{n: given.pop(n) for n in names}), **given)
+
+        params = [*shared[:_AFTER], *own, *shared[_AFTER:]]
+        # typer reads the signature (and the hints) of what it registers: the options, not
+        # the bundle
+        bundled.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        bundled.__annotations__ = {p.name: p.annotation for p in params}
+        command(name)(bundled)
+        return fn
+
+    return register
+
+
+def _run(name: str, args: ScanArgs, draws: int = 1, seed: int = 0) -> None:
+    """Measure ``name`` over the inputs into ``OUT/<table>.parquet``, holding the table's lock."""
     from driftcli.io.outputs import check_writable
     from driftcli.measures import MEASURES
+    from driftcli.measures.scan import ScanOptions
 
     m = MEASURES[name]
-    check_writable(out)  # fail now, not after the scan
-    path = out / f"{m.name}.parquet"
-    with table_output(path, overwrite=overwrite, append=append):  # held to the end
-        _measure(name, path, inputs, casts, options, include, exclude, fast_hash, quiet,
-                 as_json, engine, workers, ray_address, resume, append, layout)
+    check_writable(args.out)  # fail now, not after the scan
+    path = args.out / f"{m.name}.parquet"
+    options = ScanOptions(axis=args.axis, draws=draws, seed=seed, device=args.device)
+    with table_output(path, overwrite=args.overwrite, append=args.append):  # held to the end
+        _measure(m, path, args, options)
 
 
-def _measure(name: str, path: Path, inputs: list[Path], casts: list[str], options: ScanOptions,
-             include: list[str] | None, exclude: list[str] | None, fast_hash: bool,
-             quiet: bool, as_json: bool, engine: Engine, workers: int | None,
-             ray_address: str | None, resume: bool, append: bool,
-             layout: str | None) -> None:
+def _measure(m: Measure, path: Path, args: ScanArgs, options: ScanOptions) -> None:
     from driftcli.engines import clear_units
-    from driftcli.io.tables import identify_in_background, provenance
-    from driftcli.measures import MEASURES
+    from driftcli.io.tables import identify_in_background
     from driftcli.measures.axes import axis_misfits
     from driftcli.measures.scan import scan
     from driftcli.memory import bound_memory
 
-    m = MEASURES[name]
-    fit = axis_misfits(inputs, options.axis, include or (), exclude or (), layout)
-    run_on = execution(engine, workers, ray_address, units_dir(path), resume, fast_hash)
+    include, exclude, casts, layout = args.include or (), args.exclude or (), args.cast, args.layout
+    fit = axis_misfits(args.inputs, options.axis, include, exclude, layout)
+    run_on = execution(args.engine, args.workers, args.ray_address, units_dir(path),
+                       args.resume, args.fast_hash)
     identities: list[Callable[[], list[dict[str, Any]]]] = []  # hashing, from the inputs opening
     bound_memory()
-    with progress_bar("scanning", Bar.BYTES, quiet) as advance:
-        s = scan(inputs, casts, options=m.scan_options(options), include=include or (),
-                 exclude=[*(exclude or ()), *fit.exclude],
+    with progress_bar("scanning", Bar.BYTES, args.quiet) as advance:
+        s = scan(args.inputs, casts, options=m.scan_options(options), include=include,
+                 exclude=[*exclude, *fit.exclude],
                  progress=advance, rounded=m.rounded, execution=run_on, layout=layout,
-                 on_open=lambda files: identities.append(identify_in_background(files,
-                                                                                fast_hash)))
-    prov = provenance(s.files, seed=options.seed, device=options.device.value,
-                      fast_hash=fast_hash, extra={"casts": casts, "axis": options.axis,
-                                                  **({"layout": layout} if layout else {}),
-                                                  "draws": options.draws,
-                                                  "names": {"cast": cast_names(casts)},
-                                                  **run_on.describe()},
-                      identities=identities[0]())
+                 on_open=lambda files: identities.append(identify_in_background(
+                     files, args.fast_hash)))
+    prov = table_provenance(s.files, run_on, seed=options.seed, device=options.device.value,
+                            fast_hash=args.fast_hash, identities=identities[0](), extra={
+                                "casts": casts, "axis": options.axis,
+                                **({"layout": layout} if layout else {}),
+                                "draws": options.draws, "names": {"cast": cast_names(casts)}})
     rows = m.rows(s)
     if len(s.errors) == len(s.results):  # nothing measured: an earlier table stays as it was
         bad = {(r.source, r.ref.name if r.ref else "") for r in s.errors}
@@ -193,92 +257,52 @@ def _measure(name: str, path: Path, inputs: list[Path], casts: list[str], option
     summary["skipped_files"] = [str(f) for i in s.inputs for f in i.skipped]
     summary["axis_skipped"] = fit.lines()
     failed = {f"{e['source']} {e['tensor']}: {e['error']}": None for e in summary["errors"]}
-    if append:  # the summary is this run's; the table holds the earlier rows too
+    if args.append:  # the summary is this run's; the table holds the earlier rows too
         rows, prov = appended(path, m.row_type, rows, prov)
-    publish(path, m.row_type, rows, prov, summary, _print, as_json=as_json, quiet=quiet,
-            failures=list(failed), failed="tensor(s) or file(s) could not be read",
-            units=units_dir(path))
+    publish(path, m.row_type, rows, prov, summary, _print, as_json=args.as_json,
+            quiet=args.quiet, failures=list(failed),
+            failed="tensor(s) or file(s) could not be read", units=units_dir(path))
 
 
-def _options(axis: int, device: Device, draws: int = 1, seed: int = 0) -> ScanOptions:
-    from driftcli.measures.scan import ScanOptions
-
-    return ScanOptions(axis=axis, draws=draws, seed=seed, device=device)
-
-
-@command("clip-rate")
-def clip_rate(
-    inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
-    device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
-    fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
-    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
-    layout: LayoutOpt = None,
-) -> None:
+@scan_command("clip-rate")
+def clip_rate(args: ScanArgs) -> None:
     """Share of each tensor that clips, per cast.
 
     An element clips when its scaled magnitude is above the element format's max.
     """
-    _run("clip-rate", inputs, cast, out, _options(axis, device), include, exclude, fast_hash,
-         quiet, as_json, engine, workers, ray_address, resume,
-         overwrite, append, layout)
+    _run("clip-rate", args)
 
 
-@command("underflow-rate")
-def underflow_rate(
-    inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
-    device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
-    fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
-    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
-    layout: LayoutOpt = None,
-) -> None:
+@scan_command("underflow-rate")
+def underflow_rate(args: ScanArgs) -> None:
     """Share of nonzero values that flush to zero, per cast."""
-    _run("underflow-rate", inputs, cast, out, _options(axis, device), include, exclude,
-         fast_hash, quiet, as_json, engine, workers, ray_address, resume,
-         overwrite, append, layout)
+    _run("underflow-rate", args)
 
 
-@command("error-bias")
+@scan_command("error-bias")
 def error_bias(
-    inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
+    args: ScanArgs,
     draws: Annotated[int, typer.Option(
         metavar="N", min=1, help="Independent draws of a stochastic (sr) cast.")] = 8,
     seed: Annotated[int, typer.Option(metavar="S", help="Seed of the stochastic draws.")] = 0,
-    device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
-    fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
-    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
-    layout: LayoutOpt = None,
 ) -> None:
     """Size of the cast error and its bias, per cast.
 
     The bias says which way the error points: along the tensor (it shrinks or grows).
     """
-    _run("error-bias", inputs, cast, out, _options(axis, device, draws, seed), include,
-         exclude, fast_hash, quiet, as_json, engine, workers, ray_address, resume,
-         overwrite, append, layout)
+    _run("error-bias", args, draws, seed)
 
 
-@command("cast-diff")
-def cast_diff(
-    inputs: Inputs, cast: Casts, out: Out = OUT, axis: Axis = -1,
-    device: DeviceOpt = Device.CPU, include: Include = None, exclude: Exclude = None,
-    fast_hash: FastHash = False, quiet: Quiet = False, as_json: AsJson = False,
-    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
-    resume: Resume = False, overwrite: Overwrite = False, append: Append = False,
-    layout: LayoutOpt = None,
-) -> None:
+@scan_command("cast-diff")
+def cast_diff(args: ScanArgs) -> None:
     """Where casts disagree with the first, element by element.
 
     Per tensor: the share of codes and of dequantized values that differ, the largest
     difference in grid spacings, each cast's clips and underflows.
     """
-    if len(cast) < 2:
+    if len(args.cast) < 2:
         from driftcli.errors import DriftError
 
         raise DriftError(f"cast-diff compares casts with the first: give two or more, not "
-                         f"{len(cast)} (e.g. -c nvfp4 -c torchao/nvfp4)")
-    _run("cast-diff", inputs, cast, out, _options(axis, device), include, exclude, fast_hash,
-         quiet, as_json, engine, workers, ray_address, resume,
-         overwrite, append, layout)
+                         f"{len(args.cast)} (e.g. -c nvfp4 -c torchao/nvfp4)")
+    _run("cast-diff", args)

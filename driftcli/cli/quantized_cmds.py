@@ -118,16 +118,15 @@ def inspect_cmd(
     """
     import dataclasses
 
-    from driftcli.cli.run import publish, table_output
-    from driftcli.io.tables import provenance
+    from driftcli.cli.run import publish, table_output, table_provenance
     from driftcli.measures.inspect import InspectRow, inspect
 
     path = out / "inspect.parquet"
     with table_output(path, overwrite=overwrite):
         found = inspect(inputs, requant=requant or (), layout=layout,
                         include=include or (), exclude=exclude or ())
-        prov = provenance(found.files, extra={"requant": list(requant or ()),
-                                              "layout": layout})
+        prov = table_provenance(found.files, extra={"requant": list(requant or ()),
+                                                    "layout": layout})
         summary = {"table": str(path),
                    "rows": [dataclasses.asdict(r) for r in found.rows],
                    "findings": [dataclasses.asdict(f) for f in found.findings],

@@ -15,6 +15,7 @@ import typer
 
 from driftcli.cli.app import EXIT_USAGE
 from driftcli.escaping import for_terminal
+from driftcli.io.layouts import Layout
 from driftcli.modes import Engine
 from driftcli.progress import Progress
 
@@ -39,9 +40,9 @@ Overwrite = Annotated[bool, typer.Option(
 Append = Annotated[bool, typer.Option(
     "--append", help="Merge this run's rows into the table already there: a row of the same "
                      "source, tensor and cast replaces the earlier one, the others stay.")]
-LAYOUTS = ("deepseek-fp8", "mxfp8", "ct-fp8", "ct-nvfp4", "modelopt-nvfp4", "gpt-oss-mxfp4")
-"""``driftcli.io.readers.quantized_weight.Layout``'s values (kept here so --help needs no torch; a
-test holds them equal)."""
+LAYOUTS = tuple(Layout)
+"""The layouts ``--layout`` takes: :class:`~driftcli.io.layouts.Layout`'s values (a torch-free
+module, so --help needs no torch)."""
 LayoutOpt = Annotated[str | None, typer.Option(
     "--layout", metavar="LAYOUT",
     help=f"The layout of pre-quantized weights, where the checkpoint's config and the tensor "
@@ -140,6 +141,20 @@ def write_kept(path: Path, row_type: type[Row], rows: Sequence[Any], prov: dict[
     if units is not None:
         clear_units(units)
     return path
+
+
+def table_provenance(inputs: Sequence[Path], run_on: Execution | None = None, *,
+                     seed: int | None = None, device: str = "cpu", fast_hash: bool = False,
+                     identities: Sequence[dict[str, Any]] | None = None,
+                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A command's table provenance (:func:`~driftcli.io.tables.provenance`): the inputs, the
+    seed and device, the command's ``extra`` settings, then where its units ran (``run_on``'s
+    :meth:`~driftcli.engines.Execution.describe`)."""
+    from driftcli.io.tables import provenance
+
+    ran = run_on.describe() if run_on is not None else {}
+    return provenance(inputs, seed=seed, device=device, fast_hash=fast_hash,
+                      extra={**(extra or {}), **ran}, identities=identities)
 
 
 def units_dir(table: Path) -> Path:

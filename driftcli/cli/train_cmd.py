@@ -21,6 +21,7 @@ from driftcli.cli.run import (
     fmt,
     progress_bar,
     table_output,
+    table_provenance,
     units_dir,
     write_kept,
 )
@@ -297,7 +298,7 @@ def probe_command(
 
     from driftcli.arith.policy import get_policy
     from driftcli.io.outputs import check_writable
-    from driftcli.io.tables import provenance, write_table
+    from driftcli.io.tables import write_table
     from driftcli.measures.grad_cosine import ALL_PARAMETERS
     from driftcli.measures.probe_attention import AttentionRow
     from driftcli.runs.probe import (
@@ -321,10 +322,9 @@ def probe_command(
                          storage=storage, windows=batch, text=text, threads=threads,
                          progress=advance, execution=run_on)
         files = list(dict.fromkeys(run / r.checkpoint for r in rows))  # in step order
-        prov = provenance(files, seed=seed, extra={"policies": policy, "draws": draws,
-                                                   "storage": storage.value,
-                                                   "checkpoints": checkpoints,
-                                                   **run_on.describe()})
+        prov = table_provenance(files, run_on, seed=seed, extra={
+            "policies": policy, "draws": draws, "storage": storage.value,
+            "checkpoints": checkpoints})
         path = write_kept(probe_table, ProbeRow, rows, prov, kept)
         attention = probe_attention(run, resolved, seed=seed, checkpoints=checkpoints,
                                     windows=batch, text=text, threads=threads)

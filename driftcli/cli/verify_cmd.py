@@ -17,6 +17,7 @@ from driftcli.cli.run import (
     execution,
     progress_bar,
     table_output,
+    table_provenance,
 )
 from driftcli.escaping import for_terminal
 from driftcli.modes import Engine
@@ -50,7 +51,7 @@ def verify_formats(
 
     from driftcli import verify as v
     from driftcli.io.outputs import check_writable
-    from driftcli.io.tables import provenance, write_table
+    from driftcli.io.tables import write_table
 
     formats = v.element_formats(format_names)
     check_writable(out)  # fail now, not after minutes of checks
@@ -61,8 +62,8 @@ def verify_formats(
         with progress_bar("verifying", Bar.ITEMS, quiet=False) as advance:
             outcomes = v.verify(formats, v.Plan(quick=quick), run_on, progress=advance)
         path = write_table(out / "verify-formats.parquet", v.VerifyRow, v.rows(outcomes),
-                           provenance(seed=v.SEED, extra={"plan": "quick" if quick else "full",
-                                                          **run_on.describe()}))
+                           table_provenance((), run_on, seed=v.SEED,
+                                            extra={"plan": "quick" if quick else "full"}))
         by_format: dict[str, list[Any]] = defaultdict(list)
         for o in outcomes:
             by_format[o.format].append(o)

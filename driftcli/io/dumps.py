@@ -45,7 +45,8 @@ class DumpEntry:
     """Qualified module name (``blocks.0.attn``), or ``<root>`` / ``<outside>``."""
     operand: str
     """Space-separated ``pass.side`` tokens naming which matmul operands the tensor feeds:
-    pass is ``forward``, ``dgrad`` or ``wgrad``, side ``lhs`` or ``rhs`` (design §6)."""
+    pass is ``forward``, ``dgrad`` or ``wgrad``, side ``lhs`` or ``rhs``
+    (docs/arithmetic.md#roles)."""
     step: int | None
     """The training step given to ``capture``, or ``None``."""
 

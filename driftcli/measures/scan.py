@@ -191,7 +191,7 @@ def _error_sums(x: Tensor, mean: Tensor, base: CastStats) -> CastStats:
 
 class _Staging:
     """One byte buffer every read of a scan goes into, grown to the largest read: memory
-    already touched reads several times faster than fresh pages (docs/performance.md)."""
+    already touched reads several times faster than fresh pages (docs/performance-history.md)."""
 
     def __init__(self) -> None:
         self.buf = torch.empty(0, dtype=torch.uint8)
