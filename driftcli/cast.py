@@ -15,7 +15,9 @@ parts may come in any order and are recognised by their words::
 Granularity: ``none`` ``tensor`` ``channel`` ``block<k>`` ``tile<k>``. Rule:
 ``floor`` ``floor+<k>`` ``ceil`` ``even`` ``amax`` ``amax-rne`` ``amax-up``
 ``two-level``. Scale format: any format name. Rounding: ``rne`` ``rna``
-``rtz`` ``rup`` ``rdown`` ``sr``. Overflow: ``saturate`` ``ieee``. Defaults:
+``rtz`` ``rup`` ``rdown`` ``sr``. Overflow: ``saturate`` ``ieee``. Transform (a scaled cast
+only, also after a preset: ``nvfp4:rht=te``): ``rht=te`` ``rht=h`` ``rht=signs/<16 of + ->``
+``rht=random/<seed>`` (:class:`Rht`). Defaults:
 no scaling; with a granularity, ``floor`` for blocks and tiles and ``amax``
 for tensors and channels; the scale format ``float8_e8m0fnu`` for
 power-of-two rules, ``float8_e4m3fn`` for ``two-level``, ``float32`` for the
@@ -241,6 +243,67 @@ def _check_arithmetic(a: ScaleArithmetic, rule: ScaleRule, scale_format: Format)
         raise CastSpecError(f"two={a.two} is an order of the two-level rule, not of {rule}")
 
 
+RHT_SIZE = 16
+"""The Hadamard transform's length: NVFP4's block (Transformer Engine refuses any other)."""
+TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+"""Transformer Engine's hard-coded wgrad sign vector (``pytorch/tensor/nvfp4_tensor.py``
+``get_wgrad_sign_vector`` lines 49-59 and ``custom_recipes/reference_nvfp4.py`` lines 335-340, at
+d0067d0); torchao's NVFP4 training uses the same one (``_TP_RHT_SIGN_VECTOR``)."""
+
+
+def _splitmix64(state: int) -> int:
+    """One output of splitmix64 (Steele, Lea, Flood 2014): a fixed integer function, so a seed
+    gives the same signs on every machine and version."""
+    mask = (1 << 64) - 1
+    z = (state + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+@dataclass(frozen=True)
+class Rht:
+    """A 16-point random Hadamard transform applied before a cast, along the block axis:
+    each group of 16 elements ``x`` becomes ``y_j = rn_bf16(sum_i x_i · s_i · H16[i][j] / 4)``,
+    the sum in float32 from i = 0 (docs/recipes.md#random-hadamard-transform). ``signs`` are the
+    16 ``s_i``; ``name`` is how the spec writes them (``te``, ``h``, ``signs/…``,
+    ``random/<seed>``)."""
+
+    signs: tuple[int, ...]
+    name: str
+
+    def __post_init__(self) -> None:
+        if len(self.signs) != RHT_SIZE or any(s not in (1, -1) for s in self.signs):
+            raise CastSpecError(f"rht signs must be {RHT_SIZE} values of +1 or -1, not "
+                                f"{self.signs!r}")
+
+    def __str__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def parse(text: str) -> Rht:
+        """The transform a spec's ``rht=`` value names."""
+        if text == "te":
+            return Rht(TE_SIGNS, "te")
+        if text == "h":
+            return Rht((1,) * RHT_SIZE, "h")
+        kind, _, arg = text.partition("/")
+        if kind == "signs" and re.fullmatch(r"[+-]{16}", arg):
+            return Rht(tuple(1 if c == "+" else -1 for c in arg), text)
+        if kind == "random" and re.fullmatch(r"\d{1,19}", arg) and int(arg) < 1 << 64:
+            bits = _splitmix64(int(arg))
+            return Rht(tuple(-1 if bits >> i & 1 else 1 for i in range(RHT_SIZE)),
+                       f"random/{int(arg)}")
+        raise CastSpecError(f"rht={text!r}: write rht=te (Transformer Engine's signs), rht=h "
+                            "(no signs), rht=signs/<16 of + or -> or rht=random/<seed>")
+
+    @staticmethod
+    def of_signs(signs: tuple[int, ...]) -> Rht:
+        """The transform of a sign vector read from a checkpoint (``_rht_sign_vector``)."""
+        vector = tuple(int(s) for s in signs)
+        return Rht(vector, "signs/" + "".join("+" if s > 0 else "-" for s in vector))
+
+
 @dataclass(frozen=True)
 class Cast:
     """How one tensor is cast: element format, scaling, rounding, overflow."""
@@ -249,9 +312,15 @@ class Cast:
     scaling: Scaling = field(default_factory=Scaling)
     rounding: Rounding = Rounding.RNE
     overflow: Overflow = Overflow.SATURATE
+    rht: Rht | None = None
+    """A random Hadamard transform of the input before the cast (None: none)."""
 
     def __post_init__(self) -> None:
         s = self.scaling
+        if self.rht is not None and s.granularity is Granularity.NONE:
+            raise CastSpecError(f"rht={self.rht} transforms what a scaled cast reads; "
+                                f"{self.format.name} is unscaled: give a granularity "
+                                "(e.g. nvfp4:rht=te)")
         if s.rule is ScaleRule.TWO_LEVEL and s.scale_format is not None and (
                 s.scale_format.max * self.format.max > FORMATS["float32"].max):
             raise CastSpecError(
@@ -279,6 +348,8 @@ class Cast:
             scale_name = s.scale_format.name if s.scale_format is not None else ""
             parts += [f"{s.granularity}{size}", scale_name, rule]
         tail = [] if s.arithmetic.exact else [str(s.arithmetic)]
+        if self.rht is not None:
+            tail.append(f"rht={self.rht}")
         return ":".join([*parts, self.rounding.value, self.overflow.value, *tail])
 
 
@@ -339,6 +410,7 @@ class _Parts(NamedTuple):
     rounding: Rounding | None
     overflow: Overflow | None
     arithmetic: ScaleArithmetic | None
+    rht: Rht | None
 
 
 _NVFP4_PAIR = (FORMATS["float4_e2m1fn"], FORMATS["float8_e4m3fn"])
@@ -361,10 +433,18 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
 
     for part in parts:
         if "=" in part:
+            items = part.split(",")
+            rest = ",".join(i for i in items if not i.startswith("rht="))
             try:
-                put("scale arithmetic", ScaleArithmetic.parse(part), part)
+                transforms = [Rht.parse(i.removeprefix("rht=")) for i in items
+                              if i.startswith("rht=")]
+                arithmetic = ScaleArithmetic.parse(rest) if rest else None
             except CastSpecError as err:
                 raise CastSpecError(f"cast spec {spec!r}: {err}") from None
+            for transform in transforms:
+                put("rht", transform, part)
+            if arithmetic is not None:
+                put("scale arithmetic", arithmetic, part)
         elif g := _GRANULARITY.fullmatch(part):
             gran = Granularity(g[1] or g[2])
             put("granularity", (gran, int(g[3] or 0)), part)
@@ -386,7 +466,7 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
             raise _bad(spec, part, "unknown part", f" ({guess})" if guess else "")
     return _Parts(found.get("granularity"), found.get("rule"),
                   found.get("scale format"), found.get("rounding"),
-                  found.get("overflow"), found.get("scale arithmetic"))
+                  found.get("overflow"), found.get("scale arithmetic"), found.get("rht"))
 
 
 def _preset(name: str) -> Cast | None:
@@ -421,6 +501,13 @@ def parse_cast(spec: str | Cast) -> Cast:
             raise _bad(spec, ":".join(rest), "a preset fixes its scaling; write the full spec "
                        f"({base}) to change it, not")
         scaling = base.scaling
+        if p.rht is not None:  # a transform before the preset's cast: nvfp4:rht=te
+            if base.rht is not None:
+                raise _bad(spec, f"rht={p.rht}", f"preset {head!r} has rht={base.rht}; a second")
+            try:
+                base = replace(base, rht=p.rht)
+            except CastSpecError as err:
+                raise CastSpecError(f"cast spec {spec!r}: {err}") from None
         if p.scale_format is not None:  # another block-scale format: nvfp4:ue5m3 (AMD-FP4)
             if scaling.granularity is Granularity.NONE:
                 raise _bad(spec, p.scale_format.name,
@@ -462,6 +549,7 @@ def parse_cast(spec: str | Cast) -> Cast:
         except CastSpecError as err:
             raise CastSpecError(f"cast spec {spec!r}: {err}") from None
     try:
-        return Cast(elem, scaling, p.rounding or Rounding.RNE, p.overflow or Overflow.SATURATE)
+        return Cast(elem, scaling, p.rounding or Rounding.RNE, p.overflow or Overflow.SATURATE,
+                    p.rht)
     except CastSpecError as err:
         raise CastSpecError(f"cast spec {spec!r}: {err}") from None
