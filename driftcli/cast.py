@@ -297,6 +297,13 @@ class Rht:
         raise CastSpecError(f"rht={text!r}: write rht=te (Transformer Engine's signs), rht=h "
                             "(no signs), rht=signs/<16 of + or -> or rht=random/<seed>")
 
+    def entries(self) -> tuple[float, ...]:
+        """The transform's matrix, row-major: ``m[16 i + j] = s_i · H16[i][j] / 4`` with
+        Sylvester's ``H16[i][j] = (-1)**popcount(i & j)``: ``diag(signs) @ H / sqrt(16)``, as
+        the reference builds it (``reference_nvfp4.py`` lines 396-419, 438-444)."""
+        return tuple(s * (-1) ** (i & j).bit_count() / 4 for i, s in enumerate(self.signs)
+                     for j in range(RHT_SIZE))
+
     @staticmethod
     def of_signs(signs: tuple[int, ...]) -> Rht:
         """The transform of a sign vector read from a checkpoint (``_rht_sign_vector``)."""

@@ -27,6 +27,7 @@ from driftcli import engines
 from driftcli.cast import Cast, parse_cast
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
+from driftcli.hadamard import transformed
 from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
 from driftcli.measures.diffstats import DiffStats, cast_diff_stats
 from driftcli.measures.stats import (
@@ -266,7 +267,8 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
                     total = q.double() if total is None else total + q.double()
                     first = first or st
             if total is not None and first is not None:
-                expected[ci].append(_error_sums(x, total / n, first))
+                # an rht= cast's values are the transform's: its errors are against that
+                expected[ci].append(_error_sums(transformed(x, c, opts.axis), total / n, first))
             if opts.compare and ci:
                 diffs[ci].append(cast_diff_stats(x, casts[0], c, opts.axis, amax))
         advance(ref.nbytes * stop // extent)
