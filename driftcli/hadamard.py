@@ -7,7 +7,7 @@ The arithmetic follows ``transformer_engine/pytorch/custom_recipes/reference_nvf
 the recipe) and the fused kernel it is tested against bit for bit,
 ``common/hadamard_transform/hadamard_transform_cast_fusion.cu`` (bfloat16 operands on tensor
 cores, a float32 accumulator, then "Downcast to BF16 for bit-wise compatibility", lines
-480-486), NVIDIA/TransformerEngine at d0067d0. Neither fixes the order of the float32
+481-485), NVIDIA/TransformerEngine at d0067d0. Neither fixes the order of the float32
 accumulation; drift fixes it as: each product ``fl32(x_i · m_ij)``, summed from ``+0`` for
 ``i = 0 .. 15`` with one float32 addition each, the sum rounded to bfloat16 (nearest even,
 overflow to inf). Every order gives these bits wherever the 16 products' float32 sum is exact
