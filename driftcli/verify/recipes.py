@@ -12,6 +12,7 @@ import torch
 
 from driftcli.cast import Cast, parse_cast
 from driftcli.formats import Exact, Format, Kind
+from driftcli.hadamard import transform
 from driftcli.modes import Granularity, ScaleRule
 from driftcli.oracle_arith import amax_of, cast_group, hadamard16
 from driftcli.quantization import QuantInfo
@@ -205,6 +206,30 @@ def check_recipe(fmt: Format, name: str, plan: Plan) -> Iterator[Outcome]:
               torch.where(shown, got_codes.flatten().double(), torch.nan), describe)
     yield values
     yield codes
+    if c.rht is not None:
+        yield check_transform(fmt, name, c, plan)
+
+
+def check_transform(fmt: Format, name: str, c: Cast, plan: Plan) -> Outcome:
+    """A preset's random Hadamard transform alone (what its cast reads) against the exact twin
+    (:func:`driftcli.oracle_arith.hadamard16`), on the preset's cases: a transform error that
+    the cast's rounding hides still shows here."""
+    if c.rht is None:
+        raise ValueError(f"{name} has no rht= to check")  # a caller's bug, not user input
+    entries = c.rht.entries()
+    out = Outcome(fmt.name, "recipes", f"{name} transform", c.rounding.value, c.overflow.value)
+    for case in recipe_cases(fmt, c, plan):
+        values = [exact_of_float(v) for v in case.flatten().tolist()]
+        want = torch.tensor([to_float(y) for i in range(0, len(values), 16)
+                             for y in hadamard16(values[i:i + 16], entries)],
+                            dtype=torch.float64)
+        raw = case.flatten().view(torch.int32).tolist()
+
+        def describe(i: int, raw: list[int] = raw) -> str:
+            return f"group {i // 16} output {i % 16} (element float32 0x{raw[i] & 0xFFFFFFFF:08x})"
+
+        judge(out, want, transform(case, c.rht).flatten(), describe)
+    return out
 
 
 def check_recipes(fmt: Format, plan: Plan) -> Iterator[Outcome]:
