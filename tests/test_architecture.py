@@ -36,7 +36,7 @@ LAYERS = (
     ("formats", "modes", "text", "escaping", "kernels", "exact", "memory", "progress"),
     ("cast", "oracle", "oracle_blockfma", "oracle_arith", "codec", "recipes"),
     ("rounding",),
-    ("scaling", "scalearith", "fouroversix"),
+    ("scaling", "scalearith", "fouroversix", "hadamard"),
     ("quantization",),
     ("arith",),
     ("io", "engines"),
