@@ -11,7 +11,7 @@ cores, a float32 accumulator, then "Downcast to BF16 for bit-wise compatibility"
 accumulation; drift fixes it as: each product ``fl32(x_i · m_ij)``, summed from ``+0`` for
 ``i = 0 .. 15`` with one float32 addition each, the sum rounded to bfloat16 (nearest even,
 overflow to inf). Every order gives these bits wherever the 16 products' float32 sum is exact
-(their binades within 16 of each other for bfloat16 inputs: docs/recipes.md). No inverse is
+(for bfloat16 inputs, products within 12 binades of each other: docs/recipes.md). No inverse is
 applied: the recipe transforms both operands of the wgrad GEMM, whose product the transform
 leaves unchanged (``(H/4)(H/4)ᵀ = I``).
 
