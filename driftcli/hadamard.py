@@ -52,15 +52,22 @@ def torch_groups(groups: Tensor, rht: Rht) -> Tensor:
                         Overflow.IEEE, None, DEFAULT_SR_BITS, torch.float32)
 
 
+def rht_problem(rht: Rht | None, shape: tuple[int, ...], axis: int = -1) -> str | None:
+    """Why the transform ``rht`` cannot run on a tensor of ``shape`` along ``axis`` (it needs
+    whole groups of 16 there), or None (also for no transform)."""
+    if rht is None or (shape and shape[axis] % RHT_SIZE == 0):
+        return None
+    return (f"rht={rht} transforms groups of {RHT_SIZE} along the block axis; a tensor of "
+            f"shape {shape} has {shape[axis] if shape else 1} there: pad that axis to a "
+            f"multiple of {RHT_SIZE} or cast along another")
+
+
 def transform(x: Tensor, rht: Rht, axis: int = -1) -> Tensor:
     """``x`` with every run of 16 elements along ``axis`` transformed: a float32 tensor of
     ``x``'s shape (its values on bfloat16's grid). The length along ``axis`` must be a
     multiple of 16, as the reference requires."""
-    if x.dim() == 0 or x.shape[axis] % RHT_SIZE:
-        shape = tuple(x.shape)
-        raise DriftError(f"rht={rht} transforms groups of {RHT_SIZE} along the block axis; "
-                         f"a tensor of shape {shape} has {shape[axis] if shape else 1} there: "
-                         f"pad that axis to a multiple of {RHT_SIZE} or cast along another")
+    if (why := rht_problem(rht, tuple(x.shape), axis)) is not None:
+        raise DriftError(why)
     moved = x.detach().movedim(axis, -1).contiguous()
     groups = moved.reshape(-1, RHT_SIZE)
     if kernels.numba_runs(groups) and groups.dtype in (torch.float32, torch.float64):

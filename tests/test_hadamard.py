@@ -6,11 +6,14 @@ transform, and planted faults caught by verify-formats' recipes suite."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from recipe_data import differences, info_of, tensors
 from recipe_refs import REFERENCES, rht, rht_matrix
+from safetensors.torch import save_file
 
 import driftcli as drift
 from driftcli import hadamard
@@ -19,6 +22,7 @@ from driftcli.errors import CastSpecError, DriftError
 from driftcli.formats import FORMATS
 from driftcli.kernels import jit
 from driftcli.measures.block_stats import block_stats
+from driftcli.measures.scan import ScanOptions, scan
 from driftcli.measures.stats import cast_stats
 from driftcli.oracle_arith import hadamard16
 from driftcli.verify.compare import Plan, exact_of_float, to_float
@@ -110,11 +114,9 @@ def test_the_transform_runs_along_the_cast_axis_and_quantize_casts_it() -> None:
     assert torch.equal(q, drift.quantize(along_rows, "nvfp4", axis=0).double())
 
 
-def test_lengths_that_are_not_whole_groups_and_sliced_amaxes_are_refused() -> None:
+def test_lengths_that_are_not_whole_groups_are_refused() -> None:
     with pytest.raises(DriftError, match=r"shape \(3, 20\) has 20 there: pad"):
         drift.quantize(torch.ones(3, 20), "te/nvfp4_rht")
-    with pytest.raises(DriftError, match="slice cannot give"):
-        cast_stats(torch.ones(2, 16), "te/nvfp4_rht", tensor_amax=1.0)
     with pytest.raises(DriftError, match="rht="):
         block_stats(["model.safetensors"], ["te/nvfp4_rht"])  # refused before any read
 
@@ -225,3 +227,29 @@ def test_a_planted_exact_sum_and_a_missing_bfloat16_rounding_are_caught(
             assert _recipe_failures() > 0, planted.__name__
     finally:
         jit.set_jit("auto")
+
+
+def test_a_sliced_scan_reads_the_transformed_amax_and_refuses_only_what_it_must(
+        tmp_path: Path) -> None:
+    """A tensor read in slices gets the transformed whole tensor's amax (the counts equal the
+    whole read's), and a tensor whose block axis is not whole groups of 16 is an error row for
+    the rht= cast only: te/nvfp4 still measures it."""
+    gen = torch.Generator().manual_seed(3)
+    big = torch.randn(48, 64, generator=gen)
+    big[40] *= 64  # the transform moves the amax: a raw amax would give other scales
+    path = tmp_path / "m.safetensors"
+    save_file({"big": big, "odd": torch.randn(16, 20, generator=gen)}, str(path))
+    casts = ["te/nvfp4_rht", "te/nvfp4"]
+    for axis in (-1, 0):
+        small = scan([path], casts, options=ScanOptions(chunk_elements=256, axis=axis,
+                                                        whole_bytes=0))
+        whole = scan([path], casts, options=ScanOptions(axis=axis))
+        for a, b in zip(small.results, whole.results, strict=True):
+            assert (a.error is None) == (b.error is None)
+            if a.error is None:  # counts exact; float64 sums to their order (1e-12)
+                for f in a.draws[0].__dataclass_fields__:
+                    assert getattr(a.draws[0], f) == pytest.approx(
+                        getattr(b.draws[0], f), rel=1e-12), (axis, str(a.cast), f)
+        errors = [(r.ref.name, str(r.cast)) for r in small.errors if r.ref is not None]
+        assert errors == ([("odd", str(parse_cast("te/nvfp4_rht")))] if axis == -1 else [])
+    assert whole.results[0].draws[0].numel == 48 * 64
