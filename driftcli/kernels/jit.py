@@ -465,6 +465,6 @@ def hadamard16(groups: Tensor, entries: tuple[float, ...]) -> Tensor:
 
     n = groups.shape[0]
     out = np.empty(n * 16, dtype=np.float32)
-    spread(code.rht_kernel, n, 16 * 16, _array(groups), np.asarray(entries, dtype=np.float64),
+    spread(code.rht_kernel, n, 16 * 16, _array(groups), np.asarray(entries, dtype=np.float32),
            out, out.view(np.uint32))
     return torch.from_numpy(out).view(n, 16)

@@ -19,16 +19,21 @@ SIZE = 16
 def rht_kernel(x: Any, m: Any, out: Any, bits: Any, start: int, stop: int) -> None:
     """For the groups ``start:stop`` of flat ``x`` (16 elements each, float32 or float64),
     ``out`` (float32, ``bits`` its uint32 view) gets each group's transform under the
-    row-major float64 matrix ``m`` (256 entries)."""
+    row-major float32 matrix ``m`` (256 entries, each ±1/4)."""
+    acc = np.empty(SIZE, dtype=np.float32)
     for g in range(start, stop):
         base = g * SIZE
+        acc[:] = np.float32(0.0)
+        # i outer, the 16 sums side by side: each output still adds its products in i order
+        for i in range(SIZE):
+            xi = x[base + i]
+            row = i * SIZE
+            for j in range(SIZE):
+                # x · (±1/4) is exact in x's precision, so one rounding to float32
+                acc[j] = np.float32(acc[j] + np.float32(xi * m[row + j]))
         for j in range(SIZE):
-            acc = np.float32(0.0)
-            for i in range(SIZE):
-                # the float64 product of x and ±1/4 is exact: one rounding to float32
-                acc = np.float32(acc + np.float32(np.float64(x[base + i]) * m[i * SIZE + j]))
             k = base + j
-            out[k] = acc
+            out[k] = acc[j]
             b = np.uint32(bits[k])
             if (b & np.uint32(0x7F800000)) != np.uint32(0x7F800000) or \
                     (b & np.uint32(0x007FFFFF)) == np.uint32(0):
