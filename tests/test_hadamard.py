@@ -88,6 +88,21 @@ def test_both_back_ends_equal_the_exact_twin_bit_for_bit(signs: str) -> None:
     assert x.shape[0] == 9 + 64 and int(torch.isnan(numba).sum()) > 0  # the NaN cases ran
 
 
+def test_float64_inputs_round_each_product_once_on_both_back_ends() -> None:
+    """A float64 source: each product fl32(x · m) from the exact product (x · ±1/4 is exact in
+    float64), as the twin; values off float32's grid, rows from below float32's subnormals
+    (zeros) to past its max (inf)."""
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.randint(-160, 140, (64, 1), generator=gen)
+    x = torch.randn(64, 16, generator=gen, dtype=torch.float64) * torch.exp2(
+        (rows + torch.randint(-8, 9, (64, 16), generator=gen)).double())
+    r = Rht.parse("random/3")
+    numba, ref = _both(hadamard.transform, x, r)
+    assert not differences(numba, ref).any()
+    assert not differences(numba, _oracle(x, r).float()).any()
+    assert int((numba == 0).sum()) and int(torch.isinf(numba).sum())  # both ends reached
+
+
 def test_the_order_drift_fixes_decides_a_bfloat16_tie() -> None:
     """1 + 2**-8 (a bfloat16 tie) and fifteen 2**-25 (each below half a float32 ulp of 1): in
     order the float32 sum stays on the tie and rounds to even, 1.0; summed exactly (or from the
