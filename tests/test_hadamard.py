@@ -300,6 +300,6 @@ def test_torchs_bfloat16_matmul_parts_from_the_fixed_order_only_where_the_sum_ro
         assert not (parted & ~wide).any(), spread
         print(f"\nspread ±{spread} binades: {int(parted.sum())} of {int(wide.sum())} wide groups "
               f"(of {x.numel() // 16}) part from torch's bfloat16 matmul")
-        # the check sees a planted fault: the sums kept in float32 part in narrow groups too
-        unrounded = (x.view(-1, 16).double() @ m.double()).float()
-        assert (differences(torch_out, unrounded).any(dim=1) & ~wide).any()
+        if spread == 0:  # the check sees a planted fault: sums kept in float32 part in narrow
+            unrounded = (x.view(-1, 16).double() @ m.double()).float()  # groups too
+            assert (differences(torch_out, unrounded).any(dim=1) & ~wide).any()
