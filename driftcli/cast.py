@@ -248,7 +248,9 @@ RHT_SIZE = 16
 TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """Transformer Engine's hard-coded wgrad sign vector (``pytorch/tensor/nvfp4_tensor.py``
 ``get_wgrad_sign_vector`` lines 49-59 and ``custom_recipes/reference_nvfp4.py`` lines 335-340, at
-d0067d0); torchao's NVFP4 training uses the same one (``_TP_RHT_SIGN_VECTOR``)."""
+d0067d0); torchao's NVFP4 training uses the same one (``_TP_RHT_SIGN_VECTOR`` in
+``torchao/prototype/moe_training/nvfp4_training/nvfp4_tensor_parallel.py``, pytorch/ao at
+9c82552)."""
 
 
 def _splitmix64(state: int) -> int:
