@@ -223,6 +223,76 @@ def _check_arithmetic(a: ScaleArithmetic, rule: ScaleRule, scale_format: Format)
         raise CastSpecError(f"two={a.two} is an order of the two-level rule, not of {rule}")
 
 
+RHT_SIZE = 16
+"""The Hadamard transform's length: NVFP4's block (Transformer Engine refuses any other)."""
+TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+"""Transformer Engine's hard-coded wgrad sign vector (``pytorch/tensor/nvfp4_tensor.py``
+``get_wgrad_sign_vector`` lines 49-59 and ``custom_recipes/reference_nvfp4.py`` lines 335-340, at
+d0067d0); torchao's NVFP4 training uses the same one (``_TP_RHT_SIGN_VECTOR`` in
+``torchao/prototype/moe_training/nvfp4_training/nvfp4_tensor_parallel.py``, pytorch/ao at
+9c82552)."""
+
+
+def _splitmix64(state: int) -> int:
+    """One output of splitmix64 (Steele, Lea, Flood 2014): a fixed integer function, so a seed
+    gives the same signs on every machine and version."""
+    mask = (1 << 64) - 1
+    z = (state + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+@dataclass(frozen=True)
+class Rht:
+    """A 16-point random Hadamard transform applied before a cast, along the block axis:
+    each group of 16 elements ``x`` becomes ``y_j = rn_bf16(sum_i x_i · s_i · H16[i][j] / 4)``,
+    the sum in float32 from i = 0 (docs/recipes.md#random-hadamard-transform). ``signs`` are the
+    16 ``s_i``; ``name`` is how the spec writes them (``te``, ``h``, ``signs/…``,
+    ``random/<seed>``)."""
+
+    signs: tuple[int, ...]
+    name: str
+
+    def __post_init__(self) -> None:
+        if len(self.signs) != RHT_SIZE or any(s not in (1, -1) for s in self.signs):
+            raise CastSpecError(f"rht signs must be {RHT_SIZE} values of +1 or -1, not "
+                                f"{self.signs!r}")
+
+    def __str__(self) -> str:
+        return self.name
+
+    @staticmethod
+    def parse(text: str) -> Rht:
+        """The transform a spec's ``rht=`` value names."""
+        if text == "te":
+            return Rht(TE_SIGNS, "te")
+        if text == "h":
+            return Rht((1,) * RHT_SIZE, "h")
+        kind, _, arg = text.partition("/")
+        if kind == "signs" and re.fullmatch(r"[+-]{16}", arg):
+            return Rht(tuple(1 if c == "+" else -1 for c in arg), text)
+        if kind == "random" and re.fullmatch(r"\d{1,19}", arg) and int(arg) < 1 << 64:
+            bits = _splitmix64(int(arg))
+            return Rht(tuple(-1 if bits >> i & 1 else 1 for i in range(RHT_SIZE)),
+                       f"random/{int(arg)}")
+        raise CastSpecError(f"rht={text!r}: write rht=te (Transformer Engine's signs), rht=h "
+                            "(no signs), rht=signs/<16 of + or -> or rht=random/<seed>")
+
+    def entries(self) -> tuple[float, ...]:
+        """The transform's matrix, row-major: ``m[16 i + j] = s_i · H16[i][j] / 4`` with
+        Sylvester's ``H16[i][j] = (-1)**popcount(i & j)``: ``diag(signs) @ H / sqrt(16)``, as
+        the reference builds it (``reference_nvfp4.py`` lines 396-419, 438-444)."""
+        return tuple(s * (-1) ** (i & j).bit_count() / 4 for i, s in enumerate(self.signs)
+                     for j in range(RHT_SIZE))
+
+    @staticmethod
+    def of_signs(signs: tuple[int, ...]) -> Rht:
+        """The transform of a sign vector read from a checkpoint (``_rht_sign_vector``)."""
+        vector = tuple(int(s) for s in signs)
+        return Rht(vector, "signs/" + "".join("+" if s > 0 else "-" for s in vector))
+
+
 @dataclass(frozen=True)
 class Cast:
     """How one tensor is cast: element format, scaling, rounding, overflow."""
@@ -231,9 +301,15 @@ class Cast:
     scaling: Scaling = field(default_factory=Scaling)
     rounding: Rounding = Rounding.RNE
     overflow: Overflow = Overflow.SATURATE
+    rht: Rht | None = None
+    """A random Hadamard transform of the input before the cast (None: none)."""
 
     def __post_init__(self) -> None:
         s = self.scaling
+        if self.rht is not None and s.granularity is Granularity.NONE:
+            raise CastSpecError(f"rht={self.rht} transforms what a scaled cast reads; "
+                                f"{self.format.name} is unscaled: give a granularity "
+                                "(e.g. nvfp4:rht=te)")
         if s.rule is ScaleRule.TWO_LEVEL and s.scale_format is not None and (
                 s.scale_format.max * self.format.max > FORMATS["float32"].max):
             raise CastSpecError(
@@ -261,6 +337,8 @@ class Cast:
             scale_name = s.scale_format.name if s.scale_format is not None else ""
             parts += [f"{s.granularity}{size}", scale_name, rule]
         tail = [] if s.arithmetic.exact else [str(s.arithmetic)]
+        if self.rht is not None:
+            tail.append(f"rht={self.rht}")
         return ":".join([*parts, self.rounding.value, self.overflow.value, *tail])
 
 

@@ -15,7 +15,9 @@ parts may come in any order and are recognised by their words::
 Granularity: ``none`` ``tensor`` ``channel`` ``block<k>`` ``tile<k>``. Rule:
 ``floor`` ``floor+<k>`` ``ceil`` ``even`` ``amax`` ``amax-rne`` ``amax-up``
 ``two-level``. Scale format: any format name. Rounding: ``rne`` ``rna``
-``rtz`` ``rup`` ``rdown`` ``sr``. Overflow: ``saturate`` ``ieee``. Defaults:
+``rtz`` ``rup`` ``rdown`` ``sr``. Overflow: ``saturate`` ``ieee``. Transform (a scaled cast
+only, also after a preset: ``nvfp4:rht=te``): ``rht=te`` ``rht=h`` ``rht=signs/<16 of + ->``
+``rht=random/<seed>`` (:class:`~driftcli.cast.Rht`). Defaults:
 no scaling; with a granularity, ``floor`` for blocks and tiles and ``amax``
 for tensors and channels; the scale format ``float8_e8m0fnu`` for
 power-of-two rules, ``float8_e4m3fn`` for ``two-level``, ``float32`` for the
@@ -29,7 +31,7 @@ import re
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from driftcli.cast import EXACT_ARITHMETIC, Cast, ScaleArithmetic, Scaling
+from driftcli.cast import EXACT_ARITHMETIC, Cast, Rht, ScaleArithmetic, Scaling
 from driftcli.errors import CastSpecError, DriftError, FormatSpecError, close_matches
 from driftcli.formats import FORMATS, Format, get_format
 from driftcli.modes import (
@@ -54,6 +56,7 @@ class _Parts(NamedTuple):
     rounding: Rounding | None
     overflow: Overflow | None
     arithmetic: ScaleArithmetic | None
+    rht: Rht | None
 
 
 
@@ -74,10 +77,18 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
 
     for part in parts:
         if "=" in part:
+            items = part.split(",")
+            rest = ",".join(i for i in items if not i.startswith("rht="))
             try:
-                put("scale arithmetic", ScaleArithmetic.parse(part), part)
+                transforms = [Rht.parse(i.removeprefix("rht=")) for i in items
+                              if i.startswith("rht=")]
+                arithmetic = ScaleArithmetic.parse(rest) if rest else None
             except CastSpecError as err:
                 raise CastSpecError(f"cast spec {spec!r}: {err}") from None
+            for transform in transforms:
+                put("rht", transform, part)
+            if arithmetic is not None:
+                put("scale arithmetic", arithmetic, part)
         elif g := _GRANULARITY.fullmatch(part):
             gran = Granularity(g[1] or g[2])
             put("granularity", (gran, int(g[3] or 0)), part)
@@ -99,7 +110,7 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
             raise _bad(spec, part, "unknown part", f" ({guess})" if guess else "")
     return _Parts(found.get("granularity"), found.get("rule"),
                   found.get("scale format"), found.get("rounding"),
-                  found.get("overflow"), found.get("scale arithmetic"))
+                  found.get("overflow"), found.get("scale arithmetic"), found.get("rht"))
 
 
 def parse_cast(spec: str | Cast) -> Cast:
@@ -115,6 +126,13 @@ def parse_cast(spec: str | Cast) -> Cast:
             raise _bad(spec, ":".join(rest), "a preset fixes its scaling; write the full spec "
                        f"({base}) to change it, not")
         scaling = base.scaling
+        if p.rht is not None:  # a transform before the preset's cast: nvfp4:rht=te
+            if base.rht is not None:
+                raise _bad(spec, f"rht={p.rht}", f"preset {head!r} has rht={base.rht}; a second")
+            try:
+                base = replace(base, rht=p.rht)
+            except CastSpecError as err:
+                raise CastSpecError(f"cast spec {spec!r}: {err}") from None
         if p.scale_format is not None:  # another block-scale format: nvfp4:ue5m3 (AMD-FP4)
             if scaling.granularity is Granularity.NONE:
                 raise _bad(spec, p.scale_format.name,
@@ -156,6 +174,7 @@ def parse_cast(spec: str | Cast) -> Cast:
         except CastSpecError as err:
             raise CastSpecError(f"cast spec {spec!r}: {err}") from None
     try:
-        return Cast(elem, scaling, p.rounding or Rounding.RNE, p.overflow or Overflow.SATURATE)
+        return Cast(elem, scaling, p.rounding or Rounding.RNE, p.overflow or Overflow.SATURATE,
+                    p.rht)
     except CastSpecError as err:
         raise CastSpecError(f"cast spec {spec!r}: {err}") from None

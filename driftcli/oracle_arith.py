@@ -33,7 +33,7 @@ from driftcli.modes import (
     SmallestRcp,
     TwoLevelOrder,
 )
-from driftcli.oracle import binade, pow2_scale_exponent, product, round_exact
+from driftcli.oracle import binade, pow2_scale_exponent, product, round_exact, total
 
 F32 = FORMATS["float32"]
 _E4M3 = FORMATS["float8_e4m3fn"]
@@ -407,3 +407,17 @@ def four_over_six(values: list[Exact], amax: Exact, tensor_amax: Exact, elem: Fo
     four = not nan(err4) and not nan(err6) and _less(err4, err6)
     sb, inv = (sb4, inv4) if four else (sb6, inv6)
     return inv, ElementOp.MUL, mul(mul(sb, t), div(ONE, _FOUR_OVER_SIX_MAX))
+
+
+def hadamard16(values: list[Exact], entries: tuple[float, ...]) -> list[Exact]:
+    """The random Hadamard transform of one group of 16 values, exactly with the roundings
+    drift fixes (:mod:`driftcli.hadamard`): ``y_j = rn_bf16(fl32(... fl32(fl32(0 + fl32(x_0 ·
+    m_0j)) + fl32(x_1 · m_1j)) ...))``, ``entries`` the row-major matrix (``Rht.entries``)."""
+    size = len(values)
+    out = []
+    for j in range(size):
+        acc = ZERO
+        for i in range(size):
+            acc = fl(total(acc, mul(values[i], of64(entries[i * size + j]))))
+        out.append(round_exact(FORMATS["bfloat16"], acc, Rounding.RNE, Overflow.IEEE))
+    return out

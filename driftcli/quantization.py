@@ -10,7 +10,7 @@ each). :mod:`driftcli.measures.stats` counts what a cast did from the same block
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
@@ -23,6 +23,7 @@ from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
 from driftcli.fouroversix import four_over_six_scales
+from driftcli.hadamard import transform
 from driftcli.kernels import jit
 from driftcli.modes import (
     DEFAULT_SR_BITS,
@@ -84,10 +85,17 @@ def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int |
 
     ``axis`` is the axis blocks run along (the contraction axis of a matmul).
     Stochastic rounding reads ``random_bits`` (shaped like ``x``) or draws
-    them from ``seed``. With ``return_info`` a :class:`QuantInfo` comes back.
+    them from ``seed``. With ``return_info`` a :class:`QuantInfo` comes back. A cast with
+    ``rht=`` casts the transform of ``x`` (:func:`driftcli.hadamard.transform`), and the values
+    are the transform's, not ``x``'s: no inverse is applied.
     """
     c = parse_cast(cast_or_spec)
     random_bits = checked_bits("quantize", x, c, seed, random_bits, sr_bits)
+    if c.rht is not None:  # the cast reads the transform (float32 on bfloat16's grid)
+        out = _quantize(transform(x, c.rht, axis), c, axis, random_bits, sr_bits, return_info)
+        if isinstance(out, Tensor):
+            return out.to(x.dtype)
+        return replace(out, values=out.values.to(x.dtype))
     return _quantize(x, c, axis, random_bits, sr_bits, return_info)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from driftcli.cast import Cast, ScaleArithmetic, Scaling
+from driftcli.cast import TE_SIGNS, Cast, Rht, ScaleArithmetic, Scaling
 from driftcli.formats import FORMATS, Format
 from driftcli.modes import (
     AmaxPolicy,
@@ -195,6 +195,10 @@ _TE_ROW_SOURCE = ("pytorch/custom_recipes/reference_nvfp4.py _quantize, "
                   "_quantize_blockwise_reference (row_scaled_nvfp4); common/cast/nvfp4/"
                   "dequantize_nvfp4.cuh (ROW_SCALED_NVFP4)")
 
+_TE_RHT_SOURCE = ("pytorch/custom_recipes/reference_nvfp4.py _apply_rht, "
+                  "_build_hadamard_matrix, get_wgrad_sign_vector (the columnwise input); "
+                  "common/hadamard_transform/hadamard_transform_cast_fusion.cu")
+
 
 def _te_presets() -> list[ImplementationPreset]:
     e4m3, e5m2 = FORMATS["float8_e4m3fn"], FORMATS["float8_e5m2"]
@@ -249,6 +253,12 @@ def _te_presets() -> list[ImplementationPreset]:
                                    ScaleArithmetic(amax=AmaxPolicy.FMAX, two=TwoLevelOrder.TE_ROW)),
             "row-scaled NVFP4 (row_scaled_nvfp4): te/nvfp4 with one float32 amax per row "
             "instead of per tensor", TE, _TE_ROW_SOURCE, "nvfp4"),
+        ImplementationPreset(
+            "te/nvfp4_rht", replace(scaled(fp4, block, 16, _E4M3, ScaleRule.TWO_LEVEL, nvfp4),
+                                    rht=Rht(TE_SIGNS, "te")),
+            "NVFP4 wgrad operand (columnwise use): each 16 along the block axis times "
+            "diag(signs)·H16/4, fl32 sums rounded to bfloat16, then te/nvfp4 (post-RHT amax)",
+            TE, _TE_RHT_SOURCE, "nvfp4:rht=te"),
         *[ImplementationPreset(
             f"te/nvfp4_4over6{suffix}",
             scaled(fp4, block, 16, _E4M3, ScaleRule.TWO_LEVEL,

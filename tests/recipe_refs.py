@@ -175,6 +175,43 @@ def te_nvfp4_row(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (codes * final[:, :, None]).astype(F).reshape(r, c), codes.reshape(r, c)
 
 
+WGRAD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+"""``get_wgrad_sign_vector`` (pytorch/custom_recipes/reference_nvfp4.py lines 335-340;
+pytorch/tensor/nvfp4_tensor.py lines 49-59)."""
+
+
+def rht_matrix(signs: tuple[int, ...] = WGRAD_SIGNS) -> np.ndarray:
+    """``_build_hadamard_matrix`` (reference_nvfp4.py lines 396-419): Sylvester's doubling
+    ``[[h, h], [h, -h]]`` from ``[[1]]`` to 16 x 16 in float32, ``diag(signs) @ h``; then
+    ``H * (1 / sqrt(16))`` (lines 438-444), every entry ±0.25."""
+    h = np.ones((1, 1), dtype=F)
+    while h.shape[0] < 16:
+        h = np.block([[h, h], [h, -h]])
+    return ((np.diag(np.asarray(signs, dtype=F)) @ h) * F(0.25)).astype(F)
+
+
+def rht(x: np.ndarray, signs: tuple[int, ...] = WGRAD_SIGNS) -> np.ndarray:
+    """``_apply_rht`` (reference_nvfp4.py lines 421-444): ``x.view(-1, 16) @ (H * 0.25)`` along
+    the last axis, with the products in float32 summed from 0 in row order, one float32
+    addition each, and the sum rounded to bfloat16 (the fused kernel's "Downcast to BF16",
+    common/hadamard_transform/hadamard_transform_cast_fusion.cu lines 481-485). The reference
+    leaves the float32 order to the matmul; this is the order drift fixes (docs/recipes.md)."""
+    m = rht_matrix(signs)
+    g = x.reshape(-1, 16).astype(F)
+    acc = np.zeros(g.shape, dtype=F)
+    for i in range(16):
+        acc = (acc + (g[:, i:i + 1] * m[i][None, :]).astype(F)).astype(F)
+    return acc.astype(ml_dtypes.bfloat16).astype(F).reshape(x.shape)
+
+
+def te_nvfp4_rht(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """NVFP4QuantizerRef with ``with_rht=True`` on the columnwise input (reference_nvfp4.py
+    lines 870-874: ``_apply_rht(tensor.t())``, its amax taken after the transform, lines
+    893-894), then the 1 x 16 cast of :func:`te_nvfp4`. ``x`` is that input: the transform
+    runs along its last axis."""
+    return te_nvfp4(rht(x), Granularity.BLOCK)
+
+
 def _reference_cast_to_fp4(x: np.ndarray) -> np.ndarray:
     """reference_nvfp4.py ``cast_to_fp4x2`` then ``cast_from_fp4x2`` (lines 49-115): the
     threshold table (nearest, ties to the even code), decoded. The table puts -0.0 in code 0
@@ -280,6 +317,7 @@ REFERENCES: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
     "te/nvfp4": lambda x: te_nvfp4(x, B),
     "te/nvfp4_2d": lambda x: te_nvfp4(x, TL),
     "te/nvfp4_row": te_nvfp4_row,
+    "te/nvfp4_rht": te_nvfp4_rht,
     "te/nvfp4_4over6": lambda x: te_nvfp4_4over6(x, False, False),
     "te/nvfp4_4over6_mse": lambda x: te_nvfp4_4over6(x, True, False),
     "te/nvfp4_4over6_fast": lambda x: te_nvfp4_4over6(x, False, True),

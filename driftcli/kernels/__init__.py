@@ -6,13 +6,15 @@ The two back-ends:
 - **torch** (the readable, vectorised reference; the path of CUDA tensors, of tensors that
   need autograd, and of ``DRIFT_JIT=never``): the tensor ops in :mod:`driftcli.rounding`,
   :mod:`driftcli.scaling`, :mod:`driftcli.quantization`, :mod:`driftcli.measures.stats`,
-  :mod:`driftcli.arith.matmul`, :mod:`driftcli.arith.blockfma` and :mod:`driftcli.fouroversix`;
+  :mod:`driftcli.arith.matmul`, :mod:`driftcli.arith.blockfma`, :mod:`driftcli.fouroversix` and
+  :mod:`driftcli.hadamard`;
 - **numba** (the CPU default): :mod:`driftcli.kernels.jit` calls the machine code of
   :mod:`driftcli.kernels.jitcode` (element rounding, block amax), :mod:`driftcli.kernels.statcode`
   (the scan's fused passes), :mod:`driftcli.kernels.castcode` (block scales and block casts),
   :mod:`driftcli.kernels.accumcode` (the simulated matmul's accumulation orders),
-  :mod:`driftcli.kernels.fmacode` (the block-FMA unit) and :mod:`driftcli.kernels.fourcode`
-  (four over six's candidates and errors).
+  :mod:`driftcli.kernels.fmacode` (the block-FMA unit), :mod:`driftcli.kernels.fourcode`
+  (four over six's candidates and errors) and :mod:`driftcli.kernels.rhtcode` (the random
+  Hadamard transform).
 
 Each operation's exact twin is in the oracle (:mod:`driftcli.oracle`, ``oracle_arith``,
 ``oracle_blockfma``); ``docs/architecture.md`` maps which module owns which operation. Both

@@ -455,3 +455,16 @@ def four_over_six_errors(blocks: Tensor, inv4: Tensor, inv6: Tensor, sb4: Tensor
     spread(kernel, rows, cols, _array(blocks), *(_array(v.float()) for v in (inv4, inv6, sb4, sb6)),
            np.asarray(consts, dtype=np.float32), cols, err4, err6, p)
     return torch.from_numpy(err4), torch.from_numpy(err6)
+
+
+def hadamard16(groups: Tensor, entries: tuple[float, ...]) -> Tensor:
+    """The random Hadamard transform of each row of a contiguous ``(n, 16)`` float32 or
+    float64 ``groups`` under the row-major matrix ``entries``
+    (:func:`driftcli.kernels.rhtcode.rht_kernel`): float32 values on bfloat16's grid."""
+    import driftcli.kernels.rhtcode as code  # numba, on first use only
+
+    n = groups.shape[0]
+    out = np.empty(n * 16, dtype=np.float32)
+    spread(code.rht_kernel, n, 16 * 16, _array(groups), np.asarray(entries, dtype=np.float32),
+           out, out.view(np.uint32))
+    return torch.from_numpy(out).view(n, 16)

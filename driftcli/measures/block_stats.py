@@ -187,6 +187,9 @@ def _checked(c: Cast) -> Cast:
     if s.granularity is Granularity.NONE:
         raise DriftError(f"block-stats: cast {c} has no scales; give a scaled cast "
                          "(mxfp8_e4m3, nvfp4, fp8_e4m3, ...)")
+    if c.rht is not None:
+        raise DriftError(f"block-stats: cast {c} transforms its input (rht=), which "
+                         "block-stats does not model yet; leave rht= out")
     if not s.arithmetic.exact:
         raise DriftError(f"block-stats: cast {c} sets a scale arithmetic, which block-stats "
                          "does not model yet; give the exact cast (e.g. nvfp4 for "

@@ -9,6 +9,7 @@ import torch
 
 from driftcli.cast import Cast
 from driftcli.errors import DriftError
+from driftcli.hadamard import transformed
 from driftcli.modes import DEFAULT_SR_BITS, Rounding
 from driftcli.quantization import Blocked, cast_blocks, element_masks
 
@@ -77,7 +78,11 @@ def cast_diff_stats(x: Tensor, a: Cast, b: Cast, axis: int = -1,
                              "stochastically: give it a deterministic rounding (e.g. :rne)")
     out = []
     for c in (a, b):
-        blocked = cast_blocks(x, c, axis, None, DEFAULT_SR_BITS, tensor_amax)
+        if c.rht is not None and tensor_amax is not None:
+            raise DriftError(f"cast-diff: {c} reads the amax of the transformed tensor, "
+                             "which a slice cannot give: compare whole tensors")
+        blocked = cast_blocks(transformed(x, c, axis), c, axis, None, DEFAULT_SR_BITS,
+                              tensor_amax)
         masks = element_masks(blocked, c, DEFAULT_SR_BITS)
         out.append((blocked.back(blocked.q), blocked.back(masks.codes), blocked))
     (va, ca, ba), (vb, cb, _) = out

@@ -28,6 +28,7 @@ from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
+from driftcli.hadamard import rht_problem, transformed
 from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
 from driftcli.measures.diffstats import DiffStats, cast_diff_stats
 from driftcli.measures.stats import (
@@ -236,10 +237,15 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         _widen(whole, opts.device)
     runs = None if wide_whole is None else run_amax(wide_whole, chunk)
     amax = None
+    rht_amax: dict[int, float] = {}
     if need_amax:
         # one slice is the whole tensor, and a cast reads its own amax
         amax = finite_amax(wide_whole, runs) if wide_whole is not None else \
             max(finite_amax(read(a, b)) for a, b in slices)
+        for ci, c in enumerate(casts):  # an rht= cast reads the transformed tensor's amax
+            if c.rht is not None and _needs_tensor_amax(c):
+                rht_amax[ci] = max(finite_amax(transformed(read(a, b), c, opts.axis))
+                                   for a, b in slices)
     del wide_whole  # a half-width tensor's float32 copy: slices widen their own
     row_elems = ref.numel // ref.shape[0] if ref.shape and ref.shape[0] else 1
     n_draws = [_n_draws(c, opts) if rounded else 1 for c in casts]
@@ -259,7 +265,7 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
             for d in range(n):
                 seed = _draw_seed(opts.seed, ref.source, ref.name, c, d, start)
                 sr = rounded and c.rounding is Rounding.SR
-                st, q = cast_stats(x, c, axis=opts.axis, tensor_amax=amax,
+                st, q = cast_stats(x, c, axis=opts.axis, tensor_amax=rht_amax.get(ci, amax),
                                    seed=seed if sr else None,
                                    want_values=sr, rounded=rounded, facts=facts)
                 parts[ci][d].append(st)
@@ -267,7 +273,8 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
                     total = q.double() if total is None else total + q.double()
                     first = first or st
             if total is not None and first is not None:
-                expected[ci].append(_error_sums(x, total / n, first))
+                # an rht= cast's values are the transform's: its errors are against that
+                expected[ci].append(_error_sums(transformed(x, c, opts.axis), total / n, first))
             if opts.compare and ci:
                 diffs[ci].append(cast_diff_stats(x, casts[0], c, opts.axis, amax))
         advance(ref.nbytes * stop // extent)
@@ -372,12 +379,20 @@ def scan_unit(unit: TensorUnit, advance: Callable[[int], None] | None = None,
               staging: _Staging = _WORKER_STAGING) -> list[Result]:
     """Every cast of one tensor: its results, or an error result per cast when it cannot be
     read. ``advance`` is told the tensor's bytes done after each slice (serial scans)."""
+    refused = {c: why for c in unit.casts
+               if (why := rht_problem(c.rht, tuple(unit.ref.shape), unit.options.axis))}
+    casts = [c for c in unit.casts if c not in refused]
     try:
-        return _tensor_results(unit.input, unit.ref, unit.casts, unit.options, unit.rounded,
-                               staging, advance or (lambda within: None))
+        done = iter(_tensor_results(unit.input, unit.ref, casts, unit.options, unit.rounded,
+                                    staging, advance or (lambda within: None))
+                    if casts else [])
     except ReadError as err:
         return [Result(unit.input, unit.ref, unit.ref.source, c, (), None, str(err))
                 for c in unit.casts]
+    # a cast whose transform cannot run on this tensor's shape is an error row; the others
+    # keep their results, in the scan's cast order
+    return [Result(unit.input, unit.ref, unit.ref.source, c, (), None, refused[c])
+            if c in refused else next(done) for c in unit.casts]
 
 
 def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,

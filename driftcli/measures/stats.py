@@ -24,6 +24,7 @@ from driftcli import rounding as fast
 from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
+from driftcli.hadamard import transform
 from driftcli.kernels import jit
 from driftcli.modes import DEFAULT_SR_BITS, Granularity, Rounding, ScaleRule
 from driftcli.quantization import (
@@ -151,6 +152,8 @@ def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
 
     ``tensor_amax`` is the amax of the whole tensor when ``x`` is one slice of it (see
     :func:`finite_amax`), so per-tensor and two-level scales match the whole tensor's.
+    A cast with ``rht=`` counts the cast of ``x``'s transform (and its values are the
+    transform's; ``tensor_amax`` is then the transformed whole tensor's).
     ``rounded=False`` counts only what needs no rounding (clipping, scales, non-finite
     inputs): several times faster; the other fields are ``None`` and no values come back,
     and a stochastic cast needs no seed. ``facts`` are ``x``'s :func:`slice_facts`, when
@@ -164,6 +167,8 @@ def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
         c = replace(c, rounding=Rounding.RTZ)  # clipping and scales do not depend on it
         seed = random_bits = None
     random_bits = checked_bits("cast_stats", x, c, seed, random_bits, sr_bits)
+    if c.rht is not None:  # count the cast of what it reads: the transform of x
+        x, c, facts = transform(x, c.rht, axis), replace(c, rht=None), None
     fused = _numba_stats(x, c, axis, random_bits, sr_bits, tensor_amax, want_values, rounded,
                          facts)
     if fused is not None:

@@ -13,8 +13,9 @@ import torch
 from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
 from driftcli.formats import Exact, Format, Kind
+from driftcli.hadamard import transform
 from driftcli.modes import Granularity, ScaleRule
-from driftcli.oracle_arith import amax_of, cast_group
+from driftcli.oracle_arith import amax_of, cast_group, hadamard16
 from driftcli.quantization import QuantInfo
 from driftcli.recipes import IMPLEMENTATION_PRESETS
 from driftcli.verify.blocks import blocks_of, constructed_cases, random_blocks
@@ -80,6 +81,35 @@ def row_scaled_case() -> Tensor:
                          [0.5, -0.25] + [2.0**-20] * 30])
 
 
+def rht_cases(c: Cast, plan: Plan) -> list[Tensor]:
+    """Groups that part the random Hadamard transform's roundings (each a tensor, its values
+    ``4 · s_i · v_i`` so that column 0 sums the ``v_i``): a bfloat16 tie that the order of the
+    float32 sum decides (1 + 2**-8 and fifteen terms below half an ulp: 1.0 in order, 1 + 2**-7
+    summed exactly), products below float32's subnormals, a sum past float32's max, inf, -inf
+    and NaN, exact cancellation; and seeded groups whose binades spread over 80."""
+    if c.rht is None:
+        return []
+    signs = torch.tensor(c.rht.signs, dtype=torch.float64)
+    heads = [[1 + 2.0**-8] + [2.0**-25] * 15, [2.0**-150] * 16, [2.0**-149, -(2.0**-150)] * 8,
+             [3.0e38] * 16, [1.0, float("inf")] + [0.5] * 14, [float("inf"), float("-inf")] * 8,
+             [1.0, float("nan")] + [2.0] * 14, [1.0, -1.0] * 8, [2.0**24, 1.0, 1.0] + [0.5] * 13]
+    out = [(signs * torch.tensor(h, dtype=torch.float64) * 4).float() for h in heads]
+    gen = torch.Generator().manual_seed(plan.seed + 23)
+    n = 8 if plan.quick else 64
+    mag = torch.exp2(torch.randint(-40, 41, (n, 16), generator=gen).double())
+    sig = 1 + torch.randint(0, 1 << 23, (n, 16), generator=gen).double() * 2.0**-23
+    sign = torch.where(torch.rand(n, 16, generator=gen) < 0.5, -1.0, 1.0).double()
+    out.append((sign * sig * mag).float())
+    return out
+
+
+def _padded(x: Tensor) -> Tensor:
+    """``x`` zero padded along its last axis to whole groups of 16 (what ``rht=`` needs)."""
+    x = x.reshape(1) if x.dim() == 0 else x
+    extra = -x.shape[-1] % 16
+    return torch.nn.functional.pad(x, (0, extra)) if extra else x
+
+
 def recipe_cases(fmt: Format, c: Cast, plan: Plan) -> list[Tensor]:
     """The tensors one preset is checked on: drift's constructed blocks (amax at and beside
     powers of two and element maxima, ties, NaN, inf, zeros, partial blocks and tiles); in the
@@ -95,6 +125,8 @@ def recipe_cases(fmt: Format, c: Cast, plan: Plan) -> list[Tensor]:
         cases = cases + four_over_six_cases()
     if c.scaling.arithmetic.two.row_scaled:
         cases = [*cases, row_scaled_case()]
+    if c.rht is not None:
+        cases = [_padded(x) for x in cases] + rht_cases(c, plan)
     if plan.quick or c.scaling.granularity is Granularity.TILE:
         return cases
     k = c.scaling.block or 32
@@ -131,6 +163,10 @@ def cast_info(x: Tensor, c: Cast) -> QuantInfo:
 def oracle_recipe(case: Tensor, c: Cast) -> tuple[list[Exact], list[Exact]]:
     """The exact values and codes of a whole tensor (flat), group by group."""
     values = [exact_of_float(v) for v in case.flatten().tolist()]
+    if c.rht is not None:  # the cast reads the transform of each run of 16 along the last axis
+        entries = c.rht.entries()
+        values = [y for i in range(0, len(values), 16)
+                  for y in hadamard16(values[i:i + 16], entries)]
     s = c.scaling
     tensor_amax = amax_of(values, s.arithmetic.amax)
     out: list[Exact] = list(values)
@@ -171,6 +207,30 @@ def check_recipe(fmt: Format, name: str, plan: Plan) -> Iterator[Outcome]:
               torch.where(shown, got_codes.flatten().double(), torch.nan), describe)
     yield values
     yield codes
+    if c.rht is not None:
+        yield check_transform(fmt, name, c, plan)
+
+
+def check_transform(fmt: Format, name: str, c: Cast, plan: Plan) -> Outcome:
+    """A preset's random Hadamard transform alone (what its cast reads) against the exact twin
+    (:func:`driftcli.oracle_arith.hadamard16`), on the preset's cases: a transform error that
+    the cast's rounding hides still shows here."""
+    if c.rht is None:
+        raise ValueError(f"{name} has no rht= to check")  # a caller's bug, not user input
+    entries = c.rht.entries()
+    out = Outcome(fmt.name, "recipes", f"{name} transform", c.rounding.value, c.overflow.value)
+    for case in recipe_cases(fmt, c, plan):
+        values = [exact_of_float(v) for v in case.flatten().tolist()]
+        want = torch.tensor([to_float(y) for i in range(0, len(values), 16)
+                             for y in hadamard16(values[i:i + 16], entries)],
+                            dtype=torch.float64)
+        raw = case.flatten().view(torch.int32).tolist()
+
+        def describe(i: int, raw: list[int] = raw) -> str:
+            return f"group {i // 16} output {i % 16} (element float32 0x{raw[i] & 0xFFFFFFFF:08x})"
+
+        judge(out, want, transform(case, c.rht).flatten(), describe)
+    return out
 
 
 def check_recipes(fmt: Format, plan: Plan) -> Iterator[Outcome]:

@@ -1,0 +1,82 @@
+"""The random Hadamard transform (RHT) applied before a cast (``rht=`` in a cast spec): each
+group of 16 elements along the block axis is multiplied by ``diag(signs) @ H16 / 4``, as
+Transformer Engine's NVFP4 recipe does to its wgrad operands before their 1 x 16 cast.
+
+The arithmetic follows ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``
+(``_apply_rht`` lines 421-444: ``x.view(-1, 16) @ (H * 0.25)`` in the input's dtype, bfloat16 in
+the recipe) and the fused kernel it is tested against bit for bit,
+``common/hadamard_transform/hadamard_transform_cast_fusion.cu`` (bfloat16 operands on tensor
+cores, a float32 accumulator, then "Downcast to BF16 for bit-wise compatibility", lines
+481-485), NVIDIA/TransformerEngine at d0067d0. Neither fixes the order of the float32
+accumulation; drift fixes it as: each product ``fl32(x_i · m_ij)``, summed from ``+0`` for
+``i = 0 .. 15`` with one float32 addition each, the sum rounded to bfloat16 (nearest even,
+overflow to inf). Every order gives these bits wherever the 16 products' float32 sum is exact
+(for bfloat16 inputs, products within 12 binades of each other: docs/recipes.md). No inverse is
+applied: the recipe transforms both operands of the wgrad GEMM, whose product the transform
+leaves unchanged (``(H/4)(H/4)ᵀ = I``).
+
+The hot loop runs on the kernel seam: numba's ``kernels.rhtcode.rht_kernel`` (through
+:func:`driftcli.kernels.jit.hadamard16`) or torch here, the same bits; its exact twin is
+``driftcli.oracle_arith.hadamard16``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from driftcli import kernels
+from driftcli.cast import RHT_SIZE, Cast, Rht
+from driftcli.errors import DriftError
+from driftcli.formats import FORMATS
+from driftcli.kernels import jit
+from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
+from driftcli.rounding import round_values
+
+Tensor = torch.Tensor
+
+
+def matrix(rht: Rht) -> Tensor:
+    """The 16 x 16 transform ``m[i, j] = s_i · H16[i][j] / 4`` as float64 (every entry ±1/4)."""
+    return torch.tensor(rht.entries(), dtype=torch.float64).view(RHT_SIZE, RHT_SIZE)
+
+
+def torch_groups(groups: Tensor, rht: Rht) -> Tensor:
+    """The transform of each row of ``groups`` (``(n, 16)``, any float dtype) on the torch
+    back-end: float32 values on bfloat16's grid."""
+    m = matrix(rht).to(groups.device)
+    wide = groups.double()  # exact: fl32 of the exact product is one rounding below
+    acc = torch.zeros(groups.shape, dtype=torch.float32, device=groups.device)
+    for i in range(RHT_SIZE):  # the order drift fixes: i = 0 first, one float32 add each
+        acc = acc + (wide[:, i:i + 1] * m[i]).float()
+    return round_values(acc.contiguous(), None, FORMATS["bfloat16"], Rounding.RNE,
+                        Overflow.IEEE, None, DEFAULT_SR_BITS, torch.float32)
+
+
+def rht_problem(rht: Rht | None, shape: tuple[int, ...], axis: int = -1) -> str | None:
+    """Why the transform ``rht`` cannot run on a tensor of ``shape`` along ``axis`` (it needs
+    whole groups of 16 there), or None (also for no transform)."""
+    if rht is None or (shape and shape[axis] % RHT_SIZE == 0):
+        return None
+    return (f"rht={rht} transforms groups of {RHT_SIZE} along the block axis; a tensor of "
+            f"shape {shape} has {shape[axis] if shape else 1} there: pad that axis to a "
+            f"multiple of {RHT_SIZE} or cast along another")
+
+
+def transform(x: Tensor, rht: Rht, axis: int = -1) -> Tensor:
+    """``x`` with every run of 16 elements along ``axis`` transformed: a float32 tensor of
+    ``x``'s shape (its values on bfloat16's grid). The length along ``axis`` must be a
+    multiple of 16, as the reference requires."""
+    if (why := rht_problem(rht, tuple(x.shape), axis)) is not None:
+        raise DriftError(why)
+    moved = x.detach().movedim(axis, -1).contiguous()
+    groups = moved.reshape(-1, RHT_SIZE)
+    if kernels.numba_runs(groups) and groups.dtype in (torch.float32, torch.float64):
+        out = jit.hadamard16(groups, rht.entries())
+    else:
+        out = torch_groups(groups, rht)
+    return out.reshape(moved.shape).movedim(-1, axis)
+
+
+def transformed(x: Tensor, c: Cast, axis: int = -1) -> Tensor:
+    """What the cast ``c`` reads: ``x`` itself, or its transform where ``c`` has ``rht=``."""
+    return x if c.rht is None else transform(x, c.rht, axis)
