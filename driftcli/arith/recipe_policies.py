@@ -13,11 +13,12 @@ The operands of each role (docs/arithmetic.md#roles): ``forward`` multiplies X (
 implementation preset (``te/nvfp4``, with ``:sr`` for stochastic rounding) or ``none``: the
 operand enters in the model's own precision.
 
-What is not yet built is named, never guessed: the random Hadamard transform (RHT) some
-recipes apply to the wgrad operands is recorded in :attr:`RecipeEntry.rht` and not applied
-(the cast option that spells it is being added separately); the policy casts those operands
-without it. Where drift cannot spell a recipe's choice, :attr:`RecipeEntry.departures` says
-what differs. docs/recipes.md#recipe-policies has the table with its sources.
+The random Hadamard transform (RHT) some recipes apply to the wgrad's operands is part of
+those slots' casts (``te/nvfp4:rht=te``, :class:`~driftcli.cast.Rht`): both operands of the
+wgrad carry it along the contraction (token) axis, so the transform cancels in the product
+and only its effect on the casts remains, as on the GPU. Where drift cannot spell a recipe's
+choice, :attr:`RecipeEntry.departures` says what differs. docs/recipes.md#recipe-policies
+has the table with its sources.
 """
 
 from __future__ import annotations
@@ -78,14 +79,17 @@ class RecipeEntry:
     """Matmul kinds the recipe leaves in high precision (``attention``)."""
     keep_high_precision: tuple[str, ...] = ()
     """Module-name regexes the recipe leaves in high precision."""
-    rht: tuple[str, ...] = ()
-    """Slots the recipe applies its random Hadamard transform to. **Not yet applied**: drift
-    casts these operands without the transform until the RHT cast option is wired here."""
     departures: str = ""
-    """Where the policy is not the recipe (empty: nowhere but :attr:`rht`)."""
+    """Where the policy is not the recipe (empty: nowhere)."""
     sources_by_operand: dict[str, str] = field(default_factory=dict)
     """Where the backward's copy of X (``wgrad.lhs``) and W (``dgrad.rhs``) is quantized from,
     per operand, where the recipe says it per operand: ``original`` or ``forward-cast``."""
+
+    @property
+    def rht(self) -> tuple[str, ...]:
+        """The slots whose cast applies a random Hadamard transform first (``:rht=…``)."""
+        return tuple(s for s in SLOTS if self.casts[s] != NONE
+                     and parse_cast(self.casts[s]).rht is not None)
 
     def role_casts(self, role: str) -> tuple[str, str]:
         """The (lhs, rhs) casts of ``role`` (``forward``, ``dgrad``, ``wgrad``)."""
@@ -100,6 +104,9 @@ _TE_FACTORIES = "transformer_engine/pytorch/custom_recipes/quantizer_factories.p
 _TE_ZOO = "transformer_engine/pytorch/custom_recipes/quantizer_factory_zoo.py" + _AT
 _TORCHAO = f"torchao {TORCHAO_VERSION} torchao/prototype/moe_training"
 _RHT_WGRAD = ("wgrad.lhs", "wgrad.rhs")
+_RHT = ":rht=te"
+"""The transform with Transformer Engine's fixed wgrad sign vector (docs/recipes.md, "The
+random Hadamard transform")."""
 _ATTENTION = ("attention",)
 
 
@@ -122,13 +129,14 @@ RECIPES: tuple[RecipeEntry, ...] = (
         "te/nvfp4_recipe",
         "Transformer Engine's NVFP4BlockScaling: 16 x 16 NVFP4 weights, 1 x 16 activations and "
         "gradients, SR on gradients, RHT on the wgrad operands, attention unquantized",
-        _slots("te/nvfp4", "te/nvfp4_2d", "te/nvfp4:sr"),
+        _slots("te/nvfp4", "te/nvfp4_2d", "te/nvfp4:sr", x_wgrad="te/nvfp4" + _RHT,
+               dy_wgrad="te/nvfp4:sr" + _RHT),
         "recast",
         f"{_TE_RECIPE} NVFP4BlockScaling lines 499-518 (both directions from the high-precision "
         "input; 2-D weights, SR on gradients, RHT), 571-573 (attention not quantized), 592-609 "
         "(QParams: RHT on inputs and gradients, 'only applied to column-wise usage so that it "
         f"can be used for wgrad GEMM'); {_TE_FACTORIES} nvfp4_factory lines 140-192",
-        keep_matmuls=_ATTENTION, rht=_RHT_WGRAD),
+        keep_matmuls=_ATTENTION),
     RecipeEntry(
         "te/mxfp8_recipe",
         "Transformer Engine's MXFP8BlockScaling: E4M3 in 1 x 32 blocks on every operand, each "
@@ -158,11 +166,12 @@ RECIPES: tuple[RecipeEntry, ...] = (
         "Transformer Engine's quantizer zoo: MXFP8 forward, NVFP4 backward (the dgrad's W a "
         "plain 1 x 16 NVFP4 cast of the dequantized MXFP8 weight, SR and RHT as the NVFP4 "
         "recipe's)",
-        _slots("te/mxfp8", "te/mxfp8", "te/nvfp4:sr", w_dgrad="te/nvfp4", x_wgrad="te/nvfp4"),
+        _slots("te/mxfp8", "te/mxfp8", "te/nvfp4:sr", w_dgrad="te/nvfp4",
+               x_wgrad="te/nvfp4" + _RHT, dy_wgrad="te/nvfp4:sr" + _RHT),
         "recast",
         f"{_TE_ZOO} mxfp8_fwd_nvfp4_bwd_factory lines 120-158, _plain_nvfp4_quantizer lines "
         f"106-117; {_TE_FACTORIES} nvfp4_factory lines 140-192, mxfp8_factory lines 125-137",
-        keep_matmuls=_ATTENTION, rht=_RHT_WGRAD,
+        keep_matmuls=_ATTENTION,
         sources_by_operand={"wgrad.lhs": "original", "dgrad.rhs": "forward-cast"},
         departures="the recipe quantizes the dgrad's W from the dequantized MXFP8 weight "
                    "(columnwise_source='rowwise_dequantized') and the wgrad's X from the "
@@ -212,7 +221,8 @@ RECIPES: tuple[RecipeEntry, ...] = (
         "torchao's NVFP4 training (nvfp4_linear): 16 x 16 weights, 1 x 16 activations and "
         "gradients, SR on gradients, RHT on the wgrad operands",
         _slots("torchao/nvfp4", "float4_e2m1fn:tile16:float8_e4m3fn:two-level:rne:saturate:"
-               "amax=ieee,two=torchao", "torchao/nvfp4:sr"),
+               "amax=ieee,two=torchao", "torchao/nvfp4:sr", x_wgrad="torchao/nvfp4" + _RHT,
+               dy_wgrad="torchao/nvfp4:sr" + _RHT),
         "recast",
         f"{_TORCHAO}/nvfp4_training/nvfp4_linear.py nvfp4_mm_triton lines 57-237 (forward: "
         "rowwise X without SR, 2-D weights, lines 103-123; backward: dY rowwise with SR for "
@@ -220,13 +230,16 @@ RECIPES: tuple[RecipeEntry, ...] = (
         "quantized from the input in the forward, lines 107-113); "
         "hadamard_quantize_row_col_triton.py triton_rht_quantize_row_col lines 243-250 (RHT on "
         "the columnwise output only)",
-        keep_matmuls=_ATTENTION, rht=_RHT_WGRAD,
+        keep_matmuls=_ATTENTION,
         departures="the training kernels compute NVFP4 scales in their own order "
                    "(nvfp4_training/hadamard_utils.py _nvfp4_quantize lines 238-257: S_enc = "
                    "min(2688 / amax, max), sb = clamp(fl(fl(amax_b / 6) · S_enc), 2^-6, 448), "
                    "x · min(fl(1 / fl(sb · S_dec)), max)), which no drift preset spells; the "
                    "policy uses torchao's eager cast (torchao/nvfp4, its order on 16 x 16 tiles "
-                   "for weights); torchao runs it on bfloat16 operands only"),
+                   "for weights); torchao runs it on bfloat16 operands only. The RHT's signs "
+                   "are Transformer Engine's fixed vector (torchao's tensor-parallel "
+                   "_TP_RHT_SIGN_VECTOR); a layer's own _rht_sign_vector can be given as "
+                   "rht=signs/… in a policy file"),
     RecipeEntry(
         "deepseek/v3_recipe",
         "DeepSeek-V3's FP8 training: E4M3 everywhere, 1 x 128 activation and gradient "
@@ -285,6 +298,9 @@ def check_recipe(entry: RecipeEntry) -> list[str]:
             problems.append(f"{entry.name}: {slot} cast {text!r} does not parse ({err})")
             continue
         formats[slot] = c.format.name
+        if c.rht is not None and slot not in _RHT_WGRAD:
+            problems.append(f"{entry.name}: RHT on {slot}; the recipes apply it to the wgrad's "
+                            "operands only")
         if c.rounding is Rounding.SR and slot not in GRADIENT_SLOTS:
             problems.append(f"{entry.name}: {slot} ({OPERANDS[slot]}) rounds stochastically; "
                             "the recipes round only the gradient dY so")
@@ -292,10 +308,6 @@ def check_recipe(entry: RecipeEntry) -> list[str]:
     if len(grads) > 1:
         problems.append(f"{entry.name}: dY takes {sorted(grads)} in the dgrad and the wgrad; "
                         "a recipe casts dY into one element format")
-    for slot in entry.rht:
-        if slot not in _RHT_WGRAD:
-            problems.append(f"{entry.name}: RHT on {slot}; the recipes apply it to the wgrad's "
-                            "operands only")
     state_of = {"original": "recast", "forward-cast": "saved-cast"}
     wanted = {state_of.get(v, v) for v in entry.sources_by_operand.values()}
     if wanted and wanted != {entry.backward_state} and not entry.departures:

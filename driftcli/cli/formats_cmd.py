@@ -145,8 +145,7 @@ def _policies() -> list[dict[str, Any]]:
             else f"acc={r.acc}, order={r.order}",
             "backward_state": r.backward_state, "keep_matmuls": list(r.keep_matmuls),
             "keep_high_precision": list(r.keep_high_precision),
-            # the recipe's RHT is recorded, not applied: the cast option is not wired yet
-            "rht_not_yet": list(r.rht), "departures": r.departures, "source": r.source})
+            "rht": list(r.rht), "departures": r.departures, "source": r.source})
     for path in _example_policies():
         lines = path.read_text(encoding="utf-8").splitlines()
         head = " ".join(line.lstrip("# ").strip() for line in
@@ -193,7 +192,7 @@ def _print_registries(listing: list[dict[str, Any]]) -> None:
 
 def _print_recipes(console: Any, recipes: list[dict[str, Any]]) -> None:
     """The recipe policies: each role's casts (lhs · rhs), what the backward reads, what stays
-    in high precision and the RHT not yet applied; then each one's source and departures."""
+    in high precision; then each one's source and departures."""
     from rich.table import Table
 
     table = Table(title="recipe policies: --policy NAME, a cast per role and operand "
@@ -204,8 +203,7 @@ def _print_recipes(console: Any, recipes: list[dict[str, Any]]) -> None:
         casts = r["roles"][role]
         if casts["lhs"] == casts["rhs"] == "none":
             return "plain (high precision)"
-        return " · ".join(casts[side] + (" (RHT: not yet)" if f"{role}.{side}" in
-                                         r["rht_not_yet"] else "") for side in ("lhs", "rhs"))
+        return " · ".join(casts[side] for side in ("lhs", "rhs"))
 
     for r in recipes:
         kept = ", ".join([*r["keep_matmuls"], *r["keep_high_precision"]]) or "nothing"
