@@ -250,6 +250,15 @@ def block_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, scale: T
     return out.tolist(), (float(extremes[0]), float(extremes[1])), torch.from_numpy(ranges)
 
 
+def key_counts(keys: Tensor, finite: Tensor) -> tuple[int, Tensor]:
+    """The smallest key of the ``finite`` groups and the groups per key from it up
+    (:func:`driftcli.kernels.blockcode.key_counts_kernel`)."""
+    import driftcli.kernels.blockcode as code  # numba, on first use only
+
+    low, counts = code.key_counts_kernel(_array(keys.to(torch.int64)), _array(finite))
+    return int(low), torch.from_numpy(counts)
+
+
 _LAYOUT_BITS = {torch.float32: (23, 127), torch.float64: (52, 1023)}
 """Significand bits and exponent bias of the float layouts the kernels read."""
 

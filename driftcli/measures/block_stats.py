@@ -274,26 +274,34 @@ def _floor_log2(v: float) -> int:
     return math.frexp(v)[1] - 1  # v = m * 2**e, 0.5 <= m < 1: exact
 
 
+def key_counts(keys: Tensor, finite: Tensor) -> tuple[int, Tensor]:
+    """The smallest of the integer ``keys`` where ``finite`` holds, and how many ``finite``
+    groups hold each key from it up to the largest (empty for none). The numba back-end is
+    :func:`driftcli.kernels.jit.key_counts`; this is its torch twin."""
+    if kernels.numba_runs(keys, finite):
+        return jit.key_counts(keys, finite)
+    k = keys[finite].long()
+    if not k.numel():
+        return 0, torch.zeros(0, dtype=torch.int64)
+    low = int(k.min())
+    return low, torch.bincount(k - low)
+
+
 def _histogram(sc: _Scales, finite: Tensor, sf: Format) -> dict[int, tuple[int, int]]:
     """Scale code -> (floor(log2 scale), finite groups with it)."""
     if sc.exponent is not None:  # powers of two: count the exponents, encode the few found
-        k = sc.exponent[finite]
-        if not k.numel():
-            return {}
-        low = int(k.min())
-        counts = torch.bincount(k - low)
-        ks = counts.nonzero()[:, 0] + low
+        low, counts = key_counts(sc.exponent, finite)
+        present = counts.nonzero()[:, 0]
+        ks = present + low
         values = torch.ldexp(torch.ones_like(ks, dtype=torch.float64), ks.double())
-        found = counts[counts > 0]
+        found = counts[present]
     elif sf.bits <= 16 and not sf.integer:
         # a narrow float format's values are float32s whose low significand bits are zero:
-        # count the float32 bits above them (scales are positive: key 0 is no scale)
+        # count the float32 bits above them (scales are positive)
         shift = 23 - sf.mbits
-        keys = torch.where(finite, sc.value.float().view(torch.int32) >> shift, 0)
-        counts = torch.bincount(keys.long())
-        counts[0] = 0
+        low, counts = key_counts(sc.value.float().view(torch.int32) >> shift, finite)
         present = counts.nonzero()[:, 0]
-        values = (present.int() << shift).view(torch.float32).double()
+        values = ((present + low).int() << shift).view(torch.float32).double()
         found = counts[present]
     else:
         # a float32 scale: drift computes a float64 tensor's in float64 (as quantize divides
