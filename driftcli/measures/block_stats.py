@@ -35,6 +35,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from driftcli import engines, kernels
@@ -50,13 +51,14 @@ from driftcli.kernels import jit
 from driftcli.measures.scan import NothingToMeasure, nothing_to_measure
 from driftcli.modes import Granularity, ScaleRule
 from driftcli.progress import Progress
-from driftcli.quantization import pow2_rule, working
+from driftcli.quantization import pow2_rule, two_level_consts, working
 from driftcli.scaling import (
     ScalePlan,
     binade_and_significand,
     plan_divisors,
     plan_pow2_exponents,
     plan_two_level_scales,
+    pow2_range,
     to_blocks,
 )
 
@@ -210,6 +212,51 @@ def _symmetric(c: Cast) -> bool:
     return bool(-c.format.min == c.format.max)
 
 
+def _powers_of_two(k: Tensor, sf: Format | None) -> Tensor:
+    """``2**k`` in float64 for the exponents ``k`` of a power-of-two scale in ``sf``."""
+    low, high = pow2_range(sf) if sf is not None else (-1075, 1024)
+    if -1022 <= low and high <= 1023:
+        # every value of the format is a float64 normal: write its exponent field (exact,
+        # and several times cheaper than ldexp, which multiplies by a computed power)
+        return ((k.long() + 1023) << 52).view(torch.float64)
+    return torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double())
+
+
+_FLOAT32_TINY = 2.0 ** -126
+
+
+def _two_level_numba(amax: Tensor, top: Tensor, c: Cast) -> tuple[Tensor, Tensor] | None:
+    """A two-level cast's block scales (float64) and float32 divisors by castcode's kernel
+    (the one ``quantize`` runs, each group's amax a block of one), or None where it does not
+    apply: not float32, not the numba back-end, or a divisor below float32's normals.
+
+    The kernel gives the divisor ``fl32(b * S)`` of the block scale ``b`` (a value of the
+    scale format, ``mbits + 1`` significant bits at most) and the tensor scale ``S``. Where the
+    divisor is a float32 normal its relative error is at most 2**-24, and the float64 quotient
+    by ``S`` adds 2**-53: far inside half the spacing (2**-(mbits+1) relative) of the scale
+    format's values, so rounding the quotient to ``mbits + 1`` significant bits gives ``b``
+    back exactly."""
+    sf = c.scaling.scale_format
+    if amax.dtype != torch.float32 or sf is None or sf.integer or \
+            not kernels.numba_runs(amax) or not amax.numel():
+        return None
+    consts, q = two_level_consts(c)
+    tensor_amax = float(top)
+    divisor = jit.two_level_block_scales(amax.reshape(-1, 1).contiguous(), consts, q,
+                                         tensor_amax).scale
+    if float(divisor.min()) < _FLOAT32_TINY:
+        return None
+    # the kernel's tensor scale, each step one float32 operation as it takes them
+    if tensor_amax > 0:
+        scale = max(np.float32(np.float32(tensor_amax) / consts[1]), consts[4])
+    else:
+        scale = np.float32(1.0)
+    drop = 52 - sf.mbits
+    bits = (divisor.double() / float(scale)).view(torch.int64)
+    value = ((bits + (1 << (drop - 1))) & ~((1 << drop) - 1)).view(torch.float64)
+    return value, divisor
+
+
 def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
     """Each group's scale by the rule's fast implementation (``plan_*``: what ``quantize``
     divides by) and whether the group clips, from its amax (and from its elements, ``blocks``,
@@ -230,7 +277,7 @@ def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
             k = jit.pow2_block_scales(amax.reshape(-1, 1).contiguous(), vector).scale
         else:
             k, _ = plan_pow2_exponents(amax, plan)
-        value = torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double())
+        value = _powers_of_two(k, s.scale_format)
         # |x| > M·2**k in float64 is exact (as quantize's masks test it)
         if blocks is None:
             clipped = amax.double() > value * big
@@ -239,11 +286,14 @@ def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
             clipped = ((wide > (value * big)[:, None]) |
                        (wide < (value * float(elem.min))[:, None])).any(dim=1)
         return _Scales(value, k, clipped)
-    div = plan.divisors(amax)
-    if rule is ScaleRule.TWO_LEVEL:
-        two = plan_two_level_scales(amax, top, div, plan)
+    fast = _two_level_numba(amax, top, c) if rule is ScaleRule.TWO_LEVEL else None
+    if fast is not None:
+        value, divisor = fast
+    elif rule is ScaleRule.TWO_LEVEL:
+        two = plan_two_level_scales(amax, top, plan.divisors(amax), plan)
         value, divisor = two.block_scale.double(), two.divisor
     else:
+        div = plan.divisors(amax)
         divisor, _ = plan_divisors(amax, top, div, plan)
         value = divisor.double()
     # the cast's own float division, monotone in x: the group's largest quotient is amax's
