@@ -215,7 +215,7 @@ def _symmetric(c: Cast) -> bool:
 def _powers_of_two(k: Tensor, sf: Format | None) -> Tensor:
     """``2**k`` in float64 for the exponents ``k`` of a power-of-two scale in ``sf``."""
     low, high = pow2_range(sf) if sf is not None else (-1075, 1024)
-    if -1022 <= low and high <= 1023:
+    if low >= -1022 and high <= 1023:
         # every value of the format is a float64 normal: write its exponent field (exact,
         # and several times cheaper than ldexp, which multiplies by a computed power)
         return ((k.long() + 1023) << 52).view(torch.float64)
