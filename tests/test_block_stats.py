@@ -26,6 +26,8 @@ from driftcli.measures.block_stats import (
     BlockScaleRow,
     BlockStatsRow,
     Direction,
+    _fused,
+    _groups,
     _two_level_numba,
     block_ranges,
     block_stats,
@@ -456,3 +458,21 @@ def test_two_level_falls_back_to_torch_below_float32_normals() -> None:
             kernels.set_jit("auto")
     assert got["auto"] == got["never"]
     assert got["auto"][0]["scale_subnormal"] == 64
+
+
+@pytest.mark.parametrize("spec", ["mxfp8_e4m3", "mxfp4_e2m1", "mxfp8_e4m3_ceil", "nvfp4"])
+def test_the_fused_pass_answers_for_the_block_casts(spec: str) -> None:
+    # so that test_both_back_ends_give_equal_columns_and_histograms holds the one-pass
+    # summary (numba) against the torch steps for these casts, not the unfused numba path
+    c = parse_cast(spec)
+    sf = c.scaling.scale_format
+    assert sf is not None
+    for d in (Direction.ROWS, Direction.COLUMNS):
+        _, (amax, _, span, bad) = _groups(_sample(), c, d)
+        ends = (float(sf.max), float(sf.smallest_normal) if sf.has_subnormals else 0.0,
+                float(sf.smallest_positive))
+        fused = _fused(amax, span, bad, True, c, sf, ends, element_span(c.format))
+        assert fused is not None
+        (counts, _, _), codes = fused
+        assert counts[2] == 1  # the NaN's group
+        assert sum(n for _, n in codes.values()) == amax.numel() - 1

@@ -259,6 +259,34 @@ def key_counts(keys: Tensor, finite: Tensor) -> tuple[int, Tensor]:
     return int(low), torch.from_numpy(counts)
 
 
+def fused_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, ks: Tensor | None,
+                  values: Tensor | None, divisors: Tensor | None, big: float, shift: int,
+                  keys: tuple[int, int], ends: tuple[float, float, float], elem_span: int,
+                  max_span: int) -> tuple[list[int], tuple[float, float], Tensor, Tensor]:
+    """:func:`block_summary` and the scale-key counts (``keys``: the smallest key and how
+    many) in one pass from a power-of-two scale's exponents ``ks`` or a scale's float64
+    ``values`` and float32 ``divisors``
+    (:func:`driftcli.kernels.blockcode.fused_summary_kernel`); the counts' tenth is 1 where a
+    key fell outside ``keys``."""
+    import driftcli.kernels.blockcode as code  # numba, on first use only
+
+    out = np.zeros(10, dtype=np.int64)
+    extremes = np.zeros(2, dtype=np.float64)
+    ranges = np.zeros(max_span + 1, dtype=np.int64)
+    kcounts = np.zeros(keys[1], dtype=np.int64)
+    pow2 = ks is not None
+    code.fused_summary_kernel(
+        _array(top), _array(span), _array(bad), poison,
+        _array(ks) if pow2 and ks is not None else _EMPTY[np.int64],
+        _array(values) if values is not None else np.zeros(0, np.float64),
+        _array(divisors) if divisors is not None else np.zeros(0, np.float32),
+        _array(values.float(), torch.int32) if values is not None else _EMPTY[np.int32],
+        big, shift, keys[0], kcounts, np.array(ends, np.float64), elem_span, ranges, out,
+        extremes)
+    return (out.tolist(), (float(extremes[0]), float(extremes[1])), torch.from_numpy(ranges),
+            torch.from_numpy(kcounts))
+
+
 _LAYOUT_BITS = {torch.float32: (23, 127), torch.float64: (52, 1023)}
 """Significand bits and exponent bias of the float layouts the kernels read."""
 

@@ -358,6 +358,12 @@ def _histogram(sc: _Scales, finite: Tensor, sf: Format) -> dict[int, tuple[int, 
         # by it); a scale register holds it as float32, so it is counted under the code of
         # the nearest float32
         values, found = torch.unique(sc.value[finite].float().double(), return_counts=True)
+    return _coded(values, found, sf)
+
+
+def _coded(values: Tensor, found: Tensor, sf: Format) -> dict[int, tuple[int, int]]:
+    """Scale code -> (floor(log2 scale), groups) of the scales ``values`` found ``found``
+    times each."""
     codes = encode(values, sf)
     out: dict[int, tuple[int, int]] = {}
     for code, v, n in zip(codes.tolist(), values.tolist(), found.tolist(), strict=True):
@@ -397,6 +403,53 @@ def block_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, scale: T
     return counts, (lo, hi), torch.bincount(ranges, minlength=MAX_SPAN + 1)
 
 
+def _fused(amax: Tensor, span: Tensor, bad: Tensor, poison: bool, c: Cast, sf: Format,
+           ends: tuple[float, float, float], elem_span: int
+           ) -> tuple[Summary, dict[int, tuple[int, int]]] | None:
+    """The scales, clip flags, summary and histogram of float32 groups in one numba pass after
+    castcode's scale kernel (:func:`driftcli.kernels.jit.fused_summary`): what
+    :func:`_scales`, :func:`block_summary` and :func:`_histogram` give, for the casts whose
+    scales that kernel computes (a power-of-two rule written as a threshold, a two-level
+    rule into a narrow float scale format) on a symmetric element format with block or
+    channel scales. None for the others (and where a key falls outside the counted range),
+    which take those three steps."""
+    s = c.scaling
+    if amax.dtype != torch.float32 or not kernels.numba_runs(amax) or not _symmetric(c) or \
+            s.granularity not in (Granularity.BLOCK, Granularity.CHANNEL):
+        return None
+    rule = s.rule
+    big = float(c.format.max)
+    if rule is not None and rule.power_of_two:
+        vector = pow2_rule(c)
+        if vector is None:
+            return None
+        ks = jit.pow2_block_scales(amax.reshape(-1, 1).contiguous(), vector).scale
+        low, high = pow2_range(sf)
+        got = jit.fused_summary(amax, span, bad, poison, ks, None, None, big, 0,
+                                (low, high - low + 1), ends, elem_span, MAX_SPAN)
+        shift = 0
+    elif rule is ScaleRule.TWO_LEVEL and sf.bits <= 16 and not sf.integer:
+        two = _two_level_numba(amax, amax.max(), c)
+        if two is None:
+            return None
+        shift = 23 - sf.mbits
+        got = jit.fused_summary(amax, span, bad, poison, None, two[0], two[1], big, shift,
+                                (0, 1 << (31 - shift)), ends, elem_span, MAX_SPAN)
+        low = 0
+    else:
+        return None
+    counts, extremes, ranges, kcounts = got
+    if counts[9]:
+        return None
+    present = kcounts.nonzero()[:, 0]
+    keys = present + low
+    if shift:
+        values = (keys.int() << shift).view(torch.float32).double()
+    else:
+        values = _powers_of_two(keys, sf)
+    return (counts[:9], extremes, ranges), _coded(values, kcounts[present], sf)
+
+
 def _lower_median(ranges: Tensor, n: int) -> int:
     """The lower median of ``n`` values from their histogram ``ranges``."""
     return int(torch.searchsorted(ranges.cumsum(0), (n - 1) // 2, right=True))
@@ -417,7 +470,6 @@ def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
                 "scale_subnormal": 0, "scale_at_min": 0,
                 "element_span": element_span(c.format)}, {}
     blocks, (amax, _, span, bad) = _groups(working(x), c, d)
-    sc = _scales(None if _symmetric(c) else blocks, amax, c)
     sf = c.scaling.scale_format
     if sf is None:  # every scaled cast has one (Scaling checks it)
         raise DriftError(f"block-stats: cast {c} has no scale format")
@@ -428,8 +480,14 @@ def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
     ends = (float(sf.max), float(sf.smallest_normal) if sub else 0.0,
             float(sf.smallest_positive))
     elem_span = element_span(c.format)
-    counts, (lo, hi), ranges = block_summary(amax, span, bad, poison, sc.value, sc.clipped,
-                                             ends, elem_span)
+    fused = _fused(amax, span, bad, poison, c, sf, ends, elem_span)
+    if fused is not None:
+        (counts, (lo, hi), ranges), codes = fused
+    else:
+        sc = _scales(None if _symmetric(c) else blocks, amax, c)
+        counts, (lo, hi), ranges = block_summary(amax, span, bad, poison, sc.value,
+                                                 sc.clipped, ends, elem_span)
+        codes = _histogram(sc, ~bad if poison else torch.ones_like(bad), sf)
     n_live, zero, nonfinite, clipped, at_max, n_sub, at_min, over, widest = counts
     n = int(amax.numel())
     cols: dict[str, Any] = {
@@ -444,8 +502,7 @@ def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
         "range_max": widest if n_live else None,
         "range_over_span": over / n_live if n_live else None,
     }
-    finite = ~bad if poison else torch.ones_like(bad)
-    return cols, _histogram(sc, finite, sf)
+    return cols, codes
 
 
 # --- tensors, units, rows ----------------------------------------------------------------------
