@@ -211,3 +211,30 @@ def fused_summary_kernel(top: Any, span: Any, bad: Any, poison: bool, ks: Any, v
         ranges[r] += 1
     extremes[0] = lo
     extremes[1] = hi
+
+
+@njit(**OPTIONS)
+def two_level_values_kernel(amax: Any, divisor: Any, consts: Any, drop: int, value: Any,
+                            value32: Any) -> bool:
+    """The block scales of a two-level cast from castcode's float32 ``divisor`` (``fl32(b *
+    S)``) and the groups' float32 ``amax``: the tensor scale ``S`` as castcode's
+    ``two_level_scales`` computes it (``consts`` as there), each quotient ``divisor / S`` in
+    float64 rounded to the scale format's significant bits (``52 - drop``) into ``value``
+    (and as float32 into ``value32``). False, and nothing reliable written, where a divisor
+    is below float32's normals (``consts[4]``): there the product lost bits."""
+    two_level_max, tiny = consts[1], consts[4]
+    top = np.float32(0.0)
+    for i in range(amax.size):
+        top = max(top, amax[i])
+    scale = max(np.float32(top / two_level_max), tiny) if top > 0 else np.float32(1.0)
+    wide = np.float64(scale)
+    half = np.int64(1) << (drop - 1)
+    keep = ~((np.int64(1) << drop) - 1)
+    bits = value.view(np.int64)
+    for i in range(divisor.size):
+        if divisor[i] < tiny:
+            return False
+        value[i] = np.float64(divisor[i]) / wide
+        bits[i] = (bits[i] + half) & keep
+        value32[i] = value[i]
+    return True

@@ -259,13 +259,28 @@ def key_counts(keys: Tensor, finite: Tensor) -> tuple[int, Tensor]:
     return int(low), torch.from_numpy(counts)
 
 
+def two_level_values(amax: Tensor, divisor: Tensor, consts: np.ndarray, drop: int
+                     ) -> tuple[Tensor, Tensor] | None:
+    """A two-level cast's block scales (float64, and their float32 bits) read back from its
+    float32 ``divisor`` (:func:`driftcli.kernels.blockcode.two_level_values_kernel`); None
+    where a divisor is below float32's normals."""
+    import driftcli.kernels.blockcode as code  # numba, on first use only
+
+    value = np.empty(divisor.numel(), dtype=np.float64)
+    value32 = np.empty(divisor.numel(), dtype=np.float32)
+    if not code.two_level_values_kernel(_array(amax), _array(divisor), consts, drop, value,
+                                        value32):
+        return None
+    return torch.from_numpy(value), torch.from_numpy(value32.view(np.int32))
+
+
 def fused_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, ks: Tensor | None,
-                  values: Tensor | None, divisors: Tensor | None, big: float, shift: int,
+                  two: tuple[Tensor, Tensor, Tensor] | None, big: float, shift: int,
                   keys: tuple[int, int], ends: tuple[float, float, float], elem_span: int,
                   max_span: int) -> tuple[list[int], tuple[float, float], Tensor, Tensor]:
     """:func:`block_summary` and the scale-key counts (``keys``: the smallest key and how
-    many) in one pass from a power-of-two scale's exponents ``ks`` or a scale's float64
-    ``values`` and float32 ``divisors``
+    many) in one pass from a power-of-two scale's exponents ``ks`` or a two-level scale's
+    float64 values, their float32 bits and the float32 divisors (``two``)
     (:func:`driftcli.kernels.blockcode.fused_summary_kernel`); the counts' tenth is 1 where a
     key fell outside ``keys``."""
     import driftcli.kernels.blockcode as code  # numba, on first use only
@@ -278,9 +293,9 @@ def fused_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, ks: Tens
     code.fused_summary_kernel(
         _array(top), _array(span), _array(bad), poison,
         _array(ks) if pow2 and ks is not None else _EMPTY[np.int64],
-        _array(values) if values is not None else np.zeros(0, np.float64),
-        _array(divisors) if divisors is not None else np.zeros(0, np.float32),
-        _array(values.float(), torch.int32) if values is not None else _EMPTY[np.int32],
+        _array(two[0]) if two is not None else np.zeros(0, np.float64),
+        _array(two[2]) if two is not None else np.zeros(0, np.float32),
+        _array(two[1]) if two is not None else _EMPTY[np.int32],
         big, shift, keys[0], kcounts, np.array(ends, np.float64), elem_span, ranges, out,
         extremes)
     return (out.tolist(), (float(extremes[0]), float(extremes[1])), torch.from_numpy(ranges),

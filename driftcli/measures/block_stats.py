@@ -35,7 +35,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from driftcli import engines, kernels
@@ -222,39 +221,27 @@ def _powers_of_two(k: Tensor, sf: Format | None) -> Tensor:
     return torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double())
 
 
-_FLOAT32_TINY = 2.0 ** -126
-
-
-def _two_level_numba(amax: Tensor, top: Tensor, c: Cast) -> tuple[Tensor, Tensor] | None:
-    """A two-level cast's block scales (float64) and float32 divisors by castcode's kernel
-    (the one ``quantize`` runs, each group's amax a block of one), or None where it does not
-    apply: not float32, not the numba back-end, or a divisor below float32's normals.
+def _two_level_numba(amax: Tensor, c: Cast) -> tuple[Tensor, Tensor, Tensor] | None:
+    """A two-level cast's block scales (float64, and their float32 bits) and float32 divisors
+    by castcode's kernel (the one ``quantize`` runs, each group's amax a block of one), or
+    None where it does not apply: not float32, not the numba back-end, or a divisor below
+    float32's normals.
 
     The kernel gives the divisor ``fl32(b * S)`` of the block scale ``b`` (a value of the
     scale format, ``mbits + 1`` significant bits at most) and the tensor scale ``S``. Where the
     divisor is a float32 normal its relative error is at most 2**-24, and the float64 quotient
     by ``S`` adds 2**-53: far inside half the spacing (2**-(mbits+1) relative) of the scale
     format's values, so rounding the quotient to ``mbits + 1`` significant bits gives ``b``
-    back exactly."""
+    back exactly (:func:`driftcli.kernels.blockcode.two_level_values_kernel`)."""
     sf = c.scaling.scale_format
     if amax.dtype != torch.float32 or sf is None or sf.integer or \
             not kernels.numba_runs(amax) or not amax.numel():
         return None
     consts, q = two_level_consts(c)
-    tensor_amax = float(top)
-    divisor = jit.two_level_block_scales(amax.reshape(-1, 1).contiguous(), consts, q,
-                                         tensor_amax).scale
-    if float(divisor.min()) < _FLOAT32_TINY:
-        return None
-    # the kernel's tensor scale, each step one float32 operation as it takes them
-    if tensor_amax > 0:
-        scale = max(np.float32(np.float32(tensor_amax) / consts[1]), consts[4])
-    else:
-        scale = np.float32(1.0)
-    drop = 52 - sf.mbits
-    bits = (divisor.double() / float(scale)).view(torch.int64)
-    value = ((bits + (1 << (drop - 1))) & ~((1 << drop) - 1)).view(torch.float64)
-    return value, divisor
+    # without a given tensor amax the kernel takes the largest of the rows: amax.max()
+    divisor = jit.two_level_block_scales(amax.reshape(-1, 1).contiguous(), consts, q).scale
+    got = jit.two_level_values(amax, divisor, consts, 52 - sf.mbits)
+    return None if got is None else (got[0], got[1], divisor)
 
 
 def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
@@ -286,9 +273,10 @@ def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
             clipped = ((wide > (value * big)[:, None]) |
                        (wide < (value * float(elem.min))[:, None])).any(dim=1)
         return _Scales(value, k, clipped)
-    fast = _two_level_numba(amax, top, c) if rule is ScaleRule.TWO_LEVEL else None
+    fast = _two_level_numba(amax, c) if rule is ScaleRule.TWO_LEVEL and \
+        s.granularity is not Granularity.TENSOR else None
     if fast is not None:
-        value, divisor = fast
+        value, divisor = fast[0], fast[2]
     elif rule is ScaleRule.TWO_LEVEL:
         two = plan_two_level_scales(amax, top, plan.divisors(amax), plan)
         value, divisor = two.block_scale.double(), two.divisor
@@ -425,15 +413,15 @@ def _fused(amax: Tensor, span: Tensor, bad: Tensor, poison: bool, c: Cast, sf: F
             return None
         ks = jit.pow2_block_scales(amax.reshape(-1, 1).contiguous(), vector).scale
         low, high = pow2_range(sf)
-        got = jit.fused_summary(amax, span, bad, poison, ks, None, None, big, 0,
+        got = jit.fused_summary(amax, span, bad, poison, ks, None, big, 0,
                                 (low, high - low + 1), ends, elem_span, MAX_SPAN)
         shift = 0
     elif rule is ScaleRule.TWO_LEVEL and sf.bits <= 16 and not sf.integer:
-        two = _two_level_numba(amax, amax.max(), c)
+        two = _two_level_numba(amax, c)
         if two is None:
             return None
         shift = 23 - sf.mbits
-        got = jit.fused_summary(amax, span, bad, poison, None, two[0], two[1], big, shift,
+        got = jit.fused_summary(amax, span, bad, poison, None, two, big, shift,
                                 (0, 1 << (31 - shift)), ends, elem_span, MAX_SPAN)
         low = 0
     else:
