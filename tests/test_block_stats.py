@@ -26,14 +26,19 @@ from driftcli.measures.block_stats import (
     BlockScaleRow,
     BlockStatsRow,
     Direction,
+    _fused,
+    _groups,
+    _two_level_numba,
     block_ranges,
     block_stats,
     direction_stats,
     directions,
     element_span,
+    key_counts,
 )
 from driftcli.measures.stats import cast_stats
 from driftcli.modes import Engine
+from driftcli.scaling import ScalePlan, plan_two_level_scales
 
 runner = CliRunner()
 
@@ -393,3 +398,82 @@ def test_the_heatmaps_are_readable_in_headless_chromium(tmp_path: Path) -> None:
     rgb = np.asarray(Image.open(shot).convert("RGB")).astype(int)
     yellow = (rgb[..., 0] > 230) & (rgb[..., 1] > 210) & (rgb[..., 2] < 80)
     assert yellow.sum() > 1500  # full cells on the clip map and the exponent maps
+
+
+def test_key_counts_back_ends_agree_and_skip_the_masked_groups() -> None:
+    keys = torch.tensor([5, -3, 5, 7, 100, -3, 5], dtype=torch.int64)
+    finite = torch.tensor([True, True, True, True, False, True, True])
+    got = {}
+    for mode in ("auto", "never"):
+        kernels.set_jit(mode)
+        try:
+            low, counts = key_counts(keys, finite)
+            _, none = key_counts(keys, torch.zeros_like(finite))
+        finally:
+            kernels.set_jit("auto")
+        got[mode] = (low, counts.tolist(), none.numel())
+    # keys -3 (twice), 5 (three times), 7; the masked 100 widens nothing
+    expected = [2] + [0] * 7 + [3, 0, 1]
+    assert got["auto"] == got["never"] == (-3, expected, 0)
+
+
+def test_two_level_scales_by_the_kernel_equal_the_torch_plan() -> None:
+    # amaxes over 80 binades around tensor amaxes from 2**-140 to 2**120 (block scales
+    # clamped at both ends of E4M3), and all-zero groups: the block scale read back from the
+    # kernel's divisor is the torch plan's, bit for bit, wherever the fast path answers
+    c = parse_cast("nvfp4")
+    plan = ScalePlan.of(c.format, c.scaling)
+    gen = torch.Generator().manual_seed(3)
+    answered = 0
+    for w in range(-140, 121, 13):
+        amax = (torch.randn(2000, generator=gen).abs() *
+                torch.exp(torch.randn(2000, generator=gen) * 8) * 2.0 ** w).float()
+        amax[~torch.isfinite(amax)] = 3e38
+        amax[::97] = 0
+        top = amax.max()
+        fast = _two_level_numba(amax, c)
+        if fast is None:
+            continue
+        answered += 1
+        two = plan_two_level_scales(amax, top, plan.divisors(amax), plan)
+        assert torch.equal(fast[0], two.block_scale.double()), w
+        assert torch.equal(fast[1], two.block_scale.view(torch.int32)), w
+        assert torch.equal(fast[2], two.divisor), w
+    assert answered >= 15
+
+
+def test_two_level_falls_back_to_torch_below_float32_normals() -> None:
+    # a tensor amax in float32's subnormals: the tensor scale is float32's tiny, every
+    # divisor below it, so the divisor cannot give the block scale back; the torch plan runs
+    x = torch.full((32, 32), 2.0 ** -140)
+    x[0, 0] = 2.0 ** -135
+    c = parse_cast("nvfp4")
+    amax = x.reshape(-1, 16).amax(dim=1)
+    assert _two_level_numba(amax, c) is None
+    got = {}
+    for mode in ("auto", "never"):
+        kernels.set_jit(mode)
+        try:
+            got[mode] = direction_stats(x, c, Direction.ROWS)
+        finally:
+            kernels.set_jit("auto")
+    assert got["auto"] == got["never"]
+    assert got["auto"][0]["scale_subnormal"] == 64
+
+
+@pytest.mark.parametrize("spec", ["mxfp8_e4m3", "mxfp4_e2m1", "mxfp8_e4m3_ceil", "nvfp4"])
+def test_the_fused_pass_answers_for_the_block_casts(spec: str) -> None:
+    # so that test_both_back_ends_give_equal_columns_and_histograms holds the one-pass
+    # summary (numba) against the torch steps for these casts, not the unfused numba path
+    c = parse_cast(spec)
+    sf = c.scaling.scale_format
+    assert sf is not None
+    for d in (Direction.ROWS, Direction.COLUMNS):
+        _, (amax, _, span, bad) = _groups(_sample(), c, d)
+        ends = (float(sf.max), float(sf.smallest_normal) if sf.has_subnormals else 0.0,
+                float(sf.smallest_positive))
+        fused = _fused(amax, span, bad, True, c, sf, ends, element_span(c.format))
+        assert fused is not None
+        (counts, _, _), codes = fused
+        assert counts[2] == 1  # the NaN's group
+        assert sum(n for _, n in codes.values()) == amax.numel() - 1

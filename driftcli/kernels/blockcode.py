@@ -11,6 +11,7 @@ is :func:`driftcli.measures.block_stats.block_ranges`.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -132,3 +133,108 @@ def summary_kernel(top: Any, span: Any, bad: Any, poison: bool, scale: Any, clip
         ranges[r] += 1
     extremes[0] = lo
     extremes[1] = hi
+
+
+@njit(**OPTIONS)
+def key_counts_kernel(keys: Any, finite: Any) -> tuple[Any, Any]:
+    """How many of the ``finite`` groups hold each key: the smallest such key and the counts
+    from it up to the largest (an empty count array for none). torch's ``bincount`` on a
+    shared CPU costs tens of milliseconds per call where this one pass costs well under one."""
+    low = np.int64(0)
+    high = np.int64(-1)
+    seen = False
+    for i in range(keys.size):
+        if finite[i]:
+            k = keys[i]
+            if not seen:
+                low = k
+                high = k
+                seen = True
+            else:
+                low = min(low, k)
+                high = max(high, k)
+    counts = np.zeros(high - low + 1 if seen else 0, dtype=np.int64)
+    for i in range(keys.size):
+        if finite[i]:
+            counts[keys[i] - low] += 1
+    return low, counts
+
+
+@njit(**OPTIONS)
+def fused_summary_kernel(top: Any, span: Any, bad: Any, poison: bool, ks: Any, values: Any,
+                         divisors: Any, vbits: Any, big: float, shift: int, klow: int,
+                         kcounts: Any, ends: Any, elem_span: int, ranges: Any, out: Any,
+                         extremes: Any) -> None:
+    """:func:`summary_kernel` with the scale's value, the clip flag and the scale-code
+    histogram computed in the same pass from what the scale kernels give: for a power-of-two
+    scale (``ks`` not empty) its exponent ``k`` (the value ``2**k``; a group clips where its
+    float32 amax ``top`` is above ``big * 2**k``, exact in float64; the key is ``k``), else
+    the scale's float64 value in ``values``, the float32 divisor the cast divides by (a group
+    clips where ``fl32(top / divisor)`` is above ``big``) and the scale's float32 bits in
+    ``vbits`` (the key is ``vbits >> shift``). The finite groups' keys are counted in
+    ``kcounts`` from ``klow``; a key outside it sets ``out[9]`` (the caller then takes the
+    unfused path)."""
+    pow2 = ks.size > 0
+    lo = np.inf
+    hi = 0.0
+    for i in range(top.size):
+        if bad[i]:
+            out[2] += 1
+        if poison and bad[i]:
+            continue
+        if pow2:
+            s = math.ldexp(1.0, ks[i])
+            clip = np.float64(top[i]) > math.ldexp(big, ks[i])
+            key = ks[i] - klow
+        else:
+            s = values[i]
+            clip = np.float32(top[i] / divisors[i]) > big
+            key = (vbits[i] >> shift) - klow
+        if key < 0 or key >= kcounts.size:
+            out[9] = 1
+        else:
+            kcounts[key] += 1
+        if clip:
+            out[3] += 1
+        if top[i] == 0:
+            out[1] += 1
+            continue
+        out[0] += 1
+        out[4] += s == ends[0]
+        out[5] += s < ends[1]
+        out[6] += s == ends[2]
+        lo = min(lo, s)
+        hi = max(hi, s)
+        r = span[i]
+        out[7] += r > elem_span
+        out[8] = max(out[8], r)
+        ranges[r] += 1
+    extremes[0] = lo
+    extremes[1] = hi
+
+
+@njit(**OPTIONS)
+def two_level_values_kernel(amax: Any, divisor: Any, consts: Any, drop: int, value: Any,
+                            value32: Any) -> bool:
+    """The block scales of a two-level cast from castcode's float32 ``divisor`` (``fl32(b *
+    S)``) and the groups' float32 ``amax``: the tensor scale ``S`` as castcode's
+    ``two_level_scales`` computes it (``consts`` as there), each quotient ``divisor / S`` in
+    float64 rounded to the scale format's significant bits (``52 - drop``) into ``value``
+    (and as float32 into ``value32``). False, and nothing reliable written, where a divisor
+    is below float32's normals (``consts[4]``): there the product lost bits."""
+    two_level_max, tiny = consts[1], consts[4]
+    top = np.float32(0.0)
+    for i in range(amax.size):
+        top = max(top, amax[i])
+    scale = max(np.float32(top / two_level_max), tiny) if top > 0 else np.float32(1.0)
+    wide = np.float64(scale)
+    half = np.int64(1) << (drop - 1)
+    keep = ~((np.int64(1) << drop) - 1)
+    bits = value.view(np.int64)
+    for i in range(divisor.size):
+        if divisor[i] < tiny:
+            return False
+        value[i] = np.float64(divisor[i]) / wide
+        bits[i] = (bits[i] + half) & keep
+        value32[i] = value[i]
+    return True

@@ -250,6 +250,58 @@ def block_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, scale: T
     return out.tolist(), (float(extremes[0]), float(extremes[1])), torch.from_numpy(ranges)
 
 
+def key_counts(keys: Tensor, finite: Tensor) -> tuple[int, Tensor]:
+    """The smallest key of the ``finite`` groups and the groups per key from it up
+    (:func:`driftcli.kernels.blockcode.key_counts_kernel`)."""
+    import driftcli.kernels.blockcode as code  # numba, on first use only
+
+    low, counts = code.key_counts_kernel(_array(keys.to(torch.int64)), _array(finite))
+    return int(low), torch.from_numpy(counts)
+
+
+def two_level_values(amax: Tensor, divisor: Tensor, consts: np.ndarray, drop: int
+                     ) -> tuple[Tensor, Tensor] | None:
+    """A two-level cast's block scales (float64, and their float32 bits) read back from its
+    float32 ``divisor`` (:func:`driftcli.kernels.blockcode.two_level_values_kernel`); None
+    where a divisor is below float32's normals."""
+    import driftcli.kernels.blockcode as code  # numba, on first use only
+
+    value = np.empty(divisor.numel(), dtype=np.float64)
+    value32 = np.empty(divisor.numel(), dtype=np.float32)
+    if not code.two_level_values_kernel(_array(amax), _array(divisor), consts, drop, value,
+                                        value32):
+        return None
+    return torch.from_numpy(value), torch.from_numpy(value32.view(np.int32))
+
+
+def fused_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, ks: Tensor | None,
+                  two: tuple[Tensor, Tensor, Tensor] | None, big: float, shift: int,
+                  keys: tuple[int, int], ends: tuple[float, float, float], elem_span: int,
+                  max_span: int) -> tuple[list[int], tuple[float, float], Tensor, Tensor]:
+    """:func:`block_summary` and the scale-key counts (``keys``: the smallest key and how
+    many) in one pass from a power-of-two scale's exponents ``ks`` or a two-level scale's
+    float64 values, their float32 bits and the float32 divisors (``two``)
+    (:func:`driftcli.kernels.blockcode.fused_summary_kernel`); the counts' tenth is 1 where a
+    key fell outside ``keys``."""
+    import driftcli.kernels.blockcode as code  # numba, on first use only
+
+    out = np.zeros(10, dtype=np.int64)
+    extremes = np.zeros(2, dtype=np.float64)
+    ranges = np.zeros(max_span + 1, dtype=np.int64)
+    kcounts = np.zeros(keys[1], dtype=np.int64)
+    pow2 = ks is not None
+    code.fused_summary_kernel(
+        _array(top), _array(span), _array(bad), poison,
+        _array(ks) if pow2 and ks is not None else _EMPTY[np.int64],
+        _array(two[0]) if two is not None else np.zeros(0, np.float64),
+        _array(two[2]) if two is not None else np.zeros(0, np.float32),
+        _array(two[1]) if two is not None else _EMPTY[np.int32],
+        big, shift, keys[0], kcounts, np.array(ends, np.float64), elem_span, ranges, out,
+        extremes)
+    return (out.tolist(), (float(extremes[0]), float(extremes[1])), torch.from_numpy(ranges),
+            torch.from_numpy(kcounts))
+
+
 _LAYOUT_BITS = {torch.float32: (23, 127), torch.float64: (52, 1023)}
 """Significand bits and exponent bias of the float layouts the kernels read."""
 

@@ -50,13 +50,14 @@ from driftcli.kernels import jit
 from driftcli.measures.scan import NothingToMeasure, nothing_to_measure
 from driftcli.modes import Granularity, ScaleRule
 from driftcli.progress import Progress
-from driftcli.quantization import pow2_rule, working
+from driftcli.quantization import pow2_rule, two_level_consts, working
 from driftcli.scaling import (
     ScalePlan,
     binade_and_significand,
     plan_divisors,
     plan_pow2_exponents,
     plan_two_level_scales,
+    pow2_range,
     to_blocks,
 )
 
@@ -213,6 +214,39 @@ def _symmetric(c: Cast) -> bool:
     return bool(-c.format.min == c.format.max)
 
 
+def _powers_of_two(k: Tensor, sf: Format | None) -> Tensor:
+    """``2**k`` in float64 for the exponents ``k`` of a power-of-two scale in ``sf``."""
+    low, high = pow2_range(sf) if sf is not None else (-1075, 1024)
+    if low >= -1022 and high <= 1023:
+        # every value of the format is a float64 normal: write its exponent field (exact,
+        # and several times cheaper than ldexp, which multiplies by a computed power)
+        return ((k.long() + 1023) << 52).view(torch.float64)
+    return torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double())
+
+
+def _two_level_numba(amax: Tensor, c: Cast) -> tuple[Tensor, Tensor, Tensor] | None:
+    """A two-level cast's block scales (float64, and their float32 bits) and float32 divisors
+    by castcode's kernel (the one ``quantize`` runs, each group's amax a block of one), or
+    None where it does not apply: not float32, not the numba back-end, or a divisor below
+    float32's normals.
+
+    The kernel gives the divisor ``fl32(b * S)`` of the block scale ``b`` (a value of the
+    scale format, ``mbits + 1`` significant bits at most) and the tensor scale ``S``. Where the
+    divisor is a float32 normal its relative error is at most 2**-24, and the float64 quotient
+    by ``S`` adds 2**-53: far inside half the spacing (2**-(mbits+1) relative) of the scale
+    format's values, so rounding the quotient to ``mbits + 1`` significant bits gives ``b``
+    back exactly (:func:`driftcli.kernels.blockcode.two_level_values_kernel`)."""
+    sf = c.scaling.scale_format
+    if amax.dtype != torch.float32 or sf is None or sf.integer or \
+            not kernels.numba_runs(amax) or not amax.numel():
+        return None
+    consts, q = two_level_consts(c)
+    # without a given tensor amax the kernel takes the largest of the rows: amax.max()
+    divisor = jit.two_level_block_scales(amax.reshape(-1, 1).contiguous(), consts, q).scale
+    got = jit.two_level_values(amax, divisor, consts, 52 - sf.mbits)
+    return None if got is None else (got[0], got[1], divisor)
+
+
 def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
     """Each group's scale by the rule's fast implementation (``plan_*``: what ``quantize``
     divides by) and whether the group clips, from its amax (and from its elements, ``blocks``,
@@ -233,7 +267,7 @@ def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
             k = jit.pow2_block_scales(amax.reshape(-1, 1).contiguous(), vector).scale
         else:
             k, _ = plan_pow2_exponents(amax, plan)
-        value = torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double())
+        value = _powers_of_two(k, s.scale_format)
         # |x| > M·2**k in float64 is exact (as quantize's masks test it)
         if blocks is None:
             clipped = amax.double() > value * big
@@ -242,11 +276,15 @@ def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
             clipped = ((wide > (value * big)[:, None]) |
                        (wide < (value * float(elem.min))[:, None])).any(dim=1)
         return _Scales(value, k, clipped)
-    div = plan.divisors(amax)
-    if rule is ScaleRule.TWO_LEVEL:
-        two = plan_two_level_scales(amax, top, div, plan)
+    fast = _two_level_numba(amax, c) if rule is ScaleRule.TWO_LEVEL and \
+        s.granularity is not Granularity.TENSOR else None
+    if fast is not None:
+        value, divisor = fast[0], fast[2]
+    elif rule is ScaleRule.TWO_LEVEL:
+        two = plan_two_level_scales(amax, top, plan.divisors(amax), plan)
         value, divisor = two.block_scale.double(), two.divisor
     else:
+        div = plan.divisors(amax)
         divisor, _ = plan_divisors(amax, top, div, plan)
         value = divisor.double()
     # the cast's own float division, monotone in x: the group's largest quotient is amax's
@@ -277,32 +315,46 @@ def _floor_log2(v: float) -> int:
     return math.frexp(v)[1] - 1  # v = m * 2**e, 0.5 <= m < 1: exact
 
 
+def key_counts(keys: Tensor, finite: Tensor) -> tuple[int, Tensor]:
+    """The smallest of the integer ``keys`` where ``finite`` holds, and how many ``finite``
+    groups hold each key from it up to the largest (empty for none). The numba back-end is
+    :func:`driftcli.kernels.jit.key_counts`; this is its torch twin."""
+    if kernels.numba_runs(keys, finite):
+        return jit.key_counts(keys, finite)
+    k = keys[finite].long()
+    if not k.numel():
+        return 0, torch.zeros(0, dtype=torch.int64)
+    low = int(k.min())
+    return low, torch.bincount(k - low)
+
+
 def _histogram(sc: _Scales, finite: Tensor, sf: Format) -> dict[int, tuple[int, int]]:
     """Scale code -> (floor(log2 scale), finite groups with it)."""
     if sc.exponent is not None:  # powers of two: count the exponents, encode the few found
-        k = sc.exponent[finite]
-        if not k.numel():
-            return {}
-        low = int(k.min())
-        counts = torch.bincount(k - low)
-        ks = counts.nonzero()[:, 0] + low
+        low, counts = key_counts(sc.exponent, finite)
+        present = counts.nonzero()[:, 0]
+        ks = present + low
         values = torch.ldexp(torch.ones_like(ks, dtype=torch.float64), ks.double())
-        found = counts[counts > 0]
+        found = counts[present]
     elif sf.bits <= 16 and not sf.integer:
         # a narrow float format's values are float32s whose low significand bits are zero:
-        # count the float32 bits above them (scales are positive: key 0 is no scale)
+        # count the float32 bits above them (scales are positive)
         shift = 23 - sf.mbits
-        keys = torch.where(finite, sc.value.float().view(torch.int32) >> shift, 0)
-        counts = torch.bincount(keys.long())
-        counts[0] = 0
+        low, counts = key_counts(sc.value.float().view(torch.int32) >> shift, finite)
         present = counts.nonzero()[:, 0]
-        values = (present.int() << shift).view(torch.float32).double()
+        values = ((present + low).int() << shift).view(torch.float32).double()
         found = counts[present]
     else:
         # a float32 scale: drift computes a float64 tensor's in float64 (as quantize divides
         # by it); a scale register holds it as float32, so it is counted under the code of
         # the nearest float32
         values, found = torch.unique(sc.value[finite].float().double(), return_counts=True)
+    return _coded(values, found, sf)
+
+
+def _coded(values: Tensor, found: Tensor, sf: Format) -> dict[int, tuple[int, int]]:
+    """Scale code -> (floor(log2 scale), groups) of the scales ``values`` found ``found``
+    times each."""
     codes = encode(values, sf)
     out: dict[int, tuple[int, int]] = {}
     for code, v, n in zip(codes.tolist(), values.tolist(), found.tolist(), strict=True):
@@ -342,6 +394,53 @@ def block_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, scale: T
     return counts, (lo, hi), torch.bincount(ranges, minlength=MAX_SPAN + 1)
 
 
+def _fused(amax: Tensor, span: Tensor, bad: Tensor, poison: bool, c: Cast, sf: Format,
+           ends: tuple[float, float, float], elem_span: int
+           ) -> tuple[Summary, dict[int, tuple[int, int]]] | None:
+    """The scales, clip flags, summary and histogram of float32 groups in one numba pass after
+    castcode's scale kernel (:func:`driftcli.kernels.jit.fused_summary`): what
+    :func:`_scales`, :func:`block_summary` and :func:`_histogram` give, for the casts whose
+    scales that kernel computes (a power-of-two rule written as a threshold, a two-level
+    rule into a narrow float scale format) on a symmetric element format with block or
+    channel scales. None for the others (and where a key falls outside the counted range),
+    which take those three steps."""
+    s = c.scaling
+    if amax.dtype != torch.float32 or not kernels.numba_runs(amax) or not _symmetric(c) or \
+            s.granularity not in (Granularity.BLOCK, Granularity.CHANNEL):
+        return None
+    rule = s.rule
+    big = float(c.format.max)
+    if rule is not None and rule.power_of_two:
+        vector = pow2_rule(c)
+        if vector is None:
+            return None
+        ks = jit.pow2_block_scales(amax.reshape(-1, 1).contiguous(), vector).scale
+        low, high = pow2_range(sf)
+        got = jit.fused_summary(amax, span, bad, poison, ks, None, big, 0,
+                                (low, high - low + 1), ends, elem_span, MAX_SPAN)
+        shift = 0
+    elif rule is ScaleRule.TWO_LEVEL and sf.bits <= 16 and not sf.integer:
+        two = _two_level_numba(amax, c)
+        if two is None:
+            return None
+        shift = 23 - sf.mbits
+        got = jit.fused_summary(amax, span, bad, poison, None, two, big, shift,
+                                (0, 1 << (31 - shift)), ends, elem_span, MAX_SPAN)
+        low = 0
+    else:
+        return None
+    counts, extremes, ranges, kcounts = got
+    if counts[9]:
+        return None
+    present = kcounts.nonzero()[:, 0]
+    keys = present + low
+    if shift:
+        values = (keys.int() << shift).view(torch.float32).double()
+    else:
+        values = _powers_of_two(keys, sf)
+    return (counts[:9], extremes, ranges), _coded(values, kcounts[present], sf)
+
+
 def _lower_median(ranges: Tensor, n: int) -> int:
     """The lower median of ``n`` values from their histogram ``ranges``."""
     return int(torch.searchsorted(ranges.cumsum(0), (n - 1) // 2, right=True))
@@ -362,7 +461,6 @@ def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
                 "scale_subnormal": 0, "scale_at_min": 0,
                 "element_span": element_span(c.format)}, {}
     blocks, (amax, _, span, bad) = _groups(working(x), c, d)
-    sc = _scales(None if _symmetric(c) else blocks, amax, c)
     sf = c.scaling.scale_format
     if sf is None:  # every scaled cast has one (Scaling checks it)
         raise DriftError(f"block-stats: cast {c} has no scale format")
@@ -373,8 +471,14 @@ def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
     ends = (float(sf.max), float(sf.smallest_normal) if sub else 0.0,
             float(sf.smallest_positive))
     elem_span = element_span(c.format)
-    counts, (lo, hi), ranges = block_summary(amax, span, bad, poison, sc.value, sc.clipped,
-                                             ends, elem_span)
+    fused = _fused(amax, span, bad, poison, c, sf, ends, elem_span)
+    if fused is not None:
+        (counts, (lo, hi), ranges), codes = fused
+    else:
+        sc = _scales(None if _symmetric(c) else blocks, amax, c)
+        counts, (lo, hi), ranges = block_summary(amax, span, bad, poison, sc.value,
+                                                 sc.clipped, ends, elem_span)
+        codes = _histogram(sc, ~bad if poison else torch.ones_like(bad), sf)
     n_live, zero, nonfinite, clipped, at_max, n_sub, at_min, over, widest = counts
     n = int(amax.numel())
     cols: dict[str, Any] = {
@@ -389,8 +493,7 @@ def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
         "range_max": widest if n_live else None,
         "range_over_span": over / n_live if n_live else None,
     }
-    finite = ~bad if poison else torch.ones_like(bad)
-    return cols, _histogram(sc, finite, sf)
+    return cols, codes
 
 
 # --- tensors, units, rows ----------------------------------------------------------------------
