@@ -104,9 +104,10 @@ class Format:
     subnormals the exponent field 0 is an ordinary binade, so the format has no
     zero (E8M0). With IEEE NaN encoding, infinities sit in the all-ones exponent; with any
     other, ``has_inf`` puts ±inf at the largest code of each sign that is not NaN (P3109's
-    extended domain: 0x7F and 0xFF of a signed 8-bit format, 0xFE of an unsigned one). Integer formats are two's complement with ``ebits == 0``;
-    their values are ``code * 2**(1 - bias - mbits)``, so ``bias = 1 - mbits``
-    gives a quantum of 1 (int8: bias −6).
+    extended domain: 0x7F and 0xFF of a signed 8-bit format, 0xFE of an unsigned one).
+    Integer formats are two's complement with ``ebits == 0``; their values are
+    ``code * 2**(1 - bias - mbits)``, so ``bias = 1 - mbits`` gives a quantum of 1 (int8:
+    bias −6).
     """
 
     name: str
@@ -360,6 +361,15 @@ def _p3109_spec(name: str) -> Format | None:
     if match is None:
         return None
     return p3109(int(match[1]), int(match[2]), match[3] == "s", match[4] == "e")
+
+
+_P3109_PREFIX = re.compile(r"(?i)\bp3109:k(?=\d)")
+
+
+def colon_free(spec: str) -> str:
+    """``spec`` with each P3109 name ``p3109:kKpP..`` spelled ``binaryKpP..``, so that a cast
+    spec, whose fields are separated by colons, can split on them."""
+    return _P3109_PREFIX.sub("binary", spec)
 
 
 _NAMED: tuple[Format, ...] = (
