@@ -52,9 +52,10 @@ def decode(codes: Tensor, fmt: str | Format) -> Tensor:
         mag = torch.where(top_exp & (man == (1 << fmt.mbits) - 1), torch.nan, mag)
     elif fmt.nan is NanEncoding.NEG_ZERO:
         mag = torch.where(c == 1 << (fmt.bits - 1), torch.nan, mag)
-    if fmt.has_inf and fmt.nan is not NanEncoding.IEEE:  # P3109: inf at the top non-NaN code
+    if fmt.inf_code is not None and fmt.nan is not NanEncoding.IEEE:
+        # P3109's extended domain: inf at the top non-NaN code of each sign
         magnitude_code = c & ((1 << (fmt.ebits + fmt.mbits)) - 1)
-        mag = torch.where(magnitude_code == fmt.inf_code, torch.inf, mag)
+        mag = torch.where(torch.eq(magnitude_code, fmt.inf_code), torch.inf, mag)
     return torch.where(negative == 1, -mag, mag).float()
 
 
