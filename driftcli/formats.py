@@ -337,8 +337,8 @@ def p3109(k: int, precision: int, signed: bool = True, extended: bool = True) ->
             f"P3109 format {name!r} is impossible: K must be 2..{MAX_P3109_K} and P 1..K-1 "
             "(signed) or 1..K (unsigned); for example p3109:k8p4se or p3109:k8p3uf")
     ebits = k - precision + 1 - int(signed)
-    bias = (1 << (k - precision - 1) if k - precision >= 1 else 0) if signed \
-        else 1 << (k - precision)
+    # signed P <= K - 1, so gfloat's floor(2**(K-P-1)) is a whole power of two here
+    bias = 1 << (k - precision - int(signed))
     fmt = Format(name, ebits, precision - 1, bias, signed=signed, has_inf=extended,
                  nan=NanEncoding.NEG_ZERO if signed else NanEncoding.TOP,
                  kind=FormatKind.P3109)
