@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import re
 import sys
 from fractions import Fraction
@@ -105,7 +106,7 @@ def _boundary_inputs(fmt: Format) -> list[float]:
     both signs, beyond max, ±inf, ±0: where a rounding goes wrong first."""
     values = sorted({v.mag for _, v in fmt.values() if v.kind is Kind.FINITE})
     points = set(values)
-    for lo, hi in zip(values, values[1:], strict=False):
+    for lo, hi in itertools.pairwise(values):
         points.add((lo + hi) / 2)
     points.add(values[-1] * 2)
     out: list[float] = []
@@ -114,7 +115,7 @@ def _boundary_inputs(fmt: Format) -> list[float]:
         for x in (f, torch.nextafter(f, torch.tensor(float("inf"))),
                   torch.nextafter(f, torch.tensor(0.0))):
             out += [float(x), -float(x)]
-    return sorted(set(out)) + [float("inf"), float("-inf")]
+    return [*sorted(set(out)), float("inf"), float("-inf")]
 
 
 def compare_gfloat(gfloat_src: Path, max_k: int) -> tuple[int, dict[str, int], list[str]]:
