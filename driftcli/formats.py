@@ -302,7 +302,7 @@ def describe(fmt: Format) -> dict[str, object]:
     """Primitive and derived facts of a format, JSON-ready (exact values as strings)."""
     return {
         "name": fmt.name, "bits": fmt.bits, "ebits": fmt.ebits, "mbits": fmt.mbits,
-        "bias": fmt.bias, "signed": fmt.signed, "integer": fmt.integer,
+        "bias": fmt.bias, "signed": fmt.signed, "integer": fmt.integer, "kind": fmt.kind.value,
         "has_subnormals": fmt.has_subnormals, "has_inf": fmt.has_inf, "nan": fmt.nan.value,
         "has_neg_zero": fmt.has_neg_zero, "has_zero": fmt.has_zero,
         "max": str(fmt.max), "min": str(fmt.min),

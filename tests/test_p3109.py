@@ -4,6 +4,7 @@ bit-equal, and verify-formats catching a planted fault in the new kind."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -102,6 +103,13 @@ def test_impossible_p3109_specs_are_refused_naming_the_fix(spec: str) -> None:
         get_format(spec)
     result = runner.invoke(app, ["formats", "--cast", spec])
     assert result.exit_code == 2 and "binary" in result.output
+
+
+def test_formats_json_names_the_kind() -> None:
+    result = runner.invoke(app, ["formats", "--json"])
+    rows = {r["name"]: r for r in json.loads(result.output)}
+    assert (rows["binary8p4se"]["kind"], rows["binary8p4se"]["max"]) == ("p3109", "224")
+    assert rows["binary8p4ue"]["min"] == "0" and rows["float8_e4m3fnuz"]["kind"] == "ieee-like"
 
 
 def test_cast_specs_take_the_colon_spelling() -> None:
