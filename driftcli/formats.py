@@ -160,6 +160,14 @@ class Format:
         return self.emin - self.mbits
 
     @property
+    def ties_by_code(self) -> bool:
+        """Whether ties to even go to the even *code* rather than the even significand: where
+        the two differ, with no mantissa bits (every significand is 1), and the format has a
+        zero. That is P3109's P = 1 (gfloat's ``round.py``); E8M0, without a zero, rounds its
+        ties up, as torch's ``float8_e8m0fnu`` cast does."""
+        return self.mbits == 0 and self.has_zero and not self.integer
+
+    @property
     def inf_code(self) -> int | None:
         """The code of +inf (−inf adds the sign bit), or None without infinities."""
         if not self.has_inf:

@@ -187,14 +187,23 @@ def test_codes_round_trip_through_the_codec(name: str) -> None:
     assert nan is not None and torch.equal(back, torch.where(torch.isnan(values), nan, codes))
 
 
-@pytest.mark.xfail(strict=True, reason="drift's ties-to-even reads the significand's last bit, "
-                   "always 1 when P = 1; gfloat reads the code's (docs/formats.md#ieee-p3109)")
-def test_p1_ties_to_even_follow_the_code() -> None:
-    """binary8p1se: 6 is the tie between 4 (exponent field 66, even) and 8 (67, odd); gfloat's
-    round_float (round.py lines 114-118 at b142762) gives 4."""
-    fmt = FORMATS["binary8p1se"]
-    assert fmt.decode(66).mag == 4 and fmt.decode(67).mag == 8
-    assert _round(fmt, 6.0, Rounding.RNE, Overflow.SATURATE) == ("4", 4.0)
+@pytest.mark.parametrize("path", ["torch", "jit"])
+def test_p1_ties_to_even_follow_the_code(path: str) -> None:
+    """binary8p1se: 6 is the tie between 4 (exponent field 66, even) and 8 (67, odd), 3 the tie
+    between 2 (65, odd) and 4; gfloat's round_float (round.py lines 114-118 at b142762) gives
+    4 and 4. E8M0, without a zero, keeps rounding ties up (3 -> 4, 6 -> 8), as torch does."""
+    fmt, e8m0 = FORMATS["binary8p1se"], FORMATS["float8_e8m0fnu"]
+    assert fmt.decode(66).mag == 4 and fmt.decode(67).mag == 8 and fmt.ties_by_code
+    with kernel_path(path):
+        assert _round(fmt, 6.0, Rounding.RNE, Overflow.SATURATE) == ("4", 4.0)
+        assert _round(fmt, -3.0, Rounding.RNE, Overflow.SATURATE) == ("-4", -4.0)
+        assert _round(fmt, 2.0**-64, Rounding.RNE, Overflow.SATURATE) == ("0", 0.0)  # 0 is even
+        assert _round(e8m0, 6.0, Rounding.RNE, Overflow.SATURATE) == ("8", 8.0)
+        # a block-scaled grid (the scaled kernel): 6 * 2**10 under a scale of 2**10
+        x = torch.tensor([[6.0 * 2**10] * 32, [3.0 * 2**10] * 32])
+        scaled = fast.round_fused(x, fmt, Rounding.RNE, Overflow.SATURATE,
+                                  scale_exp=torch.full(x.shape, 10, dtype=torch.int32))
+        assert scaled[:, 0].tolist() == [4.0 * 2**10, 4.0 * 2**10]
 
 
 def test_verify_formats_passes_on_p3109(tmp_path: Path) -> None:
