@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from driftcli.cast import EXACT_ARITHMETIC, Cast, Rht, ScaleArithmetic, Scaling
 from driftcli.errors import CastSpecError, DriftError, FormatSpecError, close_matches
-from driftcli.formats import FORMATS, Format, get_format
+from driftcli.formats import FORMATS, Format, colon_free, get_format
 from driftcli.modes import (
     Granularity,
     Overflow,
@@ -117,6 +117,7 @@ def parse_cast(spec: str | Cast) -> Cast:
     """A :class:`Cast` from a preset name or a spec string (see the module docs)."""
     if isinstance(spec, Cast):
         return spec
+    spec = colon_free(spec)  # p3109:k8p4se:block32 reads as binary8p4se:block32
     if (whole := preset(spec)) is not None:
         return whole
     head, *rest = spec.strip().split(":")

@@ -52,6 +52,10 @@ def decode(codes: Tensor, fmt: str | Format) -> Tensor:
         mag = torch.where(top_exp & (man == (1 << fmt.mbits) - 1), torch.nan, mag)
     elif fmt.nan is NanEncoding.NEG_ZERO:
         mag = torch.where(c == 1 << (fmt.bits - 1), torch.nan, mag)
+    if fmt.inf_code is not None and fmt.nan is not NanEncoding.IEEE:
+        # P3109's extended domain: inf at the top non-NaN code of each sign
+        magnitude_code = c & ((1 << (fmt.ebits + fmt.mbits)) - 1)
+        mag = torch.where(torch.eq(magnitude_code, fmt.inf_code), torch.inf, mag)
     return torch.where(negative == 1, -mag, mag).float()
 
 
@@ -83,9 +87,9 @@ def encode(values: Tensor, fmt: str | Format) -> Tensor:
         code = (exp_field << fmt.mbits) | man
         if fmt.signed:
             code = code | (negative << (fmt.ebits + fmt.mbits))
-        if fmt.has_inf:
-            inf_code = ((1 << fmt.ebits) - 1) << fmt.mbits
-            code = torch.where(torch.isinf(v), inf_code | (negative << (fmt.bits - 1)), code)
+        if fmt.inf_code is not None:
+            sign = negative << (fmt.bits - 1) if fmt.signed else 0
+            code = torch.where(torch.isinf(v), fmt.inf_code | sign, code)
         exact = exact | torch.isinf(v)
     nan = nan_code(fmt)
     if nan is not None:

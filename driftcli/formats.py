@@ -35,6 +35,17 @@ class NanEncoding(StrEnum):
     """The code that would be −0, sign bit alone (the ``fnuz`` formats); there is no −0."""
 
 
+class FormatKind(StrEnum):
+    """Which family's rules a float format's fields follow (for listing and naming; the
+    decoding reads the fields alone)."""
+
+    IEEE_LIKE = "ieee-like"
+    """IEEE 754 and OCP: a sign bit, an exponent and a mantissa, specials as ``nan`` says."""
+    P3109 = "p3109"
+    """IEEE P3109 ``binaryKpP``: no −0, NaN at 2**(K−1) (signed) or the top code (unsigned),
+    ±inf at the top code of each sign in the extended domain (docs/formats.md#ieee-p3109)."""
+
+
 class Kind(StrEnum):
     """The three kinds of value a code or an exact result can be."""
 
@@ -91,9 +102,12 @@ class Format:
     normal code means ``(1 + m / 2**mbits) * 2**(E - bias)``; with subnormals an
     exponent field of 0 means ``(m / 2**mbits) * 2**(1 - bias)``. Without
     subnormals the exponent field 0 is an ordinary binade, so the format has no
-    zero (E8M0). Integer formats are two's complement with ``ebits == 0``;
-    their values are ``code * 2**(1 - bias - mbits)``, so ``bias = 1 - mbits``
-    gives a quantum of 1 (int8: bias −6).
+    zero (E8M0). With IEEE NaN encoding, infinities sit in the all-ones exponent; with any
+    other, ``has_inf`` puts ±inf at the largest code of each sign that is not NaN (P3109's
+    extended domain: 0x7F and 0xFF of a signed 8-bit format, 0xFE of an unsigned one).
+    Integer formats are two's complement with ``ebits == 0``; their values are
+    ``code * 2**(1 - bias - mbits)``, so ``bias = 1 - mbits`` gives a quantum of 1 (int8:
+    bias −6).
     """
 
     name: str
@@ -105,10 +119,11 @@ class Format:
     nan: NanEncoding = NanEncoding.NONE
     has_subnormals: bool = True
     integer: bool = False
+    kind: FormatKind = FormatKind.IEEE_LIKE
 
     def __post_init__(self) -> None:
-        if self.has_inf and self.nan is not NanEncoding.IEEE:
-            raise FormatSpecError(f"format {self.name!r}: infinities need IEEE NaN encoding")
+        if self.has_inf and self.nan is NanEncoding.NONE:
+            raise FormatSpecError(f"format {self.name!r}: infinities need a NaN code")
         if self.integer and (self.ebits or not self.signed or self.nan is not NanEncoding.NONE):
             raise FormatSpecError(f"format {self.name!r}: integers are signed, ebits 0, no NaN")
 
@@ -144,6 +159,24 @@ class Format:
         """Exponent of the finest quantum (the spacing of the lowest binade)."""
         return self.emin - self.mbits
 
+    @property
+    def ties_by_code(self) -> bool:
+        """Whether ties to even go to the even *code* rather than the even significand: where
+        the two differ, with no mantissa bits (every significand is 1), and the format has a
+        zero. That is P3109's P = 1 (gfloat's ``round.py``); E8M0, without a zero, rounds its
+        ties up, as torch's ``float8_e8m0fnu`` cast does."""
+        return self.mbits == 0 and self.has_zero and not self.integer
+
+    @property
+    def inf_code(self) -> int | None:
+        """The code of +inf (−inf adds the sign bit), or None without infinities."""
+        if not self.has_inf:
+            return None
+        top = (1 << (self.ebits + self.mbits)) - 1  # the largest magnitude code
+        if self.nan is NanEncoding.IEEE:
+            return top - ((1 << self.mbits) - 1)
+        return top - 1 if self.nan is NanEncoding.TOP else top
+
     def decode(self, code: int) -> Exact:
         """The exact value of ``code`` (an unsigned integer of ``bits`` bits).
 
@@ -164,6 +197,8 @@ class Format:
             return Exact(Kind.INF, negative) if man_field == 0 and self.has_inf else NAN
         if self.nan is NanEncoding.TOP and top_exp and top_man:
             return NAN
+        if self.has_inf and code & ((1 << (self.ebits + self.mbits)) - 1) == self.inf_code:
+            return Exact(Kind.INF, negative)
         if self.nan is NanEncoding.NEG_ZERO and negative and exp_field == 0 and man_field == 0:
             return NAN
         if self.has_subnormals and exp_field == 0:
@@ -186,10 +221,11 @@ class Format:
             return (Fraction((1 << (self.bits - 1)) - 1) * pow2(self.qmin),
                     Fraction(1 << (self.bits - 1)) * pow2(self.qmin))
         # the largest finite code is the top code, the one below it (E4M3FN's NaN sits on top),
-        # or the top of the binade below (IEEE reserves the whole top exponent)
+        # two below (P3109 unsigned extended: NaN, then inf), or the top of the binade below
+        # (IEEE reserves the whole top exponent)
         top_code = (1 << (self.ebits + self.mbits)) - 1
         below_top_exp = top_code - (1 << self.mbits)
-        code = next(c for c in (top_code, top_code - 1, below_top_exp)
+        code = next(c for c in (top_code, top_code - 1, top_code - 2, below_top_exp)
                     if self.decode(c).kind is Kind.FINITE)
         top = self.decode(code).mag
         return top, (top if self.signed else Fraction(0))
@@ -274,7 +310,7 @@ def describe(fmt: Format) -> dict[str, object]:
     """Primitive and derived facts of a format, JSON-ready (exact values as strings)."""
     return {
         "name": fmt.name, "bits": fmt.bits, "ebits": fmt.ebits, "mbits": fmt.mbits,
-        "bias": fmt.bias, "signed": fmt.signed, "integer": fmt.integer,
+        "bias": fmt.bias, "signed": fmt.signed, "integer": fmt.integer, "kind": fmt.kind.value,
         "has_subnormals": fmt.has_subnormals, "has_inf": fmt.has_inf, "nan": fmt.nan.value,
         "has_neg_zero": fmt.has_neg_zero, "has_zero": fmt.has_zero,
         "max": str(fmt.max), "min": str(fmt.min),
@@ -294,6 +330,56 @@ def _ieee(name: str, ebits: int, mbits: int, bias: int | None = None) -> Format:
                   has_inf=True, nan=NanEncoding.IEEE)
 
 
+def p3109(k: int, precision: int, signed: bool = True, extended: bool = True) -> Format:
+    """IEEE P3109's ``binaryKpP`` (interim report, 2026; gfloat's ``format_info_p3109``).
+
+    ``P - 1`` trailing significand bits, the rest exponent (one more when unsigned, which has
+    no sign bit); bias ``floor(2**(K-P-1))`` signed, ``2**(K-P)`` unsigned; subnormals always;
+    no −0: NaN is 2**(K−1) when signed, the top code when unsigned; the extended domain puts
+    ±inf at the largest non-NaN code of each sign, the finite domain has no infinities.
+    """
+    suffix = f"{'s' if signed else 'u'}{'e' if extended else 'f'}"
+    name = f"binary{k}p{precision}{suffix}"
+    if not 2 <= k <= MAX_P3109_K or not 1 <= precision <= k - int(signed):
+        raise FormatSpecError(
+            f"P3109 format {name!r} is impossible: K must be 2..{MAX_P3109_K} and P 1..K-1 "
+            "(signed) or 1..K (unsigned); for example p3109:k8p4se or p3109:k8p3uf")
+    ebits = k - precision + 1 - int(signed)
+    # signed P <= K - 1, so gfloat's floor(2**(K-P-1)) is a whole power of two here
+    bias = 1 << (k - precision - int(signed))
+    fmt = Format(name, ebits, precision - 1, bias, signed=signed, has_inf=extended,
+                 nan=NanEncoding.NEG_ZERO if signed else NanEncoding.TOP,
+                 kind=FormatKind.P3109)
+    if fmt.qmin < -149 or fmt.emax > 127:
+        raise FormatSpecError(
+            f"P3109 format {name!r} is outside float32's range (its values run "
+            f"2^{fmt.qmin}..2^{fmt.emax + 1}); drift casts through float32: choose a larger P")
+    return fmt
+
+
+MAX_P3109_K = 16
+"""The widest P3109 format drift builds (the public value tables stop at K = 16)."""
+
+_P3109 = re.compile(r"(?:p3109[:_]k|binary)(\d+)p(\d+)([su])([ef])")
+
+
+def _p3109_spec(name: str) -> Format | None:
+    """``p3109:k8p4se``, ``p3109_k8p4se`` (gfloat's name) or ``binary8p4se`` (the report's)."""
+    match = _P3109.fullmatch(name.lower())
+    if match is None:
+        return None
+    return p3109(int(match[1]), int(match[2]), match[3] == "s", match[4] == "e")
+
+
+_P3109_PREFIX = re.compile(r"(?i)\bp3109:k(?=\d)")
+
+
+def colon_free(spec: str) -> str:
+    """``spec`` with each P3109 name ``p3109:kKpP..`` spelled ``binaryKpP..``, so that a cast
+    spec, whose fields are separated by colons, can split on them."""
+    return _P3109_PREFIX.sub("binary", spec)
+
+
 _NAMED: tuple[Format, ...] = (
     _ieee("float32", 8, 23),
     _ieee("bfloat16", 8, 7),
@@ -311,6 +397,11 @@ _NAMED: tuple[Format, ...] = (
     Format("ue4m3", 4, 3, 7, signed=False, nan=NanEncoding.TOP),
     Format("int8", 0, 7, -6, integer=True),
     Format("int4", 0, 3, -2, integer=True),
+    # IEEE P3109 (docs/formats.md#ieee-p3109): the signed extended 8-bit family, the 4-bit
+    # binary4p2sf and an unsigned one; any other binaryKpP resolves by name on lookup
+    *(p3109(8, p) for p in range(1, 8)),
+    p3109(8, 4, signed=False),
+    p3109(4, 2, extended=False),
 )
 
 _CUSTOM = re.compile(r"e(\d+)m(\d+)(?:b(-?\d+))?")
@@ -322,8 +413,10 @@ MAX_CUSTOM_EBITS, MAX_CUSTOM_MBITS = 8, 23
 def _same_widths(ebits: int, mbits: int) -> list[str]:
     """The registered signed floats of at most 8 bits with these widths: a
     custom ``eXmY`` of their widths would read as one of them (``e4m3`` as float8_e4m3fn)."""
-    return [f.name for f in _NAMED  # signed, as a custom float is (not UE4M3, a scale format)
-            if f.signed and not f.integer and f.bits <= 8 and (f.ebits, f.mbits) == (ebits, mbits)]
+    # signed, as a custom float is (not UE4M3, a scale format); IEEE-like (a P3109 format is
+    # named binaryKpP, never eXmY)
+    return [f.name for f in _NAMED if f.signed and not f.integer and f.bits <= 8
+            and f.kind is FormatKind.IEEE_LIKE and (f.ebits, f.mbits) == (ebits, mbits)]
 
 
 def _custom(name: str) -> Format | None:
@@ -365,18 +458,19 @@ class _Registry(Mapping[str, Format]):
     def __getitem__(self, name: str) -> Format:
         if name in self._named:
             return self._named[name]
-        custom = _custom(name)
+        custom = _p3109_spec(name) or _custom(name)
         if custom is None:
             raise UnknownFormatError(
                 f"unknown format {name!r}{close_matches(name, self._named)} "
-                "(see drift formats; custom floats are written eXmY or eXmYbZ)")
+                "(see drift formats; custom floats are written eXmY or eXmYbZ, IEEE P3109 "
+                "formats p3109:kKpP with s/u and e/f, e.g. p3109:k8p4se)")
         return custom
 
     def __contains__(self, name: object) -> bool:
         if name in self._named:
             return True
         try:
-            return isinstance(name, str) and _custom(name) is not None
+            return isinstance(name, str) and (_p3109_spec(name) or _custom(name)) is not None
         except FormatSpecError:
             return False
 

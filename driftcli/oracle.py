@@ -54,6 +54,9 @@ def bracket(fmt: Format, mag: Fraction) -> tuple[Fraction, Fraction, Fraction, b
     quantum = pow2(max(binade(mag), fmt.emin) - fmt.mbits)
     steps = mag // quantum
     lo = steps * quantum
+    if fmt.ties_by_code and steps:
+        # P = 1: lo's code is its exponent field, binade - emin + 1 (subnormals: emin = 1 - bias)
+        return lo, lo + quantum, (mag - lo) / quantum, (binade(lo) - fmt.emin + 1) % 2 == 1
     return lo, lo + quantum, (mag - lo) / quantum, steps % 2 == 1
 
 

@@ -163,7 +163,10 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp
         if rounding is Rounding.RNA:
             away = two_d >= full
         else:
-            away = (two_d > full) | ((two_d == full) & (((kept & 1) == 1) | sticky))
+            odd = (kept & 1) == 1
+            if tgt.mbits == 0 and tgt.has_zero:  # Format.ties_by_code: the exponent field's parity
+                odd = (kept != 0) & (((qexp - emin + 1) & 1) == 1)
+            away = (two_d > full) | ((two_d == full) & (odd | sticky))
     elif rounding is Rounding.RTZ:
         away = torch.zeros_like(neg)
     elif rounding is Rounding.RUP:

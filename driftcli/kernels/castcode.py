@@ -188,8 +188,11 @@ def pow2_round_kernel(rounding: int, overflow: int, has_draws: bool) -> Callable
                 s = max(max(exp_field - 127, lo) - t_mbits - q_src, 0)
                 sc = min(s, 62)
                 mask = (1 << sc) - 1
-                if rounding == 0:
-                    inc = (mask >> 1) + ((sig >> sc) & 1) if sc > 0 else 0
+                if rounding == 0:  # ties to the even code, as round_lean
+                    kept = sig >> sc
+                    odd = kept & 1 if t_mbits > 0 or p[10] == 0 else (
+                        1 if kept != 0 and ((q_src + s - lo + 1) & 1) == 1 else 0)
+                    inc = (mask >> 1) + odd if sc > 0 else 0
                 else:
                     d = ds[j] if has_draws else 0
                     inc = d << (sc - sr_bits) if sc >= sr_bits else d >> (sr_bits - sc)

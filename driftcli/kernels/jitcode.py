@@ -123,7 +123,10 @@ def round_one(bits: int, rbits: int, has_res: bool, draw: int, lim: Any, p: Any)
         if rounding == 1:
             away = two_d >= full
         else:
-            away = two_d > full or (two_d == full and ((kept & 1) == 1 or sticky))
+            # Format.ties_by_code (P = 1 with a zero): the parity of lo's exponent field
+            odd = (kept & 1) == 1 if t_mbits > 0 or p[10] == 0 else (
+                kept != 0 and ((qexp - lo + 1) & 1) == 1)
+            away = two_d > full or (two_d == full and (odd or sticky))
     elif rounding == 2:
         away = False
     elif rounding == 3:
@@ -204,8 +207,11 @@ def round_lean(bits: int, draw: int, lim: Any, p: Any) -> int:
     qexp = q_src + s
     sc = min(s, 62)
     mask = (1 << sc) - 1
-    if rounding == 0:  # to nearest, ties to the even kept bit
-        inc = (mask >> 1) + ((sig >> sc) & 1) if sc > 0 else 0
+    if rounding == 0:  # to nearest, ties to the even kept bit (the even code: ties_by_code)
+        kept = sig >> sc
+        odd = kept & 1 if t_mbits > 0 or p[10] == 0 else (
+            1 if kept != 0 and ((qexp - lo + 1) & 1) == 1 else 0)
+        inc = (mask >> 1) + odd if sc > 0 else 0
     elif rounding == 1:
         inc = (1 << (sc - 1)) if sc > 0 else 0
     elif rounding == 2:
