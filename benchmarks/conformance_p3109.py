@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from driftcli import codec, oracle
-from driftcli import rounding as fast
+from driftcli import codec, oracle, rounding
 from driftcli.errors import FormatSpecError
 from driftcli.formats import Exact, Format, Kind, p3109
 from driftcli.modes import Overflow, Rounding
@@ -141,8 +140,8 @@ def compare_gfloat(gfloat_src: Path, max_k: int) -> tuple[int, dict[str, int], l
                     t = torch.tensor(xs, dtype=torch.float32)
                     for mode, gmode in modes.items():
                         for policy in Overflow:
-                            ours = fast.round_to_format(t, fmt, rounding=mode,
-                                                        overflow=policy).tolist()
+                            ours = rounding.round_to_format(t, fmt, rounding=mode,
+                                                            overflow=policy).tolist()
                             for x, got in zip(xs, ours, strict=True):
                                 want = float(gfloat.round_float(
                                     fi, x, gmode, sat=policy is Overflow.SATURATE))

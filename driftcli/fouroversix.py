@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from driftcli import kernels
-from driftcli import rounding as fast
+from driftcli import kernels, rounding
 from driftcli.formats import FORMATS, Format
 from driftcli.kernels import jit
 from driftcli.modes import DEFAULT_SR_BITS, ElementOp, Overflow, Rounding, TwoLevelOrder
@@ -100,17 +99,18 @@ def candidate_errors(blocks: Tensor, elem: Format, sb4: Tensor, sb6: Tensor, inv
     """Both candidates' errors per row, on whichever back-end runs (numba:
     ``kernels.fourcode.errors_kernel``; torch: the element rounding and
     :func:`block_errors`), the same bits."""
-    tgt = fast.target_of(elem)
+    tgt = rounding.target_of(elem)
     if kernels.numba_runs(blocks):
-        p = fast.jit_params(src=fast.source_of(torch.float32), tgt=tgt, rounding=Rounding.RNE,
-                            overflow=Overflow.SATURATE, sr_bits=DEFAULT_SR_BITS)
+        p = rounding.jit_params(src=rounding.source_of(torch.float32), tgt=tgt,
+                                rounding=Rounding.RNE, overflow=Overflow.SATURATE,
+                                sr_bits=DEFAULT_SR_BITS)
         consts = (float(t), float(enc), float(torch.tensor(GLOBAL_MAX, dtype=torch.float32)))
         return jit.four_over_six_errors(blocks, inv4, inv6, sb4, sb6, consts, p, order.squared,
                                         order.fp16_error)
 
     def codes(m: Tensor) -> Tensor:
-        return fast.round_fused((blocks * m[:, None]).contiguous(), tgt, Rounding.RNE,
-                                Overflow.SATURATE, None, None, DEFAULT_SR_BITS)
+        return rounding.round_fused((blocks * m[:, None]).contiguous(), tgt, Rounding.RNE,
+                                    Overflow.SATURATE, None, None, DEFAULT_SR_BITS)
 
     return (block_errors(blocks, codes(inv4), sb4, t, enc, order),
             block_errors(blocks, codes(inv6), sb6, t, enc, order))

@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from driftcli import kernels
-from driftcli import rounding as fast
+from driftcli import kernels, rounding
 from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
@@ -108,9 +107,9 @@ def checked_bits(what: str, x: Tensor, c: Cast, seed: int | None, random_bits: T
     if c.rounding is Rounding.SR and random_bits is None:
         if seed is None:
             raise DriftError("stochastic rounding needs seed= or random_bits=")
-        random_bits = fast.draw_random_bits(x.shape, seed, sr_bits, x.device)
+        random_bits = rounding.draw_random_bits(x.shape, seed, sr_bits, x.device)
     if random_bits is not None:
-        fast.check_random_bits(random_bits, x.shape, sr_bits)
+        rounding.check_random_bits(random_bits, x.shape, sr_bits)
     return random_bits
 
 
@@ -130,17 +129,17 @@ def plan_scales(amax: Tensor, tensor_amax: Tensor, div: Tensor, *,
 
 
 def _apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, nonfinite: Tensor, *,
-           tgt: fast.Target, rounding: Rounding, overflow: Overflow, sr_bits: int, pow2: bool,
+           tgt: rounding.Target, mode: Rounding, overflow: Overflow, sr_bits: int, pow2: bool,
            blocked: bool, wide: bool) -> Tensor:
     """The element cast of every row under its scale, on the torch back-end."""
     if pow2:
         # a scaled grid beyond float32's range is rounded in float64, then stored as float32
         work = blocks.double() if wide else blocks
-        q = fast.round_fused(work, tgt, rounding, overflow, bits, scale[:, None],
-                             sr_bits).to(blocks.dtype)
+        q = rounding.round_fused(work, tgt, mode, overflow, bits, scale[:, None],
+                                 sr_bits).to(blocks.dtype)
     else:
         y = (blocks / scale[:, None]).contiguous()
-        q = fast.round_fused(y, tgt, rounding, overflow, bits, None, sr_bits) * scale[:, None]
+        q = rounding.round_fused(y, tgt, mode, overflow, bits, None, sr_bits) * scale[:, None]
     if blocked:
         q = torch.where(nonfinite[:, None], torch.nan, q)
     return q
@@ -152,8 +151,8 @@ def _scaled_values(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite:
     """Dequantized rows, each row's scale and whether it clamped, from the rows' amax."""
     scale, clamped = _scales(amax, tensor_amax, c)
     s = c.scaling
-    q = _apply(blocks, bits, scale, nonfinite, tgt=fast.target_of(c.format),
-               rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits,
+    q = _apply(blocks, bits, scale, nonfinite, tgt=rounding.target_of(c.format),
+               mode=c.rounding, overflow=c.overflow, sr_bits=sr_bits,
                pow2=bool(s.rule is not None and s.rule.power_of_two), blocked=s.blocked,
                wide=wide)
     return q, scale, clamped
@@ -213,8 +212,8 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
     pow2 = rule is not None and rule.power_of_two
     tensor_scale = None
     if s.granularity is Granularity.NONE or blocks.numel() == 0:
-        q = fast.round_values(blocks, None, elem, c.rounding, c.overflow, bits, sr_bits,
-                              blocks.dtype)
+        q = rounding.round_values(blocks, None, elem, c.rounding, c.overflow, bits, sr_bits,
+                                  blocks.dtype)
         ones = torch.ones(n_rows, dtype=torch.float64, device=blocks.device)
         return Blocked(blocks, q, ones, no_blocks, no_blocks, back, bits, None)
     if kernels.numba_runs(blocks, bits):
@@ -270,14 +269,15 @@ def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
           else arith_scales(amax, top, c.format, s))
     poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
     if use_jit:
-        p = fast.jit_params(src=fast.source_of(torch.float32), tgt=fast.target_of(c.format),
-                            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+        p = rounding.jit_params(src=rounding.source_of(torch.float32),
+                                tgt=rounding.target_of(c.format), rounding=c.rounding,
+                                overflow=c.overflow, sr_bits=sr_bits)
         q = jit.round_scaled(blocks, sc.apply, sc.undo, bits, p, poisoned,
                              sc.apply_op is ElementOp.MUL, sc.undo_op is ElementOp.DIV)
     else:
         y = apply_ops(sc.apply, sc.apply_op, blocks).contiguous()
-        code = fast.round_fused(y, fast.target_of(c.format), c.rounding, c.overflow, bits,
-                                None, sr_bits)
+        code = rounding.round_fused(y, rounding.target_of(c.format), c.rounding, c.overflow, bits,
+                                    None, sr_bits)
         q = undo_ops(sc.undo, sc.undo_op, code)
         if poisoned is not None:
             q = torch.where(poisoned[:, None], torch.nan, q)
@@ -295,11 +295,12 @@ def _jit_apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, bad: Tensor |
     s = c.scaling
     if s.rule is not None and s.rule.power_of_two:
         work = blocks.double() if wide else blocks
-        p = fast.jit_params(src=fast.source_of(work.dtype), tgt=fast.target_of(c.format),
-                            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+        p = rounding.jit_params(src=rounding.source_of(work.dtype),
+                                tgt=rounding.target_of(c.format), rounding=c.rounding,
+                                overflow=c.overflow, sr_bits=sr_bits)
         return jit.round_bits(work, None, bits, scale[:, None], p, bad).to(blocks.dtype)
-    p = fast.jit_params(src=fast.source_of(blocks.dtype), tgt=fast.target_of(c.format),
-                        rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+    p = rounding.jit_params(src=rounding.source_of(blocks.dtype), tgt=rounding.target_of(c.format),
+                            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
     return jit.round_divided(blocks, scale, bits, p, bad)
 
 
@@ -329,7 +330,7 @@ def element_masks(b: Blocked, c: Cast, sr_bits: int) -> Masks:
     poisoned = s.blocked and s.arithmetic.amax is AmaxPolicy.FINITE
     if b.apply is not None:  # a scale arithmetic: the quotient its apply operation made
         y = apply_ops(b.apply[1], b.apply[0], blocks).contiguous()
-        qy = fast.round_values(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits, y.dtype)
+        qy = rounding.round_values(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits, y.dtype)
         clipped = (y > float(elem.max)) | (y < float(elem.min))
         subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
         codes = torch.where(torch.isnan(q), torch.nan, qy)
@@ -346,8 +347,8 @@ def element_masks(b: Blocked, c: Cast, sr_bits: int) -> Masks:
         y, qy = blocks, q
         if s.granularity is not Granularity.NONE:  # the same float division the cast made
             y = (blocks / scales.to(blocks.dtype)[:, None]).contiguous()
-            qy = fast.round_values(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits,
-                                   y.dtype)
+            qy = rounding.round_values(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits,
+                                       y.dtype)
         clipped = (y > float(elem.max)) | (y < float(elem.min))
         subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
         codes = torch.where(torch.isnan(q), torch.nan, qy)
@@ -391,8 +392,8 @@ def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor
             tensor_amax: Tensor, static: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_scaled_values` eagerly, on cache-sized slices (faster than whole tensors)."""
     n_rows, n_cols = blocks.shape
-    col_step = min(n_cols, fast.EAGER_CHUNK)
-    row_step = max(1, fast.EAGER_CHUNK // col_step)
+    col_step = min(n_cols, rounding.EAGER_CHUNK)
+    row_step = max(1, rounding.EAGER_CHUNK // col_step)
     q = torch.empty_like(blocks)
     scales, clamps = [], []
     for r in range(0, n_rows, row_step):
@@ -442,9 +443,9 @@ def two_level_consts(c: Cast) -> tuple[np.ndarray, tuple[int, ...]]:
     plan = ScalePlan.of(c.format, c.scaling)
     consts = np.array([plan.elem_max, plan.two_level_max, plan.smallest, plan.largest,
                        _FLOAT32_TINY], dtype=np.float32)
-    q = fast.jit_params(src=fast.source_of(torch.float32),
-                        tgt=plan.scale_target,
-                        rounding=Rounding.RNE, overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
+    q = rounding.jit_params(src=rounding.source_of(torch.float32),
+                            tgt=plan.scale_target,
+                            rounding=Rounding.RNE, overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
     return consts, q
 
 
@@ -472,8 +473,8 @@ def _block_cast_numba(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
     blocks, back = to_blocks(x, s, axis)
     blocks = blocks.contiguous()
     bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
-    p = fast.jit_params(src=fast.source_of(torch.float32), tgt=fast.target_of(c.format),
-                        rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+    p = rounding.jit_params(src=rounding.source_of(torch.float32), tgt=rounding.target_of(c.format),
+                            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
     if s.rule is ScaleRule.TWO_LEVEL:
         consts, q = two_level_consts(c)
         divisor, bad, *_ = jit.two_level_block_scales(blocks, consts, q)
@@ -485,7 +486,7 @@ def _block_cast_numba(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
     fmt = c.format
     if (kmin != jit.NO_ROW and kmin + fmt.qmin < -149) or kmax + fmt.emax >= 128:
         return None
-    tgt = fast.target_of(fmt)
+    tgt = rounding.target_of(fmt)
     if c.rounding not in _VECTOR_ROUNDINGS or not (tgt.signed and tgt.has_zero):
         return back(jit.round_bits(blocks, None, bits, ks[:, None], p, bad)).to(x.dtype)
     return back(jit.round_pow2_rows(blocks, bits, ks, bad, p)).to(x.dtype)

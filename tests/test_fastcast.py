@@ -14,8 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from driftcli import kernels
-from driftcli import rounding as fast
+from driftcli import kernels, rounding
 from driftcli.castspec import parse_cast
 from driftcli.formats import FORMATS
 from driftcli.kernels import castcode as castkernels
@@ -57,9 +56,9 @@ def sweep_bits() -> np.ndarray:
 # --- element rounding ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overflow", [Overflow.SATURATE, Overflow.IEEE])
-@pytest.mark.parametrize("rounding", [Rounding.RNE, Rounding.SR])
+@pytest.mark.parametrize("mode", [Rounding.RNE, Rounding.SR])
 @pytest.mark.parametrize("name", ELEMENT_FORMATS)
-def test_pow2_rounding_is_round_lean_bit_for_bit(name: str, rounding: Rounding,
+def test_pow2_rounding_is_round_lean_bit_for_bit(name: str, mode: Rounding,
                                                  overflow: Overflow) -> None:
     """Every exponent field and every cut's neighbourhood, under every scale exponent whose
     grid stays within float32's range (the others take the float64 path), against the jit
@@ -78,13 +77,13 @@ def test_pow2_rounding_is_round_lean_bit_for_bit(name: str, rounding: Rounding,
     bad = torch.zeros(rows, dtype=torch.bool)
     bad[::97] = True
     draws = None
-    if rounding is Rounding.SR:
+    if mode is Rounding.SR:
         gen = torch.Generator().manual_seed(1)
         draws = torch.randint(0, 1 << 8, x.shape, generator=gen, dtype=torch.int32)
         draws[0::3] = 0
         draws[1::3] = 255
-    p = fast.jit_params(src=fast.source_of(torch.float32), tgt=fast.target_of(fmt),
-                        rounding=rounding, overflow=overflow, sr_bits=8)
+    p = rounding.jit_params(src=rounding.source_of(torch.float32), tgt=rounding.target_of(fmt),
+                            rounding=mode, overflow=overflow, sr_bits=8)
     want = jit.round_bits(x, None, draws, ks[:, None], p, bad)
     kernel = castkernels.pow2_round_kernel(p[13], p[14], draws is not None)
     got = np.empty(x.numel(), dtype=np.int32)

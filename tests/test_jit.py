@@ -15,7 +15,7 @@ import torch
 from kernel_paths import kernel_path
 
 import driftcli as drift
-from driftcli import rounding as fast
+from driftcli import rounding
 from driftcli.kernels import jit
 from driftcli.modes import Overflow, Rounding
 from driftcli.presets import PRESETS
@@ -53,7 +53,7 @@ CELLS = [(fmt, mode, policy) for fmt in drift.FORMATS for mode in Rounding for p
 
 def _round_on(path: str, x: torch.Tensor, fmt: str, mode: Rounding, policy: Overflow,
               sr_bits: int = 8) -> torch.Tensor:
-    random = fast.draw_random_bits(x.shape, 9, sr_bits) if mode is Rounding.SR else None
+    random = rounding.draw_random_bits(x.shape, 9, sr_bits) if mode is Rounding.SR else None
     with kernel_path(path):
         return drift.round_to_format(x, fmt, rounding=mode, overflow=policy,
                                      random_bits=random, sr_bits=sr_bits)

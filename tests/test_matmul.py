@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from driftcli import FORMATS, kernels, oracle, quantize
-from driftcli import rounding as fast
+from driftcli import FORMATS, kernels, oracle, quantize, rounding
 from driftcli.arith import (
     MatmulSpec,
     MatmulSpecError,
@@ -309,8 +308,8 @@ def test_block_scale_application_rounds_each_block_once() -> None:
     t0 = qa[:, :32] @ qb[:32]  # exact: the scales are powers of two, the elements 4 bits
     t1 = qa[:, 32:] @ qb[32:]
     bf16 = FORMATS["bfloat16"]
-    first = fast.round_to_format(t0, bf16)
-    expected = fast.add(first, t1, bf16, overflow=Overflow.IEEE).float()
+    first = rounding.round_to_format(t0, bf16)
+    expected = rounding.add(first, t1, bf16, overflow=Overflow.IEEE).float()
     assert _same(matmul(a, b, spec), expected)
     dequantized = matmul(a, b, matmul_spec(lhs="mxfp8_e4m3", rhs="mxfp8_e4m3",
                                            accumulator="bfloat16"))
@@ -404,8 +403,8 @@ def test_the_float32_layout_truncation_equals_the_rounding_kernel(name: str,
         r = torch.where(ok, sign * gap * frac, 0.0).float()
         got = mm.truncate_float32(s, r, drop, mode)
         # the reference rounds the same exact value from float64, as drift.add does
-        want = fast.round_sum(s.double(), r.double(), fast.target_of(fmt), mode,
-                              wide=True).float()
+        want = rounding.round_sum(s.double(), r.double(), rounding.target_of(fmt), mode,
+                                  wide=True).float()
         assert _same(got, want), (name, mode, frac)
 
 

@@ -15,8 +15,7 @@ import torch
 from kernel_paths import kernel_path
 from typer.testing import CliRunner
 
-from driftcli import FORMATS, codec, oracle
-from driftcli import rounding as fast
+from driftcli import FORMATS, codec, oracle, rounding
 from driftcli.cli import app
 from driftcli.errors import FormatSpecError
 from driftcli.formats import Exact, Format, FormatKind, Kind, get_format, p3109
@@ -130,7 +129,7 @@ def _round(fmt: Format, x: float, mode: Rounding, policy: Overflow) -> tuple[str
     """The oracle's and the fast path's rounding of one float."""
     exact = oracle.round_exact(fmt, Exact(Kind.INF, x < 0) if abs(x) == float("inf")
                                else Exact.of(Fraction(x)), mode, policy)
-    got = fast.round_to_format(torch.tensor([x]), fmt, rounding=mode, overflow=policy)
+    got = rounding.round_to_format(torch.tensor([x]), fmt, rounding=mode, overflow=policy)
     return str(exact), float(got[0])
 
 
@@ -174,7 +173,7 @@ def test_both_back_ends_give_the_same_bits(name: str) -> None:
             outs = []
             for path in ("torch", "jit"):
                 with kernel_path(path):
-                    outs.append(fast.round_to_format(x, fmt, rounding=mode, overflow=policy))
+                    outs.append(rounding.round_to_format(x, fmt, rounding=mode, overflow=policy))
             assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
 
 
@@ -202,8 +201,8 @@ def test_p1_ties_to_even_follow_the_code(path: str) -> None:
         assert _round(e8m0, 6.0, Rounding.RNE, Overflow.SATURATE) == ("8", 8.0)
         # a block-scaled grid (the scaled kernel): 6 * 2**10 under a scale of 2**10
         x = torch.tensor([[6.0 * 2**10] * 32, [3.0 * 2**10] * 32])
-        scaled = fast.round_fused(x, fmt, Rounding.RNE, Overflow.SATURATE,
-                                  scale_exp=torch.full(x.shape, 10, dtype=torch.int32))
+        scaled = rounding.round_fused(x, fmt, Rounding.RNE, Overflow.SATURATE,
+                                      scale_exp=torch.full(x.shape, 10, dtype=torch.int32))
         assert scaled[:, 0].tolist() == [4.0 * 2**10, 4.0 * 2**10]
 
 
@@ -253,17 +252,17 @@ def test_a_planted_wrong_overflow_boundary_is_caught(monkeypatch: pytest.MonkeyP
                                                      path: str) -> None:
     """The kernel rounding binary8p4se with E4M3FNUZ's max (240: the code below inf taken for
     finite) on one back-end: the suites fail there, on that format only."""
-    planted = fast.Target.of(FORMATS["binary8p4se"])
-    wrong_max = fast.Target.of(FORMATS["float8_e4m3fnuz"])
+    planted = rounding.Target.of(FORMATS["binary8p4se"])
+    wrong_max = rounding.Target.of(FORMATS["float8_e4m3fnuz"])
     name = "_kernel" if path == "torch" else "jit_params"
-    real = getattr(fast, name)
+    real = getattr(rounding, name)
 
     def wrong(*args: object, **kw: object) -> object:
         if kw["tgt"] == planted:
             kw["tgt"] = replace(planted, max_sig=wrong_max.max_sig, min_sig=wrong_max.min_sig)
         return real(*args, **kw)
 
-    monkeypatch.setattr(fast, name, wrong)
+    monkeypatch.setattr(rounding, name, wrong)
     with kernel_path(path):
         found = _failures("binary8p4se", "binary8p3se")
     assert {f for f, _ in found} == {"binary8p4se"}

@@ -18,8 +18,7 @@ import torch
 from kernel_paths import PATHS, kernel_path
 from typer.testing import CliRunner
 
-from driftcli import FORMATS
-from driftcli import rounding as fast
+from driftcli import FORMATS, rounding
 from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
 from driftcli.cli import app
@@ -185,16 +184,16 @@ def test_a_planted_ue5m3_without_its_zero_is_caught(tmp_path: Path, path: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel told UE5M3 has no zero (E8M0's clamp: 0 and negatives become 2^-17), on one
     back-end: verify-formats fails, on UE5M3 only."""
-    planted = fast.Target.of(UE5M3)
+    planted = rounding.Target.of(UE5M3)
     name = "_kernel" if path == "torch" else "jit_params"
-    real = getattr(fast, name)
+    real = getattr(rounding, name)
 
     def wrong(*args: object, **kw: object) -> object:
         if kw["tgt"] == planted:
             kw["tgt"] = replace(planted, has_zero=False)
         return real(*args, **kw)
 
-    monkeypatch.setattr(fast, name, wrong)
+    monkeypatch.setattr(rounding, name, wrong)
     with kernel_path(path):
         result = CliRunner().invoke(app, ["verify-formats", "--out", str(tmp_path), "-j", "1",
                                           "--quick", "-f", "ue5m3", "-f", "ue4m3"])

@@ -10,8 +10,7 @@ import pytest
 from kernel_paths import kernel_path
 from typer.testing import CliRunner
 
-from driftcli import FORMATS, oracle, quantization, scaling
-from driftcli import rounding as fast
+from driftcli import FORMATS, oracle, quantization, rounding, scaling
 from driftcli.cast import Scaling
 from driftcli.cli import app
 from driftcli.engines import Execution
@@ -45,16 +44,16 @@ def test_a_planted_wrong_tie_rule_is_caught(tmp_path: Path, monkeypatch: pytest.
                                             path: str) -> None:
     """Ties away instead of ties to even, for one format, in the torch kernel or in the numba
     kernel's parameters: verify-formats fails, only there."""
-    planted = fast.Target.of(FORMATS["float8_e4m3fn"])
+    planted = rounding.Target.of(FORMATS["float8_e4m3fn"])
     name = "_kernel" if path == "torch" else "jit_params"
-    real = getattr(fast, name)
+    real = getattr(rounding, name)
 
     def wrong(*args: object, **kw: object) -> object:
         if kw["tgt"] == planted and kw["rounding"] is Rounding.RNE:
             kw["rounding"] = Rounding.RNA
         return real(*args, **kw)
 
-    monkeypatch.setattr(fast, name, wrong)
+    monkeypatch.setattr(rounding, name, wrong)
     with kernel_path(path):
         code, df = _run(tmp_path, "--quick", "-f", "float8_e4m3fn", "-f", "float8_e5m2")
     assert code == 1

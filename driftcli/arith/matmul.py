@@ -37,8 +37,7 @@ from typing import cast
 
 import torch
 
-from driftcli import kernels
-from driftcli import rounding as fast
+from driftcli import kernels, rounding
 from driftcli.arith.blockfma import C_EMIN, Accumulation, FMAUnit, fma_dot
 from driftcli.arith.matmulspec import (
     ACC_ROUNDINGS,
@@ -424,7 +423,7 @@ def _float32_exact(qa: Tensor, qb: Tensor, spec: MatmulSpec) -> bool:
 class _Rule:
     """How one accumulator step rounds."""
 
-    target: fast.Target
+    target: rounding.Target
     """The rounding kernel's constants for the accumulator format."""
     rounding: Rounding
     wide: bool
@@ -446,9 +445,9 @@ def _float32_layout(fmt: Format) -> bool:
             and fmt.nan is FLOAT32.nan and fmt.mbits <= FLOAT32.mbits)
 
 
-def _rule(fmt: Format, rounding: Rounding, wide: bool, numba: bool = False) -> _Rule:
+def _rule(fmt: Format, mode: Rounding, wide: bool, numba: bool = False) -> _Rule:
     drop = FLOAT32.mbits - fmt.mbits if _float32_layout(fmt) and not wide else None
-    return _Rule(fast.target_of(fmt), rounding, wide, drop, numba)
+    return _Rule(rounding.target_of(fmt), mode, wide, drop, numba)
 
 
 _SIGN, _ABS, _INF = -(1 << 31), (1 << 31) - 1, 0x7F800000
@@ -494,7 +493,7 @@ def _round_sum(acc: Tensor, term: Tensor, rule: _Rule) -> Tensor:
         r = torch.where(torch.isfinite(s), r, torch.zeros_like(r))
     if rule.drop is not None:
         return truncate_float32(s, r, rule.drop, rule.rounding)
-    return fast.round_sum(s, r, rule.target, rule.rounding, wide=rule.wide)
+    return rounding.round_sum(s, r, rule.target, rule.rounding, wide=rule.wide)
 
 
 def _steps(acc: Tensor, a: Tensor, b: Tensor, live: Tensor | None, *, rule: _Rule,
@@ -532,8 +531,9 @@ def _accumulate(terms: _Terms, spec: MatmulSpec) -> Tensor:
 
 
 def _kernel_params(rule: _Rule, dtype: torch.dtype) -> tuple[int, ...]:
-    return fast.jit_params(src=fast.source_of(dtype), tgt=rule.target, rounding=rule.rounding,
-                           overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
+    return rounding.jit_params(src=rounding.source_of(dtype), tgt=rule.target,
+                               rounding=rule.rounding, overflow=Overflow.IEEE,
+                               sr_bits=DEFAULT_SR_BITS)
 
 
 def _numba_accumulate(terms: _Terms, order: Order, chunk: int, rule: _Rule,

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from driftcli import kernels
-from driftcli import rounding as fast
+from driftcli import kernels, rounding
 from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
@@ -420,8 +419,8 @@ def _count(x: Tensor, c: Cast, blocks: Tensor, back: Any, rbits: Tensor | None, 
     (:func:`driftcli.kernels.jit.cast_counts`), as :class:`CastStats`."""
     elem = c.format
     n_bad = 0 if bad is None else int(bad.sum())
-    p = fast.jit_params(src=fast.source_of(blocks.dtype), tgt=fast.target_of(elem),
-                        rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+    p = rounding.jit_params(src=rounding.source_of(blocks.dtype), tgt=rounding.target_of(elem),
+                            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
     counts, sums, q = jit.cast_counts(
         blocks, blocks.shape[1], rbits, scale if pow2 else None, None if pow2 else scale, bad,
         row_amax, p, (float(elem.max), float(elem.min), float(elem.smallest_normal)),

@@ -6,8 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from driftcli import codec
-from driftcli import rounding as fast
+from driftcli import codec, rounding
 from driftcli.formats import Format
 from driftcli.modes import DEFAULT_SR_BITS
 from driftcli.verify.compare import (
@@ -42,8 +41,8 @@ def check_codes(fmt: Format, plan: Plan) -> Iterator[Outcome]:
     for mode, policy in cells(fmt, plan):
         out = Outcome(fmt.name, "codes", "roundtrip", mode.value, policy.value)
         bits = torch.full(codes.shape, (1 << DEFAULT_SR_BITS) - 1, dtype=torch.int32)
-        got = fast.round_to_format(decoded, fmt, rounding=mode, overflow=policy,
-                                   random_bits=bits)
+        got = rounding.round_to_format(decoded, fmt, rounding=mode, overflow=policy,
+                                       random_bits=bits)
         expected = round_all(fmt, reference, mode, policy, (1 << DEFAULT_SR_BITS) - 1)
         judge(out, expected, got, lambda i: hex_code(fmt, i))
         back = codec.encode(torch.where(finite, got, decoded), fmt) if out.n_failed == 0 \

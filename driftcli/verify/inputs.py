@@ -7,8 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from driftcli import codec, oracle
-from driftcli import rounding as fast
+from driftcli import codec, oracle, rounding
 from driftcli.formats import Format, pow2
 from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
 from driftcli.verify.compare import Outcome, Plan, exact_of_float, judge, to_float
@@ -59,7 +58,7 @@ def check_float32_inputs(fmt: Format, plan: Plan) -> Iterator[Outcome]:
                 top = (1 << DEFAULT_SR_BITS) - 1
                 draws: list[Tensor | None] = [torch.zeros(x.shape, dtype=torch.int32),
                          torch.full(x.shape, top, dtype=torch.int32),
-                         fast.draw_random_bits(x.shape, plan.seed)]
+                         rounding.draw_random_bits(x.shape, plan.seed)]
             else:
                 draws = [None]
             for bits in draws:
@@ -67,8 +66,8 @@ def check_float32_inputs(fmt: Format, plan: Plan) -> Iterator[Outcome]:
                 expected = torch.tensor(
                     [to_float(oracle.round_exact(fmt, v, mode, policy, r))
                      for v, r in zip(exact, rs, strict=True)], dtype=torch.float64)
-                got = fast.round_to_format(x, fmt, rounding=mode, overflow=policy,
-                                           random_bits=bits)
+                got = rounding.round_to_format(x, fmt, rounding=mode, overflow=policy,
+                                               random_bits=bits)
                 judge(out, expected, got, describe)
             yield out
 

@@ -8,8 +8,7 @@ from functools import partial
 
 import torch
 
-from driftcli import codec, oracle
-from driftcli import rounding as fast
+from driftcli import codec, oracle, rounding
 from driftcli.formats import Exact, Format, pow2
 from driftcli.modes import Overflow, Rounding
 from driftcli.verify.compare import (
@@ -53,11 +52,11 @@ def _boundary_codes(fmt: Format) -> list[int]:
     picks = [tiny, 2 * tiny, normal - tiny, normal, normal + tiny, one - fmt.eps / 2, one,
              one + fmt.eps, fmt.max - ulp_top, fmt.max]
     mags = torch.tensor([float(v) for v in picks if fmt.min <= -v or v <= fmt.max])
-    on_grid = fast.round_to_format(mags.double(), fmt, rounding=Rounding.RTZ)
+    on_grid = rounding.round_to_format(mags.double(), fmt, rounding=Rounding.RTZ)
     values = torch.cat([on_grid, -on_grid, torch.tensor([0.0, -0.0, float("inf"), float("-inf"),
                                                           float("nan")], dtype=torch.float64)])
     # onto the grid, keeping ±inf where the format has it; NaN only where it has a code
-    values = fast.round_to_format(values, fmt, overflow=Overflow.IEEE)
+    values = rounding.round_to_format(values, fmt, overflow=Overflow.IEEE)
     if not fmt.has_nan:
         values = values[~torch.isnan(values)]
     return sorted(set(codec.encode(values, fmt).tolist()))
@@ -113,7 +112,7 @@ def _check_pair_set(fmt: Format, plan: Plan, ref: dict[int, Exact], label: str, 
     products = dedup([oracle.product(ref[i], ref[j]) for i, j in zip(la, lb, strict=True)])
     sums: dict[bool, tuple[list[Exact], Tensor]] = {}
     for op in ("product", "sum"):
-        fast_op = fast.multiply if op == "product" else fast.add
+        fast_op = rounding.multiply if op == "product" else rounding.add
         for mode, policy in cells:
             if op == "product":
                 uniq, index = products
@@ -136,7 +135,7 @@ def _check_pair_set(fmt: Format, plan: Plan, ref: dict[int, Exact], label: str, 
                                   random_bits=bits, sr_bits=PAIR_SR_BITS)
                     judge(out, expected, got, partial(_with_draw, describe, r))
             else:
-                bits = fast.draw_random_bits(xa.shape, plan.seed)
+                bits = rounding.draw_random_bits(xa.shape, plan.seed)
                 drawn = bits.tolist()
                 expected = torch.tensor(
                     [to_float(oracle.round_exact(fmt, uniq[k], mode, policy, r))
