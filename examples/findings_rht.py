@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 CASTS = ("te/nvfp4", "te/nvfp4_rht", "te/nvfp4_4over6", "te/nvfp4_4over6_mse")
-POLICIES = ("nvfp4", "te/nvfp4", "te/nvfp4_recipe", "no-rht")
+POLICIES = ("nvfp4", "te/nvfp4", "te/nvfp4_recipe", "te-nvfp4-recipe-no-rht")
 # the dump's roles: X is the wgrad's activation operand, dY the gradient
 OPERANDS = {"X": "activation", "dY": "gradient"}
 
@@ -67,17 +67,19 @@ def scan_numbers(scan_dir: Path) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def cosine_numbers(tables: list[Path]) -> dict[str, dict[str, Any]]:
-    """Per policy: the all-parameter cosine against exact on each batch, their mean and
-    sample standard deviation."""
+    """Per policy (the recipe without its RHT by its policy file's name): the all-parameter
+    cosine against exact on each batch, their mean and sample standard deviation, and the
+    recipe's cosine minus the policy's on each batch (paired: the same batch)."""
     per: dict[str, list[float]] = {p: [] for p in POLICIES}
     for path in tables:
         t = pd.read_parquet(path)
         t = t[t["parameter"] == "*"]
         for _, row in t.iterrows():
-            name = "no-rht" if str(row["policy"]).endswith(".toml") else str(row["policy"])
-            if name in per:
-                per[name].append(float(row["cosine"]))
-    return {p: {"cosines": v, "mean": statistics.fmean(v), "sd": statistics.stdev(v)}
+            if row["policy"] in per:
+                per[str(row["policy"])].append(float(row["cosine"]))
+    recipe = per["te/nvfp4_recipe"]
+    return {p: {"cosines": v, "mean": statistics.fmean(v), "sd": statistics.stdev(v),
+                "recipe_minus": [r - c for r, c in zip(recipe, v, strict=True)]}
             for p, v in per.items() if len(v) > 1}
 
 
@@ -94,7 +96,9 @@ def main(argv: list[str]) -> None:
                   f"{n['lower_error']}/{n['tensors']} lower |bias| {n['lower_abs_bias']}")
     for policy, n in summary["grad_cosine"].items():
         cos = " ".join(f"{c:.3f}" for c in n["cosines"])
-        print(f"{policy:16} cosine {n['mean']:.3f} ± {n['sd']:.3f}  ({cos})")
+        diff = " ".join(f"{d:+.4f}" for d in n["recipe_minus"])
+        print(f"{policy:22} cosine {n['mean']:.3f} ± {n['sd']:.3f}  ({cos}); recipe minus it "
+              f"{diff}, mean {statistics.fmean(n['recipe_minus']):+.4f}")
     (root / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
 
 
