@@ -3,13 +3,12 @@
 #
 #   examples/findings.sh [--out DIR] [PART ...]     # DIR defaults to findings-out
 #
-# PART is one of: a b c d claim1 claim2 claim3 claim4 claim5 claim6 claim7, or all (the
-# default); or rht (not in all: the Hadamard transform and 4/6 on stories260K, read from
-# ../shared/data/models/stories260K-hf, so run it from the repository's root; 3 minutes). A part runs alone (examples/findings.sh claim5) and trains what it needs; a run
-# already in DIR from the same command is kept, so parts share their runs. CPU only, one torch
-# thread per process, at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it
-# prints each part's key numbers, writes them to DIR/summary.json and draws DIR/plots/*.png
-# (examples/findings_summary.py). The text is drift's default, Shakespeare, cached by drift.
+# PART: a b c d claim1 ... claim7, or all (the default); or rht (not in all: stories260K from
+# ../shared/data/models/stories260K-hf, so run it from the repository's root). A part runs
+# alone (examples/findings.sh claim5) and trains what it needs; a run already in DIR from the
+# same command is kept, so parts share their runs. CPU only, one torch thread per process, at
+# most FINDINGS_JOBS (default 2) drift processes at a time. At the end it prints each part's key
+# numbers, writes them to DIR/summary.json and draws DIR/plots/*.png (findings_summary.py).
 set -euo pipefail
 
 OUT=findings-out
@@ -17,7 +16,7 @@ PARTS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT=$2; shift 2 ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
         a|b|c|d|claim[1-7]|rht|all) PARTS+=("$1"); shift ;;
         *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht all)" >&2; exit 2 ;;
     esac
