@@ -3,12 +3,12 @@
 #
 #   examples/findings.sh [--out DIR] [PART ...]     # DIR defaults to findings-out
 #
-# PART is one of: a b c d claim1 claim2 claim3 claim4 claim5 claim6 claim7, or all (the
-# default). A part runs alone (examples/findings.sh claim5) and trains what it needs; a run
-# already in DIR from the same command is kept, so parts share their runs. CPU only, one torch
-# thread per process, at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it
-# prints each part's key numbers, writes them to DIR/summary.json and draws DIR/plots/*.png
-# (examples/findings_summary.py). The text is drift's default, Shakespeare, cached by drift.
+# PART: a b c d claim1 ... claim7, or all (the default); or rht (not in all: stories260K from
+# ../shared/data/models/stories260K-hf, so run it from the repository's root). A part runs
+# alone (examples/findings.sh claim5) and trains what it needs; a run already in DIR from the
+# same command is kept, so parts share their runs. CPU only, one torch thread per process, at
+# most FINDINGS_JOBS (default 2) drift processes at a time. At the end it prints each part's key
+# numbers, writes them to DIR/summary.json and draws DIR/plots/*.png (findings_summary.py).
 set -euo pipefail
 
 OUT=findings-out
@@ -17,8 +17,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT=$2; shift 2 ;;
         -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-        a|b|c|d|claim[1-7]|all) PARTS+=("$1"); shift ;;
-        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 all)" >&2; exit 2 ;;
+        a|b|c|d|claim[1-7]|rht|all) PARTS+=("$1"); shift ;;
+        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht all)" >&2; exit 2 ;;
     esac
 done
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(all)
@@ -285,15 +285,50 @@ part_d() {
     join
 }
 
+# ---------------------------------------------------------------- rht: the Hadamard transform and 4/6
+# stories260K, one step's operands (4 windows of 16 tokens), the wgrad's X and dY blocked along
+# the tokens; grad-cosine of te/nvfp4_recipe (and the recipe without its RHT) on 4 batches.
+# Not a part of all; its numbers go to $OUT/rht/summary.json (examples/findings_rht.py).
+part_rht() {
+    log "rht: RHT and 4/6 on stories260K's wgrad operands, grad-cosine on 4 batches"
+    mkdir -p "$OUT/rht"
+    cat > "$OUT/rht/story.txt" <<'EOF'
+Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball under a tree. She wanted to play with it, but her friend Tom said, "That is my ball!" Lily was sad. Tom saw that she was sad and said, "We can play together." They played all day and had lots of fun.
+EOF
+    printf '%s\n' "Once upon a time, there was a little girl named Lily. She loved to play outside in the park." > "$OUT/rht/b0.txt"
+    printf '%s\n' "One day, she saw a big, red ball under a tree. She wanted to play with it, but it was too high." > "$OUT/rht/b1.txt"
+    printf '%s\n' "Tom saw that she was sad and said, \"We can play together.\" They played all day and had lots of fun." > "$OUT/rht/b2.txt"
+    printf '%s\n' "The sun was shining and the birds were singing. Ben and his mom went to the store to buy some milk." > "$OUT/rht/b3.txt"
+    # te/nvfp4_recipe with its wgrad casts as they are but without the transform
+    cat > "$OUT/policies/te_nvfp4_recipe_no_rht.toml" <<'EOF'
+name = "te-nvfp4-recipe-no-rht"
+preset = "te/nvfp4_recipe"
+[wgrad]
+lhs = "te/nvfp4"
+rhs = "te/nvfp4:sr"
+EOF
+    drift dump ../shared/data/models/stories260K-hf --text "$OUT/rht/story.txt" --batch 4 --context 16 --out "$OUT/rht/dump.safetensors" -q
+    for cmd in clip-rate underflow-rate error-bias; do
+        drift $cmd "$OUT/rht/dump.safetensors" -c te/nvfp4 -c te/nvfp4_rht -c te/nvfp4_4over6 -c te/nvfp4_4over6_mse --include '*/activation' --include '*/gradient' --exclude '*self_attn/*' --axis -2 --out "$OUT/rht/scan" --overwrite -q
+    done
+    for b in 0 1 2 3; do
+        bg drift grad-cosine ../shared/data/models/stories260K-hf -p nvfp4 -p te/nvfp4 -p te/nvfp4_recipe -p "$OUT/policies/te_nvfp4_recipe_no_rht.toml" --text "$OUT/rht/b$b.txt" --tokens 16 --draws 4 --out "$OUT/rht/gc-b$b" --overwrite -q
+    done
+    join
+    "$PY" "$here/findings_rht.py" "$OUT"
+}
+
 for part in "${PARTS[@]}"; do
     case "$part" in
         a) part_a ;; b) part_b ;; c) part_c ;; d) part_d ;;
         claim1) claim1 ;; claim2) claim2 ;; claim3) claim3 ;; claim4) claim4 ;;
-        claim5) claim5 ;; claim6) claim6 ;; claim7) claim7 ;;
+        claim5) claim5 ;; claim6) claim6 ;; claim7) claim7 ;; rht) part_rht ;;
     esac
 done
 join
 
 log "summary"
-"$PY" "$here/findings_summary.py" "$OUT" "$SECONDS" "${PARTS[@]}"
+STUDY_PARTS=()
+for part in "${PARTS[@]}"; do [ "$part" = rht ] || STUDY_PARTS+=("$part"); done
+[ ${#STUDY_PARTS[@]} -eq 0 ] || "$PY" "$here/findings_summary.py" "$OUT" "$SECONDS" "${STUDY_PARTS[@]}"
 log "done: $OUT/summary.json, $OUT/plots/"
