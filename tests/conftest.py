@@ -40,6 +40,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).name in ISA_INDEPENDENT:
             item.add_marker(pytest.mark.isa_independent)
+    # the tests marked slow first (each a minute or more: the full verify plan, one format per
+    # test): pytest-xdist hands tests out in this order, so the long ones start while the short
+    # ones can still fill the other worker, instead of one long test running alone at the end
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")

@@ -269,6 +269,18 @@ def test_every_scale_rule_has_a_fast_and_an_exact_implementation() -> None:
         check_rule_table({r: None for r in ScaleRule if r is not ScaleRule.EVEN}, "a table")
 
 
+def _only_the_rule_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fewer random blocks, to keep the full plan of one format to seconds (a rule's cells still
+    get the constructed blocks, random blocks and random scales), and only the checks a scale
+    rule reaches: the FP4 recipes' cells (a million elements each) and the matmul cells are the
+    other tests' business."""
+    monkeypatch.setattr(blocks, "BLOCK_FULL_SAMPLE", 32)
+    monkeypatch.setattr(blocks, "BLOCK_SCALE_SAMPLE", 800)
+    monkeypatch.setattr(blocks, "REAL_SCALE_SAMPLE", 800)
+    monkeypatch.setattr(driver, "CHECKS", [c for c in driver.CHECKS
+                                           if c.__name__ not in ("check_recipes", "check_matmul")])
+
+
 @pytest.mark.parametrize("fast_headroom", [2, 1])
 def test_a_new_scale_rule_is_verified_with_no_other_edit(
         fast_headroom: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,15 +289,7 @@ def test_a_new_scale_rule_is_verified_with_no_other_edit(
     with the same counts, and 0 disagreements. With a fast exponent one binade short, only its
     two cells fail."""
     rule = _register_floor2(monkeypatch, fast_headroom)
-    # fewer random blocks, to keep the full plan of one format to seconds: the rule's cells
-    # still get the constructed blocks, random blocks and random scales
-    monkeypatch.setattr(blocks, "BLOCK_FULL_SAMPLE", 32)
-    monkeypatch.setattr(blocks, "BLOCK_SCALE_SAMPLE", 800)
-    monkeypatch.setattr(blocks, "REAL_SCALE_SAMPLE", 800)
-    # and only the checks a scale rule reaches: the FP4 recipes' cells (8 presets, a million
-    # elements each) and the matmul cells are the other tests' business
-    monkeypatch.setattr(driver, "CHECKS", [c for c in driver.CHECKS
-                                           if c.__name__ not in ("check_recipes", "check_matmul")])
+    _only_the_rule_checks(monkeypatch)
     code, df = _run(tmp_path, "-f", "float4_e2m1fn")
     summary = df[df.kind == "summary"]
     spec = "float4_e2m1fn:block32:float8_e8m0fnu:{}:rne:saturate"
@@ -316,11 +320,7 @@ def test_a_new_real_valued_rule_is_verified_with_no_other_edit(
     e4m3 = FORMATS["float8_e4m3fn"]
     monkeypatch.setitem(blocks.RULE_SCALINGS, rule,
                         (Scaling(Granularity.BLOCK, 32, e4m3, rule),))
-    monkeypatch.setattr(blocks, "BLOCK_FULL_SAMPLE", 32)
-    monkeypatch.setattr(blocks, "BLOCK_SCALE_SAMPLE", 800)
-    monkeypatch.setattr(blocks, "REAL_SCALE_SAMPLE", 800)
-    monkeypatch.setattr(driver, "CHECKS", [c for c in driver.CHECKS
-                                           if c.__name__ not in ("check_recipes", "check_matmul")])
+    _only_the_rule_checks(monkeypatch)
     code, df = _run(tmp_path, "-f", "float4_e2m1fn")
     summary = df[df.kind == "summary"]
     spec = "float4_e2m1fn:block32:float8_e4m3fn:amax-rtz:rne:saturate"
