@@ -272,7 +272,7 @@ class Rht:
         kind, _, arg = text.partition("/")
         if kind == "signs" and re.fullmatch(r"[+-]{16}", arg):
             return Rht(tuple(1 if c == "+" else -1 for c in arg), text)
-        if kind == "random" and re.fullmatch(r"\d{1,19}", arg) and int(arg) < 1 << 64:
+        if kind == "random" and re.fullmatch(r"\d{1,20}", arg) and int(arg) < 1 << 64:
             bits = _splitmix64(int(arg))
             return Rht(tuple(-1 if bits >> i & 1 else 1 for i in range(RHT_SIZE)),
                        f"random/{int(arg)}")

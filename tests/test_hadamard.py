@@ -304,3 +304,23 @@ def test_torchs_bfloat16_matmul_parts_from_the_fixed_order_only_where_the_sum_ro
         if spread == 0:  # the check sees a planted fault: sums kept in float32 part in narrow
             unrounded = (x.view(-1, 16).double() @ m.double()).float()  # groups too
             assert (differences(torch_out, unrounded).any(dim=1) & ~wide).any()
+
+
+def test_a_matmul_refuses_a_transform_on_one_operand_or_on_its_result() -> None:
+    """Nothing undoes the transform, so a product is right only with the same one on both
+    operands along K: one side only, other signs, or a transformed result is refused."""
+    from driftcli.arith.matmulspec import MatmulSpecError, matmul_spec
+
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 32), torch.randn(32, 3)
+    both = matmul_spec(lhs="te/nvfp4:rht=te", rhs="te/nvfp4:rht=te", order="sequential")
+    plain = matmul_spec(lhs="te/nvfp4", rhs="te/nvfp4", order="sequential")
+    # the transforms cancel: the product is near the plain cast's, not a rotated one
+    err_both = (drift.matmul(a, b, both) - a @ b).norm() / (a @ b).norm()
+    err_plain = (drift.matmul(a, b, plain) - a @ b).norm() / (a @ b).norm()
+    assert err_both < 3 * err_plain and err_both < 0.5
+    for lhs, rhs, out in (("te/nvfp4:rht=te", "te/nvfp4", "none"),
+                          ("te/nvfp4:rht=te", "te/nvfp4:rht=h", "none"),
+                          ("te/nvfp4:rht=te", "te/nvfp4:rht=te", "te/nvfp4:rht=te")):
+        with pytest.raises(MatmulSpecError, match="rht="):
+            matmul_spec(lhs=lhs, rhs=rhs, out=out, order="sequential")

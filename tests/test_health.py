@@ -133,9 +133,20 @@ def test_freeze_prediction_against_a_bfloat16_run(runs: tuple[Path, Path]) -> No
                 if r.frozen_share is not None and r.predicted_frozen_share is not None)
     assert worst < 0.005
     steps = {r.parameter: (r.freeze_step, r.predicted_freeze_step) for r in rows}
-    assert steps == {"embed.weight": (1, 1), "hidden.0.weight": (None, None),
-                     "hidden.0.bias": (None, None), "head.weight": (14, 14),
-                     "head.bias": (14, 14), "*": (12, 12)}
+    # measured here: embed 1/1, head 14/14, all parameters 12/12, the hidden layer never. The
+    # runs are torch's float32 matmuls and AdamW, whose last bits another CPU may change; a
+    # share that crosses one half at a step can then cross a step later or earlier, so the
+    # first steps are held to one step, and never-frozen stays never
+    recorded = {"embed.weight": 1, "hidden.0.weight": None, "hidden.0.bias": None,
+                "head.weight": 14, "head.bias": 14, "*": 12}
+    assert set(steps) == set(recorded)
+    for name, want in recorded.items():
+        actual, predicted = steps[name]
+        if want is None:
+            assert actual is None and predicted is None, name
+        else:
+            assert actual is not None and predicted is not None, name
+            assert abs(actual - want) <= 1 and abs(predicted - actual) <= 1, (name, steps[name])
     a, b = (dict(load_checkpoint(bf16 / checkpoint_name(s)).model.named_parameters())
             for s in (13, 14))
     kept = {n: int((p.detach() == b[n].detach()).sum()) for n, p in a.items()}

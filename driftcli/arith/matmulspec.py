@@ -141,6 +141,23 @@ class MatmulSpec:
                                   f"order=blockfma, not {self.order.value}")
         if self.scale_application is ScaleApplication.BLOCK:
             self._check_block()
+        self._check_transforms()
+
+    def _check_transforms(self) -> None:
+        """A random Hadamard transform keeps the product only when both operands carry the same
+        one along K (``Xᵀ·M·Mᵀ·dY = Xᵀ·dY``; drift applies no inverse): on one side, with other
+        signs, or on the result, the matmul would be silently wrong."""
+        signs = [None if c is None or c.rht is None else c.rht.signs
+                 for c in (self.lhs, self.rhs)]
+        if signs[0] != signs[1]:
+            sides = ", ".join(f"{side} {'none' if c is None or c.rht is None else c.rht}"
+                              for side, c in (("lhs", self.lhs), ("rhs", self.rhs)))
+            raise MatmulSpecError(
+                f"rht= transforms along K and is not undone: both operands need the same one "
+                f"(here {sides}); give both casts the same rht= or neither")
+        if self.out is not None and self.out.rht is not None:
+            raise MatmulSpecError(f"out={self.out} has rht={self.out.rht}: a result cast cannot "
+                                  "take a transform that nothing undoes; leave rht= out of it")
 
     def _check_blockfma(self) -> None:
         """A unit and a promotion interval of whole groups (under block scale application,

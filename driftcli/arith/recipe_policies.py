@@ -277,7 +277,8 @@ def check_recipe(entry: RecipeEntry) -> list[str]:
     - every slot has a cast that parses (or ``none``);
     - stochastic rounding only on the gradient dY (no recipe here rounds X or W stochastically);
     - dY takes one element format in both backward matmuls;
-    - RHT only on the wgrad's operands (the recipes apply it to column-wise copies only);
+    - RHT only on the wgrad's operands (the recipes apply it to column-wise copies only), and
+      the same on both (nothing undoes it: on one side the product would be wrong);
     - the backward state agrees with the per-operand sources, or a departure says why not;
     - the source cites lines, or a report's section.
     """
@@ -288,6 +289,7 @@ def check_recipe(entry: RecipeEntry) -> list[str]:
         return [f"{entry.name}: slots must be {', '.join(SLOTS)} (missing {missing}, "
                 f"unknown {extra})"]
     formats = {}
+    transforms: dict[str, tuple[int, ...] | None] = {}
     for slot in SLOTS:
         text = entry.casts[slot]
         if text == NONE:
@@ -298,12 +300,18 @@ def check_recipe(entry: RecipeEntry) -> list[str]:
             problems.append(f"{entry.name}: {slot} cast {text!r} does not parse ({err})")
             continue
         formats[slot] = c.format.name
-        if c.rht is not None and slot not in _RHT_WGRAD:
-            problems.append(f"{entry.name}: RHT on {slot}; the recipes apply it to the wgrad's "
-                            "operands only")
+        transforms[slot] = None if c.rht is None else c.rht.signs
         if c.rounding is Rounding.SR and slot not in GRADIENT_SLOTS:
             problems.append(f"{entry.name}: {slot} ({OPERANDS[slot]}) rounds stochastically; "
                             "the recipes round only the gradient dY so")
+    for role in ("forward", "dgrad", "wgrad"):
+        lhs, rhs = transforms.get(f"{role}.lhs"), transforms.get(f"{role}.rhs")
+        if lhs != rhs:
+            problems.append(f"{entry.name}: RHT on one of the {role}'s operands only (or two "
+                            "different ones); both need the same, or the product is wrong")
+        elif lhs is not None and f"{role}.lhs" not in _RHT_WGRAD:
+            problems.append(f"{entry.name}: RHT on the {role}; the recipes apply it to the "
+                            "wgrad's operands only")
     grads = {formats[s] for s in GRADIENT_SLOTS if s in formats}
     if len(grads) > 1:
         problems.append(f"{entry.name}: dY takes {sorted(grads)} in the dgrad and the wgrad; "
