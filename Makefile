@@ -23,13 +23,13 @@ test: $(STAMP)
 	# the type check (docs/contributing.md#types) runs beside the suite, which starts on both
 	# cores of a 2-core CI machine (docs/contributing.md#the-test-suite): a cold mypy is a
 	# minute and a half of one core; either failing fails the target
-	$(BIN)/mypy & types=$$!; $(BIN)/python -m pytest -q -n 2; suite=$$?; \
+	$(BIN)/mypy & types=$$!; $(BIN)/python -m pytest -q -n 2 --dist worksteal; suite=$$?; \
 	    wait $$types && exit $$suite
 
 # the inner loop while developing: everything but the tests marked slow (make test runs them)
 test-fast: $(STAMP)
 	$(BIN)/ruff check driftcli tests benchmarks examples
-	$(BIN)/python -m pytest -q -n 2 -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 clean:
 	rm -rf $(VENV) drift-out .pytest_cache

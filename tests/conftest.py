@@ -41,8 +41,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if Path(str(item.fspath)).name in ISA_INDEPENDENT:
             item.add_marker(pytest.mark.isa_independent)
     # the tests marked slow first (each a minute or more: the full verify plan, one format per
-    # test): pytest-xdist hands tests out in this order, so the long ones start while the short
-    # ones can still fill the other worker, instead of one long test running alone at the end
+    # test), so that they start early; `make test` runs xdist's worksteal mode, in which a
+    # worker that runs out takes half of the other's queue (xdist's default, load, hands out
+    # the first chunk whole: both workers' shares of the slow tests would go to one worker)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
