@@ -397,10 +397,11 @@ _NAMED: tuple[Format, ...] = (
     Format("ue4m3", 4, 3, 7, signed=False, nan=NanEncoding.TOP),
     Format("int8", 0, 7, -6, integer=True),
     Format("int4", 0, 3, -2, integer=True),
-    # IEEE P3109 (docs/formats.md#ieee-p3109): the signed extended 8-bit family, the 4-bit
-    # binary4p2sf and an unsigned one; any other binaryKpP resolves by name on lookup
-    *(p3109(8, p) for p in range(1, 8)),
-    p3109(8, 4, signed=False),
+    # IEEE P3109 (docs/formats.md#ieee-p3109): the two 8-bit formats that stand beside E5M2 and
+    # E4M3, and the 4-bit one; every other binaryKpP resolves by name on lookup (registering all
+    # would add 40-50 CPU-seconds each to the full verify plan that CI runs)
+    p3109(8, 3),
+    p3109(8, 4),
     p3109(4, 2, extended=False),
 )
 

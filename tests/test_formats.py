@@ -28,14 +28,8 @@ TABLE = {
     "ue4m3": (4, 3, 7, Fraction(448), False, NanEncoding.TOP, False),
     # IEEE P3109 (docs/formats.md#ieee-p3109): max finite from the P3109 public repository's
     # value tables (Value Tables/Hexadecimal/K8, K4 at 26df0d0), code 0x7E (0xFD unsigned)
-    "binary8p1se": (7, 0, 64, Fraction(2**62), True, NanEncoding.NEG_ZERO, False),
-    "binary8p2se": (6, 1, 32, Fraction(2**31), True, NanEncoding.NEG_ZERO, False),
     "binary8p3se": (5, 2, 16, Fraction(49152), True, NanEncoding.NEG_ZERO, False),
     "binary8p4se": (4, 3, 8, Fraction(224), True, NanEncoding.NEG_ZERO, False),
-    "binary8p5se": (3, 4, 4, Fraction(15), True, NanEncoding.NEG_ZERO, False),
-    "binary8p6se": (2, 5, 2, Fraction(31, 8), True, NanEncoding.NEG_ZERO, False),
-    "binary8p7se": (1, 6, 1, Fraction(63, 32), True, NanEncoding.NEG_ZERO, False),
-    "binary8p4ue": (5, 3, 16, Fraction(53248), True, NanEncoding.TOP, False),
     "binary4p2sf": (2, 1, 2, Fraction(3), False, NanEncoding.NEG_ZERO, False),
 }
 
