@@ -94,7 +94,7 @@ def _inputs(name: str) -> list[torch.Tensor]:
     float32 subnormals, values near float32's max, zeros of both signs."""
     gen = torch.Generator().manual_seed(3)
     normal = torch.randn(64, 256, generator=gen)
-    out = [x for i, x in enumerate(tensors(name, seed=16)) if i % 8 == 0]
+    out = [x for i, x in enumerate(tensors(name, seed=16)) if i % 16 == 0]
     out = [torch.where(torch.isfinite(x), x, 0.0) for x in out]
     return out + four_over_six_cases() + [
         normal * torch.exp(3 * torch.randn(64, 256, generator=gen)), normal * 1e-41,
@@ -112,7 +112,7 @@ def test_the_fused_pass_is_the_general_steps_bit_for_bit(name: str) -> None:
         assert torch.equal(_bits(fused), _bits(general)), name
         assert torch.equal(_bits(drift.quantize(x, name)), _bits(fused))  # quantize takes it
         compared += x.numel()
-    assert compared > 200_000
+    assert compared > 100_000
     # along another axis: the same blocks, moved back
     x = torch.randn(32, 48)
     by_col = drift.quantize(x, name, axis=0)

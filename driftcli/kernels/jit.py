@@ -533,7 +533,8 @@ def four_over_six_values(blocks: Tensor, amax: Tensor, consts: tuple[float, ...]
 
     rows, cols = blocks.shape
     out = np.empty(rows * cols, dtype=np.float32)
-    kernel = code.values_kernel(p[13], p[14], squared, fp16, cols, nearest_saturates(p))
+    kernel = code.values_kernel(p[13], p[14], squared, fp16, cols, nearest_saturates(p),
+                                nearest_saturates(ps))
     spread(kernel, rows, cols, _array(blocks), _array(amax.float()),
            np.asarray(consts, dtype=np.float32), out, np.asarray(p, dtype=np.int64),
            np.asarray(ps, dtype=np.int64))
