@@ -10,8 +10,10 @@ TransformerEngine at d0067d0); dequantized as ``dequantize_nvfp4.cuh`` lines 66-
 ``E4M3_MAX = 256``. Each step is one IEEE float32 operation. The scales are torch (one value per
 block); the candidates' codes and errors, the hot loop, run on the kernel seam: numba's
 ``kernels.fourcode.errors_kernel`` (with the element kernel's rounding) or torch's element
-rounding and :func:`block_errors`, the same bits. Its exact twin is
-``driftcli.oracle_arith.four_over_six``.
+rounding and :func:`block_errors`, the same bits. A values-only cast whose blocks are all
+finite takes :func:`fused_values` on numba instead: scales, candidates, errors, the choice and
+the values in one pass (``kernels.fourcode.values_kernel``), the same bits again. Its exact
+twin is ``driftcli.oracle_arith.four_over_six``.
 """
 
 from __future__ import annotations
