@@ -113,10 +113,16 @@ def test_the_fused_pass_is_the_general_steps_bit_for_bit(name: str) -> None:
         assert torch.equal(_bits(drift.quantize(x, name)), _bits(fused))  # quantize takes it
         compared += x.numel()
     assert compared > 100_000
-    # along another axis: the same blocks, moved back
+    # along another axis, and block axes that are not whole blocks (padded, then cut back)
     x = torch.randn(32, 48)
     by_col = drift.quantize(x, name, axis=0)
     assert torch.equal(_bits(by_col), _bits(drift.quantize(x.T.contiguous(), name).T))
+    for shape, axis in (((5, 20), -1), ((7, 3, 33), 1), ((9,), 0), ((3, 40), 0)):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))) * 7
+        fused = fouroversix.fused_values(x, c, axis)
+        general = drift.quantize(x, name, axis=axis, return_info=True).values  # type: ignore[union-attr]
+        assert fused is not None and fused.stride() == general.stride()
+        assert torch.equal(_bits(fused), _bits(general)), (name, shape, axis)
 
 
 def test_what_the_fused_pass_leaves_to_the_general_steps() -> None:
