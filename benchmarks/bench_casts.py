@@ -251,11 +251,17 @@ def set_malloc(regime: str, nbytes: int) -> str:
 # --- timing ---------------------------------------------------------------------------------
 
 
+CLOCK: Callable[[], float] = time.perf_counter
+"""What :func:`once` reads: wall seconds, or ``time.thread_time`` (the calling thread's CPU
+seconds: with one thread, every kernel runs on it, and a busy machine's waits do not count)."""
+
+
 def once(fn: Callable[[], object]) -> float:
-    """Seconds one call of ``fn`` takes (its result is dropped before returning)."""
-    start = time.perf_counter()
+    """Seconds one call of ``fn`` takes by :data:`CLOCK` (its result is dropped before
+    returning)."""
+    start = CLOCK()
     fn()
-    return time.perf_counter() - start
+    return CLOCK() - start
 
 
 def measure(x: torch.Tensor, fmt: driftcli.Format, repeat: int) -> dict[str, float]:

@@ -14,7 +14,9 @@ printed apart); "1st call +s" is the first call in a fresh process beyond a late
 With ``--implementations`` it times instead every implementation preset (``torchao/…``,
 ``te/…``, ``deepseek/…``, docs/recipes.md) against drift's exact cast of the same recipe,
 interleaved in the same process on the numba path, values only, and checks each against
-:data:`IMPLEMENTATION_TARGET`.
+:data:`IMPLEMENTATION_TARGET`. ``--clock cpu`` times by the thread's CPU seconds instead of the
+wall clock (with ``--threads 1`` every kernel runs on the calling thread): on a shared, busy
+machine the ratios then move less from run to run.
 
 Run ``python benchmarks/bench_scaled_casts.py --help`` for the options.
 """
@@ -26,6 +28,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +38,7 @@ import driftcli
 from driftcli import kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_casts
 from bench_casts import PATHS, interleaved, machine, same_bits, set_malloc, set_path
 
 SPECS = ("fp8_e4m3", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4")
@@ -136,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--specs", nargs="*", default=list(SPECS))
     parser.add_argument("--malloc", choices=("fresh", "reuse", "as-is"), default="fresh")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads first")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time by the wall clock or the thread's CPU seconds (with "
+                             "--threads 1)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--implementations", nargs="*", metavar="PRESET",
                         help="time implementation presets (all, or those named) against "
@@ -143,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu":
+        if torch.get_num_threads() != 1:
+            parser.error("--clock cpu counts the calling thread only: add --threads 1")
+        bench_casts.CLOCK = time.thread_time
     side = int(args.n**0.5)
     shape = (side, args.n // side)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
@@ -150,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
           f"{info['threads']} threads, commit {info['commit']}; malloc {malloc}; "
+          f"clock {args.clock}; "
           f"numba {kernels.jit_unavailable() or 'at hand'}")
     print(f"input: {shape[0]} x {shape[1]} float32 standard normal ({x.numel():,} elements)")
     if args.implementations is not None:

@@ -10,8 +10,10 @@ TransformerEngine at d0067d0); dequantized as ``dequantize_nvfp4.cuh`` lines 66-
 ``E4M3_MAX = 256``. Each step is one IEEE float32 operation. The scales are torch (one value per
 block); the candidates' codes and errors, the hot loop, run on the kernel seam: numba's
 ``kernels.fourcode.errors_kernel`` (with the element kernel's rounding) or torch's element
-rounding and :func:`block_errors`, the same bits. Its exact twin is
-``driftcli.oracle_arith.four_over_six``.
+rounding and :func:`block_errors`, the same bits. A values-only cast whose blocks are all
+finite takes :func:`fused_values` on numba instead: scales, candidates, errors, the choice and
+the values in one pass (``kernels.fourcode.values_kernel``), the same bits again. Its exact
+twin is ``driftcli.oracle_arith.four_over_six``.
 """
 
 from __future__ import annotations
@@ -21,11 +23,20 @@ from collections.abc import Callable
 import torch
 
 from driftcli import kernels, rounding
+from driftcli.cast import Cast
 from driftcli.formats import FORMATS, Format
 from driftcli.kernels import jit
-from driftcli.modes import DEFAULT_SR_BITS, ElementOp, Overflow, Rounding, TwoLevelOrder
+from driftcli.modes import (
+    DEFAULT_SR_BITS,
+    ElementOp,
+    Granularity,
+    Overflow,
+    Rounding,
+    TwoLevelOrder,
+)
 from driftcli.rounding import round_values
 from driftcli.scalearith import F32_MAX, ArithScales
+from driftcli.scaling import to_blocks
 
 Tensor = torch.Tensor
 
@@ -132,3 +143,38 @@ def four_over_six_scales(blocks: Tensor, amax: Tensor, tensor_amax: Tensor, elem
     undo = (sb * t) * (1 / torch.tensor(GLOBAL_MAX))
     clamped = (raw > 448.0) | ((raw > 0) & (sb == 0))
     return ArithScales(apply, undo, undo.double(), clamped, float(dec), ElementOp.MUL)
+
+
+def fused_values(x: Tensor, c: Cast, axis: int) -> Tensor | None:
+    """``quantize(x, c)``'s values under 4/6 in two numba passes (the rows' amax, then
+    :func:`driftcli.kernels.jit.four_over_six_values`: scales, candidates, errors, choice and
+    values in one), or None where the general steps run: a cast that is not 4/6 on 1 x 16
+    blocks of a float32 CPU tensor rounded to nearest even and saturating (the rounding both
+    candidates are made with, so the chosen one's codes are the cast's), numba not at hand,
+    or a block that holds NaN or inf. The same bits as the general steps
+    (tests/test_fouroversix_fused.py)."""
+    s = c.scaling
+    order = s.arithmetic.two
+    if not (order.four_over_six and s.granularity is Granularity.BLOCK
+            and c.rounding is Rounding.RNE and c.overflow is Overflow.SATURATE
+            and x.dtype == torch.float32 and x.numel() > 0 and kernels.numba_runs(x)):
+        return None
+    blocks, back = to_blocks(x, s, axis)
+    blocks = blocks.contiguous()
+    amax, bad = jit.block_amax(blocks)
+    if bool(bad.any()):  # NaN and inf go through the general steps' amax policy
+        return None
+    t = amax.max().float()
+    enc, dec = tensor_scales(t)
+    g = torch.tensor(GLOBAL_MAX)
+    consts = (float(t), float(enc), float(g), float(dec), 6.0, EXPAND, float(1 / g), F32_MAX)
+    p = rounding.jit_params(src=rounding.source_of(torch.float32),
+                            tgt=rounding.target_of(c.format), rounding=Rounding.RNE,
+                            overflow=Overflow.SATURATE, sr_bits=DEFAULT_SR_BITS)
+    ps = rounding.jit_params(src=rounding.source_of(torch.float32),
+                             tgt=rounding.target_of(FORMATS["float8_e4m3fn"]),
+                             rounding=Rounding.RNE, overflow=Overflow.SATURATE,
+                             sr_bits=DEFAULT_SR_BITS)
+    q = jit.four_over_six_values(blocks, amax, consts, p, ps, order.squared,
+                                 order.fp16_error)
+    return back(q).to(x.dtype)

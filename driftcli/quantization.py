@@ -21,7 +21,7 @@ from driftcli import kernels, rounding
 from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
-from driftcli.fouroversix import four_over_six_scales
+from driftcli.fouroversix import four_over_six_scales, fused_values
 from driftcli.hadamard import transform
 from driftcli.kernels import jit
 from driftcli.modes import (
@@ -364,6 +364,8 @@ def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
     """The cast; the masks only when asked (they cost more passes than the cast itself)."""
     if not want_info:
         fused = _block_cast_numba(x, c, axis, random_bits, sr_bits)
+        if fused is None and c.scaling.arithmetic.two.four_over_six:
+            fused = fused_values(x, c, axis)
         if fused is not None:
             return fused
     b = cast_blocks(x, c, axis, random_bits, sr_bits, None)

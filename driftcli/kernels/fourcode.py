@@ -14,6 +14,30 @@ from numba import njit
 
 from driftcli.kernels.jitcode import OPTIONS, lean_quotient, row_limits
 
+CHUNK = 64
+"""Rows :func:`values_kernel` works on at a time (their codes and terms stay in cache)."""
+
+
+@njit(inline="always", **OPTIONS)
+def nearest_saturated(y: Any, lo: int, top: int, t_mbits: int, biggest: Any) -> Any:
+    """A float32 ``y`` rounded to nearest even onto a grid of ``t_mbits`` fraction bits whose
+    smallest normal binade is ``2**lo`` (``lo >= -126``), saturating at ``biggest`` (every
+    binade from ``2**top`` up saturates, so ``top`` is one above the grid's top binade), the
+    sign kept (a negative zero too): :func:`~driftcli.kernels.jitcode.round_lean`'s bits for
+    such a grid and a finite or infinite ``y``, in float32 arithmetic that vectorizes. Adding
+    ``M = 2**(e - t_mbits + 23)``, ``e`` the binade of ``|y|`` brought into ``[lo, top]``,
+    leaves float32's last bit at the grid's quantum there, so ``fl(|y| + M) - M`` is ``|y|``
+    rounded to nearest even onto the grid (the subtraction exact); the even multiple of the
+    quantum is the even code (tests/test_fouroversix_fused.py holds it to round_lean)."""
+    bits = np.float32(y).view(np.int32)
+    u = bits & 0x7FFFFFFF
+    e = min(max(np.int64(u >> 23) - 127, np.int64(lo)), np.int64(top))
+    m = np.int32((e - t_mbits + 150) << 23).view(np.float32)
+    mag = np.int32(u).view(np.float32)
+    r = min(np.float32(np.float32(mag + m) - m), biggest)
+    return np.int32(np.float32(r).view(np.int32) | (bits & np.int32(-(1 << 31)))).view(
+        np.float32)
+
 
 @cache
 def errors_kernel(rounding: int, overflow: int, squared: bool,
@@ -55,5 +79,112 @@ def errors_kernel(rounding: int, overflow: int, squared: bool,
                     e6 = e6 + abs(d6)
             err4[row] = e4
             err6[row] = e6
+
+    return kernel
+
+
+@cache
+def values_kernel(rounding: int, overflow: int, squared: bool, fp16: bool, cols: int,
+                  nearest: bool, scale_nearest: bool) -> Callable[..., None]:
+    """``kernel(x, amax, consts, out, q, qs, start, stop)``: a whole 4/6 cast of the rows
+    ``start:stop`` of float32 ``x`` (``cols`` a row, ``amax`` each row's, every element
+    finite) in one pass, the chosen candidate's values written to ``out``. Per row, the steps
+    of ``fouroversix.four_over_six_scales`` in its order, each one IEEE float32 operation:
+    ``base = fl(fl(amax / 6) · enc)``, ``raw4 = fl(base · 1.5)``, the E4M3 block scales
+    ``sb4``, ``sb6`` (rounded by ``qs``: nearest even, saturating), the multipliers
+    ``min(fl(1 / fl(sb · dec)), max)``; both candidates' codes (rounded by ``q``) and errors
+    as :func:`errors_kernel` sums them (from 0, in element order); map-to-4 where its error
+    is strictly smaller; the values ``fl(code · fl(fl(sb · t) · inv_g))``. ``consts`` is
+    ``(t, enc, g, dec, six, expand, inv_g, max)``, float32.
+
+    For speed: ``cols`` is a constant of the machine code (a block's loops unroll), rows go
+    in chunks of :data:`CHUNK` whose scales are computed side by side, and each row's error
+    sum, a chain of dependent additions, runs beside the other rows' (the order within a row
+    unchanged). With ``nearest`` (``scale_nearest``: for ``qs``) a grid
+    :func:`nearest_saturated` rounds (nearest even, saturating) is rounded by it, else by
+    :func:`~driftcli.kernels.jitcode.lean_quotient`: the same bits."""
+
+    @njit(**OPTIONS)
+    def kernel(x: Any, amax: Any, consts: Any, out: Any, q: Any, qs: Any, start: int,
+               stop: int) -> None:
+        p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
+             rounding, overflow, q[15])
+        ps = (qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7], qs[8], qs[9], qs[10],
+              qs[11], qs[12], qs[13], qs[14], qs[15])
+        lim = row_limits(0, p)
+        slim = row_limits(0, ps)
+        lo, t_mbits = lim[0], p[3]
+        above = lim[1] + t_mbits + 1
+        biggest = np.int32(lim[2]).view(np.float32)
+        s_lo, s_mbits = slim[0], ps[3]
+        s_above = slim[1] + s_mbits + 1
+        s_biggest = np.int32(slim[2]).view(np.float32)
+        t, enc, g, dec, six, expand, inv_g, top = (consts[0], consts[1], consts[2], consts[3],
+                                                   consts[4], consts[5], consts[6], consts[7])
+        one = np.float32(1.0)
+        n_max = CHUNK
+        sb4s = np.empty(n_max, dtype=np.float32)
+        sb6s = np.empty(n_max, dtype=np.float32)
+        a4s = np.empty(n_max, dtype=np.float32)
+        a6s = np.empty(n_max, dtype=np.float32)
+        e4s = np.empty(n_max, dtype=np.float32)
+        e6s = np.empty(n_max, dtype=np.float32)
+        c4 = np.empty(n_max * cols, dtype=np.float32)
+        c6 = np.empty(n_max * cols, dtype=np.float32)
+        d4 = np.empty(n_max * cols, dtype=np.float32)
+        d6 = np.empty(n_max * cols, dtype=np.float32)
+        for first in range(start, stop, n_max):
+            n = min(n_max, stop - first)
+            for r in range(n):  # the scales
+                base = np.float32(np.float32(amax[first + r] / six) * enc)
+                raw4 = np.float32(base * expand)
+                if scale_nearest:
+                    sb4 = nearest_saturated(raw4, s_lo, s_above, s_mbits, s_biggest)
+                    sb6 = nearest_saturated(base, s_lo, s_above, s_mbits, s_biggest)
+                else:
+                    sb4 = lean_quotient(raw4, 0, slim, ps)
+                    sb6 = lean_quotient(base, 0, slim, ps)
+                a4 = np.float32(one / np.float32(sb4 * dec))
+                a6 = np.float32(one / np.float32(sb6 * dec))
+                sb4s[r] = sb4
+                sb6s[r] = sb6
+                a4s[r] = top if a4 > top else a4
+                a6s[r] = top if a6 > top else a6
+            xs = x[first * cols:(first + n) * cols]
+            for r in range(n):  # the candidates' codes and error terms
+                a4, a6, sb4, sb6 = a4s[r], a6s[r], sb4s[r], sb6s[r]
+                for j in range(cols):
+                    i = r * cols + j
+                    v = xs[i]
+                    if nearest:
+                        k4 = nearest_saturated(v * a4, lo, above, t_mbits, biggest)
+                        k6 = nearest_saturated(v * a6, lo, above, t_mbits, biggest)
+                    else:
+                        k4 = lean_quotient(v * a4, 0, lim, p)
+                        k6 = lean_quotient(v * a6, 0, lim, p)
+                    c4[i] = k4
+                    c6[i] = k6
+                    if fp16:
+                        o = v * enc
+                        f4 = k4 * sb4 - o
+                        f6 = k6 * sb6 - o
+                    else:
+                        f4 = ((k4 * sb4) * t) / g - v
+                        f6 = ((k6 * sb6) * t) / g - v
+                    d4[i] = f4 * f4 if squared else abs(f4)
+                    d6[i] = f6 * f6 if squared else abs(f6)
+            e4s[:n] = np.float32(0.0)
+            e6s[:n] = np.float32(0.0)
+            for j in range(cols):  # element j of every row, rows side by side
+                for r in range(n):
+                    e4s[r] = e4s[r] + d4[r * cols + j]
+                    e6s[r] = e6s[r] + d6[r * cols + j]
+            os = out[first * cols:(first + n) * cols]
+            for r in range(n):  # the choice: map-to-4 only where its error is smaller
+                pick4 = e4s[r] < e6s[r]
+                undo = np.float32(np.float32((sb4s[r] if pick4 else sb6s[r]) * t) * inv_g)
+                codes = c4 if pick4 else c6
+                for j in range(cols):
+                    os[r * cols + j] = codes[r * cols + j] * undo
 
     return kernel

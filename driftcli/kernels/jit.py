@@ -520,3 +520,36 @@ def hadamard16(groups: Tensor, entries: tuple[float, ...]) -> Tensor:
     spread(code.rht_kernel, n, 16 * 16, _array(groups), np.asarray(entries, dtype=np.float32),
            out, out.view(np.uint32))
     return torch.from_numpy(out).view(n, 16)
+
+
+def four_over_six_values(blocks: Tensor, amax: Tensor, consts: tuple[float, ...],
+                         p: tuple[int, ...], ps: tuple[int, ...], squared: bool,
+                         fp16: bool) -> Tensor:
+    """A whole four-over-six cast of each row of a contiguous 2-D float32 ``blocks`` (every
+    element finite, ``amax`` each row's) in one pass: its scales, both candidates, their
+    errors, the choice and the chosen values (:func:`driftcli.kernels.fourcode.values_kernel`;
+    ``consts`` its float32 constants, ``p`` the elements' rounding, ``ps`` the block scales')."""
+    import driftcli.kernels.fourcode as code  # numba, on first use only
+
+    rows, cols = blocks.shape
+    out = np.empty(rows * cols, dtype=np.float32)
+    kernel = code.values_kernel(p[13], p[14], squared, fp16, cols, nearest_saturates(p),
+                                nearest_saturates(ps))
+    spread(kernel, rows, cols, _array(blocks), _array(amax.float()),
+           np.asarray(consts, dtype=np.float32), out, np.asarray(p, dtype=np.int64),
+           np.asarray(ps, dtype=np.int64))
+    return torch.from_numpy(out).view(rows, cols)
+
+
+def nearest_saturates(p: tuple[int, ...]) -> bool:
+    """Whether :func:`driftcli.kernels.fourcode.nearest_saturated` rounds float32 onto the
+    grid of ``p`` (scaled by ``2**0``) as ``round_lean`` does: nearest even, saturating, a
+    signed format with a zero and a negative zero, 1 to 22 fraction bits (ties by the kept
+    bit), normals from ``2**-126`` up, and every magic constant a float32 normal."""
+    ebits, mbits, emin, t_mbits, qmax = p[0], p[1], p[2], p[3], p[4]
+    signed, has_inf, has_nan, has_zero, has_neg_zero, rounding, overflow = (
+        p[7], p[8], p[9], p[10], p[11], p[13], p[14])
+    saturating = overflow == 0 or not (has_inf or has_nan)
+    return bool((ebits, mbits) == (8, 23) and rounding == 0 and saturating and signed
+                and has_zero and has_neg_zero and 1 <= t_mbits <= 22 and emin >= -126
+                and qmax + t_mbits + 1 - t_mbits + 150 <= 254)
