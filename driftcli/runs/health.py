@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -357,8 +357,10 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
                     counts[n].frozen = int(frozen(prev[n], t, settings.storage).sum())
                     counts[n].predicted = int(predicted_frozen(
                         source_prev[n], source_now[n], between, settings.storage).sum())
-            if settings.state_layout is not None and prev_ck is not None and between == 1:
-                for n, c in _moments(prev_ck, ck).items():
+            if settings.state_layout is not None:
+                # staleness needs the step's gradient, recoverable over one step only
+                before = prev_ck if between == 1 else None
+                for n, c in _moments(before, ck, settings.state_layout).items():
                     counts[n].state = c
             if settings.grad_cast is not None:
                 for n, g in _gradients(ck, settings).items():
@@ -379,9 +381,11 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
     return _rows(name, per_step, settings)
 
 
-def _moments(before: DriftCheckpoint, after: DriftCheckpoint) -> dict[str, StateCounts]:
-    """Per parameter the layout quantizes and both checkpoints hold AdamW moments of: the
-    moments' counts over the one step between them."""
+def _moments(before: DriftCheckpoint | None, after: DriftCheckpoint,
+             layout: StateLayout) -> dict[str, StateCounts]:
+    """Per parameter the layout quantizes and ``after`` holds AdamW moments of: the moments'
+    counts at ``after``, with their staleness over the step from ``before`` (one step earlier;
+    None: no staleness)."""
     train = after.state.get("train") or {}
     if str(train.get("optimizer", "adamw")) != "adamw":
         return {}
@@ -389,12 +393,14 @@ def _moments(before: DriftCheckpoint, after: DriftCheckpoint) -> dict[str, State
     eps = float(train.get("eps", 1e-8))
     step = int(after.state.get("optimizer_step", after.step))
     out: dict[str, StateCounts] = {}
-    m0s, v0s = before.optimizer.get("exp_avg", {}), before.optimizer.get("exp_avg_sq", {})
+    old = {} if before is None else before.optimizer
+    m0s, v0s = old.get("exp_avg", {}), old.get("exp_avg_sq", {})
     m1s, v1s = after.optimizer.get("exp_avg", {}), after.optimizer.get("exp_avg_sq", {})
     for name, m1 in m1s.items():
-        if name in m0s and name in v0s and name in v1s and quantized(m1.numel()):
-            out[name] = state_counts(m0s[name], v0s[name], m1, v1s[name], betas=(b1, b2),
-                                     eps=eps, step=step)
+        if name in v1s and quantized(m1.numel(), layout) and step > 0:
+            out[name] = state_counts(m0s.get(name), v0s.get(name) if name in m0s else None, m1,
+                                     v1s[name], betas=(b1, b2), eps=eps, step=step,
+                                     layout=layout)
     return out
 
 
@@ -412,9 +418,14 @@ def _total(counts: dict[str, _Counts]) -> _Counts:
     out.grad_sq, out.noise_sq = add("grad_sq"), add("noise_sq")
     held = [c.state for c in parts if c.state is not None]
     if held:
-        out.state = StateCounts(*(sum(getattr(h, f.name) for h in held)
+        out.state = StateCounts(*(_sum([getattr(h, f.name) for h in held])
                                   for f in dataclasses.fields(StateCounts)))
     return out
+
+
+def _sum(values: list[Any]) -> Any:
+    """The sum of counts, None if any is None (a tensor without a one-step interval)."""
+    return None if any(v is None for v in values) else sum(values)
 
 
 @dataclass(frozen=True)
@@ -465,8 +476,10 @@ def _rows(name: str, per_step: list[_Point], settings: HealthSettings) -> list[H
             oscillating_share=_share(c.oscillating, c.numel),
             flips_mean=None if c.flips is None else c.flips / c.numel,
             state_layout=None if settings.state_layout is None else settings.state_layout.value,
-            m_stale_share=None if st is None else _share(st.m_stale, st.m_moved),
-            v_stale_share=None if st is None else _share(st.v_stale, st.v_moved),
+            m_stale_share=None if st is None or st.m_moved is None else _share(
+                st.m_stale, st.m_moved),
+            v_stale_share=None if st is None or st.v_moved is None else _share(
+                st.v_stale, st.v_moved),
             v_zero_share=None if st is None else _share(st.v_zero, st.v_nonzero),
             update_cosine=None if st is None else st.cosine()))
     return rows
