@@ -127,9 +127,11 @@ class HealthRow:
         "layout's update leaves unchanged (one-step intervals, tensors the layout quantizes); "
         "else null")
     v_stale_share: float | None = column("As m_stale_share, for exp_avg_sq")
-    v_zero_share: float | None = column("Share of nonzero exp_avg_sq values stored as 0")
+    v_zero_share: float | None = column(
+        "Share of nonzero exp_avg_sq values stored as 0 (every checkpoint with moments)")
     update_cosine: float | None = column(
-        "Cosine of the Adam direction from the stored moments against the float32 one")
+        "Cosine of the Adam update the layout takes (from the float32 lerp of its stored "
+        "moments) against the float32 run's (one-step intervals); else null")
 
 
 @dataclass(frozen=True)
