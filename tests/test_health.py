@@ -430,3 +430,51 @@ def test_what_each_layout_does_to_a_small_second_moment_and_a_small_ema_step() -
     alone = state_counts(None, None, m1, v1, betas=(b1, b2), eps=1e-8, step=10,
                          layout="torchao-fp8")
     assert alone.m_moved is None and alone.cosine() is None and alone.v_zero == 1
+
+
+# --- engines -----------------------------------------------------------------------------------
+
+def test_units_of_any_size_give_the_same_rows(runs: tuple[Path, Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run in units of 3 checkpoints against one unit of all 17: each unit reads the
+    window before its first checkpoint, so the freeze, oscillation, gradient and state columns
+    of a checkpoint do not depend on where a unit starts (planted: a unit that read no
+    history would count no oscillation at its first checkpoint and no freeze)."""
+    import driftcli.runs.health as module
+
+    float32, bf16 = runs
+    settings = {"reference": float32, "cast": "mxfp4_e2m1", "grad_cast": "mxfp4_e2m1",
+                "state_layout": "torchao-fp8", "window": 4}
+    monkeypatch.setattr(module, "CHUNK", 1000)
+    whole = health(bf16, **settings)
+    monkeypatch.setattr(module, "CHUNK", 3)
+    assert health(bf16, **settings) == whole
+    by = {(r.step, r.parameter): r for r in whole}
+    # checkpoint 3 is the first of the second unit of 3: its columns come from the history
+    assert by[(3, "*")].window == 3 and by[(3, "*")].frozen_share is not None
+    assert by[(16, "*")].window == 4
+    cosine = by[(16, "*")].update_cosine  # FP8 moments, the bfloat16 run's AdamW state
+    assert cosine is not None and 0.99 < cosine < 1
+
+
+@pytest.mark.slow  # two worker processes and two Ray workers load torch: about 20 s of CPU
+def test_health_on_every_engine_is_the_serial_table(runs: tuple[Path, Path], tmp_path: Path,
+                                                    ray_cluster: object) -> None:
+    """drift health in this process, in 2 local processes and on Ray: the same table, bit for
+    bit (17 checkpoints: two units, the second reading the first's last window)."""
+    import pandas as pd
+
+    float32, _ = runs
+    tables = {}
+    for engine in ("serial", "processes", "ray"):
+        out = tmp_path / engine
+        code, _, err = drift("health", float32, "-c", "mxfp4_e2m1", "--grad-cast", "nvfp4:sr",
+                             "--state-layout", "torchao-4bit", "--window", "4", "--engine",
+                             engine, "--workers", "2", "--out", out, "-q")
+        assert code == 0, err
+        table, prov = read_table(out / "health.parquet")
+        assert prov["engine"] == engine
+        tables[engine] = table
+    assert len(tables["serial"]) == 17 * 6  # checkpoints x (5 parameters and *)
+    for engine in ("processes", "ray"):
+        pd.testing.assert_frame_equal(tables["serial"], tables[engine], check_exact=True)

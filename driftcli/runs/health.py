@@ -36,15 +36,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
+from driftcli import engines
 from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
+from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io.tables import column
 from driftcli.measures.grad_cosine import ALL_PARAMETERS
@@ -307,11 +309,78 @@ def _reference_paths(run: Path, reference: str | Path | None, pattern: str,
     return paths
 
 
-def _walk(paths: list[Path], ref: list[Path] | None) -> Iterator[
-        tuple[DriftCheckpoint, dict[str, Tensor] | None]]:
-    for i, path in enumerate(paths):
-        ck = load_checkpoint(path)
-        yield ck, None if ref is None else _weights(load_checkpoint(ref[i]))
+CHUNK = 16
+"""Checkpoints per work unit. A unit also reads the ``window`` checkpoints before its first
+(the oscillation's history and the freeze's previous weights) without counting them, so the
+units are the same on every engine and each checkpoint is counted once, the same way."""
+
+
+@dataclass(frozen=True)
+class HealthUnit:
+    """Checkpoints ``start`` to ``stop − 1`` of a run (and of its reference), counted."""
+
+    paths: tuple[str, ...]
+    reference: tuple[str, ...] | None
+    start: int
+    stop: int
+    settings: HealthSettings
+
+    def key(self) -> str:
+        """Everything the unit's counts depend on, the files' stamps included."""
+        first = max(0, self.start - self.settings.window)
+        files = self.paths[first:self.stop] + (self.reference or ())[first:self.stop]
+        return (f"health|{engines.stamp(*files)}|{self.start}|{self.stop}|"
+                f"{self.settings}")
+
+
+def health_unit(unit: HealthUnit) -> list[_Point]:
+    """The counts of the unit's checkpoints (module docs), in step order."""
+    settings = unit.settings
+    first = max(0, unit.start - max(settings.window, 1))
+    history: deque[tuple[dict[str, Tensor], dict[str, Tensor]]] = deque(
+        maxlen=settings.window + 1)
+    prev: dict[str, Tensor] | None = None
+    prev_ck: DriftCheckpoint | None = None
+    prev_ref: dict[str, Tensor] | None = None
+    prev_step = 0
+    out: list[_Point] = []
+    with deterministic(settings.threads):
+        for i in range(first, unit.stop):
+            ck = load_checkpoint(Path(unit.paths[i]))
+            ref_w = (None if unit.reference is None
+                     else _weights(load_checkpoint(Path(unit.reference[i]))))
+            w = _weights(ck)
+            counted = i >= unit.start
+            counts = {n: _Counts(t.numel()) for n, t in w.items()}
+            between = None if prev is None else ck.step - prev_step
+            if counted and prev is not None and between is not None:
+                source_prev = prev if prev_ref is None else prev_ref
+                source_now = w if ref_w is None else ref_w
+                for n, t in w.items():
+                    counts[n].frozen = int(frozen(prev[n], t, settings.storage).sum())
+                    counts[n].predicted = int(predicted_frozen(
+                        source_prev[n], source_now[n], between, settings.storage).sum())
+            if counted and settings.state_layout is not None:
+                # staleness needs the step's gradient, recoverable over one step only
+                before = prev_ck if between == 1 else None
+                for n, c in _moments(before, ck, settings.state_layout).items():
+                    counts[n].state = c
+            if counted and settings.grad_cast is not None:
+                for n, g in _gradients(ck, settings).items():
+                    norm, noise = gradient_noise(g, settings.grad_cast, seed=settings.seed)
+                    counts[n].grad_sq, counts[n].noise_sq = norm * norm, noise * noise
+            if settings.cast is not None:
+                history.append((w, {n: weight_cast(t, settings.cast, settings.seed)
+                                    for n, t in w.items()}))
+                if counted and len(history) > 1:
+                    for n in w:
+                        osc = oscillation([h[0][n] for h in history], [h[1][n] for h in history])
+                        counts[n].oscillating = int(osc.oscillating().sum())
+                        counts[n].flips = int(osc.flips.sum())
+            if counted:
+                out.append(_Point(i, ck.step, ck.path.name, between, counts))
+            prev, prev_ref, prev_step, prev_ck = w, ref_w, ck.step, ck
+    return out
 
 
 def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
@@ -320,10 +389,13 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
            window: int = 8, windows: int | None = None, text: str | Path | None = None,
            seed: int = 0, checkpoints: str = CHECKPOINTS, threads: int = 1,
            state_layout: StateLayout | str | None = None,
-           progress: Progress | None = None) -> list[HealthRow]:
+           progress: Progress | None = None,
+           execution: Execution | None = None) -> list[HealthRow]:
     """The health rows of every checkpoint of ``run`` (module docs): per checkpoint, each
     trainable parameter in the model's order, then ``*``. Torch runs deterministically on
-    ``threads`` threads; ``progress`` is told the checkpoints done."""
+    ``threads`` threads. The checkpoints run in :class:`HealthUnit` s of :data:`CHUNK` on
+    ``execution``'s engine (serial by default), the same units on every engine, so every
+    engine gives the same rows; ``progress`` is told the checkpoints done."""
     if not 0 < threshold <= 1:
         raise HealthError(f"threshold must be a share in (0, 1], not {threshold}")
     if window < 1:
@@ -332,55 +404,21 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
         parse_choice(Storage, storage, "storage format"), threshold,
         None if cast is None else parse_cast(cast),
         None if grad_cast is None else parse_cast(grad_cast), window, windows,
-        None if text is None else str(text), seed, threads,
+        None if text is None else str(Path(text).resolve()), seed, threads,
         None if state_layout is None else parse_choice(StateLayout, state_layout,
                                                        "optimizer-state layout"))
     folder = Path(run)
     paths = run_checkpoints(folder, checkpoints)
     steps = [int(read_info(p)[1].get("step", 0)) for p in paths]
     ref = _reference_paths(folder, reference, checkpoints, steps)
-    name = folder.resolve().name
-    per_step: list[_Point] = []
-    with deterministic(threads):
-        history: deque[tuple[dict[str, Tensor], dict[str, Tensor]]] = deque(
-            maxlen=window + 1)
-        prev: dict[str, Tensor] | None = None
-        prev_ck: DriftCheckpoint | None = None
-        prev_ref: dict[str, Tensor] | None = None
-        prev_step = 0
-        for done, (ck, ref_w) in enumerate(_walk(paths, ref)):
-            w = _weights(ck)
-            counts = {n: _Counts(t.numel()) for n, t in w.items()}
-            between = None if prev is None else ck.step - prev_step
-            if prev is not None and between is not None:
-                source_prev = prev if prev_ref is None else prev_ref
-                source_now = w if ref_w is None else ref_w
-                for n, t in w.items():
-                    counts[n].frozen = int(frozen(prev[n], t, settings.storage).sum())
-                    counts[n].predicted = int(predicted_frozen(
-                        source_prev[n], source_now[n], between, settings.storage).sum())
-            if settings.state_layout is not None:
-                # staleness needs the step's gradient, recoverable over one step only
-                before = prev_ck if between == 1 else None
-                for n, c in _moments(before, ck, settings.state_layout).items():
-                    counts[n].state = c
-            if settings.grad_cast is not None:
-                for n, g in _gradients(ck, settings).items():
-                    norm, noise = gradient_noise(g, settings.grad_cast, seed=seed)
-                    counts[n].grad_sq, counts[n].noise_sq = norm * norm, noise * noise
-            if settings.cast is not None:
-                history.append((w, {n: weight_cast(t, settings.cast, seed) for n, t in
-                                    w.items()}))
-                if len(history) > 1:
-                    for n in w:
-                        osc = oscillation([h[0][n] for h in history], [h[1][n] for h in history])
-                        counts[n].oscillating = int(osc.oscillating().sum())
-                        counts[n].flips = int(osc.flips.sum())
-            per_step.append(_Point(len(per_step), ck.step, ck.path.name, between, counts))
-            prev, prev_ref, prev_step, prev_ck = w, ref_w, ck.step, ck
-            if progress is not None:
-                progress(done + 1, len(paths), ck.path.name)
-    return _rows(name, per_step, settings)
+    mine = tuple(str(p.resolve()) for p in paths)
+    theirs = None if ref is None else tuple(str(p.resolve()) for p in ref)
+    units = [HealthUnit(mine, theirs, i, min(i + CHUNK, len(mine)), settings)
+             for i in range(0, len(mine), CHUNK)]
+    per_unit = engines.run(units, health_unit, execution, progress=progress,
+                           label=lambda u: Path(u.paths[u.stop - 1]).name,
+                           size=lambda u: u.stop - u.start)
+    return _rows(folder.resolve().name, [p for points in per_unit for p in points], settings)
 
 
 def _moments(before: DriftCheckpoint | None, after: DriftCheckpoint,
