@@ -3,14 +3,12 @@
 #
 #   examples/findings.sh [--out DIR] [PART ...]     # DIR defaults to findings-out
 #
-# PART: a b c d claim1 ... claim7, or all (the default); or rht (not in all: stories260K from
-# ../shared/data/models/stories260K-hf, so run it from the repository's root); or health (not in
-# all: does drift health predict the divergences? its own runs, a checkpoint every 25 steps,
-# and examples/findings_health.py's summary in DIR/health). A part runs
-# alone (examples/findings.sh claim5) and trains what it needs; a run already in DIR from the
-# same command is kept, so parts share their runs. CPU only, one torch thread per process, at
-# most FINDINGS_JOBS (default 2) drift processes at a time. At the end it prints each part's key
-# numbers, writes them to DIR/summary.json and draws DIR/plots/*.png (findings_summary.py).
+# PART: a b c d claim1 ... claim7, or all (the default); or, not in all, rht (reads
+# ../shared/data/models/stories260K-hf: run it from the repository's root) or health (its own
+# runs, into DIR/health). A part runs alone and trains what it needs; a run already in DIR from
+# the same command is kept, so parts share their runs. CPU only, one torch thread per process,
+# at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it prints each part's
+# key numbers, writes them to DIR/summary.json and draws DIR/plots/*.png (findings_summary.py).
 set -euo pipefail
 
 OUT=findings-out

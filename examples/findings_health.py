@@ -169,7 +169,7 @@ def plot(folder: Path, result: dict[str, Any]) -> Path:
                 ax.set_yscale("log")
     fig.tight_layout()
     path = folder / "health.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
 
