@@ -447,8 +447,10 @@ def test_units_of_any_size_give_the_same_rows(runs: tuple[Path, Path],
                 "state_layout": "torchao-fp8", "window": 4}
     monkeypatch.setattr(module, "CHUNK", 1000)
     whole = health(bf16, **settings)
+    freeze_only = health(bf16, reference=float32)  # without a cast a unit reads one before
     monkeypatch.setattr(module, "CHUNK", 3)
     assert health(bf16, **settings) == whole
+    assert health(bf16, reference=float32) == freeze_only
     by = {(r.step, r.parameter): r for r in whole}
     # checkpoint 3 is the first of the second unit of 3: its columns come from the history
     assert by[(3, "*")].window == 3 and by[(3, "*")].frozen_share is not None

@@ -27,6 +27,13 @@ parameter and over all of them (``parameter = "*"``), at every checkpoint after 
   weight's Σ|w_{j+1} − w_j|, ``cast`` applied to the weight along its last axis; the share
   of elements whose ratio is 16 or more (``oscillating_share``; an element whose quantized
   value moved while the master did not counts), and the mean number of code flips.
+- **optimizer state** (``state_layout``): the run's float32 Adam moments under one of
+  torchao's quantized layouts (:mod:`driftcli.runs.optstate`): second moments stored as 0 at
+  every checkpoint; over one-step intervals, the EMA updates that round back to the stored
+  value and the cosine of the update the layout takes against the exact one.
+
+The checkpoints run in units of :data:`CHUNK` on an engine (:mod:`driftcli.engines`), each
+unit reading the checkpoints before its first that its counts need.
 
 All the sums are float64; the freeze counts are exact.
 """
@@ -327,7 +334,7 @@ class HealthUnit:
 
     def key(self) -> str:
         """Everything the unit's counts depend on, the files' stamps included."""
-        first = max(0, self.start - self.settings.window)
+        first = max(0, self.start - self.settings.window)  # at most what the unit reads
         files = self.paths[first:self.stop] + (self.reference or ())[first:self.stop]
         return (f"health|{engines.stamp(*files)}|{self.start}|{self.stop}|"
                 f"{self.settings}")
@@ -336,7 +343,9 @@ class HealthUnit:
 def health_unit(unit: HealthUnit) -> list[_Point]:
     """The counts of the unit's checkpoints (module docs), in step order."""
     settings = unit.settings
-    first = max(0, unit.start - max(settings.window, 1))
+    # the oscillation's history needs the window before the first checkpoint, the freeze the
+    # one checkpoint before it
+    first = max(0, unit.start - (settings.window if settings.cast is not None else 1))
     history: deque[tuple[dict[str, Tensor], dict[str, Tensor]]] = deque(
         maxlen=settings.window + 1)
     prev: dict[str, Tensor] | None = None
