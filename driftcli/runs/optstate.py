@@ -25,10 +25,10 @@ commits below, and torchao 0.18.0 as installed, whose copies are the same lines)
   float8_e4m3fn (nearest even; drift's exact cast), read back as ``code · scale``; both
   moments.
 
-In every layout (``adam.py`` at 83379fe, lines 66-76) only a tensor of 4,096 values or more,
-a whole number of blocks, is quantized (the others stay float32, as bitsandbytes does);
-lines 180-192: each step's moments are ``lerp(dequantized state, g, 1 − β)`` in float32, then
-quantized again.
+In every layout (``adam.py``, torchao 0.18.0, lines 71-78) only a tensor of 4,096 values or
+more, a whole number of blocks, is quantized (the others stay float32, as bitsandbytes does);
+lines 190-204: each step's moments are ``lerp(dequantized state, g, 1 − β)`` in float32, the
+weights are updated from those, and then they are quantized again.
 
 :func:`state_values` is that quantization, tested bit for bit against torchao's own
 ``OptimState8bit``, ``OptimState4bit`` and ``OptimStateFp8`` (``tests/test_health.py``).
@@ -194,7 +194,7 @@ def state_counts(m0: Tensor | None, v0: Tensor | None, m1: Tensor, v1: Tensor, *
     - the Adam update's direction ``m̂ / (√v̂ + ε)`` at ``step`` (the step of ``m1``) as the
       layout takes it, from ``lerp(stored m0, g, 1 − β₁)`` and ``lerp(stored v0, g², 1 − β₂)``
       in float32 (torchao updates the weights from these and only then stores them: ``adam.py``
-      lines 190-205), against the float32 run's own ``m1, v1``: their dot product and squared
+      lines 190-204), against the float32 run's own ``m1, v1``: their dot product and squared
       norms (NaN without ``m0, v0``: the cosine is then unknown).
     """
     b1, b2 = betas
