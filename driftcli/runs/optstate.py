@@ -1,8 +1,8 @@
 """Adam's moments under a quantized optimizer-state layout: what ``drift health`` measures of
 them at a checkpoint and between two checkpoints of a run.
 
-Three layouts, torchao's low-bit Adam states (``torchao.optim``; pytorch/ao, files at the
-commits below, and torchao 0.18.0 as installed, whose copies are the same lines):
+Three layouts, torchao's low-bit Adam states (``torchao.optim``, pytorch/ao; line numbers of
+torchao 0.18.0 as installed; the 8-bit files were first read at the commits named):
 
 - ``torchao-8bit`` (``AdamW8bit``; after Dettmers et al., "8-bit Optimizers via Block-wise
   Quantization", arXiv 2110.02861): ``torchao/optim/quant_utils.py`` at 173b31e, lines 11-61:
