@@ -3,12 +3,12 @@
 #
 #   examples/findings.sh [--out DIR] [PART ...]     # DIR defaults to findings-out
 #
-# PART: a b c d claim1 ... claim7, or all (the default); or rht (not in all: stories260K from
-# ../shared/data/models/stories260K-hf, so run it from the repository's root). A part runs
-# alone (examples/findings.sh claim5) and trains what it needs; a run already in DIR from the
-# same command is kept, so parts share their runs. CPU only, one torch thread per process, at
-# most FINDINGS_JOBS (default 2) drift processes at a time. At the end it prints each part's key
-# numbers, writes them to DIR/summary.json and draws DIR/plots/*.png (findings_summary.py).
+# PART: a b c d claim1 ... claim7, or all (the default); or, not in all, rht (reads
+# ../shared/data/models/stories260K-hf: run it from the repository's root) or health (its own
+# runs, into DIR/health). A part runs alone and trains what it needs; a run already in DIR from
+# the same command is kept, so parts share their runs. CPU only, one torch thread per process,
+# at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it prints each part's
+# key numbers, writes them to DIR/summary.json and draws DIR/plots/*.png (findings_summary.py).
 set -euo pipefail
 
 OUT=findings-out
@@ -17,8 +17,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT=$2; shift 2 ;;
         -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-        a|b|c|d|claim[1-7]|rht|all) PARTS+=("$1"); shift ;;
-        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht all)" >&2; exit 2 ;;
+        a|b|c|d|claim[1-7]|rht|health|all) PARTS+=("$1"); shift ;;
+        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht health all)" >&2; exit 2 ;;
     esac
 done
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(all)
@@ -318,17 +318,47 @@ EOF
     "$PY" "$here/findings_rht.py" "$OUT"
 }
 
+# ---------------------------------------------------------------- health: does drift health predict?
+# The runs of claims 2 and 4 (transformer, lr 0.01: mxfp8_e4m3 diverges, floor+1 does not) and of
+# (c) (MLP, lr 0.03: mxfp4_e2m1 casting both backward operands diverges, forward-only does not),
+# seeds 0-2, as there but a checkpoint every 25 steps and no operand logging; drift health on
+# each under the policy's own cast. Not a part of all; the numbers go to $OUT/health/summary.json
+# and the figure to $OUT/health/health.png (examples/findings_health.py).
+part_health() {
+    log "health: the diverging and the surviving runs, a checkpoint every 25 steps"
+    local H="$OUT/health"
+    mkdir -p "$H"
+    for seed in 0 1 2; do
+        bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy mxfp8_e4m3 --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --checkpoint-every 25 --log-every 0 --eval-every 250 --threads 1 --out "$H/tf-mxfp8-s$seed" --overwrite -q
+        bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy mxfp8_e4m3_floor+1 --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --checkpoint-every 25 --log-every 0 --eval-every 250 --threads 1 --out "$H/tf-floor1-s$seed" --overwrite -q
+        bg drift train --model mlp --policy mxfp4_e2m1 --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --checkpoint-every 25 --log-every 0 --eval-every 250 --threads 1 --out "$H/mlp-recast-s$seed" --overwrite -q
+        bg drift train --model mlp --policy "$OUT/policies/fwd_mxfp4.toml" --lr 0.03 --diverge-factor 2 --steps 1000 --seed $seed --checkpoint-every 25 --log-every 0 --eval-every 250 --threads 1 --out "$H/mlp-fwd-s$seed" --overwrite -q
+    done
+    join
+    for seed in 0 1 2; do
+        for run in tf-mxfp8 tf-floor1; do
+            bg drift health "$H/$run-s$seed" -c mxfp8_e4m3 --grad-cast mxfp8_e4m3 --state-layout torchao-8bit --window 8 --threads 1 --overwrite -q
+        done
+        for run in mlp-recast mlp-fwd; do
+            bg drift health "$H/$run-s$seed" -c mxfp4_e2m1 --grad-cast mxfp4_e2m1 --state-layout torchao-8bit --window 8 --threads 1 --overwrite -q
+        done
+    done
+    join
+    "$PY" "$here/findings_health.py" "$H"
+}
+
 for part in "${PARTS[@]}"; do
     case "$part" in
         a) part_a ;; b) part_b ;; c) part_c ;; d) part_d ;;
         claim1) claim1 ;; claim2) claim2 ;; claim3) claim3 ;; claim4) claim4 ;;
         claim5) claim5 ;; claim6) claim6 ;; claim7) claim7 ;; rht) part_rht ;;
+        health) part_health ;;
     esac
 done
 join
 
 log "summary"
 STUDY_PARTS=()
-for part in "${PARTS[@]}"; do [ "$part" = rht ] || STUDY_PARTS+=("$part"); done
+for part in "${PARTS[@]}"; do [ "$part" = rht ] || [ "$part" = health ] || STUDY_PARTS+=("$part"); done
 [ ${#STUDY_PARTS[@]} -eq 0 ] || "$PY" "$here/findings_summary.py" "$OUT" "$SECONDS" "${STUDY_PARTS[@]}"
 log "done: $OUT/summary.json, $OUT/plots/"

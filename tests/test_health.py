@@ -32,7 +32,7 @@ from driftcli.runs.health import (
     ratio,
     weight_cast,
 )
-from driftcli.runs.optstate import dynamic_map, quantized, state_counts, state_values
+from driftcli.runs.optstate import dynamic_map, linear_map, quantized, state_counts, state_values
 from driftcli.runs.probe import update_lost_exact
 from driftcli.runs.training import checkpoint_name, deterministic, optimizer_buffers
 from driftcli.text import load_corpus, sample_windows
@@ -369,3 +369,114 @@ def test_health_counts_the_state_of_the_tensors_the_layout_quantizes(
         assert r.update_cosine is not None and r.update_cosine > 0.999
     assert by[(2, "hidden.0.weight")].m_stale_share is None  # 2,048 values stay float32
     assert by[(2, "*")].update_cosine is not None
+
+
+@pytest.mark.parametrize("layout", ["torchao-4bit", "torchao-fp8"])
+def test_the_4bit_and_fp8_states_are_torchao_bit_for_bit(layout: str) -> None:
+    """drift's reading of torchao's 4-bit and FP8 Adam states against torchao's own
+    OptimState4bit (blocks of 128) and OptimStateFp8 (blocks of 256), torchao 0.18.0: the
+    4-bit maps, and the stored values of moments spread over 35 binades, signed and unsigned,
+    with every midpoint of the 4-bit maps (their ties) in a block of maximum 1."""
+    from torchao.optim.quant_utils import create_dynamic_map
+    from torchao.optim.subclass_4bit import OptimState4bit, get_qmap_unsigned
+    from torchao.optim.subclass_fp8 import OptimStateFp8
+
+    assert torch.equal(dynamic_map(True, 3, 4), torch.tensor(create_dynamic_map(True, 3, 4)))
+    assert torch.equal(linear_map(), torch.tensor(get_qmap_unsigned()))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 256, generator=gen) * torch.exp2(
+        torch.randint(-30, 5, (64, 1), generator=gen).float())
+    for qmap, row in ((dynamic_map(True, 3, 4), 0), (linear_map(), 1)):
+        mids = (qmap[:-1] + qmap[1:]) / 2
+        x[row, :128] = 0.0
+        x[row, : mids.numel()] = mids
+        x[row, 127] = 1.0  # the block's maximum
+    for signed, t in ((True, x), (False, x.abs())):
+        if layout == "torchao-4bit":
+            state = OptimState4bit.zeros(t.shape, signed, 128)
+        else:
+            state = OptimStateFp8.zeros(t.shape, 256)
+        state.copy_(t)
+        assert torch.equal(state.dequantize(), state_values(t, signed, layout)), signed
+    assert quantized(4096 + 128, "torchao-4bit") and not quantized(4096 + 128, "torchao-fp8")
+
+
+def test_what_each_layout_does_to_a_small_second_moment_and_a_small_ema_step() -> None:
+    """The block of test_an_adam_state_whose_updates_round_back under the other layouts. A
+    second moment of 1e-9 under a maximum of 1: torchao's 4-bit map for v has no 0 (its least
+    value is 1/16), so nothing is stored as 0; FP8 stores 1e-9 · 448 = 4.5e-7, below half of
+    float8_e4m3fn's least subnormal 2^-9, as 0. The moment 0.5 moving by 0.001 is stale in
+    both (FP8: 0.5 · 448 = 224 has spacing 16, 16 / 448 = 0.036). The one moving by 0.1 is
+    not in FP8, but is in 4-bit: the map's entries either side of 0.5 are 0.4375 and 0.6625,
+    0.5 is stored as 0.4375, and the layout's step lerp(0.4375, 1.5, 0.1) = 0.544 stays below
+    their midpoint 0.55."""
+    b1, b2 = 0.9, 0.99
+    m0 = torch.zeros(256)
+    m0[:3] = torch.tensor([1.0, 0.5, 0.5])
+    g = torch.zeros(256)
+    g[:3] = torch.tensor([1.0, 0.51, 1.5])
+    m1 = b1 * m0 + (1 - b1) * g
+    v0 = torch.zeros(256)
+    v0[:3] = 1.0
+    v1 = b2 * v0 + (1 - b2) * g * g
+    v1[3] = 1e-9
+    four = state_counts(m0, v0, m1, v1, betas=(b1, b2), eps=1e-8, step=10, layout="torchao-4bit")
+    fp8 = state_counts(m0, v0, m1, v1, betas=(b1, b2), eps=1e-8, step=10, layout="torchao-fp8")
+    assert (four.m_moved, four.m_stale, four.v_zero) == (2, 2, 0)
+    assert (fp8.m_moved, fp8.m_stale, fp8.v_zero) == (2, 1, 1)
+    top = float(v1[:128].max())  # 1.0125, the block's maximum
+    assert state_values(v1[:128], False, "torchao-4bit")[3] == pytest.approx(top / 16, rel=1e-6)
+    # without the moments one step earlier: no staleness, no cosine
+    alone = state_counts(None, None, m1, v1, betas=(b1, b2), eps=1e-8, step=10,
+                         layout="torchao-fp8")
+    assert alone.m_moved is None and alone.cosine() is None and alone.v_zero == 1
+
+
+# --- engines -----------------------------------------------------------------------------------
+
+def test_units_of_any_size_give_the_same_rows(runs: tuple[Path, Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run in units of 3 checkpoints against one unit of all 17: each unit reads the
+    window before its first checkpoint, so the freeze, oscillation, gradient and state columns
+    of a checkpoint do not depend on where a unit starts (planted: a unit that read no
+    history would count no oscillation at its first checkpoint and no freeze)."""
+    import driftcli.runs.health as module
+
+    float32, bf16 = runs
+    settings = {"reference": float32, "cast": "mxfp4_e2m1", "grad_cast": "mxfp4_e2m1",
+                "state_layout": "torchao-fp8", "window": 4}
+    monkeypatch.setattr(module, "CHUNK", 1000)
+    whole = health(bf16, **settings)
+    freeze_only = health(bf16, reference=float32)  # without a cast a unit reads one before
+    monkeypatch.setattr(module, "CHUNK", 3)
+    assert health(bf16, **settings) == whole
+    assert health(bf16, reference=float32) == freeze_only
+    by = {(r.step, r.parameter): r for r in whole}
+    # checkpoint 3 is the first of the second unit of 3: its columns come from the history
+    assert by[(3, "*")].window == 3 and by[(3, "*")].frozen_share is not None
+    assert by[(16, "*")].window == 4
+    cosine = by[(16, "*")].update_cosine  # FP8 moments, the bfloat16 run's AdamW state
+    assert cosine is not None and 0.99 < cosine < 1
+
+
+@pytest.mark.slow  # two worker processes and two Ray workers load torch: about 20 s of CPU
+def test_health_on_every_engine_is_the_serial_table(runs: tuple[Path, Path], tmp_path: Path,
+                                                    ray_cluster: object) -> None:
+    """drift health in this process, in 2 local processes and on Ray: the same table, bit for
+    bit (17 checkpoints: two units, the second reading the first's last window)."""
+    import pandas as pd
+
+    float32, _ = runs
+    tables = {}
+    for engine in ("serial", "processes", "ray"):
+        out = tmp_path / engine
+        code, _, err = drift("health", float32, "-c", "mxfp4_e2m1", "--grad-cast", "nvfp4:sr",
+                             "--state-layout", "torchao-4bit", "--window", "4", "--engine",
+                             engine, "--workers", "2", "--out", out, "-q")
+        assert code == 0, err
+        table, prov = read_table(out / "health.parquet")
+        assert prov["engine"] == engine
+        tables[engine] = table
+    assert len(tables["serial"]) == 17 * 6  # checkpoints x (5 parameters and *)
+    for engine in ("processes", "ray"):
+        pd.testing.assert_frame_equal(tables["serial"], tables[engine], check_exact=True)

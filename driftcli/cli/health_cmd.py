@@ -11,10 +11,24 @@ from typing import Annotated
 import typer
 
 from driftcli.cli.app import command
-from driftcli.cli.run import Bar, Overwrite, fmt, progress_bar, table_output
+from driftcli.cli.run import (
+    Bar,
+    EngineOpt,
+    Overwrite,
+    RayAddress,
+    Resume,
+    Workers,
+    execution,
+    fmt,
+    progress_bar,
+    table_output,
+    table_provenance,
+    units_dir,
+    write_kept,
+)
 from driftcli.escaping import for_terminal as esc
 from driftcli.models.config import CHECKPOINTS
-from driftcli.modes import Storage
+from driftcli.modes import Engine, Storage
 
 RunFolder = Annotated[Path, typer.Argument(
     metavar="RUN", exists=True, file_okay=False, show_default=False,
@@ -41,7 +55,7 @@ def health_command(
     state_layout: Annotated[str | None, typer.Option(
         metavar="LAYOUT",
         help="Quantized layout of Adam's moments for the optimizer-state columns: "
-             "torchao-8bit.")] = None,
+             "torchao-8bit, torchao-4bit or torchao-fp8.")] = None,
     window: Annotated[int, typer.Option(
         metavar="N", min=1, help="Intervals between checkpoints the oscillation spans.")] = 8,
     checkpoints: Annotated[str, typer.Option(
@@ -58,7 +72,8 @@ def health_command(
         metavar="T", min=1, help="Torch threads.")] = 1,
     out: Annotated[Path | None, typer.Option(
         metavar="DIR", help="Folder for health.parquet (default: the run folder).")] = None,
-    overwrite: Overwrite = False,
+    engine: EngineOpt = Engine.SERIAL, workers: Workers = None, ray_address: RayAddress = None,
+    resume: Resume = False, overwrite: Overwrite = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q",
                                         help="No progress bar, no summary.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
@@ -71,7 +86,6 @@ def health_command(
     """
     from driftcli.castspec import parse_cast
     from driftcli.io.outputs import check_writable
-    from driftcli.io.tables import provenance, write_table
     from driftcli.runs.health import HEALTH_FILE, HealthRow, health, summary
 
     for spec in (cast, grad_cast):
@@ -80,21 +94,23 @@ def health_command(
     folder = run if out is None else out
     check_writable(folder)
     path = folder / HEALTH_FILE
+    kept = units_dir(path)
     with table_output(path, overwrite=overwrite):
+        run_on = execution(engine, workers, ray_address, kept, resume)
         with progress_bar(f"health {run.name}", Bar.ITEMS, quiet) as advance:
             rows = health(run, storage=storage, reference=reference, threshold=threshold,
                           cast=cast, grad_cast=grad_cast, window=window, windows=batch,
                           text=text, seed=seed, checkpoints=checkpoints, threads=threads,
-                          state_layout=state_layout, progress=advance)
+                          state_layout=state_layout, progress=advance, execution=run_on)
         files = list(dict.fromkeys(run / r.checkpoint for r in rows))
         if reference is not None:
             files += list(dict.fromkeys(reference / r.checkpoint for r in rows))
-        prov = provenance(files, seed=seed, extra={
+        prov = table_provenance(files, run_on, seed=seed, extra={
             "storage": storage.value, "reference": None if reference is None else str(reference),
             "threshold": threshold, "cast": cast, "grad_cast": grad_cast, "window": window,
             "state_layout": state_layout,
             "checkpoints": checkpoints})
-        written = write_table(path, HealthRow, rows, prov)
+        written = write_kept(path, HealthRow, rows, prov, kept)
     totals = summary(rows)
     steps = {r.parameter: (r.freeze_step, r.predicted_freeze_step) for r in rows}
     if as_json:

@@ -27,6 +27,13 @@ parameter and over all of them (``parameter = "*"``), at every checkpoint after 
   weight's Σ|w_{j+1} − w_j|, ``cast`` applied to the weight along its last axis; the share
   of elements whose ratio is 16 or more (``oscillating_share``; an element whose quantized
   value moved while the master did not counts), and the mean number of code flips.
+- **optimizer state** (``state_layout``): the run's float32 Adam moments under one of
+  torchao's quantized layouts (:mod:`driftcli.runs.optstate`): second moments stored as 0 at
+  every checkpoint; over one-step intervals, the EMA updates that round back to the stored
+  value and the cosine of the update the layout takes against the exact one.
+
+The checkpoints run in units of :data:`CHUNK` on an engine (:mod:`driftcli.engines`), each
+unit reading the checkpoints before its first that its counts need.
 
 All the sums are float64; the freeze counts are exact.
 """
@@ -36,15 +43,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from driftcli import engines
 from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
+from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io.tables import column
 from driftcli.measures.grad_cosine import ALL_PARAMETERS
@@ -127,9 +136,11 @@ class HealthRow:
         "layout's update leaves unchanged (one-step intervals, tensors the layout quantizes); "
         "else null")
     v_stale_share: float | None = column("As m_stale_share, for exp_avg_sq")
-    v_zero_share: float | None = column("Share of nonzero exp_avg_sq values stored as 0")
+    v_zero_share: float | None = column(
+        "Share of nonzero exp_avg_sq values stored as 0 (every checkpoint with moments)")
     update_cosine: float | None = column(
-        "Cosine of the Adam direction from the stored moments against the float32 one")
+        "Cosine of the Adam update the layout takes (from the float32 lerp of its stored "
+        "moments) against the float32 run's (one-step intervals); else null")
 
 
 @dataclass(frozen=True)
@@ -305,11 +316,80 @@ def _reference_paths(run: Path, reference: str | Path | None, pattern: str,
     return paths
 
 
-def _walk(paths: list[Path], ref: list[Path] | None) -> Iterator[
-        tuple[DriftCheckpoint, dict[str, Tensor] | None]]:
-    for i, path in enumerate(paths):
-        ck = load_checkpoint(path)
-        yield ck, None if ref is None else _weights(load_checkpoint(ref[i]))
+CHUNK = 16
+"""Checkpoints per work unit. A unit also reads the ``window`` checkpoints before its first
+(the oscillation's history and the freeze's previous weights) without counting them, so the
+units are the same on every engine and each checkpoint is counted once, the same way."""
+
+
+@dataclass(frozen=True)
+class HealthUnit:
+    """Checkpoints ``start`` to ``stop − 1`` of a run (and of its reference), counted."""
+
+    paths: tuple[str, ...]
+    reference: tuple[str, ...] | None
+    start: int
+    stop: int
+    settings: HealthSettings
+
+    def key(self) -> str:
+        """Everything the unit's counts depend on, the files' stamps included."""
+        first = max(0, self.start - self.settings.window)  # at most what the unit reads
+        files = self.paths[first:self.stop] + (self.reference or ())[first:self.stop]
+        return (f"health|{engines.stamp(*files)}|{self.start}|{self.stop}|"
+                f"{self.settings}")
+
+
+def health_unit(unit: HealthUnit) -> list[_Point]:
+    """The counts of the unit's checkpoints (module docs), in step order."""
+    settings = unit.settings
+    # the oscillation's history needs the window before the first checkpoint, the freeze the
+    # one checkpoint before it
+    first = max(0, unit.start - (settings.window if settings.cast is not None else 1))
+    history: deque[tuple[dict[str, Tensor], dict[str, Tensor]]] = deque(
+        maxlen=settings.window + 1)
+    prev: dict[str, Tensor] | None = None
+    prev_ck: DriftCheckpoint | None = None
+    prev_ref: dict[str, Tensor] | None = None
+    prev_step = 0
+    out: list[_Point] = []
+    with deterministic(settings.threads):
+        for i in range(first, unit.stop):
+            ck = load_checkpoint(Path(unit.paths[i]))
+            ref_w = (None if unit.reference is None
+                     else _weights(load_checkpoint(Path(unit.reference[i]))))
+            w = _weights(ck)
+            counted = i >= unit.start
+            counts = {n: _Counts(t.numel()) for n, t in w.items()}
+            between = None if prev is None else ck.step - prev_step
+            if counted and prev is not None and between is not None:
+                source_prev = prev if prev_ref is None else prev_ref
+                source_now = w if ref_w is None else ref_w
+                for n, t in w.items():
+                    counts[n].frozen = int(frozen(prev[n], t, settings.storage).sum())
+                    counts[n].predicted = int(predicted_frozen(
+                        source_prev[n], source_now[n], between, settings.storage).sum())
+            if counted and settings.state_layout is not None:
+                # staleness needs the step's gradient, recoverable over one step only
+                before = prev_ck if between == 1 else None
+                for n, c in _moments(before, ck, settings.state_layout).items():
+                    counts[n].state = c
+            if counted and settings.grad_cast is not None:
+                for n, g in _gradients(ck, settings).items():
+                    norm, noise = gradient_noise(g, settings.grad_cast, seed=settings.seed)
+                    counts[n].grad_sq, counts[n].noise_sq = norm * norm, noise * noise
+            if settings.cast is not None:
+                history.append((w, {n: weight_cast(t, settings.cast, settings.seed)
+                                    for n, t in w.items()}))
+                if counted and len(history) > 1:
+                    for n in w:
+                        osc = oscillation([h[0][n] for h in history], [h[1][n] for h in history])
+                        counts[n].oscillating = int(osc.oscillating().sum())
+                        counts[n].flips = int(osc.flips.sum())
+            if counted:
+                out.append(_Point(i, ck.step, ck.path.name, between, counts))
+            prev, prev_ref, prev_step, prev_ck = w, ref_w, ck.step, ck
+    return out
 
 
 def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
@@ -318,10 +398,13 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
            window: int = 8, windows: int | None = None, text: str | Path | None = None,
            seed: int = 0, checkpoints: str = CHECKPOINTS, threads: int = 1,
            state_layout: StateLayout | str | None = None,
-           progress: Progress | None = None) -> list[HealthRow]:
+           progress: Progress | None = None,
+           execution: Execution | None = None) -> list[HealthRow]:
     """The health rows of every checkpoint of ``run`` (module docs): per checkpoint, each
     trainable parameter in the model's order, then ``*``. Torch runs deterministically on
-    ``threads`` threads; ``progress`` is told the checkpoints done."""
+    ``threads`` threads. The checkpoints run in :class:`HealthUnit` s of :data:`CHUNK` on
+    ``execution``'s engine (serial by default), the same units on every engine, so every
+    engine gives the same rows; ``progress`` is told the checkpoints done."""
     if not 0 < threshold <= 1:
         raise HealthError(f"threshold must be a share in (0, 1], not {threshold}")
     if window < 1:
@@ -330,58 +413,28 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
         parse_choice(Storage, storage, "storage format"), threshold,
         None if cast is None else parse_cast(cast),
         None if grad_cast is None else parse_cast(grad_cast), window, windows,
-        None if text is None else str(text), seed, threads,
+        None if text is None else str(Path(text).resolve()), seed, threads,
         None if state_layout is None else parse_choice(StateLayout, state_layout,
                                                        "optimizer-state layout"))
     folder = Path(run)
     paths = run_checkpoints(folder, checkpoints)
     steps = [int(read_info(p)[1].get("step", 0)) for p in paths]
     ref = _reference_paths(folder, reference, checkpoints, steps)
-    name = folder.resolve().name
-    per_step: list[_Point] = []
-    with deterministic(threads):
-        history: deque[tuple[dict[str, Tensor], dict[str, Tensor]]] = deque(
-            maxlen=window + 1)
-        prev: dict[str, Tensor] | None = None
-        prev_ck: DriftCheckpoint | None = None
-        prev_ref: dict[str, Tensor] | None = None
-        prev_step = 0
-        for done, (ck, ref_w) in enumerate(_walk(paths, ref)):
-            w = _weights(ck)
-            counts = {n: _Counts(t.numel()) for n, t in w.items()}
-            between = None if prev is None else ck.step - prev_step
-            if prev is not None and between is not None:
-                source_prev = prev if prev_ref is None else prev_ref
-                source_now = w if ref_w is None else ref_w
-                for n, t in w.items():
-                    counts[n].frozen = int(frozen(prev[n], t, settings.storage).sum())
-                    counts[n].predicted = int(predicted_frozen(
-                        source_prev[n], source_now[n], between, settings.storage).sum())
-            if settings.state_layout is not None and prev_ck is not None and between == 1:
-                for n, c in _moments(prev_ck, ck).items():
-                    counts[n].state = c
-            if settings.grad_cast is not None:
-                for n, g in _gradients(ck, settings).items():
-                    norm, noise = gradient_noise(g, settings.grad_cast, seed=seed)
-                    counts[n].grad_sq, counts[n].noise_sq = norm * norm, noise * noise
-            if settings.cast is not None:
-                history.append((w, {n: weight_cast(t, settings.cast, seed) for n, t in
-                                    w.items()}))
-                if len(history) > 1:
-                    for n in w:
-                        osc = oscillation([h[0][n] for h in history], [h[1][n] for h in history])
-                        counts[n].oscillating = int(osc.oscillating().sum())
-                        counts[n].flips = int(osc.flips.sum())
-            per_step.append(_Point(len(per_step), ck.step, ck.path.name, between, counts))
-            prev, prev_ref, prev_step, prev_ck = w, ref_w, ck.step, ck
-            if progress is not None:
-                progress(done + 1, len(paths), ck.path.name)
-    return _rows(name, per_step, settings)
+    mine = tuple(str(p.resolve()) for p in paths)
+    theirs = None if ref is None else tuple(str(p.resolve()) for p in ref)
+    units = [HealthUnit(mine, theirs, i, min(i + CHUNK, len(mine)), settings)
+             for i in range(0, len(mine), CHUNK)]
+    per_unit = engines.run(units, health_unit, execution, progress=progress,
+                           label=lambda u: Path(u.paths[u.stop - 1]).name,
+                           size=lambda u: u.stop - u.start)
+    return _rows(folder.resolve().name, [p for points in per_unit for p in points], settings)
 
 
-def _moments(before: DriftCheckpoint, after: DriftCheckpoint) -> dict[str, StateCounts]:
-    """Per parameter the layout quantizes and both checkpoints hold AdamW moments of: the
-    moments' counts over the one step between them."""
+def _moments(before: DriftCheckpoint | None, after: DriftCheckpoint,
+             layout: StateLayout) -> dict[str, StateCounts]:
+    """Per parameter the layout quantizes and ``after`` holds AdamW moments of: the moments'
+    counts at ``after``, with their staleness over the step from ``before`` (one step earlier;
+    None: no staleness)."""
     train = after.state.get("train") or {}
     if str(train.get("optimizer", "adamw")) != "adamw":
         return {}
@@ -389,12 +442,14 @@ def _moments(before: DriftCheckpoint, after: DriftCheckpoint) -> dict[str, State
     eps = float(train.get("eps", 1e-8))
     step = int(after.state.get("optimizer_step", after.step))
     out: dict[str, StateCounts] = {}
-    m0s, v0s = before.optimizer.get("exp_avg", {}), before.optimizer.get("exp_avg_sq", {})
+    old = {} if before is None else before.optimizer
+    m0s, v0s = old.get("exp_avg", {}), old.get("exp_avg_sq", {})
     m1s, v1s = after.optimizer.get("exp_avg", {}), after.optimizer.get("exp_avg_sq", {})
     for name, m1 in m1s.items():
-        if name in m0s and name in v0s and name in v1s and quantized(m1.numel()):
-            out[name] = state_counts(m0s[name], v0s[name], m1, v1s[name], betas=(b1, b2),
-                                     eps=eps, step=step)
+        if name in v1s and quantized(m1.numel(), layout) and step > 0:
+            out[name] = state_counts(m0s.get(name), v0s.get(name) if name in m0s else None, m1,
+                                     v1s[name], betas=(b1, b2), eps=eps, step=step,
+                                     layout=layout)
     return out
 
 
@@ -412,9 +467,14 @@ def _total(counts: dict[str, _Counts]) -> _Counts:
     out.grad_sq, out.noise_sq = add("grad_sq"), add("noise_sq")
     held = [c.state for c in parts if c.state is not None]
     if held:
-        out.state = StateCounts(*(sum(getattr(h, f.name) for h in held)
+        out.state = StateCounts(*(_sum([getattr(h, f.name) for h in held])
                                   for f in dataclasses.fields(StateCounts)))
     return out
+
+
+def _sum(values: list[Any]) -> Any:
+    """The sum of counts, None if any is None (a tensor without a one-step interval)."""
+    return None if any(v is None for v in values) else sum(values)
 
 
 @dataclass(frozen=True)
@@ -465,8 +525,10 @@ def _rows(name: str, per_step: list[_Point], settings: HealthSettings) -> list[H
             oscillating_share=_share(c.oscillating, c.numel),
             flips_mean=None if c.flips is None else c.flips / c.numel,
             state_layout=None if settings.state_layout is None else settings.state_layout.value,
-            m_stale_share=None if st is None else _share(st.m_stale, st.m_moved),
-            v_stale_share=None if st is None else _share(st.v_stale, st.v_moved),
+            m_stale_share=None if st is None or st.m_moved is None else _share(
+                st.m_stale, st.m_moved),
+            v_stale_share=None if st is None or st.v_moved is None else _share(
+                st.v_stale, st.v_moved),
             v_zero_share=None if st is None else _share(st.v_zero, st.v_nonzero),
             update_cosine=None if st is None else st.cosine()))
     return rows
