@@ -14,12 +14,18 @@ from driftcli import FORMATS
 from driftcli.cli import app
 from driftcli.formats import get_format
 from driftcli.io.tables import read_table
-from driftcli.verify import MATMUL_ACCUMULATORS, Plan, element_formats, matmul_specs
+from driftcli.verify import (
+    MATMUL_ACCUMULATORS,
+    PAIR_SAMPLE_16,
+    Plan,
+    element_formats,
+    matmul_specs,
+)
 
 FULL_PLAN_VALUES = {
     "float32": 418_612,
-    "bfloat16": 10_814_704,
-    "float16": 10_642_672,
+    "bfloat16": 9_241_840,
+    "float16": 9_069_808,
     "float8_e5m2": 6_810_798,
     "float8_e4m3fn": 8_484_944,
     "float8_e4m3fnuz": 6_728_510,
@@ -44,7 +50,7 @@ def test_the_full_plan_covers_every_format_with_its_stated_size() -> None:
     # the full plan's size, as README.md and docs/verify-formats.md give it: a format added
     # without its count here fails, and the total moves with it
     assert list(FULL_PLAN_VALUES) == [f.name for f in element_formats()]
-    assert sum(FULL_PLAN_VALUES.values()) == 91_621_988
+    assert sum(FULL_PLAN_VALUES.values()) == 88_476_260
 
 
 @pytest.mark.slow
@@ -73,7 +79,7 @@ def test_full_verify_formats_has_no_disagreement(name: str, tmp_path: Path) -> N
     if name in ("bfloat16", "float16"):
         main = summary[(summary.rounding == "rne") & (summary.overflow == "saturate")
                        & (summary.operation == "product")]
-        assert int(main.n_checked.sum()) >= 1_000_000
+        assert int(main.n_checked.sum()) > PAIR_SAMPLE_16  # the seeded pairs and the boundary's
     # simulated matmuls: one cell per spec, every output element of every case compared
     cells = summary[summary.check == "matmul"]
     if name not in MATMUL_ACCUMULATORS:

@@ -16,7 +16,7 @@ quick plan's numbers in brackets:
 - ``pairs``: products and sums, rounded back to the format, of every pair of
   codes of every format of at most 8 bits [8-bit: 1,024 seeded pairs plus all
   pairs of a boundary set], under every mode and both policies; ``sr`` for
-  every value of :data:`PAIR_SR_BITS` random bits. 16-bit formats: 2**20
+  every value of :data:`PAIR_SR_BITS` random bits. 16-bit formats: 2**18
   seeded pairs under (rne, saturate) and 2**16 under every other cell, plus
   all boundary pairs, ``sr`` with one seeded 16-bit draw per pair [4,096
   pairs, (rne, saturate) only]. Wider formats (float32, ``e8m13``): 2**14
