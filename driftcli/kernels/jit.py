@@ -520,3 +520,22 @@ def hadamard16(groups: Tensor, entries: tuple[float, ...]) -> Tensor:
     spread(code.rht_kernel, n, 16 * 16, _array(groups), np.asarray(entries, dtype=np.float32),
            out, out.view(np.uint32))
     return torch.from_numpy(out).view(n, 16)
+
+
+def micro_block_scales(blocks: Tensor, levels: np.ndarray, ints: np.ndarray,
+                       consts: np.ndarray) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per row of a contiguous 2-D float32 ``blocks``: a multi-level cast's first-level scale
+    and multiplier (float64), NaN-or-inf flag, clamp flag, and each element's total
+    micro-exponent (:func:`driftcli.kernels.microcode.micro_scales`)."""
+    import driftcli.kernels.microcode as code  # numba, on first use only
+
+    rows, cols = blocks.shape
+    s = np.empty(rows, dtype=np.float64)
+    r = np.empty(rows, dtype=np.float64)
+    bad = np.empty(rows, dtype=np.bool_)
+    clamped = np.empty(rows, dtype=np.bool_)
+    exps = np.empty(rows * cols, dtype=np.int64)
+    spread(code.micro_scales, rows, cols, _array(blocks), cols, levels, ints, consts, s, r,
+           bad, clamped, exps)
+    return (torch.from_numpy(s), torch.from_numpy(r), torch.from_numpy(bad),
+            torch.from_numpy(clamped), torch.from_numpy(exps).view(rows, cols))
