@@ -92,8 +92,10 @@ def block_casts(fmt: Format) -> list[Cast]:
 
 
 def quick_casts(fmt: Format) -> list[Cast]:
-    """The quick plan's casts: the OCP MX rule and the two-level (NVFP4) rule."""
-    return [rule_casts(fmt, ScaleRule.FLOOR)[0], rule_casts(fmt, ScaleRule.TWO_LEVEL)[0]]
+    """The quick plan's casts: the OCP MX rule, the two-level (NVFP4) rule and the presets
+    with micro-exponents on ``fmt`` (no single-level rule covers their scale choice)."""
+    return [rule_casts(fmt, ScaleRule.FLOOR)[0], rule_casts(fmt, ScaleRule.TWO_LEVEL)[0],
+            *(c for c, _ in PRESETS.values() if c.format == fmt and c.micro is not None)]
 
 
 def blocks_of(case: Tensor, c: Cast) -> list[list[int]]:
