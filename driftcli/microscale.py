@@ -26,7 +26,7 @@ from driftcli.formats import FORMATS, Exact, Format
 from driftcli.kernels import jit
 from driftcli.modes import DEFAULT_SR_BITS
 from driftcli.oracle import binade, round_exact
-from driftcli.rounding import round_fused, target_of
+from driftcli.rounding import jit_params, round_fused, source_of, target_of
 
 Tensor = torch.Tensor
 
@@ -110,6 +110,18 @@ def micro_scales(blocks: Tensor, elem: Format, micro: MicroScaling) -> MicroScal
                                                           *_consts(elem, micro))
         return MicroScales(s, r, bad, clamped, exps)
     return torch_scales(blocks, elem, micro)
+
+
+def numba_values(blocks: Tensor, bits: Tensor | None, c: Cast,
+                 sr_bits: int = DEFAULT_SR_BITS) -> Tensor | None:
+    """The values of :func:`micro_values` in one numba pass (scales and elements), or None
+    where the numba back-end does not run (then :func:`micro_values`)."""
+    if c.micro is None or blocks.dtype != torch.float32 or not blocks.numel() \
+            or not kernels.numba_runs(blocks, bits):
+        return None
+    p = jit_params(src=source_of(torch.float64), tgt=target_of(c.format), rounding=c.rounding,
+                   overflow=c.overflow, sr_bits=sr_bits)
+    return jit.micro_cast(blocks.contiguous(), bits, *_consts(c.format, c.micro), p)
 
 
 def micro_values(blocks: Tensor, bits: Tensor | None, c: Cast,

@@ -24,7 +24,7 @@ from driftcli.errors import DriftError
 from driftcli.fouroversix import four_over_six_scales
 from driftcli.hadamard import transform
 from driftcli.kernels import jit
-from driftcli.microscale import micro_values
+from driftcli.microscale import micro_values, numba_values
 from driftcli.modes import (
     DEFAULT_SR_BITS,
     AmaxPolicy,
@@ -491,6 +491,11 @@ def _block_cast_numba(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
     """``quantize(x, c)`` in two numba passes (one for the scales, one for the elements), or
     None where :func:`fused_block_cast_applies` does not hold or a power-of-two grid leaves
     float32's range (the general steps round it in float64)."""
+    if c.micro is not None and x.dtype == torch.float32:  # scales and elements in one pass
+        blocks, back = to_blocks(x, c.scaling, axis)
+        bits = None if random_bits is None else to_blocks(random_bits, c.scaling, axis)[0]
+        q = numba_values(blocks.contiguous(), bits, c, sr_bits)
+        return None if q is None else back(q).to(x.dtype)
     if not fused_block_cast_applies(x, c):
         return None
     s = c.scaling

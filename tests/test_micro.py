@@ -128,14 +128,14 @@ def test_a_micro_exponent_from_the_wrong_run_is_caught(monkeypatch: pytest.Monke
 
 
 def test_a_numba_micro_exponent_fault_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planted fault in the numba kernel's output: the inner level never doubles."""
-    real = jit.micro_block_scales
+    """The planted fault in the numba back-end's one-pass cast: the inner micro-exponent read
+    over runs of 8, not 4."""
+    real = jit.micro_cast
 
-    def capped(b, levels, ints, consts):  # type: ignore[no-untyped-def]
-        s, r, bad, clamped, exps = real(b, levels, ints, consts)
-        return s, r, bad, clamped, exps.clamp(max=1)
+    def wide_runs(b, bits, levels, ints, consts, p):  # type: ignore[no-untyped-def]
+        return real(b, bits, np.array([[8, 1], [8, 1]], dtype=np.int64), ints, consts, p)
 
-    monkeypatch.setattr(jit, "micro_block_scales", capped)
+    monkeypatch.setattr(jit, "micro_cast", wide_runs)
     assert _failed() > 0
 
 
