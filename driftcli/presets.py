@@ -29,6 +29,9 @@ significant bits); the element kernels round onto grids with subnormals."""
 HIFLOAT4 = MicroScaling("hifloat4", 64, UE6M2, MicroBase.BF16_RCP,
                         (MicroLevel(8), MicroLevel(4)))
 """64 elements under one UE6M2 scale, a x1/x2 micro-exponent per 8 and per 4."""
+MX6, MX9 = (MicroScaling(name, 16, E8M0, MicroBase.POW2, (MicroLevel(2),))
+            for name in ("mx6", "mx9"))
+"""16 elements under one E8M0 shared exponent, a one-bit micro-exponent per pair."""
 
 
 def _micro(elem: str, micro: MicroScaling, rule: ScaleRule) -> Cast:
@@ -63,6 +66,12 @@ PRESETS: dict[str, tuple[Cast, str]] = {
     "hifloat4": (_micro("float4_e1m2", HIFLOAT4, ScaleRule.AMAX_RNE),
                  "HiFloat4: S1E1M2 in blocks of 64, a UE6M2 scale, x1/x2 micro-exponents per 8 "
                  "and per 4, ties away"),
+    "mx6": (_micro("float5_e1m3", MX6, ScaleRule.FLOOR),
+            "MX6: S1E1M3 in blocks of 16, an E8M0 exponent, a one-bit micro-exponent per pair, "
+            "ties away"),
+    "mx9": (_micro("float8_e1m6", MX9, ScaleRule.FLOOR),
+            "MX9: S1E1M6 in blocks of 16, an E8M0 exponent, a one-bit micro-exponent per pair, "
+            "ties away"),
 }
 """Every preset: its cast and what it means."""
 

@@ -14,6 +14,7 @@ import torch
 from recipe_data import requires_stories, stories_weights
 
 from driftcli import microscale, oracle, quantization
+from driftcli.cast import Cast
 from driftcli.castspec import parse_cast
 from driftcli.errors import CastSpecError
 from driftcli.formats import FORMATS, Exact
@@ -242,3 +243,124 @@ def test_hifloat4_matches_the_reference_on_every_stories260k_tensor() -> None:
 
 def test_quantization_routes_micro_casts_off_the_single_level_fast_path() -> None:
     assert not quantization.fused_block_cast_applies(torch.zeros(64), HIF4)
+
+
+# --- MX6 and MX9: a one-bit micro-exponent per pair under an E8M0 exponent -------------------
+
+MX6, MX9 = parse_cast("mx6"), parse_cast("mx9")
+
+
+def test_mx6_and_mx9_specs() -> None:
+    for c, elem in ((MX6, "float5_e1m3"), (MX9, "float8_e1m6")):
+        assert c.format.name == elem and c.micro is not None
+        assert parse_cast(str(c)) == c and c.micro.block == 16
+        assert [(lv.size, lv.top) for lv in c.micro.levels] == [(2, 1)]
+    # 6 and 9 bits a value: the element, 8 exponent bits per 16, one bit per pair
+    assert (MX6.format.bits * 16 + 8 + 8) / 16 == 6
+    assert (MX9.format.bits * 16 + 8 + 8) / 16 == 9
+
+
+def test_an_mx6_worked_block(backend: object) -> None:
+    """amax 5 (binade 2): the shared exponent is 2 - 0 - 1 = 1; the pair holding 5 gets +1
+    (5 / 2 >= 2): 5 / 4 = 1.25 is a code; the pair (1.9, 0.3) keeps 2**1: 1.9 / 2 = 0.95 →
+    1.0 (the nearest eighth), 0.3 / 2 = 0.15 → 0.125."""
+    x = torch.zeros(16)
+    x[0], x[2], x[3] = 5.0, 1.9, 0.3
+    got = quantize(x, MX6)
+    assert (float(got[0]), float(got[2]), float(got[3])) == (5.0, 2.0, 0.25)
+
+
+def _mx_oracle(x: torch.Tensor, c: Cast) -> torch.Tensor:
+    assert c.micro is not None
+    out = []
+    for row in x.reshape(-1, 16).tolist():
+        vals = [Exact.of(Fraction(v)) for v in row]
+        deq, _, _ = oracle.cast_micro_block(vals, c.format, c.micro, F32, BF16, c.rounding,
+                                            c.overflow)
+        out += [float(v.value) for v in deq]
+    return torch.tensor(out, dtype=torch.float32).reshape(x.shape)
+
+
+def _mx_boundary(c: Cast) -> torch.Tensor:
+    cases = [b.reshape(-1, 16) for b in blocks.constructed_cases(c.format, c)
+             if b.numel() % 16 == 0 and torch.isfinite(b).all()]
+    return torch.cat([*cases, blocks.random_blocks(64, 16, 6)])
+
+
+@pytest.mark.parametrize("name", ["mx6", "mx9"])
+def test_mx_both_back_ends_equal_the_oracle(name: str, backend: object) -> None:
+    c = parse_cast(name)
+    x = _mx_boundary(c)
+    assert torch.equal(quantize(x, c), _mx_oracle(x, c))
+    assert sum(o.n_failed for o in blocks.check_cast(c.format, c, Plan(quick=True))) == 0
+
+
+def test_an_mx_pair_exponent_from_the_wrong_run_is_caught(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """The planted fault: MX6's micro-exponent read over runs of 4, not pairs (numba)."""
+    real = jit.micro_cast
+
+    def quads(b, bits, levels, ints, consts, p):  # type: ignore[no-untyped-def]
+        return real(b, bits, np.array([[4, 1]], dtype=np.int64), ints, consts, p)
+
+    monkeypatch.setattr(jit, "micro_cast", quads)
+    assert sum(o.n_failed for o in blocks.check_cast(MX6.format, MX6, Plan(quick=True))) > 0
+
+
+# AMD/Huawei's MXN in the HiFloat4 reference file (global-computing-consortium/HiFloat4 at
+# 6d937b6, hif4_gpu/HiF4_NVFP4_v14f16.py, To_MXN, lines 48-89: "{E8 + 8*E1} + S1PN",
+# MX6 = N 6, G 16); our own numpy code from its steps, over groups of 16 along the last axis.
+
+def reference_mxn(x: np.ndarray, n: int) -> np.ndarray:
+    """To_MXN: per element E = floor(log2(|x| + 2^-1000)); the block's E8 = max E - 1; each
+    pair's exponent max(E8, its max E); elements floor(|x| · 2^(Ng - EG) + 0.5) / 2^Ng with
+    Ng = N - 3, 2 → 2 - 2^-Ng."""
+    g = x.astype(np.float64).reshape(-1, 8, 2)
+    sign = np.where(g < 0, -1.0, 1.0)
+    mag = np.abs(g)
+    e = np.floor(np.log2(mag + 2.0**-1000))
+    e8 = e.max(axis=(1, 2)) - 1
+    eg = np.maximum(e.max(axis=2), e8[:, None])[:, :, None]
+    ng = n - 3
+    q = np.floor(mag * 2.0 ** (-eg + ng) + 0.5) * 2.0**-ng
+    q = np.where(q >= 2, 2 - 2.0**-ng, q)
+    return (sign * q * 2.0**eg).reshape(x.shape)
+
+
+def _padded16(t: torch.Tensor) -> torch.Tensor:
+    t = t.float().reshape(-1, t.shape[-1]) if t.dim() else t.float().reshape(1, 1)
+    return torch.nn.functional.pad(t, (0, -t.shape[-1] % 16))
+
+
+@pytest.mark.parametrize(("name", "n"), [("mx6", 6), ("mx9", 9)])
+def test_mx_matches_the_reference_on_boundary_blocks(name: str, n: int) -> None:
+    """0 differences on blocks whose amax is at least 2^-126 (below it the reference's shared
+    exponent leaves E8M0's range, which drift clamps at 2^-127: the next test)."""
+    c = parse_cast(name)
+    x = _mx_boundary(c)
+    x = x[x.abs().amax(dim=1) >= 2.0**-126]
+    x = torch.cat([x, torch.zeros(2, 16)])
+    ref = torch.from_numpy(reference_mxn(x.numpy(), n)).float()
+    assert len(x) > 100 and torch.equal(quantize(x, c), ref)
+
+
+def test_mx_below_e8m0s_range_departs_from_the_reference_as_documented() -> None:
+    """A block of amax 2^-130: the reference's shared exponent is -131, below E8M0's range;
+    drift clamps it to -127, where 2^-130 is 0.125 (a code) but 3·2^-133 is 0.047 and
+    rounds to 0; the reference keeps it."""
+    x = torch.zeros(1, 16)
+    x[0, 0], x[0, 1] = 2.0**-130, 3 * 2.0**-133
+    ref = reference_mxn(x.double().numpy(), 6)
+    got = quantize(x, MX6)
+    assert float(got[0, 0]) == 2.0**-130 and float(got[0, 1]) == 0.0
+    assert ref[0, 1] == 3 * 2.0**-133
+
+
+@requires_stories
+@pytest.mark.parametrize(("name", "n"), [("mx6", 6), ("mx9", 9)])
+def test_mx_matches_the_reference_on_every_stories260k_tensor(name: str, n: int) -> None:
+    c = parse_cast(name)
+    for key, t in stories_weights():
+        x = _padded16(t)
+        ref = torch.from_numpy(reference_mxn(x.numpy(), n)).float()
+        assert torch.equal(quantize(x, c), ref), key
