@@ -42,7 +42,7 @@ TARGET = 3.0
 """The numba path against torchao's CPU path for MX and NVFP4 casts (issue 20)."""
 IMPLEMENTATION_TARGET = 0.8
 """An implementation preset against drift's exact cast of the same recipe (issue 15)."""
-BLOCK_FORMATS = ("hifloat4",)
+BLOCK_FORMATS = ("hifloat4", "mx6", "mx9")
 """The block formats after OCP (multi-level scales, issue 29), timed by ``--block-formats``."""
 BLOCK_TARGET = 0.8
 """A block format after OCP against drift's MXFP4 (``mxfp4_e2m1``), numba path (issue 29)."""

@@ -100,8 +100,8 @@ def cast_kernel(rounding: int, overflow: int, has_draws: bool) -> Callable[..., 
     ``start..stop`` of a float32 tensor (``x``, and ``xi`` its int32 view) cast in one pass:
     the scales of :func:`micro_scales` (per innermost run), then each element ``x`` rounded
     as ``fl32(round(x · r / 2**E) · 2**E · s)`` by :func:`driftcli.kernels.jitcode.round_one`
-    on its float64 bits (``x · r`` is exact in float64) onto the grid scaled by ``2**E`` (its
-    :func:`~driftcli.kernels.jitcode.row_limits`); ``q`` the float64 source's parameters
+    on its float64 bits (``x · r / 2**E`` is exact in float64) onto the element grid (its
+    :func:`~driftcli.kernels.jitcode.row_limits` of scale 1); ``q`` the float64 source's parameters
     (their rounding and overflow codes are this kernel's). A row holding NaN or inf becomes
     NaN."""
 
@@ -112,14 +112,14 @@ def cast_kernel(rounding: int, overflow: int, has_draws: bool) -> Callable[..., 
              rounding, overflow, q[15])
         pow2, emax, steps, low, high, sig = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5]
         c, smallest, largest = consts[0], consts[1], consts[2]
-        lims = np.empty((steps + 1, 5), dtype=np.int64)
-        for e in range(steps + 1):
-            lim = row_limits(e, p)
-            lims[e, 0], lims[e, 1], lims[e, 2], lims[e, 3], lims[e, 4] = lim
+        lim = row_limits(0, p)
+        pw = np.array([math.ldexp(1.0, e) for e in range(steps + 1)])
         box = np.zeros(1, dtype=np.float64)  # a float64's bits, read through an int64 view
         bits = box.view(np.int64)
         ys = np.zeros(cols, dtype=np.float64)
         yb = ys.view(np.int64)
+        ins = np.zeros(cols, dtype=np.float64)
+        outs = np.zeros(cols, dtype=np.float64)
         inner_size = levels[levels.shape[0] - 1, 0] if levels.shape[0] else cols
         nin = cols // inner_size
         runs = np.zeros(nin, dtype=np.float64)
@@ -178,17 +178,21 @@ def cast_kernel(rounding: int, overflow: int, has_draws: bool) -> Callable[..., 
                     if e:
                         for t in range(g, g + per):
                             rexp[t] += e
-            for i in range(cols):  # exact products, vectorized
-                ys[i] = np.float64(xs[i]) * r
-            base = row * cols
+            # the grid scaled by 2**E is the unscaled grid times 2**E: each element meets
+            # r / 2**E on the way in and 2**E · s on the way out (exact powers of two), and
+            # all round under one set of limits, in one loop that vectorizes
             for t in range(nin):
-                ex = rexp[t]
-                lim = (lims[ex, 0], lims[ex, 1], lims[ex, 2], lims[ex, 3], lims[ex, 4])
-                lo = t * inner_size
-                for i in range(lo, lo + inner_size):
-                    d = draws[base + i] if has_draws else 0
-                    yb[i] = round_one(yb[i], 0, False, d, lim, p)
+                up = pw[rexp[t]]
+                for i in range(t * inner_size, (t + 1) * inner_size):
+                    ins[i] = r / up
+                    outs[i] = s * up
             for i in range(cols):
-                os[i] = np.float32(ys[i] * s)
+                ys[i] = np.float64(xs[i]) * ins[i]
+            base = row * cols
+            for i in range(cols):
+                d = draws[base + i] if has_draws else 0
+                yb[i] = round_one(yb[i], 0, False, d, lim, p)
+            for i in range(cols):
+                os[i] = np.float32(ys[i] * outs[i])
 
     return kernel
