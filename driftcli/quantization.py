@@ -494,8 +494,8 @@ def _block_cast_numba(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
     if c.micro is not None and x.dtype == torch.float32:  # scales and elements in one pass
         blocks, back = to_blocks(x, c.scaling, axis)
         bits = None if random_bits is None else to_blocks(random_bits, c.scaling, axis)[0]
-        q = numba_values(blocks.contiguous(), bits, c, sr_bits)
-        return None if q is None else back(q).to(x.dtype)
+        values = numba_values(blocks.contiguous(), bits, c, sr_bits)
+        return None if values is None else back(values).to(x.dtype)
     if not fused_block_cast_applies(x, c):
         return None
     s = c.scaling
