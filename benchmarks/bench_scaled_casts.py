@@ -46,6 +46,10 @@ TARGET = 3.0
 """The numba path against torchao's CPU path for MX and NVFP4 casts (issue 20)."""
 IMPLEMENTATION_TARGET = 0.8
 """An implementation preset against drift's exact cast of the same recipe (issue 15)."""
+BLOCK_FORMATS = ("hifloat4", "mx6", "mx9")
+"""The block formats after OCP (multi-level scales, issue 29), timed by ``--block-formats``."""
+BLOCK_TARGET = 0.8
+"""A block format after OCP against drift's MXFP4 (``mxfp4_e2m1``), numba path (issue 29)."""
 
 FIRST_CALL = """
 import sys, time
@@ -132,6 +136,31 @@ def implementation_rows(x: torch.Tensor, repeat: int, names: list[str]) -> list[
     return rows
 
 
+def block_format_rows(x: torch.Tensor, repeat: int, names: list[str]) -> list[dict]:
+    """Each block format after OCP and drift's MXFP4, interleaved on the numba path, values
+    only: Me/s of both and the ratio; each format's values checked against the torch path."""
+    rows = []
+    print(f"{'cast':12s} {'Me/s':>8s} {'mxfp4 Me/s':>11s} {'ratio':>6s} {'= torch':>8s}")
+    for name in names or list(BLOCK_FORMATS):
+        set_path("torch")
+        reference = driftcli.quantize(x, name)
+        set_path("numba")
+        m = interleaved({"cast": lambda n=name: driftcli.quantize(x, n),
+                         "mxfp4": lambda: driftcli.quantize(x, "mxfp4_e2m1")}, repeat)
+        equal = same_bits(reference, driftcli.quantize(x, name))  # type: ignore[arg-type]
+        row = {"spec": name, "meps": x.numel() / m["cast"] / 1e6,
+               "mxfp4_meps": x.numel() / m["mxfp4"] / 1e6, "ratio": m["mxfp4"] / m["cast"],
+               "bit_equal": equal}
+        rows.append(row)
+        print(f"{name:12s} {row['meps']:8.1f} {row['mxfp4_meps']:11.1f} {row['ratio']:6.2f} "
+              f"{equal!s:>8s}", flush=True)
+    worst = min(rows, key=lambda r: r["ratio"])
+    verdict = "met" if worst["ratio"] >= BLOCK_TARGET else "missed"
+    print(f"target >= {BLOCK_TARGET}x drift's MXFP4, numba path, values only: {verdict}; "
+          f"worst {worst['ratio']:.2f}x ({worst['spec']})")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure, print a table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -147,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--implementations", nargs="*", metavar="PRESET",
                         help="time implementation presets (all, or those named) against "
                              "drift's exact casts instead")
+    parser.add_argument("--block-formats", nargs="*", metavar="CAST",
+                        help="time the block formats after OCP (all, or those named) against "
+                             "drift's MXFP4 instead")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -164,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
           f"clock {args.clock}; "
           f"numba {kernels.jit_unavailable() or 'at hand'}")
     print(f"input: {shape[0]} x {shape[1]} float32 standard normal ({x.numel():,} elements)")
+    if args.block_formats is not None:
+        rows = block_format_rows(x, args.repeat, args.block_formats)
+        if args.json:
+            args.json.write_text(json.dumps({"machine": info, "malloc": malloc,
+                                             "block_formats": rows}, indent=2))
+        return 0
     if args.implementations is not None:
         rows = implementation_rows(x, args.repeat, args.implementations)
         if args.json:

@@ -223,6 +223,56 @@ def _check_arithmetic(a: ScaleArithmetic, rule: ScaleRule, scale_format: Format)
         raise CastSpecError(f"two={a.two} is an order of the two-level rule, not of {rule}")
 
 
+class MicroBase(StrEnum):
+    """How a multi-level cast's first-level (whole-block) scale is chosen from the block's
+    amax; the levels below it are one-bit micro-exponents (:class:`MicroScaling`)."""
+
+    POW2 = "pow2"
+    """``2**k`` with ``k = floor(log2 amax) - emax_elem - T`` (``T`` the micro-exponents'
+    total range), clamped to the scale format; elements are multiplied by ``2**-k`` (MX6,
+    MX9: the block's shared exponent sits one binade below its largest pair's)."""
+    BF16_RCP = "bf16-rcp"
+    """HiFloat4's: ``s = rne_scale_format(rne_bf16(amax · rne_bf16(1 / M)))`` with ``M =
+    max_elem · 2**T``, clamped to the scale format; elements are multiplied by ``r =
+    rne_bf16(1 / s)`` (exactly) and the codes times ``s`` are the values."""
+
+
+@dataclass(frozen=True)
+class MicroLevel:
+    """One micro-exponent level: each run of ``size`` elements shares an exponent ``e`` in
+    ``0..top`` that multiplies its scale by ``2**e``."""
+
+    size: int
+    top: int = 1
+
+
+@dataclass(frozen=True)
+class MicroScaling:
+    """A block scale refined by micro-exponents: the block's first-level scale (``base``, in
+    ``scale_format``) and the levels below it, outermost first, each level's runs nested in
+    the one above. ``name`` is the preset that writes it (``hifloat4``, ``mx6``)."""
+
+    name: str
+    block: int
+    scale_format: Format
+    base: MicroBase
+    levels: tuple[MicroLevel, ...]
+
+    def __post_init__(self) -> None:
+        outer = self.block
+        for level in self.levels:
+            if level.size < 1 or outer % level.size or level.top < 1:
+                raise CastSpecError(
+                    f"{self.name}: a micro-exponent level of {level.size} elements (range "
+                    f"0..{level.top}) must divide the level above it ({outer})")
+            outer = level.size
+
+    @property
+    def steps(self) -> int:
+        """``T``: the binades all levels together can add to the first-level scale."""
+        return sum(level.top for level in self.levels)
+
+
 RHT_SIZE = 16
 """The Hadamard transform's length: NVFP4's block (Transformer Engine refuses any other)."""
 TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -303,9 +353,17 @@ class Cast:
     overflow: Overflow = Overflow.SATURATE
     rht: Rht | None = None
     """A random Hadamard transform of the input before the cast (None: none)."""
+    micro: MicroScaling | None = None
+    """Micro-exponents under the block scale (None: one level); the scaling then says the
+    block, its scale format and the nearest single-level rule (docs/formats.md#hifloat4)."""
 
     def __post_init__(self) -> None:
         s = self.scaling
+        m = self.micro
+        if m is not None and (s.granularity is not Granularity.BLOCK or s.block != m.block
+                              or s.scale_format != m.scale_format or not s.arithmetic.exact):
+            raise CastSpecError(f"{m.name} fixes its scaling (blocks of {m.block} under "
+                                f"{m.scale_format.name}, drift's exact arithmetic)")
         if self.rht is not None and s.granularity is Granularity.NONE:
             raise CastSpecError(f"rht={self.rht} transforms what a scaled cast reads; "
                                 f"{self.format.name} is unscaled: give a granularity "
@@ -328,6 +386,9 @@ class Cast:
 
     def __str__(self) -> str:
         s = self.scaling
+        if self.micro is not None:  # its preset, with the parts a preset may change
+            tail = [f"rht={self.rht}"] if self.rht is not None else []
+            return ":".join([self.micro.name, self.rounding.value, self.overflow.value, *tail])
         parts = [self.format.name]
         if s.granularity is Granularity.NONE:
             parts.append("none")

@@ -391,6 +391,12 @@ _NAMED: tuple[Format, ...] = (
     Format("float6_e3m2fn", 3, 2, 3),
     Format("float6_e2m3fn", 2, 3, 1),
     Format("float4_e2m1fn", 2, 1, 1),
+    # HiFloat4's element, S1E1M2: k/4 for k = 0..7 (docs/formats.md#hifloat4)
+    Format("float4_e1m2", 1, 2, 1),
+    # MX6's and MX9's elements, S1E1M3 and S1E1M6: k/8 and k/64 below 2
+    # (docs/formats.md#mx6-and-mx9)
+    Format("float5_e1m3", 1, 3, 1),
+    Format("float8_e1m6", 1, 6, 1),
     Format("float8_e8m0fnu", 8, 0, 127, signed=False, nan=NanEncoding.TOP, has_subnormals=False),
     # block-scale formats of the FP4 recipes after OCP (docs/formats.md#ue5m3-and-ue4m3)
     Format("ue5m3", 5, 3, 15, signed=False, nan=NanEncoding.TOP),

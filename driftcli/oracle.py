@@ -31,6 +31,7 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import cast
 
+from driftcli.cast import MicroBase, MicroScaling
 from driftcli.formats import NAN, Exact, Format, Kind, pow2
 from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding, ScaleRule, check_rule_table
 
@@ -317,6 +318,62 @@ def cast_block(values: list[Exact], elem: Format, scale_format: Format, rule: Sc
     return ([fl32(times(cast_element(fl32(times(v, 1 / divisor), float32), r), divisor),
                   float32) for v, r in zip(values, randoms, strict=True)],
             Exact.of(divisor), clamped)
+
+
+def micro_first_scale(amax: Fraction, elem: Format, micro: MicroScaling,
+                      bfloat16: Format) -> tuple[Fraction, Fraction, bool]:
+    """A multi-level block's first-level scale ``s``, the multiplier ``r`` its elements meet
+    and whether ``s`` was clamped, from the block's finite amax (docs/formats.md#hifloat4)."""
+    fmt = micro.scale_format
+    if micro.base is MicroBase.POW2:
+        low = binade(fmt.smallest_positive)
+        free = binade(amax) - elem.emax - micro.steps if amax else low
+        k = min(max(free, low), fmt.emax)
+        return pow2(k), pow2(-k), k != free
+    near = Rounding.RNE
+    c = round_exact(bfloat16, Exact.of(1 / (elem.max * pow2(micro.steps))), near).mag
+    raw = round_exact(bfloat16, Exact.of(amax * c), near).mag
+    s, clamped = into_scale_format(raw, fmt, near)
+    return s, round_exact(bfloat16, Exact.of(1 / s), near).mag, clamped and amax != 0
+
+
+def micro_exponents(mags: list[Fraction], elem: Format, micro: MicroScaling,
+                    r: Fraction) -> list[int]:
+    """Each element's total micro-exponent: level by level, outermost first, a run's ``e`` is
+    the least in ``0..top`` with ``amax_run · r / 2**(outer e) < 2**(emax_elem + 1 + inner
+    range + e)``: the run fits the element's binades with every inner level at its top."""
+    total = [0] * len(mags)
+    inner = micro.steps
+    for level in micro.levels:
+        inner -= level.top
+        for start in range(0, len(mags), level.size):
+            run = range(start, min(start + level.size, len(mags)))
+            v = max(mags[i] for i in run) * r / pow2(total[start])
+            e = min(max(binade(v) - elem.emax - inner, 0), level.top) if v else 0
+            for i in run:
+                total[i] += e
+    return total
+
+
+def cast_micro_block(values: list[Exact], elem: Format, micro: MicroScaling, float32: Format,
+                     bfloat16: Format, rounding: Rounding = Rounding.RNA,
+                     overflow: Overflow = Overflow.SATURATE, randoms: list[int] | None = None,
+                     sr_bits: int = DEFAULT_SR_BITS) -> tuple[list[Exact], Exact, bool]:
+    """One multi-level block cast exactly: ``(dequantized, first-level scale, clamped)``.
+
+    A NaN or inf member makes the block NaN. Otherwise each element ``x`` with total
+    micro-exponent ``E`` becomes ``fl32(round(x · r / 2**E) · 2**E · s)``
+    (:func:`micro_first_scale`, :func:`micro_exponents`)."""
+    randoms = randoms or [0] * len(values)
+    if any(v.kind is not Kind.FINITE for v in values):
+        return [NAN] * len(values), NAN, False
+    mags = [v.mag for v in values]
+    s, r, clamped = micro_first_scale(max(mags, default=Fraction(0)), elem, micro, bfloat16)
+    out = []
+    for v, e, rnd in zip(values, micro_exponents(mags, elem, micro, r), randoms, strict=True):
+        code = round_exact(elem, times(v, r / pow2(e)), rounding, overflow, rnd, sr_bits)
+        out.append(fl32(times(code, pow2(e) * s), float32))
+    return out, Exact.of(s), clamped
 
 
 # --- dot products ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from driftcli.errors import DriftError
 from driftcli.fouroversix import four_over_six_scales, fused_values
 from driftcli.hadamard import transform
 from driftcli.kernels import jit
+from driftcli.microscale import micro_values, numba_values
 from driftcli.modes import (
     DEFAULT_SR_BITS,
     AmaxPolicy,
@@ -193,6 +194,8 @@ class Blocked:
     apply: tuple[ElementOp, Tensor] | None = None
     """Under a scale arithmetic: how elements met their row's operand on the way in (the
     element masks divide or multiply the same way)."""
+    quotient: Tensor | None = None
+    """Under micro-exponents: each element's exact quotient on its element grid (float64)."""
 
 
 def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bits: int,
@@ -201,6 +204,8 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
     amax when ``x`` is one slice of a larger tensor (per-tensor and two-level scales)."""
     if not c.scaling.arithmetic.exact:
         return _cast_blocks_arith(x, c, axis, random_bits, sr_bits, tensor_amax)
+    if c.micro is not None:
+        return _cast_blocks_micro(x, c, axis, random_bits, sr_bits)
     work = working(x)
     elem, s = c.format, c.scaling
     blocks, back = to_blocks(work, s, axis)
@@ -241,6 +246,19 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
     if rule is ScaleRule.TWO_LEVEL:
         tensor_scale = float(two_level_scales(amax[:1], top, elem, s).tensor_scale)
     return Blocked(blocks, q, scales, clamped, bad_blocks, back, bits, tensor_scale)
+
+
+def _cast_blocks_micro(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
+                       sr_bits: int) -> Blocked:
+    """:func:`cast_blocks` under micro-exponents (:mod:`driftcli.microscale`): the scales
+    reported are the first-level ones."""
+    s = c.scaling
+    blocks, back = to_blocks(x.float(), s, axis)
+    blocks = blocks.contiguous()
+    bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
+    q, quotient, sc = micro_values(blocks, bits, c, sr_bits)
+    scales = torch.where(sc.bad, torch.nan, sc.s)
+    return Blocked(blocks, q, scales, sc.clamped, sc.bad, back, bits, None, None, quotient)
 
 
 def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
@@ -328,7 +346,13 @@ def element_masks(b: Blocked, c: Cast, sr_bits: int) -> Masks:
     blocks, q, scales = b.blocks, b.q, b.scales
     finite = torch.isfinite(blocks)
     poisoned = s.blocked and s.arithmetic.amax is AmaxPolicy.FINITE
-    if b.apply is not None:  # a scale arithmetic: the quotient its apply operation made
+    if b.quotient is not None:  # micro-exponents: the exact quotient on the element grid
+        y = b.quotient
+        qy = rounding.round_values(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits, y.dtype)
+        clipped = (y > float(elem.max)) | (y < float(elem.min))
+        subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
+        codes = torch.where(torch.isnan(q), torch.nan, qy).to(q.dtype)
+    elif b.apply is not None:  # a scale arithmetic: the quotient its apply operation made
         y = apply_ops(b.apply[1], b.apply[0], blocks).contiguous()
         qy = rounding.round_values(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits, y.dtype)
         clipped = (y > float(elem.max)) | (y < float(elem.min))
@@ -458,7 +482,7 @@ def fused_block_cast_applies(x: Tensor, c: Cast) -> bool:
     bits."""
     s = c.scaling
     return (x.dtype == torch.float32 and x.numel() > 0 and s.granularity is Granularity.BLOCK
-            and s.arithmetic.exact and s.rule is not None
+            and s.arithmetic.exact and c.micro is None and s.rule is not None
             and (s.rule is ScaleRule.TWO_LEVEL or (s.rule.power_of_two
                                                    and pow2_rule(c) is not None))
             and kernels.numba_runs(x))
@@ -469,6 +493,11 @@ def _block_cast_numba(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
     """``quantize(x, c)`` in two numba passes (one for the scales, one for the elements), or
     None where :func:`fused_block_cast_applies` does not hold or a power-of-two grid leaves
     float32's range (the general steps round it in float64)."""
+    if c.micro is not None and x.dtype == torch.float32:  # scales and elements in one pass
+        blocks, back = to_blocks(x, c.scaling, axis)
+        bits = None if random_bits is None else to_blocks(random_bits, c.scaling, axis)[0]
+        values = numba_values(blocks.contiguous(), bits, c, sr_bits)
+        return None if values is None else back(values).to(x.dtype)
     if not fused_block_cast_applies(x, c):
         return None
     s = c.scaling

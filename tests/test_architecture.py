@@ -37,7 +37,7 @@ LAYERS = (
     ("cast", "oracle", "oracle_blockfma", "oracle_arith", "codec", "recipes", "presets",
      "castspec"),
     ("rounding",),
-    ("scaling", "scalearith", "fouroversix", "hadamard"),
+    ("scaling", "scalearith", "fouroversix", "hadamard", "microscale"),
     ("quantization",),
     ("arith",),
     ("io", "engines"),

@@ -22,6 +22,11 @@ TABLE = {
     "float6_e3m2fn": (3, 2, 3, Fraction(28), False, NanEncoding.NONE, True),
     "float6_e2m3fn": (2, 3, 1, Fraction(15, 2), False, NanEncoding.NONE, True),
     "float4_e2m1fn": (2, 1, 1, Fraction(6), False, NanEncoding.NONE, True),
+    # HiFloat4's element (docs/formats.md#hifloat4): S1E1M2, a uniform grid of quarters
+    "float4_e1m2": (1, 2, 1, Fraction(7, 4), False, NanEncoding.NONE, True),
+    # MX6's and MX9's elements (docs/formats.md#mx6-and-mx9)
+    "float5_e1m3": (1, 3, 1, Fraction(15, 8), False, NanEncoding.NONE, True),
+    "float8_e1m6": (1, 6, 1, Fraction(127, 64), False, NanEncoding.NONE, True),
     "float8_e8m0fnu": (8, 0, 127, Fraction(2**127), False, NanEncoding.TOP, False),
     # the block scales after OCP (docs/formats.md#ue5m3-and-ue4m3): unsigned, NaN at the top
     "ue5m3": (5, 3, 15, Fraction(114688), False, NanEncoding.TOP, False),

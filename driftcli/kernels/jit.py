@@ -553,3 +553,38 @@ def nearest_saturates(p: tuple[int, ...]) -> bool:
     return bool((ebits, mbits) == (8, 23) and rounding == 0 and saturating and signed
                 and has_zero and has_neg_zero and 1 <= t_mbits <= 22 and emin >= -126
                 and qmax + t_mbits + 1 - t_mbits + 150 <= 254)
+
+
+def micro_block_scales(blocks: Tensor, levels: np.ndarray, ints: np.ndarray,
+                       consts: np.ndarray) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per row of a contiguous 2-D float32 ``blocks``: a multi-level cast's first-level scale
+    and multiplier (float64), NaN-or-inf flag, clamp flag, and each element's total
+    micro-exponent (:func:`driftcli.kernels.microcode.micro_scales`)."""
+    import driftcli.kernels.microcode as code  # numba, on first use only
+
+    rows, cols = blocks.shape
+    s = np.empty(rows, dtype=np.float64)
+    r = np.empty(rows, dtype=np.float64)
+    bad = np.empty(rows, dtype=np.bool_)
+    clamped = np.empty(rows, dtype=np.bool_)
+    exps = np.empty(rows * cols, dtype=np.int64)
+    spread(code.micro_scales, rows, cols, _array(blocks), cols, levels, ints, consts, s, r,
+           bad, clamped, exps)
+    return (torch.from_numpy(s), torch.from_numpy(r), torch.from_numpy(bad),
+            torch.from_numpy(clamped), torch.from_numpy(exps).view(rows, cols))
+
+
+def micro_cast(blocks: Tensor, random: Tensor | None, levels: np.ndarray, ints: np.ndarray,
+               consts: np.ndarray, p: tuple[int, ...]) -> Tensor:
+    """A multi-level cast of the rows of a contiguous 2-D float32 ``blocks`` in one pass
+    (:func:`driftcli.kernels.microcode.cast_kernel`): float32 values, NaN rows for blocks
+    holding NaN or inf; ``p`` the float64 source's rounding parameters."""
+    import driftcli.kernels.microcode as code  # numba, on first use only
+
+    rows, cols = blocks.shape
+    out = np.empty(rows * cols, dtype=np.float32)
+    draws = _flat(None if random is None else random.to(torch.int64))
+    kernel = code.cast_kernel(p[13], p[14], draws is not None)
+    spread(kernel, rows, cols, _array(blocks), _array(blocks, torch.int32), cols, levels, ints,
+           consts, np.asarray(p, dtype=np.int64), _or_empty(draws, np.int64), out)
+    return torch.from_numpy(out).view(rows, cols)

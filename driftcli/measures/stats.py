@@ -338,6 +338,8 @@ def _numba_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
     s, elem = c.scaling, c.format
     if x.numel() == 0 or not s.arithmetic.exact or not kernels.numba_runs(x, bits):
         return None
+    if c.micro is not None:  # micro-exponents: counted from cast_blocks' masks
+        return None
     one_scale = s.granularity in _WHOLE  # one scale for the tensor, or none
     work = working(x)
     back: Callable[[Tensor], Tensor]

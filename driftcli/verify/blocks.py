@@ -9,12 +9,14 @@ from fractions import Fraction
 from functools import cache, partial
 from typing import cast
 
+import numpy as np
 import torch
 
 from driftcli import oracle
-from driftcli.cast import Cast, Scaling
+from driftcli.cast import Cast, MicroBase, Scaling
 from driftcli.castspec import parse_cast
 from driftcli.formats import FORMATS, Exact, Format, Kind, pow2
+from driftcli.microscale import micro_scales
 from driftcli.modes import Granularity, Overflow, ScaleRule
 from driftcli.presets import PRESETS
 from driftcli.scaling import ScalePlan, block_stats, plan_divisors, pow2_exponents
@@ -90,8 +92,10 @@ def block_casts(fmt: Format) -> list[Cast]:
 
 
 def quick_casts(fmt: Format) -> list[Cast]:
-    """The quick plan's casts: the OCP MX rule and the two-level (NVFP4) rule."""
-    return [rule_casts(fmt, ScaleRule.FLOOR)[0], rule_casts(fmt, ScaleRule.TWO_LEVEL)[0]]
+    """The quick plan's casts: the OCP MX rule, the two-level (NVFP4) rule and the presets
+    with micro-exponents on ``fmt`` (no single-level rule covers their scale choice)."""
+    return [rule_casts(fmt, ScaleRule.FLOOR)[0], rule_casts(fmt, ScaleRule.TWO_LEVEL)[0],
+            *(c for c, _ in PRESETS.values() if c.format == fmt and c.micro is not None)]
 
 
 def blocks_of(case: Tensor, c: Cast) -> list[list[int]]:
@@ -130,6 +134,16 @@ def oracle_cast_exact(case: Tensor, c: Cast) -> tuple[list[Exact], list[Exact]]:
     out: list[Exact] = [oracle.NAN] * len(values)
     scales: list[Exact] = [Exact.of(1)] * len(values)
     for idx in blocks_of(case, c):
+        if c.micro is not None:
+            block = [values[i] for i in idx]
+            # a partial block is padded with zeros, as drift's blocking pads it
+            pad = [Exact.of(0)] * (c.micro.block - len(block))
+            deq, scale, _ = oracle.cast_micro_block(
+                block + pad, c.format, c.micro, FORMATS["float32"], FORMATS["bfloat16"],
+                c.rounding, c.overflow)
+            for i, v in zip(idx, deq, strict=False):
+                out[i], scales[i] = v, scale
+            continue
         deq, scale, _ = oracle.cast_block(
             [values[i] for i in idx], c.format, s.scale_format or FORMATS["float32"],
             s.rule, s.headroom, s.blocked, FORMATS["float32"], c.rounding, c.overflow,
@@ -174,12 +188,82 @@ def constructed_cases(fmt: Format, c: Cast) -> list[Tensor]:
         cases.append(block)
     cases.append(torch.zeros(n))
     cases.append(-torch.zeros(n))
+    if c.micro is not None:
+        cases += micro_cases(fmt, c)
     if c.scaling.granularity is Granularity.TILE:
         cases = [b.reshape(k, k) for b in cases]
         cases.append(torch.randn(k + 5, 2 * k + 3, generator=gen))  # partial tiles
     else:
         cases.append(torch.randn(k + 13, generator=gen) * 1e3)  # a partial block
     return cases
+
+
+def micro_cases(fmt: Format, c: Cast) -> list[Tensor]:
+    """Blocks at a multi-level cast's boundaries: block amaxes whose first-level scale is a
+    power of two (elements on exact ties) or sits on a tie of its own roundings (``5·2**j``,
+    ``7·2**j`` for HiFloat4's bf16 step, the scale format's midpoints), with each run's
+    largest element at, just below and just above every micro-exponent threshold
+    ``2**(emax + 1 + i) / r``."""
+    micro = c.micro
+    if micro is None:
+        return []
+    bf16 = FORMATS["bfloat16"]
+    block, run = micro.block, micro.levels[-1].size if micro.levels else micro.block
+    gen = torch.Generator().manual_seed(SEED + 3)
+    grid = [float(v.mag) for _, v in fmt.values() if v.kind is Kind.FINITE and not v.negative]
+    mids = [(a + b) / 2 for a, b in itertools.pairwise(sorted(set(grid)))]
+    peaks = [float(fmt.max * pow2(micro.steps)) * m for m in (1.0, 5 / 7, 1.125, 1.375, 0.9)]
+    peaks += _double_rounding_amaxes(fmt, c)
+    cases = []
+    for j in (-60, -40, -3, 0, 5, 14, 17):
+        for peak in peaks:
+            amax = torch.tensor(peak * 2.0**j).float()
+            _, r, _ = oracle.micro_first_scale(Fraction(float(amax)), fmt, micro, bf16)
+            tops = []
+            for i in range(micro.steps + 1):
+                t = torch.tensor(float(pow2(fmt.emax + 1 + i) / r)).float()
+                tops += [v for v in (t, torch.nextafter(t, torch.tensor(0.0)),
+                                     torch.nextafter(t, torch.tensor(float("inf"))))
+                         if v <= amax]
+            tops = tops or [amax]
+            x = torch.tensor([mids[i % len(mids)] for i in range(block)]) / float(r)
+            x = x * torch.where(torch.rand(block, generator=gen) < 0.5, -1.0, 1.0)
+            for start in range(0, block, run):  # each run's largest: a threshold
+                x[start] = tops[(start // run) % len(tops)]
+            x[block - 1] = amax
+            if torch.isfinite(x).all():
+                cases.append(x.float())
+    return cases
+
+
+def _rne_significand(v: np.ndarray, bits: int) -> np.ndarray:
+    m, e = np.frexp(v)
+    return np.ldexp(np.rint(np.ldexp(m, bits)), e - bits)
+
+
+def _double_rounding_amaxes(fmt: Format, c: Cast) -> list[float]:
+    """Under the bf16-reciprocal base: float32 amaxes near the scale format's ties whose
+    product with ``rne_bf16(1 / M)``, rounded to float32 before bf16 (a double rounding),
+    would give another first-level scale than the exact product: the blocks that tell an
+    exact implementation from one computing in float32."""
+    micro = c.micro
+    if micro is None or micro.base is not MicroBase.BF16_RCP:
+        return []
+    bf16 = FORMATS["bfloat16"]
+    k = float(oracle.round_exact(bf16, Exact.of(1 / (fmt.max * pow2(micro.steps)))).mag)
+    sig = micro.scale_format.mbits + 1
+    # the bf16 midpoints beside each tie of the scale format (in [1/2, 1))
+    ties = [(2 * i + 1) / 2 ** (sig + 1) + 0.5 + d for i in range(2 ** (sig - 1))
+            for d in (-(2.0**-9), 2.0**-9)]
+    found = []
+    for tie in ties:
+        start = np.float32(2 * tie / k).view(np.int32)
+        a = (start + np.arange(-4000, 4000, dtype=np.int32)).view(np.float32).astype(np.float64)
+        exact = _rne_significand(_rne_significand(a * k, 8), sig)
+        via32 = _rne_significand(_rne_significand((a * k).astype(np.float32)
+                                                  .astype(np.float64), 8), sig)
+        found += [float(v) / 2 for v in a[exact != via32][:2]]
+    return found
 
 
 def random_blocks(count: int, size: int, seed: int) -> Tensor:
@@ -209,8 +293,11 @@ def random_blocks(count: int, size: int, seed: int) -> Tensor:
 def _fast_scales(blocks: Tensor, c: Cast, group: int) -> tuple[Tensor, Tensor]:
     """The scales the fast path chooses for each row of ``blocks`` (rows grouped by ``group``
     into tensors, whose amax the two-level rule reads)."""
-    stats = block_stats(blocks)
     s = c.scaling
+    if c.micro is not None:
+        sc = micro_scales(blocks, c.format, c.micro)
+        return sc.s, sc.clamped
+    stats = block_stats(blocks)
     if s.rule is not None and s.rule.power_of_two:
         k, clamped = pow2_exponents(stats.amax, c.format, s)
         return torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double()), clamped
@@ -276,7 +363,10 @@ def check_cast(fmt: Format, c: Cast, plan: Plan, random: bool = True) -> Iterato
     blocks, amax = _random_pool(count, size, plan.seed + 11)
     got, _ = _fast_scales(blocks, c, group)
     scale_format = s.scale_format or f32
-    if exponent_rule:
+    if c.micro is not None:
+        bf16 = FORMATS["bfloat16"]
+        want = [float(oracle.micro_first_scale(a, fmt, c.micro, bf16)[0]) for a in amax]
+    elif exponent_rule:
         low = oracle.binade(scale_format.smallest_positive)
         want = [float(pow2(oracle.pow2_scale_exponent(a, fmt, rule, s.headroom, low,
                                                       scale_format.emax)[0]))
