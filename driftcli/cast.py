@@ -225,6 +225,9 @@ def _check_arithmetic(a: ScaleArithmetic, rule: ScaleRule, scale_format: Format)
 
 RHT_SIZE = 16
 """The Hadamard transform's length: NVFP4's block (Transformer Engine refuses any other)."""
+RHT_CHECKPOINT = "checkpoint"
+"""``rht=checkpoint``: the signs of each layer's ``_rht_sign_vector`` in the scanned checkpoint
+(torchao's NVFP4 training stores one per layer)."""
 TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """Transformer Engine's hard-coded wgrad sign vector (``pytorch/tensor/nvfp4_tensor.py``
 ``get_wgrad_sign_vector`` lines 49-59 and ``custom_recipes/reference_nvfp4.py`` lines 335-340, at
@@ -255,6 +258,8 @@ class Rht:
     name: str
 
     def __post_init__(self) -> None:
+        if self.from_checkpoint and not self.signs:
+            return  # resolved per tensor by a scan (driftcli.io.rht_signs)
         if len(self.signs) != RHT_SIZE or any(s not in (1, -1) for s in self.signs):
             raise CastSpecError(f"rht signs must be {RHT_SIZE} values of +1 or -1, not "
                                 f"{self.signs!r}")
@@ -262,9 +267,17 @@ class Rht:
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def from_checkpoint(self) -> bool:
+        """Whether the signs are each layer's ``_rht_sign_vector`` in the checkpoint scanned
+        (``rht=checkpoint``), still to be read (:mod:`driftcli.io.rht_signs`)."""
+        return self.name == RHT_CHECKPOINT
+
     @staticmethod
     def parse(text: str) -> Rht:
         """The transform a spec's ``rht=`` value names."""
+        if text == RHT_CHECKPOINT:
+            return Rht((), RHT_CHECKPOINT)
         if text == "te":
             return Rht(TE_SIGNS, "te")
         if text == "h":
@@ -277,12 +290,18 @@ class Rht:
             return Rht(tuple(-1 if bits >> i & 1 else 1 for i in range(RHT_SIZE)),
                        f"random/{int(arg)}")
         raise CastSpecError(f"rht={text!r}: write rht=te (Transformer Engine's signs), rht=h "
-                            "(no signs), rht=signs/<16 of + or -> or rht=random/<seed>")
+                            "(no signs), rht=signs/<16 of + or ->, rht=random/<seed> or "
+                            "rht=checkpoint (each layer's _rht_sign_vector)")
 
     def entries(self) -> tuple[float, ...]:
         """The transform's matrix, row-major: ``m[16 i + j] = s_i · H16[i][j] / 4`` with
         Sylvester's ``H16[i][j] = (-1)**popcount(i & j)``: ``diag(signs) @ H / sqrt(16)``, as
         the reference builds it (``reference_nvfp4.py`` lines 396-419, 438-444)."""
+        if self.from_checkpoint:
+            raise CastSpecError(
+                "rht=checkpoint takes each layer's signs from its _rht_sign_vector, which only "
+                "a scan of that checkpoint reads (drift clip-rate CKPT -c 'nvfp4:rht=checkpoint'); "
+                "here give the signs: rht=signs/<16 of + or -> or rht=te")
         return tuple(s * (-1) ** (i & j).bit_count() / 4 for i, s in enumerate(self.signs)
                      for j in range(RHT_SIZE))
 
