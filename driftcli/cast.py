@@ -175,10 +175,11 @@ class Scaling:
         if self.arithmetic.two.row_scaled and self.granularity is not Granularity.BLOCK:
             raise CastSpecError(f"two={self.arithmetic.two} (row-scaled NVFP4) takes 1 x 16 "
                                 "blocks (block16), not tiles")
-        if self.arithmetic.two.four_over_six and (self.granularity is not Granularity.BLOCK
+        if self.arithmetic.two.four_over_six and (self.granularity not in (Granularity.BLOCK,
+                                                                           Granularity.TILE)
                                                   or self.block != 16):
-            raise CastSpecError(f"two={self.arithmetic.two} is implemented for 1 x 16 blocks "
-                                "(block16); 16 x 16 tiles are not yet")
+            raise CastSpecError(f"two={self.arithmetic.two} takes 1 x 16 blocks (block16) or "
+                                "16 x 16 tiles (tile16), as Transformer Engine's reference")
 
     @property
     def blocked(self) -> bool:
