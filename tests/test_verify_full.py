@@ -26,7 +26,7 @@ FULL_PLAN_VALUES = {
     "float8_e5m2fnuz": 6_728_510,
     "float6_e3m2fn": 1_705_190,
     "float6_e2m3fn": 1_705_190,
-    "float4_e2m1fn": 1_625_908,
+    "float4_e2m1fn": 1_686_418,
     "float8_e8m0fnu": 5_689_056,
     "ue5m3": 5_689_056,
     "ue4m3": 1_534_048,
@@ -50,7 +50,7 @@ def test_the_full_plan_covers_every_format_with_its_stated_size() -> None:
     # the full plan's size, as README.md and docs/verify-formats.md give it: a format added
     # without its count here fails, and the total moves with it
     assert list(FULL_PLAN_VALUES) == [f.name for f in element_formats()]
-    assert sum(FULL_PLAN_VALUES.values()) == 130_955_658
+    assert sum(FULL_PLAN_VALUES.values()) == 131_016_168
 
 
 @pytest.mark.slow
