@@ -175,10 +175,11 @@ class Scaling:
         if self.arithmetic.two.row_scaled and self.granularity is not Granularity.BLOCK:
             raise CastSpecError(f"two={self.arithmetic.two} (row-scaled NVFP4) takes 1 x 16 "
                                 "blocks (block16), not tiles")
-        if self.arithmetic.two.four_over_six and (self.granularity is not Granularity.BLOCK
+        if self.arithmetic.two.four_over_six and (self.granularity not in (Granularity.BLOCK,
+                                                                           Granularity.TILE)
                                                   or self.block != 16):
-            raise CastSpecError(f"two={self.arithmetic.two} is implemented for 1 x 16 blocks "
-                                "(block16); 16 x 16 tiles are not yet")
+            raise CastSpecError(f"two={self.arithmetic.two} takes 1 x 16 blocks (block16) or "
+                                "16 x 16 tiles (tile16), as Transformer Engine's reference")
 
     @property
     def blocked(self) -> bool:
@@ -275,6 +276,9 @@ class MicroScaling:
 
 RHT_SIZE = 16
 """The Hadamard transform's length: NVFP4's block (Transformer Engine refuses any other)."""
+RHT_CHECKPOINT = "checkpoint"
+"""``rht=checkpoint``: the signs of each layer's ``_rht_sign_vector`` in the scanned checkpoint
+(torchao's NVFP4 training stores one per layer)."""
 TE_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """Transformer Engine's hard-coded wgrad sign vector (``pytorch/tensor/nvfp4_tensor.py``
 ``get_wgrad_sign_vector`` lines 49-59 and ``custom_recipes/reference_nvfp4.py`` lines 335-340, at
@@ -305,6 +309,8 @@ class Rht:
     name: str
 
     def __post_init__(self) -> None:
+        if self.from_checkpoint and not self.signs:
+            return  # resolved per tensor by a scan (driftcli.io.rht_signs)
         if len(self.signs) != RHT_SIZE or any(s not in (1, -1) for s in self.signs):
             raise CastSpecError(f"rht signs must be {RHT_SIZE} values of +1 or -1, not "
                                 f"{self.signs!r}")
@@ -312,9 +318,17 @@ class Rht:
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def from_checkpoint(self) -> bool:
+        """Whether the signs are each layer's ``_rht_sign_vector`` in the checkpoint scanned
+        (``rht=checkpoint``), still to be read (:mod:`driftcli.io.rht_signs`)."""
+        return self.name == RHT_CHECKPOINT
+
     @staticmethod
     def parse(text: str) -> Rht:
         """The transform a spec's ``rht=`` value names."""
+        if text == RHT_CHECKPOINT:
+            return Rht((), RHT_CHECKPOINT)
         if text == "te":
             return Rht(TE_SIGNS, "te")
         if text == "h":
@@ -327,12 +341,18 @@ class Rht:
             return Rht(tuple(-1 if bits >> i & 1 else 1 for i in range(RHT_SIZE)),
                        f"random/{int(arg)}")
         raise CastSpecError(f"rht={text!r}: write rht=te (Transformer Engine's signs), rht=h "
-                            "(no signs), rht=signs/<16 of + or -> or rht=random/<seed>")
+                            "(no signs), rht=signs/<16 of + or ->, rht=random/<seed> or "
+                            "rht=checkpoint (each layer's _rht_sign_vector)")
 
     def entries(self) -> tuple[float, ...]:
         """The transform's matrix, row-major: ``m[16 i + j] = s_i · H16[i][j] / 4`` with
         Sylvester's ``H16[i][j] = (-1)**popcount(i & j)``: ``diag(signs) @ H / sqrt(16)``, as
         the reference builds it (``reference_nvfp4.py`` lines 396-419, 438-444)."""
+        if self.from_checkpoint:
+            raise CastSpecError(
+                "rht=checkpoint takes each layer's signs from its _rht_sign_vector, which only "
+                "a scan of that checkpoint reads (drift clip-rate CKPT -c 'nvfp4:rht=checkpoint'); "
+                "here give the signs: rht=signs/<16 of + or -> or rht=te")
         return tuple(s * (-1) ** (i & j).bit_count() / 4 for i, s in enumerate(self.signs)
                      for j in range(RHT_SIZE))
 

@@ -127,15 +127,43 @@ def candidate_errors(blocks: Tensor, elem: Format, sb4: Tensor, sb6: Tensor, inv
             block_errors(blocks, codes(inv6), sb6, t, enc, order))
 
 
+RUN = 16
+"""The run of elements whose error is summed in order: a 1 x 16 block, or one row of a 16 x 16
+tile."""
+
+
+def tile_sum(rows: Tensor) -> Tensor:
+    """Each row of ``rows`` (``(n, 16)``: a tile's 16 row errors) summed as the CUDA warp
+    reduction does, halves added pairwise, one float32 addition each: ``(r0..7 + r8..15)``,
+    then ``(0..3 + 4..7)``, ``(0,1 + 2,3)``, ``(0 + 1)`` (reference_nvfp4.py
+    ``_sum_4over6_2d_error`` lines 512-521)."""
+    while rows.shape[1] > 1:
+        half = rows.shape[1] // 2
+        rows = rows[:, :half] + rows[:, half:]
+    return rows[:, 0]
+
+
 def four_over_six_scales(blocks: Tensor, amax: Tensor, tensor_amax: Tensor, elem: Format,
                          order: TwoLevelOrder) -> ArithScales:
-    """The scales of every 1 x 16 block (rows of float32 ``blocks``, ``amax`` each row's
-    ``fmaxf`` amax, ``tensor_amax`` the tensor's) under 4/6: both candidates cast (codes of
-    ``fl(x · multiplier)`` in ``elem``, nearest even, saturating), their errors, the choice."""
+    """The scales of every 1 x 16 block or 16 x 16 tile (rows of float32 ``blocks``: 16 or 256
+    elements, a tile's rows one after another; ``amax`` each row's ``fmaxf`` amax,
+    ``tensor_amax`` the tensor's) under 4/6: both candidates cast (codes of ``fl(x ·
+    multiplier)`` in ``elem``, nearest even, saturating), their errors, the choice. A tile's
+    two candidates take the tile's amax; the error of each of its 16 rows is summed in order
+    as a block's is, the 16 row errors by :func:`tile_sum`, and the choice is the tile's
+    (reference_nvfp4.py lines 628-642)."""
     t = tensor_amax.float()
     enc, dec = tensor_scales(t)
     sb4, sb6, inv4, inv6, raw4, raw6 = candidate_scales(amax, enc, dec)
-    err4, err6 = candidate_errors(blocks, elem, sb4, sb6, inv4, inv6, t, enc, order)
+    runs = blocks.shape[1] // RUN  # 1 for a block, 16 for a tile
+
+    def each_run(v: Tensor) -> Tensor:
+        return v if runs == 1 else v.repeat_interleave(runs)
+
+    err4, err6 = candidate_errors(blocks.reshape(-1, RUN), elem, each_run(sb4), each_run(sb6),
+                                  each_run(inv4), each_run(inv6), t, enc, order)
+    if runs > 1:
+        err4, err6 = tile_sum(err4.view(-1, runs)), tile_sum(err6.view(-1, runs))
     pick4 = PREFER_MAP4(err4, err6)
     sb = torch.where(pick4, sb4, sb6)
     raw = torch.where(pick4, raw4, raw6)

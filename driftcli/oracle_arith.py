@@ -23,6 +23,7 @@ from driftcli.formats import FORMATS, NAN, Exact, Format, Kind, pow2
 from driftcli.modes import (
     AmaxPolicy,
     ElementOp,
+    Granularity,
     Guard,
     Overflow,
     Pow2,
@@ -377,7 +378,9 @@ def four_over_six(values: list[Exact], amax: Exact, tensor_amax: Exact, elem: Fo
                   scaling: Scaling) -> tuple[Exact, ElementOp, Exact]:
     """Four over six exactly (``driftcli.fouroversix``, its sources there): both candidates of
     a 1 x 16 block (zero padded: a zero adds a zero error), their errors summed from 0 in
-    element order, map-to-4 kept only where its error is smaller (a NaN error never is)."""
+    element order, map-to-4 kept only where its error is smaller (a NaN error never is). A
+    16 x 16 tile (``values`` its 256 elements row by row, zero padded where the tensor ends)
+    sums each row's error so, then the 16 row errors pairwise by halves (``tile_sum``)."""
     order = scaling.arithmetic.two
     t = tensor_amax
     enc = at_most(div(_FOUR_OVER_SIX_MAX, t), Exact.of(F32.max))
@@ -385,13 +388,22 @@ def four_over_six(values: list[Exact], amax: Exact, tensor_amax: Exact, elem: Fo
         enc = ONE
     dec = div(ONE, enc)
     base = mul(div(amax, Exact.of(6)), enc)
-    xs = values + [ZERO] * (scaling.block - len(values))
+    size = scaling.block * (scaling.block if scaling.granularity is Granularity.TILE else 1)
+    xs = values + [ZERO] * (size - len(values))
 
     def candidate(raw: Exact) -> tuple[Exact, Exact, Exact]:
         sb = round_exact(_E4M3, raw, Rounding.RNE, Overflow.SATURATE)
         inv = at_most(div(ONE, mul(sb, dec)), Exact.of(F32.max))
+        rows = [run_error(xs[i:i + scaling.block], sb, inv)
+                for i in range(0, size, scaling.block)]
+        while len(rows) > 1:  # a tile's rows by halves, as the warp reduction
+            half = len(rows) // 2
+            rows = [_plus(a, b) for a, b in zip(rows[:half], rows[half:], strict=True)]
+        return sb, inv, rows[0]
+
+    def run_error(run: list[Exact], sb: Exact, inv: Exact) -> Exact:
         err = ZERO
-        for v in xs:
+        for v in run:
             q = round_exact(elem, mul(v, inv), Rounding.RNE, Overflow.SATURATE)
             if order.fp16_error:  # the FP16 product q·sb is exact
                 diff = _minus(product(q, sb), mul(v, enc))
@@ -400,7 +412,7 @@ def four_over_six(values: list[Exact], amax: Exact, tensor_amax: Exact, elem: Fo
             term = mul(diff, diff) if order.squared else (
                 diff if nan(diff) else Exact(diff.kind, False, diff.mag))
             err = _plus(err, term)
-        return sb, inv, err
+        return err
 
     sb4, inv4, err4 = candidate(mul(base, Exact.of(Fraction(3, 2))))
     sb6, inv6, err6 = candidate(base)

@@ -271,6 +271,13 @@ def _te_presets() -> list[ImplementationPreset]:
               ("_mse", TwoLevelOrder.TE_4OVER6_MSE, "MSE"),
               ("_fast", TwoLevelOrder.TE_4OVER6_MAE_FP16, "MAE, fp16 fast error path"),
               ("_mse_fast", TwoLevelOrder.TE_4OVER6_MSE_FP16, "MSE, fp16 fast error path"))],
+        ImplementationPreset(
+            "te/nvfp4_2d_4over6",
+            scaled(fp4, tile, 16, _E4M3, ScaleRule.TWO_LEVEL,
+                   ScaleArithmetic(amax=AmaxPolicy.FMAX, two=TwoLevelOrder.TE_4OVER6_MAE)),
+            "NVFP4 four over six on 16 x 16 tiles (weights, MAE): each tile row's error as a "
+            "block's, the 16 row errors added by halves, one choice per tile", TE,
+            _TE_4OVER6_SOURCE + " (_sum_4over6_2d_error)", "nvfp4_2d"),
     ]
 
 

@@ -3,12 +3,12 @@
 #
 #   examples/findings.sh [--out DIR] [PART ...]     # DIR defaults to findings-out
 #
-# PART: a b c d claim1 ... claim7, or all (the default); or, not in all, rht (reads
-# ../shared/data/models/stories260K-hf: run it from the repository's root) or health (its own
-# runs, into DIR/health). A part runs alone and trains what it needs; a run already in DIR from
-# the same command is kept, so parts share their runs. CPU only, one torch thread per process,
-# at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it prints each part's
-# key numbers, writes them to DIR/summary.json and draws DIR/plots/*.png (findings_summary.py).
+# PART: a b c d claim1 ... claim7, or all (the default); or, not in all, rht and rht-tf (rht
+# reads ../shared/data/models/stories260K-hf: run it from the repository's root) or health (its
+# own runs, into DIR/health). A part runs alone and trains what it needs; a run already in DIR
+# from the same command is kept, so parts share their runs. CPU only, one torch thread per
+# process, at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it prints each
+# part's key numbers, writes them to DIR/summary.json and draws DIR/plots/*.png.
 set -euo pipefail
 
 OUT=findings-out
@@ -17,8 +17,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT=$2; shift 2 ;;
         -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-        a|b|c|d|claim[1-7]|rht|health|all) PARTS+=("$1"); shift ;;
-        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht health all)" >&2; exit 2 ;;
+        a|b|c|d|claim[1-7]|rht|rht-tf|health|all) PARTS+=("$1"); shift ;;
+        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht rht-tf health all)" >&2; exit 2 ;;
     esac
 done
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(all)
@@ -347,18 +347,47 @@ part_health() {
     "$PY" "$here/findings_health.py" "$H"
 }
 
+# ---------------------------------------------------------------- rht-tf: the same on the study's transformer
+# The findings' transformer (2 blocks, d_model 64, tanh MLP, context 32) trained 100 steps, seed
+# 0; one step's operands (4 windows of 32 bytes), the wgrad's X and dY of its 9 linear maps
+# blocked along the tokens; grad-cosine of the recipe on 4 windows of the story. Not a part of
+# all; tests/test_findings_rht_transformer.py re-runs it and holds the doc's numbers.
+part_rht_tf() {
+    log "rht-tf: RHT and 4/6 on the findings' transformer"
+    mkdir -p "$OUT/rht-tf" "$OUT/policies"
+    cat > "$OUT/rht-tf/story.txt" <<'EOF'
+Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball under a tree. She wanted to play with it, but her friend Tom said, "That is my ball!" Lily was sad. Tom saw that she was sad and said, "We can play together." They played all day and had lots of fun.
+EOF
+    cat > "$OUT/policies/te_nvfp4_recipe_no_rht.toml" <<'EOF'
+name = "te-nvfp4-recipe-no-rht"
+preset = "te/nvfp4_recipe"
+[wgrad]
+lhs = "te/nvfp4"
+rhs = "te/nvfp4:sr"
+EOF
+    drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --steps 100 --seed 0 --checkpoint-every 100 --threads 1 --out "$OUT/rht-tf/run" --overwrite -q
+    drift dump "$OUT/rht-tf/run/step-000100.safetensors" --batch 4 --context 32 --out "$OUT/rht-tf/dump.safetensors" -q
+    for cmd in clip-rate underflow-rate error-bias; do
+        drift $cmd "$OUT/rht-tf/dump.safetensors" -c te/nvfp4 -c te/nvfp4_rht -c te/nvfp4_4over6 -c te/nvfp4_4over6_mse --include '*/activation' --include '*/gradient' --exclude '*attn/*' --axis -2 --out "$OUT/rht-tf/scan" --overwrite -q
+    done
+    drift grad-cosine "$OUT/rht-tf/run/step-000100.safetensors" -p nvfp4 -p te/nvfp4 -p te/nvfp4_recipe -p "$OUT/policies/te_nvfp4_recipe_no_rht.toml" --text "$OUT/rht-tf/story.txt" --tokens 32 --windows 4 --draws 4 --out "$OUT/rht-tf/gc" --overwrite -q
+}
+
 for part in "${PARTS[@]}"; do
     case "$part" in
         a) part_a ;; b) part_b ;; c) part_c ;; d) part_d ;;
         claim1) claim1 ;; claim2) claim2 ;; claim3) claim3 ;; claim4) claim4 ;;
         claim5) claim5 ;; claim6) claim6 ;; claim7) claim7 ;; rht) part_rht ;;
         health) part_health ;;
+        rht-tf) part_rht_tf ;;
     esac
 done
 join
 
 log "summary"
 STUDY_PARTS=()
-for part in "${PARTS[@]}"; do [ "$part" = rht ] || [ "$part" = health ] || STUDY_PARTS+=("$part"); done
+for part in "${PARTS[@]}"; do
+    case "$part" in rht|rht-tf|health) ;; *) STUDY_PARTS+=("$part") ;; esac
+done
 [ ${#STUDY_PARTS[@]} -eq 0 ] || "$PY" "$here/findings_summary.py" "$OUT" "$SECONDS" "${STUDY_PARTS[@]}"
 log "done: $OUT/summary.json, $OUT/plots/"

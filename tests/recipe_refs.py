@@ -230,7 +230,8 @@ def _reference_cast_to_fp4(x: np.ndarray) -> np.ndarray:
     return np.copysign(value, x).astype(F)
 
 
-def te_nvfp4_4over6(x: np.ndarray, squared: bool, fp16: bool) -> tuple[np.ndarray, np.ndarray]:
+def te_nvfp4_4over6(x: np.ndarray, squared: bool, fp16: bool,
+                    granularity: Granularity = Granularity.BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """reference_nvfp4.py (TransformerEngine d0067d0) with ``nvfp4_use_4over6=True``,
     ``nvfp4_e4m3_max=256``, 1 x 16 tiles: the global scale of ``_quantize_blockwise_reference``
     (lines 696-730: ``S_enc = min(fl((256 · 6) / amax), max)``, 1 where it is 0, ``S_dec =
@@ -242,7 +243,11 @@ def te_nvfp4_4over6(x: np.ndarray, squared: bool, fp16: bool) -> tuple[np.ndarra
     lines 465-510) minus ``fl(x · S_enc)``; ``|d|`` or ``d · d`` added; map-to-4 where its error
     is strictly smaller (line 637). Dequantized as dequantize_nvfp4.cuh lines 66-69 with
     ``E4M3_MAX = 256``. Amaxes by ``fmaxf`` as the kernel (the reference's ``torch.amax``
-    differs only on NaN, which the comparison leaves out)."""
+    differs only on NaN, which the comparison leaves out). 16 x 16 tiles (``with_2d_quantization``,
+    lines 759-771: every row of a tile takes the tile's amax): each tile row's error as a
+    block's, the 16 row errors of a tile added by halves (``_sum_4over6_2d_error`` lines
+    512-521: rows 0-7 + 8-15, then 0-3 + 4-7, 0-1 + 2-3, 0 + 1), the choice per tile (lines
+    639-642)."""
     t = np.fmax.reduce(np.abs(x).ravel(), initial=F(0)).astype(F)
     with np.errstate(divide="ignore"):
         enc = F(F(256.0 * 6.0) / t)
@@ -250,7 +255,8 @@ def te_nvfp4_4over6(x: np.ndarray, squared: bool, fp16: bool) -> tuple[np.ndarra
     if enc == 0:
         enc = F(1)
     dec = F(F(1) / enc)
-    g, back = groups(x, Granularity.BLOCK, 16)
+    g, back = groups(x, granularity, 16)
+    runs = g.shape[1] // 16  # 16 rows of 16 in a tile
     base = ((fmax_amax(g) / F(6)).astype(F) * enc).astype(F)
     candidates = []
     for raw in ((base * F(1.5)).astype(F), base):
@@ -258,15 +264,21 @@ def te_nvfp4_4over6(x: np.ndarray, squared: bool, fp16: bool) -> tuple[np.ndarra
         with np.errstate(divide="ignore"):
             inv = np.minimum(F(1) / (sb * dec).astype(F), FLT_MAX).astype(F)
         q = _reference_cast_to_fp4(np.clip((g * inv[:, None]).astype(F), -6, 6))
-        err = np.zeros(len(g), dtype=F)
+        rows_q, rows_g = q.reshape(len(g), runs, 16), g.reshape(len(g), runs, 16)
+        err = np.zeros((len(g), runs), dtype=F)
         for i in range(16):
             if fp16:
-                d = ((q[:, i] * sb).astype(F) - (g[:, i] * enc).astype(F)).astype(F)
+                d = ((rows_q[:, :, i] * sb[:, None]).astype(F)
+                     - (rows_g[:, :, i] * enc).astype(F)).astype(F)
             else:
-                val = (((q[:, i] * sb).astype(F) * t).astype(F) / F(1536)).astype(F)
-                d = (val - g[:, i]).astype(F)
+                val = (((rows_q[:, :, i] * sb[:, None]).astype(F) * t).astype(F)
+                       / F(1536)).astype(F)
+                d = (val - rows_g[:, :, i]).astype(F)
             err = (err + ((d * d).astype(F) if squared else np.abs(d))).astype(F)
-        candidates.append((sb, q, err))
+        while err.shape[1] > 1:  # the tile's rows: 0-7 + 8-15, 0-3 + 4-7, ...
+            half = err.shape[1] // 2
+            err = (err[:, :half] + err[:, half:]).astype(F)
+        candidates.append((sb, q, err[:, 0]))
     (sb4, q4, err4), (sb6, q6, err6) = candidates
     four = err4 < err6
     sb = np.where(four, sb4, sb6)
@@ -322,6 +334,7 @@ REFERENCES: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
     "te/nvfp4_4over6_mse": lambda x: te_nvfp4_4over6(x, True, False),
     "te/nvfp4_4over6_fast": lambda x: te_nvfp4_4over6(x, False, True),
     "te/nvfp4_4over6_mse_fast": lambda x: te_nvfp4_4over6(x, True, True),
+    "te/nvfp4_2d_4over6": lambda x: te_nvfp4_4over6(x, False, False, TL),
     "deepseek/v3": lambda x: deepseek_act(x, False),
     "deepseek/v3_ue8m0": lambda x: deepseek_act(x, True),
     "deepseek/v3_weight": lambda x: deepseek_weight(x, False),

@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 import torch
 from recipe_data import differences, info_of, requires_stories, stories_weights
-from recipe_refs import REFERENCES
+from recipe_refs import REFERENCES, te_nvfp4_4over6
 
 from driftcli import fouroversix
 from driftcli.castspec import parse_cast
 from driftcli.errors import CastSpecError
 from driftcli.formats import FORMATS
 from driftcli.kernels import jit
+from driftcli.modes import Granularity
 from driftcli.verify import Plan
-from driftcli.verify.recipes import check_recipe
+from driftcli.verify.compare import to_float
+from driftcli.verify.recipes import check_recipe, four_over_six_tile_case, oracle_recipe
 
 FOUR_OVER_SIX = ["te/nvfp4_4over6", "te/nvfp4_4over6_mse", "te/nvfp4_4over6_fast",
                  "te/nvfp4_4over6_mse_fast"]
@@ -79,10 +81,80 @@ def test_the_tensor_scale_maps_amax_to_1536_not_2688() -> None:
     assert info_of(x, "te/nvfp4").tensor_scale == float(np.float32(1) / np.float32(2688))
 
 
-def test_four_over_six_is_refused_on_tiles_in_one_line() -> None:
-    with pytest.raises(CastSpecError, match="1 x 16 blocks"):
-        parse_cast("float4_e2m1fn:tile16:float8_e4m3fn:two-level:rne:saturate:amax=fmax,"
-                   "two=te-4over6-mae")
+def _spec(group: str, order: str = "te-4over6-mae") -> str:
+    return f"float4_e2m1fn:{group}:float8_e4m3fn:two-level:rne:saturate:amax=fmax,two={order}"
+
+
+ORDERS = [("te-4over6-mae", False, False), ("te-4over6-mse", True, False),
+          ("te-4over6-mae-fp16", False, True), ("te-4over6-mse-fp16", True, True)]
+
+
+def test_four_over_six_takes_blocks_and_tiles_of_16_only() -> None:
+    assert parse_cast(_spec("tile16")) == parse_cast("te/nvfp4_2d_4over6")
+    for group in ("tile32", "block32"):
+        with pytest.raises(CastSpecError, match=r"1 x 16 blocks \(block16\) or 16 x 16 tiles"):
+            parse_cast(_spec(group))
+
+
+def _tile_data() -> torch.Tensor:
+    """The tiles whose choice the order of the sum decides, every drawn one of them, and
+    random tiles of spread magnitudes (S_enc != 1), partial tiles at the edges."""
+    gen = torch.Generator().manual_seed(5)
+    spread = torch.randn(40, 56, generator=gen) * torch.exp2(
+        torch.randint(-8, 8, (40, 1), generator=gen).float())
+    return [four_over_six_tile_case(keep=None), spread]
+
+
+@pytest.mark.parametrize(("order", "squared", "fp16"), ORDERS)
+def test_tiles_equal_the_transcription_on_both_back_ends(order: str, squared: bool,
+                                                         fp16: bool) -> None:
+    """reference_nvfp4.py's 2-D 4/6 (tests/recipe_refs.py ``te_nvfp4_4over6`` on tiles), bit
+    for bit, zero padded to whole tiles as the reference needs them; the choice is the tile's,
+    so it parts from the 1 x 16 cast."""
+    spec = _spec("tile16", order)
+    for x in _tile_data():
+        padded = torch.nn.functional.pad(x, (0, -x.shape[1] % 16, 0, -x.shape[0] % 16))
+        values, codes = te_nvfp4_4over6(padded.numpy(), squared, fp16, Granularity.TILE)
+        for mode in ("auto", "never"):
+            jit.set_jit(mode)
+            try:
+                got = info_of(padded, spec)
+            finally:
+                jit.set_jit("auto")
+            assert not (differences(got.values, torch.from_numpy(values))
+                        | differences(got.codes, torch.from_numpy(codes))).any(), (order, mode)
+        assert differences(info_of(padded, spec).values,
+                           info_of(padded, _spec("block16", order)).values).any()
+
+
+def _sequential(rows: torch.Tensor) -> torch.Tensor:
+    acc = torch.zeros(rows.shape[0], dtype=rows.dtype)
+    for r in range(rows.shape[1]):
+        acc = acc + rows[:, r]
+    return acc
+
+
+@pytest.mark.parametrize(("order", "squared", "fp16"), [ORDERS[0], ORDERS[1]])
+def test_a_planted_sequential_tile_sum_is_caught(order: str, squared: bool, fp16: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 16 row errors of a tile added in row order instead of by halves: the transcription
+    and the exact twin (verify-formats' recipes suite, on its order-parting tiles) both see
+    it; honest, both agree bit for bit."""
+    c = parse_cast(_spec("tile16", order))
+    x = four_over_six_tile_case()
+
+    def apart() -> tuple[int, int]:
+        got = info_of(x, c).values.flatten()
+        exact, _ = oracle_recipe(x, c)
+        want = torch.tensor([to_float(v) for v in exact], dtype=torch.float64)
+        values, _ = te_nvfp4_4over6(x.numpy(), squared, fp16, Granularity.TILE)
+        return (int(differences(got.reshape(x.shape), torch.from_numpy(values)).sum()),
+                int((got.double() != want).sum()))
+
+    assert apart() == (0, 0)
+    monkeypatch.setattr(fouroversix, "tile_sum", _sequential)
+    to_transcription, to_oracle = apart()
+    assert to_transcription > 0 and to_oracle == to_transcription
 
 
 def _recipe_failures(name: str) -> int:

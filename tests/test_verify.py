@@ -338,8 +338,8 @@ def test_a_new_real_valued_rule_is_verified_with_no_other_edit(
 # --- engines ---------------------------------------------------------------------------------
 
 ENGINE_FORMATS = ["float4_e2m1fn", "int4"]
-"""Two formats of the quick plan, 64,282 and 49,962 values (docs/verify-formats.md; float4_e2m1fn
-carries the FP4 recipes' 14,512): twelve (format, check) units of very different lengths, so
+"""Two formats of the quick plan, 75,194 and 49,962 values (docs/verify-formats.md; float4_e2m1fn
+carries the FP4 recipes' 25,424): twelve (format, check) units of very different lengths, so
 that workers finish them out of order."""
 
 
@@ -353,7 +353,7 @@ def test_every_engine_gives_the_serial_outcomes_in_the_serial_order(
     told: list[tuple[int, int, str]] = []
     spread = verify(formats, Plan(quick=True), Execution(engine, 2),
                     progress=lambda done, total, name: told.append((done, total, name)))
-    assert sum(o.n_checked for o in serial) == 64_282 + 49_962
+    assert sum(o.n_checked for o in serial) == 75_194 + 49_962
     assert spread == serial  # every count and disagreement, cell by cell, in order
     # the progress, as units finish: each of the twelve once (int4's matmul and recipes units
     # are empty)
@@ -371,8 +371,8 @@ def test_jobs_spreads_the_checks_over_processes_and_provenance_names_them(
     spread, spread_prov = read_table(_run_table(tmp_path / "j2", *args, "-j", "2"))
     serial, prov = read_table(_run_table(tmp_path / "serial", *args, "--engine", "serial"))
     assert spread.equals(serial)
-    # 53 cells a format, float4_e2m1fn's 14 FP4 recipes x (value, code) and te/nvfp4_rht's transform
-    assert len(serial) == 2 * 53 + 29 and set(serial.kind) == {"summary"}
+    # 53 cells a format, float4_e2m1fn's 15 FP4 recipes x (value, code) and te/nvfp4_rht's transform
+    assert len(serial) == 2 * 53 + 31 and set(serial.kind) == {"summary"}
     assert (prov["engine"], prov["workers"]) == ("serial", 1)
     assert (spread_prov["engine"], spread_prov["workers"]) == ("processes", 2)
 

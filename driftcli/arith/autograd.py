@@ -197,8 +197,9 @@ class PolicyMatmul(torch.autograd.Function):
                 want_scales=_blocked(spec))
             out = simulated_product(qa, qb, spec, call.seed(Slot.FORWARD_OUT), lhs_scales=sa,
                                     rhs_scales=sb).to(dtype)
-        saved = policy.backward_state is BackwardState.SAVED_CAST
-        ctx.save_for_backward(qa if saved else a, qb if saved else b)
+        saved = BackwardState.SAVED_CAST  # per operand: a hybrid recipe recasts one only
+        ctx.save_for_backward(qa if policy.operand_state(True) is saved else a,
+                              qb if policy.operand_state(False) is saved else b)
         ctx.call = call
         ctx.shapes = (a.shape, b.shape)
         return out
@@ -219,7 +220,8 @@ class PolicyMatmul(torch.autograd.Function):
 
 def _forward_bits_seed(call: MatmulCall, forward_slot: Slot, own_slot: Slot) -> int:
     """Recast reuses the forward's random bits for the same element; fresh-sr draws anew."""
-    fresh = call.policy.backward_state is BackwardState.FRESH_SR
+    lhs = forward_slot is Slot.FORWARD_LHS
+    fresh = call.policy.operand_state(lhs) is BackwardState.FRESH_SR
     return call.seed(own_slot if fresh else forward_slot)
 
 

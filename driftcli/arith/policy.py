@@ -116,6 +116,13 @@ class ArithmeticPolicy:
     backward_cast: BackwardCast = BackwardCast.OPERANDS
     """Where the backward matmuls cast: their operands (right) or their result (wrong, kept
     for comparison)."""
+    backward_state_lhs: BackwardState | None = None
+    """What the backward reads for the forward's left operand (X of a linear map, read by the
+    wgrad), where it differs from :attr:`backward_state` (None: that one)."""
+    backward_state_rhs: BackwardState | None = None
+    """The same for the right operand (Wᵀ, read by the dgrad): Transformer Engine's hybrid
+    recipes recast one operand from the original tensor and cast the other from the forward's
+    dequantized values (``columnwise_source``)."""
 
     def __post_init__(self) -> None:
         for pattern in self.keep_high_precision:
@@ -133,6 +140,15 @@ class ArithmeticPolicy:
         object.__setattr__(self, "keep_matmuls", tuple(dict.fromkeys(kinds)))
         object.__setattr__(self, "backward_cast",
                            parse_choice(BackwardCast, self.backward_cast, "backward_cast"))
+        for side in ("backward_state", "backward_state_lhs", "backward_state_rhs"):
+            given = getattr(self, side)
+            if given is not None:
+                object.__setattr__(self, side, parse_choice(BackwardState, given, side))
+
+    def operand_state(self, lhs: bool) -> BackwardState:
+        """What the backward reads for the forward's left (``lhs``) or right operand."""
+        own = self.backward_state_lhs if lhs else self.backward_state_rhs
+        return self.backward_state if own is None else own
 
     def spec(self, role: Role) -> MatmulSpec | None:
         """The matmul spec of ``role`` as it runs (None: plain torch). Under
@@ -175,7 +191,9 @@ class ArithmeticPolicy:
             parts = [f"every role: {text(specs[0])}"]
         else:
             parts = [f"{r.value}: {text(s)}" for r, s in zip(ROLES, specs, strict=True)]
-        parts.append(f"backward: {self.backward_state.value}")
+        lhs, rhs = self.operand_state(True), self.operand_state(False)
+        parts.append(f"backward: {lhs.value}" if lhs is rhs else
+                     f"backward: lhs {lhs.value}, rhs {rhs.value}")
         if self.backward_cast is not BackwardCast.OPERANDS:
             parts.append(f"backward cast: {self.backward_cast.value} (a wrong method, for "
                          "comparison)")
@@ -221,9 +239,13 @@ def recipe_policy(entry: RecipeEntry) -> ArithmeticPolicy:
             return matmul_spec(lhs=lhs, rhs=rhs, tc=entry.tc, order=entry.order)
         return matmul_spec(lhs=lhs, rhs=rhs, accumulator=entry.acc, order=entry.order)
 
+    state = BackwardState(entry.backward_state)
+    lhs, rhs = (BackwardState(s) for s in entry.operand_states)
     return ArithmeticPolicy(entry.name, spec(Role.FORWARD), spec(Role.DGRAD), spec(Role.WGRAD),
-                            BackwardState(entry.backward_state), entry.keep_high_precision,
-                            keep_matmuls=tuple(MatmulKind(k) for k in entry.keep_matmuls))
+                            state, entry.keep_high_precision,
+                            keep_matmuls=tuple(MatmulKind(k) for k in entry.keep_matmuls),
+                            backward_state_lhs=None if lhs is state else lhs,
+                            backward_state_rhs=None if rhs is state else rhs)
 
 
 POLICIES.update({r.name: (recipe_policy(r), r.meaning) for r in RECIPES})
@@ -291,6 +313,30 @@ def _table(value: Any, where: str) -> dict[str, str]:
     return out
 
 
+_OPERANDS = ("lhs", "rhs")
+
+
+def _backward_states(given: Any, base: ArithmeticPolicy, source: str
+                     ) -> tuple[BackwardState, BackwardState | None, BackwardState | None]:
+    """A file's ``backward_state``: a string for both operands, or a table ``{lhs = …,
+    rhs = …}`` per operand of the forward (one given keeps the preset's other); absent, the
+    preset's."""
+    if given is None:
+        return base.backward_state, base.backward_state_lhs, base.backward_state_rhs
+    if isinstance(given, str):
+        return parse_choice(BackwardState, given, "backward_state"), None, None
+    if not isinstance(given, dict) or set(given) - set(_OPERANDS) or not given:
+        raise PolicyError(f"{source}: backward_state must be one of "
+                          f"{', '.join(s.value for s in BackwardState)} or a table of lhs "
+                          f"and rhs (the forward's operands, X and Wᵀ), e.g. "
+                          f"{{lhs = \"recast\", rhs = \"saved-cast\"}}, not {given!r}")
+    sides = {k: parse_choice(BackwardState, str(v), f"backward_state.{k}")
+             for k, v in given.items()}
+    lhs = sides.get("lhs", base.operand_state(True))
+    rhs = sides.get("rhs", base.operand_state(False))
+    return base.backward_state, lhs, rhs
+
+
 def policy_from_dict(data: dict[str, Any], *, source: str = "policy",
                      default_name: str = "policy") -> ArithmeticPolicy:
     """A policy from the parsed contents of a policy file (see :func:`policy_from_toml`)."""
@@ -330,8 +376,7 @@ def policy_from_dict(data: dict[str, Any], *, source: str = "policy",
     if not isinstance(keep, list) or not all(isinstance(p, str) for p in keep):
         raise PolicyError(f"{source}: keep_high_precision must be a list of regex strings, "
                           f"e.g. [\"lm_head\"], not {keep!r}")
-    state = parse_choice(BackwardState, data.get("backward_state", base.backward_state),
-                         "backward_state")
+    state, lhs, rhs = _backward_states(data.get("backward_state"), base, source)
     seed = data.get("seed", base.seed)
     kinds = data.get("keep_matmuls", list(base.keep_matmuls))
     if isinstance(kinds, str):
@@ -343,7 +388,7 @@ def policy_from_dict(data: dict[str, Any], *, source: str = "policy",
     try:
         return ArithmeticPolicy(name, specs[Role.FORWARD], specs[Role.DGRAD],
                                 specs[Role.WGRAD], state, tuple(keep), seed, tuple(kinds),
-                                data.get("backward_cast", base.backward_cast))
+                                data.get("backward_cast", base.backward_cast), lhs, rhs)
     except DriftError as err:
         raise PolicyError(f"{source}: {err}") from None
 
@@ -352,7 +397,8 @@ def policy_from_toml(path: str | Path) -> ArithmeticPolicy:
     """Read a policy file (TOML; the format is in docs/arithmetic.md).
 
     Top-level keys: ``name`` (default: the file's stem), ``preset`` (a policy to start from),
-    ``backward_state``, ``keep_high_precision`` (a list of regexes), ``seed``; a ``[matmul]``
+    ``backward_state`` (a string, or a table ``{lhs = …, rhs = …}`` per forward operand),
+    ``keep_high_precision`` (a list of regexes), ``seed``; a ``[matmul]``
     table of spec keys shared by every role, and ``[forward]``, ``[dgrad]``, ``[wgrad]``
     tables overriding them per role (or a role given as ``"plain"``). Spec keys are those of a
     matmul spec string: ``lhs``, ``rhs``, ``acc``, ``order``, ``fma``, ``tc``, ``scale``,

@@ -46,6 +46,11 @@ GRADIENT_SLOTS: tuple[str, ...] = ("dgrad.lhs", "wgrad.rhs")
 """The slots holding the output gradient dY (the only tensor the forward does not make)."""
 NONE = "none"
 """A slot given as this string is not cast: the operand in the model's own precision."""
+BACKWARD_COPIES: tuple[str, str] = ("wgrad.lhs", "dgrad.rhs")
+"""The slots reading the backward's copy of X and of W (the forward's left and right operand)."""
+SOURCE_STATES: dict[str, str] = {"original": "recast", "forward-cast": "saved-cast"}
+"""A per-operand source (Transformer Engine's ``columnwise_source``: ``original``,
+``rowwise_dequantized``) as a backward state."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,18 @@ class RecipeEntry:
     """Where the policy is not the recipe (empty: nowhere)."""
     sources_by_operand: dict[str, str] = field(default_factory=dict)
     """Where the backward's copy of X (``wgrad.lhs``) and W (``dgrad.rhs``) is quantized from,
-    per operand, where the recipe says it per operand: ``original`` or ``forward-cast``."""
+    per operand, where the recipe says it per operand: ``original`` (the policy's ``recast``)
+    or ``forward-cast`` (``saved-cast``); the policy follows it operand by operand."""
+
+    @property
+    def operand_states(self) -> tuple[str, str]:
+        """The backward state of X (the forward's left operand) and of W (its right one):
+        :attr:`sources_by_operand` where it names the operand, else :attr:`backward_state`."""
+        def state(slot: str) -> str:
+            given = self.sources_by_operand.get(slot)
+            return self.backward_state if given is None else SOURCE_STATES.get(given, given)
+
+        return state(BACKWARD_COPIES[0]), state(BACKWARD_COPIES[1])
 
     @property
     def rht(self) -> tuple[str, ...]:
@@ -172,11 +188,10 @@ RECIPES: tuple[RecipeEntry, ...] = (
         f"{_TE_ZOO} mxfp8_fwd_nvfp4_bwd_factory lines 120-158, _plain_nvfp4_quantizer lines "
         f"106-117; {_TE_FACTORIES} nvfp4_factory lines 140-192, mxfp8_factory lines 125-137",
         keep_matmuls=_ATTENTION,
-        sources_by_operand={"wgrad.lhs": "original", "dgrad.rhs": "forward-cast"},
-        departures="the recipe quantizes the dgrad's W from the dequantized MXFP8 weight "
-                   "(columnwise_source='rowwise_dequantized') and the wgrad's X from the "
-                   "original input; a drift policy has one backward state, recast, so W is "
-                   "cast from the original weight here"),
+        # the dgrad's W from the dequantized MXFP8 weight (columnwise_source=
+        # 'rowwise_dequantized', lines 150-155), the wgrad's X from the original input
+        # (columnwise_source='original', lines 144-149)
+        sources_by_operand={"wgrad.lhs": "original", "dgrad.rhs": "forward-cast"}),
     RecipeEntry(
         "te/nvfp4_row_fwd_mxfp8_bwd",
         "Transformer Engine's quantizer zoo: row-scaled NVFP4 activations and plain NVFP4 "
@@ -279,7 +294,7 @@ def check_recipe(entry: RecipeEntry) -> list[str]:
     - dY takes one element format in both backward matmuls;
     - RHT only on the wgrad's operands (the recipes apply it to column-wise copies only), and
       the same on both (nothing undoes it: on one side the product would be wrong);
-    - the backward state agrees with the per-operand sources, or a departure says why not;
+    - the per-operand sources name the backward's copy of X or W, and a source drift has;
     - the source cites lines, or a report's section.
     """
     problems: list[str] = []
@@ -316,11 +331,10 @@ def check_recipe(entry: RecipeEntry) -> list[str]:
     if len(grads) > 1:
         problems.append(f"{entry.name}: dY takes {sorted(grads)} in the dgrad and the wgrad; "
                         "a recipe casts dY into one element format")
-    state_of = {"original": "recast", "forward-cast": "saved-cast"}
-    wanted = {state_of.get(v, v) for v in entry.sources_by_operand.values()}
-    if wanted and wanted != {entry.backward_state} and not entry.departures:
-        problems.append(f"{entry.name}: backward state {entry.backward_state} but the recipe's "
-                        f"operands come from {entry.sources_by_operand}; say the departure")
+    for slot, given in entry.sources_by_operand.items():
+        if slot not in BACKWARD_COPIES or given not in SOURCE_STATES:
+            problems.append(f"{entry.name}: sources_by_operand {slot} = {given!r}; give "
+                            f"{' or '.join(BACKWARD_COPIES)} as {' or '.join(SOURCE_STATES)}")
     if not (_CITATION.search(entry.source) or "section" in entry.source):
         problems.append(f"{entry.name}: the source cites no lines")
     return problems

@@ -143,7 +143,9 @@ def _policies() -> list[dict[str, Any]]:
                       for role in ("forward", "dgrad", "wgrad")},
             "accumulation": f"tc={r.tc}, order={r.order}" if r.tc
             else f"acc={r.acc}, order={r.order}",
-            "backward_state": r.backward_state, "keep_matmuls": list(r.keep_matmuls),
+            "backward_state": r.backward_state,
+            "operand_states": dict(zip(("X", "W"), r.operand_states, strict=True)),
+            "keep_matmuls": list(r.keep_matmuls),
             "keep_high_precision": list(r.keep_high_precision),
             "rht": list(r.rht), "departures": r.departures, "source": r.source})
     for path in _example_policies():
@@ -208,7 +210,7 @@ def _print_recipes(console: Any, recipes: list[dict[str, Any]]) -> None:
     for r in recipes:
         kept = ", ".join([*r["keep_matmuls"], *r["keep_high_precision"]]) or "nothing"
         table.add_row(r["preset"], cell(r, "forward"), cell(r, "dgrad"), cell(r, "wgrad"),
-                      f"{r['backward_state']}; {r['accumulation']}; keeps {kept}")
+                      f"{_states(r['operand_states'])}; {r['accumulation']}; keeps {kept}")
     console.print(table)
     for r in recipes:  # the sources are long: one paragraph each, below the table
         departs = f" Departs: {r['departures']}." if r["departures"] else ""
@@ -227,3 +229,9 @@ def _tensor_core_row(spec: str) -> dict[str, Any]:
             f"{core.acc}" + (f", interleaved by {unit.interleave}" if unit.interleave else "")
             + f" (a matmul spec part, not a cast; {core.source})")
     return {"spec": spec, "canonical": text, "tensor_core": name}
+
+
+def _states(states: dict[str, str]) -> str:
+    """A recipe's backward state: one word, or one per operand where they differ."""
+    x, w = states["X"], states["W"]
+    return x if x == w else f"X {x}, W {w}"

@@ -29,6 +29,7 @@ from driftcli.castspec import parse_cast
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.hadamard import rht_problem, transformed
+from driftcli.io import rht_signs
 from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
 from driftcli.measures.diffstats import DiffStats, cast_diff_stats
 from driftcli.measures.stats import (
@@ -430,7 +431,12 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     todo = total_bytes([i for _, i in opened])
     if on_open is not None:
         on_open([f for _, i in opened for f in i.files])
-    units = [TensorUnit(inp, ref, parsed, options, rounded)
+    # rht=checkpoint: each tensor's own casts, its layer's signs read in (refused at once, in
+    # one line, where a layer has none); the results keep the spec as given
+    vectors = {inp: rht_signs.sign_vectors(open_inputs([inp], (), (), layout).tensors)
+               for inp, _ in opened} if rht_signs.needs_signs(parsed) else {}
+    units = [TensorUnit(inp, ref, rht_signs.resolve(parsed, ref, vectors.get(inp, {})),
+                        options, rounded)
              for inp, inputs in opened for ref in inputs.tensors if ref.is_float]
     if execution.engine is Engine.SERIAL:
         per_unit = _serial(units, todo, progress, execution.resume)
@@ -457,7 +463,8 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
                            for c in parsed)
         skipped[inp] = sum(not ref.is_float for ref in inputs.tensors)
         for _ in (ref for ref in inputs.tensors if ref.is_float):
-            results.extend(next(found))
+            results.extend(dataclasses.replace(r, cast=c)
+                           for r, c in zip(next(found), parsed, strict=True))
     return Scan(tuple(results), skipped, tuple(i for _, i in opened))
 
 

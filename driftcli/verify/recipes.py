@@ -74,6 +74,36 @@ def four_over_six_cases() -> list[Tensor]:
     return out
 
 
+ORDER_TILES = 64
+"""Tiles :func:`four_over_six_tile_case` draws (about one in ten parts the two orders of the
+sum)."""
+ORDER_PARTED = (11, 14, 24, 29, 34, 45, 46, 50, 59)
+"""The drawn tiles (seed 27) whose choice the sum's order decides under MAE (11, 14, 29, 34,
+50, 59) or MSE (24, 29, 45, 46, 59), each error path: found by summing the row errors in row
+order instead (tests/test_fouroversix.py plants that and checks these part)."""
+
+
+def four_over_six_tile_case(seed: int = 27, keep: tuple[int, ...] | None = ORDER_PARTED
+                            ) -> Tensor:
+    """16 x 16 tiles stacked along the rows (each with 1536, so S_enc = 1) whose choice the
+    order of the tile's sum can decide: rows 1-15 of values 320 + δ, 0 < δ < 64, whose
+    map-to-4 and map-to-6 errors are equal (both round to 384), and a first row whose two
+    errors differ by a few ulps (576 - ε and 128 + ε'): the row errors added by halves and in
+    row order can then tie in one order and not in the other. ``keep``: the drawn tiles kept
+    (None: all :data:`ORDER_TILES`)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 320 + torch.rand(ORDER_TILES, 16, 16, generator=gen) * 64
+    x[:, 0] = 0.0
+    x[:, 0, 0] = 1536.0
+    eps = torch.rand(ORDER_TILES, generator=gen) * 32
+    ulps = torch.randint(-3, 4, (ORDER_TILES,), generator=gen, dtype=torch.int32)
+    x[:, 0, 1] = 576 - eps
+    x[:, 0, 2] = ((128 + eps).view(torch.int32) + ulps).view(torch.float32)
+    if keep is not None:
+        x = x[list(keep)]
+    return x.reshape(-1, 16)
+
+
 def row_scaled_case() -> Tensor:
     """Rows of two blocks whose amaxes lie 2**-20 apart: under one tensor amax the small row's
     block scale rounds to E4M3's zero, under its own it is 448 (a row-scaled cast's check)."""
@@ -123,6 +153,8 @@ def recipe_cases(fmt: Format, c: Cast, plan: Plan) -> list[Tensor]:
         cases = cases[:QUICK_CASES - 3] + cases[-5:-2]  # and NaN, inf, -inf
     if c.scaling.arithmetic.two.four_over_six:
         cases = cases + four_over_six_cases()
+        if c.scaling.granularity is Granularity.TILE:
+            cases.append(four_over_six_tile_case())
     if c.scaling.arithmetic.two.row_scaled:
         cases = [*cases, row_scaled_case()]
     if c.rht is not None:
@@ -172,16 +204,29 @@ def oracle_recipe(case: Tensor, c: Cast) -> tuple[list[Exact], list[Exact]]:
     out: list[Exact] = list(values)
     codes: list[Exact] = list(values)
     cols = case.shape[-1] if case.dim() else 1
-    for idx in blocks_of(case, c):
+    # four over six sums a tile's errors row by row: its groups keep their 16 x 16 places
+    tiled = s.granularity is Granularity.TILE and s.arithmetic.two.four_over_six
+    zero = exact_of_float(0.0)
+    for idx in (whole_tiles(case, s.block) if tiled else blocks_of(case, c)):
         top = tensor_amax
         if s.arithmetic.two.row_scaled:  # the amax of the group's row
-            start = idx[0] // cols * cols
+            start = next(i for i in idx if i is not None) // cols * cols
             top = amax_of(values[start:start + cols], s.arithmetic.amax)
-        deq, code, _ = cast_group([values[i] for i in idx], c.format, s, top,
-                                  c.rounding, c.overflow)
+        deq, code, _ = cast_group([zero if i is None else values[i] for i in idx], c.format,
+                                  s, top, c.rounding, c.overflow)
         for i, v, q in zip(idx, deq, code, strict=True):
-            out[i], codes[i] = v, q
+            if i is not None:
+                out[i], codes[i] = v, q
     return out, codes
+
+
+def whole_tiles(case: Tensor, k: int) -> list[list[int | None]]:
+    """Flat indices of each k x k tile of a 1-D (one row) or 2-D ``case``, row by row, None
+    where the tile passes the tensor's edge (its zero padding)."""
+    rows, cols = (1, case.numel()) if case.dim() < 2 else tuple(case.shape)
+    return [[r * cols + j if r < rows and j < cols else None
+             for r in range(i, i + k) for j in range(b, b + k)]
+            for i in range(0, rows, k) for b in range(0, cols, k)]
 
 
 def check_recipe(fmt: Format, name: str, plan: Plan) -> Iterator[Outcome]:

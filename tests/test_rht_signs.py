@@ -1,0 +1,113 @@
+"""``rht=checkpoint``: each layer's ``_rht_sign_vector`` (torchao's NVFP4 training) read from the
+scanned checkpoint, on hand-built safetensors files (nothing unpickled)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from driftcli.castspec import parse_cast
+from driftcli.cli import app
+from driftcli.errors import CastSpecError
+from driftcli.hadamard import transform
+from driftcli.io import rht_signs
+from driftcli.io.rht_signs import SignVectorError, vector_name
+from driftcli.measures.scan import ScanOptions, scan
+
+# two layers with different signs, as torchao draws one vector per layer
+SIGNS_A = (1, -1, -1, 1, 1, 1, -1, 1, -1, -1, 1, 1, -1, 1, 1, -1)
+SIGNS_B = (-1, -1, 1, 1, -1, 1, 1, 1, -1, 1, -1, -1, 1, -1, 1, 1)
+
+
+def _spec(signs: tuple[int, ...]) -> str:
+    return "signs/" + "".join("+" if s > 0 else "-" for s in signs)
+
+
+def _checkpoint(path: Path, *, extra: dict[str, torch.Tensor] | None = None) -> Path:
+    g = torch.Generator().manual_seed(7)
+    sd = {"layers.0.w1.weight": torch.randn(48, 64, generator=g) * 3,
+          "layers.0.w1._rht_sign_vector": torch.tensor(SIGNS_A, dtype=torch.int8),
+          "layers.1.w1.weight": torch.randn(32, 32, generator=g).to(torch.bfloat16),
+          "layers.1.w1._rht_sign_vector": torch.tensor(SIGNS_B, dtype=torch.int8),
+          **(extra or {})}
+    save_file(sd, str(path))
+    return path
+
+
+def _facts(r: object) -> tuple[object, ...]:
+    st = r.draws[0]  # type: ignore[attr-defined]
+    return (st.clipped, st.underflowed, st.ee, st.e_sum, st.xx, st.ex)
+
+
+def test_the_key_is_the_layer_of_the_tensor() -> None:
+    assert vector_name("layers.0.w1.weight") == "layers.0.w1._rht_sign_vector"
+    assert vector_name("weight") == "_rht_sign_vector"
+
+
+def test_each_layer_is_cast_with_its_own_signs_bit_equal_to_rht_signs(tmp_path: Path) -> None:
+    ck = _checkpoint(tmp_path / "m.safetensors")
+    got = scan([ck], ["nvfp4:rht=checkpoint", f"nvfp4:rht={_spec(SIGNS_A)}",
+                      f"nvfp4:rht={_spec(SIGNS_B)}"], options=ScanOptions(draws=1))
+    rows = {(r.ref.name, str(r.cast.rht)): r for r in got.results}
+    assert len(rows) == 6 and not got.errors  # the int8 vectors are not scanned
+    for layer, own, other in (("layers.0.w1.weight", SIGNS_A, SIGNS_B),
+                              ("layers.1.w1.weight", SIGNS_B, SIGNS_A)):
+        mine = rows[(layer, "checkpoint")]
+        assert str(mine.cast).endswith("rht=checkpoint")  # the table keeps the spec given
+        assert _facts(mine) == _facts(rows[(layer, _spec(own))])
+        # a layer given the other's signs counts differently, so the match above could fail
+        assert _facts(mine) != _facts(rows[(layer, _spec(other))])
+
+
+def test_a_sliced_scan_resolves_the_same_signs(tmp_path: Path) -> None:
+    ck = _checkpoint(tmp_path / "m.safetensors")
+    whole = scan([ck], ["te/nvfp4:rht=checkpoint"], include=["layers.0.*"])
+    sliced = scan([ck], ["te/nvfp4:rht=checkpoint"], include=["layers.0.*"],
+                  options=ScanOptions(chunk_elements=16 * 64))
+    assert [_facts(r) for r in whole.results] == [_facts(r) for r in sliced.results]
+
+
+def test_a_tensor_without_a_vector_is_refused_naming_it(tmp_path: Path) -> None:
+    ck = _checkpoint(tmp_path / "m.safetensors",
+                     extra={"norm.weight": torch.ones(64)})
+    with pytest.raises(SignVectorError, match=r"tensor norm\.weight has no sign vector "
+                                              r"norm\._rht_sign_vector"):
+        scan([ck], ["nvfp4:rht=checkpoint"])
+    # leaving it out (or an --include that drops the vectors too) scans the rest
+    got = scan([ck], ["nvfp4:rht=checkpoint"], include=["*w1.weight"])
+    assert len(got.results) == 2 and not got.errors
+
+
+@pytest.mark.parametrize(("vector", "why"), [
+    (torch.tensor(SIGNS_A[:8], dtype=torch.int8), r"shape \[8\]"),
+    (torch.tensor((0, *SIGNS_A[1:]), dtype=torch.int8), r"only \+1 and -1"),
+    (torch.tensor(SIGNS_A, dtype=torch.float32) * 2, r"only \+1 and -1"),
+])
+def test_a_vector_that_is_not_16_signs_is_refused(tmp_path: Path, vector: torch.Tensor,
+                                                   why: str) -> None:
+    sd = {"l.weight": torch.randn(16, 16), "l._rht_sign_vector": vector}
+    save_file(sd, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(SignVectorError, match=r"l\._rht_sign_vector .*" + why):
+        scan([tmp_path / "bad.safetensors"], ["nvfp4:rht=checkpoint"])
+
+
+def test_the_cli_exits_2_in_one_line(tmp_path: Path) -> None:
+    ck = _checkpoint(tmp_path / "m.safetensors", extra={"norm.weight": torch.ones(64)})
+    res = CliRunner().invoke(app, ["clip-rate", str(ck), "-c", "nvfp4:rht=checkpoint",
+                                   "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert "norm.weight has no sign vector" in res.output
+    ok = CliRunner().invoke(app, ["clip-rate", str(ck), "-c", "nvfp4:rht=checkpoint",
+                                  "--include", "*w1.weight", "--out", str(tmp_path / "ok")])
+    assert ok.exit_code == 0, ok.output
+
+
+def test_outside_a_scan_the_signs_must_be_given() -> None:
+    c = parse_cast("nvfp4:rht=checkpoint")
+    assert c.rht is not None and c.rht.from_checkpoint and rht_signs.needs_signs([c])
+    with pytest.raises(CastSpecError, match="only a scan of that checkpoint reads"):
+        transform(torch.zeros(16), c.rht)
