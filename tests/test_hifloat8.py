@@ -4,6 +4,7 @@ rounding boundary, both back-ends bit-equal, and verify-formats catching planted
 
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import replace
 from fractions import Fraction
@@ -196,7 +197,7 @@ def _boundaries() -> torch.Tensor:
     each; past the top, below the bottom; then all of them negated, and the specials."""
     values = sorted({float(v.mag) for _, v in HIF8.values() if v.kind is Kind.FINITE})
     points = [*values, 1.25 * 2**15, 2.0**16, 3.0e38, 2.0**-23, 2.0**-24, 1e-45]
-    points += [(a + b) / 2 for a, b in zip(values, values[1:], strict=False)]
+    points += [(a + b) / 2 for a, b in itertools.pairwise(values)]
     mids = torch.tensor(points, dtype=torch.float32)
     up, down = torch.full_like(mids, float("inf")), torch.zeros_like(mids)
     x = torch.cat([mids, torch.nextafter(mids, up), torch.nextafter(mids, down)])
