@@ -337,6 +337,15 @@ class Format:
 
     def contains(self, other: Format) -> bool:
         """Whether every finite value of ``other`` is a value of this format."""
+        if self.taper is not None or other.taper is not None:
+            # a tapered grid is no fixed width: compare the values (formats of 8 bits or
+            # below; a wider tapered format does not exist)
+            if other.bits > 8 or (self.taper is not None and self.bits < other.bits):
+                return False
+            if self.bits > 8:
+                return self._holds_all(other)
+            mine = {v.value for _, v in self.values() if v.kind is Kind.FINITE}
+            return all(v.value in mine for _, v in other.values() if v.kind is Kind.FINITE)
         if other.integer and not self.integer:
             # integers up to 2**(bits-1) need bits-1 significant bits, at quantum 2**qmin
             return (self.mbits + 1 >= other.bits - 1 and self.max >= -other.min
@@ -344,6 +353,19 @@ class Format:
         return (self.integer == other.integer and self.mbits >= other.mbits
                 and self.max >= other.max and self.qmin <= other.qmin
                 and (self.signed or not other.signed))
+
+    def _holds_all(self, other: Format) -> bool:
+        """Whether this fixed-width float, wider than 8 bits, holds every finite value of
+        ``other`` (a tapered format): each on this grid's spacing in its binade, within max."""
+        for _, v in other.values():
+            if v.kind is not Kind.FINITE or not v.mag:
+                continue
+            e = v.mag.numerator.bit_length() - v.mag.denominator.bit_length()
+            e = e if pow2(e) <= v.mag else e - 1
+            quantum = pow2(max(e, self.emin) - self.mbits)
+            if v.mag > self.max or (v.mag / quantum).denominator != 1:
+                return False
+        return True
 
 
 def _display(value: Fraction | None) -> str:

@@ -88,6 +88,14 @@ def test_the_record_says_what_the_paper_says() -> None:
     assert [HIF8.mbits_at(e) for e in (-30, -22, -16, -15, -8, -7, -4, -3, 0, 3, 4, 8, 15, 40)] \
         == [0, 0, 0, 1, 1, 2, 2, 3, 3, 3, 2, 1, 1, 1]
     assert get_format("hifloat8") is HIF8
+    # every value is a float16's (2**-22 on its subnormal grid), not an E4M3's or E5M2's; it
+    # holds E2M1's but not E4M3's (448 would need 3 mantissa bits at 2**8, where it has 1)
+    assert [FORMATS[n].contains(HIF8) for n in ("float32", "bfloat16", "float16",
+                                                "float8_e4m3fn", "float8_e5m2")] == [
+        True, True, True, False, False]
+    assert HIF8.contains(FORMATS["float4_e2m1fn"]) and not HIF8.contains(FORMATS["float8_e4m3fn"])
+    assert rounding.round_to_format(torch.tensor([1.0], dtype=torch.float16), HIF8).dtype \
+        == torch.float16
 
 
 def _round(x: float, mode: Rounding, policy: Overflow) -> tuple[str, float]:
