@@ -7,10 +7,12 @@ format's grid (the output of :func:`driftcli.round_to_format`) into codes.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from driftcli.errors import DriftError
-from driftcli.formats import Format, NanEncoding, get_format
+from driftcli.formats import Format, Kind, NanEncoding, get_format
 
 Tensor = torch.Tensor
 
@@ -32,6 +34,8 @@ def decode(codes: Tensor, fmt: str | Format) -> Tensor:
     """Float32 values of integer ``codes`` (every format's values are float32s)."""
     fmt = get_format(fmt)
     c = codes.to(torch.int64) & ((1 << fmt.bits) - 1)
+    if fmt.taper is not None:  # no field arithmetic reads a tapered code: its table does
+        return _tapered_values(fmt)[c]
     if fmt.integer:
         signed = torch.where(c >= 1 << (fmt.bits - 1), c - (1 << fmt.bits), c)
         return torch.ldexp(signed.to(torch.float64), torch.tensor(float(fmt.qmin))).float()
@@ -59,6 +63,15 @@ def decode(codes: Tensor, fmt: str | Format) -> Tensor:
     return torch.where(negative == 1, -mag, mag).float()
 
 
+@cache
+def _tapered_values(fmt: Format) -> Tensor:
+    """Float32 values of every code of a tapered format, in code order."""
+    values = [float("nan") if v.kind is Kind.NAN else
+              float("inf") * (-1 if v.negative else 1) if v.kind is Kind.INF else float(v.value)
+              for _, v in fmt.values()]
+    return torch.tensor(values, dtype=torch.float32)
+
+
 def encode(values: Tensor, fmt: str | Format) -> Tensor:
     """Int64 codes of ``values``, which must already lie on ``fmt``'s grid.
 
@@ -70,7 +83,16 @@ def encode(values: Tensor, fmt: str | Format) -> Tensor:
     finite = torch.isfinite(v)
     mag = torch.where(finite, v.abs(), torch.zeros_like(v))
     negative = (torch.signbit(v) & ((mag != 0) | torch.isinf(v) | fmt.has_neg_zero)).to(torch.int64)
-    if fmt.integer:
+    if fmt.taper is not None:
+        # NaN sorts last, after +inf (a stable sort keeps inf's code first)
+        table = _tapered_values(fmt).to(torch.float64).nan_to_num(
+            nan=torch.inf, posinf=torch.inf, neginf=-torch.inf)
+        order = torch.argsort(table, stable=True)
+        # the NaN code is set below; -0.0 finds 0's code (no tapered format has −0)
+        index = torch.searchsorted(table[order], torch.where(torch.isnan(v), 0.0, v).contiguous())
+        code = order[torch.clamp(index, max=len(order) - 1)]
+        exact = torch.ones_like(finite)
+    elif fmt.integer:
         n = torch.ldexp(torch.where(finite, v, torch.zeros_like(v)), torch.tensor(float(-fmt.qmin)))
         code = n.to(torch.int64) & ((1 << fmt.bits) - 1)
         exact = n == torch.trunc(n)

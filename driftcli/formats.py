@@ -20,6 +20,7 @@ from fractions import Fraction
 from functools import cached_property
 
 from driftcli.errors import FormatSpecError, UnknownFormatError, close_matches
+from driftcli.tapered import HIFLOAT8, Taper
 
 
 class NanEncoding(StrEnum):
@@ -44,6 +45,9 @@ class FormatKind(StrEnum):
     P3109 = "p3109"
     """IEEE P3109 ``binaryKpP``: no −0, NaN at 2**(K−1) (signed) or the top code (unsigned),
     ±inf at the top code of each sign in the extended domain (docs/formats.md#ieee-p3109)."""
+    TAPERED = "tapered"
+    """A prefix-coded dot field sets each binade's exponent and mantissa widths (HiFloat8):
+    the record's ``taper`` decodes the magnitude codes (docs/formats.md#hifloat8)."""
 
 
 class Kind(StrEnum):
@@ -120,8 +124,14 @@ class Format:
     has_subnormals: bool = True
     integer: bool = False
     kind: FormatKind = FormatKind.IEEE_LIKE
+    taper: Taper | None = None
+    """The dot-field table of a tapered format (``ebits + mbits`` is then its magnitude
+    code's width and ``mbits`` its widest mantissa; ``bias`` is unused)."""
 
     def __post_init__(self) -> None:
+        if (self.taper is None) != (self.kind is not FormatKind.TAPERED):
+            raise FormatSpecError(f"format {self.name!r}: a tapered format, and only one, has "
+                                  "a dot-field table")
         if self.has_inf and self.nan is NanEncoding.NONE:
             raise FormatSpecError(f"format {self.name!r}: infinities need a NaN code")
         if self.integer and (self.ebits or not self.signed or self.nan is not NanEncoding.NONE):
@@ -151,13 +161,26 @@ class Format:
 
     @property
     def emin(self) -> int:
-        """Exponent of the smallest normal binade (for integers: of the top binade)."""
+        """Exponent of the smallest normal binade (for integers: of the top binade; tapered:
+        of the lowest binade with a mantissa bit, above the denormals)."""
+        if self.taper is not None:
+            return next(self.taper.emin + i for i, w in enumerate(self.taper.widths) if w)
         return (1 if self.has_subnormals else 0) - self.bias
+
+    @property
+    def grid_emin(self) -> int:
+        """The lowest binade with a quantum of its own: below it the grid's spacing is the
+        finest quantum (``emin``, or a tapered format's smallest denormal's binade)."""
+        return self.emin if self.taper is None else self.taper.emin
+
+    def mbits_at(self, binade: int) -> int:
+        """The mantissa width of a binade (``mbits`` but in a tapered format)."""
+        return self.mbits if self.taper is None else self.taper.mbits_at(binade)
 
     @property
     def qmin(self) -> int:
         """Exponent of the finest quantum (the spacing of the lowest binade)."""
-        return self.emin - self.mbits
+        return self.grid_emin - self.mbits_at(self.grid_emin)
 
     @property
     def ties_by_code(self) -> bool:
@@ -172,6 +195,8 @@ class Format:
         """The code of +inf (−inf adds the sign bit), or None without infinities."""
         if not self.has_inf:
             return None
+        if self.taper is not None:
+            return self._tapered_top
         top = (1 << (self.ebits + self.mbits)) - 1  # the largest magnitude code
         if self.nan is NanEncoding.IEEE:
             return top - ((1 << self.mbits) - 1)
@@ -189,6 +214,8 @@ class Format:
             signed = code - (1 << self.bits) if code >> (self.bits - 1) else code
             return Exact.of(Fraction(signed) * pow2(self.qmin))
         negative = self.signed and bool(code >> (self.ebits + self.mbits))
+        if self.taper is not None:
+            return self._tapered_decode(code, negative)
         exp_field = (code >> self.mbits) & ((1 << self.ebits) - 1)
         man_field = code & ((1 << self.mbits) - 1)
         top_exp = exp_field == (1 << self.ebits) - 1
@@ -208,6 +235,27 @@ class Format:
             mag = Fraction(significand) * pow2(exp_field - self.bias - self.mbits)
         return Exact(Kind.FINITE, negative, mag)
 
+    @cached_property
+    def _tapered_top(self) -> int:
+        """The magnitude code of a tapered format's largest magnitude (HiFloat8's 0x6F)."""
+        return max(range(1, 1 << (self.ebits + self.mbits)), key=self._tapered_magnitude)
+
+    def _tapered_magnitude(self, magnitude_code: int) -> Fraction:
+        parts = self.taper.split(magnitude_code) if self.taper is not None else None
+        if parts is None:
+            return Fraction(0)
+        exponent, field, mbits = parts
+        return Fraction((1 << mbits) + field) * pow2(exponent - mbits)
+
+    def _tapered_decode(self, code: int, negative: bool) -> Exact:
+        magnitude_code = code & ((1 << (self.ebits + self.mbits)) - 1)
+        if magnitude_code == 0:
+            # the sign bit on a zero magnitude is NaN (HiFloat8's 0x80), as in the fnuz formats
+            return NAN if negative and self.nan is NanEncoding.NEG_ZERO else Exact.of(0)
+        if magnitude_code == self.inf_code:
+            return Exact(Kind.INF, negative)
+        return Exact(Kind.FINITE, negative, self._tapered_magnitude(magnitude_code))
+
     def values(self) -> list[tuple[int, Exact]]:
         """Every code with its exact value, in code order."""
         return [(c, self.decode(c)) for c in range(1 << self.bits)]
@@ -220,6 +268,9 @@ class Format:
         if self.integer:
             return (Fraction((1 << (self.bits - 1)) - 1) * pow2(self.qmin),
                     Fraction(1 << (self.bits - 1)) * pow2(self.qmin))
+        if self.taper is not None:
+            top = max(v.mag for _, v in self.values() if v.kind is Kind.FINITE)
+            return top, (top if self.signed else Fraction(0))
         # the largest finite code is the top code, the one below it (E4M3FN's NaN sits on top),
         # two below (P3109 unsigned extended: NaN, then inf), or the top of the binade below
         # (IEEE reserves the whole top exponent)
@@ -271,7 +322,8 @@ class Format:
     @cached_property
     def qmax(self) -> int:
         """Exponent of the quantum of the top binade (the spacing next to ``max``)."""
-        return max(self.emax, self.emin) - self.mbits
+        top = max(self.emax, self.grid_emin)
+        return top - self.mbits_at(top)
 
     @cached_property
     def max_significand(self) -> int:
@@ -285,6 +337,15 @@ class Format:
 
     def contains(self, other: Format) -> bool:
         """Whether every finite value of ``other`` is a value of this format."""
+        if self.taper is not None or other.taper is not None:
+            # a tapered grid is no fixed width: compare the values (formats of 8 bits or
+            # below; a wider tapered format does not exist)
+            if other.bits > 8 or (self.taper is not None and self.bits < other.bits):
+                return False
+            if self.bits > 8:
+                return self._holds_all(other)
+            mine = {v.value for _, v in self.values() if v.kind is Kind.FINITE}
+            return all(v.value in mine for _, v in other.values() if v.kind is Kind.FINITE)
         if other.integer and not self.integer:
             # integers up to 2**(bits-1) need bits-1 significant bits, at quantum 2**qmin
             return (self.mbits + 1 >= other.bits - 1 and self.max >= -other.min
@@ -292,6 +353,19 @@ class Format:
         return (self.integer == other.integer and self.mbits >= other.mbits
                 and self.max >= other.max and self.qmin <= other.qmin
                 and (self.signed or not other.signed))
+
+    def _holds_all(self, other: Format) -> bool:
+        """Whether this fixed-width float, wider than 8 bits, holds every finite value of
+        ``other`` (a tapered format): each on this grid's spacing in its binade, within max."""
+        for _, v in other.values():
+            if v.kind is not Kind.FINITE or not v.mag:
+                continue
+            e = v.mag.numerator.bit_length() - v.mag.denominator.bit_length()
+            e = e if pow2(e) <= v.mag else e - 1
+            quantum = pow2(max(e, self.emin) - self.mbits)
+            if v.mag > self.max or (v.mag / quantum).denominator != 1:
+                return False
+        return True
 
 
 def _display(value: Fraction | None) -> str:
@@ -409,6 +483,10 @@ _NAMED: tuple[Format, ...] = (
     p3109(8, 3),
     p3109(8, 4),
     p3109(4, 2, extended=False),
+    # HiFloat8 (docs/formats.md#hifloat8): tapered; NaN the sign bit alone (0x80), ±inf the
+    # largest magnitude code of each sign (0x6F, 0xEF)
+    Format("hifloat8", 4, 3, 0, has_inf=True, nan=NanEncoding.NEG_ZERO,
+           kind=FormatKind.TAPERED, taper=HIFLOAT8),
 )
 
 _CUSTOM = re.compile(r"e(\d+)m(\d+)(?:b(-?\d+))?")

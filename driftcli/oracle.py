@@ -52,12 +52,15 @@ def bracket(fmt: Format, mag: Fraction) -> tuple[Fraction, Fraction, Fraction, b
     ``lo <= mag < hi`` are adjacent points of the format's grid extended
     without bound above, and ``f = (mag - lo) / (hi - lo)``.
     """
-    quantum = pow2(max(binade(mag), fmt.emin) - fmt.mbits)
+    top = max(binade(mag), fmt.grid_emin)
+    mbits = fmt.mbits_at(top)  # a tapered format's width varies by binade
+    quantum = pow2(top - mbits)
     steps = mag // quantum
     lo = steps * quantum
-    if fmt.ties_by_code and steps:
-        # P = 1: lo's code is its exponent field, binade - emin + 1 (subnormals: emin = 1 - bias)
-        return lo, lo + quantum, (mag - lo) / quantum, (binade(lo) - fmt.emin + 1) % 2 == 1
+    if mbits == 0 and fmt.has_zero and not fmt.integer and steps:
+        # Format.ties_by_code, and a tapered format's denormals: with no mantissa bits lo's code
+        # counts binades, binade - grid_emin + 1 (P = 1: emin = 1 - bias; HiFloat8: 2**-22 is 1)
+        return lo, lo + quantum, (mag - lo) / quantum, (binade(lo) - fmt.grid_emin + 1) % 2 == 1
     return lo, lo + quantum, (mag - lo) / quantum, steps % 2 == 1
 
 

@@ -68,14 +68,46 @@ class Target:
     has_zero: bool
     has_neg_zero: bool
     smallest_exp: int  # exponent of the smallest positive value, a power of two
+    widths: tuple[int, ...] = ()  # a tapered format's mantissa width per binade from emin
+    taper_lo: int = 0  # the same widths as numba reads them: see taper_masks
+    taper_hi: int = 0
 
     @classmethod
     @cache
     def of(cls, fmt: Format) -> Target:
         smallest = fmt.smallest_positive
-        return cls(fmt.emin, fmt.mbits, fmt.qmax, fmt.max_significand, fmt.min_significand,
-                   fmt.signed, fmt.has_inf, fmt.has_nan, fmt.has_zero, fmt.has_neg_zero,
-                   smallest.numerator.bit_length() - smallest.denominator.bit_length())
+        # emin is the grid's floor: the lowest binade with a quantum of its own
+        widths = tuple(fmt.mbits_at(e) for e in range(fmt.grid_emin, fmt.emax + 1)) \
+            if fmt.taper is not None else ()
+        lo, hi = taper_masks(fmt.mbits, widths)
+        return cls(fmt.grid_emin, fmt.mbits, fmt.qmax, fmt.max_significand,
+                   fmt.min_significand, fmt.signed, fmt.has_inf, fmt.has_nan, fmt.has_zero,
+                   fmt.has_neg_zero,
+                   smallest.numerator.bit_length() - smallest.denominator.bit_length(),
+                   widths, lo, hi)
+
+
+TAPER_SPAN = 63
+"""Binades (from the grid's floor) whose widths the numba kernels' two masks hold; the top
+binade's width stands for every one above."""
+
+
+def taper_masks(mbits: int, widths: tuple[int, ...]) -> tuple[int, int]:
+    """Two integers whose bits ``i`` are the low and high bit of ``mbits - width`` of the
+    binade ``grid_emin + i`` (0, 0 for a fixed width): a tapered format's widths as two of
+    the numba kernels' integer parameters."""
+    if not widths:
+        return 0, 0
+    if len(widths) > TAPER_SPAN or any(not 0 <= mbits - w <= 3 for w in widths):
+        raise DriftError(f"a tapered format of {len(widths)} binades and widths {widths} does "
+                         f"not fit the kernels' masks (at most {TAPER_SPAN} binades, each at "
+                         "most 3 mantissa bits narrower than the widest)")
+    lo = hi = 0
+    for i in range(TAPER_SPAN):
+        narrower = mbits - widths[min(i, len(widths) - 1)]
+        lo |= (narrower & 1) << i
+        hi |= (narrower >> 1) << i
+    return lo, hi
 
 
 def _pow2_bits(src: _Source, exp: int) -> int:
@@ -150,8 +182,12 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp
     sig_binade = (sig.to(src.fdtype).view(it) >> src.mbits) - src.bias
     e = torch.where(exp_field == 0, sig_binade + q_src, q_src + src.mbits)
     emin = tgt.emin if scale_exp is None else scale_exp + tgt.emin
-    s = torch.clamp(torch.maximum(e, torch.as_tensor(emin, dtype=it)) - tgt.mbits - q_src,
-                    min=0)  # bits dropped
+    floor_e = torch.maximum(e, torch.as_tensor(emin, dtype=it))
+    t_mbits: Tensor | int = tgt.mbits
+    if tgt.widths:  # tapered: the mantissa width of the binade
+        index = torch.clamp(floor_e - emin, min=0, max=len(tgt.widths) - 1)
+        t_mbits = torch.tensor(tgt.widths, dtype=it)[index]
+    s = torch.clamp(floor_e - t_mbits - q_src, min=0)  # bits dropped
     qexp = q_src + s
     sc = torch.clamp(s, max=W - 1)
     kept = sig >> sc
@@ -164,8 +200,10 @@ def _kernel(x: Tensor, residual: Tensor | None, random: Tensor | None, scale_exp
             away = two_d >= full
         else:
             odd = (kept & 1) == 1
-            if tgt.mbits == 0 and tgt.has_zero:  # Format.ties_by_code: the exponent field's parity
-                odd = (kept != 0) & (((qexp - emin + 1) & 1) == 1)
+            if (tgt.mbits == 0 or tgt.widths) and tgt.has_zero:
+                # Format.ties_by_code, a tapered format's denormals: the binade's parity
+                by_code = (kept != 0) & (((qexp - emin + 1) & 1) == 1)
+                odd = torch.where(torch.as_tensor(t_mbits) == 0, by_code, odd)
             away = (two_d > full) | ((two_d == full) & (odd | sticky))
     elif rounding is Rounding.RTZ:
         away = torch.zeros_like(neg)

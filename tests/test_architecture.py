@@ -33,7 +33,7 @@ def test_the_public_api_is_not_shadowed_by_a_submodule() -> None:
 
 LAYERS = (
     ("errors", "_version", "lazy"),
-    ("formats", "modes", "text", "escaping", "kernels", "exact", "memory", "progress"),
+    ("formats", "tapered", "modes", "text", "escaping", "kernels", "exact", "memory", "progress"),
     ("cast", "oracle", "oracle_blockfma", "oracle_arith", "codec", "recipes", "presets",
      "castspec"),
     ("rounding",),

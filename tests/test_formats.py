@@ -36,6 +36,9 @@ TABLE = {
     "binary8p3se": (5, 2, 16, Fraction(49152), True, NanEncoding.NEG_ZERO, False),
     "binary8p4se": (4, 3, 8, Fraction(224), True, NanEncoding.NEG_ZERO, False),
     "binary4p2sf": (2, 1, 2, Fraction(3), False, NanEncoding.NEG_ZERO, False),
+    # HiFloat8 (docs/formats.md#hifloat8): tapered, E and M its widest fields, no bias of its
+    # own; max 2**15 (0x6E), ±inf 0x6F/0xEF, NaN 0x80
+    "hifloat8": (4, 3, 0, Fraction(2**15), True, NanEncoding.NEG_ZERO, False),
 }
 
 

@@ -136,9 +136,9 @@ def accum_kernel(wide: bool, kind: int, rounding: int) -> Callable[..., None]:
     def kernel(a: Any, b: Any, a_of: Any, b_of: Any, m: int, k: int, order: int, chunk: int,
                q: Any, qm: Any, drop: int, out: Any, start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-             rounding, 1, q[15])
+             rounding, 1, q[15], q[16], q[17])
         pm = (qm[0], qm[1], qm[2], qm[3], qm[4], qm[5], qm[6], qm[7], qm[8], qm[9], qm[10],
-              qm[11], qm[12], 0, 1, qm[15])
+              qm[11], qm[12], 0, 1, qm[15], qm[16], qm[17])
         lim = row_limits(0, p)
         limm = row_limits(0, pm)
         n_cols = out.shape[1]

@@ -120,7 +120,7 @@ def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: 
     else:
         tensor_scale = np.float32(1.0)
     p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-         q[13], q[14], q[15])
+         q[13], q[14], q[15], q[16], q[17])
     lim = row_limits(0, p)
     clamped = 0
     for row in range(rows):
@@ -157,7 +157,7 @@ def pow2_round_kernel(rounding: int, overflow: int, has_draws: bool) -> Callable
     def kernel(x: Any, draws: Any, ks: Any, bad: Any, cols: int, out: Any, q: Any,
                start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-             rounding, overflow, q[15])
+             rounding, overflow, q[15], q[16], q[17])
         t_mbits, has_inf, has_nan, has_neg_zero, sr_bits = p[3], p[8], p[9], p[11], p[15]
         special = 0x7F800000 if has_inf else 0x7FC00000
         saturating = overflow == 0 or not (has_inf or has_nan)
@@ -169,7 +169,9 @@ def pow2_round_kernel(rounding: int, overflow: int, has_draws: bool) -> Callable
                 continue
             lim = row_limits(ks[row], p)
             lo, lim_pos, lim_neg = lim[0], lim[2], lim[3]
-            if lo < -126:  # the grid reaches below float32's normals: the general steps
+            # the grid reaches below float32's normals, or its width varies (tapered): the
+            # general steps
+            if lo < -126 or p[16] != 0 or p[17] != 0:
                 for j in range(xs.size):
                     os[j] = round_lean(xs[j], ds[j] if has_draws else 0, lim, p)
                 continue

@@ -186,7 +186,7 @@ def dot(ar: Any, er: Any, br: Any, fr: Any, K: int, c0: float, sa: Any, sb: Any,
 def unpack(q: Any) -> Any:
     """A parameter vector as the tuple :func:`round_one` reads."""
     return (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-            q[13], q[14], q[15])
+            q[13], q[14], q[15], q[16], q[17])
 
 
 @njit(inline="always", **OPTIONS)

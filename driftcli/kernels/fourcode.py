@@ -52,7 +52,7 @@ def errors_kernel(rounding: int, overflow: int, squared: bool,
     def kernel(x: Any, inv4: Any, inv6: Any, sb4: Any, sb6: Any, consts: Any, cols: int,
                err4: Any, err6: Any, q: Any, start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-             rounding, overflow, q[15])
+             rounding, overflow, q[15], q[16], q[17])
         lim = row_limits(0, p)
         t, enc, g = consts[0], consts[1], consts[2]
         for row in range(start, stop):

@@ -70,7 +70,7 @@ def jit_unavailable() -> str | None:
 
 PARAMS = ("s_ebits", "s_mbits", "emin", "t_mbits", "qmax", "max_sig", "min_sig", "signed",
           "has_inf", "has_nan", "has_zero", "has_neg_zero", "smallest_exp", "rounding",
-          "overflow", "sr_bits")
+          "overflow", "sr_bits", "taper_lo", "taper_hi")
 """The integers a kernel reads, in the order of its parameter vector (see :func:`params`)."""
 ROUNDING_CODES = ("rne", "rna", "rtz", "rup", "rdown", "sr")
 OVERFLOW_CODES = ("saturate", "ieee")

@@ -85,6 +85,17 @@ def row_limits(k: int, p: Any) -> tuple[int, int, int, int, int]:
 
 
 @njit(inline="always", **OPTIONS)
+def binade_mbits(floor_e: int, lo: int, p: Any) -> int:
+    """The target's mantissa width in the binade ``floor_e`` (at least the grid's floor
+    ``lo``): ``p[3]``, less what a tapered format's masks ``p[16]``, ``p[17]`` take off there
+    (:func:`driftcli.rounding.taper_masks`)."""
+    if p[16] == 0 and p[17] == 0:
+        return p[3]
+    i = min(floor_e - lo, 62)
+    return p[3] - (((p[16] >> i) & 1) | (((p[17] >> i) & 1) << 1))
+
+
+@njit(inline="always", **OPTIONS)
 def round_one(bits: int, rbits: int, has_res: bool, draw: int, lim: Any, p: Any) -> int:
     """One element of :func:`driftcli.rounding._kernel`: ``bits`` (+ the residual ``rbits``)
     of a float of ``p[0]`` exponent and ``p[1]`` fraction bits, rounded onto the grid whose
@@ -112,6 +123,7 @@ def round_one(bits: int, rbits: int, has_res: bool, draw: int, lim: Any, p: Any)
     q_src = max(exp_field, 1) - (bias + mbits)
     sub_binade = bit_length(sig) - 1 if sig != 0 else -bias
     e = sub_binade + q_src if exp_field == 0 else q_src + mbits
+    t_mbits = binade_mbits(max(e, lo), lo, p)
     s = max(max(e, lo) - t_mbits - q_src, 0)
     qexp = q_src + s
     sc = min(s, w - 1)
@@ -123,7 +135,8 @@ def round_one(bits: int, rbits: int, has_res: bool, draw: int, lim: Any, p: Any)
         if rounding == 1:
             away = two_d >= full
         else:
-            # Format.ties_by_code (P = 1 with a zero): the parity of lo's exponent field
+            # Format.ties_by_code (P = 1 with a zero), a tapered format's denormals: the
+            # parity of lo's binade
             odd = (kept & 1) == 1 if t_mbits > 0 or p[10] == 0 else (
                 kept != 0 and ((qexp - lo + 1) & 1) == 1)
             away = two_d > full or (two_d == full and (odd or sticky))
@@ -203,6 +216,7 @@ def round_lean(bits: int, draw: int, lim: Any, p: Any) -> int:
     # a subnormal's binade matters only where the grid's normals reach below float32's
     sub_binade = bit_length(sig) - 150 if sig != 0 else -276
     e = exp_field - 127 if exp_field > 0 else sub_binade
+    t_mbits = binade_mbits(max(e, lo), lo, p)
     s = max(max(e, lo) - t_mbits - q_src, 0)
     qexp = q_src + s
     sc = min(s, 62)
@@ -278,7 +292,7 @@ def flat_kernel(rounding: int, overflow: int, lean: bool, has_res: bool, has_dra
     def kernel(x: Any, res: Any, draws: Any, sexp: Any, bad: Any, cols: int, out: Any, q: Any,
                start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-             rounding, overflow, q[15])
+             rounding, overflow, q[15], q[16], q[17])
         nan_bits = ((1 << p[0]) - 1) << p[1] | (1 << (p[1] - 1))
         lim = row_limits(0, p)
         last = 0
@@ -320,7 +334,7 @@ def divided_kernel(rounding: int, overflow: int, has_draws: bool, wide: bool,
     def kernel(x: Any, divisor: Any, draws: Any, bad: Any, cols: int, out: Any, q: Any,
                start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-             rounding, overflow, q[15])
+             rounding, overflow, q[15], q[16], q[17])
         lim = row_limits(0, p)
         i = start
         while i < stop:
@@ -356,7 +370,7 @@ def scaled_kernel(rounding: int, overflow: int, has_draws: bool, has_bad: bool, 
     def kernel(x: Any, apply: Any, undo: Any, draws: Any, bad: Any, cols: int, out: Any, q: Any,
                start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-             rounding, overflow, q[15])
+             rounding, overflow, q[15], q[16], q[17])
         lim = row_limits(0, p)
         i = start
         while i < stop:

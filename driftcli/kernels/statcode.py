@@ -105,7 +105,7 @@ def counts_kernel(pow2: bool, rounded: bool, has_bad: bool, want_q: bool, roundi
                cols: int, piece: int, n: int, out: Any, counts: Any, sums: Any, q: Any,
                ends: Any, start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-             rounding, overflow, q[15])
+             rounding, overflow, q[15], q[16], q[17])
         lean = values.itemsize == 4  # float32: the lean rounding
         has_draws = draws.size > 0
         cast = np.empty(piece, dtype=np.float64)  # a group's cast values
