@@ -108,9 +108,9 @@ def values_kernel(rounding: int, overflow: int, squared: bool, fp16: bool, cols:
     def kernel(x: Any, amax: Any, consts: Any, out: Any, q: Any, qs: Any, start: int,
                stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-             rounding, overflow, q[15])
+             rounding, overflow, q[15], q[16], q[17])
         ps = (qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7], qs[8], qs[9], qs[10],
-              qs[11], qs[12], qs[13], qs[14], qs[15])
+              qs[11], qs[12], qs[13], qs[14], qs[15], qs[16], qs[17])
         lim = row_limits(0, p)
         slim = row_limits(0, ps)
         lo, t_mbits = lim[0], p[3]

@@ -550,7 +550,9 @@ def nearest_saturates(p: tuple[int, ...]) -> bool:
     signed, has_inf, has_nan, has_zero, has_neg_zero, rounding, overflow = (
         p[7], p[8], p[9], p[10], p[11], p[13], p[14])
     saturating = overflow == 0 or not (has_inf or has_nan)
+    tapered = p[16] != 0 or p[17] != 0  # a grid whose binades differ in width
     return bool((ebits, mbits) == (8, 23) and rounding == 0 and saturating and signed
+                and not tapered
                 and has_zero and has_neg_zero and 1 <= t_mbits <= 22 and emin >= -126
                 and qmax + t_mbits + 1 - t_mbits + 150 <= 254)
 

@@ -109,7 +109,7 @@ def cast_kernel(rounding: int, overflow: int, has_draws: bool) -> Callable[..., 
     def kernel(x: Any, xi: Any, cols: int, levels: Any, ints: Any, consts: Any, q: Any,
                draws: Any, out: Any, start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-             rounding, overflow, q[15])
+             rounding, overflow, q[15], q[16], q[17])
         pow2, emax, steps, low, high, sig = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5]
         c, smallest, largest = consts[0], consts[1], consts[2]
         lim = row_limits(0, p)
