@@ -53,11 +53,11 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import save_file
 
+from driftcli.choices import Engine
 from driftcli.engines import Execution
 from driftcli.measures import MEASURES
 from driftcli.measures.scan import scan
 from driftcli.memory import bound_memory, use_huge_pages
-from driftcli.modes import Engine
 from driftcli.runs.probe import probe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

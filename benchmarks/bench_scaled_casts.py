@@ -115,7 +115,7 @@ def first_call(spec: str) -> float:
 
 def implementation_rows(x: torch.Tensor, repeat: int, names: list[str]) -> list[dict]:
     """Each implementation preset and its exact twin, interleaved: Me/s of both, the ratio."""
-    from driftcli.recipes import IMPLEMENTATION_PRESETS
+    from driftcli.records.recipes import IMPLEMENTATION_PRESETS
 
     set_path("numba")
     print(f"{'preset':28s} {'Me/s':>8s} {'exact Me/s':>11s} {'ratio':>6s}  exact cast")

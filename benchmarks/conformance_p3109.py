@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from driftcli import codec, oracle, rounding
+from driftcli import oracle
+from driftcli.casts import codec, rounding
 from driftcli.errors import FormatSpecError
-from driftcli.formats import Exact, Format, Kind, p3109
-from driftcli.modes import Overflow, Rounding
+from driftcli.records.formats import Exact, Format, Kind, p3109
+from driftcli.records.modes import Overflow, Rounding
 
 _NAME = re.compile(r"Binary(\d+)p(\d+)([su])([ef])\.csv")
 _HEX = re.compile(r"(-?)0x([0-9a-f]+)(?:\.([0-9a-f]*))?p([+-]?\d+)")
@@ -145,7 +146,7 @@ def compare_gfloat(gfloat_src: Path, max_k: int) -> tuple[int, dict[str, int], l
                             for x, got in zip(xs, ours, strict=True):
                                 want = float(gfloat.round_float(
                                     fi, x, gmode, sat=policy is Overflow.SATURATE))
-                                exact = oracle.round_exact(
+                                exact = oracle.rounding.round_exact(
                                     fmt, Exact(Kind.INF, x < 0) if abs(x) == float("inf")
                                     else Exact.of(Fraction(x)), mode, policy)
                                 compared += 1

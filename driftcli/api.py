@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from driftcli.cast import Cast
+from driftcli.choices import Device, parse_choice
 from driftcli.errors import DriftError
 from driftcli.io.tables import Row, schema_of
 from driftcli.measures import MEASURES
 from driftcli.measures.axes import axis_misfits
 from driftcli.measures.scan import ScanOptions
-from driftcli.modes import Device, parse_choice
+from driftcli.records.cast import Cast
 
 fcntl: ModuleType | None
 try:

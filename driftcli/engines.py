@@ -38,8 +38,8 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any, TypeVar, cast
 
+from driftcli.choices import Engine
 from driftcli.errors import DriftError
-from driftcli.modes import Engine
 from driftcli.progress import Progress
 
 U = TypeVar("U")

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import driftcli as drift
-from driftcli.castspec import parse_cast
-from driftcli.formats import Format, Kind
-from driftcli.modes import Granularity, ScaleRule
-from driftcli.quantization import QuantInfo
-from driftcli.scaling import to_blocks
+from driftcli.casts.quantization import QuantInfo
+from driftcli.casts.scaling import to_blocks
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import Format, Kind
+from driftcli.records.modes import Granularity, ScaleRule
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "stories260K-hf"
 requires_stories = pytest.mark.skipif(

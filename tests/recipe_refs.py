@@ -21,7 +21,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from driftcli.modes import Granularity
+from driftcli.records.modes import Granularity
 
 F = np.float32
 FLT_MAX = F(np.finfo(np.float32).max)

@@ -18,11 +18,10 @@ from torch import nn
 from typer.testing import CliRunner
 
 from driftcli import oracle
-from driftcli.castspec import parse_cast
+from driftcli.arith.exact import exact_matmul
+from driftcli.choices import Dist
 from driftcli.cli import app
 from driftcli.errors import DriftError
-from driftcli.exact import exact_matmul
-from driftcli.formats import FORMATS, Exact, get_format
 from driftcli.io.capture import capture
 from driftcli.io.tables import read_table, schema_of
 from driftcli.measures.accum_error import (
@@ -41,15 +40,18 @@ from driftcli.measures.accum_problems import (
     sample,
     synthetic_shapes,
 )
-from driftcli.modes import Dist
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import FORMATS, Exact, get_format
 
 runner = CliRunner()
 
 
 def exact_dot(a: list[float], b: list[float]) -> Fraction:
     """The oracle's exact dot product of float32 values."""
-    terms = oracle.products([Exact.of(Fraction(x)) for x in a], [Exact.of(Fraction(y)) for y in b])
-    return oracle.exact_sum(terms).value
+    terms = oracle.matmul.products(
+        [Exact.of(Fraction(x)) for x in a], [Exact.of(Fraction(y)) for y in b]
+    )
+    return oracle.matmul.exact_sum(terms).value
 
 
 # --- the reference --------------------------------------------------------------------------
@@ -91,7 +93,7 @@ def test_ulp_is_the_oracles_grid_spacing() -> None:
         fmt = get_format(name)
         top = float(fmt.max)
         for v in (x for x in values if x <= top):
-            lo, hi, _, _ = oracle.bracket(fmt, Fraction(v))
+            lo, hi, _, _ = oracle.rounding.bracket(fmt, Fraction(v))
             got = ulp(fmt, torch.tensor([v, -v], dtype=torch.float64))
             assert got.tolist() == [float(hi - lo)] * 2, (name, v)
         # zero has the subnormal spacing; a value just under a power of two, the binade below

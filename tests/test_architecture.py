@@ -102,16 +102,24 @@ def test_imports_inside_functions_count_and_type_checking_ones_do_not() -> None:
     """The checker's planted case: a deferred import is an edge, a typing-only one is not."""
     source = """
 from typing import TYPE_CHECKING
-from driftcli.formats import Format
+from driftcli.records.formats import Format
 if TYPE_CHECKING:
     from driftcli.report import load
 def late() -> None:
     from driftcli.cli import app
     from . import scaling
 """
-    names = {"driftcli.formats", "driftcli.report.load", "driftcli.cli.app", "driftcli.scaling"}
-    assert _imports_in(source, "driftcli", names) == {"driftcli.formats", "driftcli.cli.app",
-                                                      "driftcli.scaling"}
+    names = {
+        "driftcli.records.formats",
+        "driftcli.report.load",
+        "driftcli.cli.app",
+        "driftcli.casts.scaling",
+    }
+    assert _imports_in(source, "driftcli", names) == {
+        "driftcli.records.formats",
+        "driftcli.cli.app",
+        "driftcli.casts.scaling",
+    }
 
 
 def _layer(module: str) -> int:

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from driftcli import kernels
-from driftcli.castspec import parse_cast
+from driftcli.casts.scaling import ScalePlan, plan_two_level_scales
+from driftcli.choices import Engine
 from driftcli.cli import app
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
@@ -37,8 +38,7 @@ from driftcli.measures.block_stats import (
     key_counts,
 )
 from driftcli.measures.stats import cast_stats
-from driftcli.modes import Engine
-from driftcli.scaling import ScalePlan, plan_two_level_scales
+from driftcli.records.castspec import parse_cast
 
 runner = CliRunner()
 

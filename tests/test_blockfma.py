@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from driftcli.arith.blockfma import FMAUnit
-from driftcli.arith.tensorcores import PRESETS, Recordings, TensorCore, dot, read_recordings
+from driftcli.arith.tensorcores import CORES, Recordings, TensorCore, dot, read_recordings
+from driftcli.casts.rounding import round_to_format
 from driftcli.errors import DriftError
-from driftcli.modes import Rounding
-from driftcli.rounding import round_to_format
+from driftcli.records.modes import Rounding
 
 HW = Path(__file__).resolve().parents[2] / "shared" / "data" / "hw-tensor-cores"
 requires_recordings = pytest.mark.skipif(
@@ -52,7 +52,7 @@ def test_every_recording_is_reproduced_bit_for_bit_by_its_preset(folder: str) ->
     r = _recordings(folder)
     assert r.d and r.a.shape[0] == 5000
     for out in r.d:
-        unit = PRESETS[f"{r.gpu.lower()}_{SHORT[r.inputs]}_f{out[2:]}"]
+        unit = CORES[f"{r.gpu.lower()}_{SHORT[r.inputs]}_f{out[2:]}"]
         assert _reproduced(r, out, unit) == 5000, (folder, out)
 
 
@@ -67,7 +67,7 @@ def test_every_recording_is_reproduced_bit_for_bit_by_its_preset(folder: str) ->
 def test_a_model_one_parameter_off_is_caught_by_the_recordings(folder: str, unit_change: dict,
                                                                 change: dict) -> None:
     r = _recordings(folder)
-    core = PRESETS[f"{r.gpu.lower()}_{SHORT[r.inputs]}_f32"]
+    core = CORES[f"{r.gpu.lower()}_{SHORT[r.inputs]}_f32"]
     core = dataclasses.replace(core, unit=dataclasses.replace(core.unit, **unit_change),
                                **change)
     assert _reproduced(r, "fp32", core) < 4900
@@ -131,8 +131,8 @@ def test_blocks_chain_in_order_and_specials_follow_ieee() -> None:
     # an empty block (zero products, c = 0) adds nothing, whatever min_exp says
     sparse = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0]], dtype=torch.float64)
     for name in ("v100_fp16_f32", "h100_fp16_f32"):
-        assert dot(sparse, sparse, zero, PRESETS[name]).item() == 5.0, name
-    assert dot(sparse, sparse, torch.tensor([-0.0]), PRESETS["v100_fp16_f32"]).item() == 5.0
+        assert dot(sparse, sparse, zero, CORES[name]).item() == 5.0, name
+    assert dot(sparse, sparse, torch.tensor([-0.0]), CORES["v100_fp16_f32"]).item() == 5.0
     with pytest.raises(DriftError, match="53 bits"):
         FMAUnit(32, 45)
     nan_c = dot(a, b, torch.tensor([float("nan")]), unit(2, 23))
@@ -148,12 +148,12 @@ def test_a_unit_that_cannot_exist_is_refused() -> None:
     with pytest.raises(DriftError, match="at least 1"):
         FMAUnit(0, 25)
     with pytest.raises(DriftError, match="rows x K"):
-        dot(torch.ones(2, 3), torch.ones(2, 4), torch.zeros(2), PRESETS["h100_fp16_f32"])
+        dot(torch.ones(2, 3), torch.ones(2, 4), torch.zeros(2), CORES["h100_fp16_f32"])
 
 
 def test_every_preset_names_its_source() -> None:
-    assert len(PRESETS) >= 30
-    for name, unit in PRESETS.items():
+    assert len(CORES) >= 30
+    for name, unit in CORES.items():
         assert "MATLAB-tensor-core" in unit.source or "DeepSeek-V3" in unit.source, name
         unit.input_format  # a real format  # noqa: B018
 
@@ -168,5 +168,5 @@ def test_missing_recordings_are_named(tmp_path: Path) -> None:
 def test_the_14_bit_reading_of_hoppers_fp8_unit_misses_the_recordings() -> None:
     """DeepSeek-V3's "about 14 bits" read as 14 fraction bits: the recordings say 13."""
     r = _recordings("H100/E4M3")
-    assert _reproduced(r, "fp32", PRESETS["h100_e4m3_f32"]) == 5000
-    assert _reproduced(r, "fp32", PRESETS["h100_e4m3_f32_14bit"]) < 4900
+    assert _reproduced(r, "fp32", CORES["h100_e4m3_f32"]) == 5000
+    assert _reproduced(r, "fp32", CORES["h100_e4m3_f32_14bit"]) < 4900

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from driftcli.arith import MatmulSpec, parse_matmul_spec
 from driftcli.arith.blockfma import NO_FLOOR
 from driftcli.cli import app
-from driftcli.formats import Format
 from driftcli.measures import calibrate as cb
+from driftcli.records.formats import Format
 
 HW = Path(__file__).resolve().parents[2] / "shared" / "data" / "hw-tensor-cores"
 
@@ -87,7 +87,7 @@ def test_a_recorded_gpus_preset_is_recovered_and_reproduces_its_recordings(folde
     """Every preset of a GPU with recordings, calibrated as a drift backend: the inferred
     model (not the preset) replays that GPU's recordings bit for bit."""
     from driftcli.arith.tensorcores import TensorCore, dot, read_recordings
-    from driftcli.rounding import round_to_format
+    from driftcli.casts.rounding import round_to_format
 
     r = read_recordings(HW / folder)
     for out in r.d:

@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import driftcli as drift
-from driftcli.cast import Cast, Scaling
+from driftcli.casts.quantization import QuantInfo, quantize
 from driftcli.cli import app
 from driftcli.errors import CastSpecError
-from driftcli.formats import FORMATS
-from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule
-from driftcli.presets import PRESETS
-from driftcli.quantization import QuantInfo, quantize
-from driftcli.recipes import IMPLEMENTATION_PRESETS
+from driftcli.records.cast import Cast, Scaling
+from driftcli.records.formats import FORMATS
+from driftcli.records.modes import Granularity, Overflow, Rounding, ScaleRule
+from driftcli.records.presets import PRESETS
+from driftcli.records.recipes import IMPLEMENTATION_PRESETS
 
 
 def info(x: torch.Tensor, spec: str, **kw: object) -> QuantInfo:
@@ -224,8 +224,8 @@ def test_an_ambiguous_custom_name_is_refused_as_a_cast() -> None:
 def test_a_librarys_nvfp4_order_is_refused_on_other_formats() -> None:
     """torchao's and Transformer Engine's two-level orders carry NVFP4's constants (6, 448,
     2688) and round the block scale as E4M3: on other formats they would be silently wrong."""
-    from driftcli.castspec import parse_cast
     from driftcli.errors import CastSpecError
+    from driftcli.records.castspec import parse_cast
 
     for spec in ("float8_e4m3fn:block16:float8_e4m3fn:two-level:two=te-4over6-mae",
                  "torchao/nvfp4:ue5m3", "te/nvfp4:ue4m3",

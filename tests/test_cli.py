@@ -185,15 +185,15 @@ def test_help_and_formats_never_import_torch(argv: list[str]) -> None:
 def test_a_warning_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     import warnings
 
-    import driftcli.castspec
+    import driftcli.records.castspec
 
-    real = driftcli.castspec.parse_cast
+    real = driftcli.records.castspec.parse_cast
 
     def warned(spec: str) -> object:
         warnings.warn("something to know", UserWarning, stacklevel=1)
         return real(spec)
 
-    monkeypatch.setattr(driftcli.castspec, "parse_cast", warned)
+    monkeypatch.setattr(driftcli.records.castspec, "parse_cast", warned)
     result = runner.invoke(app, ["formats", "--cast", "nvfp4"])
     assert result.exit_code == 0
     lines = result.output.splitlines()
@@ -284,9 +284,9 @@ def test_the_inputs_help_check_catches_a_stale_list() -> None:
 
 
 def test_help_names_every_reader_engine_and_layout() -> None:
+    from driftcli.choices import Engine
     from driftcli.cli.measure_cmds import Inputs
     from driftcli.io.layouts import Layout
-    from driftcli.modes import Engine
 
     every_reader = Inputs.__metadata__[0].help
     assert _unnamed_readers(every_reader) == []

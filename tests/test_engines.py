@@ -15,13 +15,13 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from driftcli import engines
+from driftcli.choices import Engine
 from driftcli.cli import app
 from driftcli.engines import Execution, Manifest
 from driftcli.io.tables import read_table
 from driftcli.measures import MEASURES
 from driftcli.measures import scan as scan_module
 from driftcli.measures.scan import ScanOptions, TensorUnit, scan, scan_unit
-from driftcli.modes import Engine
 
 runner = CliRunner()
 CASTS = ["fp8_e4m3", "mxfp8_e4m3", "nvfp4", "mxfp4_e2m1:sr"]
@@ -81,8 +81,8 @@ class DiesOnce:
 
 
 def _units(folder: Path) -> list[TensorUnit]:
-    from driftcli.castspec import parse_cast
     from driftcli.io.readers import open_inputs
+    from driftcli.records.castspec import parse_cast
 
     casts = tuple(parse_cast(c) for c in CASTS)
     found = open_inputs([folder / "a.safetensors"])

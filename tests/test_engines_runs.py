@@ -18,11 +18,11 @@ import test_train
 from test_train import drift, trained
 
 import driftcli.runs.probe as probe_mod
+from driftcli.choices import Engine
 from driftcli.engines import Execution
 from driftcli.io.tables import read_table
 from driftcli.measures import grad_cosine as gc
 from driftcli.models.loaders import load_causal_lm, next_token_loss
-from driftcli.modes import Engine
 
 text = test_train.text  # the same made-up verse, a module fixture here too
 

@@ -14,22 +14,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from driftcli import kernels, rounding
-from driftcli.castspec import parse_cast
-from driftcli.formats import FORMATS
-from driftcli.kernels import castcode as castkernels
-from driftcli.kernels import jit
-from driftcli.models import TransformerConfig
-from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding, ScaleRule
-from driftcli.quantization import (
+from driftcli import kernels
+from driftcli.casts import rounding
+from driftcli.casts.quantization import (
     _block_cast_numba,
     cast_blocks,
     fused_block_cast_applies,
     quantize,
 )
-from driftcli.rounding import draw_random_bits
+from driftcli.casts.rounding import draw_random_bits
+from driftcli.casts.scaling import ScalePlan, plan_pow2_exponents, pow2_range, rule_threshold
+from driftcli.kernels import castcode as castkernels
+from driftcli.kernels import jit
+from driftcli.models import TransformerConfig
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import FORMATS
+from driftcli.records.modes import DEFAULT_SR_BITS, Overflow, Rounding, ScaleRule
 from driftcli.runs import TrainConfig, train
-from driftcli.scaling import ScalePlan, plan_pow2_exponents, pow2_range, rule_threshold
 
 ELEMENT_FORMATS = [n for n, f in FORMATS.items() if f.signed and f.has_zero and f.bits <= 16]
 

@@ -8,7 +8,7 @@ import pytest
 
 from driftcli import FORMATS, get_format
 from driftcli.errors import DriftError, FormatSpecError, UnknownFormatError
-from driftcli.formats import Kind, NanEncoding
+from driftcli.records.formats import Kind, NanEncoding
 
 # (E, M, bias, max finite, has inf, NaN encoding, has -0): docs/formats.md, row by row
 TABLE = {

@@ -12,12 +12,12 @@ import torch
 from recipe_data import differences, info_of, requires_stories, stories_weights
 from recipe_refs import REFERENCES, te_nvfp4_4over6
 
-from driftcli import fouroversix
-from driftcli.castspec import parse_cast
+from driftcli.casts import fouroversix
 from driftcli.errors import CastSpecError
-from driftcli.formats import FORMATS
 from driftcli.kernels import jit
-from driftcli.modes import Granularity
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import FORMATS
+from driftcli.records.modes import Granularity
 from driftcli.verify import Plan
 from driftcli.verify.compare import to_float
 from driftcli.verify.recipes import check_recipe, four_over_six_tile_case, oracle_recipe

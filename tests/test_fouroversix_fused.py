@@ -1,4 +1,4 @@
-"""Four over six's values in one numba pass (:func:`driftcli.fouroversix.fused_values`, the
+"""Four over six's values in one numba pass (:func:`driftcli.casts.fouroversix.fused_values`, the
 path ``quantize(x, "te/nvfp4_4over6")`` takes without ``return_info``): bit for bit the general
 steps (``four_over_six_scales`` and the element pass, which tests/test_fouroversix.py and
 tests/test_recipes_kernels.py hold to the oracle and to the reference transcription), its
@@ -16,13 +16,13 @@ from numba import njit
 from recipe_data import tensors
 
 import driftcli as drift
-from driftcli import fouroversix, rounding
-from driftcli.castspec import parse_cast
-from driftcli.formats import FORMATS, Kind
+from driftcli.casts import fouroversix, rounding
 from driftcli.kernels import jit
 from driftcli.kernels.fourcode import nearest_saturated
 from driftcli.kernels.jitcode import row_limits
-from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import FORMATS, Kind
+from driftcli.records.modes import DEFAULT_SR_BITS, Overflow, Rounding
 from driftcli.verify.recipes import four_over_six_cases
 
 FOUR_OVER_SIX = ["te/nvfp4_4over6", "te/nvfp4_4over6_mse", "te/nvfp4_4over6_fast",

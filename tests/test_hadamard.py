@@ -1,4 +1,4 @@
-"""The random Hadamard transform (``rht=`` in a cast spec; driftcli/hadamard.py): the grammar,
+"""The random Hadamard transform (``rht=`` in a cast spec; driftcli/casts/hadamard.py): the grammar,
 both back-ends against the exact twin (oracle_arith.hadamard16), the order drift fixes, the
 preset te/nvfp4_rht against the numpy transcription of Transformer Engine's reference
 (tests/recipe_refs.py ``te_nvfp4_rht``) on data built to land on the cast's boundaries after the
@@ -16,16 +16,16 @@ from recipe_refs import REFERENCES, rht, rht_matrix
 from safetensors.torch import save_file
 
 import driftcli as drift
-from driftcli import hadamard
-from driftcli.cast import TE_SIGNS, Rht
-from driftcli.castspec import parse_cast
+from driftcli.casts import hadamard
 from driftcli.errors import CastSpecError, DriftError
-from driftcli.formats import FORMATS
 from driftcli.kernels import jit
 from driftcli.measures.block_stats import block_stats
 from driftcli.measures.scan import ScanOptions, scan
 from driftcli.measures.stats import cast_stats
-from driftcli.oracle_arith import hadamard16
+from driftcli.oracle.hadamard import hadamard16
+from driftcli.records.cast import TE_SIGNS, Rht
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import FORMATS
 from driftcli.verify.compare import Plan, exact_of_float, to_float
 from driftcli.verify.recipes import check_recipe, rht_cases
 

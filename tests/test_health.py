@@ -14,10 +14,10 @@ import test_train
 import torch
 from test_train import _one_line_error, drift
 
-from driftcli.castspec import parse_cast
 from driftcli.io.tables import read_table
 from driftcli.models import MLPConfig, load_checkpoint, save_checkpoint
 from driftcli.models.nets import build_model, next_byte_loss
+from driftcli.records.castspec import parse_cast
 from driftcli.runs import TrainConfig, train
 from driftcli.runs.health import (
     GNR_FLOOR,
@@ -197,7 +197,7 @@ def test_the_sr_expectation_is_the_mean_of_draws() -> None:
     """The expectation against 400 drawn casts of a gradient under MXFP4 with SR (400 copies
     cast at once, each block its own random bits): within 2 % (the draws' own spread is
     about 0.5 %; drift's SR reads a finite number of random bits)."""
-    from driftcli.quantization import quantize
+    from driftcli.casts.quantization import quantize
 
     g = torch.randn(4, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     _, expected = gradient_noise(g, "mxfp4_e2m1:sr")

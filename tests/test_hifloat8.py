@@ -16,11 +16,12 @@ import torch
 from kernel_paths import kernel_path
 from typer.testing import CliRunner
 
-from driftcli import FORMATS, codec, oracle, rounding
+from driftcli import FORMATS, oracle
+from driftcli.casts import codec, rounding
 from driftcli.cli import app
-from driftcli.formats import Exact, Format, FormatKind, Kind, get_format
 from driftcli.io.tables import read_table
-from driftcli.modes import Overflow, Rounding
+from driftcli.records.formats import Exact, Format, FormatKind, Kind, get_format
+from driftcli.records.modes import Overflow, Rounding
 from driftcli.verify import codes as codes_suite
 from driftcli.verify.codes import check_codes
 from driftcli.verify.compare import Plan
@@ -99,7 +100,7 @@ def test_the_record_says_what_the_paper_says() -> None:
 
 
 def _round(x: float, mode: Rounding, policy: Overflow) -> tuple[str, float]:
-    exact = oracle.round_exact(HIF8, Exact(Kind.INF, x < 0) if abs(x) == float("inf")
+    exact = oracle.rounding.round_exact(HIF8, Exact(Kind.INF, x < 0) if abs(x) == float("inf")
                                else Exact.of(Fraction(x)), mode, policy)
     got = rounding.round_to_format(torch.tensor([x]), HIF8, rounding=mode, overflow=policy)
     return str(exact), float(got[0])

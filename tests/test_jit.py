@@ -15,11 +15,11 @@ import torch
 from kernel_paths import kernel_path
 
 import driftcli as drift
-from driftcli import rounding
+from driftcli.casts import rounding
+from driftcli.casts.scaling import block_stats
 from driftcli.kernels import jit
-from driftcli.modes import Overflow, Rounding
-from driftcli.presets import PRESETS
-from driftcli.scaling import block_stats
+from driftcli.records.modes import Overflow, Rounding
+from driftcli.records.presets import PRESETS
 from driftcli.verify import float32_inputs
 
 

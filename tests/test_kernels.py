@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from driftcli import kernels
-from driftcli.castspec import parse_cast
+from driftcli.casts.quantization import quantize
 from driftcli.measures.stats import CastStats, cast_stats
-from driftcli.modes import Overflow, Rounding, ScaleRule
-from driftcli.quantization import quantize
-from driftcli.recipes import IMPLEMENTATION_PRESETS
+from driftcli.records.castspec import parse_cast
+from driftcli.records.modes import Overflow, Rounding, ScaleRule
+from driftcli.records.recipes import IMPLEMENTATION_PRESETS
 
 ELEMENTS = ("float8_e4m3fn", "float8_e5m2", "float6_e3m2fn", "float4_e2m1fn", "int8")
 """Element formats of every kind the kernels branch on: FP8 with and without infinities,

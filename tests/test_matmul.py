@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from driftcli import FORMATS, kernels, oracle, quantize, rounding
+from driftcli import FORMATS, kernels, oracle, quantize
 from driftcli.arith import (
     MatmulSpec,
     MatmulSpecError,
@@ -19,9 +19,10 @@ from driftcli.arith import (
     matmul_spec,
     parse_matmul_spec,
 )
+from driftcli.casts import rounding
 from driftcli.errors import DriftError
-from driftcli.formats import Exact
-from driftcli.modes import Overflow, Rounding
+from driftcli.records.formats import Exact
+from driftcli.records.modes import Overflow, Rounding
 from driftcli.verify import exact_of_float, to_float
 
 mm = importlib.import_module("driftcli.arith.matmul")  # the module (the package exports matmul)
@@ -114,14 +115,14 @@ def test_chunk_sizes_belong_to_chunked_only() -> None:
 # --- against the oracle ---------------------------------------------------------------------
 
 def _oracle_matmul(a: torch.Tensor, b: torch.Tensor, spec: MatmulSpec) -> torch.Tensor:
-    """Each output element by oracle.dot over the exact products of the cast operands (the
+    """Each output element by oracle.matmul.dot over the exact products of the cast operands (the
     casts themselves are checked against the oracle by verify-formats)."""
     qa = a if spec.lhs is None else quantize(a, spec.lhs, axis=-1)
     qb = b if spec.rhs is None else quantize(b, spec.rhs, axis=-2)
     rows = [[exact_of_float(v) for v in r] for r in qa.tolist()]
     cols = [[exact_of_float(v) for v in c] for c in qb.T.tolist()]
     order = "sequential" if spec.order is Order.NATIVE else spec.order.value
-    out = [[to_float(oracle.dot(oracle.products(r, c), order, spec.accumulator,
+    out = [[to_float(oracle.matmul.dot(oracle.matmul.products(r, c), order, spec.accumulator,
                                 spec.acc_rounding, spec.chunk, FORMATS["float32"]))
             for c in cols] for r in rows]
     return torch.tensor(out, dtype=torch.float64).float()
@@ -165,7 +166,7 @@ def test_the_pairwise_tree_is_adjacent_pairs_with_the_odd_one_carried() -> None:
     # chunked:3: (3 + 4 + 1/2) -> 8 and (3 + 3) = 6, promoted into float32: 14
     assert got == {"pairwise": 12.0, "sequential": 16.0, "chunked:3": 14.0}
     terms = [Exact.of(Fraction(v)) for v in (3, 4, Fraction(1, 2), 3, 3)]
-    assert to_float(oracle.pairwise(terms, FORMATS["float8_e5m2"], Rounding.RNE)) == 12.0
+    assert to_float(oracle.matmul.pairwise(terms, FORMATS["float8_e5m2"], Rounding.RNE)) == 12.0
 
 
 def test_swamping_in_a_bfloat16_accumulator_by_order() -> None:
@@ -616,7 +617,7 @@ def test_accumulate_is_the_matmul_of_operands_already_cast() -> None:
     from typing import cast as typed
 
     from driftcli.arith.matmul import MatmulSpecError, accumulate
-    from driftcli.quantization import QuantInfo
+    from driftcli.casts.quantization import QuantInfo
 
     gen = torch.Generator().manual_seed(30)
     a, b = torch.randn(2, 3, 96, generator=gen), torch.randn(96, 5, generator=gen)

@@ -11,11 +11,11 @@ import torch
 
 from driftcli.arith import MatmulSpecError, matmul, matmul_spec, parse_matmul_spec
 from driftcli.arith.blockfma import Accumulation, FMAUnit, fma_dot, parse_unit
-from driftcli.arith.tensorcores import PRESETS
-from driftcli.formats import FORMATS
+from driftcli.arith.tensorcores import CORES
+from driftcli.casts.rounding import round_to_format
 from driftcli.kernels import jit
-from driftcli.modes import Rounding
-from driftcli.rounding import round_to_format
+from driftcli.records.formats import FORMATS
+from driftcli.records.modes import Rounding
 from driftcli.verify import matmuls
 from driftcli.verify.compare import Plan
 
@@ -26,7 +26,7 @@ def test_the_spec_round_trips_and_a_preset_is_written_out() -> None:
                          "acc=e8m13:rtz,order=blockfma:128,fma=32:13:e-133,scale=dequantized,"
                          "out=none")
     assert parse_matmul_spec(str(spec)) == spec
-    core = PRESETS["h100_e4m3_f16"]
+    core = CORES["h100_e4m3_f16"]
     inter = parse_matmul_spec("tc=h100_e4m3_f16,lhs=mxfp8_e4m3")
     assert inter.unit == core.unit and inter.unit.interleave == 2
     assert inter.accumulator == FORMATS["float16"] and inter.acc_rounding is Rounding.RNE
@@ -159,7 +159,7 @@ def test_the_paired_form_is_the_matmul_form() -> None:
     gen = torch.Generator().manual_seed(11)
     a = round_to_format(torch.randn(5, 70, generator=gen), "float8_e5m2")
     b = round_to_format(torch.randn(70, 4, generator=gen), "float8_e5m2")
-    how = PRESETS["ada_e5m2_f32"].accumulation(promote=32)
+    how = CORES["ada_e5m2_f32"].accumulation(promote=32)
     table = fma_dot(a, b.T, how, shape=(1, 5, 4)).reshape(5, 4)
     rows = fma_dot(a.repeat_interleave(4, 0), b.T.repeat(5, 1), how).reshape(5, 4)
     assert torch.equal(table, rows)
@@ -271,7 +271,7 @@ def test_a_policy_table_with_tc_refuses_acc_and_fma_and_a_role_can_leave_blockfm
     assert pol.forward == matmul_spec(tc="h100_e4m3_f32", order="blockfma:128")
     assert pol.dgrad is not None and pol.dgrad.order.value == "pairwise"
     assert pol.dgrad.unit is None and pol.dgrad.accumulator == FORMATS["e8m13"]
-    assert pol.wgrad is not None and pol.wgrad.unit == PRESETS["h100_e4m3_f32"].unit
+    assert pol.wgrad is not None and pol.wgrad.unit == CORES["h100_e4m3_f32"].unit
     with pytest.raises(PolicyError, match="needs order=blockfma, not pairwise"):
         policy_from_dict({"matmul": {"tc": "h100_e4m3_f32"},
                           "dgrad": {"order": "pairwise", "fma": "32:13"}})

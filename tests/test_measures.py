@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from driftcli import kernels
-from driftcli.castspec import parse_cast
+from driftcli.casts.quantization import quantize
 from driftcli.cli import app
 from driftcli.errors import DriftError
 from driftcli.io.tables import read_table, schema_of
@@ -26,7 +26,7 @@ from driftcli.measures import MEASURES
 from driftcli.measures.scan import ScanOptions, row_alignment, scan
 from driftcli.measures.stats import CastStats, cast_stats, finite_amax
 from driftcli.memory import use_huge_pages
-from driftcli.quantization import quantize
+from driftcli.records.castspec import parse_cast
 
 runner = CliRunner()
 F32 = np.float32

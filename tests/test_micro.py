@@ -1,6 +1,7 @@
 """Multi-level (micro-exponent) block casts: HiFloat4 (docs/formats.md#hifloat4).
 
-The cast against its exact twin (:func:`driftcli.oracle.cast_micro_block`) on both back-ends,
+The cast against its exact twin (:func:`driftcli.oracle.quantization.cast_micro_block`) on both
+back-ends,
 planted faults that verify-formats' block suite catches, and conformance with a numpy
 transcription of the HiFloat4 reference quantizer (written here from its facts)."""
 
@@ -13,14 +14,15 @@ import pytest
 import torch
 from recipe_data import requires_stories, stories_weights
 
-from driftcli import microscale, oracle, quantization
-from driftcli.cast import Cast
-from driftcli.castspec import parse_cast
+from driftcli import oracle
+from driftcli.casts import microscale, quantization
+from driftcli.casts.quantization import QuantInfo, quantize
 from driftcli.errors import CastSpecError
-from driftcli.formats import FORMATS, Exact
 from driftcli.kernels import jit
-from driftcli.presets import PRESETS, UE6M2
-from driftcli.quantization import QuantInfo, quantize
+from driftcli.records.cast import Cast
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import FORMATS, Exact
+from driftcli.records.presets import PRESETS, UE6M2
 from driftcli.verify import blocks
 from driftcli.verify.compare import Plan
 
@@ -40,7 +42,7 @@ def _oracle(x: torch.Tensor, c: object = HIF4) -> torch.Tensor:
     for row in x.reshape(-1, 64).tolist():
         vals = [Exact.of(Fraction(v)) if np.isfinite(v) else
                 Exact.of(0) for v in row]
-        deq, _, _ = oracle.cast_micro_block(vals, HIF4.format, HIF4.micro, F32, BF16,
+        deq, _, _ = oracle.quantization.cast_micro_block(vals, HIF4.format, HIF4.micro, F32, BF16,
                                             HIF4.rounding, HIF4.overflow)
         out += [float(v.value) for v in deq]
     return torch.tensor(out, dtype=torch.float32).reshape(x.shape)
@@ -275,8 +277,9 @@ def _mx_oracle(x: torch.Tensor, c: Cast) -> torch.Tensor:
     out = []
     for row in x.reshape(-1, 16).tolist():
         vals = [Exact.of(Fraction(v)) for v in row]
-        deq, _, _ = oracle.cast_micro_block(vals, c.format, c.micro, F32, BF16, c.rounding,
-                                            c.overflow)
+        deq, _, _ = oracle.quantization.cast_micro_block(
+            vals, c.format, c.micro, F32, BF16, c.rounding, c.overflow
+        )
         out += [float(v.value) for v in deq]
     return torch.tensor(out, dtype=torch.float32).reshape(x.shape)
 

@@ -10,11 +10,11 @@ import torch
 from recipe_data import differences, info_of
 from recipe_refs import REFERENCES
 
-from driftcli import quantization, scalearith
-from driftcli.castspec import parse_cast
+from driftcli.casts import quantization, scalearith
 from driftcli.errors import CastSpecError
-from driftcli.formats import FORMATS
 from driftcli.kernels import jit
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import FORMATS
 from driftcli.verify import Plan
 from driftcli.verify.recipes import check_recipe
 

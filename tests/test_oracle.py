@@ -9,9 +9,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from driftcli import FORMATS
-from driftcli.formats import NAN, Exact, Format, Kind
-from driftcli.modes import Overflow, Rounding, ScaleRule
-from driftcli.oracle import binade, cast_block, pow2_scale_exponent, product, round_exact, total
+from driftcli.oracle.quantization import cast_block
+from driftcli.oracle.rounding import binade, product, round_exact, total
+from driftcli.oracle.scaling import pow2_scale_exponent
+from driftcli.records.formats import NAN, Exact, Format, Kind
+from driftcli.records.modes import Overflow, Rounding, ScaleRule
 
 POS0, NEG0 = Exact.of(0), Exact.of(0, negative_zero=True)
 THREE, MINUS_THREE = Exact.of(3), Exact.of(-3)

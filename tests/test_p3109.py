@@ -15,12 +15,13 @@ import torch
 from kernel_paths import kernel_path
 from typer.testing import CliRunner
 
-from driftcli import FORMATS, codec, oracle, rounding
+from driftcli import FORMATS, oracle
+from driftcli.casts import codec, rounding
 from driftcli.cli import app
 from driftcli.errors import FormatSpecError
-from driftcli.formats import Exact, Format, Kind, get_format, p3109
 from driftcli.io.tables import read_table
-from driftcli.modes import Overflow, Rounding
+from driftcli.records.formats import Exact, Format, Kind, get_format, p3109
+from driftcli.records.modes import Overflow, Rounding
 from driftcli.verify import codes as codes_suite
 from driftcli.verify.codes import check_codes
 from driftcli.verify.compare import Plan
@@ -131,7 +132,7 @@ def test_the_signed_finite_8_bit_formats_are_the_fnuz_formats() -> None:
 
 def _round(fmt: Format, x: float, mode: Rounding, policy: Overflow) -> tuple[str, float]:
     """The oracle's and the fast path's rounding of one float."""
-    exact = oracle.round_exact(fmt, Exact(Kind.INF, x < 0) if abs(x) == float("inf")
+    exact = oracle.rounding.round_exact(fmt, Exact(Kind.INF, x < 0) if abs(x) == float("inf")
                                else Exact.of(Fraction(x)), mode, policy)
     got = rounding.round_to_format(torch.tensor([x]), fmt, rounding=mode, overflow=policy)
     return str(exact), float(got[0])

@@ -24,7 +24,7 @@ import torch
 from peer_data import DATA, mismatches, requires_peer_data
 
 import driftcli as drift
-from driftcli import codec
+from driftcli.casts import codec
 
 TESTFLOAT = DATA / "testfloat"
 pytestmark = requires_peer_data

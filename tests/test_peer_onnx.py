@@ -33,8 +33,8 @@ import torch
 from peer_data import DATA, mismatches, requires_peer_data
 
 import driftcli as drift
-from driftcli import codec
-from driftcli.formats import get_format
+from driftcli.casts import codec
+from driftcli.records.formats import get_format
 
 ONNX = DATA / "onnx-lowp-casts"
 pytestmark = requires_peer_data

@@ -29,12 +29,12 @@ from driftcli.arith.policy import (
     policy_from_toml,
     uniform_policy,
 )
-from driftcli.castspec import parse_cast
+from driftcli.casts.quantization import quantize
+from driftcli.casts.rounding import draw_random_bits
 from driftcli.errors import DriftError
-from driftcli.modes import Rounding
-from driftcli.presets import PRESETS
-from driftcli.quantization import quantize
-from driftcli.rounding import draw_random_bits
+from driftcli.records.castspec import parse_cast
+from driftcli.records.modes import Rounding
+from driftcli.records.presets import PRESETS
 
 F64 = torch.float64
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "policies"

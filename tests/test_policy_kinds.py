@@ -23,10 +23,10 @@ from driftcli.arith.policy import (
     policy_from_dict,
     policy_from_toml,
 )
-from driftcli.castspec import parse_cast
+from driftcli.casts.quantization import quantize
 from driftcli.models import TransformerConfig, build_model
 from driftcli.models.nets import next_byte_loss
-from driftcli.quantization import quantize
+from driftcli.records.castspec import parse_cast
 
 F64 = torch.float64
 MX = parse_cast("mxfp8_e4m3")

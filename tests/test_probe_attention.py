@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 import torch
 
-from driftcli.castspec import parse_cast
 from driftcli.measures.probe_attention import NO_CAST, AttentionRecorder, measured_casts
 from driftcli.models import TransformerConfig, build_model
 from driftcli.models.nets import AttentionTensors, next_byte_loss, watch_attention
+from driftcli.records.castspec import parse_cast
 from driftcli.runs import TrainConfig, train
 from driftcli.runs.probe import ATTENTION_PROBE_FILE, probe_attention
 from driftcli.runs.training import ATTENTION_FILE

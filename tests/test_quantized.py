@@ -752,7 +752,7 @@ def test_requant_is_zero_on_a_presets_own_output(tmp_path: Path) -> None:
 def test_requant_reproduces_the_megatron_scale_flip(tmp_path: Path) -> None:
     """MXFP8 with the ceil rule (2**ceil(log2(amax / 448))) -> BF16 -> MXFP8: a block whose
     dequantized max is at most 224 * s gets s / 2 the second time."""
-    from driftcli.quantization import QuantInfo, quantize
+    from driftcli.casts.quantization import QuantInfo, quantize
 
     x = sample((16, 128), 42, zero_block=False)
     x[3, 40:64] = 0.1
@@ -1016,7 +1016,7 @@ def test_requant_nvfp4_on_its_own_output(tmp_path: Path) -> None:
     """A ModelOpt-layout checkpoint holding what drift's nvfp4 preset stores (E4M3 block
     scales of amax / 6 over the float32 tensor scale, which is weight_scale_2): requantized
     with nvfp4 nothing changes, compared as the preset computes (combined scale in float32)."""
-    from driftcli.quantization import QuantInfo, quantize
+    from driftcli.casts.quantization import QuantInfo, quantize
 
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(90)) * 0.02
     info = quantize(x, "nvfp4", return_info=True)

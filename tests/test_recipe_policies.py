@@ -35,12 +35,12 @@ from driftcli.arith.recipe_policies import (
     check_recipe,
     check_recipes,
 )
-from driftcli.castspec import parse_cast
 from driftcli.cli import app
 from driftcli.errors import DriftError
 from driftcli.measures.grad_cosine import ALL_PARAMETERS, grad_cosine
 from driftcli.models import TransformerConfig, loaders
 from driftcli.models.loaders import next_token_loss
+from driftcli.records.castspec import parse_cast
 from driftcli.runs import TrainConfig, train
 
 runner = CliRunner()

@@ -31,11 +31,12 @@ from recipe_data import (
 )
 
 import driftcli as drift
-from driftcli.cast import ARITHMETIC_KEYS, Cast, ScaleArithmetic, Scaling
-from driftcli.castspec import parse_cast
+from driftcli.casts.quantization import QuantInfo
 from driftcli.errors import CastSpecError
-from driftcli.formats import FORMATS, Format
-from driftcli.modes import (
+from driftcli.records.cast import ARITHMETIC_KEYS, Cast, ScaleArithmetic, Scaling
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import FORMATS, Format
+from driftcli.records.modes import (
     AmaxPolicy,
     ElementOp,
     Granularity,
@@ -47,8 +48,7 @@ from driftcli.modes import (
     SmallestRcp,
     TwoLevelOrder,
 )
-from driftcli.quantization import QuantInfo
-from driftcli.recipes import IMPLEMENTATION_PRESETS, TORCHAO
+from driftcli.records.recipes import IMPLEMENTATION_PRESETS, TORCHAO
 
 TORCHAO_PRESETS = [n for n, p in IMPLEMENTATION_PRESETS.items() if p.implementation is TORCHAO]
 
@@ -502,8 +502,8 @@ def test_every_implementation_preset_passes_the_exact_op_sequence_check() -> Non
 
 def _swapped_division(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plant a fault: scales that are divided by are multiplied by their rounded reciprocal."""
-    from driftcli import scalearith
-    from driftcli.modes import ElementOp
+    from driftcli.casts import scalearith
+    from driftcli.records.modes import ElementOp
 
     honest = scalearith._real_scales
 
@@ -519,8 +519,8 @@ def _swapped_division(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _reciprocal_of_product(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plant a fault in torchao's NVFP4 order: fl(1 / fl(S · sb)) for fl(fl(1 / S) / sb)."""
-    from driftcli import scalearith
-    from driftcli.modes import TwoLevelOrder
+    from driftcli.casts import scalearith
+    from driftcli.records.modes import TwoLevelOrder
 
     honest = scalearith._TWO_LEVEL[TwoLevelOrder.TORCHAO]
 

@@ -18,9 +18,9 @@ from recipe_data import (
 )
 from recipe_refs import REFERENCES
 
-from driftcli.castspec import parse_cast
-from driftcli.modes import Granularity
-from driftcli.recipes import DEEPSEEK, IMPLEMENTATION_PRESETS, TE
+from driftcli.records.castspec import parse_cast
+from driftcli.records.modes import Granularity
+from driftcli.records.recipes import DEEPSEEK, IMPLEMENTATION_PRESETS, TE
 
 KERNEL_PRESETS = [n for n, p in IMPLEMENTATION_PRESETS.items()
                   if p.implementation in (TE, DEEPSEEK)]

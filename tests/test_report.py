@@ -752,7 +752,7 @@ def test_the_report_names_casts_as_they_were_given(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from driftcli.castspec import parse_cast
+    from driftcli.records.castspec import parse_cast
 
     save_file({"w": torch.linspace(-500, 500, 4096).reshape(16, 256)},
               str(tmp_path / "m.safetensors"))

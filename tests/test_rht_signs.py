@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from driftcli.castspec import parse_cast
+from driftcli.casts.hadamard import transform
 from driftcli.cli import app
 from driftcli.errors import CastSpecError
-from driftcli.hadamard import transform
 from driftcli.io import rht_signs
 from driftcli.io.rht_signs import SignVectorError, vector_name
 from driftcli.measures.scan import ScanOptions, scan
+from driftcli.records.castspec import parse_cast
 
 # two layers with different signs, as torchao draws one vector per layer
 SIGNS_A = (1, -1, -1, 1, 1, 1, -1, 1, -1, -1, 1, 1, -1, 1, 1, -1)

@@ -18,15 +18,16 @@ import torch
 from kernel_paths import PATHS, kernel_path
 from typer.testing import CliRunner
 
-from driftcli import FORMATS, rounding
-from driftcli.cast import Cast
-from driftcli.castspec import parse_cast
+from driftcli import FORMATS
+from driftcli.casts import rounding
+from driftcli.casts.quantization import quantize
 from driftcli.cli import app
 from driftcli.errors import CastSpecError
-from driftcli.formats import Kind
 from driftcli.io.tables import read_table
-from driftcli.modes import Overflow, ScaleRule
-from driftcli.quantization import quantize
+from driftcli.records.cast import Cast
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import Kind
+from driftcli.records.modes import Overflow, ScaleRule
 from driftcli.verify import Plan, check_cast
 from driftcli.verify.blocks import rule_casts
 
@@ -40,7 +41,7 @@ ALTO_BIAS, ALTO_MAX, ALTO_NAN_CODE = 15, Fraction(114688), 0xFF
 def alto_decode(code: int) -> Fraction | None:
     """ALTO's table, transcribed: 0x00 is 0, 0x01..0x07 are mant/8 * 2^-14, 0x08..0xFE are
     (1 + mant/8) * 2^(exp - 15), 0xFF is NaN (None here). Written from the text, not from
-    driftcli.formats."""
+    driftcli.records.formats."""
     if code == ALTO_NAN_CODE:
         return None
     exp, mant = code >> 3, code & 7

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from driftcli.castspec import parse_cast
 from driftcli.cli import app
 from driftcli.io.tables import column, write_table
 from driftcli.measures.clip_rate import ClipRateRow
 from driftcli.measures.common import ALL_TENSORS
+from driftcli.records.castspec import parse_cast
 
 runner = CliRunner()
 NVFP4 = str(parse_cast("nvfp4"))
@@ -300,7 +300,7 @@ def test_every_preset_registry_is_listed_by_a_command() -> None:
     import json
 
     from driftcli.arith.policy import POLICIES
-    from driftcli.arith.tensorcores import PRESETS as CORES
+    from driftcli.arith.tensorcores import CORES
 
     got = runner.invoke(app, ["formats", "--tensor-cores", "--json"])
     assert got.exit_code == 0, got.output

@@ -10,13 +10,15 @@ import pytest
 from kernel_paths import kernel_path
 from typer.testing import CliRunner
 
-from driftcli import FORMATS, oracle, quantization, rounding, scaling
-from driftcli.cast import Scaling
+from driftcli import FORMATS, oracle
+from driftcli.casts import quantization, rounding, scaling
+from driftcli.choices import Engine
 from driftcli.cli import app
 from driftcli.engines import Execution
-from driftcli.formats import Exact, Kind
 from driftcli.io.tables import read_table
-from driftcli.modes import Engine, Granularity, Rounding, ScaleRule, check_rule_table
+from driftcli.records.cast import Scaling
+from driftcli.records.formats import Exact, Kind
+from driftcli.records.modes import Granularity, Rounding, ScaleRule, check_rule_table
 from driftcli.verify import Plan, block_casts, blocks, check_cast, driver, element_formats, verify
 
 runner = CliRunner()
@@ -72,8 +74,8 @@ def test_a_reference_that_loses_the_sign_of_zero_is_caught(monkeypatch: pytest.M
             return Exact.of(a.value * b.value)  # a plain rational has no −0
         return real(a, b)
 
-    real = oracle.product
-    monkeypatch.setattr(oracle, "product", unsigned_zero_product)
+    real = oracle.rounding.product
+    monkeypatch.setattr(oracle.rounding, "product", unsigned_zero_product)
     outcomes = verify([FORMATS["float4_e2m1fn"]], Plan(quick=True))
     failing = [o for o in outcomes if o.n_failed]
     assert failing and all(o.operation == "product" for o in failing)
@@ -99,7 +101,7 @@ def _log2_shortcut(amax, elem, scaling):  # type: ignore[no-untyped-def]
     log2 of the largest float32 below 8.0 up to 3."""
     import torch
 
-    from driftcli.scaling import pow2_range
+    from driftcli.casts.scaling import pow2_range
 
     k = torch.floor(torch.log2(amax.float())).long() - elem.emax + scaling.headroom
     low, high = pow2_range(scaling.scale_format)
@@ -220,8 +222,8 @@ def _register_floor2(monkeypatch: pytest.MonkeyPatch, fast_headroom: int = 2) ->
     rule = _add_rule(monkeypatch, "FLOOR2", "floor2", power_of_two=True)
     monkeypatch.setitem(scaling.FAST_RULES, rule,
                         lambda e, significand, plan: e - plan.elem_emax + fast_headroom)
-    monkeypatch.setitem(oracle.EXACT_RULES, rule,
-                        lambda amax, elem: oracle.binade(amax) - elem.emax + 2)
+    monkeypatch.setitem(oracle.scaling.EXACT_RULES, rule,
+                        lambda amax, elem: oracle.rounding.binade(amax) - elem.emax + 2)
     return rule
 
 
@@ -263,7 +265,7 @@ def test_every_scale_rule_has_a_fast_and_an_exact_implementation() -> None:
     """Both tables cover every member (each module checks its own on import), and the check
     names a member that is missing."""
     for rule in ScaleRule:
-        assert rule in scaling.FAST_RULES and rule in oracle.EXACT_RULES, rule
+        assert rule in scaling.FAST_RULES and rule in oracle.scaling.EXACT_RULES, rule
     check_rule_table(dict.fromkeys(ScaleRule), "a full table")
     with pytest.raises(NotImplementedError, match=r"^a table has no entry for the scale rule\(s\) "
                                                   r"even: add one for each$"):
@@ -317,7 +319,7 @@ def test_a_new_real_valued_rule_is_verified_with_no_other_edit(
                      rounding=Rounding.RTZ)
     assert rule.rounding is Rounding.RTZ
     monkeypatch.setitem(scaling.FAST_RULES, rule, scaling.real_rule(fast_mode))
-    monkeypatch.setitem(oracle.EXACT_RULES, rule, oracle.real_rule(rule.rounding))
+    monkeypatch.setitem(oracle.scaling.EXACT_RULES, rule, oracle.scaling.real_rule(rule.rounding))
     e4m3 = FORMATS["float8_e4m3fn"]
     monkeypatch.setitem(blocks.RULE_SCALINGS, rule,
                         (Scaling(Granularity.BLOCK, 32, e4m3, rule),))

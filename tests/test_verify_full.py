@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from driftcli import FORMATS
 from driftcli.cli import app
-from driftcli.formats import get_format
 from driftcli.io.tables import read_table
+from driftcli.records.formats import get_format
 from driftcli.verify import (
     MATMUL_ACCUMULATORS,
     PAIR_SAMPLE_16,

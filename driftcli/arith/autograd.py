@@ -41,11 +41,11 @@ import torch
 
 from driftcli.arith.matmul import MatmulSpec, ScaleApplication, accumulate
 from driftcli.arith.policy import ArithmeticPolicy, BackwardState, Role
-from driftcli.cast import Cast
+from driftcli.casts.quantization import QuantInfo, quantize
+from driftcli.casts.rounding import draw_random_bits
 from driftcli.errors import DriftError
-from driftcli.modes import DEFAULT_SR_BITS, Rounding
-from driftcli.quantization import QuantInfo, quantize
-from driftcli.rounding import draw_random_bits
+from driftcli.records.cast import Cast
+from driftcli.records.modes import DEFAULT_SR_BITS, Rounding
 
 Tensor = torch.Tensor
 

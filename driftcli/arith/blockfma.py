@@ -16,7 +16,7 @@ north-numerical-computing/MATLAB-tensor-core). The GPU presets and their sources
 Every step is exact in float64: products of two float32 values, terms that are integers below
 ``2**(kept_bits + 2)`` once scaled by the cut, and one rounding by drift's exact kernel per
 group. Two implementations give the same bits: a numba kernel (the default on the CPU) and
-torch ops (CUDA tensors, ``DRIFT_JIT=never``); :mod:`driftcli.oracle_blockfma` is the exact
+torch ops (CUDA tensors, ``DRIFT_JIT=never``); :mod:`driftcli.oracle.blockfma` is the exact
 reference that ``drift verify-formats`` checks both against.
 """
 
@@ -34,11 +34,11 @@ import torch
 from torch import Tensor
 
 from driftcli import kernels
+from driftcli.casts.rounding import add, jit_params, round_to_format, source_of, target_of
 from driftcli.errors import DriftError
-from driftcli.formats import FORMATS, Format
 from driftcli.kernels import jit
-from driftcli.modes import Overflow, Rounding
-from driftcli.rounding import add, jit_params, round_to_format, source_of, target_of
+from driftcli.records.formats import FORMATS, Format
+from driftcli.records.modes import Overflow, Rounding
 
 NO_FLOOR = -1024
 """``min_exp`` of a unit with no floor under its reference exponent."""

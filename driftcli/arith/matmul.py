@@ -4,7 +4,7 @@
 (leading dimensions broadcast as in ``torch.matmul``) is computed as:
 
 1. each operand is taken as float32 (a float64 tensor is rounded to nearest even first;
-   bfloat16 and float16 widen exactly), then cast with its :class:`~driftcli.cast.Cast`
+   bfloat16 and float16 widen exactly), then cast with its :class:`~driftcli.records.cast.Cast`
    along K: A along its last axis, B along its second-to-last (rows of A's blocks and
    columns of B's blocks run along K);
 2. every product of two cast operands is exact: each operand is a float32 value (at most
@@ -13,7 +13,7 @@
 3. the terms (the products, or with ``scale_application=block`` one scaled partial dot
    product per block) are summed by an accumulator of the stated format, which rounds every
    addition once, in the stated order; each addition is the exact sum (float64 TwoSum, the
-   residual entering the rounding as a sticky bit, :func:`driftcli.rounding.add`);
+   residual entering the rounding as a sticky bit, :func:`driftcli.casts.rounding.add`);
 4. the optional output cast is applied to the result along its last axis (N).
 
 Order ``blockfma`` replaces step 3 with a tensor core's block-FMA unit
@@ -37,7 +37,7 @@ from typing import cast
 
 import torch
 
-from driftcli import kernels, rounding
+from driftcli import kernels
 from driftcli.arith.blockfma import C_EMIN, Accumulation, FMAUnit, fma_dot
 from driftcli.arith.matmulspec import (
     ACC_ROUNDINGS,
@@ -53,13 +53,14 @@ from driftcli.arith.matmulspec import (
     parse_matmul_spec,
     parse_order,
 )
-from driftcli.cast import Cast
+from driftcli.casts import rounding
+from driftcli.casts.quantization import QuantInfo, quantize
+from driftcli.casts.twosum import two_sum
 from driftcli.errors import DriftError
-from driftcli.exact import two_sum
-from driftcli.formats import Format
 from driftcli.kernels import jit
-from driftcli.modes import DEFAULT_SR_BITS, Granularity, Overflow, Rounding
-from driftcli.quantization import QuantInfo, quantize
+from driftcli.records.cast import Cast
+from driftcli.records.formats import Format
+from driftcli.records.modes import DEFAULT_SR_BITS, Granularity, Overflow, Rounding
 
 __all__ = [
     "ACC_ROUNDINGS",
@@ -157,7 +158,7 @@ def accumulate(qa: Tensor, qb: Tensor, spec: MatmulSpec, *, lhs_scales: Tensor |
     casts and without the output cast; a float32 tensor of shape ``(..., M, N)``.
 
     Under ``scale=block`` the terms need the casts' per-block scales, as
-    :func:`~driftcli.quantization.quantize` returns them (``return_info=True``): the caller
+    :func:`~driftcli.casts.quantization.quantize` returns them (``return_info=True``): the caller
     that cast the operands passes them, and nothing is cast a second time."""
     block = spec.scale_application is ScaleApplication.BLOCK
     if block and spec.order is not Order.NATIVE and (lhs_scales is None or rhs_scales is None):
@@ -462,7 +463,7 @@ def truncate_float32(s: Tensor, r: Tensor, drop: int, rounding: Rounding) -> Ten
     a sticky bit. Subnormals need nothing more (the format's subnormal quantum is the float32
     one times ``2**drop``), a carry out of the mantissa moves into the exponent and past the
     top to inf, as IEEE rounding to nearest does; NaN and inf pass through. The same rule as
-    :func:`driftcli.rounding.add`, written on float32 bits so that it vectorizes.
+    :func:`driftcli.casts.rounding.add`, written on float32 bits so that it vectorizes.
     """
     bits = s.view(torch.int32)
     mag = bits & _ABS

@@ -26,11 +26,12 @@ from typing import cast
 
 from driftcli.arith.blockfma import FMAUnit, parse_unit
 from driftcli.arith.tensorcores import tensor_core
-from driftcli.cast import Cast
-from driftcli.castspec import parse_cast
+from driftcli.choices import parse_choice
 from driftcli.errors import DriftError, close_matches
-from driftcli.formats import FORMATS, Format, get_format
-from driftcli.modes import Granularity, Rounding, parse_choice
+from driftcli.records.cast import Cast
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import FORMATS, Format, get_format
+from driftcli.records.modes import Granularity, Rounding
 
 FLOAT32 = FORMATS["float32"]
 

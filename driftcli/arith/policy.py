@@ -14,7 +14,7 @@ forward's operands (:class:`BackwardState`). ``with driftcli.arithmetic(policy):
 to any model (:mod:`driftcli.arith.mode`).
 
 Policies come from presets (``exact``, ``float32``, one per cast preset of
-:data:`driftcli.presets.PRESETS` and one per recipe of
+:data:`driftcli.records.presets.PRESETS` and one per recipe of
 :data:`driftcli.arith.recipe_policies.RECIPES`), from a cast spec (every operand cast with
 it), or from a TOML file (:func:`policy_from_toml`; docs/arithmetic.md describes the format).
 """
@@ -31,11 +31,12 @@ from typing import Any, cast
 from driftcli.arith.intercept import MatmulKind
 from driftcli.arith.matmul import MatmulSpec, Order, matmul_spec
 from driftcli.arith.recipe_policies import RECIPES, RecipeEntry
-from driftcli.cast import Cast
-from driftcli.castspec import parse_cast
+from driftcli.choices import parse_choice
 from driftcli.errors import DriftError, close_matches
-from driftcli.modes import Rounding, parse_choice
-from driftcli.presets import PRESETS
+from driftcli.records.cast import Cast
+from driftcli.records.castspec import parse_cast
+from driftcli.records.modes import Rounding
+from driftcli.records.presets import PRESETS
 
 
 class PolicyError(DriftError, ValueError):

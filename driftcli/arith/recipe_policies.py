@@ -14,7 +14,7 @@ implementation preset (``te/nvfp4``, with ``:sr`` for stochastic rounding) or ``
 operand enters in the model's own precision.
 
 The random Hadamard transform (RHT) some recipes apply to the wgrad's operands is part of
-those slots' casts (``te/nvfp4:rht=te``, :class:`~driftcli.cast.Rht`): both operands of the
+those slots' casts (``te/nvfp4:rht=te``, :class:`~driftcli.records.cast.Rht`): both operands of the
 wgrad carry it along the contraction (token) axis, so the transform cancels in the product
 and only its effect on the casts remains, as on the GPU. Where drift cannot spell a recipe's
 choice, :attr:`RecipeEntry.departures` says what differs. docs/recipes.md#recipe-policies
@@ -26,9 +26,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from driftcli.castspec import parse_cast
 from driftcli.errors import DriftError
-from driftcli.modes import Rounding
+from driftcli.records.castspec import parse_cast
+from driftcli.records.modes import Rounding
 
 TE_COMMIT = "d0067d0da6cb01811b8072a7d304f0e00344ce2b"
 """The Transformer Engine commit every ``te/…`` entry was read at (as the ``te/…`` presets)."""

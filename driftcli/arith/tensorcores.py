@@ -20,8 +20,8 @@ from torch import Tensor
 
 from driftcli.arith.blockfma import Accumulation, FMAUnit, fma_dot
 from driftcli.errors import DriftError, close_matches
-from driftcli.formats import Format, get_format
-from driftcli.modes import Rounding
+from driftcli.records.formats import Format, get_format
+from driftcli.records.modes import Rounding
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ _KM = ("Khattak and Mikaitis, north-numerical-computing/MATLAB-tensor-core b12b5
 _RZ, _RNE = Rounding.RTZ, Rounding.RNE
 
 
-def _presets() -> dict[str, TensorCore]:
+def _cores() -> dict[str, TensorCore]:
     """Every GPU, input type and result type with a published model."""
     cores: dict[str, TensorCore] = {}
 
@@ -115,17 +115,17 @@ def _presets() -> dict[str, TensorCore]:
     return cores
 
 
-PRESETS: dict[str, TensorCore] = _presets()
+CORES: dict[str, TensorCore] = _cores()
 """Every tensor-core model, by ``gpu_input_result`` (``h100_e4m3_f32``)."""
 
 
 def tensor_core(name: str) -> TensorCore:
     """The preset ``name``, or an error naming the presets."""
     try:
-        return PRESETS[name.strip()]
+        return CORES[name.strip()]
     except KeyError:
         raise DriftError(f"unknown tensor-core preset {name!r}"
-                         f"{close_matches(name, list(PRESETS))}; see docs/tensor-cores.md or "
+                         f"{close_matches(name, list(CORES))}; see docs/tensor-cores.md or "
                          "drift formats --tensor-cores") from None
 
 

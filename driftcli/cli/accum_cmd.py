@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from driftcli.choices import Dist, Engine
 from driftcli.cli.app import command
 from driftcli.cli.run import (
     Bar,
@@ -25,7 +26,6 @@ from driftcli.cli.run import (
     units_dir,
 )
 from driftcli.escaping import for_terminal as esc
-from driftcli.modes import Dist, Engine
 
 if TYPE_CHECKING:
     pass

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from driftcli.choices import Engine
 from driftcli.cli.app import command
 from driftcli.cli.measure_cmds import (
     OUT,
@@ -36,7 +37,6 @@ from driftcli.cli.run import (
     units_dir,
 )
 from driftcli.escaping import for_terminal as esc
-from driftcli.modes import Engine
 
 SHOWN = ("n_blocks", "clipped_block_share", "scale_at_max", "scale_subnormal", "scale_at_min",
          "scale_spread", "range_median", "range_max", "range_over_span")

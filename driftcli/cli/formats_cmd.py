@@ -35,9 +35,9 @@ def formats(
     from rich.console import Console
     from rich.table import Table
 
-    from driftcli.castspec import parse_cast
-    from driftcli.formats import FORMATS, describe
-    from driftcli.presets import PRESETS
+    from driftcli.records.castspec import parse_cast
+    from driftcli.records.formats import FORMATS, describe
+    from driftcli.records.presets import PRESETS
 
     if tensor_cores or policies:
         listing = _tensor_cores() if tensor_cores else []
@@ -57,7 +57,7 @@ def formats(
                 typer.echo(f"{r['spec']} = {r['canonical']}")
         return
     if presets:
-        from driftcli.recipes import IMPLEMENTATION_PRESETS, IMPLEMENTATIONS
+        from driftcli.records.recipes import IMPLEMENTATION_PRESETS, IMPLEMENTATIONS
 
         listing = [{"preset": name, "spec": str(c), "meaning": meaning}
                    for name, (c, meaning) in PRESETS.items()]
@@ -111,7 +111,7 @@ def formats(
 
 def _tensor_cores() -> list[dict[str, Any]]:
     """Every tensor-core preset with its unit's parameters and source."""
-    from driftcli.arith.tensorcores import PRESETS as CORES
+    from driftcli.arith.tensorcores import CORES
 
     return [{"registry": "tensor-core", "preset": name, "use": f"tc={name}",
              "inputs": core.inputs, "group": core.unit.size, "kept_bits": core.unit.kept_bits,

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from driftcli.choices import Engine
 from driftcli.cli.app import command
 from driftcli.cli.run import (
     Bar,
@@ -25,7 +26,6 @@ from driftcli.cli.run import (
     units_dir,
 )
 from driftcli.escaping import for_terminal as esc
-from driftcli.modes import Engine
 
 OUT = Path("drift-out")
 

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from driftcli.choices import Engine, Storage
 from driftcli.cli.app import command
 from driftcli.cli.run import (
     Bar,
@@ -28,7 +29,6 @@ from driftcli.cli.run import (
 )
 from driftcli.escaping import for_terminal as esc
 from driftcli.models.config import CHECKPOINTS
-from driftcli.modes import Engine, Storage
 
 RunFolder = Annotated[Path, typer.Argument(
     metavar="RUN", exists=True, file_okay=False, show_default=False,
@@ -84,8 +84,8 @@ def health_command(
     trajectory, the gradient-to-noise ratio under a cast (flagged below √3), and the weights
     oscillating between grid points under a cast (TetraJet's ratio).
     """
-    from driftcli.castspec import parse_cast
     from driftcli.io.outputs import check_writable
+    from driftcli.records.castspec import parse_cast
     from driftcli.runs.health import HEALTH_FILE, HealthRow, health, summary
 
     for spec in (cast, grad_cast):

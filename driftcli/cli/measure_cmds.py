@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from driftcli.choices import Device, Engine
 from driftcli.cli.app import EXIT_USAGE, command
 from driftcli.cli.run import (
     Append,
@@ -32,7 +33,6 @@ from driftcli.cli.run import (
     units_dir,
 )
 from driftcli.escaping import for_terminal as esc
-from driftcli.modes import Device, Engine
 
 if TYPE_CHECKING:
     from driftcli.measures.common import Measure
@@ -67,7 +67,7 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.
 def cast_names(given: list[str]) -> dict[str, str]:
     """Each cast's canonical spec → the name the user gave it, where they differ (a preset
     reads better than its canonical spec): the summary and the report show these names."""
-    from driftcli.castspec import parse_cast
+    from driftcli.records.castspec import parse_cast
 
     return {spec: g for g in given if (spec := str(parse_cast(g))) != g}
 

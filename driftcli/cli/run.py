@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from driftcli.choices import Engine
 from driftcli.cli.app import EXIT_USAGE
 from driftcli.escaping import for_terminal
 from driftcli.io.layouts import Layout
-from driftcli.modes import Engine
 from driftcli.progress import Progress
 
 if TYPE_CHECKING:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from driftcli.choices import Engine, Storage
 from driftcli.cli.app import command
 from driftcli.cli.run import (
     Bar,
@@ -37,7 +38,6 @@ from driftcli.models.config import (
     Schedule,
     TransformerConfig,
 )
-from driftcli.modes import Engine, Storage
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -84,7 +84,7 @@ def attention_table(rows: list[AttentionRow], title: str) -> Table:
     one)."""
     from rich.table import Table
 
-    from driftcli.presets import PRESETS
+    from driftcli.records.presets import PRESETS
 
     names = {str(c): name for name, (c, _) in reversed(PRESETS.items())}
     table = Table(title=esc(title))

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from driftcli.choices import Engine
 from driftcli.cli.app import EXIT_FOUND, command
 from driftcli.cli.run import (
     Bar,
@@ -20,7 +21,6 @@ from driftcli.cli.run import (
     table_provenance,
 )
 from driftcli.escaping import for_terminal
-from driftcli.modes import Engine
 
 OUT = Path("drift-out")
 

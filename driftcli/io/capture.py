@@ -44,9 +44,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from driftcli.arith.intercept import OUTSIDE, ROOT, Intercepted, UnsupportedMatmulError, lookup
+from driftcli.choices import parse_choice
 from driftcli.errors import DriftError
 from driftcli.io.dumps import DUMP_KEY, DUMP_VERSION, ROLES, DumpEntry, Role
-from driftcli.modes import parse_choice
 
 Tensor = torch.Tensor
 

@@ -6,7 +6,8 @@ pytorch/ao at 36027d8) gives every ``NVFP4Linear`` a buffer ``_rht_sign_vector``
 ``hadamard_utils.get_wgrad_sign_vector`` lines 72-80, ``torch.rand(16) >= 0.5``, unless one is
 given), registered ``persistent=True`` (lines 138-142), so a state dict holds it as
 ``<layer>._rht_sign_vector`` beside ``<layer>.weight``. Its matrix is ``diag(signs) @ H16 / 4``
-(``hadamard_utils.get_rht_matrix`` lines 118-135), the one :class:`~driftcli.cast.Rht` builds.
+(``hadamard_utils.get_rht_matrix`` lines 118-135), the one :class:`~driftcli.records.cast.Rht`
+builds.
 
 A scan resolves ``rht=checkpoint`` tensor by tensor: the tensor ``a.b.weight`` takes the
 signs of ``a.b._rht_sign_vector`` in the same input. A tensor whose layer has none is refused
@@ -20,9 +21,9 @@ from dataclasses import replace
 
 import torch
 
-from driftcli.cast import RHT_SIZE, Cast, Rht
 from driftcli.errors import DriftError
 from driftcli.io.readers import ReadError, TensorRef
+from driftcli.records.cast import RHT_SIZE, Cast, Rht
 
 SIGN_VECTOR = "_rht_sign_vector"
 """The buffer's name in a torchao ``NVFP4Linear`` (and so the last part of its state-dict key)."""

@@ -4,10 +4,11 @@ one place that decides which back-end runs.
 The two back-ends:
 
 - **torch** (the readable, vectorised reference; the path of CUDA tensors, of tensors that
-  need autograd, and of ``DRIFT_JIT=never``): the tensor ops in :mod:`driftcli.rounding`,
-  :mod:`driftcli.scaling`, :mod:`driftcli.quantization`, :mod:`driftcli.measures.stats`,
-  :mod:`driftcli.arith.matmul`, :mod:`driftcli.arith.blockfma`, :mod:`driftcli.fouroversix` and
-  :mod:`driftcli.hadamard`;
+  need autograd, and of ``DRIFT_JIT=never``): the tensor ops in :mod:`driftcli.casts.rounding`,
+  :mod:`driftcli.casts.scaling`, :mod:`driftcli.casts.quantization`, :mod:`driftcli.measures.stats`,
+  :mod:`driftcli.arith.matmul`, :mod:`driftcli.arith.blockfma`, :mod:`driftcli.casts.fouroversix`
+  and
+  :mod:`driftcli.casts.hadamard`;
 - **numba** (the CPU default): :mod:`driftcli.kernels.jit` calls the machine code of
   :mod:`driftcli.kernels.jitcode` (element rounding, block amax), :mod:`driftcli.kernels.statcode`
   (the scan's fused passes), :mod:`driftcli.kernels.castcode` (block scales and block casts),

@@ -1,10 +1,10 @@
 """The numba code of a block-scaled cast in two passes (imported on first use: it imports
-numba): :func:`driftcli.quantization.quantize`'s numba path for block scalings.
+numba): :func:`driftcli.casts.quantization.quantize`'s numba path for block scalings.
 
 Two kernels give a block-scaled cast's per-block scales in one pass over a tensor's rows:
 :func:`pow2_scales` (amax, then the power-of-two rule's exponent, the headroom and the clamp)
 and :func:`two_level_scales` (NVFP4's float32 tensor scale and block divisors, every step one
-IEEE float32 operation in the order of :func:`driftcli.scaling.plan_two_level_scales`). The
+IEEE float32 operation in the order of :func:`driftcli.casts.scaling.plan_two_level_scales`). The
 elements are then rounded by :mod:`driftcli.kernels.jitcode`' own kernels, unchanged. Each kernel is
 compiled once per machine and cached on disk like :mod:`driftcli.kernels.jitcode`.
 """
@@ -51,8 +51,8 @@ def pow2_scales(x: Any, cols: int, ks: Any, bad: Any, rule: Any,
     significand, as its 23 fraction bits, is above ``threshold`` (``strict``) or at least it;
     an all-zero row gets ``low``. Returns the smallest ``k`` of a row with a nonzero amax and
     the largest ``k`` of any row (:data:`NONE` and ``-NONE`` when there is none): the range
-    :func:`driftcli.quantization.needs_wide` reads; and how many rows without NaN or inf had
-    their ``k`` clamped (as :func:`driftcli.scaling.plan_pow2_exponents` flags them).
+    :func:`driftcli.casts.quantization.needs_wide` reads; and how many rows without NaN or inf had
+    their ``k`` clamped (as :func:`driftcli.casts.scaling.plan_pow2_exponents` flags them).
     """
     emax, threshold, strict, headroom, low, high = (rule[0], rule[1], rule[2], rule[3],
                                                     rule[4], rule[5])
@@ -90,12 +90,12 @@ def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: 
     largest finite magnitude (``tops``). The tensor's amax is the largest of the rows' unless
     ``given_top`` (its float32 bits) is not negative: a slice of a larger tensor. Returns how
     many rows without NaN or inf had their block scale clamped (as
-    :func:`driftcli.scaling.plan_two_level_scales` flags them).
+    :func:`driftcli.casts.scaling.plan_two_level_scales` flags them).
 
     ``consts`` holds, as float32, the element format's max ``M``, ``two_level_max`` (the scale
     format's max times ``M``), the scale format's ``smallest`` and ``largest`` values and
     float32's smallest normal ``tiny``. The steps of
-    :func:`driftcli.scaling.plan_two_level_scales`, each one IEEE float32 operation:
+    :func:`driftcli.casts.scaling.plan_two_level_scales`, each one IEEE float32 operation:
     ``S = max(fl(amax_tensor / two_level_max), tiny)`` (1 for an all-zero tensor),
     ``raw = fl(fl(amax / elem_max) / S)``, the block scale ``raw`` rounded to nearest into the
     scale format by :func:`driftcli.kernels.jitcode.round_lean` with the parameters ``q`` (IEEE

@@ -1,4 +1,5 @@
-"""The numba code of four over six's errors (:mod:`driftcli.fouroversix`; imported on first use:
+"""The numba code of four over six's errors (:mod:`driftcli.casts.fouroversix`; imported on first
+use:
 it imports numba). Each block's two candidates are rounded by the element kernel's own
 ``lean_quotient`` and their errors summed in the block's order, every step one IEEE float32
 operation, as ``fouroversix.block_errors`` does in torch."""

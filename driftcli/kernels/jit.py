@@ -1,7 +1,7 @@
 """drift's kernels as machine code: numba compiles them with the LLVM it bundles (no system
 compiler), once per machine, and keeps the code on disk between processes.
 
-Each kernel is the element rule of :mod:`driftcli.rounding` written for one element (the same
+Each kernel is the element rule of :mod:`driftcli.casts.rounding` written for one element (the same
 integer steps on the same bit fields, so the same bits: the tests run every format, rounding
 and overflow policy through both and compare, and ``drift verify-formats`` runs on each path),
 plus the block amax that block scalings read. The work is split into slices that threads run
@@ -109,7 +109,7 @@ _EMPTY = {dtype: np.empty(0, dtype) for dtype in (np.int32, np.int64, np.bool_)}
 def params(src_ebits: int, src_mbits: int, tgt: Any, rounding: str, overflow: str,
            sr_bits: int) -> tuple[int, ...]:
     """The parameter vector of :data:`PARAMS` for rounding a float of ``src_ebits`` and
-    ``src_mbits`` onto ``tgt`` (a :class:`driftcli.rounding.Target`)."""
+    ``src_mbits`` onto ``tgt`` (a :class:`driftcli.casts.rounding.Target`)."""
     own = {"s_ebits": src_ebits, "s_mbits": src_mbits, "t_mbits": tgt.mbits,
            "rounding": ROUNDING_CODES.index(rounding),
            "overflow": OVERFLOW_CODES.index(overflow), "sr_bits": sr_bits}
@@ -140,7 +140,7 @@ def _code() -> Any:
 
 def round_bits(x: Tensor, residual: Tensor | None, random: Tensor | None,
                scale_exp: Tensor | None, p: tuple[int, ...], bad: Tensor | None = None) -> Tensor:
-    """The rounding kernel of :mod:`driftcli.rounding` on a contiguous float32 or float64
+    """The rounding kernel of :mod:`driftcli.casts.rounding` on a contiguous float32 or float64
     tensor: ``residual`` and ``random`` (integers) shaped like ``x``, ``scale_exp`` one per
     element or one per row of a 2-D ``x`` (shape ``(rows, 1)``); rows where ``bad`` (one
     flag per row) become NaN."""
@@ -198,7 +198,7 @@ def round_scaled(blocks: Tensor, apply: Tensor, undo: Tensor, random: Tensor | N
 
 def block_amax(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """Per row of a 2-D float32 or float64 tensor: the largest finite magnitude, and whether
-    the row holds NaN or inf (the values of :func:`driftcli.scaling.block_stats`)."""
+    the row holds NaN or inf (the values of :func:`driftcli.casts.scaling.block_stats`)."""
     rows, cols = blocks.shape
     bits = _array(blocks, _INT[blocks.dtype])
     top = np.empty(rows, dtype=bits.dtype)

@@ -1,6 +1,6 @@
 """The numba code of :mod:`driftcli.kernels.jit` (imported on first use: it imports numba).
 
-:func:`round_one` is :func:`driftcli.rounding._kernel` for one element: the same integer steps
+:func:`round_one` is :func:`driftcli.casts.rounding._kernel` for one element: the same integer steps
 on the same bit fields; :func:`round_lean` reaches the same bits for float32 inputs in fewer
 steps. A kernel is made per rounding mode, overflow policy and set of inputs present (a few
 dozen in all), with the format's integers a run-time argument: numba folds the mode and the
@@ -88,7 +88,7 @@ def row_limits(k: int, p: Any) -> tuple[int, int, int, int, int]:
 def binade_mbits(floor_e: int, lo: int, p: Any) -> int:
     """The target's mantissa width in the binade ``floor_e`` (at least the grid's floor
     ``lo``): ``p[3]``, less what a tapered format's masks ``p[16]``, ``p[17]`` take off there
-    (:func:`driftcli.rounding.taper_masks`)."""
+    (:func:`driftcli.casts.rounding.taper_masks`)."""
     if p[16] == 0 and p[17] == 0:
         return p[3]
     i = min(floor_e - lo, 62)
@@ -97,7 +97,7 @@ def binade_mbits(floor_e: int, lo: int, p: Any) -> int:
 
 @njit(inline="always", **OPTIONS)
 def round_one(bits: int, rbits: int, has_res: bool, draw: int, lim: Any, p: Any) -> int:
-    """One element of :func:`driftcli.rounding._kernel`: ``bits`` (+ the residual ``rbits``)
+    """One element of :func:`driftcli.casts.rounding._kernel`: ``bits`` (+ the residual ``rbits``)
     of a float of ``p[0]`` exponent and ``p[1]`` fraction bits, rounded onto the grid whose
     :func:`row_limits` are ``lim``."""
     ebits, mbits, t_mbits, rounding, sr_bits = p[0], p[1], p[3], p[13], p[15]

@@ -1,7 +1,9 @@
 """The numba code of a multi-level (micro-exponent) block scale, imported on first use (it
 imports numba): per block, the first-level scale ``s``, the multiplier ``r`` elements meet and
-each element's total micro-exponent, the same steps as :func:`driftcli.microscale.torch_scales`
-(its torch twin) and :func:`driftcli.oracle.cast_micro_block` (its exact one). The elements
+each element's total micro-exponent, the same steps as
+:func:`driftcli.casts.microscale.torch_scales`
+(its torch twin) and :func:`driftcli.oracle.quantization.cast_micro_block` (its exact one). The
+elements
 are then rounded by :mod:`driftcli.kernels.jitcode`'s kernels, unchanged.
 """
 

@@ -1,4 +1,5 @@
-"""The numba code of the random Hadamard transform (:mod:`driftcli.hadamard`; imported on first
+"""The numba code of the random Hadamard transform (:mod:`driftcli.casts.hadamard`; imported on
+first
 use: it imports numba). Each output is ``fl32(x_i · m_ij)`` summed from +0 in ``i`` order, one
 float32 addition each, then rounded to bfloat16 on its bits (nearest even), as
 ``hadamard.torch_groups`` does in torch."""

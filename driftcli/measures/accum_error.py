@@ -42,6 +42,7 @@ from typing import Any, ClassVar, cast
 import torch
 
 from driftcli import engines
+from driftcli.arith.exact import ExactProduct, exact_matmul
 from driftcli.arith.matmul import (
     FLOAT32,
     MatmulSpec,
@@ -51,11 +52,10 @@ from driftcli.arith.matmul import (
     parse_matmul_spec,
     parse_order,
 )
-from driftcli.cast import Cast
+from driftcli.casts.quantization import quantize
+from driftcli.choices import Dist, parse_choice
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
-from driftcli.exact import ExactProduct, exact_matmul
-from driftcli.formats import Format, get_format
 from driftcli.io.tables import column
 from driftcli.measures.accum_problems import (
     Problem,
@@ -66,9 +66,10 @@ from driftcli.measures.accum_problems import (
 )
 from driftcli.measures.common import ratio
 from driftcli.memory import available_memory
-from driftcli.modes import Dist, Rounding, parse_choice
 from driftcli.progress import Progress
-from driftcli.quantization import quantize
+from driftcli.records.cast import Cast
+from driftcli.records.formats import Format, get_format
+from driftcli.records.modes import Rounding
 
 Tensor = torch.Tensor
 

@@ -13,9 +13,9 @@ from typing import Any, cast
 
 import torch
 
+from driftcli.choices import Dist, parse_choice
 from driftcli.errors import DriftError
 from driftcli.io.readers import TensorRef, open_inputs
-from driftcli.modes import Dist, parse_choice
 
 Tensor = torch.Tensor
 

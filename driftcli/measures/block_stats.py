@@ -38,20 +38,9 @@ from typing import Any, ClassVar
 import torch
 
 from driftcli import engines, kernels
-from driftcli.cast import Cast
-from driftcli.castspec import parse_cast
-from driftcli.codec import encode
-from driftcli.engines import Execution
-from driftcli.errors import DriftError
-from driftcli.formats import Format
-from driftcli.io.readers import ReadError, TensorRef, open_inputs
-from driftcli.io.tables import column
-from driftcli.kernels import jit
-from driftcli.measures.scan import NothingToMeasure, nothing_to_measure
-from driftcli.modes import Granularity, ScaleRule
-from driftcli.progress import Progress
-from driftcli.quantization import pow2_rule, two_level_consts, working
-from driftcli.scaling import (
+from driftcli.casts.codec import encode
+from driftcli.casts.quantization import pow2_rule, two_level_consts, working
+from driftcli.casts.scaling import (
     ScalePlan,
     binade_and_significand,
     plan_divisors,
@@ -60,6 +49,17 @@ from driftcli.scaling import (
     pow2_range,
     to_blocks,
 )
+from driftcli.engines import Execution
+from driftcli.errors import DriftError
+from driftcli.io.readers import ReadError, TensorRef, open_inputs
+from driftcli.io.tables import column
+from driftcli.kernels import jit
+from driftcli.measures.scan import NothingToMeasure, nothing_to_measure
+from driftcli.progress import Progress
+from driftcli.records.cast import Cast
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import Format
+from driftcli.records.modes import Granularity, ScaleRule
 
 Tensor = torch.Tensor
 

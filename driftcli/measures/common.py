@@ -10,12 +10,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from driftcli.cast import Cast
 from driftcli.io.tables import column
 from driftcli.measures.diffstats import DiffStats
 from driftcli.measures.scan import Result, Scan, ScanOptions, iter_groups, scan
 from driftcli.measures.stats import CastStats
 from driftcli.progress import Progress
+from driftcli.records.cast import Cast
 
 ALL_TENSORS = "*"
 """The ``tensor`` of the row that aggregates every selected tensor of an input."""

@@ -7,11 +7,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from driftcli.cast import Cast
+from driftcli.casts.hadamard import transformed
+from driftcli.casts.quantization import Blocked, cast_blocks, element_masks
 from driftcli.errors import DriftError
-from driftcli.hadamard import transformed
-from driftcli.modes import DEFAULT_SR_BITS, Rounding
-from driftcli.quantization import Blocked, cast_blocks, element_masks
+from driftcli.records.cast import Cast
+from driftcli.records.modes import DEFAULT_SR_BITS, Rounding
 
 Tensor = torch.Tensor
 

@@ -39,6 +39,7 @@ from torch import nn
 from driftcli import engines
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import ArithmeticPolicy, get_policy, with_seed
+from driftcli.choices import Engine
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io.tables import column
@@ -49,7 +50,6 @@ from driftcli.models.loaders import (
     next_token_loss,
     text_batch,
 )
-from driftcli.modes import Engine
 from driftcli.progress import Progress
 
 Tensor = torch.Tensor

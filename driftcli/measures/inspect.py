@@ -32,8 +32,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from driftcli.castspec import parse_cast
-from driftcli.formats import get_format
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
 from driftcli.io.readers.quantized_weight import (
     Layout,
@@ -46,6 +44,8 @@ from driftcli.io.readers.quantized_weight import (
     weight_ref,
 )
 from driftcli.io.tables import column
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import get_format
 
 MAGNITUDE_FACTOR = 1000.0
 """How far a weight's RMS may sit from the median RMS of the checkpoint's other 2-D
@@ -175,7 +175,7 @@ def _rms(x: torch.Tensor) -> float:
 
 def _requant(spec: QuantSpec, values: torch.Tensor, codes_vals: torch.Tensor,
              scales: torch.Tensor, preset: str) -> dict[str, int | None]:
-    from driftcli.quantization import QuantInfo, quantize
+    from driftcli.casts.quantization import QuantInfo, quantize
 
     cast = parse_cast(preset)
     info = quantize(values.float(), cast, return_info=True)

@@ -32,12 +32,12 @@ from typing import ClassVar
 
 import torch
 
-from driftcli.cast import Cast
 from driftcli.io.tables import column
 from driftcli.measures import clip_rate, underflow_rate
 from driftcli.measures.stats import CastStats, cast_stats
 from driftcli.models.nets import AttentionTensors
-from driftcli.modes import Rounding
+from driftcli.records.cast import Cast
+from driftcli.records.modes import Rounding
 
 Tensor = torch.Tensor
 

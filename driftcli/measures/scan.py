@@ -24,11 +24,11 @@ from typing import cast
 import torch
 
 from driftcli import engines
-from driftcli.cast import Cast
-from driftcli.castspec import parse_cast
+from driftcli.casts.hadamard import rht_problem, transformed
+from driftcli.casts.quantization import working_dtype
+from driftcli.choices import Device, Engine
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
-from driftcli.hadamard import rht_problem, transformed
 from driftcli.io import rht_signs
 from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
 from driftcli.measures.diffstats import DiffStats, cast_diff_stats
@@ -42,9 +42,10 @@ from driftcli.measures.stats import (
     run_length,
     slice_facts,
 )
-from driftcli.modes import Device, Engine, Granularity, Rounding, ScaleRule
 from driftcli.progress import Progress
-from driftcli.quantization import working_dtype
+from driftcli.records.cast import Cast
+from driftcli.records.castspec import parse_cast
+from driftcli.records.modes import Granularity, Rounding, ScaleRule
 
 Tensor = torch.Tensor
 

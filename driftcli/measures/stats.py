@@ -3,7 +3,7 @@ every measurement (clip-rate, underflow-rate, error-bias) and a training run's o
 derive from.
 
 Two back-ends count (:mod:`driftcli.kernels` chooses): the torch back-end casts with
-:func:`driftcli.quantization.cast_blocks` and counts from the per-element masks, as the
+:func:`driftcli.casts.quantization.cast_blocks` and counts from the per-element masks, as the
 definitions read; the numba back-end (:func:`_numba_stats`) reads each scale group's amax from
 one shared pass over the slice, computes the groups' scales, then casts and counts every element
 in one more pass, with the same rounding kernel as :func:`driftcli.quantize`. Both give the same
@@ -19,14 +19,10 @@ from typing import Any
 
 import torch
 
-from driftcli import kernels, rounding
-from driftcli.cast import Cast
-from driftcli.castspec import parse_cast
-from driftcli.errors import DriftError
-from driftcli.hadamard import transform
-from driftcli.kernels import jit
-from driftcli.modes import DEFAULT_SR_BITS, Granularity, Rounding, ScaleRule
-from driftcli.quantization import (
+from driftcli import kernels
+from driftcli.casts import rounding
+from driftcli.casts.hadamard import transform
+from driftcli.casts.quantization import (
     amax_and_nonfinite,
     cast_blocks,
     checked_bits,
@@ -39,7 +35,12 @@ from driftcli.quantization import (
     two_level_consts,
     working,
 )
-from driftcli.scaling import ScalePlan, block_stats, to_blocks
+from driftcli.casts.scaling import ScalePlan, block_stats, to_blocks
+from driftcli.errors import DriftError
+from driftcli.kernels import jit
+from driftcli.records.cast import Cast
+from driftcli.records.castspec import parse_cast
+from driftcli.records.modes import DEFAULT_SR_BITS, Granularity, Rounding, ScaleRule
 
 Tensor = torch.Tensor
 
@@ -223,7 +224,7 @@ def _abs_max(blocks: Tensor) -> Tensor:
 
 def _row_amax(blocks: Tensor, raw: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Each row's amax over its finite elements and which rows hold a NaN or inf (as
-    :func:`driftcli.scaling.block_stats`), from the rows' NaN-propagating amax ``raw`` when
+    :func:`driftcli.casts.scaling.block_stats`), from the rows' NaN-propagating amax ``raw`` when
     given (shared from :class:`SliceFacts`): only the rows that hold a NaN or inf are then
     reduced again, masked."""
     if raw is None:
@@ -330,10 +331,10 @@ def _numba_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: in
                  tensor_amax: float | None, want_q: bool, rounded: bool,
                  facts: SliceFacts | None) -> tuple[CastStats, Tensor | None] | None:
     """:func:`cast_stats` on the numba back-end, fused: the rows' amax (from ``facts`` where
-    they hold it), the rows' scales (:func:`driftcli.quantization.plan_scales`, one per scale
+    they hold it), the rows' scales (:func:`driftcli.casts.quantization.plan_scales`, one per scale
     group, on torch), then one pass that casts every element and counts
     (:func:`driftcli.kernels.jit.cast_counts`). None where the torch back-end runs instead:
-    an empty input, an implementation's scale arithmetic (:mod:`driftcli.scalearith`), a
+    an empty input, an implementation's scale arithmetic (:mod:`driftcli.casts.scalearith`), a
     float32 input whose scaled grid leaves float32's range, or tensors numba does not take."""
     s, elem = c.scaling, c.format
     if x.numel() == 0 or not s.arithmetic.exact or not kernels.numba_runs(x, bits):
@@ -396,7 +397,7 @@ range (the torch back-end rounds those in float64)."""
 def _fused_scales(blocks: Tensor, c: Cast,
                   tensor_amax: float | None) -> jit.BlockScales | None:
     """The scales of float32 blocks in one numba pass (the kernels of quantize's fused block
-    cast, :func:`driftcli.quantization.fused_block_cast_applies`); None where that does not
+    cast, :func:`driftcli.casts.quantization.fused_block_cast_applies`); None where that does not
     apply (the scales are then planned on torch from the rows' amax)."""
     if not fused_block_cast_applies(blocks, c):
         return None

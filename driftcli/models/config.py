@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any, ClassVar
 
+from driftcli.choices import parse_choice
 from driftcli.errors import DriftError
-from driftcli.modes import parse_choice
 
 VOCAB = 256
 """Byte-level vocabulary: every byte value is a token."""

@@ -81,7 +81,7 @@ def _targets(rule: Rule, tables: Sequence[Table]) -> list[Table]:
 
 def _canonical(text: str) -> str | None:
     """The canonical spec of a cast spelt ``text``, or None where it is no cast."""
-    from driftcli.castspec import parse_cast
+    from driftcli.records.castspec import parse_cast
 
     try:
         return str(parse_cast(text))

@@ -51,8 +51,8 @@ from typing import Any, ClassVar
 import torch
 
 from driftcli import engines
-from driftcli.cast import Cast
-from driftcli.castspec import parse_cast
+from driftcli.casts.quantization import quantize
+from driftcli.choices import Storage, parse_choice
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io.tables import column
@@ -60,9 +60,10 @@ from driftcli.measures.grad_cosine import ALL_PARAMETERS
 from driftcli.models.checkpoint import DriftCheckpoint, load_checkpoint, read_info
 from driftcli.models.config import CHECKPOINTS
 from driftcli.models.nets import next_byte_loss
-from driftcli.modes import Rounding, Storage, parse_choice
 from driftcli.progress import Progress
-from driftcli.quantization import quantize
+from driftcli.records.cast import Cast
+from driftcli.records.castspec import parse_cast
+from driftcli.records.modes import Rounding
 from driftcli.runs.optstate import StateCounts, StateLayout, quantized, state_counts
 from driftcli.runs.probe import probe_batch, probe_corpus, run_checkpoints, update_lost
 from driftcli.runs.training import deterministic

@@ -142,8 +142,8 @@ def state_values(x: Tensor, signed: bool,
 
 def _fp8_values(flat: Tensor) -> Tensor:
     """Blocks (rows) of float32 stored as torchao's FP8 state and read back."""
-    from driftcli.castspec import parse_cast
-    from driftcli.quantization import quantize
+    from driftcli.casts.quantization import quantize
+    from driftcli.records.castspec import parse_cast
 
     scale = flat.abs().amax(-1).clip(1e-12) / FP8_MAX
     scaled = flat / scale.view(-1, 1)

@@ -46,9 +46,9 @@ from torch import nn
 from driftcli import engines, oracle
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import ArithmeticPolicy, Role, get_policy, with_seed
+from driftcli.choices import Storage, parse_choice
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
-from driftcli.formats import NAN, Exact, Kind, get_format
 from driftcli.io.tables import column
 from driftcli.measures.grad_cosine import (
     ALL_PARAMETERS,
@@ -60,8 +60,9 @@ from driftcli.measures.probe_attention import AttentionRecorder, AttentionRow, m
 from driftcli.models.checkpoint import DriftCheckpoint, load_checkpoint, read_info
 from driftcli.models.config import CHECKPOINTS, ModelConfig
 from driftcli.models.nets import has_attention, next_byte_loss, watch_attention
-from driftcli.modes import Overflow, Rounding, Storage, parse_choice
 from driftcli.progress import Progress
+from driftcli.records.formats import NAN, Exact, Kind, get_format
+from driftcli.records.modes import Overflow, Rounding
 from driftcli.runs.training import deterministic
 from driftcli.text import Corpus, fixed_windows, load_corpus, recorded_corpus
 
@@ -146,8 +147,10 @@ def update_lost_exact(w: float, dw: float, storage: Storage | str) -> bool:
     (nearest even, overflow to inf), and the two compared as values (−0 = +0, NaN equal to
     nothing)."""
     fmt = get_format(Storage(storage).value)
-    w_s = oracle.round_exact(fmt, _exact(w), Rounding.RNE, Overflow.IEEE)
-    moved = oracle.round_exact(fmt, oracle.total(w_s, _exact(dw)), Rounding.RNE, Overflow.IEEE)
+    w_s = oracle.rounding.round_exact(fmt, _exact(w), Rounding.RNE, Overflow.IEEE)
+    moved = oracle.rounding.round_exact(
+        fmt, oracle.rounding.total(w_s, _exact(dw)), Rounding.RNE, Overflow.IEEE
+    )
     if Kind.NAN in (w_s.kind, moved.kind):
         return False
     if Kind.INF in (w_s.kind, moved.kind):

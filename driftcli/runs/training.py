@@ -42,8 +42,7 @@ from torch import nn
 
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import ArithmeticPolicy, Role, get_policy, with_seed
-from driftcli.cast import Cast
-from driftcli.castspec import parse_cast
+from driftcli.choices import parse_choice
 from driftcli.errors import DriftError
 from driftcli.io.capture import capture
 from driftcli.io.dumps import DUMP_KEY, ROLES
@@ -60,7 +59,9 @@ from driftcli.models.nets import (
     next_byte_loss,
     watch_attention,
 )
-from driftcli.modes import Rounding, parse_choice
+from driftcli.records.cast import Cast
+from driftcli.records.castspec import parse_cast
+from driftcli.records.modes import Rounding
 from driftcli.text import Corpus, fixed_windows, load_corpus, require_length, sample_windows
 
 Tensor = torch.Tensor

@@ -36,7 +36,7 @@ quick plan's numbers in brackets:
   rules only, constructed blocks and a tenth of the scale samples].
 - ``matmul``: simulated matmuls accumulating in the format, for the formats of
   :data:`MATMUL_ACCUMULATORS` (and any unregistered ``eXmY`` asked for), against
-  :func:`driftcli.oracle.dot` on the oracle's own casts: every output element of
+  :func:`driftcli.oracle.matmul.dot` on the oracle's own casts: every output element of
   seeded random matmuls (:data:`MATMUL_SHAPES`), a tiny and a huge case and a
   constructed case (swamping, cancellation, overflow) under the orders of
   :data:`MATMUL_ORDERS`, ``rne`` and ``rtz``, the operand casts of
@@ -46,7 +46,7 @@ quick plan's numbers in brackets:
   K = 96; no cast and NVFP4, ``sequential``, ``pairwise``, ``chunked:16``; MXFP8
   with ``scale=block`` under ``sequential``].
 - ``recipes``: every implementation preset on the format (``torchao/…``, ``te/…``,
-  ``deepseek/…``), its values and codes against :func:`driftcli.oracle_arith.cast_group`, the
+  ``deepseek/…``), its values and codes against :func:`driftcli.oracle.quantization.cast_group`, the
   same op sequence with every float32 operation rounded exactly: drift's constructed blocks,
   and :data:`RECIPE_BLOCKS` random blocks as they are and moved onto the element grid's
   midpoints under each block's scale [12 constructed cases, one for 128 x 128 tiles].

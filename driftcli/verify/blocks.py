@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from driftcli import oracle
-from driftcli.cast import Cast, MicroBase, Scaling
-from driftcli.castspec import parse_cast
-from driftcli.formats import FORMATS, Exact, Format, Kind, pow2
-from driftcli.microscale import micro_scales
-from driftcli.modes import Granularity, Overflow, ScaleRule
-from driftcli.presets import PRESETS
-from driftcli.scaling import ScalePlan, block_stats, plan_divisors, pow2_exponents
+from driftcli.casts.microscale import micro_scales
+from driftcli.casts.scaling import ScalePlan, block_stats, plan_divisors, pow2_exponents
+from driftcli.records.cast import Cast, MicroBase, Scaling
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import FORMATS, NAN, Exact, Format, Kind, pow2
+from driftcli.records.modes import Granularity, Overflow, ScaleRule
+from driftcli.records.presets import PRESETS
 from driftcli.verify.compare import (
     DETERMINISTIC,
     MAIN_CELL,
@@ -76,7 +76,7 @@ def rule_casts(fmt: Format, rule: ScaleRule) -> list[Cast]:
 
 def block_casts(fmt: Format) -> list[Cast]:
     """The casts checked with ``fmt`` as element format in the full plan: every scale rule's
-    (looping over :class:`~driftcli.modes.ScaleRule`, so a new rule is checked with no edit
+    (looping over :class:`~driftcli.records.modes.ScaleRule`, so a new rule is checked with no edit
     here), the OCP MX cast under every other deterministic rounding mode and overflow policy,
     per-tensor ``amax`` under every deterministic mode with ``ieee``, and every preset on ``fmt``
     not already listed."""
@@ -99,7 +99,7 @@ def quick_casts(fmt: Format) -> list[Cast]:
 
 
 def blocks_of(case: Tensor, c: Cast) -> list[list[int]]:
-    """Flat element indices of each block of ``case``, found without driftcli.scaling."""
+    """Flat element indices of each block of ``case``, found without driftcli.casts.scaling."""
     g, k = c.scaling.granularity, c.scaling.block
     flat = list(range(case.numel()))
     if g is Granularity.TENSOR:
@@ -127,24 +127,24 @@ def oracle_cast_exact(case: Tensor, c: Cast) -> tuple[list[Exact], list[Exact]]:
     values = [exact_of_float(v) for v in case.flatten().tolist()]
     s = c.scaling
     if s.rule is None:  # unscaled: every value rounded on its own, scale 1
-        return ([oracle.round_exact(c.format, v, c.rounding, c.overflow) for v in values],
+        return ([oracle.rounding.round_exact(c.format, v, c.rounding, c.overflow) for v in values],
                 [Exact.of(1)] * len(values))
     finite = [v.mag for v in values if v.kind is Kind.FINITE]
     tensor_amax = max(finite, default=Fraction(0))
-    out: list[Exact] = [oracle.NAN] * len(values)
+    out: list[Exact] = [NAN] * len(values)
     scales: list[Exact] = [Exact.of(1)] * len(values)
     for idx in blocks_of(case, c):
         if c.micro is not None:
             block = [values[i] for i in idx]
             # a partial block is padded with zeros, as drift's blocking pads it
             pad = [Exact.of(0)] * (c.micro.block - len(block))
-            deq, scale, _ = oracle.cast_micro_block(
+            deq, scale, _ = oracle.quantization.cast_micro_block(
                 block + pad, c.format, c.micro, FORMATS["float32"], FORMATS["bfloat16"],
                 c.rounding, c.overflow)
             for i, v in zip(idx, deq, strict=False):
                 out[i], scales[i] = v, scale
             continue
-        deq, scale, _ = oracle.cast_block(
+        deq, scale, _ = oracle.quantization.cast_block(
             [values[i] for i in idx], c.format, s.scale_format or FORMATS["float32"],
             s.rule, s.headroom, s.blocked, FORMATS["float32"], c.rounding, c.overflow,
             tensor_amax=tensor_amax)
@@ -218,7 +218,7 @@ def micro_cases(fmt: Format, c: Cast) -> list[Tensor]:
     for j in (-60, -40, -3, 0, 5, 14, 17):
         for peak in peaks:
             amax = torch.tensor(peak * 2.0**j).float()
-            _, r, _ = oracle.micro_first_scale(Fraction(float(amax)), fmt, micro, bf16)
+            _, r, _ = oracle.quantization.micro_first_scale(Fraction(float(amax)), fmt, micro, bf16)
             tops = []
             for i in range(micro.steps + 1):
                 t = torch.tensor(float(pow2(fmt.emax + 1 + i) / r)).float()
@@ -250,7 +250,7 @@ def _double_rounding_amaxes(fmt: Format, c: Cast) -> list[float]:
     if micro is None or micro.base is not MicroBase.BF16_RCP:
         return []
     bf16 = FORMATS["bfloat16"]
-    k = float(oracle.round_exact(bf16, Exact.of(1 / (fmt.max * pow2(micro.steps)))).mag)
+    k = float(oracle.rounding.round_exact(bf16, Exact.of(1 / (fmt.max * pow2(micro.steps)))).mag)
     sig = micro.scale_format.mbits + 1
     # the bf16 midpoints beside each tie of the scale format (in [1/2, 1))
     ties = [(2 * i + 1) / 2 ** (sig + 1) + 0.5 + d for i in range(2 ** (sig - 1))
@@ -365,15 +365,17 @@ def check_cast(fmt: Format, c: Cast, plan: Plan, random: bool = True) -> Iterato
     scale_format = s.scale_format or f32
     if c.micro is not None:
         bf16 = FORMATS["bfloat16"]
-        want = [float(oracle.micro_first_scale(a, fmt, c.micro, bf16)[0]) for a in amax]
+        want = [
+            float(oracle.quantization.micro_first_scale(a, fmt, c.micro, bf16)[0]) for a in amax
+        ]
     elif exponent_rule:
-        low = oracle.binade(scale_format.smallest_positive)
-        want = [float(pow2(oracle.pow2_scale_exponent(a, fmt, rule, s.headroom, low,
+        low = oracle.rounding.binade(scale_format.smallest_positive)
+        want = [float(pow2(oracle.scaling.pow2_scale_exponent(a, fmt, rule, s.headroom, low,
                                                       scale_format.emax)[0]))
                 for a in amax]
     else:
         group_amax = [max(amax[i:i + group]) for i in range(0, len(amax), group)]
-        want = [to_float(oracle.cast_block(
+        want = [to_float(oracle.quantization.cast_block(
             [Exact.of(a)], fmt, scale_format, rule, 0, s.blocked, f32,
             tensor_amax=group_amax[i // group], scale_only=True)[1])
             for i, a in enumerate(amax)]
@@ -391,7 +393,7 @@ def _block_amax(amax: tuple[Fraction, ...], i: int) -> str:
 
 def cast_quantize(x: Tensor, c: Cast) -> Tensor:
     """The fast path's dequantized values (looked up at call time, so tests can plant faults)."""
-    from driftcli.quantization import quantize
+    from driftcli.casts.quantization import quantize
 
     return cast(Tensor, quantize(x, c))
 

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import torch
 
-from driftcli import codec, rounding
-from driftcli.formats import Format
-from driftcli.modes import DEFAULT_SR_BITS
+from driftcli.casts import codec, rounding
+from driftcli.records.formats import Format
+from driftcli.records.modes import DEFAULT_SR_BITS
 from driftcli.verify.compare import (
     FAILURE_CAP,
     Outcome,

@@ -12,9 +12,9 @@ from typing import ClassVar
 import torch
 
 from driftcli import oracle
-from driftcli.formats import Exact, Format, Kind
 from driftcli.io.tables import column
-from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
+from driftcli.records.formats import NAN, Exact, Format, Kind
+from driftcli.records.modes import DEFAULT_SR_BITS, Overflow, Rounding
 
 Tensor = torch.Tensor
 
@@ -92,7 +92,7 @@ def to_float(x: Exact) -> float:
 def exact_of_float(v: float) -> Exact:
     """The exact value of a float, sign of zero included."""
     if v != v:
-        return oracle.NAN
+        return NAN
     if v in (float("inf"), float("-inf")):
         return Exact(Kind.INF, v < 0)
     return Exact.of(Fraction(v), negative_zero=str(v).startswith("-"))
@@ -119,8 +119,13 @@ def judge(out: Outcome, expected: Tensor, got: Tensor, describe: Callable[[int],
 def round_all(fmt: Format, values: list[Exact], mode: Rounding, policy: Overflow,
               random: int = 0, sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
     """The oracle's rounding of every value, as float64 (one random draw for all)."""
-    return torch.tensor([to_float(oracle.round_exact(fmt, v, mode, policy, random, sr_bits))
-                         for v in values], dtype=torch.float64)
+    return torch.tensor(
+        [
+            to_float(oracle.rounding.round_exact(fmt, v, mode, policy, random, sr_bits))
+            for v in values
+        ],
+        dtype=torch.float64,
+    )
 
 
 def dedup(values: list[Exact]) -> tuple[list[Exact], Tensor]:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from driftcli import engines
 from driftcli.engines import Execution
-from driftcli.formats import FORMATS, Format, get_format
 from driftcli.progress import Progress
+from driftcli.records.formats import FORMATS, Format, get_format
 from driftcli.verify.blocks import check_blocks
 from driftcli.verify.codes import check_codes
 from driftcli.verify.compare import Outcome, Plan, VerifyRow

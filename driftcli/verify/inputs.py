@@ -7,9 +7,10 @@ from collections.abc import Iterator
 
 import torch
 
-from driftcli import codec, oracle, rounding
-from driftcli.formats import Format, pow2
-from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
+from driftcli import oracle
+from driftcli.casts import codec, rounding
+from driftcli.records.formats import Format, pow2
+from driftcli.records.modes import DEFAULT_SR_BITS, Overflow, Rounding
 from driftcli.verify.compare import Outcome, Plan, exact_of_float, judge, to_float
 
 Tensor = torch.Tensor
@@ -64,7 +65,7 @@ def check_float32_inputs(fmt: Format, plan: Plan) -> Iterator[Outcome]:
             for bits in draws:
                 rs = [0] * len(exact) if bits is None else bits.tolist()
                 expected = torch.tensor(
-                    [to_float(oracle.round_exact(fmt, v, mode, policy, r))
+                    [to_float(oracle.rounding.round_exact(fmt, v, mode, policy, r))
                      for v, r in zip(exact, rs, strict=True)], dtype=torch.float64)
                 got = rounding.round_to_format(x, fmt, rounding=mode, overflow=policy,
                                                random_bits=bits)

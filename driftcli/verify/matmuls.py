@@ -10,13 +10,13 @@ from typing import cast
 
 import torch
 
-from driftcli import oracle, oracle_blockfma
+from driftcli import oracle
 from driftcli.arith import MatmulSpec, Order, matmul, matmul_spec
 from driftcli.arith.blockfma import FMAUnit
 from driftcli.arith.matmul import input_emin
-from driftcli.cast import Cast
-from driftcli.formats import FORMATS, Exact, Format
-from driftcli.modes import Rounding
+from driftcli.records.cast import Cast
+from driftcli.records.formats import FORMATS, Exact, Format
+from driftcli.records.modes import Rounding
 from driftcli.verify.blocks import oracle_cast_exact
 from driftcli.verify.compare import SEED, Outcome, Plan, exact_of_float, judge, to_float
 
@@ -217,16 +217,19 @@ class _MatmulOracle:
         bv, bscale = self.operand(case, "rhs", spec.rhs)
         if spec.block:
             size = spec.block
-            ea = [oracle.times(v, 1 / s.mag) for v, s in zip(av, ascale, strict=True)]
-            eb = [oracle.times(v, 1 / s.mag) for v, s in zip(bv, bscale, strict=True)]
-            return [oracle.block_terms(ea[i * k:(i + 1) * k], eb[j * k:(j + 1) * k],
+            ea = [oracle.scaling.times(v, 1 / s.mag) for v, s in zip(av, ascale, strict=True)]
+            eb = [oracle.scaling.times(v, 1 / s.mag) for v, s in zip(bv, bscale, strict=True)]
+            return [oracle.matmul.block_terms(ea[i * k:(i + 1) * k], eb[j * k:(j + 1) * k],
                                        ascale[i * k:(i + 1) * k:size],
                                        bscale[j * k:(j + 1) * k:size], size)
                     for i in range(m) for j in range(n)]
         key = (case.name, str(spec.lhs), str(spec.rhs))
         if key not in self._products:
-            self._products[key] = [oracle.products(av[i * k:(i + 1) * k], bv[j * k:(j + 1) * k])
-                                   for i in range(m) for j in range(n)]
+            self._products[key] = [
+                oracle.matmul.products(av[i * k : (i + 1) * k], bv[j * k : (j + 1) * k])
+                for i in range(m)
+                for j in range(n)
+            ]
         return self._products[key]
 
     def blockfma(self, case: MatmulCase, spec: MatmulSpec) -> list[Exact]:
@@ -236,10 +239,10 @@ class _MatmulOracle:
         bv, bscale = self.operand(case, "rhs", spec.rhs)
         size = spec.block
         if size:  # the unit sums element values; each block's scales meet its partial sum
-            av = [oracle.times(v, 1 / s.mag) for v, s in zip(av, ascale, strict=True)]
-            bv = [oracle.times(v, 1 / s.mag) for v, s in zip(bv, bscale, strict=True)]
+            av = [oracle.scaling.times(v, 1 / s.mag) for v, s in zip(av, ascale, strict=True)]
+            bv = [oracle.scaling.times(v, 1 / s.mag) for v, s in zip(bv, bscale, strict=True)]
         u = cast(FMAUnit, spec.unit)
-        unit = oracle_blockfma.Unit(u.size, u.kept_bits, u.min_exp, u.interleave)
+        unit = oracle.blockfma.Unit(u.size, u.kept_bits, u.min_exp, u.interleave)
         emin = (input_emin(spec.lhs, bool(size)), input_emin(spec.rhs, bool(size)))
         out = []
         for i in range(m):
@@ -247,7 +250,7 @@ class _MatmulOracle:
                 scales = None if not size else [
                     (x.mag, y.mag) for x, y in zip(ascale[i * k:(i + 1) * k:size],
                                                    bscale[j * k:(j + 1) * k:size], strict=True)]
-                out.append(oracle_blockfma.fma_dot(
+                out.append(oracle.blockfma.fma_dot(
                     av[i * k:(i + 1) * k], bv[j * k:(j + 1) * k], unit, spec.accumulator,
                     spec.acc_rounding, emin, FORMATS["float32"], spec.chunk, scales=scales))
         return out
@@ -258,18 +261,20 @@ class _MatmulOracle:
             out = self.blockfma(case, spec)
             if spec.out is not None:
                 c = spec.out
-                out = [oracle.round_exact(c.format, v, c.rounding, c.overflow) for v in out]
+                out = [
+                    oracle.rounding.round_exact(c.format, v, c.rounding, c.overflow) for v in out
+                ]
             return out
         order = spec.order.value
         fmt, mode = spec.accumulator, spec.acc_rounding
         if order == "native":  # the cases make every float32 order exact: sequential stands
             order, fmt, mode = "sequential", FORMATS["float32"], Rounding.RNE
         chunk = spec.chunk // spec.block if spec.block else spec.chunk
-        out = [oracle.dot(t, order, fmt, mode, chunk, FORMATS["float32"])
+        out = [oracle.matmul.dot(t, order, fmt, mode, chunk, FORMATS["float32"])
                for t in self.terms(case, spec)]
         if spec.out is not None:  # an unscaled output cast (checked specs use no other)
             c = spec.out
-            out = [oracle.round_exact(c.format, v, c.rounding, c.overflow) for v in out]
+            out = [oracle.rounding.round_exact(c.format, v, c.rounding, c.overflow) for v in out]
         return out
 
 

@@ -8,9 +8,10 @@ from functools import partial
 
 import torch
 
-from driftcli import codec, oracle, rounding
-from driftcli.formats import Exact, Format, pow2
-from driftcli.modes import Overflow, Rounding
+from driftcli import oracle
+from driftcli.casts import codec, rounding
+from driftcli.records.formats import Exact, Format, pow2
+from driftcli.records.modes import Overflow, Rounding
 from driftcli.verify.compare import (
     MAIN_CELL,
     Cell,
@@ -111,7 +112,7 @@ def _check_pair_set(fmt: Format, plan: Plan, ref: dict[int, Exact], label: str, 
         j = i % len(la)
         return f"{hex_code(fmt, la[j])} {hex_code(fmt, lb[j])}"
 
-    products = dedup([oracle.product(ref[i], ref[j]) for i, j in zip(la, lb, strict=True)])
+    products = dedup([oracle.rounding.product(ref[i], ref[j]) for i, j in zip(la, lb, strict=True)])
     sums: dict[bool, tuple[list[Exact], Tensor]] = {}
     for op in ("product", "sum"):
         fast_op = rounding.multiply if op == "product" else rounding.add
@@ -121,7 +122,7 @@ def _check_pair_set(fmt: Format, plan: Plan, ref: dict[int, Exact], label: str, 
             else:  # the sum's only dependence on the mode: the sign of an exact zero
                 down = mode is Rounding.RDOWN
                 if down not in sums:
-                    sums[down] = dedup([oracle.total(ref[i], ref[j], mode)
+                    sums[down] = dedup([oracle.rounding.total(ref[i], ref[j], mode)
                                          for i, j in zip(la, lb, strict=True)])
                 uniq, index = sums[down]
             out = Outcome(fmt.name, f"pairs ({label})", op, mode.value, policy.value)
@@ -140,7 +141,7 @@ def _check_pair_set(fmt: Format, plan: Plan, ref: dict[int, Exact], label: str, 
                 bits = rounding.draw_random_bits(xa.shape, plan.seed)
                 drawn = bits.tolist()
                 expected = torch.tensor(
-                    [to_float(oracle.round_exact(fmt, uniq[k], mode, policy, r))
+                    [to_float(oracle.rounding.round_exact(fmt, uniq[k], mode, policy, r))
                      for k, r in zip(index.tolist(), drawn, strict=True)],
                     dtype=torch.float64)
                 got = fast_op(xa, xb, fmt, rounding=mode, overflow=policy, random_bits=bits)

@@ -1,7 +1,7 @@
 """The ``recipes`` suite: every implementation preset's op sequence against the same sequence
-evaluated exactly (:mod:`driftcli.oracle_arith`: every float32 operation rounded once, in the
+evaluated exactly (:mod:`driftcli.oracle.scalearith`: every float32 operation rounded once, in the
 preset's order), value by value and code by code, so a wrong order or a missing rounding in
-:mod:`driftcli.scalearith` shows."""
+:mod:`driftcli.casts.scalearith` shows."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ from typing import cast
 
 import torch
 
-from driftcli.cast import Cast
-from driftcli.castspec import parse_cast
-from driftcli.formats import Exact, Format, Kind
-from driftcli.hadamard import transform
-from driftcli.modes import Granularity, ScaleRule
-from driftcli.oracle_arith import amax_of, cast_group, hadamard16
-from driftcli.quantization import QuantInfo
-from driftcli.recipes import IMPLEMENTATION_PRESETS
+from driftcli.casts.hadamard import transform
+from driftcli.casts.quantization import QuantInfo
+from driftcli.oracle.hadamard import hadamard16
+from driftcli.oracle.quantization import cast_group
+from driftcli.oracle.scalearith import amax_of
+from driftcli.records.cast import Cast
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import Exact, Format, Kind
+from driftcli.records.modes import Granularity, ScaleRule
+from driftcli.records.recipes import IMPLEMENTATION_PRESETS
 from driftcli.verify.blocks import blocks_of, constructed_cases, random_blocks
 from driftcli.verify.compare import Outcome, Plan, exact_of_float, judge, to_float
 
@@ -187,7 +189,7 @@ def recipe_cases(fmt: Format, c: Cast, plan: Plan) -> list[Tensor]:
 def cast_info(x: Tensor, c: Cast) -> QuantInfo:
     """The fast path's cast with its codes (looked up at call time, so tests can plant
     faults)."""
-    from driftcli.quantization import quantize
+    from driftcli.casts.quantization import quantize
 
     return cast(QuantInfo, quantize(x, c, return_info=True))
 
@@ -258,7 +260,7 @@ def check_recipe(fmt: Format, name: str, plan: Plan) -> Iterator[Outcome]:
 
 def check_transform(fmt: Format, name: str, c: Cast, plan: Plan) -> Outcome:
     """A preset's random Hadamard transform alone (what its cast reads) against the exact twin
-    (:func:`driftcli.oracle_arith.hadamard16`), on the preset's cases: a transform error that
+    (:func:`driftcli.oracle.hadamard.hadamard16`), on the preset's cases: a transform error that
     the cast's rounding hides still shows here."""
     if c.rht is None:
         raise ValueError(f"{name} has no rht= to check")  # a caller's bug, not user input

@@ -18,7 +18,7 @@ from enum import StrEnum
 
 import torch
 
-from driftcli.codec import decode
+from driftcli.casts.codec import decode
 from driftcli.io.layouts import Layout
 from driftcli.io.readers.core import ReadError, TensorRef
 
@@ -119,7 +119,7 @@ def round_once(x: torch.Tensor, dtype: str) -> torch.Tensor:
         return x.to(torch.float32)  # IEEE conversion: one RNE rounding
     # float64 -> bfloat16/float16 in torch goes through float32 (two roundings); drift's
     # rounding reads the float64 bits and rounds once
-    from driftcli.rounding import round_to_format
+    from driftcli.casts.rounding import round_to_format
     return round_to_format(x, dtype, overflow="ieee").to(OUT_DTYPES[dtype])
 
 

@@ -42,7 +42,6 @@ is multiplied), :mod:`.family` (the models), :mod:`.design` (the probes' rows an
 
 from __future__ import annotations
 
-from driftcli.formats import FORMATS
 from driftcli.measures.calibrate.backends import (
     FLOAT32,
     Backend,
@@ -98,6 +97,7 @@ from driftcli.measures.calibrate.recordings import (
     read_folder,
     recording_folders,
 )
+from driftcli.records.formats import FORMATS
 
 __all__ = [
     "ACC_BITS", "BEST_STRIDE", "CHECK_DISTS", "CHECK_K", "CHECK_ROWS", "CLASSIC_ACCS",

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from driftcli.arith.matmul import MatmulSpec, matmul
 from driftcli.errors import DriftError
-from driftcli.formats import FORMATS, Format, get_format
+from driftcli.records.formats import FORMATS, Format, get_format
 
 FLOAT32 = FORMATS["float32"]
 

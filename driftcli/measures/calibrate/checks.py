@@ -10,11 +10,11 @@ import torch
 from torch import Tensor
 
 from driftcli.arith.matmul import matmul
-from driftcli.formats import Format
 from driftcli.measures.calibrate.backends import Backend
 from driftcli.measures.calibrate.design import COLUMNS, exact_in
 from driftcli.measures.calibrate.family import Model
 from driftcli.measures.calibrate.probes import same_bits
+from driftcli.records.formats import Format
 
 CHECK_K = (16, 128, 1024, 8192)
 

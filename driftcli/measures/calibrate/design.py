@@ -9,11 +9,11 @@ import math
 import torch
 from torch import Tensor
 
-from driftcli.formats import Format
+from driftcli.casts.rounding import round_to_format
 from driftcli.measures.calibrate.backends import FLOAT32
 from driftcli.measures.calibrate.family import SIZES
-from driftcli.modes import Rounding
-from driftcli.rounding import round_to_format
+from driftcli.records.formats import Format
+from driftcli.records.modes import Rounding
 
 PROBE_K = 128
 """K of the structure probes (two groups of the largest size)."""

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from driftcli.formats import FORMATS, get_format
 from driftcli.io.tables import column
 from driftcli.measures.calibrate.backends import FLOAT32, backend
 from driftcli.measures.calibrate.checks import CHECK_K, check
@@ -21,6 +20,7 @@ from driftcli.measures.calibrate.recordings import (
     recording_folders,
 )
 from driftcli.progress import Progress
+from driftcli.records.formats import FORMATS, get_format
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from driftcli.arith.blockfma import (
     FMAUnit,
 )
 from driftcli.arith.matmul import MatmulSpec, Order, matmul_spec
-from driftcli.castspec import parse_cast
-from driftcli.formats import FORMATS, Format, get_format
 from driftcli.measures.calibrate.backends import FLOAT32
-from driftcli.modes import Rounding
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import FORMATS, Format, get_format
+from driftcli.records.modes import Rounding
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 """Group sizes of the family."""

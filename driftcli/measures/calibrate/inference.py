@@ -18,7 +18,6 @@ from driftcli.arith.blockfma import (
     survivors,
 )
 from driftcli.arith.matmul import Order
-from driftcli.formats import Format
 from driftcli.measures.calibrate.backends import FLOAT32, Backend
 from driftcli.measures.calibrate.design import (
     LONG_K,
@@ -37,6 +36,7 @@ from driftcli.measures.calibrate.probes import (
     probe_share,
     same_bits,
 )
+from driftcli.records.formats import Format
 
 
 @dataclass(frozen=True)

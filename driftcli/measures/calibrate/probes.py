@@ -14,12 +14,12 @@ from driftcli.arith.blockfma import (
     prepare,
 )
 from driftcli.arith.matmul import Order, input_emin, matmul
-from driftcli.castspec import parse_cast
-from driftcli.formats import Format
+from driftcli.casts.rounding import round_to_format
 from driftcli.measures.calibrate.backends import FLOAT32, Backend
 from driftcli.measures.calibrate.family import Model
-from driftcli.modes import Overflow, Rounding
-from driftcli.rounding import round_to_format
+from driftcli.records.castspec import parse_cast
+from driftcli.records.formats import Format
+from driftcli.records.modes import Overflow, Rounding
 
 
 @dataclass(frozen=True)

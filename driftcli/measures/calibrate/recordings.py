@@ -17,13 +17,13 @@ from driftcli.arith.blockfma import (
     prepare,
 )
 from driftcli.arith.tensorcores import Recordings, read_recordings
-from driftcli.formats import FORMATS, Format, get_format
+from driftcli.casts.rounding import round_to_format
 from driftcli.measures.calibrate.backends import FLOAT32, CalibrateError
 from driftcli.measures.calibrate.family import Model, blockfma_models
 from driftcli.measures.calibrate.inference import BEST_STRIDE, alternatives, search
 from driftcli.measures.calibrate.probes import output_cast, same_bits
-from driftcli.modes import Rounding
-from driftcli.rounding import round_to_format
+from driftcli.records.formats import FORMATS, Format, get_format
+from driftcli.records.modes import Rounding
 
 RECORDED_INPUTS = {"fp16": "float16", "bf16": "bfloat16", "tf32": "e8m10",
                    "E4M3": "float8_e4m3fn", "E5M2": "float8_e5m2"}

@@ -2,8 +2,9 @@
 arithmetic, a rounding mode and an overflow policy), and the checks that make every record a
 cast drift can compute. Nothing here imports torch (``drift formats`` and ``--help`` use it).
 
-The spec strings that name casts are :mod:`driftcli.castspec`'s; the named casts (presets) are
-:mod:`driftcli.presets`'.
+The spec strings that name casts are :mod:`driftcli.records.castspec`'s; the named casts (presets)
+are
+:mod:`driftcli.records.presets`'.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from enum import StrEnum
 from typing import Any
 
 from driftcli.errors import CastSpecError, close_matches
-from driftcli.formats import FORMATS, Format
-from driftcli.modes import (
+from driftcli.records.formats import FORMATS, Format
+from driftcli.records.modes import (
     AmaxPolicy,
     ElementOp,
     Granularity,

@@ -1,14 +1,13 @@
-"""The choices a cast makes, as str enums: rounding mode, overflow policy, scale granularity
-and scale rule (and the few other choices the command line offers). Nothing here imports
-torch: the oracle and ``drift --help`` read them."""
+"""The choices a cast makes, as str enums: rounding mode, overflow policy, scale
+granularity, scale rule and the settings of a scale arithmetic. Nothing here imports
+torch: the oracle and ``drift --help`` read them. The commands' other choices are in
+:mod:`driftcli.choices`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import Enum, StrEnum
-from typing import TypeVar
-
-from driftcli.errors import ChoiceError, close_matches
+from enum import StrEnum
 
 
 class Rounding(StrEnum):
@@ -65,8 +64,8 @@ class ScaleRule(StrEnum):
 
     A member is a value that carries its implementations: its name, the one fact both
     implementations share (:attr:`power_of_two`), its fast implementation
-    ``driftcli.scaling.FAST_RULES[rule]`` (torch) and its exact one
-    ``driftcli.oracle.EXACT_RULES[rule]`` (``Fraction``). A power-of-two rule implements its
+    ``driftcli.casts.scaling.FAST_RULES[rule]`` (torch) and its exact one
+    ``driftcli.oracle.scaling.EXACT_RULES[rule]`` (``Fraction``). A power-of-two rule implements its
     exponent ``k`` (headroom and clamping are shared), any other rule its divisor. The tables
     live beside the code they name, keyed by member, and each module checks on import that
     every member has an entry (:func:`check_rule_table`): a member without both cannot be
@@ -262,63 +261,5 @@ def check_rule_table(table: Mapping[ScaleRule, object], name: str) -> None:
         raise NotImplementedError(f"{name} has no entry for the scale rule(s) "
                                   f"{', '.join(missing)}: add one for each")
 
-
-class Engine(StrEnum):
-    """Where a command's independent work units run (see :mod:`driftcli.engines`)."""
-
-    SERIAL = "serial"
-    """In this process, one unit after another (the default)."""
-    PROCESSES = "processes"
-    """In local worker processes."""
-    RAY = "ray"
-    """On a Ray cluster (the optional extra ``driftcli[ray]``)."""
-
-
-class Device(StrEnum):
-    """Where casts run."""
-
-    CPU = "cpu"
-    CUDA = "cuda"
-
-
-class Storage(StrEnum):
-    """Formats the weights could be stored in, for the update-freeze share."""
-
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-    FLOAT32 = "float32"
-
-
-class Dist(StrEnum):
-    """How a synthetic operand's elements are drawn (A and B alike, independently)."""
-
-    NORMAL = "normal"
-    """N(0, 1): signed, cancelling sums."""
-    UNIFORM = "uniform"
-    """U(-1, 1): bounded, signed."""
-    LOGNORMAL = "lognormal"
-    """A random sign times exp(N(0, 1)): heavy-tailed, a few products dominate a sum."""
-    HALFNORMAL = "halfnormal"
-    """|N(0, 1)|: all positive (like post-ReLU values without the zeros), so every sum grows
-    with K and a narrow accumulator swamps."""
-    TANH = "tanh"
-    """tanh(2·N(0, 1)): values piling up just under ±1, as saturated tanh activations do."""
-
-
-E = TypeVar("E", bound=Enum)
-
 DEFAULT_SR_BITS = 16
 """Random bits per element that stochastic rounding uses unless told otherwise."""
-
-
-def parse_choice(enum: type[E], value: str | E, what: str) -> E:
-    """Turn a user's string into a member of ``enum`` or raise a ChoiceError naming the choices."""
-    if isinstance(value, enum):
-        return value
-    try:
-        return enum(value)
-    except ValueError:
-        choices = [m.value for m in enum]
-        raise ChoiceError(
-            f"unknown {what} {value!r}{close_matches(str(value), choices)} "
-            f"(choose from {', '.join(choices)})") from None

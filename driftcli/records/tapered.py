@@ -4,7 +4,7 @@ A tapered format spends its bits where the values are: near 1 a short exponent a
 mantissa, far from 1 the other way round. Its magnitude code (the bits after the sign) starts
 with a prefix from a table; the prefix's row says how wide the exponent field after it is and
 how many mantissa bits follow. :class:`Taper` holds that table, and reads every magnitude code
-into an exponent, a mantissa field and a mantissa width; :class:`driftcli.formats.Format`
+into an exponent, a mantissa field and a mantissa width; :class:`driftcli.records.formats.Format`
 (``kind = tapered``) does the rest, as it does for the fixed-width kinds.
 
 The exponent field of ``d`` bits is sign and magnitude with the magnitude's leading one
@@ -13,7 +13,7 @@ the other ``d - 1`` bits follow an implicit 1, so the field spans ``|E|`` from `
 to ``2**d - 1``; a width of 0 is ``E = 0``. The denormal row's mantissa ``m`` (``m > 0``)
 means ``2**(m + denormal_exp)``; ``m = 0`` is zero.
 
-Torch-free and drift-free: the format record in :mod:`driftcli.formats` imports it.
+Torch-free and drift-free: the format record in :mod:`driftcli.records.formats` imports it.
 """
 
 from __future__ import annotations

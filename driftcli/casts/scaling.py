@@ -4,7 +4,7 @@ A :class:`Scaling` has a granularity (which elements share a scale), a scale
 format and a scale rule. The axis the blocks run along is not stored: the
 caller (a matmul, a measurement) supplies it. Each rule's torch implementation
 is its entry in :data:`FAST_RULES` (the exact one is in
-:data:`driftcli.oracle.EXACT_RULES`).
+:data:`driftcli.oracle.scaling.EXACT_RULES`).
 
 Where every division happens (bit-exactness against a recipe depends on it):
 
@@ -43,11 +43,11 @@ from typing import cast
 
 import torch
 
-from driftcli.cast import Scaling
+from driftcli.casts.rounding import Target, round_fused, target_of
 from driftcli.errors import CastSpecError
-from driftcli.formats import Format, pow2
-from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule, check_rule_table
-from driftcli.rounding import Target, round_fused, target_of
+from driftcli.records.cast import Scaling
+from driftcli.records.formats import Format, pow2
+from driftcli.records.modes import Granularity, Overflow, Rounding, ScaleRule, check_rule_table
 
 Tensor = torch.Tensor
 
@@ -346,9 +346,10 @@ FAST_RULES: dict[ScaleRule, ExponentRule | DivisorRule] = {
     ScaleRule.CEIL_AMAX: _ceil_amax,
 }
 """Each scale rule's fast implementation: an :data:`ExponentRule` for a power-of-two rule, a
-:data:`DivisorRule` for any other (see :class:`~driftcli.modes.ScaleRule`; the exact ones are
-:data:`driftcli.oracle.EXACT_RULES`)."""
-check_rule_table(FAST_RULES, "driftcli.scaling.FAST_RULES")
+:data:`DivisorRule` for any other (see :class:`~driftcli.records.modes.ScaleRule`; the exact ones
+are
+:data:`driftcli.oracle.scaling.EXACT_RULES`)."""
+check_rule_table(FAST_RULES, "driftcli.casts.scaling.FAST_RULES")
 
 
 def _fraction_bits(value: float) -> int | None:

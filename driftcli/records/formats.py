@@ -20,7 +20,7 @@ from fractions import Fraction
 from functools import cached_property
 
 from driftcli.errors import FormatSpecError, UnknownFormatError, close_matches
-from driftcli.tapered import HIFLOAT8, Taper
+from driftcli.records.tapered import HIFLOAT8, Taper
 
 
 class NanEncoding(StrEnum):
@@ -206,7 +206,7 @@ class Format:
         """The exact value of ``code`` (an unsigned integer of ``bits`` bits).
 
         This is the reference decoding, one code at a time; the vectorized one
-        in :mod:`driftcli.codec` is checked against it.
+        in :mod:`driftcli.casts.codec` is checked against it.
         """
         if not 0 <= code < 1 << self.bits:
             raise FormatSpecError(f"code {code} is outside {self.name}'s {self.bits} bits")

@@ -1,13 +1,14 @@
 """Multi-level block scales (HiFloat4, MX6, MX9): a block's first-level scale refined by
-one-bit micro-exponents per run of elements (:class:`driftcli.cast.MicroScaling`), and the
+one-bit micro-exponents per run of elements (:class:`driftcli.records.cast.MicroScaling`), and the
 cast of a block's elements under them.
 
 The scale choice is a hot loop with two back-ends behind :func:`driftcli.kernels.numba_runs`:
 :func:`torch_scales` (vectorised torch, the readable reference) and
 :func:`driftcli.kernels.microcode.micro_scales` (numba); its exact twin is
-:func:`driftcli.oracle.cast_micro_block`. Every step is exact in float64 (a float32 amax
+:func:`driftcli.oracle.quantization.cast_micro_block`. Every step is exact in float64 (a float32
+amax
 times an 8-bit multiplier has 32 significant bits), so each back-end gives the oracle's bits.
-The elements are then rounded by :func:`driftcli.rounding.round_fused`, which picks its own
+The elements are then rounded by :func:`driftcli.casts.rounding.round_fused`, which picks its own
 back-end.
 """
 
@@ -21,12 +22,12 @@ import numpy as np
 import torch
 
 from driftcli import kernels
-from driftcli.cast import Cast, MicroBase, MicroScaling
-from driftcli.formats import FORMATS, Exact, Format
+from driftcli.casts.rounding import jit_params, round_fused, source_of, target_of
 from driftcli.kernels import jit
-from driftcli.modes import DEFAULT_SR_BITS
-from driftcli.oracle import binade, round_exact
-from driftcli.rounding import jit_params, round_fused, source_of, target_of
+from driftcli.oracle.rounding import binade, round_exact
+from driftcli.records.cast import Cast, MicroBase, MicroScaling
+from driftcli.records.formats import FORMATS, Exact, Format
+from driftcli.records.modes import DEFAULT_SR_BITS
 
 Tensor = torch.Tensor
 

@@ -1,13 +1,14 @@
 """Every named cast, in one table: drift's own presets (:data:`PRESETS`) and the
-implementations' (:data:`driftcli.recipes.IMPLEMENTATION_PRESETS`), looked up by name for the
-spec grammar (:mod:`driftcli.castspec`) and listed by ``drift formats --presets``."""
+implementations' (:data:`driftcli.records.recipes.IMPLEMENTATION_PRESETS`), looked up by name for
+the
+spec grammar (:mod:`driftcli.records.castspec`) and listed by ``drift formats --presets``."""
 
 from __future__ import annotations
 
-from driftcli.cast import Cast, MicroBase, MicroLevel, MicroScaling, Scaling
-from driftcli.formats import FORMATS, Format, NanEncoding
-from driftcli.modes import Granularity, Overflow, Rounding, ScaleRule
-from driftcli.recipes import IMPLEMENTATION_PRESETS
+from driftcli.records.cast import Cast, MicroBase, MicroLevel, MicroScaling, Scaling
+from driftcli.records.formats import FORMATS, Format, NanEncoding
+from driftcli.records.modes import Granularity, Overflow, Rounding, ScaleRule
+from driftcli.records.recipes import IMPLEMENTATION_PRESETS
 
 E8M0 = FORMATS["float8_e8m0fnu"]
 

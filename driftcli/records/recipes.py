@@ -4,16 +4,16 @@ they depart from their own specification. Each names its source and the exact dr
 the same recipe beside it. Nothing here imports torch (``drift formats --presets`` lists them).
 
 The op sequences, their sources and every departure are in docs/recipes.md; the settings that
-spell them are :class:`driftcli.cast.ScaleArithmetic`'s.
+spell them are :class:`driftcli.records.cast.ScaleArithmetic`'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from driftcli.cast import TE_SIGNS, Cast, Rht, ScaleArithmetic, Scaling
-from driftcli.formats import FORMATS, Format
-from driftcli.modes import (
+from driftcli.records.cast import TE_SIGNS, Cast, Rht, ScaleArithmetic, Scaling
+from driftcli.records.formats import FORMATS, Format
+from driftcli.records.modes import (
     AmaxPolicy,
     ElementOp,
     Granularity,

@@ -12,7 +12,7 @@ from functools import cache
 import torch
 
 from driftcli.errors import DriftError
-from driftcli.formats import Format, Kind, NanEncoding, get_format
+from driftcli.records.formats import Format, Kind, NanEncoding, get_format
 
 Tensor = torch.Tensor
 

@@ -1,12 +1,13 @@
 """Scales as an implementation computes them: the float32 operations a
-:class:`~driftcli.cast.ScaleArithmetic` names, in its order, each one an IEEE operation in torch.
+:class:`~driftcli.records.cast.ScaleArithmetic` names, in its order, each one an IEEE operation in
+torch.
 
 A cast whose arithmetic is not drift's exact one is worked on in float32 whatever its input
 dtype (every implementation drift reproduces computes its scales and quotients in float32; a
 float64 tensor is rounded to float32 first). For each scale group this module gives two
 float32 operands: the one elements meet on the way in (``x / apply`` or ``x · apply``) and the
 one codes meet on the way out (``q · undo`` or ``q / undo``), and the decoding scale reported
-in :attr:`~driftcli.quantization.QuantInfo.scales`. NaN and inf go through the operations as
+in :attr:`~driftcli.casts.quantization.QuantInfo.scales`. NaN and inf go through the operations as
 IEEE arithmetic takes them: nothing is special-cased that the implementation does not
 special-case itself. The op sequences and their sources are in docs/recipes.md.
 """
@@ -18,9 +19,11 @@ from typing import cast
 
 import torch
 
-from driftcli.cast import Scaling
-from driftcli.formats import FORMATS, Format
-from driftcli.modes import (
+from driftcli.casts.rounding import round_values
+from driftcli.casts.scaling import ScalePlan, plan_pow2_exponents, plan_two_level_scales
+from driftcli.records.cast import Scaling
+from driftcli.records.formats import FORMATS, Format
+from driftcli.records.modes import (
     DEFAULT_SR_BITS,
     AmaxPolicy,
     ElementOp,
@@ -34,8 +37,6 @@ from driftcli.modes import (
     SmallestRcp,
     TwoLevelOrder,
 )
-from driftcli.rounding import round_values
-from driftcli.scaling import ScalePlan, plan_pow2_exponents, plan_two_level_scales
 
 Tensor = torch.Tensor
 

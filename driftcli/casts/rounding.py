@@ -21,11 +21,12 @@ from typing import Any, cast
 import torch
 
 from driftcli import kernels
+from driftcli.casts.twosum import two_sum
+from driftcli.choices import parse_choice
 from driftcli.errors import DriftError
-from driftcli.exact import two_sum
-from driftcli.formats import FORMATS, Format, get_format
 from driftcli.kernels import jit
-from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding, parse_choice
+from driftcli.records.formats import FORMATS, Format, get_format
+from driftcli.records.modes import DEFAULT_SR_BITS, Overflow, Rounding
 
 Tensor = torch.Tensor
 MAX_SR_BITS = 30
@@ -395,7 +396,7 @@ def target_of(fmt: Format) -> Target:
 
 def round_sum(s: Tensor, r: Tensor, tgt: Target, rounding: Rounding, *, wide: bool) -> Tensor:
     """``s + r`` rounded once onto ``tgt``'s grid, with ``r`` the exact error of ``s`` (see
-    :func:`driftcli.exact.two_sum`), overflowing to inf as IEEE addition does: one step of a
+    :func:`driftcli.casts.twosum.two_sum`), overflowing to inf as IEEE addition does: one step of a
     simulated accumulator. ``wide`` for float64 sums."""
     static = {"src": _F64 if wide else _F32, "tgt": tgt, "rounding": rounding,
               "overflow": Overflow.IEEE, "sr_bits": DEFAULT_SR_BITS}

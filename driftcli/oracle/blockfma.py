@@ -24,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from driftcli.formats import Exact, Format, Kind, pow2
-from driftcli.modes import Overflow, Rounding
-from driftcli.oracle import ZERO, accumulate_step, binade, exact_sum, product, products, round_exact
+from driftcli.oracle.matmul import ZERO, accumulate_step, exact_sum, products
+from driftcli.oracle.rounding import binade, product, round_exact
+from driftcli.records.formats import Exact, Format, Kind, pow2
+from driftcli.records.modes import Overflow, Rounding
 
 C_EMIN = -126
 TOP_FLOOR = -400

@@ -13,7 +13,7 @@ block); the candidates' codes and errors, the hot loop, run on the kernel seam: 
 rounding and :func:`block_errors`, the same bits. A values-only cast whose blocks are all
 finite takes :func:`fused_values` on numba instead: scales, candidates, errors, the choice and
 the values in one pass (``kernels.fourcode.values_kernel``), the same bits again. Its exact
-twin is ``driftcli.oracle_arith.four_over_six``.
+twin is ``driftcli.oracle.fouroversix.four_over_six``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,15 @@ from collections.abc import Callable
 
 import torch
 
-from driftcli import kernels, rounding
-from driftcli.cast import Cast
-from driftcli.formats import FORMATS, Format
+from driftcli import kernels
+from driftcli.casts import rounding
+from driftcli.casts.rounding import round_values
+from driftcli.casts.scalearith import F32_MAX, ArithScales
+from driftcli.casts.scaling import to_blocks
 from driftcli.kernels import jit
-from driftcli.modes import (
+from driftcli.records.cast import Cast
+from driftcli.records.formats import FORMATS, Format
+from driftcli.records.modes import (
     DEFAULT_SR_BITS,
     ElementOp,
     Granularity,
@@ -34,9 +38,6 @@ from driftcli.modes import (
     Rounding,
     TwoLevelOrder,
 )
-from driftcli.rounding import round_values
-from driftcli.scalearith import F32_MAX, ArithScales
-from driftcli.scaling import to_blocks
 
 Tensor = torch.Tensor
 

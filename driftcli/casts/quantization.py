@@ -1,9 +1,11 @@
 """``quantize``: a cast applied to a torch tensor, and the per-element facts of it.
 
-A :class:`~driftcli.cast.Cast` says how (element format, scaling, rounding, overflow); here the
-tensor is cut into its scale groups (:func:`~driftcli.scaling.to_blocks`), each group's scale is
+A :class:`~driftcli.records.cast.Cast` says how (element format, scaling, rounding, overflow); here
+the
+tensor is cut into its scale groups (:func:`~driftcli.casts.scaling.to_blocks`), each group's scale
+is
 chosen by its rule, and every element is rounded onto the format's grid times that scale
-(:mod:`driftcli.rounding`), on the back-end :mod:`driftcli.kernels` chooses (the same bits on
+(:mod:`driftcli.casts.rounding`), on the back-end :mod:`driftcli.kernels` chooses (the same bits on
 each). :mod:`driftcli.measures.stats` counts what a cast did from the same block layout.
 """
 
@@ -17,25 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from driftcli import kernels, rounding
-from driftcli.cast import Cast
-from driftcli.castspec import parse_cast
-from driftcli.errors import DriftError
-from driftcli.fouroversix import four_over_six_scales, fused_values
-from driftcli.hadamard import transform
-from driftcli.kernels import jit
-from driftcli.microscale import micro_values, numba_values
-from driftcli.modes import (
-    DEFAULT_SR_BITS,
-    AmaxPolicy,
-    ElementOp,
-    Granularity,
-    Overflow,
-    Rounding,
-    ScaleRule,
-)
-from driftcli.scalearith import apply_ops, arith_scales, group_amax, row_amax, undo_ops
-from driftcli.scaling import (
+from driftcli import kernels
+from driftcli.casts import rounding
+from driftcli.casts.fouroversix import four_over_six_scales, fused_values
+from driftcli.casts.hadamard import transform
+from driftcli.casts.microscale import micro_values, numba_values
+from driftcli.casts.scalearith import apply_ops, arith_scales, group_amax, row_amax, undo_ops
+from driftcli.casts.scaling import (
     ScalePlan,
     block_stats,
     plan_divisors,
@@ -45,6 +35,19 @@ from driftcli.scaling import (
     rule_threshold,
     to_blocks,
     two_level_scales,
+)
+from driftcli.errors import DriftError
+from driftcli.kernels import jit
+from driftcli.records.cast import Cast
+from driftcli.records.castspec import parse_cast
+from driftcli.records.modes import (
+    DEFAULT_SR_BITS,
+    AmaxPolicy,
+    ElementOp,
+    Granularity,
+    Overflow,
+    Rounding,
+    ScaleRule,
 )
 
 Tensor = torch.Tensor
@@ -86,7 +89,8 @@ def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int |
     ``axis`` is the axis blocks run along (the contraction axis of a matmul).
     Stochastic rounding reads ``random_bits`` (shaped like ``x``) or draws
     them from ``seed``. With ``return_info`` a :class:`QuantInfo` comes back. A cast with
-    ``rht=`` casts the transform of ``x`` (:func:`driftcli.hadamard.transform`), and the values
+    ``rht=`` casts the transform of ``x`` (:func:`driftcli.casts.hadamard.transform`), and the
+    values
     are the transform's, not ``x``'s: no inverse is applied.
     """
     c = parse_cast(cast_or_spec)
@@ -250,7 +254,7 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
 
 def _cast_blocks_micro(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
                        sr_bits: int) -> Blocked:
-    """:func:`cast_blocks` under micro-exponents (:mod:`driftcli.microscale`): the scales
+    """:func:`cast_blocks` under micro-exponents (:mod:`driftcli.casts.microscale`): the scales
     reported are the first-level ones."""
     s = c.scaling
     blocks, back = to_blocks(x.float(), s, axis)
@@ -263,7 +267,7 @@ def _cast_blocks_micro(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
 
 def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
                        sr_bits: int, tensor_amax: float | None) -> Blocked:
-    """:func:`cast_blocks` under a scale arithmetic (:mod:`driftcli.scalearith`): in float32,
+    """:func:`cast_blocks` under a scale arithmetic (:mod:`driftcli.casts.scalearith`): in float32,
     the scales by the arithmetic's operations, the elements through its apply and undo
     operations."""
     s, a = c.scaling, c.scaling.arithmetic

@@ -17,7 +17,7 @@ leaves unchanged (``(H/4)(H/4)ᵀ = I``).
 
 The hot loop runs on the kernel seam: numba's ``kernels.rhtcode.rht_kernel`` (through
 :func:`driftcli.kernels.jit.hadamard16`) or torch here, the same bits; its exact twin is
-``driftcli.oracle_arith.hadamard16``.
+``driftcli.oracle.hadamard.hadamard16``.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from __future__ import annotations
 import torch
 
 from driftcli import kernels
-from driftcli.cast import RHT_SIZE, Cast, Rht
+from driftcli.casts.rounding import round_values
 from driftcli.errors import DriftError
-from driftcli.formats import FORMATS
 from driftcli.kernels import jit
-from driftcli.modes import DEFAULT_SR_BITS, Overflow, Rounding
-from driftcli.rounding import round_values
+from driftcli.records.cast import RHT_SIZE, Cast, Rht
+from driftcli.records.formats import FORMATS
+from driftcli.records.modes import DEFAULT_SR_BITS, Overflow, Rounding
 
 Tensor = torch.Tensor
 

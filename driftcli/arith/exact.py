@@ -1,10 +1,6 @@
-"""Exact float arithmetic in torch: TwoSum, and the exact matmul every simulated matmul is
-measured against.
-
-Knuth's TwoSum gives ``s = fl(a + b)`` and its rounding error ``r`` exactly (``a + b = s + r``
-whenever ``s`` is finite), in any IEEE binary format and any rounding to nearest: the rounding
-of a sum once onto a narrower format (:func:`driftcli.rounding.add`, a simulated accumulator's
-step) reads ``r`` as the sticky bit below ``s``; the matmul reference sums products with it.
+"""The exact matmul every simulated matmul is measured against, in torch: each product of
+two float32 values is exact in float64, and their sum is carried with a bound on its
+error (:func:`gamma`).
 """
 
 from __future__ import annotations
@@ -13,20 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from driftcli.casts.twosum import two_sum
 from driftcli.errors import DriftError
 
 Tensor = torch.Tensor
 
 UNIT_ROUNDOFF = 2.0 ** -53
 """float64's unit roundoff u, in the bound of :func:`exact_matmul`."""
-
-
-def two_sum(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """``(s, r)``: ``s = fl(a + b)`` and its exact error ``r = a + b - s`` (Knuth's TwoSum; six
-    operations, no branch, so it vectorizes and compiles)."""
-    s = a + b
-    bb = s - a
-    return s, (a - (s - bb)) + (b - bb)
 
 
 @dataclass(frozen=True)

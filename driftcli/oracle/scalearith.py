@@ -1,7 +1,8 @@
 """The exact reference for scale arithmetic: a cast's op sequence evaluated in exact rationals,
 every float32 operation (and float64 one, for ``prec=f64``) rounded exactly, IEEE specials
-included. It judges :mod:`driftcli.scalearith` (verify-formats' ``recipes`` check) and reads
-like :class:`~driftcli.cast.ScaleArithmetic`'s settings, one step at a time. It imports neither
+included. It judges :mod:`driftcli.casts.scalearith` (verify-formats' ``recipes`` check) and reads
+like :class:`~driftcli.records.cast.ScaleArithmetic`'s settings, one step at a time. It imports
+neither
 torch nor the fast path.
 
 Each float operation is :func:`op`: the exact result of two operands (a product, a quotient,
@@ -18,12 +19,13 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import cast
 
-from driftcli.cast import Scaling
-from driftcli.formats import FORMATS, NAN, Exact, Format, Kind, pow2
-from driftcli.modes import (
+from driftcli.oracle.rounding import binade, product, round_exact
+from driftcli.oracle.scaling import pow2_scale_exponent
+from driftcli.records.cast import Scaling
+from driftcli.records.formats import FORMATS, NAN, Exact, Format, Kind, pow2
+from driftcli.records.modes import (
     AmaxPolicy,
     ElementOp,
-    Granularity,
     Guard,
     Overflow,
     Pow2,
@@ -34,10 +36,9 @@ from driftcli.modes import (
     SmallestRcp,
     TwoLevelOrder,
 )
-from driftcli.oracle import binade, pow2_scale_exponent, product, round_exact, total
 
 F32 = FORMATS["float32"]
-_E4M3 = FORMATS["float8_e4m3fn"]
+E4M3 = FORMATS["float8_e4m3fn"]
 ZERO, ONE = Exact.of(0), Exact.of(1)
 INF = Exact(Kind.INF)
 
@@ -99,17 +100,17 @@ def at_least(x: Exact, low: Exact) -> Exact:
     """``torch.clamp(x, min=low)``: NaN stays NaN."""
     if nan(x) or nan(low):
         return NAN
-    return low if _less(x, low) else x
+    return low if less(x, low) else x
 
 
 def at_most(x: Exact, high: Exact) -> Exact:
     """``torch.clamp(x, max=high)`` / ``fminf`` of a non-NaN pair."""
     if nan(x):
         return NAN
-    return high if _less(high, x) else x
+    return high if less(high, x) else x
 
 
-def _less(a: Exact, b: Exact) -> bool:
+def less(a: Exact, b: Exact) -> bool:
     def key(v: Exact) -> Fraction | float:
         if v.kind is Kind.INF:
             return float("-inf") if v.negative else float("inf")
@@ -129,7 +130,7 @@ def of64(value: float) -> Exact:
 
 
 def amax_of(values: list[Exact], policy: AmaxPolicy) -> Exact:
-    """A group's amax as ``policy`` reads it (see :class:`~driftcli.modes.AmaxPolicy`)."""
+    """A group's amax as ``policy`` reads it (see :class:`~driftcli.records.modes.AmaxPolicy`)."""
     if policy is AmaxPolicy.IEEE and any(nan(v) for v in values):
         return NAN
     if policy is not AmaxPolicy.FINITE and any(v.kind is Kind.INF for v in values):
@@ -182,46 +183,7 @@ def exp2_f32(k: int) -> Exact:
     return Exact.of(pow2(k)) if k >= -149 else ZERO
 
 
-Group = tuple[list[Exact], list[Exact], Exact]
-"""A group's dequantized values, its codes, and its decoding scale."""
-
-
-def _elements(values: list[Exact], elem: Format, apply: Exact, apply_op: ElementOp,
-              undo_by: Exact, undo_op: ElementOp, rounding: Rounding,
-              overflow: Overflow) -> tuple[list[Exact], list[Exact]]:
-    codes = [round_exact(elem, elementwise(v, apply, apply_op), rounding, overflow)
-             for v in values]
-    return [undo(c, undo_by, undo_op) for c in codes], codes
-
-
-def cast_group(values: list[Exact], elem: Format, scaling: Scaling, tensor_amax: Exact,
-               rounding: Rounding = Rounding.RNE,
-               overflow: Overflow = Overflow.SATURATE) -> Group:
-    """One scale group (block, tile, channel or tensor) cast by ``scaling``'s arithmetic, every
-    float operation rounded exactly. ``tensor_amax`` is the whole tensor's amax under the
-    arithmetic's policy (two-level scales read it)."""
-    a = scaling.arithmetic
-    if (scaling.blocked and a.amax is AmaxPolicy.FINITE
-            and any(v.kind is not Kind.FINITE for v in values)):
-        return [NAN] * len(values), [NAN] * len(values), NAN
-    amax = amax_of(values, a.amax)
-    rule = scaling.rule
-    if rule is ScaleRule.TWO_LEVEL and a.two.four_over_six:
-        apply, apply_op, undo_by = four_over_six(values, amax, tensor_amax, elem, scaling)
-        undo_op = ElementOp.MUL
-    elif rule is ScaleRule.TWO_LEVEL:
-        apply, apply_op, undo_by = _TWO_LEVEL[a.two](amax, tensor_amax, elem, scaling)
-        undo_op = ElementOp.MUL
-    elif rule is not None and rule.power_of_two:
-        apply, apply_op, undo_by = _pow2(amax, elem, scaling)
-        undo_op = ElementOp.MUL
-    else:
-        apply, apply_op, undo_by, undo_op = _real(amax, elem, scaling)
-    out, codes = _elements(values, elem, apply, apply_op, undo_by, undo_op, rounding, overflow)
-    return out, codes, undo_by
-
-
-def _pow2(amax: Exact, elem: Format, scaling: Scaling) -> tuple[Exact, ElementOp, Exact]:
+def pow2_scales(amax: Exact, elem: Format, scaling: Scaling) -> tuple[Exact, ElementOp, Exact]:
     a = scaling.arithmetic
     fmt = cast(Format, scaling.scale_format)
     low, high = binade(fmt.smallest_positive), fmt.emax
@@ -253,7 +215,7 @@ def _pow2(amax: Exact, elem: Format, scaling: Scaling) -> tuple[Exact, ElementOp
     return apply, a.apply, scale
 
 
-def _real(amax: Exact, elem: Format,
+def real_scales(amax: Exact, elem: Format,
           scaling: Scaling) -> tuple[Exact, ElementOp, Exact, ElementOp]:
     a = scaling.arithmetic
     fmt = cast(Format, scaling.scale_format)
@@ -331,7 +293,7 @@ def _two_level_torchao(amax: Exact, tensor_amax: Exact, elem: Format,
                        scaling: Scaling) -> tuple[Exact, ElementOp, Exact]:
     s = div(tensor_amax, Exact.of(2688))
     raw = div(div(amax, Exact.of(6)), s)
-    block = round_exact(_E4M3, at_most(at_least(raw, Exact.of(_E4M3.smallest_normal)),
+    block = round_exact(E4M3, at_most(at_least(raw, Exact.of(E4M3.smallest_normal)),
                                        Exact.of(448)), Rounding.RNE, Overflow.SATURATE)
     return div(div(ONE, s), block), ElementOp.MUL, mul(s, block)
 
@@ -344,92 +306,13 @@ def _two_level_te(amax: Exact, tensor_amax: Exact, elem: Format,
         enc = ONE
     dec = div(ONE, enc)
     raw = mul(amax, mul(enc, div(ONE, Exact.of(6))))
-    block = round_exact(_E4M3, raw, Rounding.RNE, Overflow.SATURATE)
+    block = round_exact(E4M3, raw, Rounding.RNE, Overflow.SATURATE)
     apply = at_most(div(ONE, mul(block, dec)), Exact.of(F32.max))
     return apply, ElementOp.MUL, mul(mul(block, t), div(ONE, Exact.of(2688)))
 
 
-_TWO_LEVEL: dict[TwoLevelOrder, Callable[[Exact, Exact, Format, Scaling],
+TWO_LEVEL: dict[TwoLevelOrder, Callable[[Exact, Exact, Format, Scaling],
                                          tuple[Exact, ElementOp, Exact]]] = {
     TwoLevelOrder.DRIFT: _two_level_drift, TwoLevelOrder.TORCHAO: _two_level_torchao,
     TwoLevelOrder.TE: _two_level_te, TwoLevelOrder.TE_ROW: _two_level_te}
-"""Each two-level order, exactly (the fast ones: ``driftcli.scalearith._TWO_LEVEL``)."""
-
-
-def _plus(a: Exact, b: Exact) -> Exact:
-    """``fl(a + b)`` (IEEE specials; the sign of a zero sum is not kept: 4/6 takes the
-    magnitude or the square of what it adds)."""
-    if nan(a) or nan(b) or (a.kind is b.kind is Kind.INF and a.negative != b.negative):
-        return NAN
-    if Kind.INF in (a.kind, b.kind):
-        return a if a.kind is Kind.INF else b
-    return fl(Exact.of(a.value + b.value))
-
-
-def _minus(a: Exact, b: Exact) -> Exact:
-    """``fl(a - b)``."""
-    return _plus(a, Exact(b.kind, not b.negative, b.mag))
-
-
-_FOUR_OVER_SIX_MAX = Exact.of(1536)  # 6 · nvfp4_e4m3_max (256)
-
-
-def four_over_six(values: list[Exact], amax: Exact, tensor_amax: Exact, elem: Format,
-                  scaling: Scaling) -> tuple[Exact, ElementOp, Exact]:
-    """Four over six exactly (``driftcli.fouroversix``, its sources there): both candidates of
-    a 1 x 16 block (zero padded: a zero adds a zero error), their errors summed from 0 in
-    element order, map-to-4 kept only where its error is smaller (a NaN error never is). A
-    16 x 16 tile (``values`` its 256 elements row by row, zero padded where the tensor ends)
-    sums each row's error so, then the 16 row errors pairwise by halves (``tile_sum``)."""
-    order = scaling.arithmetic.two
-    t = tensor_amax
-    enc = at_most(div(_FOUR_OVER_SIX_MAX, t), Exact.of(F32.max))
-    if (t.kind is Kind.FINITE and t.mag == 0) or (enc.kind is Kind.FINITE and enc.mag == 0):
-        enc = ONE
-    dec = div(ONE, enc)
-    base = mul(div(amax, Exact.of(6)), enc)
-    size = scaling.block * (scaling.block if scaling.granularity is Granularity.TILE else 1)
-    xs = values + [ZERO] * (size - len(values))
-
-    def candidate(raw: Exact) -> tuple[Exact, Exact, Exact]:
-        sb = round_exact(_E4M3, raw, Rounding.RNE, Overflow.SATURATE)
-        inv = at_most(div(ONE, mul(sb, dec)), Exact.of(F32.max))
-        rows = [run_error(xs[i:i + scaling.block], sb, inv)
-                for i in range(0, size, scaling.block)]
-        while len(rows) > 1:  # a tile's rows by halves, as the warp reduction
-            half = len(rows) // 2
-            rows = [_plus(a, b) for a, b in zip(rows[:half], rows[half:], strict=True)]
-        return sb, inv, rows[0]
-
-    def run_error(run: list[Exact], sb: Exact, inv: Exact) -> Exact:
-        err = ZERO
-        for v in run:
-            q = round_exact(elem, mul(v, inv), Rounding.RNE, Overflow.SATURATE)
-            if order.fp16_error:  # the FP16 product q·sb is exact
-                diff = _minus(product(q, sb), mul(v, enc))
-            else:
-                diff = _minus(div(mul(mul(q, sb), t), _FOUR_OVER_SIX_MAX), v)
-            term = mul(diff, diff) if order.squared else (
-                diff if nan(diff) else Exact(diff.kind, False, diff.mag))
-            err = _plus(err, term)
-        return err
-
-    sb4, inv4, err4 = candidate(mul(base, Exact.of(Fraction(3, 2))))
-    sb6, inv6, err6 = candidate(base)
-    four = not nan(err4) and not nan(err6) and _less(err4, err6)
-    sb, inv = (sb4, inv4) if four else (sb6, inv6)
-    return inv, ElementOp.MUL, mul(mul(sb, t), div(ONE, _FOUR_OVER_SIX_MAX))
-
-
-def hadamard16(values: list[Exact], entries: tuple[float, ...]) -> list[Exact]:
-    """The random Hadamard transform of one group of 16 values, exactly with the roundings
-    drift fixes (:mod:`driftcli.hadamard`): ``y_j = rn_bf16(fl32(... fl32(fl32(0 + fl32(x_0 ·
-    m_0j)) + fl32(x_1 · m_1j)) ...))``, ``entries`` the row-major matrix (``Rht.entries``)."""
-    size = len(values)
-    out = []
-    for j in range(size):
-        acc = ZERO
-        for i in range(size):
-            acc = fl(total(acc, mul(values[i], of64(entries[i * size + j]))))
-        out.append(round_exact(FORMATS["bfloat16"], acc, Rounding.RNE, Overflow.IEEE))
-    return out
+"""Each two-level order, exactly (the fast ones: ``driftcli.casts.scalearith._TWO_LEVEL``)."""

@@ -17,7 +17,7 @@ Granularity: ``none`` ``tensor`` ``channel`` ``block<k>`` ``tile<k>``. Rule:
 ``two-level``. Scale format: any format name. Rounding: ``rne`` ``rna``
 ``rtz`` ``rup`` ``rdown`` ``sr``. Overflow: ``saturate`` ``ieee``. Transform (a scaled cast
 only, also after a preset: ``nvfp4:rht=te``): ``rht=te`` ``rht=h`` ``rht=signs/<16 of + ->``
-``rht=random/<seed>`` (:class:`~driftcli.cast.Rht`). Defaults:
+``rht=random/<seed>`` (:class:`~driftcli.records.cast.Rht`). Defaults:
 no scaling; with a granularity, ``floor`` for blocks and tiles and ``amax``
 for tensors and channels; the scale format ``float8_e8m0fnu`` for
 power-of-two rules, ``float8_e4m3fn`` for ``two-level``, ``float32`` for the
@@ -31,17 +31,12 @@ import re
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from driftcli.cast import EXACT_ARITHMETIC, Cast, Rht, ScaleArithmetic, Scaling
+from driftcli.choices import parse_choice
 from driftcli.errors import CastSpecError, DriftError, FormatSpecError, close_matches
-from driftcli.formats import FORMATS, Format, colon_free, get_format
-from driftcli.modes import (
-    Granularity,
-    Overflow,
-    Rounding,
-    ScaleRule,
-    parse_choice,
-)
-from driftcli.presets import preset, preset_names
+from driftcli.records.cast import EXACT_ARITHMETIC, Cast, Rht, ScaleArithmetic, Scaling
+from driftcli.records.formats import FORMATS, Format, colon_free, get_format
+from driftcli.records.modes import Granularity, Overflow, Rounding, ScaleRule
+from driftcli.records.presets import preset, preset_names
 
 _GRANULARITY = re.compile(r"(none|tensor|channel)|(block|tile)(\d+)")
 _RULE = re.compile(r"(.+?)(?:\+(\d+))?")
