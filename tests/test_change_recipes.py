@@ -56,8 +56,9 @@ def test_a_new_implementation_preset_is_verified_with_no_other_edit(
     assert parse_cast(name) == recipes.IMPLEMENTATION_PRESETS[name].cast
     assert name in preset_names()
     honest = _acme_outcomes()
-    assert [op for op, _, _ in honest] == [f"{name} value", f"{name} code"]
-    assert all(n >= 192 and failed == 0 for _, n, failed in honest)
+    # docs/architecture.md shows these counts: the quick plan's cases are seeded, and casts are
+    # drift's own roundings, the same bits on either back-end and any CPU
+    assert honest == [(f"{name} value", 384, 0), (f"{name} code", 384, 0)]
 
     honest_scales = quantization.arith_scales
 
@@ -68,5 +69,4 @@ def test_a_new_implementation_preset_is_verified_with_no_other_edit(
 
     monkeypatch.setattr(quantization, "arith_scales", one_binade_high)
     planted = _acme_outcomes()
-    assert [n for _, n, _ in planted] == [n for _, n, _ in honest]
-    assert all(failed > n // 2 for _, n, failed in planted)
+    assert planted == [(f"{name} value", 384, 320), (f"{name} code", 384, 320)]
