@@ -45,20 +45,36 @@ def thresholds_of(levels: Any, ints: Any) -> Any:
 
 
 @njit(inline="always", **OPTIONS)
-def row_scales(xs: Any, us: Any, levels: Any, ints: Any, consts: Any, thresholds: Any,
-               box: Any, runs: Any, rexp: Any) -> tuple[float, float, bool, bool]:
+def scale_params(levels: Any, ints: Any, consts: Any, cols: int) -> tuple[Any, Any]:
+    """:func:`row_scales`' parameters as tuples (read once per call, not once per row):
+    ``ints`` and the innermost run's size, ``consts``."""
+    inner_size = levels[levels.shape[0] - 1, 0] if levels.shape[0] else cols
+    return ((ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], inner_size),
+            (consts[0], consts[1], consts[2]))
+
+
+@njit(**OPTIONS)
+def level_runs(levels: Any, inner_size: int) -> Any:
+    """Per level ``(size, top)`` as ``(innermost runs per run, top)``: the division done once
+    per call, not once per row."""
+    out = np.empty_like(levels)
+    for j in range(levels.shape[0]):
+        out[j, 0], out[j, 1] = levels[j, 0] // inner_size, levels[j, 1]
+    return out
+
+
+@njit(inline="always", **OPTIONS)
+def row_scales(xs: Any, us: Any, lv: Any, ip: Any, fp: Any, thresholds: Any,
+               box: Any, bits: Any, runs: Any, rexp: Any) -> tuple[float, float, bool, bool]:
     """The scale choice of one row (the one copy on this back-end, for :func:`micro_scales`
     and :func:`cast_kernel`): float32 elements ``xs`` (``us`` their int32 bits) give
     ``(s, r, bad, clamped)`` and fill ``rexp`` with each innermost run's total micro-exponent
-    (``runs`` is scratch, one float64 per innermost run; ``box`` one float64 with an int64
-    view read through ``box.view``). NaN and inf members set ``bad`` and are left out of every
+    (``runs`` is scratch, one float64 per innermost run; ``box`` one float64 and ``bits`` its
+    int64 view). NaN and inf members set ``bad`` and are left out of every
     amax, as in :func:`driftcli.microscale.torch_scales`."""
-    pow2, emax, steps, low, high, sig = ints[0], ints[1], ints[2], ints[3], ints[4], ints[5]
-    c, smallest, largest = consts[0], consts[1], consts[2]
-    bits = box.view(np.int64)
-    cols = xs.size
-    inner_size = levels[levels.shape[0] - 1, 0] if levels.shape[0] else cols
-    nin = runs.size
+    pow2, emax, steps, low, high, sig, inner_size = ip
+    c, smallest, largest = fp
+    cols, nin = xs.size, runs.size
     worst = 0
     for i in range(cols):  # without branches, so that it vectorizes
         worst = max(worst, us[i] & 0x7FFFFFFF)
@@ -66,15 +82,19 @@ def row_scales(xs: Any, us: Any, levels: Any, ints: Any, consts: Any, thresholds
     amax = 0.0
     for run in range(nin):  # the innermost runs' amaxes
         m = np.float32(0.0)
-        if bad:  # rare: the finite members only
+        for i in range(run * inner_size, (run + 1) * inner_size):
+            m = max(m, abs(xs[i]))
+        runs[run] = m
+        amax = max(amax, np.float64(m))
+    if bad:  # rare: again, of the finite members only (a branch in the loop above costs)
+        amax = 0.0
+        for run in range(nin):
+            m = np.float32(0.0)
             for i in range(run * inner_size, (run + 1) * inner_size):
                 if (us[i] & 0x7FFFFFFF) < 0x7F800000:
                     m = max(m, abs(xs[i]))
-        else:
-            for i in range(run * inner_size, (run + 1) * inner_size):
-                m = max(m, abs(xs[i]))
-        runs[run] = m
-        amax = max(amax, np.float64(m))
+            runs[run] = m
+            amax = max(amax, np.float64(m))
     # exponents from bits: a float32 amax is a normal float64 (or 0)
     if pow2:
         box[0] = amax
@@ -97,8 +117,8 @@ def row_scales(xs: Any, us: Any, levels: Any, ints: Any, consts: Any, thresholds
         bits[0] = round_bits(bits[0], 8)
         r = box[0]
     rexp[:] = 0
-    for j in range(levels.shape[0]):
-        per, top = levels[j, 0] // inner_size, levels[j, 1]
+    for j in range(lv.shape[0]):
+        per, top = lv[j, 0], lv[j, 1]
         for g in range(0, nin, per):
             v = 0.0
             for t in range(g, g + per):
@@ -126,14 +146,17 @@ def micro_scales(x: Any, xi: Any, cols: int, levels: Any, ints: Any, consts: Any
     largest)`` of the scale format.
     """
     thresholds = thresholds_of(levels, ints)
-    box = np.zeros(1, dtype=np.float64)
-    inner_size = levels[levels.shape[0] - 1, 0] if levels.shape[0] else cols
+    box = np.zeros(1, dtype=np.float64)  # a float64's bits, read through an int64 view
+    bits = box.view(np.int64)
+    ip, fp = scale_params(levels, ints, consts, cols)
+    inner_size = ip[6]
+    lv = level_runs(levels, inner_size)
     runs = np.zeros(cols // inner_size, dtype=np.float64)
     rexp = np.zeros(cols // inner_size, dtype=np.int64)
     for row in range(start, stop):
         base = row * cols
-        s, r, nonfinite, clip = row_scales(x[base:base + cols], xi[base:base + cols], levels,
-                                           ints, consts, thresholds, box, runs, rexp)
+        s, r, nonfinite, clip = row_scales(x[base:base + cols], xi[base:base + cols], lv,
+                                           ip, fp, thresholds, box, bits, runs, rexp)
         s_out[row], r_out[row], bad[row], clamped[row] = s, r, nonfinite, clip
         for t in range(runs.size):
             for i in range(base + t * inner_size, base + (t + 1) * inner_size):
@@ -159,12 +182,15 @@ def cast_kernel(rounding: int, overflow: int, has_draws: bool) -> Callable[..., 
         lim = row_limits(0, p)
         pw = np.array([math.ldexp(1.0, e) for e in range(ints[2] + 1)])
         thresholds = thresholds_of(levels, ints)
-        box = np.zeros(1, dtype=np.float64)
+        box = np.zeros(1, dtype=np.float64)  # a float64's bits, read through an int64 view
+        bits = box.view(np.int64)
         ys = np.zeros(cols, dtype=np.float64)
         yb = ys.view(np.int64)
         ins = np.zeros(cols, dtype=np.float64)
         outs = np.zeros(cols, dtype=np.float64)
-        inner_size = levels[levels.shape[0] - 1, 0] if levels.shape[0] else cols
+        ip, fp = scale_params(levels, ints, consts, cols)
+        inner_size = ip[6]
+        lv = level_runs(levels, inner_size)
         nin = cols // inner_size
         runs = np.zeros(nin, dtype=np.float64)
         rexp = np.zeros(nin, dtype=np.int64)
@@ -172,7 +198,7 @@ def cast_kernel(rounding: int, overflow: int, has_draws: bool) -> Callable[..., 
             xs = x[row * cols:(row + 1) * cols]
             us = xi[row * cols:(row + 1) * cols]
             os = out[row * cols:(row + 1) * cols]
-            s, r, bad, _ = row_scales(xs, us, levels, ints, consts, thresholds, box, runs, rexp)
+            s, r, bad, _ = row_scales(xs, us, lv, ip, fp, thresholds, box, bits, runs, rexp)
             if bad:  # a row holding NaN or inf becomes NaN
                 for i in range(cols):
                     os[i] = np.float32(np.nan)
