@@ -70,8 +70,10 @@ def row_scales(xs: Any, us: Any, lv: Any, ip: Any, fp: Any, thresholds: Any,
     and :func:`cast_kernel`): float32 elements ``xs`` (``us`` their int32 bits) give
     ``(s, r, bad, clamped)`` and fill ``rexp`` with each innermost run's total micro-exponent
     (``runs`` is scratch, one float64 per innermost run; ``box`` one float64 and ``bits`` its
-    int64 view). NaN and inf members set ``bad`` and are left out of every
-    amax, as in :func:`driftcli.microscale.torch_scales`."""
+    int64 view). ``lv`` comes from :func:`level_runs`, ``ip`` and ``fp`` from
+    :func:`scale_params`, ``thresholds`` from :func:`thresholds_of`, each once per call. NaN
+    and inf members set ``bad`` and are left out of every amax, as in
+    :func:`driftcli.microscale.torch_scales`."""
     pow2, emax, steps, low, high, sig, inner_size = ip
     c, smallest, largest = fp
     cols, nin = xs.size, runs.size
