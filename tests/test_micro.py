@@ -367,3 +367,47 @@ def test_mx_matches_the_reference_on_every_stories260k_tensor(name: str, n: int)
         x = _padded16(t)
         ref = torch.from_numpy(reference_mxn(x.numpy(), n)).float()
         assert torch.equal(quantize(x, c), ref), key
+
+
+# --- the numba scale choice alone (the masks path, verify's scale cells) ---------------------
+# row_scales is the one copy both numba callers inline; the one-pass cast is checked above, the
+# scales alone here, field by field against the torch back-end (every field is exact: powers of
+# two, 8-bit significands, integers and flags).
+
+def _with_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a NaN, an inf and a -inf planted in three rows (their finite members still
+    choose the scales)."""
+    x = x.clone()
+    x[0, 1], x[1, -1], x[2, 3] = float("nan"), float("inf"), float("-inf")
+    return x
+
+
+def _scale_mismatches(x: torch.Tensor, c: Cast) -> int:
+    assert c.micro is not None
+    want = microscale.torch_scales(x, c.format, c.micro)
+    got = jit.micro_block_scales(x.contiguous(), *microscale._consts(c.format, c.micro))
+    pairs = zip((want.s, want.r, want.bad, want.clamped, want.exps), got, strict=True)
+    return sum(int((a != b).sum()) for a, b in pairs)
+
+
+@pytest.mark.parametrize("name", ["hifloat4", "mx6", "mx9"])
+def test_the_numba_scales_equal_torch_field_by_field(name: str) -> None:
+    c = parse_cast(name)
+    x = _with_nonfinite(_boundary_blocks() if c == HIF4 else _mx_boundary(c))
+    assert c.micro is not None
+    sc = microscale.micro_scales(x, c.format, c.micro)  # the numba back-end, via dispatch
+    assert sc.bad[:3].all() and not sc.bad[3:].any()
+    assert sc.clamped.any() and sc.exps.max() == c.micro.steps and sc.exps.min() == 0
+    assert _scale_mismatches(x, c) == 0
+
+
+def test_a_numba_scale_fault_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted fault in the shared scale choice as the masks path calls it: HiFloat4's
+    inner micro-exponent read over runs of 8, not 4."""
+    real = jit.micro_block_scales
+
+    def wide_runs(b, levels, ints, consts):  # type: ignore[no-untyped-def]
+        return real(b, np.array([[8, 1], [8, 1]], dtype=np.int64), ints, consts)
+
+    monkeypatch.setattr(jit, "micro_block_scales", wide_runs)
+    assert _scale_mismatches(_with_nonfinite(_boundary_blocks()), HIF4) > 0

@@ -561,7 +561,8 @@ def micro_block_scales(blocks: Tensor, levels: np.ndarray, ints: np.ndarray,
                        consts: np.ndarray) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Per row of a contiguous 2-D float32 ``blocks``: a multi-level cast's first-level scale
     and multiplier (float64), NaN-or-inf flag, clamp flag, and each element's total
-    micro-exponent (:func:`driftcli.kernels.microcode.micro_scales`)."""
+    micro-exponent (:func:`driftcli.kernels.microcode.micro_scales`, whose scale choice is
+    :func:`~driftcli.kernels.microcode.row_scales`, the one :func:`micro_cast` runs)."""
     import driftcli.kernels.microcode as code  # numba, on first use only
 
     rows, cols = blocks.shape
@@ -570,8 +571,8 @@ def micro_block_scales(blocks: Tensor, levels: np.ndarray, ints: np.ndarray,
     bad = np.empty(rows, dtype=np.bool_)
     clamped = np.empty(rows, dtype=np.bool_)
     exps = np.empty(rows * cols, dtype=np.int64)
-    spread(code.micro_scales, rows, cols, _array(blocks), cols, levels, ints, consts, s, r,
-           bad, clamped, exps)
+    spread(code.micro_scales, rows, cols, _array(blocks), _array(blocks, torch.int32), cols,
+           levels, ints, consts, s, r, bad, clamped, exps)
     return (torch.from_numpy(s), torch.from_numpy(r), torch.from_numpy(bad),
             torch.from_numpy(clamped), torch.from_numpy(exps).view(rows, cols))
 
