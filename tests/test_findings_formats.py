@@ -16,9 +16,9 @@ WEIGHTS = ROOT.parent / "shared" / "data" / "models" / "stories260K-hf" / "model
 NO_DATA = not WEIGHTS.is_file()
 
 CASTS = ["fp8_e4m3", "hifloat8", "hifloat8:tensor", "binary8p4se:tensor", "mxfp4_e2m1", "nvfp4",
-         "binary4p2sf:block32"]
-"""The section's casts, as data: a cast added here (``hifloat4``, from its branch) joins both
-scans; its row in :data:`TABLE` and in the doc follows."""
+         "binary4p2sf:block32", "hifloat4"]
+"""The section's casts, as data: a cast added here joins both scans; its row in :data:`TABLE`
+and in the doc follows."""
 
 # cast: (mean rel_error over the 47 tensors, mean bias x 1e3, elements clipped of 260,032:
 # each tensor once, a weight's own rows, not the scans' all-tensors rows).
@@ -32,6 +32,7 @@ TABLE = {
     "mxfp4_e2m1": (0.1151, -23.53, 7073),
     "nvfp4": (0.0986, -3.12, 9238),
     "binary4p2sf:block32": (0.1151, -23.53, 7073),
+    "hifloat4": (0.0782, -5.41, 12331),
 }
 TENSORS, ELEMENTS = 47, 260_032
 
@@ -65,7 +66,7 @@ def scan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.slow  # two scans of seven casts over the 47 tensors: about 20 s of one core
+@pytest.mark.slow  # two scans of eight casts over the 47 tensors: about 20 s of one core
 @pytest.mark.xfail(NO_DATA, reason=f"needs the shared stories260K weights at {WEIGHTS}",
                    strict=True)
 def test_the_scans_give_the_docs_table(scan: Path) -> None:
@@ -83,6 +84,7 @@ def test_the_scans_give_the_docs_table(scan: Path) -> None:
     assert 1.15 < got["hifloat8"]["rel_error"] / got["fp8_e4m3"]["rel_error"] < 1.25
     assert got["hifloat8:tensor"]["rel_error"] > 3.5 * got["fp8_e4m3"]["rel_error"]
     assert got["nvfp4"]["rel_error"] < got["mxfp4_e2m1"]["rel_error"]
+    assert got["hifloat4"]["rel_error"] < got["nvfp4"]["rel_error"]  # and clips the most
     assert got["binary4p2sf:block32"] == got["mxfp4_e2m1"]
     assert got["binary8p4se:tensor"] == got["fp8_e4m3"]
 
