@@ -3,12 +3,12 @@
 #
 #   examples/findings.sh [--out DIR] [PART ...]     # DIR defaults to findings-out
 #
-# PART: a b c d claim1 ... claim7, or all (the default); or, not in all, rht and rht-tf (rht
-# reads ../shared/data/models/stories260K-hf: run it from the repository's root) or health (its
-# own runs, into DIR/health). A part runs alone and trains what it needs; a run already in DIR
-# from the same command is kept, so parts share their runs. CPU only, one torch thread per
-# process, at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it prints each
-# part's key numbers, writes them to DIR/summary.json and draws DIR/plots/*.png.
+# PART: a b c d claim1 ... claim7, or all (the default); or, not in all, rht, rht-tf, formats
+# (rht and formats read ../shared/data/models/stories260K-hf: run from the repository's root),
+# health (its own runs, into DIR/health). A part runs alone and trains what it needs; a run
+# already in DIR from the same command is kept, so parts share their runs. CPU only, one torch
+# thread per process, at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it
+# prints each part's key numbers, writes DIR/summary.json and draws DIR/plots/*.png.
 set -euo pipefail
 
 OUT=findings-out
@@ -17,8 +17,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT=$2; shift 2 ;;
         -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-        a|b|c|d|claim[1-7]|rht|rht-tf|health|all) PARTS+=("$1"); shift ;;
-        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht rht-tf health all)" >&2; exit 2 ;;
+        a|b|c|d|claim[1-7]|rht|rht-tf|formats|health|all) PARTS+=("$1"); shift ;;
+        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht rht-tf formats health all)" >&2; exit 2 ;;
     esac
 done
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(all)
@@ -373,6 +373,22 @@ EOF
     drift grad-cosine "$OUT/rht-tf/run/step-000100.safetensors" -p nvfp4 -p te/nvfp4 -p te/nvfp4_recipe -p "$OUT/policies/te_nvfp4_recipe_no_rht.toml" --text "$OUT/rht-tf/story.txt" --tokens 32 --windows 4 --draws 4 --out "$OUT/rht-tf/gc" --overwrite -q
 }
 
+
+# ---------------------------------------------------------------- formats: the formats after OCP
+# error-bias and clip-rate of the 8- and 4-bit casts on stories260K's 47 weight tensors, run in
+# DIR/formats beside a link to the shared checkpoint (so the commands read as the page quotes
+# them). Not a part of all; tests/test_findings_formats.py re-runs the scans and holds the table.
+part_formats() {
+    log "formats: HiFloat8, HiFloat4 and P3109 against E4M3, MXFP4 and NVFP4 on stories260K"
+    mkdir -p "$OUT/formats"
+    ln -sfn "$(pwd)/../shared/data/models/stories260K-hf" "$OUT/formats/stories260K-hf"
+    (
+        cd "$OUT/formats"
+        drift error-bias stories260K-hf/model.safetensors -c fp8_e4m3 -c hifloat8 -c hifloat8:tensor -c binary8p4se:tensor -c mxfp4_e2m1 -c nvfp4 -c binary4p2sf:block32 -c hifloat4 --out scan --overwrite -q
+        drift clip-rate stories260K-hf/model.safetensors -c fp8_e4m3 -c hifloat8 -c hifloat8:tensor -c binary8p4se:tensor -c mxfp4_e2m1 -c nvfp4 -c binary4p2sf:block32 -c hifloat4 --out scan --overwrite -q
+    )
+}
+
 for part in "${PARTS[@]}"; do
     case "$part" in
         a) part_a ;; b) part_b ;; c) part_c ;; d) part_d ;;
@@ -380,6 +396,7 @@ for part in "${PARTS[@]}"; do
         claim5) claim5 ;; claim6) claim6 ;; claim7) claim7 ;; rht) part_rht ;;
         health) part_health ;;
         rht-tf) part_rht_tf ;;
+        formats) part_formats ;;
     esac
 done
 join
@@ -387,7 +404,7 @@ join
 log "summary"
 STUDY_PARTS=()
 for part in "${PARTS[@]}"; do
-    case "$part" in rht|rht-tf|health) ;; *) STUDY_PARTS+=("$part") ;; esac
+    case "$part" in rht|rht-tf|formats|health) ;; *) STUDY_PARTS+=("$part") ;; esac
 done
 [ ${#STUDY_PARTS[@]} -eq 0 ] || "$PY" "$here/findings_summary.py" "$OUT" "$SECONDS" "${STUDY_PARTS[@]}"
 log "done: $OUT/summary.json, $OUT/plots/"

@@ -303,9 +303,9 @@ def test_help_names_every_reader_engine_and_layout() -> None:
             elif param.name == "layout":
                 assert [v for v in Layout if v.value not in param.help] == [], name
                 seen["layout"] += 1
-    # the four scans and block-stats take these inputs; nine commands run on the engines;
-    # the scans and the two quantized-weight commands take --layout
-    assert seen == {"inputs": 5, "engine": 9, "layout": 6}
+    # the four scans and block-stats take these inputs; ten commands run on the engines (health
+    # the tenth); the scans and the two quantized-weight commands take --layout
+    assert seen == {"inputs": 5, "engine": 10, "layout": 6}
 
 
 def test_the_scan_commands_share_one_option_bundle() -> None:

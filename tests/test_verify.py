@@ -251,8 +251,9 @@ def test_every_scale_rule_is_verified(floor2: ScaleRule,
     """Every member, the throwaway one too, has a cast in the blocks suite of every element
     format it runs on; a list of casts that predates a member would miss it, and this sees it."""
     signed = [f.name for f in element_formats() if f.bits <= 8 and f.signed and f.name in FORMATS]
-    # FP8 (4), FP6 (2), FP4, int8, int4, P3109 (3 listed), the elements of HiFloat4, MX6, MX9
-    assert len(signed) == 15
+    # FP8 (4), FP6 (2), FP4, int8, int4, P3109 (3 listed), the elements of HiFloat4, MX6, MX9,
+    # HiFloat8
+    assert len(signed) == 16
     for name in signed:
         assert _rules_checked(name, monkeypatch) == set(ScaleRule), name
     real = blocks.block_casts
