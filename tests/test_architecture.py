@@ -38,7 +38,7 @@ LAYERS = (
     ("records.cast", "records.recipes", "records.presets", "records.castspec", "oracle"),
     ("casts.rounding", "casts.codec"),
     ("casts.scaling", "casts.scalearith", "casts.fouroversix", "casts.hadamard",
-     "casts.microscale"),
+     "casts.microscale", "arith.blockfma", "arith.tensorcores"),
     ("casts.quantization",),
     ("arith",),
     ("io", "engines"),

@@ -18,6 +18,15 @@ leaves unchanged (``(H/4)(H/4)ᵀ = I``).
 The hot loop runs on the kernel seam: numba's ``kernels.rhtcode.rht_kernel`` (through
 :func:`driftcli.kernels.jit.hadamard16`) or torch here, the same bits; its exact twin is
 ``driftcli.oracle.hadamard.hadamard16``.
+
+With ``tc=<core>`` beside ``rht=`` the transform runs as that tensor core's MMA does instead:
+the operands rounded to bfloat16 (nearest even; the kernel reads bfloat16 only, so bfloat16 data
+is unchanged), each output the block-FMA dot product of its group with a column of the matrix
+(:func:`driftcli.arith.blockfma.fma_dot` under the core's unit: terms aligned to the largest,
+cut, summed exactly, rounded once per group into its float32 accumulator toward zero), then
+rounded to bfloat16 as above. Both back-ends are the block-FMA unit's own (numba's
+``kernels.fmacode`` or its torch ops); the exact twin is
+``driftcli.oracle.hadamard.hadamard16_blockfma``.
 """
 
 from __future__ import annotations
@@ -52,9 +61,51 @@ def torch_groups(groups: Tensor, rht: Rht) -> Tensor:
                         Overflow.IEEE, None, DEFAULT_SR_BITS, torch.float32)
 
 
+CORE_INPUTS = "bfloat16"
+"""The operand format of the tensor cores a transform may run on (``tc=``): the kernel's."""
+
+
+def transform_cores() -> list[str]:
+    """The tensor cores ``tc=`` may name beside ``rht=``: those of ``CORES`` whose operands are
+    bfloat16 (their accumulators are float32)."""
+    from driftcli.arith.tensorcores import CORES  # arith's package imports quantize: deferred
+
+    return [name for name, core in CORES.items() if core.inputs == CORE_INPUTS]
+
+
+def _core_problem(rht: Rht) -> str | None:
+    if not rht.core or rht.core in transform_cores():
+        return None
+    return (f"rht={rht}: {rht.core!r} is not a tensor core with {CORE_INPUTS} inputs; "
+            f"choose tc= from {', '.join(transform_cores())} (docs/recipes.md)")
+
+
+def core_groups(groups: Tensor, rht: Rht) -> Tensor:
+    """The transform of each row of ``groups`` (``(n, 16)``, any float dtype) on the tensor
+    core ``rht.core``'s block-FMA unit: float32 values on bfloat16's grid. The back-end is the
+    unit's (:func:`driftcli.arith.blockfma.fma_dot`)."""
+    from driftcli.arith.blockfma import fma_dot  # above casts in arith's package: deferred
+    from driftcli.arith.tensorcores import tensor_core
+
+    if (why := _core_problem(rht)) is not None:
+        raise DriftError(why)
+    core = tensor_core(rht.core)
+    # the MMA reads bfloat16 operands: a wider source is rounded once, as .to(bfloat16) does
+    x = round_values(groups.contiguous(), None, core.input_format, Rounding.RNE, Overflow.IEEE,
+                     None, DEFAULT_SR_BITS, torch.float32)
+    columns = matrix(rht).to(groups.device).T.contiguous()  # row j: the matrix's column j
+    n = x.shape[0]
+    acc = fma_dot(x, columns, core.accumulation(), shape=(1, n, RHT_SIZE))
+    return round_values(acc.float().view(n, RHT_SIZE).contiguous(), None, FORMATS["bfloat16"],
+                        Rounding.RNE, Overflow.IEEE, None, DEFAULT_SR_BITS, torch.float32)
+
+
 def rht_problem(rht: Rht | None, shape: tuple[int, ...], axis: int = -1) -> str | None:
     """Why the transform ``rht`` cannot run on a tensor of ``shape`` along ``axis`` (it needs
-    whole groups of 16 there), or None (also for no transform)."""
+    whole groups of 16 there, and ``tc=`` a tensor core with bfloat16 inputs), or None (also
+    for no transform)."""
+    if rht is not None and (why := _core_problem(rht)) is not None:
+        return why
     if rht is None or (shape and shape[axis] % RHT_SIZE == 0):
         return None
     return (f"rht={rht} transforms groups of {RHT_SIZE} along the block axis; a tensor of "
@@ -70,7 +121,9 @@ def transform(x: Tensor, rht: Rht, axis: int = -1) -> Tensor:
         raise DriftError(why)
     moved = x.detach().movedim(axis, -1).contiguous()
     groups = moved.reshape(-1, RHT_SIZE)
-    if kernels.numba_runs(groups) and groups.dtype in (torch.float32, torch.float64):
+    if rht.core:
+        out = core_groups(groups, rht)
+    elif kernels.numba_runs(groups) and groups.dtype in (torch.float32, torch.float64):
         out = jit.hadamard16(groups, rht.entries())
     else:
         out = torch_groups(groups, rht)

@@ -5,9 +5,11 @@ implementation does, each step exactly. It imports neither torch nor the fast pa
 
 from __future__ import annotations
 
+from driftcli.oracle import blockfma
+from driftcli.oracle.blockfma import Unit
 from driftcli.oracle.rounding import round_exact, total
 from driftcli.oracle.scalearith import ZERO, fl, mul, of64
-from driftcli.records.formats import FORMATS, Exact
+from driftcli.records.formats import FORMATS, Exact, Format
 from driftcli.records.modes import (
     Overflow,
     Rounding,
@@ -25,4 +27,22 @@ def hadamard16(values: list[Exact], entries: tuple[float, ...]) -> list[Exact]:
         for i in range(size):
             acc = fl(total(acc, mul(values[i], of64(entries[i * size + j]))))
         out.append(round_exact(FORMATS["bfloat16"], acc, Rounding.RNE, Overflow.IEEE))
+    return out
+
+
+def hadamard16_blockfma(values: list[Exact], entries: tuple[float, ...], unit: Unit,
+                        inputs: Format, acc: Format, rounding: Rounding) -> list[Exact]:
+    """The transform of one group of 16 on a tensor core (``rht=…,tc=``), exactly: each value
+    rounded to ``inputs`` (nearest even, the MMA's operands), ``y_j`` the block-FMA dot
+    product of the group with column ``j`` of ``entries`` under ``unit`` (every group's result
+    rounded into ``acc`` by ``rounding``, from +0, no promotion: :func:`blockfma.fma_dot`),
+    then rounded to bfloat16 (nearest even)."""
+    size = len(values)
+    operands = [round_exact(inputs, v, Rounding.RNE, Overflow.IEEE) for v in values]
+    out = []
+    for j in range(size):
+        column = [of64(entries[i * size + j]) for i in range(size)]
+        y = blockfma.fma_dot(operands, column, unit, acc, rounding, (inputs.emin, inputs.emin),
+                             FORMATS["float32"])
+        out.append(round_exact(FORMATS["bfloat16"], y, Rounding.RNE, Overflow.IEEE))
     return out

@@ -308,8 +308,15 @@ class Rht:
 
     signs: tuple[int, ...]
     name: str
+    core: str = ""
+    """The tensor core whose block-FMA unit runs the transform (``tc=`` beside ``rht=``, a
+    ``CORES`` name with bfloat16 inputs, checked where the transform runs:
+    :mod:`driftcli.casts.hadamard`), or "" for the float32 sum in order."""
 
     def __post_init__(self) -> None:
+        if self.core and not re.fullmatch(r"[a-z0-9_]{1,64}", self.core):
+            raise CastSpecError(f"rht tc={self.core!r}: name a tensor core with bfloat16 "
+                                "inputs, e.g. tc=h100_bf16_f32 (docs/tensor-cores.md)")
         if self.from_checkpoint and not self.signs:
             return  # resolved per tensor by a scan (driftcli.io.rht_signs)
         if len(self.signs) != RHT_SIZE or any(s not in (1, -1) for s in self.signs):
@@ -317,7 +324,7 @@ class Rht:
                                 f"{self.signs!r}")
 
     def __str__(self) -> str:
-        return self.name
+        return f"{self.name},tc={self.core}" if self.core else self.name
 
     @property
     def from_checkpoint(self) -> bool:

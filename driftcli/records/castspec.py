@@ -17,7 +17,8 @@ Granularity: ``none`` ``tensor`` ``channel`` ``block<k>`` ``tile<k>``. Rule:
 ``two-level``. Scale format: any format name. Rounding: ``rne`` ``rna``
 ``rtz`` ``rup`` ``rdown`` ``sr``. Overflow: ``saturate`` ``ieee``. Transform (a scaled cast
 only, also after a preset: ``nvfp4:rht=te``): ``rht=te`` ``rht=h`` ``rht=signs/<16 of + ->``
-``rht=random/<seed>`` (:class:`~driftcli.records.cast.Rht`). Defaults:
+``rht=random/<seed>`` (:class:`~driftcli.records.cast.Rht`), and beside it ``tc=<tensor core>`` for
+the transform on a tensor core's block-FMA unit (``nvfp4:rht=te,tc=h100_bf16_f32``). Defaults:
 no scaling; with a granularity, ``floor`` for blocks and tiles and ``amax``
 for tensors and channels; the scale format ``float8_e8m0fnu`` for
 power-of-two rules, ``float8_e4m3fn`` for ``two-level``, ``float32`` for the
@@ -73,10 +74,18 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
     for part in parts:
         if "=" in part:
             items = part.split(",")
-            rest = ",".join(i for i in items if not i.startswith("rht="))
+            rest = ",".join(i for i in items if not i.startswith(("rht=", "tc=")))
+            # tc= names the tensor core the rht= of the same part runs on
+            cores = [i.removeprefix("tc=") for i in items if i.startswith("tc=")]
             try:
                 transforms = [Rht.parse(i.removeprefix("rht=")) for i in items
                               if i.startswith("rht=")]
+                if cores and (len(cores) > 1 or len(transforms) != 1):
+                    raise CastSpecError(
+                        f"{part!r}: tc= names the tensor core of the one rht= transform "
+                        "in its part, e.g. nvfp4:rht=te,tc=h100_bf16_f32")
+                transforms = [replace(t, core=cores[0]) for t in transforms] if cores \
+                    else transforms
                 arithmetic = ScaleArithmetic.parse(rest) if rest else None
             except CastSpecError as err:
                 raise CastSpecError(f"cast spec {spec!r}: {err}") from None

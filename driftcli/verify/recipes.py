@@ -10,14 +10,16 @@ from typing import cast
 
 import torch
 
+from driftcli.arith.tensorcores import tensor_core
 from driftcli.casts.hadamard import transform
 from driftcli.casts.quantization import QuantInfo
-from driftcli.oracle.hadamard import hadamard16
+from driftcli.oracle.blockfma import Unit
+from driftcli.oracle.hadamard import hadamard16, hadamard16_blockfma
 from driftcli.oracle.quantization import cast_group
 from driftcli.oracle.scalearith import amax_of
-from driftcli.records.cast import Cast
+from driftcli.records.cast import Cast, Rht
 from driftcli.records.castspec import parse_cast
-from driftcli.records.formats import Exact, Format, Kind
+from driftcli.records.formats import Exact, Format, Kind, get_format
 from driftcli.records.modes import Granularity, ScaleRule
 from driftcli.records.recipes import IMPLEMENTATION_PRESETS
 from driftcli.verify.blocks import blocks_of, constructed_cases, random_blocks
@@ -194,13 +196,27 @@ def cast_info(x: Tensor, c: Cast) -> QuantInfo:
     return cast(QuantInfo, quantize(x, c, return_info=True))
 
 
+def exact_transform(values: list[Exact], rht: Rht) -> list[Exact]:
+    """The exact twin of ``rht`` on flat ``values`` (whole groups of 16): the float32 sum in
+    order, or with ``tc=`` the tensor core's block-FMA unit (its parameters read from
+    ``CORES`` here, as the oracle reads no fast-path module)."""
+    entries = rht.entries()
+    if not rht.core:
+        return [y for i in range(0, len(values), 16) for y in hadamard16(values[i:i + 16], entries)]
+    core = tensor_core(rht.core)
+    u = core.unit
+    unit = Unit(u.size, u.kept_bits, u.min_exp, u.interleave)
+    acc = get_format(core.acc)
+    return [y for i in range(0, len(values), 16)
+            for y in hadamard16_blockfma(values[i:i + 16], entries, unit, core.input_format, acc,
+                                         core.rounding)]
+
+
 def oracle_recipe(case: Tensor, c: Cast) -> tuple[list[Exact], list[Exact]]:
     """The exact values and codes of a whole tensor (flat), group by group."""
     values = [exact_of_float(v) for v in case.flatten().tolist()]
     if c.rht is not None:  # the cast reads the transform of each run of 16 along the last axis
-        entries = c.rht.entries()
-        values = [y for i in range(0, len(values), 16)
-                  for y in hadamard16(values[i:i + 16], entries)]
+        values = exact_transform(values, c.rht)
     s = c.scaling
     tensor_amax = amax_of(values, s.arithmetic.amax)
     out: list[Exact] = list(values)
@@ -264,12 +280,10 @@ def check_transform(fmt: Format, name: str, c: Cast, plan: Plan) -> Outcome:
     the cast's rounding hides still shows here."""
     if c.rht is None:
         raise ValueError(f"{name} has no rht= to check")  # a caller's bug, not user input
-    entries = c.rht.entries()
     out = Outcome(fmt.name, "recipes", f"{name} transform", c.rounding.value, c.overflow.value)
     for case in recipe_cases(fmt, c, plan):
         values = [exact_of_float(v) for v in case.flatten().tolist()]
-        want = torch.tensor([to_float(y) for i in range(0, len(values), 16)
-                             for y in hadamard16(values[i:i + 16], entries)],
+        want = torch.tensor([to_float(y) for y in exact_transform(values, c.rht)],
                             dtype=torch.float64)
         raw = case.flatten().view(torch.int32).tolist()
 
