@@ -81,5 +81,6 @@ def resolve(casts: Sequence[Cast], ref: TensorRef,
             f"select only the layers that have one (--include '*.weight' with --exclude) or "
             "give the signs (rht=te, rht=signs/<16 of + or ->)")
     rht = read_signs(vectors[key])
-    return tuple(replace(c, rht=rht) if c.rht is not None and c.rht.from_checkpoint else c
-                 for c in casts)
+    # the layer's signs, on the tensor core the spec named (tc=), if any
+    return tuple(replace(c, rht=replace(rht, core=c.rht.core))
+                 if c.rht is not None and c.rht.from_checkpoint else c for c in casts)

@@ -115,18 +115,37 @@ def row_scaled_case() -> Tensor:
                          [0.5, -0.25] + [2.0**-20] * 30])
 
 
+TC_HEADS: tuple[tuple[float, ...], ...] = (
+    (1.0, 3 * 2.0**-8, -(2.0**-25)) + (0.0,) * 13,
+    (1.0, 2.0**-8) + (2.0**-25,) * 14,
+    (2.0**20, -(2.0**20), 2.0**-30, 2.0**-31) + (0.0,) * 12,
+    (2.0**-135,) * 15 + (3 * 2.0**-135,),
+    (1.0, -(2.0**-24)) * 8,
+)
+"""Groups (as the ``v_i`` of :func:`rht_cases`, every ``x_i`` a bfloat16 value) that part a
+tensor core's transform (``tc=``) from the float32 sum in order and its units from each other:
+1 + 3·2**-8 (a bfloat16 tie whose even neighbour is above) less 2**-25, rounded toward zero
+into float32 where the unit keeps 25 bits (1 + 2**-7), to the tie where it keeps 24 or adds in
+order (1 + 2**-6); 1 + 2**-8 and fourteen 2**-25, past the tie where all are kept; a
+cancellation of 2**20 that leaves terms the unit has cut; bfloat16's smallest subnormals;
+alternating terms 24 binades apart."""
+
+
 def rht_cases(c: Cast, plan: Plan) -> list[Tensor]:
     """Groups that part the random Hadamard transform's roundings (each a tensor, its values
     ``4 · s_i · v_i`` so that column 0 sums the ``v_i``): a bfloat16 tie that the order of the
     float32 sum decides (1 + 2**-8 and fifteen terms below half an ulp: 1.0 in order, 1 + 2**-7
     summed exactly), products below float32's subnormals, a sum past float32's max, inf, -inf
-    and NaN, exact cancellation; and seeded groups whose binades spread over 80."""
+    and NaN, exact cancellation; with ``tc=`` also :data:`TC_HEADS`; and seeded groups whose
+    binades spread over 80."""
     if c.rht is None:
         return []
     signs = torch.tensor(c.rht.signs, dtype=torch.float64)
     heads = [[1 + 2.0**-8] + [2.0**-25] * 15, [2.0**-150] * 16, [2.0**-149, -(2.0**-150)] * 8,
              [3.0e38] * 16, [1.0, float("inf")] + [0.5] * 14, [float("inf"), float("-inf")] * 8,
              [1.0, float("nan")] + [2.0] * 14, [1.0, -1.0] * 8, [2.0**24, 1.0, 1.0] + [0.5] * 13]
+    if c.rht.core:  # a tensor core's transform: its own partings too
+        heads += [list(h) for h in TC_HEADS]
     out = [(signs * torch.tensor(h, dtype=torch.float64) * 4).float() for h in heads]
     gen = torch.Generator().manual_seed(plan.seed + 23)
     n = 8 if plan.quick else 64
