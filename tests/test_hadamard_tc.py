@@ -213,8 +213,9 @@ def test_recipes_md_counts_on_stories260k() -> None:
             changed[core] = (v + dv, q + dq)
     assert (tensors, total) == (31, 204_288)
     assert changed == {H100: (0, 0), A100: (0, 0)}
+    section = _doc_section()
     assert ("31 weight tensors whose rows are whole groups of 16 (204,288 elements, rounded "
-            "to bfloat16)") in _doc_section()
+            "to bfloat16") in section and "NVFP4 code against `rht=te` (0 and 0)" in section
 
 
 def test_recipes_md_counts_on_a_seeded_tensor() -> None:
@@ -226,3 +227,20 @@ def test_recipes_md_counts_on_a_seeded_tensor() -> None:
     assert _changed(x, H100) == (8, 0) and _changed(x, A100) == (10, 0)
     assert ("8 of the 262,144 transformed values on `h100_bf16_f32` and 10 on "
             "`a100_bf16_f32`, and 0 codes") in _doc_section()
+
+
+def test_recipes_md_lists_the_cores_of_cores() -> None:
+    """The table of tc= values in docs/recipes.md: every bfloat16 core of CORES once, each
+    row's unit (products, bits kept, floor) its cores' own."""
+    rows = [line for line in DOC.read_text(encoding="utf-8").splitlines()
+            if line.startswith("| `") and "_bf16_f32`" in line]
+    listed: list[str] = []
+    for row in rows:
+        names = re.findall(r"`(\w+_bf16_f32)`", row)
+        size, kept, floor = (int(n) for n in re.findall(r"\d+", row.split("|")[2]
+                                                         .replace("\u2212", "-")))
+        for name in names:
+            unit = CORES[name].unit
+            assert (unit.size, unit.kept_bits, -unit.min_exp) == (size, kept, floor), name
+        listed += names
+    assert sorted(listed) == sorted(hadamard.transform_cores())
