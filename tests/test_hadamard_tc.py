@@ -244,3 +244,20 @@ def test_recipes_md_lists_the_cores_of_cores() -> None:
             assert (unit.size, unit.kept_bits, -unit.min_exp) == (size, kept, floor), name
         listed += names
     assert sorted(listed) == sorted(hadamard.transform_cores())
+
+
+def test_a_wider_source_is_rounded_once_to_bfloat16_operands() -> None:
+    """A float64 1 + 2**-8 + 2**-30 is past a bfloat16 tie: the operand is 1 + 2**-7 when
+    rounded once (as .to(torch.bfloat16) does), 1.0 through float32 (where 2**-30 is lost and
+    the tie goes to even); on both back-ends and in the twin, and a bfloat16 source is read
+    as it is."""
+    r = parse_cast(f"nvfp4:rht=h,tc={H100}").rht
+    assert r is not None
+    x = torch.zeros(1, 16, dtype=torch.float64)
+    x[0, 0] = 1 + 2.0**-8 + 2.0**-30
+    for got in _both(hadamard.transform, x, r):  # rht=h: every output is x_0 / 4
+        assert torch.equal(got, torch.full((1, 16), (1 + 2.0**-7) / 4))
+    assert torch.equal(_oracle(x, r).float(), torch.full((1, 16), (1 + 2.0**-7) / 4))
+    assert torch.equal(hadamard.transform(x.float(), r), torch.full((1, 16), 0.25))
+    y = x.bfloat16()
+    assert torch.equal(hadamard.transform(y, r), hadamard.transform(y.float(), r))
