@@ -14,12 +14,14 @@ import pytest
 import torch
 from recipe_data import differences, requires_stories, stories_weights
 from safetensors.torch import save_file
+from typer.testing import CliRunner
 
 from driftcli.arith.blockfma import Accumulation, FMAUnit
 from driftcli.arith.tensorcores import CORES, TensorCore
 from driftcli.casts import hadamard
 from driftcli.casts.quantization import quantize
-from driftcli.errors import CastSpecError, DriftError
+from driftcli.cli import app
+from driftcli.errors import CastSpecError
 from driftcli.kernels import jit
 from driftcli.measures.scan import ScanOptions, scan
 from driftcli.records.cast import TE_SIGNS, Rht
@@ -79,11 +81,23 @@ def test_the_key_round_trips_and_refuses_what_it_cannot_mean() -> None:
     assert all(CORES[n].acc == "float32" for n in hadamard.transform_cores())
     fp8 = parse_cast("nvfp4:rht=te,tc=h100_e4m3_f32")  # a name, checked where it runs
     assert fp8.rht is not None
-    with pytest.raises(DriftError, match="not a tensor core with bfloat16 inputs; choose tc= "
-                                         "from a100_bf16_f32, ada_bf16_f32"):
+    hadamard.check_core(c.rht)
+    with pytest.raises(CastSpecError, match="not a tensor core with bfloat16 inputs; choose "
+                                            "tc= from a100_bf16_f32, ada_bf16_f32"):
         quantize(torch.ones(2, 16), fp8)
-    assert "bfloat16 inputs" in str(hadamard.rht_problem(fp8.rht, (2, 16)))
-    assert hadamard.rht_problem(c.rht, (2, 16)) is None
+
+
+def test_a_scan_refuses_a_core_it_cannot_run_before_reading(tmp_path: Path) -> None:
+    """One line, exit 2, from the command; no error row per tensor."""
+    path = tmp_path / "m.safetensors"
+    save_file({"l.weight": torch.ones(4, 16)}, str(path))
+    with pytest.raises(CastSpecError, match="'h100_e4m3_f32' is not a tensor core"):
+        scan([path], ["nvfp4", "nvfp4:rht=te,tc=h100_e4m3_f32"])
+    res = CliRunner().invoke(app, ["clip-rate", str(path), "-c", "nvfp4:rht=h,tc=v100_fp16_f32",
+                                   "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert "'v100_fp16_f32' is not a tensor core with bfloat16 inputs" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(("core", "signs"), [(H100, "te"), (A100, "random/7")])

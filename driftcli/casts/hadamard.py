@@ -35,7 +35,7 @@ import torch
 
 from driftcli import kernels
 from driftcli.casts.rounding import round_values
-from driftcli.errors import DriftError
+from driftcli.errors import CastSpecError, DriftError
 from driftcli.kernels import jit
 from driftcli.records.cast import RHT_SIZE, Cast, Rht
 from driftcli.records.formats import FORMATS
@@ -73,11 +73,15 @@ def transform_cores() -> list[str]:
     return [name for name, core in CORES.items() if core.inputs == CORE_INPUTS]
 
 
-def _core_problem(rht: Rht) -> str | None:
-    if not rht.core or rht.core in transform_cores():
-        return None
-    return (f"rht={rht}: {rht.core!r} is not a tensor core with {CORE_INPUTS} inputs; "
-            f"choose tc= from {', '.join(transform_cores())} (docs/recipes.md)")
+def check_core(rht: Rht | None) -> None:
+    """Refuse (:class:`CastSpecError`, exit 2) a ``tc=`` that names no tensor core with
+    bfloat16 inputs: the spec grammar cannot (it reads no ``CORES``), so a command checks its
+    casts here before it reads anything."""
+    if rht is None or not rht.core or rht.core in transform_cores():
+        return
+    raise CastSpecError(f"rht={rht}: {rht.core!r} is not a tensor core with {CORE_INPUTS} "
+                        f"inputs; choose tc= from {', '.join(transform_cores())} "
+                        "(docs/recipes.md)")
 
 
 def core_groups(groups: Tensor, rht: Rht) -> Tensor:
@@ -87,8 +91,7 @@ def core_groups(groups: Tensor, rht: Rht) -> Tensor:
     from driftcli.arith.blockfma import fma_dot  # above casts in arith's package: deferred
     from driftcli.arith.tensorcores import tensor_core
 
-    if (why := _core_problem(rht)) is not None:
-        raise DriftError(why)
+    check_core(rht)
     core = tensor_core(rht.core)
     # the MMA reads bfloat16 operands: a wider source is rounded once, as .to(bfloat16) does
     x = round_values(groups.contiguous(), None, core.input_format, Rounding.RNE, Overflow.IEEE,
@@ -102,10 +105,7 @@ def core_groups(groups: Tensor, rht: Rht) -> Tensor:
 
 def rht_problem(rht: Rht | None, shape: tuple[int, ...], axis: int = -1) -> str | None:
     """Why the transform ``rht`` cannot run on a tensor of ``shape`` along ``axis`` (it needs
-    whole groups of 16 there, and ``tc=`` a tensor core with bfloat16 inputs), or None (also
-    for no transform)."""
-    if rht is not None and (why := _core_problem(rht)) is not None:
-        return why
+    whole groups of 16 there), or None (also for no transform)."""
     if rht is None or (shape and shape[axis] % RHT_SIZE == 0):
         return None
     return (f"rht={rht} transforms groups of {RHT_SIZE} along the block axis; a tensor of "

@@ -24,7 +24,7 @@ from typing import cast
 import torch
 
 from driftcli import engines
-from driftcli.casts.hadamard import rht_problem, transformed
+from driftcli.casts.hadamard import check_core, rht_problem, transformed
 from driftcli.casts.quantization import working_dtype
 from driftcli.choices import Device, Engine
 from driftcli.engines import Execution
@@ -425,6 +425,8 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
         raise DriftError(f"--draws must be at least 1, not {options.draws}")
     _check_device(options.device)
     parsed = tuple(parse_cast(c) for c in casts)
+    for c in parsed:  # tc= beside rht= names a tensor core: refused before anything is read
+        check_core(c.rht)
     opened = [(str(p), open_inputs([p], include, exclude, layout)) for p in paths]
     empty = {inp: why for inp, inputs in opened if (why := nothing_to_measure(inp, inputs))}
     if len(empty) == len(opened):
