@@ -302,7 +302,8 @@ def _splitmix64(state: int) -> int:
 class Rht:
     """A 16-point random Hadamard transform applied before a cast, along the block axis:
     each group of 16 elements ``x`` becomes ``y_j = rn_bf16(sum_i x_i · s_i · H16[i][j] / 4)``,
-    the sum in float32 from i = 0 (docs/recipes.md#random-hadamard-transform). ``signs`` are the
+    the sum in float32 from i = 0, or on the tensor core ``core`` names
+    (docs/recipes.md#random-hadamard-transform). ``signs`` are the
     16 ``s_i``; ``name`` is how the spec writes them (``te``, ``h``, ``signs/…``,
     ``random/<seed>``)."""
 
