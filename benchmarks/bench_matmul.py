@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 import driftcli
-from driftcli.arith import MatmulSpec, matmul, matmul_spec
+from driftcli.arith.matmul import MatmulSpec, matmul, matmul_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_casts import PATHS, interleaved, machine, path_run, same_bits, set_malloc, set_path

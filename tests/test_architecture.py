@@ -32,7 +32,7 @@ def test_the_public_api_is_not_shadowed_by_a_submodule() -> None:
 
 
 LAYERS = (
-    ("errors", "_version", "lazy", "records", "casts"),
+    ("errors", "_version", "lazy", "records", "casts", "arith"),
     ("records.formats", "records.tapered", "records.modes", "choices", "text", "escaping",
      "kernels", "casts.twosum", "memory", "progress"),
     ("records.cast", "records.recipes", "records.presets", "records.castspec", "oracle"),
@@ -40,7 +40,8 @@ LAYERS = (
     ("casts.scaling", "casts.scalearith", "casts.fouroversix", "casts.hadamard",
      "casts.microscale", "arith.blockfma", "arith.tensorcores"),
     ("casts.quantization",),
-    ("arith",),
+    ("arith.autograd", "arith.exact", "arith.intercept", "arith.matmul", "arith.matmulspec",
+     "arith.mode", "arith.policy", "arith.recipe_policies"),
     ("io", "engines"),
     ("models",),
     ("measures", "verify"),
@@ -65,8 +66,33 @@ def _module_imports() -> dict[str, set[str]]:
         assert spec is not None and spec.origin is not None
         path = Path(spec.origin)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        edges[name] = _imports_in(path.read_text(encoding="utf-8"), package, names) - {name}
+        found = _imports_in(path.read_text(encoding="utf-8"), package, names)
+        edges[name] = (found | _packages_run(found, name, names)) - {name}
     return edges
+
+
+def _packages_run(found: set[str], importer: str, names: set[str]) -> set[str]:
+    """The packages whose ``__init__`` importing ``found`` runs: ``arith.blockfma`` runs
+    ``arith/__init__``, an edge to whatever that imports. Not the importer's own packages,
+    which run before it does."""
+    run = set()
+    for target in found:
+        parts = target.split(".")
+        for k in range(2, len(parts)):
+            package = ".".join(parts[:k])
+            if package in names and not importer.startswith(package + "."):
+                run.add(package)
+    return run
+
+
+def test_importing_a_module_runs_its_packages() -> None:
+    """The checker's planted case: importing ``arith.blockfma`` from ``casts.hadamard`` runs
+    ``arith/__init__`` (an edge), while ``arith.matmul`` importing ``arith.blockfma`` does not
+    run its own package again."""
+    names = {"driftcli.arith", "driftcli.arith.blockfma", "driftcli.casts"}
+    assert _packages_run({"driftcli.arith.blockfma"}, "driftcli.casts.hadamard", names) == {
+        "driftcli.arith"}
+    assert _packages_run({"driftcli.arith.blockfma"}, "driftcli.arith.matmul", names) == set()
 
 
 def _imports_in(source: str, package: str, names: set[str]) -> set[str]:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from driftcli.arith import MatmulSpec, parse_matmul_spec
 from driftcli.arith.blockfma import NO_FLOOR
+from driftcli.arith.matmul import MatmulSpec, parse_matmul_spec
 from driftcli.cli import app
 from driftcli.measures import calibrate as cb
 from driftcli.records.formats import Format

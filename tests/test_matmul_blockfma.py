@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from driftcli.arith import MatmulSpecError, matmul, matmul_spec, parse_matmul_spec
 from driftcli.arith.blockfma import Accumulation, FMAUnit, fma_dot, parse_unit
+from driftcli.arith.matmul import MatmulSpecError, matmul, matmul_spec, parse_matmul_spec
 from driftcli.arith.tensorcores import CORES
 from driftcli.casts.rounding import round_to_format
 from driftcli.kernels import jit

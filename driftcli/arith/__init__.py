@@ -1,21 +1,5 @@
-"""Simulated arithmetic: matmuls whose casts, products, accumulator and order are settings."""
+"""Simulated arithmetic: matmuls whose casts, products, accumulator and order are settings.
 
-from driftcli.arith.matmul import (
-    MatmulSpec,
-    MatmulSpecError,
-    Order,
-    ScaleApplication,
-    matmul,
-    matmul_spec,
-    parse_matmul_spec,
-)
-
-__all__ = [
-    "MatmulSpec",
-    "MatmulSpecError",
-    "Order",
-    "ScaleApplication",
-    "matmul",
-    "matmul_spec",
-    "parse_matmul_spec",
-]
+The package is empty on purpose: importing one of its modules (``arith.blockfma``, which the
+Hadamard transform's ``tc=`` reads from a lower layer) must not import the others.
+"""

@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 
 from driftcli import kernels
+from driftcli.arith.blockfma import fma_dot
+from driftcli.arith.tensorcores import CORES, tensor_core
 from driftcli.casts.rounding import round_values
 from driftcli.errors import CastSpecError, DriftError
 from driftcli.kernels import jit
@@ -68,8 +70,6 @@ CORE_INPUTS = "bfloat16"
 def transform_cores() -> list[str]:
     """The tensor cores ``tc=`` may name beside ``rht=``: those of ``CORES`` whose operands are
     bfloat16 (their accumulators are float32)."""
-    from driftcli.arith.tensorcores import CORES  # arith's package imports quantize: deferred
-
     return [name for name, core in CORES.items() if core.inputs == CORE_INPUTS]
 
 
@@ -88,9 +88,6 @@ def core_groups(groups: Tensor, rht: Rht) -> Tensor:
     """The transform of each row of ``groups`` (``(n, 16)``, any float dtype) on the tensor
     core ``rht.core``'s block-FMA unit: float32 values on bfloat16's grid. The back-end is the
     unit's (:func:`driftcli.arith.blockfma.fma_dot`)."""
-    from driftcli.arith.blockfma import fma_dot  # above casts in arith's package: deferred
-    from driftcli.arith.tensorcores import tensor_core
-
     check_core(rht)
     core = tensor_core(rht.core)
     # the MMA reads bfloat16 operands: a wider source is rounded once, as .to(bfloat16) does

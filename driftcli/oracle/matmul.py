@@ -102,7 +102,7 @@ def dot(terms: list[Exact], order: str, fmt: Format, rounding: Rounding, chunk: 
         master: Format | None = None) -> Exact:
     """The accumulated sum of ``terms`` in ``order``: ``sequential``, ``pairwise`` or
     ``chunked`` (with ``chunk`` and the ``master`` format). ``order`` is a
-    :class:`driftcli.arith.Order` value; ``native`` has no reference of its own (see
+    :class:`driftcli.arith.matmul.Order` value; ``native`` has no reference of its own (see
     docs/arithmetic.md) and is rejected here."""
     if order == "sequential":
         return sequential(terms, fmt, rounding)

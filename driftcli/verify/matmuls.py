@@ -11,9 +11,8 @@ from typing import cast
 import torch
 
 from driftcli import oracle
-from driftcli.arith import MatmulSpec, Order, matmul, matmul_spec
 from driftcli.arith.blockfma import FMAUnit
-from driftcli.arith.matmul import input_emin
+from driftcli.arith.matmul import MatmulSpec, Order, input_emin, matmul, matmul_spec
 from driftcli.records.cast import Cast
 from driftcli.records.formats import FORMATS, Exact, Format
 from driftcli.records.modes import Rounding
