@@ -56,7 +56,7 @@ def health_command(
     state_layout: Annotated[str | None, typer.Option(
         metavar="LAYOUT",
         help="Quantized layout of Adam's moments for the optimizer-state columns: "
-             "torchao-8bit, torchao-4bit or torchao-fp8.")] = None,
+             "torchao-8bit, torchao-4bit, torchao-fp8 or ms-amp.")] = None,
     window: Annotated[int, typer.Option(
         metavar="N", min=1, help="Intervals between checkpoints the oscillation spans.")] = 8,
     checkpoints: Annotated[str, typer.Option(

@@ -30,9 +30,9 @@ parameter and over all of them (``parameter = "*"``), at every checkpoint after 
   of elements whose ratio is 16 or more (``oscillating_share``; an element whose quantized
   value moved while the master did not counts), and the mean number of code flips.
 - **optimizer state** (``state_layout``): the run's float32 Adam moments under one of
-  torchao's quantized layouts (:mod:`driftcli.runs.optstate`): second moments stored as 0 at
-  every checkpoint; over one-step intervals, the EMA updates that round back to the stored
-  value and the cosine of the update the layout takes against the exact one.
+  torchao's or MS-AMP's quantized layouts (:mod:`driftcli.runs.optstate`): second moments
+  stored as 0 at every checkpoint; over one-step intervals, the EMA updates that round back
+  to the stored value and the cosine of the update the layout takes against the exact one.
 
 The checkpoints run in units of :data:`CHUNK` on an engine (:mod:`driftcli.engines`), each
 unit reading the checkpoints before its first that its counts need.
