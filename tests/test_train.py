@@ -116,6 +116,42 @@ def test_checkpoint_state_rebuilds_the_run(text: Path, tmp_path: Path) -> None:
     assert run_json["steps_done"] == 5 and run_json["checkpoints"] == ["step-000005.safetensors"]
 
 
+def test_storage_rounds_the_weights_after_every_step(text: Path, tmp_path: Path) -> None:
+    """--storage float16: every checkpoint's weights are float16 values (initialisation
+    included) while the AdamW moments stay float32; the setting is recorded where probe and
+    health read it and is their default storage. The float32 run of the same settings holds
+    weights float16 cannot (the check would catch a storage that rounds nothing)."""
+    args = ("--steps", "4", "--checkpoint-every", "2", "--log-every", "0")
+    half = trained(tmp_path / "half", text, *args, "--storage", "float16")
+    plain = trained(tmp_path / "plain", text, *args)
+
+    def off_grid(t: torch.Tensor) -> int:
+        return int((t.half().float() != t).sum())
+
+    for step in (0, 2, 4):
+        ck = load_checkpoint(half / f"step-{step:06d}.safetensors")
+        assert all(off_grid(p.detach()) == 0 for p in ck.model.parameters()), step
+        assert ck.state["train"]["storage"] == "float16"
+        theirs = load_checkpoint(plain / f"step-{step:06d}.safetensors")
+        assert sum(off_grid(p.detach()) for p in theirs.model.parameters()) > 1000, step
+        if step:
+            assert sum(off_grid(m) for m in ck.optimizer["exp_avg"].values()) > 1000
+    frame, prov = read_table(half / "train.parquet")
+    assert prov["train"]["storage"] == "float16" and (frame.update_norm > 0).all()
+    assert json.loads((half / "run.json").read_text())["config"]["storage"] == "float16"
+    assert {r.storage for r in probe(half, ["exact"])} == {"float16"}
+    assert {r.storage for r in probe(plain, ["exact"])} == {"bfloat16"}
+    assert {r.storage for r in probe(half, ["exact"], storage="float32")} == {"float32"}
+    from driftcli.runs.health import health
+
+    frozen = {r.step: r.frozen_share for r in health(half) if r.parameter == "*"}
+    assert frozen[0] is None and all(0 < frozen[s] < 1 for s in (2, 4))  # type: ignore[operator]
+    _one_line_error(*drift("train", "--out", tmp_path / "x", "--text", text, "--storage",
+                           "float8")[::2], "float8")
+    with pytest.raises(ValueError, match="storage format"):
+        TrainConfig(storage="float8")  # type: ignore[arg-type]
+
+
 def test_divergence_is_recorded_and_stops_the_run(text: Path, tmp_path: Path) -> None:
     run = trained(tmp_path / "run", text, "--steps", "40", "--lr", "1000", "--checkpoint-every",
                   "1")

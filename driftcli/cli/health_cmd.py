@@ -42,8 +42,9 @@ def health_command(
         metavar="RUN", exists=True, file_okay=False,
         help="A high-precision run of the same steps whose trajectory predicts the freeze "
              "(default: RUN's own).")] = None,
-    storage: Annotated[Storage, typer.Option(
-        help="Format the weights are stored in, for the freeze columns.")] = Storage.BFLOAT16,
+    storage: Annotated[Storage | None, typer.Option(
+        help="Format the weights are stored in, for the freeze columns (default: the run's "
+             "--storage when bfloat16 or float16, else bfloat16).")] = None,
     threshold: Annotated[float, typer.Option(
         metavar="SHARE", help="The frozen share a parameter's freeze step waits for.")] = 0.5,
     cast: Annotated[str | None, typer.Option(
@@ -55,7 +56,7 @@ def health_command(
     state_layout: Annotated[str | None, typer.Option(
         metavar="LAYOUT",
         help="Quantized layout of Adam's moments for the optimizer-state columns: "
-             "torchao-8bit, torchao-4bit or torchao-fp8.")] = None,
+             "torchao-8bit, torchao-4bit, torchao-fp8 or ms-amp.")] = None,
     window: Annotated[int, typer.Option(
         metavar="N", min=1, help="Intervals between checkpoints the oscillation spans.")] = 8,
     checkpoints: Annotated[str, typer.Option(
@@ -106,7 +107,8 @@ def health_command(
         if reference is not None:
             files += list(dict.fromkeys(reference / r.checkpoint for r in rows))
         prov = table_provenance(files, run_on, seed=seed, extra={
-            "storage": storage.value, "reference": None if reference is None else str(reference),
+            "storage": rows[0].storage if rows else None,
+            "reference": None if reference is None else str(reference),
             "threshold": threshold, "cast": cast, "grad_cast": grad_cast, "window": window,
             "state_layout": state_layout,
             "checkpoints": checkpoints})
@@ -123,7 +125,8 @@ def health_command(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=esc(f"health: {run} (all parameters; freeze in {storage.value})"))
+    stored_in = rows[0].storage if rows else "-"
+    table = Table(title=esc(f"health: {run} (all parameters; freeze in {stored_in})"))
     for col in ("step", "frozen", "predicted", "gnr", "gnr < √3", "oscillating",
                 "flips/elem", "m stale", "v stale", "v → 0", "update cos"):
         table.add_column(col, justify="right")

@@ -159,6 +159,9 @@ def train_command(
     measure_cast: Annotated[str | None, typer.Option(
         metavar="SPEC", help="Log operand rates under this cast instead of the policy's own.")
     ] = None,
+    storage: Annotated[Storage, typer.Option(
+        help="Format the weights are stored in: rounded to it after every step (the "
+             "optimizer's state stays float32).")] = Storage.FLOAT32,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace a run already in the folder.")] = False,
     quiet: Quiet = False,
@@ -181,7 +184,7 @@ def train_command(
         lr=DEFAULT_LR[optimizer] if lr is None else lr, schedule=schedule, warmup=warmup,
         optimizer=optimizer, weight_decay=weight_decay, checkpoint_every=checkpoint_every,
         log_every=log_every, eval_every=eval_every, diverge_factor=diverge_factor,
-        threads=threads, measure_cast=measure_cast)
+        threads=threads, measure_cast=measure_cast, storage=storage)
     get_policy(policy)  # fail now, not after loading the text
     check_writable(out)
     with progress_bar(f"train {out.name}", Bar.ITEMS, quiet) as advance:
@@ -271,9 +274,9 @@ def probe_command(
         metavar="S", min=0, help="Seed of the first draw (draw d uses S + d).")] = 0,
     checkpoints: Annotated[str, typer.Option(
         metavar="GLOB", help="Which checkpoints of the run.")] = CHECKPOINTS,
-    storage: Annotated[Storage, typer.Option(
-        help="Format the weights are stored in, for the update-freeze share.")] = (
-        Storage.BFLOAT16),
+    storage: Annotated[Storage | None, typer.Option(
+        help="Format the weights are stored in, for the update-freeze share (default: the "
+             "run's --storage when bfloat16 or float16, else bfloat16).")] = None,
     batch: Annotated[int | None, typer.Option(
         metavar="N", min=1, help="Windows in the probe batch (default: the run's batch).")
     ] = None,
@@ -323,7 +326,8 @@ def probe_command(
                          progress=advance, execution=run_on)
         files = list(dict.fromkeys(run / r.checkpoint for r in rows))  # in step order
         prov = table_provenance(files, run_on, seed=seed, extra={
-            "policies": policy, "draws": draws, "storage": storage.value,
+            "policies": policy, "draws": draws,
+            "storage": rows[0].storage if rows else None,
             "checkpoints": checkpoints})
         path = write_kept(probe_table, ProbeRow, rows, prov, kept)
         attention = probe_attention(run, resolved, seed=seed, checkpoints=checkpoints,
@@ -339,7 +343,7 @@ def probe_command(
                                         "freeze_share")} for r in totals]}, indent=2))
     elif not quiet:
         table = Table(title=esc(f"probe: {run} (all parameters; freeze share in "
-                                f"{storage.value})"))
+                                f"{totals[0].storage if totals else '-'})"))
         for col in ("step", "policy", "cosine", "retention", "E[ĝ] cosine", "loss",
                     "freeze share"):
             table.add_column(col, justify="left" if col == "policy" else "right")

@@ -14,8 +14,10 @@ parameter and over all of them (``parameter = "*"``), at every checkpoint after 
   with ``w_s`` the weight in storage: :func:`driftcli.runs.probe.update_lost`, the rule
   ``drift probe`` counts its freeze share with. The trajectory is the run's own, or a
   ``reference`` run's (a float32 run of the same settings, against a run stored in
-  bfloat16). Per parameter, ``freeze_step`` and ``predicted_freeze_step`` are the first
-  steps whose shares reach ``threshold``.
+  bfloat16, ``drift train --storage bfloat16``). The storage format is by default the run's
+  own when it stores its weights in bfloat16 or float16, else bfloat16
+  (:func:`driftcli.runs.probe.freeze_storage`). Per parameter, ``freeze_step`` and
+  ``predicted_freeze_step`` are the first steps whose shares reach ``threshold``.
 - **gradient-to-noise ratio** ("FP4 All the Way"): ‖g‖ / ‖Q(g) − g‖ of the parameter's
   gradient g under the cast ``grad_cast`` (blocked along the last axis), from drift's own
   backward on the run's probe batch (:func:`driftcli.runs.probe.probe_batch`) at the
@@ -28,9 +30,9 @@ parameter and over all of them (``parameter = "*"``), at every checkpoint after 
   of elements whose ratio is 16 or more (``oscillating_share``; an element whose quantized
   value moved while the master did not counts), and the mean number of code flips.
 - **optimizer state** (``state_layout``): the run's float32 Adam moments under one of
-  torchao's quantized layouts (:mod:`driftcli.runs.optstate`): second moments stored as 0 at
-  every checkpoint; over one-step intervals, the EMA updates that round back to the stored
-  value and the cosine of the update the layout takes against the exact one.
+  torchao's or MS-AMP's quantized layouts (:mod:`driftcli.runs.optstate`): second moments
+  stored as 0 at every checkpoint; over one-step intervals, the EMA updates that round back
+  to the stored value and the cosine of the update the layout takes against the exact one.
 
 The checkpoints run in units of :data:`CHUNK` on an engine (:mod:`driftcli.engines`), each
 unit reading the checkpoints before its first that its counts need.
@@ -65,7 +67,13 @@ from driftcli.records.cast import Cast
 from driftcli.records.castspec import parse_cast
 from driftcli.records.modes import Rounding
 from driftcli.runs.optstate import StateCounts, StateLayout, quantized, state_counts
-from driftcli.runs.probe import probe_batch, probe_corpus, run_checkpoints, update_lost
+from driftcli.runs.probe import (
+    freeze_storage,
+    probe_batch,
+    probe_corpus,
+    run_checkpoints,
+    update_lost,
+)
 from driftcli.runs.training import deterministic
 
 Tensor = torch.Tensor
@@ -393,7 +401,7 @@ def health_unit(unit: HealthUnit) -> list[_Point]:
     return out
 
 
-def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
+def health(run: str | Path, *, storage: Storage | str | None = None,
            reference: str | Path | None = None, threshold: float = 0.5,
            cast: Cast | str | None = None, grad_cast: Cast | str | None = None,
            window: int = 8, windows: int | None = None, text: str | Path | None = None,
@@ -410,15 +418,15 @@ def health(run: str | Path, *, storage: Storage | str = Storage.BFLOAT16,
         raise HealthError(f"threshold must be a share in (0, 1], not {threshold}")
     if window < 1:
         raise HealthError(f"window must be at least 1 interval, not {window}")
+    folder = Path(run)
+    paths = run_checkpoints(folder, checkpoints)
     settings = HealthSettings(
-        parse_choice(Storage, storage, "storage format"), threshold,
+        freeze_storage(paths, storage), threshold,
         None if cast is None else parse_cast(cast),
         None if grad_cast is None else parse_cast(grad_cast), window, windows,
         None if text is None else str(Path(text).resolve()), seed, threads,
         None if state_layout is None else parse_choice(StateLayout, state_layout,
                                                        "optimizer-state layout"))
-    folder = Path(run)
-    paths = run_checkpoints(folder, checkpoints)
     steps = [int(read_info(p)[1].get("step", 0)) for p in paths]
     ref = _reference_paths(folder, reference, checkpoints, steps)
     mine = tuple(str(p.resolve()) for p in paths)

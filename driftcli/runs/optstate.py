@@ -1,8 +1,8 @@
 """Adam's moments under a quantized optimizer-state layout: what ``drift health`` measures of
 them at a checkpoint and between two checkpoints of a run.
 
-Three layouts, torchao's low-bit Adam states (``torchao.optim``, pytorch/ao; line numbers of
-torchao 0.18.0 as installed; the 8-bit files were first read at the commits named):
+Four layouts. Three are torchao's low-bit Adam states (``torchao.optim``, pytorch/ao; line
+numbers of torchao 0.18.0 as installed; the 8-bit files were first read at the commits named):
 
 - ``torchao-8bit`` (``AdamW8bit``; after Dettmers et al., "8-bit Optimizers via Block-wise
   Quantization", arXiv 2110.02861): ``torchao/optim/quant_utils.py`` at 173b31e, lines 11-61:
@@ -30,8 +30,40 @@ more, a whole number of blocks, is quantized (the others stay float32, as bitsan
 lines 190-204: each step's moments are ``lerp(dequantized state, g, 1 − β)`` in float32, the
 weights are updated from those, and then they are quantized again.
 
+And MS-AMP's (Azure/MS-AMP at 9746ea8, ``LBAdamW``; Peng et al., "FP8-LM", arXiv 2310.18313):
+
+- ``ms-amp``: ``msamp/optim/adamw.py`` lines 90-92: ``exp_avg`` in FP8 E4M3 (``torch.uint8``,
+  ``msamp/common/dtype/dtypes.py`` lines 9 and 38-43) and ``exp_avg_sq`` in float16, each
+  with one scale per tensor (``tensor_scale=True``), every tensor whatever its size
+  (``adamw_base.py`` lines 191-204). The scale (``adamw.py`` lines 176-184 with
+  ``msamp/common/tensor/meta.py`` lines 39-56, margin 0): ``sf = 2**floor(log2(fp_max /
+  amax))`` of the tensor's new absolute maximum (``fp_max`` 448 and 65504:
+  ``msamp/common/dtype/floating.py`` lines 18-45), ``fp_max / amax`` in float32; an amax of 0
+  keeps the previous scale. The CUDA kernel (``msamp/optim/adamw.cu`` lines 61-74, stage 2)
+  stores ``T(m · sf)``: ``__nv_fp8_e4m3(float)`` (round to nearest even, saturating to ±448)
+  and ``__float2half`` (nearest even); it reads a state back as ``code · (1 / sf)``. Each
+  step (lines 31-50 and 67-69) computes ``β · stored + (1 − β) · g`` (``g · g`` for v) in
+  float32, updates the weights from those (stage 1) and stores them under the scale of their
+  new amax (stage 2).
+
+  Three steps drift takes as stated rather than read: (1) the kernel's expression is
+  ``beta1 * stored_code * factor + (1.f - beta1) * grad``; nvcc contracts ``a * b + c * d``
+  into a fused multiply-add by default, and which product it fuses is not in the source:
+  drift rounds each product to float32 and then the sum (no contraction; the factor is a power
+  of two, so ``(β · code) · factor`` is ``β · stored`` unless float32 underflows). (2) MS-AMP
+  takes the exponent as ``floor`` of a float32 ``torch.log2`` on the GPU; drift reads it from
+  the bits of the float32 quotient. They differ only where the quotient lies within about
+  ``|exponent| · 2**-24`` below a power of two (a few float32 values per binade), where a
+  log2 rounded up gives MS-AMP a scale twice drift's (its largest moments then saturate).
+  (3) Where ``fp_max / amax`` reaches 2**128 (an amax below about ``fp_max · 2**-128``)
+  MS-AMP's float32 scale overflows to inf and its inverse is 0; drift reads the state back as
+  that arithmetic gives it (E4M3 saturates ±inf to ±448: ``cuda_fp8.hpp`` of CUDA 13.0, lines
+  175-190 and 1587-1589; float16 keeps inf): ±0 for a nonzero first moment, NaN for a zero
+  one and for every second moment.
+
 :func:`state_values` is that quantization, tested bit for bit against torchao's own
-``OptimState8bit``, ``OptimState4bit`` and ``OptimStateFp8`` (``tests/test_health.py``).
+``OptimState8bit``, ``OptimState4bit`` and ``OptimStateFp8``, and MS-AMP's against a
+transcription of its scale rule and kernel casts (``tests/test_health.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +88,9 @@ class StateLayout(StrEnum):
     """torchao's AdamW4bit: a 4-bit dynamic map (m), a linear map without 0 (v), blocks of 128."""
     TORCHAO_FP8 = "torchao-fp8"
     """torchao's AdamWFp8: float8_e4m3fn codes under a float32 scale per block of 256."""
+    MS_AMP = "ms-amp"
+    """MS-AMP's LBAdamW: an FP8 E4M3 first moment and a float16 second moment, each under a
+    power-of-two scale per tensor."""
 
 
 BLOCK = 256
@@ -97,13 +132,43 @@ def linear_map() -> Tensor:
     return torch.linspace(0, 1, 17)[1:].contiguous()
 
 
+def lerp_step(stored: Tensor, target: Tensor, beta: float) -> Tensor:
+    """torchao's EMA step: ``lerp(stored, target, 1 − β)`` in float32."""
+    return torch.lerp(stored, target, 1 - beta)
+
+
+def msamp_step(stored: Tensor, target: Tensor, beta: float) -> Tensor:
+    """MS-AMP's EMA step (module docs): ``β · stored + (1 − β) · target`` in float32, each
+    product rounded, then the sum, with ``β`` and ``1 − β`` float32 as the kernel's ``float``
+    arguments are."""
+    b = torch.tensor(beta, dtype=torch.float32)
+    return b * stored.to(torch.float32) + (1 - b) * target.to(torch.float32)
+
+
+@dataclass(frozen=True)
+class TensorScaled:
+    """A moment stored under one power-of-two scale per tensor (MS-AMP's rule, module docs):
+    codes of the exact cast ``cast``, whose largest finite value is ``fp_max``."""
+
+    cast: str
+    fp_max: float
+    saturates: bool
+    """Whether the kernel's conversion turns ±inf into ±fp_max (``__nv_fp8_e4m3``) rather
+    than keeping it (``__float2half``)."""
+
+
 @dataclass(frozen=True)
 class LayoutSpec:
-    """How a layout stores each moment: the block, and each moment's map (None: FP8 codes)."""
+    """How a layout stores each moment: the block, and each moment's map (None: FP8 codes),
+    or a per-tensor scaled format; the smallest tensor it quantizes; its EMA step."""
 
     block: int
     m_map: Callable[[], Tensor] | None
     v_map: Callable[[], Tensor] | None
+    smallest: int = SMALLEST
+    step: Callable[[Tensor, Tensor, float], Tensor] = lerp_step
+    m_scaled: TensorScaled | None = None
+    v_scaled: TensorScaled | None = None
 
 
 LAYOUTS: dict[StateLayout, LayoutSpec] = {
@@ -111,12 +176,61 @@ LAYOUTS: dict[StateLayout, LayoutSpec] = {
                                          lambda: dynamic_map(False)),
     StateLayout.TORCHAO_4BIT: LayoutSpec(128, lambda: dynamic_map(True, 3, 4), linear_map),
     StateLayout.TORCHAO_FP8: LayoutSpec(256, None, None),
+    StateLayout.MS_AMP: LayoutSpec(1, None, None, smallest=1, step=msamp_step,
+                                   m_scaled=TensorScaled("float8_e4m3fn:none", FP8_MAX, True),
+                                   v_scaled=TensorScaled("float16:none", 65504.0, False)),
 }
 
 
 def quantized(numel: int, layout: StateLayout | str = StateLayout.TORCHAO_8BIT) -> bool:
     """Whether the layout quantizes a moment of ``numel`` values (module docs)."""
-    return numel >= SMALLEST and numel % LAYOUTS[StateLayout(layout)].block == 0
+    spec = LAYOUTS[StateLayout(layout)]
+    return numel >= spec.smallest and numel % spec.block == 0
+
+
+SCALE_OVERFLOW = 128
+"""From this exponent up MS-AMP's float32 scale ``2**exponent`` is inf."""
+
+
+def msamp_exponent(amax: float, fp_max: float) -> int | None:
+    """The exponent of MS-AMP's per-tensor scale for a tensor of absolute maximum ``amax``:
+    ``floor(log2(fp_max / amax))`` with the quotient rounded to float32 as MS-AMP computes it
+    and its exponent read from the bits (module docs, step 2); :data:`SCALE_OVERFLOW` when the
+    quotient itself overflows float32; None for an amax of 0 or not finite (MS-AMP keeps the
+    previous scale)."""
+    a = torch.tensor(amax, dtype=torch.float32)
+    if not (bool(torch.isfinite(a)) and float(a) > 0):
+        return None
+    quotient = torch.tensor(fp_max, dtype=torch.float32) / a
+    if not bool(torch.isfinite(quotient)):
+        return SCALE_OVERFLOW
+    _, exponent = torch.frexp(quotient)  # quotient = mantissa · 2**exponent, mantissa in [½, 1)
+    return int(exponent) - 1
+
+
+def _tensor_scaled_values(x: Tensor, scaled: TensorScaled) -> Tensor:
+    """``x`` (float32) stored under MS-AMP's per-tensor scale and read back."""
+    from driftcli.casts.quantization import quantize
+    from driftcli.records.castspec import parse_cast
+
+    flat = x.detach().to(torch.float32)
+    exponent = msamp_exponent(float(flat.abs().max()) if flat.numel() else 0.0, scaled.fp_max)
+    if exponent is not None and exponent >= SCALE_OVERFLOW:
+        # the scale is inf (module docs, step 3): x · inf is ±inf (0 · inf NaN), its code
+        # ±fp_max or ±inf, read back times 1 / inf = 0: ±0 where saturated, NaN elsewhere
+        nan = torch.full_like(flat, math.nan)
+        if not scaled.saturates:
+            return nan
+        return torch.where(flat == 0, nan, torch.copysign(torch.zeros_like(flat), flat))
+    # an amax of 0 keeps the previous scale: every code is then 0 whatever it is; a NaN or
+    # inf amax (the previous scale unknown here) is read at scale 1
+    sf = torch.tensor(1.0 if exponent is None else math.ldexp(1.0, exponent),
+                      dtype=torch.float32)
+    # sf is a power of two: the product is exact unless float32 underflows, as on the GPU
+    codes = quantize(flat * sf, parse_cast(scaled.cast))
+    if not isinstance(codes, Tensor):
+        raise TypeError(f"quantize returned {type(codes).__name__}, not a tensor")
+    return codes.to(torch.float32) * (1 / sf)
 
 
 def state_values(x: Tensor, signed: bool,
@@ -124,6 +238,9 @@ def state_values(x: Tensor, signed: bool,
     """``x`` (float32) stored in ``layout`` and read back, shaped like ``x``: ``exp_avg``
     (``signed``) or ``exp_avg_sq`` (module docs)."""
     spec = LAYOUTS[StateLayout(layout)]
+    per_tensor = spec.m_scaled if signed else spec.v_scaled
+    if per_tensor is not None:
+        return _tensor_scaled_values(x, per_tensor)
     flat = x.detach().to(torch.float32).reshape(-1, spec.block)
     make = spec.m_map if signed else spec.v_map
     if make is None:
@@ -208,8 +325,9 @@ def state_counts(m0: Tensor | None, v0: Tensor | None, m1: Tensor, v1: Tensor, *
     if m0 is not None and v0 is not None:
         g32 = ((m1.double() - b1 * m0.double()) / (1 - b1)).float()
         sm0, sv0 = state_values(m0, True, layout), state_values(v0, False, layout)
-        m_next = torch.lerp(sm0, g32, 1 - b1)
-        v_next = torch.lerp(sv0, g32.square(), 1 - b2)
+        step_of = LAYOUTS[StateLayout(layout)].step
+        m_next = step_of(sm0, g32, b1)
+        v_next = step_of(sv0, g32.square(), b2)
         m_move, v_move = m1 != m0, v1 != v0
         m_moved, v_moved = int(m_move.sum()), int(v_move.sum())
         m_stale = int((m_move & (state_values(m_next, True, layout) == sm0)).sum())

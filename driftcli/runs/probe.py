@@ -12,7 +12,8 @@ validation text, evenly spaced, the same for every checkpoint), without changing
   The update is the one the run's optimizer would take next from ĝ: AdamW (or SGD with
   momentum) continued from the moments saved in the checkpoint, at the learning rate of the
   run's next step (its schedule), with its weight decay. With ``w_s`` the weight rounded to
-  the storage format (bfloat16 by default; nearest even), a weight is frozen when
+  the storage format (nearest even; by default the run's own when ``drift train --storage``
+  stored it in bfloat16 or float16, else bfloat16: :func:`freeze_storage`), a weight is frozen when
   ``round(w_s + Δw) == w_s``, the sum taken exactly. That holds when ``Δw`` falls short of
   half the gap from ``w_s`` to its neighbour on ``Δw``'s side (``Δw = 0`` included), or
   equals it and ``w_s`` has the even significand. Below a power of two the gap is half the
@@ -279,6 +280,21 @@ def _difference(a: tuple[ModelConfig, dict[str, Any]],
             or _first_difference("training setting", _settings(state_a), _settings(state_b)))
 
 
+def freeze_storage(paths: Sequence[Path], storage: Storage | str | None = None) -> Storage:
+    """The storage format a freeze share of these checkpoints is counted in: ``storage`` when
+    given; else the format the run stored its weights in (``drift train --storage``, recorded
+    in each checkpoint's training settings) when narrower than float32; else bfloat16, the
+    format a float32 run's freeze is asked about."""
+    if storage is not None:
+        return parse_choice(Storage, storage, "storage format")
+    recorded = Storage.FLOAT32
+    if paths:
+        train = read_info(paths[0])[1].get("train") or {}
+        recorded = parse_choice(Storage, str(train.get("storage", "float32")),
+                                f"storage format recorded in {paths[0]}")
+    return Storage.BFLOAT16 if recorded is Storage.FLOAT32 else recorded
+
+
 def run_checkpoints(run: str | Path, pattern: str = CHECKPOINTS) -> list[Path]:
     """The checkpoints of ``run`` matching ``pattern`` (a glob inside the run folder), in the
     order of the step each records, checked to be one run's: the same model config, training
@@ -371,7 +387,7 @@ def probe_unit(unit: CheckpointUnit) -> list[ProbeRow]:
 
 def probe(run: str | Path, policies: Sequence[ArithmeticPolicy | str], *, draws: int = 8,
           seed: int = 0, checkpoints: str = CHECKPOINTS,
-          storage: Storage | str = Storage.BFLOAT16, windows: int | None = None,
+          storage: Storage | str | None = None, windows: int | None = None,
           text: str | Path | None = None, threads: int = 1,
           progress: Progress | None = None,
           execution: Execution | None = None) -> list[ProbeRow]:
@@ -387,8 +403,8 @@ def probe(run: str | Path, policies: Sequence[ArithmeticPolicy | str], *, draws:
         raise ProbeError("probe needs at least one policy, e.g. --policy mxfp8_e4m3")
     if draws < 1:
         raise ProbeError(f"draws must be at least 1, not {draws}")
-    store = parse_choice(Storage, storage, "storage format")
     paths = run_checkpoints(run, checkpoints)
+    store = freeze_storage(paths, storage)
     name = Path(run).resolve().name
     given = None if text is None else str(Path(text).resolve())
     units = [CheckpointUnit(name, str(path.resolve()), resolved, draws, seed, store, windows,

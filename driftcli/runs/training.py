@@ -31,7 +31,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,7 +42,7 @@ from torch import nn
 
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import ArithmeticPolicy, Role, get_policy, with_seed
-from driftcli.choices import parse_choice
+from driftcli.choices import Storage, parse_choice
 from driftcli.errors import DriftError
 from driftcli.io.capture import capture
 from driftcli.io.dumps import DUMP_KEY, ROLES
@@ -117,8 +117,14 @@ class TrainConfig:
     measure_cast: str | None = None
     """Log the operand rates under this cast instead of the policy's own (e.g. to watch
     ``mxfp8_e4m3`` clipping in an ``exact`` run)."""
+    storage: Storage = Storage.FLOAT32
+    """The format the weights are stored in: the initial weights and the weights after every
+    optimizer step are rounded to it (nearest even), as torch's bfloat16 or float16
+    parameters are; the optimizer's state stays float32 (module docs)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "storage", parse_choice(Storage, self.storage,
+                                                         "storage format"))
         object.__setattr__(self, "schedule", parse_choice(Schedule, self.schedule, "schedule"))
         object.__setattr__(self, "optimizer",
                            parse_choice(OptimizerKind, self.optimizer, "optimizer"))
@@ -155,6 +161,7 @@ class TrainConfig:
         data["model"] = self.model.to_json()
         data["schedule"] = self.schedule.value
         data["optimizer"] = self.optimizer.value
+        data["storage"] = self.storage.value
         data["betas"] = list(self.betas)
         return data
 
@@ -317,6 +324,21 @@ def optimizer_buffers(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     return out
 
 
+_STORAGE_DTYPES = {Storage.BFLOAT16: torch.bfloat16, Storage.FLOAT16: torch.float16}
+
+
+def store_weights(params: Sequence[Tensor], storage: Storage) -> None:
+    """Round each parameter, in place, once to nearest even in ``storage`` (float32: nothing
+    to do). The values stay float32 tensors, so every matmul and the optimizer see exactly
+    the stored weights, and the optimizer's moments stay float32."""
+    dtype = _STORAGE_DTYPES.get(storage)
+    if dtype is None:
+        return
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p.to(dtype).float())
+
+
 def _prepare(run: Path, overwrite: bool) -> None:
     old = [p for p in (run / TABLE_FILE, run / RUN_FILE, run / ATTENTION_FILE,
                        run / "probe.parquet", run / "probe-attention.parquet") if p.exists()]
@@ -369,9 +391,10 @@ def train(config: TrainConfig, out: str | Path, text: str | Path | None = None, 
         torch.manual_seed(config.seed)
         model = build_model(config.model)
         model.train()
+        params = list(model.parameters())
+        store_weights(params, config.storage)
         opt = _make_optimizer(config, model)
         gen = torch.Generator().manual_seed(config.seed)
-        params = list(model.parameters())
         probed = has_attention(model)
 
         def save(step: int, loss: float | None) -> None:
@@ -422,6 +445,7 @@ def train(config: TrainConfig, out: str | Path, text: str | Path | None = None, 
             lowest = min(lowest, loss)
             before = [p.detach().clone() for p in params]
             opt.step()
+            store_weights(params, config.storage)
             update_norm = _norm([p.detach() - b for p, b in zip(params, before, strict=True)])
             last = step == config.steps
             val_loss = None
