@@ -1,23 +1,50 @@
 """docs/architecture.md's change recipes, done in a test: a change touches only the files the
-recipe names, and verify-formats checks it with no other edit. (The scale rules' recipes are
+recipe names, and verify-formats (or the checker the recipe names) checks it with no other
+edit, and catches a planted fault. (The scale rules' recipes are
 tests/test_verify.py::test_a_new_scale_rule_is_verified_with_no_other_edit and
 ::test_a_new_real_valued_rule_is_verified_with_no_other_edit; a reader's is
-tests/test_readers.py::test_a_new_kind_of_file_is_one_entry_in_the_kinds.)"""
+tests/test_readers.py::test_a_new_kind_of_file_is_one_entry_in_the_kinds.)
+
+A registry that other modules derive a table from on import (``FORMATS`` from ``_NAMED``,
+``POLICIES`` and ``RECIPE_BY_NAME`` from ``RECIPES``) is patched together with what the import
+derives, as the one edited entry would give on a fresh import."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import json
 from typing import Any
 
 import pytest
+import torch
+from typer.testing import CliRunner
 
-from driftcli.casts import quantization, scalearith
-from driftcli.records import recipes
+from driftcli.arith import policy, recipe_policies, tensorcores
+from driftcli.arith.blockfma import FMAUnit
+from driftcli.arith.matmulspec import parse_matmul_spec
+from driftcli.casts import quantization, rounding, scalearith
+from driftcli.cli import app
+from driftcli.records import formats, recipes
 from driftcli.records.cast import Cast, ScaleArithmetic, Scaling
 from driftcli.records.castspec import parse_cast
-from driftcli.records.formats import FORMATS
-from driftcli.records.modes import AmaxPolicy, ElementOp, Granularity, Pow2, ScaleOp, ScaleRule
+from driftcli.records.formats import FORMATS, Format
+from driftcli.records.modes import (
+    AmaxPolicy,
+    ElementOp,
+    Granularity,
+    Pow2,
+    Rounding,
+    ScaleOp,
+    ScaleRule,
+)
 from driftcli.records.presets import preset_names
 from driftcli.verify import Plan, check_recipes
+from driftcli.verify.compare import Outcome, judge, to_float
+from driftcli.verify.driver import element_formats, verify
+from driftcli.verify.matmuls import _MatmulOracle, matmul_cases, matmul_fast
+
+runner = CliRunner()
 
 FP6 = FORMATS["float6_e3m2fn"]
 ACME = recipes.Implementation("acme", "ACME's kernels", "1.0", "https://example.invalid/acme")
@@ -70,3 +97,174 @@ def test_a_new_implementation_preset_is_verified_with_no_other_edit(
     monkeypatch.setattr(quantization, "arith_scales", one_binade_high)
     planted = _acme_outcomes()
     assert planted == [(f"{name} value", 384, 320), (f"{name} code", 384, 320)]
+
+
+# --- a new element format: 1 file ----------------------------------------------------------
+
+E3M3 = Format("float7_e3m3fn", 3, 3, 3)
+"""A throwaway element format no registry has: 7 bits, E3M3, no infinities or NaN (as FP6's)."""
+
+
+def _add_e3m3(monkeypatch: pytest.MonkeyPatch) -> Format:
+    """The recipe's one file, records/formats.py: an entry in ``_NAMED``. ``FORMATS`` is built
+    from ``_NAMED`` on import; its table is filled again here, in place, as a fresh import
+    would (every module holds the same ``FORMATS``)."""
+    named = (*formats._NAMED, E3M3)
+    monkeypatch.setattr(formats, "_NAMED", named)
+    monkeypatch.setattr(FORMATS, "_named", {f.name: f for f in named})
+    return E3M3
+
+
+def _verified(fmt: Format) -> list[tuple[str, str, str, int, int]]:
+    """verify-formats' quick plan on ``fmt``, in this process: (check, operation, rounding,
+    values checked, failures) of every cell."""
+    return [(o.check, o.operation, o.rounding, o.n_checked, o.n_failed)
+            for o in verify([fmt], Plan(quick=True))]
+
+
+def test_a_new_element_format_is_verified_with_no_other_edit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the one entry, the spec grammar and ``drift formats`` know it, verify-formats
+    runs every suite on it (a full run loops over the registry) and agrees with the oracle on
+    every cell; with the fast rounding taking ties away from zero where ties to even is asked
+    (a fault planted in casts/rounding for this format only), the ties-to-even cells fail."""
+    fmt = _add_e3m3(monkeypatch)
+    assert fmt in element_formats()
+    assert parse_cast("float7_e3m3fn:block32:float8_e8m0fnu:ceil").format is fmt
+    listed = {r["name"]: r for r in json.loads(runner.invoke(app, ["formats", "--json"]).stdout)}
+    assert (listed[fmt.name]["bits"], listed[fmt.name]["max"]) == (7, "30")
+    honest = _verified(fmt)
+    # docs/architecture.md shows these counts: the quick plan's inputs are seeded and every
+    # comparison is of drift's own roundings, the same bits on either back-end and any CPU
+    assert (len(honest), sum(c[3] for c in honest), sum(c[4] for c in honest)) == (53, 167_146, 0)
+    assert {c[0] for c in honest} == {"codes", "pairs (sampled pairs)", "float32-inputs",
+                                      "blocks", "block scales"}
+
+    real, target = rounding._run, rounding.Target.of(fmt)
+
+    def ties_away(*args: Any, tgt: rounding.Target, rounding: Rounding, **kw: Any) -> Any:
+        wrong = Rounding.RNA if tgt == target and rounding is Rounding.RNE else rounding
+        return real(*args, tgt=tgt, rounding=wrong, **kw)
+
+    monkeypatch.setattr(rounding, "_run", ties_away)
+    failing = [(c[0], c[1], c[2], c[4]) for c in _verified(fmt) if c[4]]
+    assert failing == [
+        ("pairs (sampled pairs)", "product", "rne", 45),
+        ("pairs (sampled pairs)", "product", "rne", 45),  # saturate, then ieee
+        ("pairs (sampled pairs)", "sum", "rne", 125),
+        ("pairs (sampled pairs)", "sum", "rne", 125),
+        ("float32-inputs", "cast", "rne", 64),
+        ("float32-inputs", "cast", "rne", 64)]
+
+
+# --- a new tensor-core unit: 1 file --------------------------------------------------------
+
+ACME_CORE = "acme_e4m3_f32"
+
+
+def _add_acme_core(monkeypatch: pytest.MonkeyPatch) -> tensorcores.TensorCore:
+    """The recipe's one file, arith/tensorcores.py: a ``put`` in ``_cores``, that is, one
+    entry of ``CORES``. A hypothetical FP8 unit as Hopper's but keeping 12 bits, not 13."""
+    core = tensorcores.TensorCore("float8_e4m3fn", FMAUnit(32, 12, -133), "e8m12", Rounding.RTZ,
+                                  "acme (a throwaway unit)")
+    monkeypatch.setitem(tensorcores.CORES, ACME_CORE, core)
+    return core
+
+
+def _tc_outcome(name: str) -> tuple[int, int]:
+    """``tc=name`` on the full plan's matmul cases against the oracle's block-FMA dot products,
+    as verify-formats judges its block-FMA cells: (values checked, failures)."""
+    spec = parse_matmul_spec(f"tc={name}")
+    out = Outcome(spec.accumulator.name, "matmul", str(spec), spec.acc_rounding.value, "ieee")
+    ref = _MatmulOracle()
+    for case in matmul_cases(Plan()):
+        expected = torch.tensor([to_float(v) for v in ref.result(case, spec)],
+                                dtype=torch.float64)
+        judge(out, expected, matmul_fast(case.a, case.b, spec).flatten(), str)
+    return out.n_checked, out.n_failed
+
+
+def test_a_new_tensor_core_unit_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the one entry, ``tc=NAME`` expands to the unit, ``drift formats --tensor-cores``
+    lists it, and its matmuls agree with the exact block-FMA twin on every value; with the
+    fast block-FMA keeping one bit more than the unit says (a planted fault where
+    arith/matmul calls arith/blockfma), they do not."""
+    core = _add_acme_core(monkeypatch)
+    spec = parse_matmul_spec(f"tc={ACME_CORE}")
+    assert (spec.unit, spec.accumulator.name, spec.acc_rounding) == (core.unit, "e8m12",
+                                                                     Rounding.RTZ)
+    res = runner.invoke(app, ["formats", "--tensor-cores", "--json"])
+    assert res.exit_code == 0, res.output
+    listed = {r["preset"]: r for r in json.loads(res.stdout)}
+    assert (listed[ACME_CORE]["kept_bits"], listed[ACME_CORE]["result"]) == (12, "e8m12")
+    # exact on either back-end and any CPU (integer block-FMA against the Fraction oracle)
+    assert _tc_outcome(ACME_CORE) == (82, 0)
+    # its own unit: a bit fewer than Hopper's changes 42 of the 82 results
+    hopper = parse_matmul_spec("tc=h100_e4m3_f32")
+    assert sum(int((matmul_fast(c.a, c.b, spec) != matmul_fast(c.a, c.b, hopper)).sum())
+               for c in matmul_cases(Plan())) == 42
+
+    matmul_mod = importlib.import_module("driftcli.arith.matmul")
+    honest_dot = matmul_mod.fma_dot
+
+    def one_bit_more(a: torch.Tensor, b: torch.Tensor, how: Any, **kw: Any) -> torch.Tensor:
+        wider = dataclasses.replace(how.unit, kept_bits=how.unit.kept_bits + 1)
+        return honest_dot(a, b, dataclasses.replace(how, unit=wider), **kw)
+
+    monkeypatch.setattr(matmul_mod, "fma_dot", one_bit_more)
+    assert _tc_outcome(ACME_CORE) == (82, 38)
+
+
+# --- a new recipe policy: 1 file -----------------------------------------------------------
+
+ACME_RECIPE = recipe_policies.RecipeEntry(
+    "acme/mxfp6_recipe",
+    "a throwaway recipe: MXFP6 E3M2 on every operand, each cast from the high-precision tensor",
+    dict.fromkeys(recipe_policies.SLOTS, "mxfp6_e3m2"), "recast",
+    "acme/recipe.py lines 1-10 (a throwaway source)", keep_matmuls=("attention",))
+ACME_COSINE = 0.9952
+"""grad-cosine's cosine over every parameter of tests/test_grad_cosine.tiny_case under it."""
+
+
+def _add_recipe(monkeypatch: pytest.MonkeyPatch,
+                entry: recipe_policies.RecipeEntry = ACME_RECIPE) -> None:
+    """The recipe's one file, arith/recipe_policies.py: a ``RecipeEntry`` in ``RECIPES``;
+    ``RECIPE_BY_NAME`` and ``arith/policy.POLICIES`` derive from it on import."""
+    monkeypatch.setattr(recipe_policies, "RECIPES", (*recipe_policies.RECIPES, entry))
+    monkeypatch.setitem(recipe_policies.RECIPE_BY_NAME, entry.name, entry)
+    monkeypatch.setitem(policy.POLICIES, entry.name, (policy.recipe_policy(entry), entry.meaning))
+
+
+def test_a_new_recipe_policy_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the one entry, the checker passes the table, ``drift formats --policies`` lists it
+    and grad-cosine runs it by name; MXFP6 keeps less of the gradient than MXFP8. The checker
+    catches the entry written wrong (X rounded stochastically)."""
+    from test_grad_cosine import tiny_case, tiny_logits
+
+    from driftcli.measures.grad_cosine import ALL_PARAMETERS, grad_cosine
+    from driftcli.models.loaders import next_token_loss
+
+    _add_recipe(monkeypatch)
+    assert recipe_policies.check_recipes(recipe_policies.RECIPES) == []
+    res = runner.invoke(app, ["formats", "--policies", "--json"])
+    assert res.exit_code == 0, res.output
+    listed = {r["preset"]: r for r in json.loads(res.stdout)}
+    assert listed[ACME_RECIPE.name]["roles"]["wgrad"] == {"lhs": "mxfp6_e3m2", "rhs": "mxfp6_e3m2"}
+    mine = policy.get_policy(ACME_RECIPE.name)
+    assert mine.forward is not None and str(mine.forward.lhs) == str(parse_cast("mxfp6_e3m2"))
+
+    model, ids = tiny_case()
+    rows = grad_cosine(model, ids, next_token_loss(tiny_logits),
+                       ["exact", ACME_RECIPE.name, "te/mxfp8_recipe"])
+    cosine = {r.policy: r.cosine for r in rows if r.parameter == ALL_PARAMETERS}
+    # torch's float32 matmuls may sum in another order on another CPU: the figures are
+    # compared to 5e-4 (as tests/test_recipe_policies.py's COSINES), the order exactly
+    assert cosine[ACME_RECIPE.name] == pytest.approx(ACME_COSINE, abs=5e-4)
+    assert cosine[ACME_RECIPE.name] < cosine["te/mxfp8_recipe"] < 1
+
+    wrong = dataclasses.replace(
+        ACME_RECIPE, casts={**ACME_RECIPE.casts, "forward.lhs": "mxfp6_e3m2:sr"})
+    assert recipe_policies.check_recipes((*recipe_policies.RECIPES, wrong)) == [
+        f"recipe policy {ACME_RECIPE.name!r} is given twice",
+        f"{ACME_RECIPE.name}: forward.lhs (X) rounds stochastically; the recipes round only "
+        "the gradient dY so"]
