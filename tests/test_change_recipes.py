@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -24,7 +26,11 @@ from driftcli.arith import policy, recipe_policies, tensorcores
 from driftcli.arith.blockfma import FMAUnit
 from driftcli.arith.matmulspec import parse_matmul_spec
 from driftcli.casts import quantization, rounding, scalearith
-from driftcli.cli import app
+from driftcli.cli import app, measure_cmds
+from driftcli.cli.measure_cmds import ScanArgs
+from driftcli.io.tables import column
+from driftcli.measures.common import Measure, TensorCastRow, ratio
+from driftcli.measures.stats import CastStats
 from driftcli.records import formats, recipes
 from driftcli.records.cast import Cast, ScaleArithmetic, Scaling
 from driftcli.records.castspec import parse_cast
@@ -268,3 +274,90 @@ def test_a_new_recipe_policy_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> No
         f"recipe policy {ACME_RECIPE.name!r} is given twice",
         f"{ACME_RECIPE.name}: forward.lhs (X) rounds stochastically; the recipes round only "
         "the gradient dY so"]
+
+
+# --- a new measurement subcommand: 5 files (1 new) -----------------------------------------
+
+@dataclass(frozen=True)
+class NonfiniteRateRow(TensorCastRow):
+    """The new module's row type (``measures/nonfinite_rate.py``): NaN and inf elements."""
+
+    TABLE: ClassVar[str] = "nonfinite-rate"
+    KEYS: ClassVar[tuple[str, ...]] = ("source", "tensor", "cast")
+    HEADLINE: ClassVar[str] = "nonfinite_rate"
+    HIGHER_IS_WORSE: ClassVar[bool] = True
+
+    nonfinite_rate: float | None = column("NaN or infinite input elements / elements")
+    nonfinite: int | None = column("NaN or infinite input elements")
+
+
+def _nonfinite_columns(draws: tuple[CastStats, ...], expected: CastStats | None
+                       ) -> dict[str, Any]:
+    st = draws[0]
+    return {"nonfinite_rate": ratio(st.nonfinite, st.numel), "nonfinite": st.nonfinite}
+
+
+def nonfinite_rate(args: ScanArgs) -> None:
+    """Share of elements that are NaN or infinite, per cast."""
+    measure_cmds._run(NonfiniteRateRow.TABLE, args)
+
+
+def _add_measurement(monkeypatch: pytest.MonkeyPatch, in_section: bool = True) -> None:
+    """The recipe's five files: the module (above), its ``Measure`` in
+    ``measures/__init__.MEASURES``, its row type in ``report/load.ROW_TYPES``, its command in
+    ``cli/measure_cmds.py`` (one ``_run`` call) and its place in ``cli/app.SECTIONS`` (which
+    ``driftcli.cli`` re-exports; ``in_section=False`` leaves it out: the planted fault)."""
+    from driftcli import cli
+    from driftcli.measures import MEASURES
+    from driftcli.report import load
+
+    name = NonfiniteRateRow.TABLE
+    monkeypatch.setitem(MEASURES, name, Measure(name, NonfiniteRateRow, _nonfinite_columns))
+    monkeypatch.setitem(load.ROW_TYPES, name, f"{__name__}:NonfiniteRateRow")
+    load.row_types.cache_clear()
+    monkeypatch.setattr(app, "registered_commands", list(app.registered_commands))
+    measure_cmds.scan_command(name)(nonfinite_rate)
+    if in_section:
+        sections = tuple((title, (*names, name) if title == "Measure" else names)
+                         for title, names in cli.SECTIONS)
+        for module in (cli, importlib.import_module("driftcli.cli.app")):
+            monkeypatch.setattr(module, "SECTIONS", sections)
+
+
+@pytest.fixture
+def fresh_row_types() -> Any:
+    from driftcli.report import load
+
+    yield
+    load.row_types.cache_clear()  # the registry as it was, after the monkeypatch undoes it
+
+
+def test_a_new_measurement_is_five_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                         fresh_row_types: None) -> None:
+    """With the five, ``drift nonfinite-rate`` scans a checkpoint into its table, ``drift
+    report --fail-on`` gates on its headline and ``drift --help`` lists it under Measure; left
+    out of ``SECTIONS``, the command lands under "Other" and the help test fails."""
+    from safetensors.torch import save_file
+    from test_cli import test_help_groups_every_command_once_in_sections as grouped
+
+    from driftcli.io.tables import read_table
+
+    w = torch.linspace(-3, 3, 4096).reshape(64, 64)
+    w[0, :5], w[1, 0] = float("nan"), float("inf")
+    save_file({"w": w, "b": torch.ones(64)}, tmp_path / "m.safetensors")
+    _add_measurement(monkeypatch)
+    res = runner.invoke(app, ["nonfinite-rate", str(tmp_path / "m.safetensors"), "-c", "nvfp4",
+                              "--out", str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 0, res.output
+    df, _ = read_table(tmp_path / "out" / "nonfinite-rate.parquet")
+    got = {t: (n, r) for t, n, r in zip(df.tensor, df.nonfinite, df.nonfinite_rate, strict=True)}
+    assert got == {"w": (6, 6 / 4096), "b": (0, 0.0), "*": (6, 6 / 4160)}
+    gate = runner.invoke(app, ["report", str(tmp_path / "out"), "--fail-on",
+                               "nonfinite_rate > 0.001"])
+    assert gate.exit_code == 1 and "FAIL nonfinite_rate > 0.001: 2 row(s)" in gate.output
+    grouped()
+
+    monkeypatch.undo()
+    _add_measurement(monkeypatch, in_section=False)
+    with pytest.raises(AssertionError):
+        grouped()
