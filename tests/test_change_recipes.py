@@ -361,3 +361,73 @@ def test_a_new_measurement_is_five_files(monkeypatch: pytest.MonkeyPatch, tmp_pa
     _add_measurement(monkeypatch, in_section=False)
     with pytest.raises(AssertionError):
         grouped()
+
+
+# --- a new pre-quantized layout, as a family module of its own: 3 files (1 new) ------------
+
+def _add_layout_member(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> Any:
+    """A member of io/layouts.Layout, as a line there would give (enums take no new members
+    once built, so the member maps are patched, as tests/test_verify.py's ``_add_rule``
+    does; undone after the test)."""
+    from driftcli.io.layouts import Layout
+
+    member = str.__new__(Layout, value)
+    member._value_, member._name_ = value, name
+    member.__objclass__ = Layout  # type: ignore[misc]
+    monkeypatch.setitem(Layout._member_map_, name, member)
+    monkeypatch.setitem(Layout._value2member_map_, value, member)
+    monkeypatch.setattr(Layout, "_member_names_", [*Layout._member_names_, name])
+    return member
+
+
+def _acme_family(layout: Any) -> Any:
+    """The new module's ``FAMILY``: FP8 codes ``*.weight`` beside ``*.weight_scale16``, E8M0
+    bytes, one per 16 elements of a row (a layout no family reads)."""
+    from driftcli.io.readers.quantized_weight import Family, QuantSpec
+
+    suffix = "_scale16"
+
+    def claims(by_name: dict[str, Any], unreadable: set[str]) -> dict[str, set[Any]]:
+        return {n.removesuffix(suffix): {layout} for n in [*by_name, *unreadable]
+                if n.endswith(".weight" + suffix)}
+
+    def build(lay: Any, stem: str, by_name: dict[str, Any], config: Any) -> QuantSpec | str:
+        codes, scale = by_name.get(stem), by_name.get(stem + suffix)
+        if codes is None or scale is None:
+            return f"weight {stem} needs {stem} and {stem + suffix}"
+        return QuantSpec(stem, lay, codes.dtype, codes.shape, codes, False, scale, "e8m0",
+                         (1, 16), pow2_declared=True)
+
+    return Family((layout,), claims, build, lambda lay, stem: (stem, stem + suffix))
+
+
+def test_a_new_layout_family_is_three_entries(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """A layout whose tensors no family claims is a ``Layout`` member, its family module and
+    one entry in ``io/readers/quantized.FAMILIES``: the listing then shows one weight of that
+    layout in place of its two stored tensors, read as each code times its block's scale,
+    and ``drift inspect`` names its layout and block. (No checker stands behind a family's
+    word on its blocks: the values are compared with the product made by hand.)"""
+    from safetensors.torch import save_file
+
+    from driftcli.io.readers import quantized
+    from driftcli.io.readers.collect import open_inputs
+    from driftcli.io.readers.quantized_weight import spec_of
+
+    layout = _add_layout_member(monkeypatch, "ACME_FP8_16", "acme-fp8-16")
+    monkeypatch.setattr(quantized, "FAMILIES", (*quantized.FAMILIES, _acme_family(layout)))
+    codes = torch.linspace(-6, 6, 4 * 64).reshape(4, 64).to(torch.float8_e4m3fn)
+    exps = torch.tensor([127, 130, 120, 127], dtype=torch.uint8).repeat(4, 1)  # 1, 8, 2^-7, 1
+    path = tmp_path / "acme.safetensors"
+    save_file({"l.weight": codes, "l.weight_scale16": exps, "n.weight": torch.ones(3)}, path)
+
+    listed = {t.name: t for t in open_inputs([path]).tensors}
+    assert sorted(listed) == ["l.weight", "n.weight"]
+    spec = spec_of(listed["l.weight"])
+    assert spec is not None and (spec.layout, spec.block) == (layout, (1, 16))
+    by_hand = codes.float() * torch.exp2(exps.float() - 127).repeat_interleave(16, dim=1)
+    assert torch.equal(listed["l.weight"].read(), by_hand)
+    res = runner.invoke(app, ["inspect", str(path), "--out", str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 0, res.output
+    row = next(r for r in json.loads(res.stdout)["rows"] if r["tensor"] == "l.weight")
+    assert (row["layout"], row["block"]) == ("acme-fp8-16", "1x16")
