@@ -406,8 +406,9 @@ def test_a_new_layout_family_is_three_entries(monkeypatch: pytest.MonkeyPatch,
     """A layout whose tensors no family claims is a ``Layout`` member, its family module and
     one entry in ``io/readers/quantized.FAMILIES``: the listing then shows one weight of that
     layout in place of its two stored tensors, read as each code times its block's scale,
-    and ``drift inspect`` names its layout and block. (No checker stands behind a family's
-    word on its blocks: the values are compared with the product made by hand.)"""
+    and ``drift inspect`` names its layout and block. No checker stands behind a family's
+    word on its blocks: the values are compared with the product made by hand, which a family
+    with the wrong blocks fails."""
     from safetensors.torch import save_file
 
     from driftcli.io.readers import quantized
@@ -431,3 +432,15 @@ def test_a_new_layout_family_is_three_entries(monkeypatch: pytest.MonkeyPatch,
     assert res.exit_code == 0, res.output
     row = next(r for r in json.loads(res.stdout)["rows"] if r["tensor"] == "l.weight")
     assert (row["layout"], row["block"]) == ("acme-fp8-16", "1x16")
+
+    # the planted fault: the family's blocks one scale per 32, not 16; read without an error
+    # (the generic reader does not check that the scales cover the weight), the values differ
+    honest = _acme_family(layout)
+
+    def wide_blocks(*args: Any) -> Any:
+        return dataclasses.replace(honest.build(*args), block=(1, 32))
+
+    monkeypatch.setattr(quantized, "FAMILIES", (*quantized.FAMILIES[:-1],
+                                                dataclasses.replace(honest, build=wide_blocks)))
+    wrong = {t.name: t for t in open_inputs([path]).tensors}["l.weight"].read()
+    assert not torch.equal(wrong, by_hand)
