@@ -13,14 +13,22 @@ from driftcli.errors import ChoiceError, close_matches
 
 
 class Engine(StrEnum):
-    """Where a command's independent work units run (see :mod:`driftcli.engines`)."""
+    """Where a command's independent work units run (see :mod:`driftcli.engines`); each member
+    says what it means, for ``--engine``'s help, and whether ``--workers`` sizes it."""
 
-    SERIAL = "serial"
-    """In this process, one unit after another (the default)."""
-    PROCESSES = "processes"
-    """In local worker processes."""
-    RAY = "ray"
-    """On a Ray cluster (the optional extra ``driftcli[ray]``)."""
+    means: str
+    parallel: bool
+
+    def __new__(cls, value: str, means: str, parallel: bool) -> Engine:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.means = means
+        member.parallel = parallel
+        return member
+
+    SERIAL = "serial", "in this process, one unit after another (the default)", False
+    PROCESSES = "processes", "in local worker processes", True
+    RAY = "ray", "on a Ray cluster (the optional extra driftcli[ray])", True
 
 
 class Device(StrEnum):

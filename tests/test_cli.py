@@ -299,6 +299,7 @@ def test_help_names_every_reader_engine_and_layout() -> None:
             elif param.name == "engine":
                 shown = param.get_help_record(ctx)[0]  # '--engine <serial|processes|ray>'
                 assert shown.endswith(f"<{'|'.join(Engine)}>"), name
+                assert [e for e in Engine if e.means not in param.help] == [], name
                 seen["engine"] += 1
             elif param.name == "layout":
                 assert [v for v in Layout if v.value not in param.help] == [], name

@@ -24,10 +24,12 @@ if TYPE_CHECKING:
     from driftcli.io.tables import Row
 
 EngineOpt = Annotated[Engine, typer.Option(
-    help="Where the independent units run: this process, local processes, or a Ray cluster "
-         "(the extra driftcli[ray]).")]
+    help="Where the independent units run: "
+         + "; ".join(f"{e.value}: {e.means}" for e in Engine) + ".")]
 Workers = Annotated[int | None, typer.Option(
-    metavar="N", min=1, help="Workers of --engine processes or ray (default: one per CPU).")]
+    metavar="N", min=1, help="Workers of --engine "
+                             + " or ".join(e.value for e in Engine if e.parallel)
+                             + " (default: one per CPU).")]
 RayAddress = Annotated[str | None, typer.Option(
     metavar="ADDR", help="With --engine ray: 'auto' (a running cluster) or its address; "
                          "default: a local cluster for the run.")]
