@@ -113,7 +113,8 @@ class Format:
     ``code * 2**(1 - bias - mbits)``, so ``bias = 1 - mbits`` gives a quantum of 1 (int8:
     bias −6). A ``symmetric`` integer format saturates at ``-max``, as implementations that
     clamp MXINT8 to ±127/64 do: its cast never writes the code ``-2**(bits-1)`` (0x80 of
-    int8), which still decodes to its two's-complement value (docs/formats.md#integers).
+    int8), which still decodes to its two's-complement value
+    (docs/formats.md#mxint8s-128-int8_sym-and-mxint8_sym).
     """
 
     name: str
