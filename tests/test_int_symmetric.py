@@ -23,6 +23,7 @@ from driftcli.records.presets import preset
 from driftcli.verify.blocks import check_blocks
 from driftcli.verify.codes import check_codes
 from driftcli.verify.compare import Plan
+from driftcli.verify.driver import verify
 from driftcli.verify.pairs import check_pairs
 
 SYM = FORMATS["int8_sym"]
@@ -97,7 +98,10 @@ def _failures(*names: str, blocks: bool = True) -> dict[tuple[str, str], int]:
 def test_verify_formats_passes_on_int8_sym() -> None:
     """The quick plan's codes, pairs and block casts (mxint8_sym among them): 0 disagreements
     (``drift verify-formats --quick -f int8_sym``: 147,438 values)."""
-    assert _failures("int8_sym") == {}
+    outcomes = verify([SYM], Plan(quick=True))
+    assert sum(o.n_checked for o in outcomes) == 147_438 and len(outcomes) == 53
+    assert [o for o in outcomes if o.n_failed] == []
+    assert {o.check for o in outcomes} >= {"codes", "pairs (sampled pairs)", "blocks"}
 
 
 @pytest.mark.parametrize("path", ["torch", "jit"])
