@@ -17,6 +17,7 @@ from driftcli import FORMATS
 from driftcli.casts import codec, rounding
 from driftcli.errors import FormatSpecError, UnknownFormatError
 from driftcli.oracle.rounding import round_exact
+from driftcli.records.castspec import parse_cast
 from driftcli.records.formats import Exact, Format
 from driftcli.records.modes import Overflow, Rounding
 from driftcli.records.presets import preset
@@ -79,7 +80,10 @@ def test_the_block_cast_never_writes_minus_128(path: str) -> None:
     assert (float(plain[0]), float(sym[0])) == (-2.0, -127 / 64)
     assert torch.equal(plain[1:], sym[1:])
     assert int(codec.encode(sym[:1] * 64, SYM)) == 0x81
-    assert preset("mxint8_sym") is not None and preset("mxint8_sym").format == SYM
+    c = preset("mxint8_sym")
+    assert c is not None and c.format == SYM
+    assert str(c) == "int8_sym:block32:float8_e8m0fnu:floor:rne:saturate"
+    assert parse_cast(str(c)) == c
 
 
 def _failures(*names: str, blocks: bool = True) -> dict[tuple[str, str], int]:
