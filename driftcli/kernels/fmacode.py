@@ -82,7 +82,9 @@ def finish(s: float, top: int, kept: int, lim: Any, p: Any) -> float:
 
     Where the result is a normal number below the format's top binade, the rounding is done
     here on the integer (drop the bits below the format's precision, round, carry); anywhere
-    else by :func:`round_one`. Both give the correctly rounded value, so the same bits."""
+    else, and always onto a tapered format (HiFloat8: its mantissa width varies by binade,
+    ``p[16]``, ``p[17]``), by :func:`round_one`. Both give the correctly rounded value, so the
+    same bits."""
     if s == 0.0:
         return 0.0
     if not np.isfinite(s):  # an overflowed chain (an infinite c): no integer to round
@@ -92,7 +94,7 @@ def finish(s: float, top: int, kept: int, lim: Any, p: Any) -> float:
     mbits, emin, qmax = p[3], p[2], p[4]
     lead = top - kept + length - 1  # the exponent of the sum's leading bit
     drop = length - 1 - mbits
-    if lead < emin or lead >= qmax + mbits:
+    if lead < emin or lead >= qmax + mbits or p[16] != 0 or p[17] != 0:
         return rounded(s * pow2(top - kept), 0.0, False, lim, p)
     if drop <= 0:
         return s * pow2(top - kept)

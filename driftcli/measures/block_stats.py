@@ -188,6 +188,13 @@ def _checked(c: Cast) -> Cast:
     if s.granularity is Granularity.NONE:
         raise DriftError(f"block-stats: cast {c} has no scales; give a scaled cast "
                          "(mxfp8_e4m3, nvfp4, fp8_e4m3, ...)")
+    if c.micro is not None:
+        # the scale rule alone is not the cast's scale: a micro-scaled cast derives its base
+        # scale its own way and multiplies sub-blocks by micro-exponents (docs/block-stats.md)
+        raise DriftError(f"block-stats: cast {c} has micro-exponents ({c.micro.name}), which "
+                         "block-stats does not model yet; measure it with clip-rate, "
+                         "underflow-rate or error-bias, or give a block cast without them "
+                         "(mxfp4_e2m1, nvfp4)")
     if c.rht is not None:
         raise DriftError(f"block-stats: cast {c} transforms its input (rht=), which "
                          "block-stats does not model yet; leave rht= out")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from fractions import Fraction
 from functools import cached_property
@@ -111,7 +111,10 @@ class Format:
     extended domain: 0x7F and 0xFF of a signed 8-bit format, 0xFE of an unsigned one).
     Integer formats are two's complement with ``ebits == 0``; their values are
     ``code * 2**(1 - bias - mbits)``, so ``bias = 1 - mbits`` gives a quantum of 1 (int8:
-    bias −6).
+    bias −6). A ``symmetric`` integer format saturates at ``-max``, as implementations that
+    clamp MXINT8 to ±127/64 do: its cast never writes the code ``-2**(bits-1)`` (0x80 of
+    int8), which still decodes to its two's-complement value
+    (docs/formats.md#mxint8s-128-int8_sym-and-mxint8_sym).
     """
 
     name: str
@@ -127,6 +130,9 @@ class Format:
     taper: Taper | None = None
     """The dot-field table of a tapered format (``ebits + mbits`` is then its magnitude
     code's width and ``mbits`` its widest mantissa; ``bias`` is unused)."""
+    symmetric: bool = False
+    """An integer format whose range is ``-max..max``: rounding and saturation stop at
+    ``-max``, so the most negative code is never written (int8_sym: ±127)."""
 
     def __post_init__(self) -> None:
         if (self.taper is None) != (self.kind is not FormatKind.TAPERED):
@@ -136,6 +142,9 @@ class Format:
             raise FormatSpecError(f"format {self.name!r}: infinities need a NaN code")
         if self.integer and (self.ebits or not self.signed or self.nan is not NanEncoding.NONE):
             raise FormatSpecError(f"format {self.name!r}: integers are signed, ebits 0, no NaN")
+        if self.symmetric and not self.integer:
+            raise FormatSpecError(f"format {self.name!r}: only an integer format is symmetric "
+                                  "(a signed float's range is symmetric already)")
 
     # --- widths and codes -------------------------------------------------------------
 
@@ -266,8 +275,8 @@ class Format:
     def extremes(self) -> tuple[Fraction, Fraction]:
         """``(max, |min|)``: the largest magnitude a positive / a negative value can have."""
         if self.integer:
-            return (Fraction((1 << (self.bits - 1)) - 1) * pow2(self.qmin),
-                    Fraction(1 << (self.bits - 1)) * pow2(self.qmin))
+            top = Fraction((1 << (self.bits - 1)) - 1) * pow2(self.qmin)
+            return top, top if self.symmetric else Fraction(1 << (self.bits - 1)) * pow2(self.qmin)
         if self.taper is not None:
             top = max(v.mag for _, v in self.values() if v.kind is Kind.FINITE)
             return top, (top if self.signed else Fraction(0))
@@ -288,7 +297,7 @@ class Format:
 
     @cached_property
     def min(self) -> Fraction:
-        """Most negative finite value (0 for unsigned, −128 for int8)."""
+        """Most negative finite value (0 for unsigned, −128 for int8, −127 for int8_sym)."""
         return -self.extremes[1]
 
     @cached_property
@@ -332,7 +341,8 @@ class Format:
 
     @cached_property
     def min_significand(self) -> int:
-        """``|min|`` as an integer multiple of ``2**qmax`` (one more than max for integers)."""
+        """``|min|`` as an integer multiple of ``2**qmax`` (one more than max for integers but
+        symmetric ones)."""
         return int(-self.min / pow2(self.qmax))
 
     def contains(self, other: Format) -> bool:
@@ -351,7 +361,7 @@ class Format:
             return (self.mbits + 1 >= other.bits - 1 and self.max >= -other.min
                     and self.qmin <= other.qmin)
         return (self.integer == other.integer and self.mbits >= other.mbits
-                and self.max >= other.max and self.qmin <= other.qmin
+                and self.max >= other.max and self.min <= other.min and self.qmin <= other.qmin
                 and (self.signed or not other.signed))
 
     def _holds_all(self, other: Format) -> bool:
@@ -385,6 +395,7 @@ def describe(fmt: Format) -> dict[str, object]:
     return {
         "name": fmt.name, "bits": fmt.bits, "ebits": fmt.ebits, "mbits": fmt.mbits,
         "bias": fmt.bias, "signed": fmt.signed, "integer": fmt.integer, "kind": fmt.kind.value,
+        "symmetric": fmt.symmetric,
         "has_subnormals": fmt.has_subnormals, "has_inf": fmt.has_inf, "nan": fmt.nan.value,
         "has_neg_zero": fmt.has_neg_zero, "has_zero": fmt.has_zero,
         "max": str(fmt.max), "min": str(fmt.min),
@@ -489,6 +500,8 @@ _NAMED: tuple[Format, ...] = (
            kind=FormatKind.TAPERED, taper=HIFLOAT8),
 )
 
+_NAMED_BY_NAME = {f.name: f for f in _NAMED}
+
 _CUSTOM = re.compile(r"e(\d+)m(\d+)(?:b(-?\d+))?")
 # Custom formats must sit inside float32's range so that every value is a float32 and every
 # float32 subnormal lies below the format's smallest normal (the fast path relies on both).
@@ -534,6 +547,21 @@ def _custom(name: str) -> Format | None:
     return fmt
 
 
+_SYMMETRIC_SUFFIX = "_sym"
+
+
+def _symmetric(name: str) -> Format | None:
+    """``int8_sym``, ``int4_sym``: a registered integer format clamped to ``-max..max``.
+
+    Resolved on lookup, not registered, so that ``drift formats`` and the verify plans keep
+    their counts (``drift verify-formats -f int8_sym`` checks it like any other format)."""
+    base = _NAMED_BY_NAME.get(name.removesuffix(_SYMMETRIC_SUFFIX)) \
+        if name.endswith(_SYMMETRIC_SUFFIX) else None
+    if base is None or not base.integer:
+        return None
+    return replace(base, name=name, symmetric=True)
+
+
 class _Registry(Mapping[str, Format]):
     """Named formats by name; custom ``eXmY`` / ``eXmYbZ`` names resolve on lookup."""
 
@@ -543,7 +571,7 @@ class _Registry(Mapping[str, Format]):
     def __getitem__(self, name: str) -> Format:
         if name in self._named:
             return self._named[name]
-        custom = _p3109_spec(name) or _custom(name)
+        custom = _p3109_spec(name) or _symmetric(name) or _custom(name)
         if custom is None:
             raise UnknownFormatError(
                 f"unknown format {name!r}{close_matches(name, self._named)} "
@@ -555,7 +583,8 @@ class _Registry(Mapping[str, Format]):
         if name in self._named:
             return True
         try:
-            return isinstance(name, str) and (_p3109_spec(name) or _custom(name)) is not None
+            return isinstance(name, str) and (
+                _p3109_spec(name) or _symmetric(name) or _custom(name)) is not None
         except FormatSpecError:
             return False
 
