@@ -73,58 +73,87 @@ def scale_params(levels: Any, ints: Any, consts: Any, cols: int) -> tuple[Any, A
             (consts[0], consts[1], consts[2]))
 
 
+CHUNK = 128
+"""Rows whose scales are chosen together, step by step over all of them (each step one loop
+over the chunk's runs or rows); their elements stay in the cache between the amax pass and
+the element pass."""
+
+
 @njit(inline="always", **OPTIONS)
-def row_scales(xi: Any, base: int, cols: int, lv: Any, ip: Any, fp: Any, runs: Any,
-               rexp: Any) -> tuple[float, float, bool, bool]:
-    """The scale choice of one row (the one copy on this back-end, for :func:`micro_scales`
-    and :func:`cast_kernel`): the ``cols`` float32 elements whose int32 bits start at
-    ``xi[base]`` give ``(s, r, bad, clamped)`` and fill ``rexp`` with each innermost run's
-    total micro-exponent (``runs`` is scratch, one int64 per innermost run). ``lv`` comes
-    from :func:`level_params`, ``ip`` and ``fp`` from :func:`scale_params`, each once per
-    call. NaN and inf members set ``bad`` and are left out of every amax, as in
-    :func:`driftcli.casts.microscale.torch_scales`. Every amax is read on the bits
-    (non-negative floats order as their bits do) and every exponent from bits."""
-    pow2, emax, steps, low, high, sig, inner_size = ip
+def row_scales(xi: Any, row0: int, n: int, cols: int, inner: int, lv: Any, ip: Any, fp: Any,
+               runs: Any, worst: Any, s: Any, r: Any, bad: Any, clip: Any, rexp: Any) -> None:
+    """The scale choice of the ``n`` rows of ``cols`` float32 elements from row ``row0``
+    (``xi`` their int32 bits; ``inner`` elements an innermost run): the one copy on this
+    back-end, for :func:`micro_scales` and :func:`cast_kernel`. Fills, per row, ``s``, ``r``
+    (float64), ``bad`` (a NaN or inf member) and ``clip`` (``s`` clamped, not ``bad``), and
+    per innermost run its total micro-exponent ``rexp`` (``runs`` and ``worst`` are scratch,
+    one int64 per run). ``lv`` comes from :func:`level_params`, ``ip`` and ``fp`` from
+    :func:`scale_params`, each once per call. NaN and inf members set ``bad`` and are left
+    out of every amax, as in :func:`driftcli.casts.microscale.torch_scales`. Every amax is
+    read on the bits (non-negative floats order as their bits do) and every exponent from
+    bits."""
+    pow2, emax, steps, low, high, sig, _ = ip
     c, smallest, largest = fp
-    nin = runs.size
-    worst, top = 0, 0
-    for run in range(nin):  # the innermost runs' finite amaxes, without branches
-        m = 0
-        for i in range(base + run * inner_size, base + (run + 1) * inner_size):
+    nin = cols // inner
+    base = row0 * cols
+    for k in range(n * nin):  # the innermost runs' finite amaxes and largest bits
+        m, w = 0, 0
+        for i in range(base + k * inner, base + (k + 1) * inner):
             u = xi[i] & 0x7FFFFFFF
-            worst = max(worst, u)
+            w = max(w, u)
             m = max(m, u if u < INF_BITS else 0)
-        runs[run] = m
-        top = max(top, m)
-    bad = worst >= INF_BITS  # a NaN or inf member
-    # a float32 amax is a normal float64 (or 0)
-    amax = np.float64(np.int32(top).view(np.float32))
-    if pow2:
-        free = (as_bits(amax) >> 52) - 1023 - emax - steps if top > 0 else low
-        k = min(max(free, low), high)
-        s = of_bits((1023 + k) << 52)
-        r = of_bits((1023 - k) << 52)
-        clip = k != free
-    else:  # amax · c is a normal float64 (or 0), so are the roundings of it
-        raw_bits = round_bits(as_bits(amax * c), 8)
-        raw = of_bits(raw_bits)
-        rounded = of_bits(round_bits(raw_bits, sig))
-        s = min(max(rounded, smallest), largest)
-        clip = top > 0 and (rounded > largest or raw < smallest)
-        r = of_bits(round_bits(as_bits(1.0 / s), 8))
-    rexp[:] = 0
+        runs[k], worst[k] = m, w
+    for row in range(n):
+        top, w = 0, 0
+        for k in range(row * nin, (row + 1) * nin):
+            top, w = max(top, runs[k]), max(w, worst[k])
+        bad[row] = w >= INF_BITS
+        # a float32 amax is a normal float64 (or 0)
+        amax = np.float64(np.int32(top).view(np.float32))
+        if pow2:
+            free = (as_bits(amax) >> 52) - 1023 - emax - steps if top > 0 else low
+            k = min(max(free, low), high)
+            s[row] = of_bits((1023 + k) << 52)
+            r[row] = of_bits((1023 - k) << 52)
+            clip[row] = k != free and w < INF_BITS
+        else:  # amax · c is a normal float64 (or 0), so are the roundings of it
+            raw_bits = round_bits(as_bits(amax * c), 8)
+            raw = of_bits(raw_bits)
+            rounded = of_bits(round_bits(raw_bits, sig))
+            sr = min(max(rounded, smallest), largest)
+            s[row] = sr
+            clip[row] = top > 0 and (rounded > largest or raw < smallest) and w < INF_BITS
+            r[row] = of_bits(round_bits(as_bits(1.0 / sr), 8))
+    rexp[:n * nin] = 0
     for j in range(lv.shape[0]):
         per, most, lbase = lv[j, 0], lv[j, 1], lv[j, 2]
-        for g in range(0, nin, per):
-            v = 0
-            for t in range(g, g + per):
-                v = max(v, runs[t])
-            # exact: 24 by 8 significant bits, a normal float64 (or 0, binade -1023)
-            y = np.float64(np.int32(v).view(np.float32)) * r
-            e = min(max((as_bits(y) >> 52) - 1023 - lbase - rexp[g], 0), most)
-            for t in range(g, g + per):
-                rexp[t] += e
-    return s, r, bad, clip and not bad
+        for row in range(n):
+            rr = r[row]
+            if per == 1:  # the innermost level: a loop without inner loops, that unrolls
+                for g in range(row * nin, (row + 1) * nin):
+                    y = np.float64(np.int32(runs[g]).view(np.float32)) * rr
+                    rexp[g] += min(max((as_bits(y) >> 52) - 1023 - lbase - rexp[g], 0), most)
+                continue
+            for g in range(row * nin, (row + 1) * nin, per):
+                v = 0
+                for t in range(g, g + per):
+                    v = max(v, runs[t])
+                # exact: 24 by 8 significant bits, a normal float64 (or 0, binade -1023)
+                y = np.float64(np.int32(v).view(np.float32)) * rr
+                e = min(max((as_bits(y) >> 52) - 1023 - lbase - rexp[g], 0), most)
+                for t in range(g, g + per):
+                    rexp[t] += e
+
+
+@njit(inline="always", **OPTIONS)
+def chunk_scratch(cols: int, inner: int) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
+    """:func:`row_scales`' arrays for a chunk of :data:`CHUNK` rows: ``runs``, ``worst``,
+    ``s``, ``r``, ``bad``, ``clip``, ``rexp``."""
+    nin = cols // inner
+    return (np.zeros(CHUNK * nin, dtype=np.int64), np.zeros(CHUNK * nin, dtype=np.int64),
+            np.zeros(CHUNK, dtype=np.float64), np.zeros(CHUNK, dtype=np.float64),
+            np.zeros(CHUNK, dtype=np.bool_), np.zeros(CHUNK, dtype=np.bool_),
+            np.zeros(CHUNK * nin, dtype=np.int64))
 
 
 @njit(**OPTIONS)
@@ -132,24 +161,26 @@ def micro_scales(x: Any, xi: Any, cols: int, levels: Any, ints: Any, consts: Any
                  r_out: Any, bad: Any, clamped: Any, exps: Any, start: int, stop: int) -> None:
     """Rows ``start..stop`` of ``cols`` float32 elements (``xi`` their int32 view): ``s_out``,
     ``r_out`` (float64), ``bad`` (a NaN or inf member), ``clamped`` and ``exps`` (one per
-    element), by :func:`row_scales`.
+    element), by :func:`row_scales`, :data:`CHUNK` rows at a time.
 
     ``levels`` holds ``(size, top)`` per level, outermost first; ``ints`` is ``(pow2 base,
     emax_elem, T, low, high, scale mbits + 1)``; ``consts`` is ``(rne_bf16(1 / M), smallest,
     largest)`` of the scale format.
     """
     ip, fp = scale_params(levels, ints, consts, cols)
-    inner_size = ip[6]
+    inner = ip[6]
     lv = level_params(levels, ints, cols)
-    runs = np.zeros(cols // inner_size, dtype=np.int64)
-    rexp = np.zeros(cols // inner_size, dtype=np.int64)
-    for row in range(start, stop):
-        base = row * cols
-        s, r, nonfinite, clip = row_scales(xi, base, cols, lv, ip, fp, runs, rexp)
-        s_out[row], r_out[row], bad[row], clamped[row] = s, r, nonfinite, clip
-        for t in range(runs.size):
-            for i in range(base + t * inner_size, base + (t + 1) * inner_size):
-                exps[i] = rexp[t]
+    runs, worst, s, r, nonfinite, clip, rexp = chunk_scratch(cols, inner)
+    for row0 in range(start, stop, CHUNK):
+        n = min(CHUNK, stop - row0)
+        row_scales(xi, row0, n, cols, inner, lv, ip, fp, runs, worst, s, r, nonfinite, clip,
+                   rexp)
+        s_out[row0:row0 + n], r_out[row0:row0 + n] = s[:n], r[:n]
+        bad[row0:row0 + n], clamped[row0:row0 + n] = nonfinite[:n], clip[:n]
+        base = row0 * cols
+        for k in range(n * (cols // inner)):
+            for i in range(base + k * inner, base + (k + 1) * inner):
+                exps[i] = rexp[k]
 
 
 def wide_nearest_applies(p: Any, rounding: int, has_draws: bool) -> bool:
@@ -191,21 +222,25 @@ def round_nearest_wide(y: float, away: bool, lo: int, t_mbits: int, top_pos: flo
 
 
 @cache
-def cast_kernel(rounding: int, overflow: int, has_draws: bool,
-                wide_nearest: bool = False) -> Callable[..., None]:
+def cast_kernel(rounding: int, overflow: int, has_draws: bool, wide_nearest: bool,
+                block: int, inner: int) -> Callable[..., None]:
     """``kernel(x, xi, cols, levels, ints, consts, q, draws, out, start, stop)``: rows
-    ``start..stop`` of a float32 tensor (``x``, and ``xi`` its int32 view) cast in one pass:
-    the scales of :func:`row_scales` (per innermost run), then each element ``x`` rounded
-    as ``fl32(round(x · r / 2**E) · 2**E · s)`` on its float64 bits (``x · r / 2**E`` is
-    exact in float64) onto the element grid (its
+    ``start..stop`` of a float32 tensor (``x``, and ``xi`` its int32 view) cast in one pass,
+    :data:`CHUNK` rows at a time: the scales of :func:`row_scales` (per innermost run of
+    ``inner`` elements; ``cols`` is ``block``: both constants of the machine code, so that
+    the loops over a row and a run unroll; the ``cols`` argument is not read), then each
+    element ``x`` rounded as ``fl32(round(x · r / 2**E) · 2**E · s)``
+    (``x · r / 2**E`` is exact in float64) onto the element grid (its
     :func:`~driftcli.kernels.jitcode.row_limits` of scale 1): by :func:`round_nearest_wide`
     where ``wide_nearest`` (:func:`wide_nearest_applies`), else by
-    :func:`driftcli.kernels.jitcode.round_one`; ``q`` the float64 source's parameters (their
-    rounding and overflow codes are this kernel's). A row holding NaN or inf becomes NaN."""
+    :func:`driftcli.kernels.jitcode.round_one` on its float64 bits; ``q`` the float64
+    source's parameters (their rounding and overflow codes are this kernel's). A row holding
+    NaN or inf becomes NaN."""
 
     @njit(**OPTIONS)
-    def kernel(x: Any, xi: Any, cols: int, levels: Any, ints: Any, consts: Any, q: Any,
+    def kernel(x: Any, xi: Any, cols_given: int, levels: Any, ints: Any, consts: Any, q: Any,
                draws: Any, out: Any, start: int, stop: int) -> None:
+        cols = block
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
              rounding, overflow, q[15], q[16], q[17])
         lim = row_limits(0, p)
@@ -216,45 +251,37 @@ def cast_kernel(rounding: int, overflow: int, has_draws: bool,
         over_pos = top_pos if saturating else beyond
         over_neg = top_neg if saturating else beyond
         neg_zero = p[11] != 0
-        ys = np.zeros(cols, dtype=np.float64)
-        yb = ys.view(np.int64)
-        ins = np.zeros(cols, dtype=np.float64)
-        outs = np.zeros(cols, dtype=np.float64)
         ip, fp = scale_params(levels, ints, consts, cols)
-        inner_size = ip[6]
         lv = level_params(levels, ints, cols)
-        nin = cols // inner_size
-        runs = np.zeros(nin, dtype=np.int64)
-        rexp = np.zeros(nin, dtype=np.int64)
-        for row in range(start, stop):
-            base = row * cols
-            s, r, bad, _ = row_scales(xi, base, cols, lv, ip, fp, runs, rexp)
-            if bad:  # a row holding NaN or inf becomes NaN
-                for i in range(base, base + cols):
-                    out[i] = np.float32(np.nan)
-                continue
+        nin = cols // inner
+        runs, worst, s, r, bad, clip, rexp = chunk_scratch(cols, inner)
+        ins = np.zeros(CHUNK * cols, dtype=np.float64)
+        outs = np.zeros(CHUNK * cols, dtype=np.float64)
+        for row0 in range(start, stop, CHUNK):
+            n = min(CHUNK, stop - row0)
+            row_scales(xi, row0, n, cols, inner, lv, ip, fp, runs, worst, s, r, bad, clip,
+                       rexp)
             # the grid scaled by 2**E is the unscaled grid times 2**E: each element meets
             # r / 2**E on the way in and 2**E · s on the way out (exact powers of two), and
-            # all round under one set of limits, in one loop that vectorizes
-            for t in range(nin):
-                up = of_bits((1023 + rexp[t]) << 52)
-                down = of_bits((1023 - rexp[t]) << 52)
-                for i in range(t * inner_size, (t + 1) * inner_size):
-                    ins[i] = r * down
-                    outs[i] = s * up
-            if wide_nearest:
-                for i in range(cols):
-                    v = round_nearest_wide(np.float64(x[base + i]) * ins[i], rounding == 1,
-                                           lo, t_mbits, top_pos, top_neg, over_pos,
-                                           over_neg, neg_zero)
-                    out[base + i] = np.float32(v * outs[i])
-                continue
-            for i in range(cols):
-                ys[i] = np.float64(x[base + i]) * ins[i]
-            for i in range(cols):
-                d = draws[base + i] if has_draws else 0
-                yb[i] = round_one(yb[i], 0, False, d, lim, p)
-            for i in range(cols):
-                out[base + i] = np.float32(ys[i] * outs[i])
+            # all round under one set of limits
+            for row in range(n):
+                for k in range(row * nin, (row + 1) * nin):
+                    into = r[row] * of_bits((1023 - rexp[k]) << 52)
+                    back = s[row] * of_bits((1023 + rexp[k]) << 52)
+                    for i in range(k * inner, (k + 1) * inner):
+                        ins[i], outs[i] = into, back
+            base = row0 * cols
+            for i in range(n * cols):  # one loop over the chunk's elements: it vectorizes
+                y = np.float64(x[base + i]) * ins[i]
+                if wide_nearest:
+                    v = round_nearest_wide(y, rounding == 1, lo, t_mbits, top_pos, top_neg,
+                                           over_pos, over_neg, neg_zero)
+                else:
+                    d = draws[base + i] if has_draws else 0
+                    v = of_bits(round_one(as_bits(y), 0, False, d, lim, p))
+                out[base + i] = np.float32(v * outs[i])
+            for row in range(n):  # a row holding NaN or inf becomes NaN
+                if bad[row]:
+                    out[base + row * cols:base + (row + 1) * cols] = np.float32(np.nan)
 
     return kernel
