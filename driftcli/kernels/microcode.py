@@ -36,7 +36,7 @@ def round_bits(u: int, bits: int) -> int:
 @njit(inline="always", **OPTIONS)
 def as_bits(v: float) -> int:
     """A float64's bits as an int64."""
-    return np.float64(v).view(np.int64)
+    return int(np.float64(v).view(np.int64))
 
 
 @njit(inline="always", **OPTIONS)
