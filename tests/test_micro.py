@@ -17,6 +17,7 @@ from recipe_data import requires_stories, stories_weights
 from driftcli import oracle
 from driftcli.casts import microscale, quantization
 from driftcli.casts.quantization import QuantInfo, quantize
+from driftcli.casts.rounding import jit_params, source_of, target_of
 from driftcli.errors import CastSpecError
 from driftcli.kernels import jit
 from driftcli.records.cast import Cast
@@ -411,3 +412,83 @@ def test_a_numba_scale_fault_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(jit, "micro_block_scales", wide_runs)
     assert _scale_mismatches(_with_nonfinite(_boundary_blocks()), HIF4) > 0
+
+
+# --- the one-pass cast's nearest rounding (microcode.round_nearest_wide) ---------------------
+# The cast rounds its elements to nearest by exact float steps where the grid allows
+# (wide_nearest_applies) and by jitcode.round_one elsewhere; on the same kernel, both must give
+# the same bits (compared as int32, so that a lost negative zero counts).
+
+def _tie_blocks(c: Cast) -> torch.Tensor:
+    """Boundary blocks, and blocks of exact ties, carries into the next binade, values at and
+    beyond the grid's top and negative zeros and tiny negatives, all under one amax 1."""
+    assert c.micro is not None
+    cols = c.micro.block
+    x = _boundary_blocks() if c.micro.block == 64 else _mx_boundary(c)
+    m = c.format.mbits
+    g = torch.Generator().manual_seed(7)
+    # under MX6's and MX9's amax 4 (s = 2, pairs without it at 2**0) the grid's quantum is
+    # 2**-m of x / 2: these are ties, below the top code
+    ties = (torch.randint(0, 2 ** (m + 1), (64, cols), generator=g) + 0.5) / 2 ** (m - 1)
+    ties *= torch.where(torch.rand(64, cols, generator=g) < 0.5, -1.0, 1.0)
+    ties[:, 0] = 4.0  # one amax per block, so that the ties stay ties under every scale
+    ties[:8, 1:4] = torch.tensor([-0.0, -(2.0**-40), 2.0**-40])
+    return torch.cat([x, ties.float()]).contiguous()
+
+
+def _one_pass(x: torch.Tensor, c: Cast, wide: bool, levels: np.ndarray | None = None
+              ) -> torch.Tensor:
+    import driftcli.kernels.microcode as code  # numba, as the kernels import it
+
+    assert c.micro is not None
+    own, ints, consts = microscale._consts(c.format, c.micro)
+    levels = own if levels is None else levels
+    p = jit_params(src=source_of(torch.float64), tgt=target_of(c.format), rounding=c.rounding,
+                   overflow=c.overflow, sr_bits=8)
+    rows, cols = x.shape
+    out = np.empty(rows * cols, dtype=np.float32)
+    kernel = code.cast_kernel(p[13], p[14], False, wide, cols, int(levels[-1, 0]))
+    flat = x.reshape(-1).numpy()
+    kernel(flat, flat.view(np.int32), cols, levels, ints, consts, np.asarray(p, dtype=np.int64),
+           np.empty(0, dtype=np.int64), out, 0, rows)
+    return torch.from_numpy(out).view(rows, cols)
+
+
+@pytest.mark.parametrize("spec", ["hifloat4", "hifloat4:rne", "mx6", "mx6:rne", "mx9",
+                                  "mx9:rne", "mx6:rne:ieee"])
+def test_the_wide_nearest_rounding_equals_round_one(spec: str) -> None:
+    import driftcli.kernels.microcode as code  # numba, as the kernels import it
+
+    c = parse_cast(spec)
+    p = jit_params(src=source_of(torch.float64), tgt=target_of(c.format), rounding=c.rounding,
+                   overflow=c.overflow, sr_bits=8)
+    assert code.wide_nearest_applies(p, p[13], False)
+    x = _tie_blocks(c)
+    fast, general = _one_pass(x, c, True), _one_pass(x, c, False)
+    assert torch.equal(fast.view(torch.int32), general.view(torch.int32))
+    assert int((fast.view(torch.int32) == -(2**31)).sum()) >= 16  # negative zeros kept
+    # and the cast, through quantize, equals the torch back-end bit for bit
+    jit.set_jit("never")
+    try:
+        want = quantize(x, c)
+    finally:
+        jit.set_jit("auto")
+    assert torch.equal(quantize(x, c).view(torch.int32), want.view(torch.int32))
+
+
+def test_the_wide_nearest_rounding_tells_ties_apart() -> None:
+    """The planted fault: ties away asked of the nearest-even kernel (one flag of the fast
+    path). The tie blocks hold ties on both kinds of code, so the two differ, and the fast
+    path's even rounding is the general path's, not the away one."""
+    import driftcli.kernels.microcode as code  # numba, as the kernels import it
+
+    even = parse_cast("mx6:rne")
+    x = _tie_blocks(even)
+    right = _one_pass(x, even, True)
+    away = _one_pass(x, MX6, True)
+    assert int((right != away).sum()) > 100
+    p = jit_params(src=source_of(torch.float64), tgt=target_of(MX6.format),
+                   rounding=even.rounding, overflow=even.overflow, sr_bits=8)
+    # the fast path stands aside where its steps do not hold: stochastic rounding, directed
+    assert not code.wide_nearest_applies(p, p[13], True)
+    assert not code.wide_nearest_applies(p, 2, False)

@@ -587,7 +587,10 @@ def micro_cast(blocks: Tensor, random: Tensor | None, levels: np.ndarray, ints: 
     rows, cols = blocks.shape
     out = np.empty(rows * cols, dtype=np.float32)
     draws = _flat(None if random is None else random.to(torch.int64))
-    kernel = code.cast_kernel(p[13], p[14], draws is not None)
+    inner = int(levels[-1, 0]) if len(levels) else cols  # constants of the kernel's code
+    kernel = code.cast_kernel(p[13], p[14], draws is not None,
+                              code.wide_nearest_applies(p, p[13], draws is not None), cols,
+                              inner)
     spread(kernel, rows, cols, _array(blocks), _array(blocks, torch.int32), cols, levels, ints,
            consts, np.asarray(p, dtype=np.int64), _or_empty(draws, np.int64), out)
     return torch.from_numpy(out).view(rows, cols)
