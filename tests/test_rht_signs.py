@@ -162,3 +162,13 @@ def test_the_library_resolves_each_layers_signs_as_the_cli(tmp_path: Path, what:
         assert lib.loc[[i], numbers].reset_index(drop=True).equals(
             by_hand[layer].loc[[0], numbers])
     assert not lib.loc[[0], numbers].reset_index(drop=True).equals(swapped.loc[[0], numbers])
+
+
+def test_the_library_refuses_a_lone_tensor_naming_it() -> None:
+    """A tensor on its own has no layer, so no vector: refused in one line that names the
+    input as the caller named it (not the scratch file the library saves it to)."""
+    from driftcli.api import measure
+
+    with pytest.raises(SignVectorError, match=r"^w: tensor w has no sign vector") as err:
+        measure(torch.randn(16, 16), "nvfp4:rht=checkpoint", name="w")
+    assert "drift-measure" not in str(err.value) and "\n" not in str(err.value)
