@@ -41,22 +41,25 @@ def nearest_saturated(y: Any, lo: int, top: int, t_mbits: int, biggest: Any) -> 
 
 
 @cache
-def errors_kernel(rounding: int, overflow: int, squared: bool,
-                  fp16: bool) -> Callable[..., None]:
-    """``kernel(x, inv4, inv6, sb4, sb6, consts, cols, err4, err6, q, start, stop)``: for the
-    rows ``start:stop`` of float32 ``x`` (``cols`` a row), each candidate's codes of
+def errors_kernel(rounding: int, overflow: int, squared: bool, fp16: bool,
+                  per_row: bool = False) -> Callable[..., None]:
+    """``kernel(x, inv4, inv6, sb4, sb6, ts, encs, g, cols, err4, err6, q, start, stop)``: for
+    the rows ``start:stop`` of float32 ``x`` (``cols`` a row), each candidate's codes of
     ``fl(x · inv)`` (rounded by ``q``) and its error summed from 0 in element order: ``|d|``
     or ``d · d`` (``squared``) of ``d = fl(fl(fl(fl(q · sb) · t) / g) − x)``, or with ``fp16``
-    ``d = fl(q · sb − fl(x · enc))``; ``consts`` is ``(t, enc, g)``, float32."""
+    ``d = fl(q · sb − fl(x · enc))``; ``t`` and ``enc`` (float32) are ``ts[0]``, ``encs[0]``,
+    or with ``per_row`` each row's own (row-scaled NVFP4), ``g`` float32."""
 
     @njit(**OPTIONS)
-    def kernel(x: Any, inv4: Any, inv6: Any, sb4: Any, sb6: Any, consts: Any, cols: int,
-               err4: Any, err6: Any, q: Any, start: int, stop: int) -> None:
+    def kernel(x: Any, inv4: Any, inv6: Any, sb4: Any, sb6: Any, ts: Any, encs: Any, g: Any,
+               cols: int, err4: Any, err6: Any, q: Any, start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
              rounding, overflow, q[15], q[16], q[17])
         lim = row_limits(0, p)
-        t, enc, g = consts[0], consts[1], consts[2]
+        t, enc = ts[0], encs[0]
         for row in range(start, stop):
+            if per_row:
+                t, enc = ts[row], encs[row]
             a4, a6, s4, s6 = inv4[row], inv6[row], sb4[row], sb6[row]
             e4 = np.float32(0.0)
             e6 = np.float32(0.0)

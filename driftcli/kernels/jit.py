@@ -493,19 +493,21 @@ def accumulate(a: Tensor, b: Tensor, a_of: Tensor, b_of: Tensor, m: int, order: 
 # --- four over six's errors (driftcli.kernels.fourcode) ----------------------------------------
 
 def four_over_six_errors(blocks: Tensor, inv4: Tensor, inv6: Tensor, sb4: Tensor, sb6: Tensor,
-                         consts: tuple[float, float, float], p: tuple[int, ...], squared: bool,
+                         t: Tensor, enc: Tensor, g: float, p: tuple[int, ...], squared: bool,
                          fp16: bool) -> tuple[Tensor, Tensor]:
     """Per row of a contiguous 2-D float32 ``blocks``: the map-to-4 and map-to-6 candidates'
-    errors (:func:`driftcli.kernels.fourcode.errors_kernel`; ``consts`` the tensor amax, the
-    encode scale and the global max, rounded to float32)."""
+    errors (:func:`driftcli.kernels.fourcode.errors_kernel`; ``t`` the tensor amax and ``enc``
+    the encode scale, float32, one value or one per row (row-scaled), ``g`` the global max)."""
     import driftcli.kernels.fourcode as code  # numba, on first use only
 
     rows, cols = blocks.shape
     err4 = np.empty(rows, dtype=np.float32)
     err6 = np.empty(rows, dtype=np.float32)
-    kernel = code.errors_kernel(p[13], p[14], squared, fp16)
+    per_row = t.numel() > 1
+    kernel = code.errors_kernel(p[13], p[14], squared, fp16, per_row)
     spread(kernel, rows, cols, _array(blocks), *(_array(v.float()) for v in (inv4, inv6, sb4, sb6)),
-           np.asarray(consts, dtype=np.float32), cols, err4, err6, p)
+           _array(t.float().reshape(-1)), _array(enc.float().reshape(-1)), np.float32(g), cols,
+           err4, err6, p)
     return torch.from_numpy(err4), torch.from_numpy(err6)
 
 
