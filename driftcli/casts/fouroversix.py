@@ -25,7 +25,7 @@ import torch
 from driftcli import kernels
 from driftcli.casts import rounding
 from driftcli.casts.rounding import round_values
-from driftcli.casts.scalearith import F32_MAX, ArithScales
+from driftcli.casts.scalearith import F32_MAX, ArithScales, row_amax
 from driftcli.casts.scaling import to_blocks
 from driftcli.kernels import jit
 from driftcli.records.cast import Cast
@@ -186,13 +186,14 @@ def fused_values(x: Tensor, c: Cast, axis: int) -> Tensor | None:
     """``quantize(x, c)``'s values under 4/6 in two numba passes (the rows' amax, then
     :func:`driftcli.kernels.jit.four_over_six_values`: scales, candidates, errors, choice and
     values in one), or None where the general steps run: a cast that is not 4/6 on 1 x 16
-    blocks of a float32 CPU tensor rounded to nearest even and saturating (the rounding both
-    candidates are made with, so the chosen one's codes are the cast's), numba not at hand,
-    or a block that holds NaN or inf. The same bits as the general steps
+    blocks or 16 x 16 tiles of a float32 CPU tensor rounded to nearest even and saturating
+    (the rounding both candidates are made with, so the chosen one's codes are the cast's),
+    numba not at hand, or a block that holds NaN or inf. Row-scaled 4/6 passes each block's
+    row amax (and its S_enc, S_dec) to the kernel. The same bits as the general steps
     (tests/test_fouroversix_fused.py)."""
     s = c.scaling
     order = s.arithmetic.two
-    if not (order.four_over_six and not order.row_scaled and s.granularity is Granularity.BLOCK
+    if not (order.four_over_six and s.granularity in (Granularity.BLOCK, Granularity.TILE)
             and c.rounding is Rounding.RNE and c.overflow is Overflow.SATURATE
             and x.dtype == torch.float32 and x.numel() > 0 and kernels.numba_runs(x)):
         return None
@@ -201,10 +202,11 @@ def fused_values(x: Tensor, c: Cast, axis: int) -> Tensor | None:
     amax, bad = jit.block_amax(blocks)
     if bool(bad.any()):  # NaN and inf go through the general steps' amax policy
         return None
-    t = amax.max().float()
+    t = (row_amax(amax, x.shape[axis] if x.dim() else 1, s.block) if order.row_scaled
+         else amax.max()).float()
     enc, dec = tensor_scales(t)
     g = torch.tensor(GLOBAL_MAX)
-    consts = (float(t), float(enc), float(g), float(dec), 6.0, EXPAND, float(1 / g), F32_MAX)
+    consts = (float(g), 6.0, EXPAND, float(1 / g), F32_MAX)
     p = rounding.jit_params(src=rounding.source_of(torch.float32),
                             tgt=rounding.target_of(c.format), rounding=Rounding.RNE,
                             overflow=Overflow.SATURATE, sr_bits=DEFAULT_SR_BITS)
@@ -212,6 +214,6 @@ def fused_values(x: Tensor, c: Cast, axis: int) -> Tensor | None:
                              tgt=rounding.target_of(FORMATS["float8_e4m3fn"]),
                              rounding=Rounding.RNE, overflow=Overflow.SATURATE,
                              sr_bits=DEFAULT_SR_BITS)
-    q = jit.four_over_six_values(blocks, amax, consts, p, ps, order.squared,
-                                 order.fp16_error)
+    q = jit.four_over_six_values(blocks, amax, (t, enc, dec), consts, p, ps, order.squared,
+                                 order.fp16_error, blocks.shape[1] // RUN)
     return back(q).to(x.dtype)
