@@ -173,3 +173,23 @@ def test_a_planted_reversed_error_sum_in_the_fused_pass_is_caught(
             assert fused is not None
             parted += int((_bits(fused) != _bits(general)).sum())
     assert parted > 0
+
+
+def test_a_planted_one_chain_tile_sum_in_the_fused_pass_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused pass told a tile is one run (``runs=1``): its error one chain of 256
+    additions in place of 16 row sums added by halves. The codes are the same, and the tiles
+    whose choice hangs on the order of the sum part the fused pass from the general steps."""
+    honest = jit.four_over_six_values
+
+    def one_chain(*args: Any) -> torch.Tensor:
+        return honest(*args[:8], 1)
+
+    x = four_over_six_tile_case(keep=None)
+    c = parse_cast("te/nvfp4_2d_4over6")
+    general = drift.quantize(x, c, return_info=True).values  # type: ignore[union-attr]
+    assert torch.equal(_bits(drift.quantize(x, c)), _bits(general))
+    monkeypatch.setattr(jit, "four_over_six_values", one_chain)
+    fused = fouroversix.fused_values(x, c, -1)
+    assert fused is not None
+    assert int((_bits(fused) != _bits(general)).sum()) > 0
