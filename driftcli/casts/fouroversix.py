@@ -25,7 +25,7 @@ import torch
 from driftcli import kernels
 from driftcli.casts import rounding
 from driftcli.casts.rounding import round_values
-from driftcli.casts.scalearith import F32_MAX, ArithScales, row_amax
+from driftcli.casts.scalearith import F32_MAX, ArithScales
 from driftcli.casts.scaling import to_blocks
 from driftcli.kernels import jit
 from driftcli.records.cast import Cast
@@ -188,9 +188,9 @@ def fused_values(x: Tensor, c: Cast, axis: int) -> Tensor | None:
     values in one), or None where the general steps run: a cast that is not 4/6 on 1 x 16
     blocks or 16 x 16 tiles of a float32 CPU tensor rounded to nearest even and saturating
     (the rounding both candidates are made with, so the chosen one's codes are the cast's),
-    numba not at hand, or a block that holds NaN or inf. Row-scaled 4/6 passes each block's
-    row amax (and its S_enc, S_dec) to the kernel. The same bits as the general steps
-    (tests/test_fouroversix_fused.py)."""
+    numba not at hand, or a block that holds NaN or inf. Row-scaled 4/6 tells the kernel how
+    many blocks make a row (it takes each row's amax, S_enc and S_dec itself). The same bits
+    as the general steps (tests/test_fouroversix_fused.py)."""
     s = c.scaling
     order = s.arithmetic.two
     if not (order.four_over_six and s.granularity in (Granularity.BLOCK, Granularity.TILE)
@@ -202,9 +202,11 @@ def fused_values(x: Tensor, c: Cast, axis: int) -> Tensor | None:
     amax, bad = jit.block_amax(blocks)
     if bool(bad.any()):  # NaN and inf go through the general steps' amax policy
         return None
-    t = (row_amax(amax, x.shape[axis] if x.dim() else 1, s.block) if order.row_scaled
-         else amax.max()).float()
-    enc, dec = tensor_scales(t)
+    # row-scaled: each row's amax, S_enc and S_dec are made in the kernel (three torch ops
+    # over every block cost a tenth of the cast); the blocks of a row lie one after another
+    per = -(-max(x.shape[axis] if x.dim() else 1, 1) // s.block) if order.row_scaled else 0
+    t = amax[:1] if per else amax.max()
+    enc, dec = tensor_scales(t.float())
     g = torch.tensor(GLOBAL_MAX)
     consts = (float(g), 6.0, EXPAND, float(1 / g), F32_MAX)
     p = rounding.jit_params(src=rounding.source_of(torch.float32),
@@ -215,5 +217,5 @@ def fused_values(x: Tensor, c: Cast, axis: int) -> Tensor | None:
                              rounding=Rounding.RNE, overflow=Overflow.SATURATE,
                              sr_bits=DEFAULT_SR_BITS)
     q = jit.four_over_six_values(blocks, amax, (t, enc, dec), consts, p, ps, order.squared,
-                                 order.fp16_error, blocks.shape[1] // RUN)
+                                 order.fp16_error, blocks.shape[1] // RUN, per)
     return back(q).to(x.dtype)

@@ -91,7 +91,7 @@ def errors_kernel(rounding: int, overflow: int, squared: bool, fp16: bool,
 def values_kernel(rounding: int, overflow: int, squared: bool, fp16: bool, cols: int,
                   nearest: bool, scale_nearest: bool, per_row: bool = False,
                   runs: int = 1) -> Callable[..., None]:
-    """``kernel(x, amax, ts, encs, decs, consts, out, q, qs, start, stop)``: a whole 4/6 cast
+    """``kernel(x, amax, ts, encs, decs, consts, per, out, q, qs, start, stop)``: a whole 4/6 cast
     of the rows ``start:stop`` of float32 ``x`` (``cols`` a row, ``amax`` each row's, every
     element finite) in one pass, the chosen candidate's values written to ``out``. Per row, the
     steps of ``fouroversix.four_over_six_scales`` in its order, each one IEEE float32
@@ -100,8 +100,11 @@ def values_kernel(rounding: int, overflow: int, squared: bool, fp16: bool, cols:
     ``min(fl(1 / fl(sb · dec)), max)``; both candidates' codes (rounded by ``q``) and errors
     as :func:`errors_kernel` sums them (from 0, in element order); map-to-4 where its error
     is strictly smaller; the values ``fl(code · fl(fl(sb · t) · inv_g))``. ``t``, ``enc``,
-    ``dec`` are ``ts[0]``, ``encs[0]``, ``decs[0]``, or with ``per_row`` each row's own
-    (row-scaled NVFP4); ``consts`` is ``(g, six, expand, inv_g, max)``, float32.
+    ``dec`` are ``ts[0]``, ``encs[0]``, ``decs[0]``, or with ``per_row`` (row-scaled NVFP4)
+    each row's own, made here as ``fouroversix.tensor_scales`` makes them: ``t`` the largest
+    ``amax`` of the row's ``per`` blocks (``scalearith.row_amax``), ``enc = min(fl(g / t),
+    max)``, 1 where ``t`` or it is 0, ``dec = fl(1 / enc)``; ``consts`` is ``(g, six, expand,
+    inv_g, max)``, float32.
 
     With ``runs`` 16 a row is a 16 x 16 tile (its 16 rows of 16 one after another): each run
     of 16's error is summed so, the tile's 16 run errors are added by halves (0-7 + 8-15, then
@@ -116,8 +119,8 @@ def values_kernel(rounding: int, overflow: int, squared: bool, fp16: bool, cols:
     run = cols // runs
 
     @njit(**OPTIONS)
-    def kernel(x: Any, amax: Any, ts: Any, encs: Any, decs: Any, consts: Any, out: Any, q: Any,
-               qs: Any, start: int, stop: int) -> None:
+    def kernel(x: Any, amax: Any, ts: Any, encs: Any, decs: Any, consts: Any, per: int,
+               out: Any, q: Any, qs: Any, start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
              rounding, overflow, q[15], q[16], q[17])
         ps = (qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7], qs[8], qs[9], qs[10],
@@ -138,6 +141,9 @@ def values_kernel(rounding: int, overflow: int, squared: bool, fp16: bool, cols:
         sb6s = np.empty(n_max, dtype=np.float32)
         a4s = np.empty(n_max, dtype=np.float32)
         a6s = np.empty(n_max, dtype=np.float32)
+        tr = np.empty(n_max, dtype=np.float32)  # row-scaled: each block's t and S_enc
+        er = np.empty(n_max, dtype=np.float32)
+        cur = -1  # the row whose scales t, enc, dec hold
         e4s = np.empty(n_max * runs, dtype=np.float32)
         e6s = np.empty(n_max * runs, dtype=np.float32)
         c4 = np.empty(n_max * cols, dtype=np.float32)
@@ -148,7 +154,19 @@ def values_kernel(rounding: int, overflow: int, squared: bool, fp16: bool, cols:
             n = min(n_max, stop - first)
             for r in range(n):  # the scales
                 if per_row:
-                    enc, dec = encs[first + r], decs[first + r]
+                    row = (first + r) // per
+                    if row != cur:  # a row's blocks come one after another: once a row
+                        cur = row
+                        t = amax[row * per]
+                        for b in range(row * per + 1, row * per + per):
+                            t = max(t, amax[b])
+                        enc = np.float32(g / t)
+                        enc = top if enc > top else enc
+                        if t == 0 or enc == 0:
+                            enc = one
+                        dec = np.float32(one / enc)
+                    tr[r] = t
+                    er[r] = enc
                 base = np.float32(np.float32(amax[first + r] / six) * enc)
                 raw4 = np.float32(base * expand)
                 if scale_nearest:
@@ -167,7 +185,7 @@ def values_kernel(rounding: int, overflow: int, squared: bool, fp16: bool, cols:
             for r in range(n):  # the candidates' codes and error terms
                 a4, a6, sb4, sb6 = a4s[r], a6s[r], sb4s[r], sb6s[r]
                 if per_row:
-                    t, enc = ts[first + r], encs[first + r]
+                    t, enc = tr[r], er[r]
                 for j in range(cols):
                     i = r * cols + j
                     v = xs[i]
@@ -206,7 +224,7 @@ def values_kernel(rounding: int, overflow: int, squared: bool, fp16: bool, cols:
             os = out[first * cols:(first + n) * cols]
             for r in range(n):  # the choice: map-to-4 only where its error is smaller
                 if per_row:
-                    t = ts[first + r]
+                    t = tr[r]
                 pick4 = e4s[r * runs] < e6s[r * runs]
                 undo = np.float32(np.float32((sb4s[r] if pick4 else sb6s[r]) * t) * inv_g)
                 codes = c4 if pick4 else c6

@@ -526,23 +526,24 @@ def hadamard16(groups: Tensor, entries: tuple[float, ...]) -> Tensor:
 
 def four_over_six_values(blocks: Tensor, amax: Tensor, scales: tuple[Tensor, Tensor, Tensor],
                          consts: tuple[float, ...], p: tuple[int, ...], ps: tuple[int, ...],
-                         squared: bool, fp16: bool, runs: int = 1) -> Tensor:
+                         squared: bool, fp16: bool, runs: int = 1, per: int = 0) -> Tensor:
     """A whole four-over-six cast of each row of a contiguous 2-D float32 ``blocks`` (every
     element finite, ``amax`` each row's; a row a block, or with ``runs`` 16 a 16 x 16 tile) in
     one pass: its scales, both candidates, their errors, the choice and the chosen values
     (:func:`driftcli.kernels.fourcode.values_kernel`; ``scales`` the tensor amax, encode and
-    decode scales, float32, one value each or one per row (row-scaled), ``consts`` the other
-    float32 constants, ``p`` the elements' rounding, ``ps`` the block scales')."""
+    decode scales, float32, or with ``per`` > 0 (row-scaled: that many blocks a row) unused,
+    each row's made in the kernel; ``consts`` the other float32 constants, ``p`` the
+    elements' rounding, ``ps`` the block scales')."""
     import driftcli.kernels.fourcode as code  # numba, on first use only
 
     rows, cols = blocks.shape
     out = np.empty(rows * cols, dtype=np.float32)
     t, enc, dec = (_array(v.float().reshape(-1)) for v in scales)
     kernel = code.values_kernel(p[13], p[14], squared, fp16, cols, nearest_saturates(p),
-                                nearest_saturates(ps), len(t) > 1, runs)
+                                nearest_saturates(ps), per > 0, runs)
     spread(kernel, rows, cols, _array(blocks), _array(amax.float()), t, enc, dec,
-           np.asarray(consts, dtype=np.float32), out, np.asarray(p, dtype=np.int64),
-           np.asarray(ps, dtype=np.int64))
+           np.asarray(consts, dtype=np.float32), max(per, 1), out,
+           np.asarray(p, dtype=np.int64), np.asarray(ps, dtype=np.int64))
     return torch.from_numpy(out).view(rows, cols)
 
 
