@@ -152,10 +152,15 @@ def measure(x: Measurable, casts: str | Cast | Sequence[str | Cast],
         raise DriftError(f"measure: name {label!r} cannot be a file name; give a plain name")
     with _scratch(label) as path:
         torch.save(payload, path)
+        where = str(path)
         fit = axis_misfits([path], axis, include, exclude)
-        rows = m.run([path], _casts(casts), options=options, include=include,
-                     exclude=[*exclude, *fit.exclude])
-    where = str(path)
+        try:
+            rows = m.run([path], _casts(casts), options=options, include=include,
+                         exclude=[*exclude, *fit.exclude])
+        except DriftError as err:  # the scratch file is ours, not the user's: name the input
+            if err.args and isinstance(err.args[0], str):
+                err.args = (err.args[0].replace(where, label), *err.args[1:])
+            raise
     rows = [dataclasses.replace(
         r, source=label if r.source == where else r.source,
         error=r.error.replace(where, label) if r.error else r.error) for r in rows]

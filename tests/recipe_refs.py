@@ -231,7 +231,8 @@ def _reference_cast_to_fp4(x: np.ndarray) -> np.ndarray:
 
 
 def te_nvfp4_4over6(x: np.ndarray, squared: bool, fp16: bool,
-                    granularity: Granularity = Granularity.BLOCK) -> tuple[np.ndarray, np.ndarray]:
+                    granularity: Granularity = Granularity.BLOCK,
+                    row_scaled: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """reference_nvfp4.py (TransformerEngine d0067d0) with ``nvfp4_use_4over6=True``,
     ``nvfp4_e4m3_max=256``, 1 x 16 tiles: the global scale of ``_quantize_blockwise_reference``
     (lines 696-730: ``S_enc = min(fl((256 · 6) / amax), max)``, 1 where it is 0, ``S_dec =
@@ -247,22 +248,34 @@ def te_nvfp4_4over6(x: np.ndarray, squared: bool, fp16: bool,
     lines 759-771: every row of a tile takes the tile's amax): each tile row's error as a
     block's, the 16 row errors of a tile added by halves (``_sum_4over6_2d_error`` lines
     512-521: rows 0-7 + 8-15, then 0-3 + 4-7, 0-1 + 2-3, 0 + 1), the choice per tile (lines
-    639-642)."""
-    t = np.fmax.reduce(np.abs(x).ravel(), initial=F(0)).astype(F)
+    639-642). ``row_scaled`` (``row_scaled_nvfp4=True`` as well, 1 x 16 tiles): the amax is
+    each row's (``_quantize`` line 881), viewed (m, 1, 1) (lines 709-710), so S_enc, S_dec, the
+    error's ``amax`` (``error_global_amax``, lines 614-617), the fast path's ``x · S_enc``
+    (line 594) and the dequantization (dequantize_nvfp4.cuh ``amax = tensor_amax[y]``) are the
+    row's; the kernel reads ``amax[global_row]`` (quantize_4over6_nvfp4.cuh line 481)."""
+    if row_scaled:
+        per_row = np.fmax.reduce(np.abs(x), axis=1, initial=F(0)).astype(F)
+        t = np.repeat(per_row, x.shape[1] // 16)[:, None]  # one per 1 x 16 block, as a column
+    else:
+        t = np.fmax.reduce(np.abs(x).ravel(), initial=F(0)).astype(F)
     with np.errstate(divide="ignore"):
-        enc = F(F(256.0 * 6.0) / t)
-    enc = F(min(enc, FLT_MAX))
-    if enc == 0:
-        enc = F(1)
-    dec = F(F(1) / enc)
+        enc = (F(256.0 * 6.0) / t).astype(F)
+    enc = np.minimum(enc, FLT_MAX).astype(F)
+    enc = np.where(enc == 0, F(1), enc).astype(F)
+    dec = (F(1) / enc).astype(F)
     g, back = groups(x, granularity, 16)
+    if row_scaled:
+        base_enc, flat_t = enc[:, 0], t[:, 0]
+    else:
+        base_enc, flat_t = enc, t
     runs = g.shape[1] // 16  # 16 rows of 16 in a tile
-    base = ((fmax_amax(g) / F(6)).astype(F) * enc).astype(F)
+    base = ((fmax_amax(g) / F(6)).astype(F) * base_enc).astype(F)
     candidates = []
     for raw in ((base * F(1.5)).astype(F), base):
         sb = cvt_rn_satfinite(raw, *E4M3)
         with np.errstate(divide="ignore"):
-            inv = np.minimum(F(1) / (sb * dec).astype(F), FLT_MAX).astype(F)
+            inv = np.minimum(F(1) / (sb * (dec[:, 0] if row_scaled else dec)).astype(F),
+                             FLT_MAX).astype(F)
         q = _reference_cast_to_fp4(np.clip((g * inv[:, None]).astype(F), -6, 6))
         rows_q, rows_g = q.reshape(len(g), runs, 16), g.reshape(len(g), runs, 16)
         err = np.zeros((len(g), runs), dtype=F)
@@ -283,7 +296,7 @@ def te_nvfp4_4over6(x: np.ndarray, squared: bool, fp16: bool,
     four = err4 < err6
     sb = np.where(four, sb4, sb6)
     codes = np.where(four[:, None], q4, q6)
-    final = ((sb * t).astype(F) * F(F(1) / F(1536))).astype(F)
+    final = ((sb * flat_t).astype(F) * F(F(1) / F(1536))).astype(F)
     return back((codes * final[:, None]).astype(F)), back(codes)
 
 
@@ -335,6 +348,8 @@ REFERENCES: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
     "te/nvfp4_4over6_fast": lambda x: te_nvfp4_4over6(x, False, True),
     "te/nvfp4_4over6_mse_fast": lambda x: te_nvfp4_4over6(x, True, True),
     "te/nvfp4_2d_4over6": lambda x: te_nvfp4_4over6(x, False, False, TL),
+    "te/nvfp4_row_4over6": lambda x: te_nvfp4_4over6(x, False, False, B, row_scaled=True),
+    "te/nvfp4_row_4over6_mse": lambda x: te_nvfp4_4over6(x, True, False, B, row_scaled=True),
     "deepseek/v3": lambda x: deepseek_act(x, False),
     "deepseek/v3_ue8m0": lambda x: deepseek_act(x, True),
     "deepseek/v3_weight": lambda x: deepseek_weight(x, False),

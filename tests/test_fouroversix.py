@@ -243,3 +243,31 @@ def test_four_over_six_lowers_the_error_on_stories260k() -> None:
           f"{map4:,} of {blocks:,}")
     assert 0.5 < ratio_mse < ratio_mae < 1.0
     assert 0 < map4 < blocks
+
+
+def test_what_drift_makes_of_4over6_with_rht_or_sr() -> None:
+    """Transformer Engine refuses 4/6 with RHT or SR (pytorch/quantization.py lines 1712-1719);
+    drift's definition (docs/recipes.md): with ``rht=`` the transform, then 4/6 on its output;
+    with ``sr`` the choice made from the round-to-nearest candidates, the chosen scales kept,
+    only the elements' rounding stochastic (each code one of the two grid neighbours of the
+    nearest cast's quotient)."""
+    from driftcli.casts.hadamard import transform
+    from driftcli.casts.quantization import quantize
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 64, generator=gen) * torch.exp2(torch.randint(-6, 6, (8, 1),
+                                                                    generator=gen).float())
+    for name in ("te/nvfp4_4over6", "te/nvfp4_row_4over6"):
+        c = parse_cast(f"{name}:rht=te")
+        assert c.rht is not None
+        assert torch.equal(quantize(x, c), quantize(transform(x, c.rht, -1), name))
+        near = info_of(x, name)
+        sr = quantize(x, f"{name}:sr", seed=5, return_info=True)
+        assert torch.equal(sr.scales, near.scales)
+        assert differences(sr.values, near.values).any()  # the draws moved some elements
+        grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        step = {float(v): (float(grid[max(i - 1, 0)]), float(grid[min(i + 1, 7)]))
+                for i, v in enumerate(grid)}
+        for a, b in zip(near.codes.abs().flatten().tolist(), sr.codes.abs().flatten().tolist(),
+                        strict=True):
+            assert step[a][0] <= b <= step[a][1]

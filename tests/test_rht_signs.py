@@ -111,3 +111,64 @@ def test_outside_a_scan_the_signs_must_be_given() -> None:
     assert c.rht is not None and c.rht.from_checkpoint and rht_signs.needs_signs([c])
     with pytest.raises(CastSpecError, match="only a scan of that checkpoint reads"):
         transform(torch.zeros(16), c.rht)
+
+
+def _table(frame: object) -> object:
+    """A measurement's rows without ``source`` (the library names an in-memory input)."""
+    return frame.drop(columns=["source"]).reset_index(drop=True)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("what", ["error-bias", "clip-rate"])
+def test_the_library_resolves_each_layers_signs_as_the_cli(tmp_path: Path, what: str) -> None:
+    """``driftcli.measure`` on the checkpoint's path, on its state dict and on a module that
+    holds the vectors as buffers (as torchao's ``NVFP4Linear``) gives the command's table, row
+    for row; and each layer's rows are those of its own signs given by hand, not the other
+    layer's (so a library that dropped or swapped the vectors would fail here)."""
+    import pandas as pd
+    from safetensors.torch import load_file
+
+    from driftcli.api import measure
+
+    ck = _checkpoint(tmp_path / "m.safetensors")
+    casts = ["te/nvfp4:rht=checkpoint"]
+    res = CliRunner().invoke(app, [what, str(ck), "-c", casts[0], "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    cli = _table(pd.read_parquet(next((tmp_path / "o").rglob("*.parquet"))))
+    sd = load_file(str(ck))
+    module = torch.nn.Module()
+    for layer in ("layers.0.w1", "layers.1.w1"):
+        m = torch.nn.Module()
+        m.register_parameter("weight", torch.nn.Parameter(sd[f"{layer}.weight"]))
+        m.register_buffer("_rht_sign_vector", sd[f"{layer}._rht_sign_vector"])
+        module.add_module(layer.replace(".", "_"), m)
+    renamed = {k.replace("layers.0.w1", "layers_0_w1").replace("layers.1.w1", "layers_1_w1"): v
+               for k, v in sd.items()}
+    assert set(module.state_dict()) == set(renamed)
+    assert cli.equals(_table(measure(ck, casts, what)))
+    assert cli.equals(_table(measure(sd, casts, what)))
+    from_module = _table(measure(module, casts, what))
+    assert from_module.drop(columns=["tensor"]).equals(cli.drop(columns=["tensor"]))
+    assert len(cli) == 3  # two layers and the input's total; the int8 vectors are not scanned
+    by_hand = {layer: _table(measure(ck, [f"te/nvfp4:rht={_spec(s)}"], what,
+                                     include=[f"{layer}.weight"]))
+               for layer, s in (("layers.0.w1", SIGNS_A), ("layers.1.w1", SIGNS_B))}
+    swapped = _table(measure(ck, [f"te/nvfp4:rht={_spec(SIGNS_B)}"], what,
+                             include=["layers.0.w1.weight"]))
+    numbers = [c for c in cli.columns if c not in ("tensor", "cast", "dtype", "shape", "error",
+                                                   "layer", "role", "operand", "step")]
+    lib = _table(measure(sd, casts, what))
+    for i, layer in enumerate(("layers.0.w1", "layers.1.w1")):
+        assert lib.loc[i, "tensor"] == f"{layer}.weight"
+        assert lib.loc[[i], numbers].reset_index(drop=True).equals(
+            by_hand[layer].loc[[0], numbers])
+    assert not lib.loc[[0], numbers].reset_index(drop=True).equals(swapped.loc[[0], numbers])
+
+
+def test_the_library_refuses_a_lone_tensor_naming_it() -> None:
+    """A tensor on its own has no layer, so no vector: refused in one line that names the
+    input as the caller named it (not the scratch file the library saves it to)."""
+    from driftcli.api import measure
+
+    with pytest.raises(SignVectorError, match=r"^w: tensor w has no sign vector") as err:
+        measure(torch.randn(16, 16), "nvfp4:rht=checkpoint", name="w")
+    assert "drift-measure" not in str(err.value) and "\n" not in str(err.value)

@@ -62,7 +62,8 @@ def _e4m3(raw: Tensor) -> Tensor:
 
 def tensor_scales(tensor_amax: Tensor) -> tuple[Tensor, Tensor]:
     """``S_enc = min(fl(1536 / amax_t), max)`` (1 where it is 0, or amax_t is 0: core_nvfp4.cuh
-    ``compute_global_encode_scaling_factor_FP4``) and ``S_dec = fl(1 / S_enc)``, float32."""
+    ``compute_global_encode_scaling_factor_FP4``) and ``S_dec = fl(1 / S_enc)``, float32; one
+    value, or one per block for row-scaled NVFP4 (``amax_t`` its row's)."""
     t = tensor_amax.float()
     enc = torch.clamp(torch.tensor(GLOBAL_MAX) / t, max=F32_MAX)
     enc = torch.where((t == 0) | (enc == 0), 1.0, enc)
@@ -90,7 +91,10 @@ def fp16_product(q: Tensor, sb: Tensor) -> Tensor:
 def block_errors(blocks: Tensor, q: Tensor, sb: Tensor, t: Tensor, enc: Tensor,
                  order: TwoLevelOrder) -> Tensor:
     """Each row's error of one candidate (codes ``q``, block scale ``sb``), accumulated from 0
-    over its elements in order, one float32 addition each (reference lines 601-635)."""
+    over its elements in order, one float32 addition each (reference lines 601-635); ``t`` and
+    ``enc`` one value, or one per row (row-scaled: lines 614-617, ``error_global_amax``)."""
+    if t.dim():
+        t, enc = t[:, None], enc[:, None]
     if order.fp16_error:
         cand = fp16_product(q, sb)
         original = blocks * enc
@@ -116,9 +120,9 @@ def candidate_errors(blocks: Tensor, elem: Format, sb4: Tensor, sb6: Tensor, inv
         p = rounding.jit_params(src=rounding.source_of(torch.float32), tgt=tgt,
                                 rounding=Rounding.RNE, overflow=Overflow.SATURATE,
                                 sr_bits=DEFAULT_SR_BITS)
-        consts = (float(t), float(enc), float(torch.tensor(GLOBAL_MAX, dtype=torch.float32)))
-        return jit.four_over_six_errors(blocks, inv4, inv6, sb4, sb6, consts, p, order.squared,
-                                        order.fp16_error)
+        return jit.four_over_six_errors(blocks, inv4, inv6, sb4, sb6, t, enc,
+                                        float(torch.tensor(GLOBAL_MAX, dtype=torch.float32)),
+                                        p, order.squared, order.fp16_error)
 
     def codes(m: Tensor) -> Tensor:
         return rounding.round_fused((blocks * m[:, None]).contiguous(), tgt, Rounding.RNE,
@@ -152,7 +156,9 @@ def four_over_six_scales(blocks: Tensor, amax: Tensor, tensor_amax: Tensor, elem
     multiplier)`` in ``elem``, nearest even, saturating), their errors, the choice. A tile's
     two candidates take the tile's amax; the error of each of its 16 rows is summed in order
     as a block's is, the 16 row errors by :func:`tile_sum`, and the choice is the tile's
-    (reference_nvfp4.py lines 628-642)."""
+    (reference_nvfp4.py lines 628-642). Row-scaled (``order.row_scaled``, 1 x 16 blocks only):
+    ``tensor_amax`` holds each block's row amax, which takes the tensor amax's place in every
+    step (reference lines 709-710, 614-617; quantize_4over6_nvfp4.cuh line 481)."""
     t = tensor_amax.float()
     enc, dec = tensor_scales(t)
     sb4, sb6, inv4, inv6, raw4, raw6 = candidate_scales(amax, enc, dec)
@@ -171,20 +177,23 @@ def four_over_six_scales(blocks: Tensor, amax: Tensor, tensor_amax: Tensor, elem
     apply = torch.where(pick4, inv4, inv6)
     undo = (sb * t) * (1 / torch.tensor(GLOBAL_MAX))
     clamped = (raw > 448.0) | ((raw > 0) & (sb == 0))
-    return ArithScales(apply, undo, undo.double(), clamped, float(dec), ElementOp.MUL)
+    return ArithScales(apply, undo, undo.double(), clamped,
+                       float(dec) if dec.numel() == 1 and not order.row_scaled else None,
+                       ElementOp.MUL)
 
 
 def fused_values(x: Tensor, c: Cast, axis: int) -> Tensor | None:
     """``quantize(x, c)``'s values under 4/6 in two numba passes (the rows' amax, then
     :func:`driftcli.kernels.jit.four_over_six_values`: scales, candidates, errors, choice and
     values in one), or None where the general steps run: a cast that is not 4/6 on 1 x 16
-    blocks of a float32 CPU tensor rounded to nearest even and saturating (the rounding both
-    candidates are made with, so the chosen one's codes are the cast's), numba not at hand,
-    or a block that holds NaN or inf. The same bits as the general steps
-    (tests/test_fouroversix_fused.py)."""
+    blocks or 16 x 16 tiles of a float32 CPU tensor rounded to nearest even and saturating
+    (the rounding both candidates are made with, so the chosen one's codes are the cast's),
+    numba not at hand, or a block that holds NaN or inf. Row-scaled 4/6 tells the kernel how
+    many blocks make a row (it takes each row's amax, S_enc and S_dec itself). The same bits
+    as the general steps (tests/test_fouroversix_fused.py)."""
     s = c.scaling
     order = s.arithmetic.two
-    if not (order.four_over_six and s.granularity is Granularity.BLOCK
+    if not (order.four_over_six and s.granularity in (Granularity.BLOCK, Granularity.TILE)
             and c.rounding is Rounding.RNE and c.overflow is Overflow.SATURATE
             and x.dtype == torch.float32 and x.numel() > 0 and kernels.numba_runs(x)):
         return None
@@ -193,10 +202,13 @@ def fused_values(x: Tensor, c: Cast, axis: int) -> Tensor | None:
     amax, bad = jit.block_amax(blocks)
     if bool(bad.any()):  # NaN and inf go through the general steps' amax policy
         return None
-    t = amax.max().float()
-    enc, dec = tensor_scales(t)
+    # row-scaled: each row's amax, S_enc and S_dec are made in the kernel (three torch ops
+    # over every block cost a tenth of the cast); the blocks of a row lie one after another
+    per = -(-max(x.shape[axis] if x.dim() else 1, 1) // s.block) if order.row_scaled else 0
+    t = amax[:1] if per else amax.max()
+    enc, dec = tensor_scales(t.float())
     g = torch.tensor(GLOBAL_MAX)
-    consts = (float(t), float(enc), float(g), float(dec), 6.0, EXPAND, float(1 / g), F32_MAX)
+    consts = (float(g), 6.0, EXPAND, float(1 / g), F32_MAX)
     p = rounding.jit_params(src=rounding.source_of(torch.float32),
                             tgt=rounding.target_of(c.format), rounding=Rounding.RNE,
                             overflow=Overflow.SATURATE, sr_bits=DEFAULT_SR_BITS)
@@ -204,6 +216,6 @@ def fused_values(x: Tensor, c: Cast, axis: int) -> Tensor | None:
                              tgt=rounding.target_of(FORMATS["float8_e4m3fn"]),
                              rounding=Rounding.RNE, overflow=Overflow.SATURATE,
                              sr_bits=DEFAULT_SR_BITS)
-    q = jit.four_over_six_values(blocks, amax, consts, p, ps, order.squared,
-                                 order.fp16_error)
+    q = jit.four_over_six_values(blocks, amax, (t, enc, dec), consts, p, ps, order.squared,
+                                 order.fp16_error, blocks.shape[1] // RUN, per)
     return back(q).to(x.dtype)

@@ -493,19 +493,21 @@ def accumulate(a: Tensor, b: Tensor, a_of: Tensor, b_of: Tensor, m: int, order: 
 # --- four over six's errors (driftcli.kernels.fourcode) ----------------------------------------
 
 def four_over_six_errors(blocks: Tensor, inv4: Tensor, inv6: Tensor, sb4: Tensor, sb6: Tensor,
-                         consts: tuple[float, float, float], p: tuple[int, ...], squared: bool,
+                         t: Tensor, enc: Tensor, g: float, p: tuple[int, ...], squared: bool,
                          fp16: bool) -> tuple[Tensor, Tensor]:
     """Per row of a contiguous 2-D float32 ``blocks``: the map-to-4 and map-to-6 candidates'
-    errors (:func:`driftcli.kernels.fourcode.errors_kernel`; ``consts`` the tensor amax, the
-    encode scale and the global max, rounded to float32)."""
+    errors (:func:`driftcli.kernels.fourcode.errors_kernel`; ``t`` the tensor amax and ``enc``
+    the encode scale, float32, one value or one per row (row-scaled), ``g`` the global max)."""
     import driftcli.kernels.fourcode as code  # numba, on first use only
 
     rows, cols = blocks.shape
     err4 = np.empty(rows, dtype=np.float32)
     err6 = np.empty(rows, dtype=np.float32)
-    kernel = code.errors_kernel(p[13], p[14], squared, fp16)
+    per_row = t.numel() > 1
+    kernel = code.errors_kernel(p[13], p[14], squared, fp16, per_row)
     spread(kernel, rows, cols, _array(blocks), *(_array(v.float()) for v in (inv4, inv6, sb4, sb6)),
-           np.asarray(consts, dtype=np.float32), cols, err4, err6, p)
+           _array(t.float().reshape(-1)), _array(enc.float().reshape(-1)), np.float32(g), cols,
+           err4, err6, p)
     return torch.from_numpy(err4), torch.from_numpy(err6)
 
 
@@ -522,22 +524,26 @@ def hadamard16(groups: Tensor, entries: tuple[float, ...]) -> Tensor:
     return torch.from_numpy(out).view(n, 16)
 
 
-def four_over_six_values(blocks: Tensor, amax: Tensor, consts: tuple[float, ...],
-                         p: tuple[int, ...], ps: tuple[int, ...], squared: bool,
-                         fp16: bool) -> Tensor:
+def four_over_six_values(blocks: Tensor, amax: Tensor, scales: tuple[Tensor, Tensor, Tensor],
+                         consts: tuple[float, ...], p: tuple[int, ...], ps: tuple[int, ...],
+                         squared: bool, fp16: bool, runs: int = 1, per: int = 0) -> Tensor:
     """A whole four-over-six cast of each row of a contiguous 2-D float32 ``blocks`` (every
-    element finite, ``amax`` each row's) in one pass: its scales, both candidates, their
-    errors, the choice and the chosen values (:func:`driftcli.kernels.fourcode.values_kernel`;
-    ``consts`` its float32 constants, ``p`` the elements' rounding, ``ps`` the block scales')."""
+    element finite, ``amax`` each row's; a row a block, or with ``runs`` 16 a 16 x 16 tile) in
+    one pass: its scales, both candidates, their errors, the choice and the chosen values
+    (:func:`driftcli.kernels.fourcode.values_kernel`; ``scales`` the tensor amax, encode and
+    decode scales, float32, or with ``per`` > 0 (row-scaled: that many blocks a row) unused,
+    each row's made in the kernel; ``consts`` the other float32 constants, ``p`` the
+    elements' rounding, ``ps`` the block scales')."""
     import driftcli.kernels.fourcode as code  # numba, on first use only
 
     rows, cols = blocks.shape
     out = np.empty(rows * cols, dtype=np.float32)
+    t, enc, dec = (_array(v.float().reshape(-1)) for v in scales)
     kernel = code.values_kernel(p[13], p[14], squared, fp16, cols, nearest_saturates(p),
-                                nearest_saturates(ps))
-    spread(kernel, rows, cols, _array(blocks), _array(amax.float()),
-           np.asarray(consts, dtype=np.float32), out, np.asarray(p, dtype=np.int64),
-           np.asarray(ps, dtype=np.int64))
+                                nearest_saturates(ps), per > 0, runs)
+    spread(kernel, rows, cols, _array(blocks), _array(amax.float()), t, enc, dec,
+           np.asarray(consts, dtype=np.float32), max(per, 1), out,
+           np.asarray(p, dtype=np.int64), np.asarray(ps, dtype=np.int64))
     return torch.from_numpy(out).view(rows, cols)
 
 

@@ -231,16 +231,26 @@ class TwoLevelOrder(StrEnum):
     FP16 product ``q·sb`` and ``fl(x · S_enc)``, absolute."""
     TE_4OVER6_MSE_FP16 = "te-4over6-mse-fp16"
     """The fast error path, squared."""
+    TE_ROW_4OVER6_MAE = "te-row-4over6-mae"
+    """Four over six on row-scaled NVFP4 (``row_scaled_nvfp4`` with ``nvfp4_use_4over6``):
+    ``te-4over6-mae``'s operations with each row's float32 amax as ``amax_t``, in ``S_enc``,
+    in the error and in the dequantization."""
+    TE_ROW_4OVER6_MSE = "te-row-4over6-mse"
+    """Row-scaled four over six, the error a sum of squares."""
+    TE_ROW_4OVER6_MAE_FP16 = "te-row-4over6-mae-fp16"
+    """Row-scaled four over six, the fast error path (``fl(x · S_enc)``, ``S_enc`` the row's)."""
+    TE_ROW_4OVER6_MSE_FP16 = "te-row-4over6-mse-fp16"
+    """Row-scaled four over six, the fast error path, squared."""
 
     @property
     def row_scaled(self) -> bool:
         """Whether the "tensor" amax is each row's own."""
-        return self is TwoLevelOrder.TE_ROW
+        return self.value.startswith("te-row")
 
     @property
     def four_over_six(self) -> bool:
         """Whether the order picks between a map-to-6 and a map-to-4 block scale."""
-        return self.value.startswith("te-4over6")
+        return "-4over6-" in self.value
 
     @property
     def squared(self) -> bool:

@@ -195,6 +195,14 @@ _TE_ROW_SOURCE = ("pytorch/custom_recipes/reference_nvfp4.py _quantize, "
                   "_quantize_blockwise_reference (row_scaled_nvfp4); common/cast/nvfp4/"
                   "dequantize_nvfp4.cuh (ROW_SCALED_NVFP4)")
 
+_TE_ROW_4OVER6_SOURCE = ("pytorch/custom_recipes/reference_nvfp4.py _quantize (line 881), "
+                         "_quantize_blockwise_reference (lines 709-710, 731-745), "
+                         "_quantize_blockwise_4over6_reference (lines 594, 614-617); common/cast/"
+                         "nvfp4/quantize_4over6_nvfp4.cuh quantize_stage_rowwise (line 481), "
+                         "dequantize_nvfp4.cuh (ROW_SCALED_NVFP4, E4M3_MAX 256); "
+                         "pytorch/quantization.py lines 1700-1745 (row_scaled_activation with "
+                         "nvfp4_4over6)")
+
 _TE_RHT_SOURCE = ("pytorch/custom_recipes/reference_nvfp4.py _apply_rht, "
                   "_build_hadamard_matrix, get_wgrad_sign_vector (the columnwise input); "
                   "common/hadamard_transform/hadamard_transform_cast_fusion.cu")
@@ -278,6 +286,17 @@ def _te_presets() -> list[ImplementationPreset]:
             "NVFP4 four over six on 16 x 16 tiles (weights, MAE): each tile row's error as a "
             "block's, the 16 row errors added by halves, one choice per tile", TE,
             _TE_4OVER6_SOURCE + " (_sum_4over6_2d_error)", "nvfp4_2d"),
+        *[ImplementationPreset(
+            f"te/nvfp4_row_4over6{suffix}",
+            scaled(fp4, block, 16, _E4M3, ScaleRule.TWO_LEVEL,
+                   ScaleArithmetic(amax=AmaxPolicy.FMAX, two=order)),
+            f"row-scaled NVFP4 with four over six ({what}): te/nvfp4_4over6{suffix} with each "
+            "row's float32 amax as the tensor amax (S_enc = fl(1536 / amax_row), the error and "
+            "the dequantization read it too)", TE, _TE_ROW_4OVER6_SOURCE, "nvfp4")
+          for suffix, order, what in (
+              ("", TwoLevelOrder.TE_ROW_4OVER6_MAE, "MAE, TE's default; forward activations "
+               "under row_scaled_activation and nvfp4_4over6"),
+              ("_mse", TwoLevelOrder.TE_ROW_4OVER6_MSE, "MSE"))],
     ]
 
 
