@@ -172,3 +172,22 @@ def test_the_library_refuses_a_lone_tensor_naming_it() -> None:
     with pytest.raises(SignVectorError, match=r"^w: tensor w has no sign vector") as err:
         measure(torch.randn(16, 16), "nvfp4:rht=checkpoint", name="w")
     assert "drift-measure" not in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cast_diff_resolves_each_layers_signs(tmp_path: Path) -> None:
+    """cast-diff is a scan: against ``rht=signs/…`` with a layer's own signs, ``rht=checkpoint``
+    differs in no code on that layer and in some on the other."""
+    import pyarrow.parquet as pq
+
+    ck = _checkpoint(tmp_path / "m.safetensors")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["cast-diff", str(ck), "-c", "nvfp4:rht=checkpoint",
+                                      "-c", f"nvfp4:rht={_spec(SIGNS_A)}", "--out", str(out),
+                                      "-q"])
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out / "cast-diff.parquet").to_pylist()
+    # each row is a later cast against the first
+    differ = {r["tensor"]: r["n_codes_differ"] for r in rows
+              if "rht=signs" in r["cast"] and r["against"].endswith("rht=checkpoint")}
+    assert differ["layers.0.w1.weight"] == 0
+    assert differ["layers.1.w1.weight"] > 0
