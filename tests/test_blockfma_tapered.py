@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_paths import kernel_path
 
-from driftcli.arith import matmul, parse_matmul_spec
+from driftcli.arith.matmul import matmul, parse_matmul_spec
 from driftcli.verify import matmuls
 
 # before the numba kernel read the taper, it rounded every binade with HiFloat8's widest
