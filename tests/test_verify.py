@@ -341,7 +341,7 @@ def test_a_new_real_valued_rule_is_verified_with_no_other_edit(
 # --- engines ---------------------------------------------------------------------------------
 
 ENGINE_FORMATS = ["float4_e2m1fn", "int4"]
-"""Two formats of the quick plan, 76,666 and 49,962 values (docs/verify-formats.md; float4_e2m1fn
+"""Two formats of the quick plan, 77,754 and 49,962 values (docs/verify-formats.md; float4_e2m1fn
 carries the FP4 recipes' 26,896): twelve (format, check) units of very different lengths, so
 that workers finish them out of order."""
 
@@ -356,7 +356,7 @@ def test_every_engine_gives_the_serial_outcomes_in_the_serial_order(
     told: list[tuple[int, int, str]] = []
     spread = verify(formats, Plan(quick=True), Execution(engine, 2),
                     progress=lambda done, total, name: told.append((done, total, name)))
-    assert sum(o.n_checked for o in serial) == 76_666 + 49_962
+    assert sum(o.n_checked for o in serial) == 77_754 + 49_962
     assert spread == serial  # every count and disagreement, cell by cell, in order
     # the progress, as units finish: each of the twelve once (int4's matmul and recipes units
     # are empty)

@@ -32,7 +32,7 @@ FULL_PLAN_VALUES = {
     "float8_e5m2fnuz": 6_728_510,
     "float6_e3m2fn": 1_705_190,
     "float6_e2m3fn": 1_705_190,
-    "float4_e2m1fn": 1_726_790,
+    "float4_e2m1fn": 1_749_126,
     "float4_e1m2": 1_277_027,
     "float5_e1m3": 1_397_995,
     "float8_e1m6": 6_841_419,
@@ -54,7 +54,7 @@ def test_the_full_plan_covers_every_format_with_its_stated_size() -> None:
     # the full plan's size, as README.md and docs/verify-formats.md give it: a format added
     # without its count here fails, and the total moves with it
     assert list(FULL_PLAN_VALUES) == [f.name for f in element_formats()]
-    assert sum(FULL_PLAN_VALUES.values()) == 104_821_901
+    assert sum(FULL_PLAN_VALUES.values()) == 104_844_237
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ preset's order), value by value and code by code, so a wrong order or a missing 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import cast
 
 import torch
@@ -36,6 +37,9 @@ in the full plan, the first one in the quick plan: the exact evaluation costs te
 microseconds per element."""
 QUICK_CASES = 12
 """Constructed cases per preset in the quick plan."""
+TRANSFORM_CORES = ("a100_bf16_f32", "h100_bf16_f32")
+"""The tensor cores a preset's transform is also checked on (``rht=…,tc=``): one of each kind
+of bfloat16 unit in ``CORES`` (8 products and 24 bits kept; 16 products and 25 bits)."""
 
 
 def presets_of(fmt: Format) -> list[str]:
@@ -291,6 +295,10 @@ def check_recipe(fmt: Format, name: str, plan: Plan) -> Iterator[Outcome]:
     yield codes
     if c.rht is not None:
         yield check_transform(fmt, name, c, plan)
+        for core in TRANSFORM_CORES:  # the same transform on a tensor core (rht=…,tc=)
+            yield check_transform(fmt, f"{name},tc={core}", replace(c, rht=replace(c.rht,
+                                                                                   core=core)),
+                                  plan)
 
 
 def check_transform(fmt: Format, name: str, c: Cast, plan: Plan) -> Outcome:
