@@ -14,6 +14,7 @@ import pytest
 import torch
 from recipe_data import differences, requires_stories, stories_weights
 from safetensors.torch import save_file
+from test_hadamard import _both
 from typer.testing import CliRunner
 
 from driftcli.arith.blockfma import Accumulation, FMAUnit
@@ -34,17 +35,6 @@ from driftcli.verify.recipes import check_transform, exact_transform, rht_cases
 FP4 = FORMATS["float4_e2m1fn"]
 DOC = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 H100, A100 = "h100_bf16_f32", "a100_bf16_f32"
-
-
-def _both(fn: object, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fn(*args)`` on the numba back-end and on torch's."""
-    numba = fn(*args)  # type: ignore[operator]
-    jit.set_jit("never")
-    try:
-        ref = fn(*args)  # type: ignore[operator]
-    finally:
-        jit.set_jit("auto")
-    return numba, ref
 
 
 def _oracle(x: torch.Tensor, r: Rht) -> torch.Tensor:

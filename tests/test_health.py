@@ -307,23 +307,31 @@ def test_the_8bit_state_is_torchao_bit_for_bit() -> None:
     assert quantized(4096) and not quantized(2048) and not quantized(4096 + 128)
 
 
+BETAS = (0.9, 0.99)
+
+
+def _state_block() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block of 256 moments before and after one Adam step (``m0, m1, v0, v1``): 1.0 with a
+    gradient of 1.0, 0.5 with 0.51, 0.5 with 1.5, zeros without gradient."""
+    b1, b2 = BETAS
+    m0 = torch.zeros(256)
+    m0[:3] = torch.tensor([1.0, 0.5, 0.5])
+    g = torch.zeros(256)
+    g[:3] = torch.tensor([1.0, 0.51, 1.5])
+    v0 = torch.zeros(256)
+    v0[:3] = 1.0
+    return m0, b1 * m0 + (1 - b1) * g, v0, b2 * v0 + (1 - b2) * g * g
+
+
 def test_an_adam_state_whose_updates_round_back() -> None:
     """A block of 256 first moments: 1.0 (the block's max, its gradient 1.0 keeps it), 0.5 with
     a gradient of 0.51 (the EMA moves it by 0.001, under half the map's spacing of about 0.014
     there: stale), 0.5 with a gradient of 1.5 (moves by 0.1: not stale), zeros without
     gradient (their EMA does not move: not counted). The second moment holds 1e-9 under a
     max of 1: below half the unsigned map's least value (3.25e-7), stored as 0."""
-    b1, b2 = 0.9, 0.99
-    m0 = torch.zeros(256)
-    m0[:3] = torch.tensor([1.0, 0.5, 0.5])
-    g = torch.zeros(256)
-    g[:3] = torch.tensor([1.0, 0.51, 1.5])
-    m1 = b1 * m0 + (1 - b1) * g
-    v0 = torch.zeros(256)
-    v0[:3] = 1.0
-    v1 = b2 * v0 + (1 - b2) * g * g
+    m0, m1, v0, v1 = _state_block()
     v1[3] = 1e-9
-    counts = state_counts(m0, v0, m1, v1, betas=(b1, b2), eps=1e-8, step=10)
+    counts = state_counts(m0, v0, m1, v1, betas=BETAS, eps=1e-8, step=10)
     assert counts.m_moved == 2 and counts.m_stale == 1  # the max and the zeros did not move
     assert counts.v_zero == 1 and counts.v_nonzero == 4
     assert counts.cosine() == pytest.approx(1.0, abs=1e-3)
@@ -383,24 +391,16 @@ def test_what_each_layout_does_to_a_small_second_moment_and_a_small_ema_step() -
     not in FP8, but is in 4-bit: the map's entries either side of 0.5 are 0.4375 and 0.6625,
     0.5 is stored as 0.4375, and the layout's step lerp(0.4375, 1.5, 0.1) = 0.544 stays below
     their midpoint 0.55."""
-    b1, b2 = 0.9, 0.99
-    m0 = torch.zeros(256)
-    m0[:3] = torch.tensor([1.0, 0.5, 0.5])
-    g = torch.zeros(256)
-    g[:3] = torch.tensor([1.0, 0.51, 1.5])
-    m1 = b1 * m0 + (1 - b1) * g
-    v0 = torch.zeros(256)
-    v0[:3] = 1.0
-    v1 = b2 * v0 + (1 - b2) * g * g
+    m0, m1, v0, v1 = _state_block()
     v1[3] = 1e-9
-    four = state_counts(m0, v0, m1, v1, betas=(b1, b2), eps=1e-8, step=10, layout="torchao-4bit")
-    fp8 = state_counts(m0, v0, m1, v1, betas=(b1, b2), eps=1e-8, step=10, layout="torchao-fp8")
+    four = state_counts(m0, v0, m1, v1, betas=BETAS, eps=1e-8, step=10, layout="torchao-4bit")
+    fp8 = state_counts(m0, v0, m1, v1, betas=BETAS, eps=1e-8, step=10, layout="torchao-fp8")
     assert (four.m_moved, four.m_stale, four.v_zero) == (2, 2, 0)
     assert (fp8.m_moved, fp8.m_stale, fp8.v_zero) == (2, 1, 1)
     top = float(v1[:128].max())  # 1.0125, the block's maximum
     assert state_values(v1[:128], False, "torchao-4bit")[3] == pytest.approx(top / 16, rel=1e-6)
     # without the moments one step earlier: no staleness, no cosine
-    alone = state_counts(None, None, m1, v1, betas=(b1, b2), eps=1e-8, step=10,
+    alone = state_counts(None, None, m1, v1, betas=BETAS, eps=1e-8, step=10,
                          layout="torchao-fp8")
     assert alone.m_moved is None and alone.cosine() is None and alone.v_zero == 1
 
@@ -530,27 +530,19 @@ def test_an_msamp_state_whose_updates_round_back() -> None:
     stale. v: the new maximum 1.0125 gives the scale 2^15; a second moment of 1e-9 is
     3.3e-5 there, a float16 subnormal (not 0); one of 1e-13 is 3.3e-9, below half the least
     float16 subnormal (2^-25): stored as 0."""
-    b1, b2 = 0.9, 0.99
-    m0 = torch.zeros(256)
-    m0[:3] = torch.tensor([1.0, 0.5, 0.5])
-    g = torch.zeros(256)
-    g[:3] = torch.tensor([1.0, 0.51, 1.5])
-    m1 = b1 * m0 + (1 - b1) * g
-    v0 = torch.zeros(256)
-    v0[:3] = 1.0
-    v1 = b2 * v0 + (1 - b2) * g * g
+    m0, m1, v0, v1 = _state_block()
     assert state_values(m1, True, "ms-amp")[:3].tolist() == [1.0, 0.5, 0.625]
     for tiny, zero in ((1e-9, 0), (1e-13, 1)):
         v = v1.clone()
         v[3] = tiny
-        c = state_counts(m0, v0, m1, v, betas=(b1, b2), eps=1e-8, step=10, layout="ms-amp")
+        c = state_counts(m0, v0, m1, v, betas=BETAS, eps=1e-8, step=10, layout="ms-amp")
         assert (c.m_moved, c.m_stale, c.v_zero, c.v_nonzero) == (2, 1, zero, 4), tiny
         assert c.cosine() == pytest.approx(1.0, abs=1e-4)
     # planted: the torchao-fp8 reading of the same v (blocks of 256, scale max / 448) zeroes
     # 1e-9, which MS-AMP's float16 keeps
     v = v1.clone()
     v[3] = 1e-9
-    assert state_counts(None, None, m1, v, betas=(b1, b2), eps=1e-8, step=10,
+    assert state_counts(None, None, m1, v, betas=BETAS, eps=1e-8, step=10,
                         layout="torchao-fp8").v_zero == 1
 
 
