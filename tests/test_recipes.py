@@ -490,6 +490,7 @@ def test_every_implementation_preset_passes_the_exact_op_sequence_check() -> Non
     """verify-formats' ``recipes`` suite (quick plan) on every implementation preset: values and
     codes against the same op sequence in exact rationals."""
     from driftcli.verify import Plan, check_recipes
+    from driftcli.verify.recipes import TRANSFORM_CORES
 
     checked = set()
     for fmt in {p.cast.format for p in IMPLEMENTATION_PRESETS.values()}:
@@ -497,7 +498,11 @@ def test_every_implementation_preset_passes_the_exact_op_sequence_check() -> Non
             assert out.n_failed == 0, (out.operation, out.failures[:3])
             assert out.n_checked >= 192
             checked.add(out.operation.rsplit(" ", 1)[0])
-    assert checked == set(IMPLEMENTATION_PRESETS)
+    # a preset's transform is checked again on each of TRANSFORM_CORES (``name,tc=core``)
+    cores = {name for name in checked if ",tc=" in name}
+    assert {name.split(",tc=")[0] for name in checked} == set(IMPLEMENTATION_PRESETS)
+    assert cores == {f"{name},tc={core}" for name, p in IMPLEMENTATION_PRESETS.items()
+                     if p.cast.rht is not None for core in TRANSFORM_CORES}
 
 
 def _swapped_division(monkeypatch: pytest.MonkeyPatch) -> None:
