@@ -62,6 +62,7 @@ def test_the_key_round_trips_and_refuses_what_it_cannot_mean() -> None:
     for bad, words in ((f"nvfp4:tc={H100}", "tc= names the tensor core"),
                        (f"nvfp4:rht=te,tc={H100},tc={A100}", "tc= names the tensor core"),
                        ("nvfp4:rht=te,tc=H100 bf16", "name a tensor core"),
+                       ("nvfp4:rht=te,tc=", "tc= names the tensor core"),  # not ignored
                        (f"te/nvfp4_rht:rht=h,tc={H100}", "a second")):
         with pytest.raises(CastSpecError, match=words):
             parse_cast(bad)

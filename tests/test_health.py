@@ -569,3 +569,13 @@ def test_health_reads_every_tensor_in_the_msamp_layout(runs: tuple[Path, Path]) 
         assert r.state_layout == "ms-amp" and r.m_stale_share is not None, name
         assert r.update_cosine is not None and r.update_cosine > 0.99, name
     assert by[(1, "*")].m_stale_share is None and by[(1, "*")].v_zero_share is not None
+
+
+def test_msamp_amax_skips_nan_as_the_kernels_fmaxf() -> None:
+    """One NaN moment does not move the tensor's scale: 1000 is read back under the scale
+    2**-2 its own amax gives (250 on E4M3's grid is 256: 1024), where a NaN amax would have
+    given the scale 1 and E4M3 saturates 1000 to 448."""
+    with_nan = state_values(torch.tensor([1000.0, math.nan]), True, "ms-amp")
+    without = state_values(torch.tensor([1000.0, 0.0]), True, "ms-amp")
+    assert float(with_nan[0]) == float(without[0]) == 1024.0
+    assert math.isnan(float(with_nan[1]))

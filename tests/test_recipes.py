@@ -493,11 +493,14 @@ def test_every_implementation_preset_passes_the_exact_op_sequence_check() -> Non
     from driftcli.verify.recipes import TRANSFORM_CORES
 
     checked = set()
+    on_cores = 0
     for fmt in {p.cast.format for p in IMPLEMENTATION_PRESETS.values()}:
         for out in check_recipes(fmt, Plan(quick=True)):
             assert out.n_failed == 0, (out.operation, out.failures[:3])
             assert out.n_checked >= 192
             checked.add(out.operation.rsplit(" ", 1)[0])
+            on_cores += out.n_checked if ",tc=" in out.operation else 0
+    assert on_cores == 1_088  # docs/recipes.md and verify-formats.md: the quick plan's
     # a preset's transform is checked again on each of TRANSFORM_CORES (``name,tc=core``)
     cores = {name for name in checked if ",tc=" in name}
     assert {name.split(",tc=")[0] for name in checked} == set(IMPLEMENTATION_PRESETS)

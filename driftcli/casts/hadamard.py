@@ -63,14 +63,14 @@ def torch_groups(groups: Tensor, rht: Rht) -> Tensor:
                         Overflow.IEEE, None, DEFAULT_SR_BITS, torch.float32)
 
 
-CORE_INPUTS = "bfloat16"
+CORE_INPUTS = FORMATS["bfloat16"]
 """The operand format of the tensor cores a transform may run on (``tc=``): the kernel's."""
 
 
 def transform_cores() -> list[str]:
     """The tensor cores ``tc=`` may name beside ``rht=``: those of ``CORES`` whose operands are
     bfloat16 (their accumulators are float32)."""
-    return [name for name, core in CORES.items() if core.inputs == CORE_INPUTS]
+    return [name for name, core in CORES.items() if core.input_format == CORE_INPUTS]
 
 
 def check_core(rht: Rht | None) -> None:
@@ -79,7 +79,7 @@ def check_core(rht: Rht | None) -> None:
     casts here before it reads anything."""
     if rht is None or not rht.core or rht.core in transform_cores():
         return
-    raise CastSpecError(f"rht={rht}: {rht.core!r} is not a tensor core with {CORE_INPUTS} "
+    raise CastSpecError(f"rht={rht}: {rht.core!r} is not a tensor core with {CORE_INPUTS.name} "
                         f"inputs; choose tc= from {', '.join(transform_cores())} "
                         "(docs/recipes.md)")
 

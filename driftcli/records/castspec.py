@@ -80,7 +80,7 @@ def _classify(spec: str, parts: list[str]) -> _Parts:
             try:
                 transforms = [Rht.parse(i.removeprefix("rht=")) for i in items
                               if i.startswith("rht=")]
-                if cores and (len(cores) > 1 or len(transforms) != 1):
+                if cores and (len(cores) > 1 or len(transforms) != 1 or not cores[0]):
                     raise CastSpecError(
                         f"{part!r}: tc= names the tensor core of the one rht= transform "
                         "in its part, e.g. nvfp4:rht=te,tc=h100_bf16_f32")

@@ -60,7 +60,7 @@ PRESETS: dict[str, tuple[Cast, str]] = {
        for name, elem in _MX.items()},
     **{f"{name}_floor+1": (_mx(elem, headroom=1), f"{name} with one binade of headroom")
        for name, elem in _MX.items()},
-    "mxint8_sym": (_mx("int8_sym"), "mxint8 clamped to ±127, never -128 (microxcaling's MXINT8)"),
+    "mxint8_sym": (_mx("int8_sym"), "mxint8 clamped to ±127, never -128 (microxcaling's range)"),
     "nvfp4": (Cast(_NVFP4[0], Scaling(Granularity.BLOCK, 16, _NVFP4[1], ScaleRule.TWO_LEVEL)),
               "NVFP4: FP4 E2M1 in blocks of 16, E4M3 block scales under a float32 tensor scale"),
     "nvfp4_2d": (Cast(_NVFP4[0], Scaling(Granularity.TILE, 16, _NVFP4[1], ScaleRule.TWO_LEVEL)),

@@ -38,8 +38,10 @@ And MS-AMP's (Azure/MS-AMP at 9746ea8, ``LBAdamW``; Peng et al., "FP8-LM", arXiv
   (``adamw_base.py`` lines 191-204). The scale (``adamw.py`` lines 176-184 with
   ``msamp/common/tensor/meta.py`` lines 39-56, margin 0): ``sf = 2**floor(log2(fp_max /
   amax))`` of the tensor's new absolute maximum (``fp_max`` 448 and 65504:
-  ``msamp/common/dtype/floating.py`` lines 18-45), ``fp_max / amax`` in float32; an amax of 0
-  keeps the previous scale. The CUDA kernel (``msamp/optim/adamw.cu`` lines 61-74, stage 2)
+  ``msamp/common/dtype/floating.py`` lines 18-45), ``fp_max / amax`` in float32; an amax of 0 or
+  not finite gives the scale 1 (``adamw.py`` passes ones as the fallback scale of
+  ``compute_scaling_factor``); the amax skips NaN (the kernel's ``fmaxf``).
+  The CUDA kernel (``msamp/optim/adamw.cu`` lines 61-74, stage 2)
   stores ``T(m · sf)``: ``__nv_fp8_e4m3(float)`` (round to nearest even, saturating to ±448)
   and ``__float2half`` (nearest even); it reads a state back as ``code · (1 / sf)``. Each
   step (lines 31-50 and 67-69) computes ``β · stored + (1 − β) · g`` (``g · g`` for v) in
@@ -54,7 +56,9 @@ And MS-AMP's (Azure/MS-AMP at 9746ea8, ``LBAdamW``; Peng et al., "FP8-LM", arXiv
   takes the exponent as ``floor`` of a float32 ``torch.log2`` on the GPU; drift reads it from
   the bits of the float32 quotient. They differ only where the quotient lies within about
   ``|exponent| · 2**-24`` below a power of two (a few float32 values per binade), where a
-  log2 rounded up gives MS-AMP a scale twice drift's (its largest moments then saturate).
+  log2 rounded up gives MS-AMP a scale twice drift's; both formats being floating point, the
+  moments read back the same but where an element is subnormal or flushed under drift's
+  smaller scale.
   (3) Where ``fp_max / amax`` reaches 2**128 (an amax below about ``fp_max · 2**-128``)
   MS-AMP's float32 scale overflows to inf and its inverse is 0; drift reads the state back as
   that arithmetic gives it (E4M3 saturates ±inf to ±448: ``cuda_fp8.hpp`` of CUDA 13.0, lines
@@ -196,8 +200,8 @@ def msamp_exponent(amax: float, fp_max: float) -> int | None:
     """The exponent of MS-AMP's per-tensor scale for a tensor of absolute maximum ``amax``:
     ``floor(log2(fp_max / amax))`` with the quotient rounded to float32 as MS-AMP computes it
     and its exponent read from the bits (module docs, step 2); :data:`SCALE_OVERFLOW` when the
-    quotient itself overflows float32; None for an amax of 0 or not finite (MS-AMP keeps the
-    previous scale)."""
+    quotient itself overflows float32; None for an amax of 0 or not finite (MS-AMP's scale is
+    then 1)."""
     a = torch.tensor(amax, dtype=torch.float32)
     if not (bool(torch.isfinite(a)) and float(a) > 0):
         return None
@@ -214,7 +218,9 @@ def _tensor_scaled_values(x: Tensor, scaled: TensorScaled) -> Tensor:
     from driftcli.records.castspec import parse_cast
 
     flat = x.detach().to(torch.float32)
-    exponent = msamp_exponent(float(flat.abs().max()) if flat.numel() else 0.0, scaled.fp_max)
+    # the kernel's amax is an fmaxf reduction, which skips NaN (inf is kept)
+    amax = torch.where(flat.isnan(), 0.0, flat).abs().max() if flat.numel() else 0.0
+    exponent = msamp_exponent(float(amax), scaled.fp_max)
     if exponent is not None and exponent >= SCALE_OVERFLOW:
         # the scale is inf (module docs, step 3): x · inf is ±inf (0 · inf NaN), its code
         # ±fp_max or ±inf, read back times 1 / inf = 0: ±0 where saturated, NaN elsewhere
@@ -222,8 +228,7 @@ def _tensor_scaled_values(x: Tensor, scaled: TensorScaled) -> Tensor:
         if not scaled.saturates:
             return nan
         return torch.where(flat == 0, nan, torch.copysign(torch.zeros_like(flat), flat))
-    # an amax of 0 keeps the previous scale: every code is then 0 whatever it is; a NaN or
-    # inf amax (the previous scale unknown here) is read at scale 1
+    # an amax of 0 or inf: MS-AMP falls back to the scale 1
     sf = torch.tensor(1.0 if exponent is None else math.ldexp(1.0, exponent),
                       dtype=torch.float32)
     # sf is a power of two: the product is exact unless float32 underflows, as on the GPU
