@@ -22,10 +22,14 @@ Rounding a value ``x`` to a format:
    format has it and the mode does not round toward zero, ±max where it does,
    NaN where the format has only NaN, and ±max where it has neither.
 6. A nonzero value that rounds to 0 keeps its sign (−0) where −0 exists.
+
+``round_cells`` applies this rule under several (mode, overflow, draw) cells at once, finding
+the bracket of step 4 once; ``round_exact`` is it with one cell.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from fractions import Fraction
 from functools import lru_cache
 
@@ -78,7 +82,8 @@ def rounds_away(rounding: Rounding, f: Fraction, lo_is_odd: bool, negative: bool
         case Rounding.RDOWN:
             return negative
         case Rounding.SR:
-            return int(f * 2**sr_bits) + random >= 2**sr_bits
+            # floor(f * 2**sr_bits) in integers: f >= 0, and Fraction arithmetic is slow
+            return (f.numerator << sr_bits) // f.denominator + random >= 1 << sr_bits
 
 
 def _overflow(fmt: Format, negative: bool, limit: Fraction, rounding: Rounding,
@@ -96,28 +101,45 @@ def _zero(fmt: Format, negative: bool) -> Exact:
     return Exact(Kind.FINITE, negative and fmt.has_neg_zero, Fraction(0))
 
 
+RoundingCell = tuple[Rounding, Overflow, int, int]
+"""One way to round: ``(rounding, overflow, random, sr_bits)``, as :func:`round_exact` takes
+them (``random`` is the SR draw, below ``2**sr_bits``; other modes ignore both)."""
+
+
 def round_exact(fmt: Format, x: Exact, rounding: Rounding = Rounding.RNE,
                 overflow: Overflow = Overflow.SATURATE, random: int = 0,
                 sr_bits: int = DEFAULT_SR_BITS) -> Exact:
     """Round the exact value ``x`` onto ``fmt``; ``random`` is the SR draw, below 2**sr_bits."""
+    return round_cells(fmt, x, ((rounding, overflow, random, sr_bits),))[0]
+
+
+def round_cells(fmt: Format, x: Exact, cells: Sequence[RoundingCell]) -> list[Exact]:
+    """:func:`round_exact` of ``x`` under each cell, in order, finding its bracket once.
+
+    The one rule of the module's docstring: :func:`round_exact` is this with one cell.
+    """
     if x.kind is Kind.NAN:
-        return NAN
+        return [NAN] * len(cells)
     limit = fmt.extremes[x.negative]
     if not fmt.signed and x.negative and (x.kind is Kind.INF or x.mag):
-        if overflow is Overflow.SATURATE or not fmt.has_nan:
-            return Exact(Kind.FINITE, False, Fraction(0) if fmt.has_zero else fmt.smallest_positive)
-        return NAN
+        least = Exact(Kind.FINITE, False, Fraction(0) if fmt.has_zero else fmt.smallest_positive)
+        return [least if overflow is Overflow.SATURATE or not fmt.has_nan else NAN
+                for _, overflow, _, _ in cells]
     if x.kind is Kind.INF:
-        return _overflow(fmt, x.negative, limit, rounding, overflow, exact_inf=True)
+        return [_overflow(fmt, x.negative, limit, rounding, overflow, exact_inf=True)
+                for rounding, overflow, _, _ in cells]
     if not x.mag:
-        return _zero(fmt, x.negative)
+        return [_zero(fmt, x.negative)] * len(cells)
     lo, hi, f, lo_is_odd = bracket(fmt, x.mag)
-    mag = hi if rounds_away(rounding, f, lo_is_odd, x.negative, random, sr_bits) else lo
-    if mag > limit:
-        return _overflow(fmt, x.negative, limit, rounding, overflow, exact_inf=False)
-    if not mag:
-        return _zero(fmt, x.negative)
-    return Exact(Kind.FINITE, x.negative, mag)
+    # the two candidates, each past the limit (the cell's overflow decides) or one result
+    down, up = (None if mag > limit else _zero(fmt, x.negative) if not mag
+                else Exact(Kind.FINITE, x.negative, mag) for mag in (lo, hi))
+    out = []
+    for rounding, overflow, random, sr_bits in cells:
+        picked = up if rounds_away(rounding, f, lo_is_odd, x.negative, random, sr_bits) else down
+        out.append(picked if picked is not None else
+                   _overflow(fmt, x.negative, limit, rounding, overflow, exact_inf=False))
+    return out
 
 
 def product(a: Exact, b: Exact) -> Exact:
