@@ -135,8 +135,12 @@ def round_cells(fmt: Format, x: Exact, cells: Sequence[RoundingCell]) -> list[Ex
     down, up = (None if mag > limit else _zero(fmt, x.negative) if not mag
                 else Exact(Kind.FINITE, x.negative, mag) for mag in (lo, hi))
     out = []
+    away: dict[tuple[Rounding, int, int], bool] = {}  # both overflow policies ask alike
     for rounding, overflow, random, sr_bits in cells:
-        picked = up if rounds_away(rounding, f, lo_is_odd, x.negative, random, sr_bits) else down
+        key = (rounding, random, sr_bits)
+        if key not in away:
+            away[key] = rounds_away(rounding, f, lo_is_odd, x.negative, random, sr_bits)
+        picked = up if away[key] else down
         out.append(picked if picked is not None else
                    _overflow(fmt, x.negative, limit, rounding, overflow, exact_inf=False))
     return out
