@@ -70,11 +70,13 @@ def rounds_away(rounding: Rounding, f: Fraction, lo_is_odd: bool, negative: bool
     """Whether the mode moves a magnitude ``f`` of the way past ``lo`` up to ``hi``."""
     if not f:
         return False
+    # f against 1/2 as integers, 2·num against den (Fraction's comparisons are slow): +1 above
+    past_half = (2 * f.numerator > f.denominator) - (2 * f.numerator < f.denominator)
     match rounding:
         case Rounding.RNE:
-            return f > HALF or (f == HALF and lo_is_odd)
+            return past_half > 0 or (past_half == 0 and lo_is_odd)
         case Rounding.RNA:
-            return f >= HALF
+            return past_half >= 0
         case Rounding.RTZ:
             return False
         case Rounding.RUP:
