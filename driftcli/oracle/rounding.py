@@ -33,14 +33,16 @@ from collections.abc import Sequence
 from fractions import Fraction
 from functools import lru_cache
 
-from driftcli.records.formats import NAN, Exact, Format, Kind, pow2
+from driftcli.records.formats import NAN, Exact, Format, Kind
 from driftcli.records.modes import DEFAULT_SR_BITS, Overflow, Rounding
 
 
 def binade(mag: Fraction) -> int:
     """``floor(log2(mag))`` for ``mag > 0``, exactly, from integer bit lengths."""
-    e = mag.numerator.bit_length() - mag.denominator.bit_length()
-    return e if pow2(e) <= mag else e - 1
+    n, d = mag.numerator, mag.denominator
+    e = n.bit_length() - d.bit_length()
+    # 2**e <= n / d, in integers
+    return e if ((d << e) <= n if e >= 0 else d <= (n << -e)) else e - 1
 
 
 HALF = Fraction(1, 2)
@@ -55,14 +57,22 @@ def bracket(fmt: Format, mag: Fraction) -> tuple[Fraction, Fraction, Fraction, b
     """
     top = max(binade(mag), fmt.grid_emin)
     mbits = fmt.mbits_at(top)  # a tapered format's width varies by binade
-    quantum = pow2(top - mbits)
-    steps = mag // quantum
-    lo = steps * quantum
+    # mag = n / d and quantum = 2**q: steps = floor(mag / quantum) and f = rem / unit, in
+    # integers (Fraction's arithmetic was most of the oracle's time in a verify run)
+    q = top - mbits
+    n, d = mag.numerator, mag.denominator
+    scaled, unit = (n, d << q) if q >= 0 else (n << -q, d)  # mag / quantum = scaled / unit
+    steps, rem = divmod(scaled, unit)
+    if q >= 0:
+        lo, hi = Fraction(steps << q), Fraction((steps + 1) << q)
+    else:
+        lo, hi = Fraction(steps, 1 << -q), Fraction(steps + 1, 1 << -q)
+    f = Fraction(rem, unit)
     if mbits == 0 and fmt.has_zero and not fmt.integer and steps:
         # Format.ties_by_code, and a tapered format's denormals: with no mantissa bits lo's code
         # counts binades, binade - grid_emin + 1 (P = 1: emin = 1 - bias; HiFloat8: 2**-22 is 1)
-        return lo, lo + quantum, (mag - lo) / quantum, (binade(lo) - fmt.grid_emin + 1) % 2 == 1
-    return lo, lo + quantum, (mag - lo) / quantum, steps % 2 == 1
+        return lo, hi, f, (binade(lo) - fmt.grid_emin + 1) % 2 == 1
+    return lo, hi, f, steps % 2 == 1
 
 
 def rounds_away(rounding: Rounding, f: Fraction, lo_is_odd: bool, negative: bool,
