@@ -247,3 +247,14 @@ def test_sr_rounds_away_at_the_integer_threshold() -> None:
     assert not rounds_away(Rounding.SR, f, False, True, 10, 4)
     assert rounds_away(Rounding.SR, f, False, True, 11, 4)
     assert not rounds_away(Rounding.SR, Fraction(0), False, False, 15, 4)
+
+
+def test_format_hash_is_cached_and_equal_formats_share_it() -> None:
+    """Format's explicit, cached __hash__ (the oracle's caches key on it) agrees with ==."""
+    from dataclasses import replace
+
+    twin = replace(E4M3)
+    assert twin == E4M3 and twin is not E4M3 and hash(twin) == hash(E4M3)
+    assert {E4M3: 1}[twin] == 1
+    assert replace(E4M3, name="other") != E4M3
+    assert "_hash" in vars(E4M3)  # computed once, kept on the instance
