@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -251,8 +252,6 @@ def test_sr_rounds_away_at_the_integer_threshold() -> None:
 
 def test_format_hash_is_cached_and_equal_formats_share_it() -> None:
     """Format's explicit, cached __hash__ (the oracle's caches key on it) agrees with ==."""
-    from dataclasses import replace
-
     twin = replace(E4M3)
     assert twin == E4M3 and twin is not E4M3 and hash(twin) == hash(E4M3)
     assert {E4M3: 1}[twin] == 1
