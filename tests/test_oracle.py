@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -10,7 +14,15 @@ from hypothesis import strategies as st
 
 from driftcli import FORMATS
 from driftcli.oracle.quantization import cast_block
-from driftcli.oracle.rounding import binade, product, round_exact, total
+from driftcli.oracle.rounding import (
+    RoundingCell,
+    binade,
+    product,
+    round_cells,
+    round_exact,
+    rounds_away,
+    total,
+)
 from driftcli.oracle.scaling import pow2_scale_exponent
 from driftcli.records.formats import NAN, Exact, Format, Kind
 from driftcli.records.modes import Overflow, Rounding, ScaleRule
@@ -157,3 +169,91 @@ def test_divisor_rules_on_fp4_blocks(rule: ScaleRule, scale_format: Format, amax
     _, scale, clamped = cast_block([Exact.of(amax)], FP4, scale_format, rule, 0, True, F32,
                                    tensor_amax=tensor_amax, scale_only=True)
     assert scale == Exact.of(divisor) and not clamped
+
+
+# --- round_cells: one value under many cells, its bracket found once -------------------------
+
+CELL_FORMATS = ["float8_e4m3fn", "float4_e2m1fn", "int8", "hifloat8", "binary8p3se",
+                "float8_e8m0fnu"]
+
+
+def _cell_values(fmt: Format, seed: int = 7) -> list[Exact]:
+    """Every code's value, every midpoint of neighbouring magnitudes (both signs), specials,
+    values past the range and seeded random rationals of both signs."""
+    values = [v for _, v in fmt.values()]
+    mags = sorted({v.mag for v in values if v.kind is Kind.FINITE})
+    mids = [(a + b) / 2 for a, b in itertools.pairwise(mags)]
+    rng = random.Random(seed)
+    rand = [Fraction(rng.randrange(1, 1 << 20), 1 << 20) * fmt.max * rng.choice((1, 2, 3))
+            for _ in range(200)]
+    rand += [Fraction(rng.randrange(1, 1 << 12), rng.randrange(1, 1 << 30)) for _ in range(100)]
+    extra = [Exact.of(m) for m in mids + rand] + [Exact.of(-m) for m in mids + rand]
+    return values + extra + [Exact.of(0), Exact.of(0, negative_zero=True), NAN,
+                             Exact(Kind.INF, False), Exact(Kind.INF, True)]
+
+
+def _every_cell() -> list[RoundingCell]:
+    cells: list[RoundingCell] = []
+    for mode in Rounding:
+        for policy in Overflow:
+            if mode is not Rounding.SR:
+                cells.append((mode, policy, 0, 16))
+                continue
+            for sr_bits in (1, 4, 16):
+                top = (1 << sr_bits) - 1
+                cells += [(mode, policy, r, sr_bits) for r in sorted({0, 1, top // 2, top})]
+    return cells
+
+
+def _disagreements(fmt: Format, values: list[Exact], cells: Sequence[RoundingCell],
+                   multi: Callable[[Format, Exact, Sequence[RoundingCell]], list[Exact]]
+                   ) -> list[tuple[Exact, RoundingCell]]:
+    """Where ``multi``'s rounding of a value under all cells differs from round_exact's
+    under each cell alone (the sign of zero included: Exact compares it)."""
+    bad = []
+    for v in values:
+        together = multi(fmt, v, cells)
+        assert len(together) == len(cells)
+        bad += [(v, c) for c, got in zip(cells, together, strict=True)
+                if got != round_exact(fmt, v, *c)]
+    return bad
+
+
+@pytest.mark.parametrize("name", CELL_FORMATS)
+def test_round_cells_is_round_exact_cell_by_cell(name: str) -> None:
+    fmt = FORMATS[name]
+    values = _cell_values(fmt)
+    cells = _every_cell()
+    assert len(cells) == 10 + 2 * (2 + 4 + 4) and len(values) > 300
+    assert _disagreements(fmt, values, cells, round_cells) == []
+    # the cells do tell the values apart: off the grid, some cells go down and some up
+    assert sum(len(set(round_cells(fmt, v, cells))) == 2 for v in values) > 300
+
+
+def test_round_cells_check_catches_a_result_shared_across_cells() -> None:
+    """A planted fault: reusing the first cell's rounding for every cell."""
+    def first_for_all(fmt: Format, x: Exact, cells: Sequence[RoundingCell]) -> list[Exact]:
+        return round_cells(fmt, x, cells[:1]) * len(cells)
+
+    bad = _disagreements(E4M3, _cell_values(E4M3)[:300], _every_cell(), first_for_all)
+    assert len(bad) > 100
+
+
+def test_sr_rounds_away_at_the_integer_threshold() -> None:
+    """floor(f * 2**bits) + r >= 2**bits, at the draws either side of the threshold."""
+    f = Fraction(5, 16)  # 0.0101b: with 4 bits the threshold draw is 16 - 5 = 11
+    assert not rounds_away(Rounding.SR, f, False, False, 10, 4)
+    assert rounds_away(Rounding.SR, f, False, False, 11, 4)
+    f = Fraction(1, 3)  # floor(2**4 / 3) = 5: truncated, so 10 stays down
+    assert not rounds_away(Rounding.SR, f, False, True, 10, 4)
+    assert rounds_away(Rounding.SR, f, False, True, 11, 4)
+    assert not rounds_away(Rounding.SR, Fraction(0), False, False, 15, 4)
+
+
+def test_format_hash_is_cached_and_equal_formats_share_it() -> None:
+    """Format's explicit, cached __hash__ (the oracle's caches key on it) agrees with ==."""
+    twin = replace(E4M3)
+    assert twin == E4M3 and twin is not E4M3 and hash(twin) == hash(E4M3)
+    assert {E4M3: 1}[twin] == 1
+    assert replace(E4M3, name="other") != E4M3
+    assert "_hash" in vars(E4M3)  # computed once, kept on the instance

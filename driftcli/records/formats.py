@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from fractions import Fraction
 from functools import cached_property
@@ -152,6 +152,15 @@ class Format:
     def bits(self) -> int:
         """Total width of a code in bits."""
         return int(self.signed) + self.ebits + self.mbits
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare))
+
+    def __hash__(self) -> int:
+        # the oracle's caches key on a Format millions of times in a verify run; the hash
+        # dataclass generates walks every field on each call (an explicit one is kept)
+        return self._hash
 
     @property
     def has_nan(self) -> bool:

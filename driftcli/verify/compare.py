@@ -4,7 +4,7 @@ the oracle's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import ClassVar
@@ -13,8 +13,9 @@ import torch
 
 from driftcli import oracle
 from driftcli.io.tables import column
+from driftcli.oracle.rounding import RoundingCell
 from driftcli.records.formats import NAN, Exact, Format, Kind
-from driftcli.records.modes import DEFAULT_SR_BITS, Overflow, Rounding
+from driftcli.records.modes import Overflow, Rounding
 
 Tensor = torch.Tensor
 
@@ -116,16 +117,27 @@ def judge(out: Outcome, expected: Tensor, got: Tensor, describe: Callable[[int],
                              str(exact_of_float(got[i].item()))))
 
 
-def round_all(fmt: Format, values: list[Exact], mode: Rounding, policy: Overflow,
-              random: int = 0, sr_bits: int = DEFAULT_SR_BITS) -> Tensor:
-    """The oracle's rounding of every value, as float64 (one random draw for all)."""
-    return torch.tensor(
-        [
-            to_float(oracle.rounding.round_exact(fmt, v, mode, policy, random, sr_bits))
-            for v in values
-        ],
-        dtype=torch.float64,
-    )
+def round_cells_float(fmt: Format, x: Exact, cells: Sequence[RoundingCell]) -> list[float]:
+    """The oracle's rounding of ``x`` under each cell, as float64 (:func:`round_cells`)."""
+    results = oracle.rounding.round_cells(fmt, x, cells)
+    # cells that agree share one Exact object: convert each object once (the list keeps
+    # every one alive, so no id is reused while ``seen`` holds it)
+    seen: dict[int, float] = {}
+    floats = []
+    for e in results:
+        v = seen.get(id(e))
+        if v is None:
+            v = seen[id(e)] = to_float(e)
+        floats.append(v)
+    return floats
+
+
+def round_table(fmt: Format, rows: Sequence[tuple[Exact, Sequence[RoundingCell]]]) -> Tensor:
+    """Float64 ``[len(rows), cells]``: row ``i`` is :func:`round_cells_float` of a value under
+    its cells (every row has as many)."""
+    width = len(rows[0][1]) if rows else 0
+    return torch.tensor([round_cells_float(fmt, x, c) for x, c in rows],
+                        dtype=torch.float64).reshape(len(rows), width)
 
 
 def dedup(values: list[Exact]) -> tuple[list[Exact], Tensor]:

@@ -10,8 +10,9 @@ import torch
 
 from driftcli import oracle
 from driftcli.casts import codec, rounding
+from driftcli.oracle.rounding import RoundingCell
 from driftcli.records.formats import Exact, Format, pow2
-from driftcli.records.modes import Overflow, Rounding
+from driftcli.records.modes import DEFAULT_SR_BITS, Overflow, Rounding
 from driftcli.verify.compare import (
     MAIN_CELL,
     Cell,
@@ -20,8 +21,7 @@ from driftcli.verify.compare import (
     dedup,
     hex_code,
     judge,
-    round_all,
-    to_float,
+    round_table,
 )
 
 Tensor = torch.Tensor
@@ -114,37 +114,67 @@ def _check_pair_set(fmt: Format, plan: Plan, ref: dict[int, Exact], label: str, 
 
     products = dedup([oracle.rounding.product(ref[i], ref[j]) for i, j in zip(la, lb, strict=True)])
     sums: dict[bool, tuple[list[Exact], Tensor]] = {}
+    drawn_bits = rounding.draw_random_bits(xa.shape, plan.seed)  # sr's one 16-bit draw a pair
+    drawn: list[int] = drawn_bits.tolist()
     for op in ("product", "sum"):
         fast_op = rounding.multiply if op == "product" else rounding.add
+        # the exact operands of each cell's rounding: the sum's only dependence on the mode is
+        # the sign of an exact zero
+        groups: dict[bool, list[Cell]] = {}
         for mode, policy in cells:
-            if op == "product":
-                uniq, index = products
-            else:  # the sum's only dependence on the mode: the sign of an exact zero
-                down = mode is Rounding.RDOWN
-                if down not in sums:
-                    sums[down] = dedup([oracle.rounding.total(ref[i], ref[j], mode)
-                                         for i, j in zip(la, lb, strict=True)])
-                uniq, index = sums[down]
+            down = op == "sum" and mode is Rounding.RDOWN
+            if down not in sums and op == "sum":
+                sums[down] = dedup([oracle.rounding.total(ref[i], ref[j], mode)
+                                     for i, j in zip(la, lb, strict=True)])
+            groups.setdefault(down, []).append((mode, policy))
+        expected: dict[Cell, list[Tensor]] = {}
+        for down, group in groups.items():
+            uniq, index = products if op == "product" else sums[down]
+            expected.update(_expected_by_cell(fmt, uniq, index, group, all_draws, drawn))
+        for mode, policy in cells:
             out = Outcome(fmt.name, f"pairs ({label})", op, mode.value, policy.value)
+            want = expected[(mode, policy)]
             if mode is not Rounding.SR:
-                expected = round_all(fmt, uniq, mode, policy)[index]
                 got = fast_op(xa, xb, fmt, rounding=mode, overflow=policy)
-                judge(out, expected, got, describe)
+                judge(out, want[0], got, describe)
             elif all_draws:
                 for r in range(1 << PAIR_SR_BITS):
-                    expected = round_all(fmt, uniq, mode, policy, r, PAIR_SR_BITS)[index]
                     bits = torch.full(xa.shape, r, dtype=torch.int32)
                     got = fast_op(xa, xb, fmt, rounding=mode, overflow=policy,
                                   random_bits=bits, sr_bits=PAIR_SR_BITS)
-                    judge(out, expected, got, partial(_with_draw, describe, r))
+                    judge(out, want[r], got, partial(_with_draw, describe, r))
             else:
-                bits = rounding.draw_random_bits(xa.shape, plan.seed)
-                drawn = bits.tolist()
-                expected = torch.tensor(
-                    [to_float(oracle.rounding.round_exact(fmt, uniq[k], mode, policy, r))
-                     for k, r in zip(index.tolist(), drawn, strict=True)],
-                    dtype=torch.float64)
-                got = fast_op(xa, xb, fmt, rounding=mode, overflow=policy, random_bits=bits)
-                judge(out, expected, got, partial(_with_drawn, describe, drawn))
+                got = fast_op(xa, xb, fmt, rounding=mode, overflow=policy,
+                              random_bits=drawn_bits)
+                judge(out, want[0], got, partial(_with_drawn, describe, drawn))
             yield out
 
+
+def _expected_by_cell(fmt: Format, uniq: list[Exact], index: Tensor, cells: list[Cell],
+                      all_draws: bool, drawn: list[int]) -> dict[Cell, list[Tensor]]:
+    """The oracle's results of every pair under each cell, one tensor per draw judged (sr:
+    every draw of :data:`PAIR_SR_BITS` bits, or the pairs' own 16-bit ``drawn``), each
+    distinct exact value rounded under all cells at once."""
+    shared: list[RoundingCell] = []  # cells whose draw is the same for every value
+    columns: dict[Cell, list[int]] = {}
+    own_draw: list[Overflow] = []  # sr cells drawing per pair
+    for mode, policy in cells:
+        if mode is not Rounding.SR:
+            columns[(mode, policy)] = [len(shared)]
+            shared.append((mode, policy, 0, DEFAULT_SR_BITS))
+        elif all_draws:
+            columns[(mode, policy)] = list(range(len(shared), len(shared) + (1 << PAIR_SR_BITS)))
+            shared += [(mode, policy, r, PAIR_SR_BITS) for r in range(1 << PAIR_SR_BITS)]
+        else:
+            own_draw.append(policy)
+    out: dict[Cell, list[Tensor]] = {}
+    if shared:
+        table = round_table(fmt, [(v, shared) for v in uniq])
+        out = {cell: [table[:, c][index] for c in cols] for cell, cols in columns.items()}
+    if own_draw:
+        per_pair = round_table(fmt, [
+            (uniq[k], [(Rounding.SR, policy, r, DEFAULT_SR_BITS) for policy in own_draw])
+            for k, r in zip(index.tolist(), drawn, strict=True)])
+        out.update({(Rounding.SR, policy): [per_pair[:, j].contiguous()]
+                    for j, policy in enumerate(own_draw)})
+    return out
