@@ -14,6 +14,15 @@ import pytest
 for _name in ("COLUMNS", "LINES"):
     os.environ.pop(_name, None)
 
+# Two xdist workers on two cores (make test): each worker's torch, and drift's jit pool that
+# torch's thread count sizes, would start a thread per core and wait on the core the other
+# worker holds. One thread a worker, before any test imports torch (measured back to back on
+# the quiet 2-core CI machine: test_jit, test_kernels, test_fastcast and test_grad_cosine in
+# 61 s with the default threads, 33 s with one). A test that needs more threads sets them itself
+# (test_jit.py::test_threads_split_the_work_without_changing_it); a serial run keeps the default.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ISA_INDEPENDENT = {
     # exact arithmetic only: Python's integers and fractions, numba code compiled for this CPU
     # whatever torch's capability, or both (the oracle; verify-formats' full plan; the
