@@ -11,6 +11,7 @@ from types import ModuleType
 
 import pandas as pd
 import pytest
+from test_findings_rht import CASTS, NO_RHT, STORY
 from typer.testing import CliRunner
 
 from driftcli.cli import app
@@ -18,13 +19,6 @@ from driftcli.cli import app
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "findings.md"
 HEAD = "\n## The Hadamard transform and four over six on the findings' transformer"
-STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the "
-         "park. One day, she saw a big, red ball under a tree. She wanted to play with it, but her "
-         "friend Tom said, \"That is my ball!\" Lily was sad. Tom saw that she was sad and said, "
-         "\"We can play together.\" They played all day and had lots of fun.\n")
-NO_RHT = ('name = "te-nvfp4-recipe-no-rht"\npreset = "te/nvfp4_recipe"\n[wgrad]\n'
-          'lhs = "te/nvfp4"\nrhs = "te/nvfp4:sr"\n')
-CASTS = ["te/nvfp4", "te/nvfp4_rht", "te/nvfp4_4over6", "te/nvfp4_4over6_mse"]
 SELECT = ["--include", "*/activation", "--include", "*/gradient", "--exclude", "*attn/*",
           "--axis", "-2"]
 

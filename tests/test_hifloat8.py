@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from kernel_paths import kernel_path
+from test_p3109 import _failures
 from typer.testing import CliRunner
 
 from driftcli import FORMATS, oracle
@@ -23,9 +24,6 @@ from driftcli.io.tables import read_table
 from driftcli.records.formats import Exact, Format, FormatKind, Kind, get_format
 from driftcli.records.modes import Overflow, Rounding
 from driftcli.verify import codes as codes_suite
-from driftcli.verify.codes import check_codes
-from driftcli.verify.compare import Plan
-from driftcli.verify.pairs import check_pairs
 
 HIF8 = FORMATS["hifloat8"]
 MAX_CODE, INF_CODE, NAN_CODE = 0x6E, 0x6F, 0x80
@@ -246,17 +244,6 @@ def test_the_transcription_would_see_a_planted_fault() -> None:
 
 
 # --- verify-formats ------------------------------------------------------------------------
-
-
-def _failures(*names: str) -> dict[tuple[str, str], int]:
-    found: dict[tuple[str, str], int] = {}
-    for name in names:
-        fmt = get_format(name)
-        for out in [*check_codes(fmt, Plan(quick=True)), *check_pairs(fmt, Plan(quick=True))]:
-            if out.n_failed:
-                key = (fmt.name, out.operation)
-                found[key] = found.get(key, 0) + out.n_failed
-    return found
 
 
 def test_a_planted_wrong_decoded_value_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

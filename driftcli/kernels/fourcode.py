@@ -40,6 +40,16 @@ def nearest_saturated(y: Any, lo: int, top: int, t_mbits: int, biggest: Any) -> 
         np.float32)
 
 
+@njit(inline="always", **OPTIONS)
+def candidate_error(k: Any, sb: Any, x: Any, t: Any, g: Any, enc: Any, fp16: bool) -> Any:
+    """A candidate's signed error, every step one float32 operation as the reference does it:
+    ``fl(fl(fl(fl(k · sb) · t) / g) − x)``, or with ``fp16`` (its fast path)
+    ``fl(k · sb − fl(x · enc))``; the one formula of both kernels below."""
+    if fp16:
+        return k * sb - x * enc
+    return ((k * sb) * t) / g - x
+
+
 @cache
 def errors_kernel(rounding: int, overflow: int, squared: bool, fp16: bool,
                   per_row: bool = False) -> Callable[..., None]:
@@ -68,13 +78,8 @@ def errors_kernel(rounding: int, overflow: int, squared: bool, fp16: bool,
                 v = x[base + j]
                 c4 = lean_quotient(v * a4, 0, lim, p)
                 c6 = lean_quotient(v * a6, 0, lim, p)
-                if fp16:
-                    o = v * enc
-                    d4 = c4 * s4 - o
-                    d6 = c6 * s6 - o
-                else:
-                    d4 = ((c4 * s4) * t) / g - v
-                    d6 = ((c6 * s6) * t) / g - v
+                d4 = candidate_error(c4, s4, v, t, g, enc, fp16)
+                d6 = candidate_error(c6, s6, v, t, g, enc, fp16)
                 if squared:
                     e4 = e4 + d4 * d4
                     e6 = e6 + d6 * d6
@@ -197,13 +202,8 @@ def values_kernel(rounding: int, overflow: int, squared: bool, fp16: bool, cols:
                         k6 = lean_quotient(v * a6, 0, lim, p)
                     c4[i] = k4
                     c6[i] = k6
-                    if fp16:
-                        o = v * enc
-                        f4 = k4 * sb4 - o
-                        f6 = k6 * sb6 - o
-                    else:
-                        f4 = ((k4 * sb4) * t) / g - v
-                        f6 = ((k6 * sb6) * t) / g - v
+                    f4 = candidate_error(k4, sb4, v, t, g, enc, fp16)
+                    f6 = candidate_error(k6, sb6, v, t, g, enc, fp16)
                     d4[i] = f4 * f4 if squared else abs(f4)
                     d6[i] = f6 * f6 if squared else abs(f6)
             m = n * runs
