@@ -337,7 +337,10 @@ def test_nvfp4_exact_and_library_order(tmp_path: Path, layout: str) -> None:
     lib = with_options(ref, order=Order.LIBRARY).read()
     comb = [[Fraction(float(torch.tensor(float(a / g if divide else a * g),
                                          dtype=torch.float32))) for a in row] for row in fs]
-    assert same_bits(lib, expect_fp4(packed, comb, None, divide), torch.float32) == 0
+    want_lib = expect_fp4(packed, comb, None, divide)
+    if not divide:  # ModelOpt's table decodes the code for -0 as +0.0
+        want_lib = [0.0 if v == 0 else v for v in want_lib]
+    assert same_bits(lib, want_lib, torch.float32) == 0
 
 
 def test_gpt_oss_mxfp4_experts(tmp_path: Path) -> None:
@@ -411,8 +414,9 @@ def test_blocks_without_scales_and_unknown_quant_method(tmp_path: Path) -> None:
                       "(re-download the checkpoint)"]
     _ds_folder(tmp_path / "b", config={"quant_method": "gptq"})
     names, errors = _errors(tmp_path / "b")
-    assert sorted(names) == ["a.weight", "b.weight"]  # read by their names
-    assert len(errors) == 1 and "quant_method 'gptq' is not a layout drift reads" in errors[0]
+    assert sorted(names) == ["a.weight", "b.weight"] and errors == []  # read by their names
+    notices = open_inputs([tmp_path / "b"]).notices
+    assert len(notices) == 1 and "quant_method 'gptq' is not one drift knows" in notices[0]
 
 
 def test_orphan_parts_are_errors_not_weights(tmp_path: Path) -> None:
@@ -841,6 +845,8 @@ def test_damaged_quantized_files_are_errors_never_crashes(tmp_path: Path) -> Non
     blocks, scales = gpt_oss(sample((2, 2, 32), 52, zero_block=False))
     mq, mb = mxfp8(sample((3, 40), 53, zero_block=False))
     mp, mws, mgs = nvfp4(sample((2, 32), 54, zero_block=False), False)
+    kb, ks = gpt_oss(sample((3, 64), 56, zero_block=False))  # MXFP4 packed as gpt-oss packs
+    xb, xs = gpt_oss(sample((2, 32), 57, zero_block=False))
     x = sample((3, 8), 55, zero_block=False)
     fs = (x.abs().amax(-1, keepdim=True) / E4M3_MAX).float()
     fq = (x / fs).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -851,6 +857,8 @@ def test_damaged_quantized_files_are_errors_never_crashes(tmp_path: Path) -> Non
                "e.down_proj_blocks": blocks, "e.down_proj_scales": scales,
                "m.weight": mq, "m.weight_scale": mb, "o.weight": mp, "o.weight_scale": mws,
                "o.weight_scale_2": mgs, "f.weight": fq, "f.weight_scale": fs,
+               "k.weight_packed": kb.reshape(3, 32), "k.weight_scale": ks,
+               "x.weight": xb.reshape(2, 16), "x.weight_scale": xs,
                "n.weight": torch.randn(3, 4)}, sound)
     weights = {"d.weight": ("d.weight", "d.weight_scale_inv"),
                "c.weight": ("c.weight_packed", "c.weight_scale", "c.weight_global_scale"),
@@ -858,12 +866,16 @@ def test_damaged_quantized_files_are_errors_never_crashes(tmp_path: Path) -> Non
                "m.weight": ("m.weight", "m.weight_scale"),
                "o.weight": ("o.weight", "o.weight_scale", "o.weight_scale_2"),
                "f.weight": ("f.weight", "f.weight_scale"),
+               "k.weight": ("k.weight_packed", "k.weight_scale"),
+               "x.weight": ("x.weight", "x.weight_scale"),
                "n.weight": ("n.weight",)}
     from driftcli.io.readers.quantized_weight import Layout
 
     layouts = {spec.layout for t in open_inputs([sound]).tensors
                if (spec := spec_of(t)) is not None}
-    assert layouts == set(Layout)  # the fuzz covers every layout
+    # the fuzz covers every layout the names tell (MXFP6's E2M3 and E3M2 differ only in what
+    # the config says; their family's tensors are MXFP4's, with 6-bit codes)
+    assert layouts == set(Layout) - {Layout.MXFP6_E2M3, Layout.MXFP6_E3M2}
     base = {t.name: fuzz.digest(t.read()) for t in open_inputs([sound]).tensors}
     assert sorted(base) == sorted(weights)
     rng = random.Random(fuzz.SEED)

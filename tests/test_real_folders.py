@@ -155,7 +155,8 @@ def test_quantized_folders_load_where_drift_reads_the_layout(tmp_path: Path) -> 
     assert _refusal(gptq).endswith(
         "holds quantized weights (quantization_config, quant_method gptq) in a layout drift "
         "does not read (it reads deepseek-fp8, mxfp8, ct-fp8, ct-nvfp4, modelopt-nvfp4, "
-        "gpt-oss-mxfp4); give the unquantized model's folder to run the model")
+        "gpt-oss-mxfp4, ct-mxfp4, mxfp4, mxfp6-e2m3, mxfp6-e3m2); give the unquantized "
+        "model's folder to run the model")
 
 
 def test_config_without_sizes_is_refused(tmp_path: Path) -> None:

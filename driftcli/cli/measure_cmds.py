@@ -131,6 +131,8 @@ def _print(summary: dict[str, Any]) -> None:
                   markup=False)
     for line in summary.get("axis_skipped", []):
         out.print(esc(f"skipped {line}", markup=False), markup=False)
+    for line in summary.get("notices", []):
+        out.print(esc(f"notice: {line}", markup=False), markup=False)
     seen = set()
     for e in summary["errors"]:
         if (e["source"], e["tensor"]) not in seen:
@@ -256,6 +258,7 @@ def _measure(m: Measure, path: Path, args: ScanArgs, options: ScanOptions) -> No
     summary = _summary(m, rows, path, casts)
     summary["skipped_files"] = [str(f) for i in s.inputs for f in i.skipped]
     summary["axis_skipped"] = fit.lines()
+    summary["notices"] = list(dict.fromkeys(n for i in s.inputs for n in i.notices))
     failed = {f"{e['source']} {e['tensor']}: {e['error']}": None for e in summary["errors"]}
     if args.append:  # the summary is this run's; the table holds the earlier rows too
         rows, prov = appended(path, m.row_type, rows, prov)

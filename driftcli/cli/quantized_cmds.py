@@ -14,8 +14,8 @@ from driftcli.escaping import for_terminal as esc
 
 OrderOpt = Annotated[str, typer.Option(
     "--order", metavar="exact|library",
-    help="exact: code x scales rounded once; library: an NVFP4 combined scale rounded to "
-         "float32 first, as compressed-tensors and ModelOpt's eager decoders do.")]
+    help="exact: code x scales rounded once; library: as the library that wrote the "
+         "checkpoint decodes it (its intermediate roundings and sign of zero).")]
 
 
 @command("dequantize")
@@ -49,6 +49,8 @@ def dequantize_cmd(
     done = dequantize(inputs, out, dtype=dtype, layout=layout, order=order,
                       include=include or (), exclude=exclude or ())
     if not quiet:
+        for line in done.notices:
+            typer.echo(esc(f"notice: {line}", markup=False))
         typer.echo(f"dequantized {done.weights} weight(s) to {dtype}, copied "
                    f"{done.copied} tensor(s)")
         for f in done.files:
@@ -75,9 +77,11 @@ def _show(summary: dict[str, Any]) -> None:
                       esc(r["requant"] or "-"), _num(r["requant_changed_blocks"]),
                       _num(r["requant_changed_codes"]))
     out = Console(width=160)
+    for line in summary["notices"]:
+        out.print(esc(f"notice: {line}", markup=False), markup=False)
     if rows:
         out.print(table)
-    else:
+    elif not summary["errors"]:
         out.print("no quantized weights in the inputs: every tensor is stored as plain values "
                   "(see docs/inputs.md#pre-quantized-checkpoints)")
     for f in summary["findings"]:
@@ -130,7 +134,7 @@ def inspect_cmd(
         summary = {"table": str(path),
                    "rows": [dataclasses.asdict(r) for r in found.rows],
                    "findings": [dataclasses.asdict(f) for f in found.findings],
-                   "errors": list(found.errors)}
+                   "errors": list(found.errors), "notices": list(found.notices)}
         publish(path, InspectRow, found.rows, prov, summary, _show, as_json=as_json,
                 quiet=quiet, failures=found.errors,
                 failed="input(s) or weight(s) could not be inspected")

@@ -58,6 +58,8 @@ class Dequantized:
     """Quantized weights dequantized."""
     copied: int
     """Tensors copied as stored."""
+    notices: tuple[str, ...] = ()
+    """Configs naming a quantization drift does not know (their weights read by name)."""
 
 
 def _out_paths(sources: list[str], out: Path) -> dict[str, Path]:
@@ -105,7 +107,8 @@ def _write_file(fh: IO[bytes], refs: list[TensorRef], meta: dict[str, str],
         data = _try(ref, errors)
         if data is None:
             continue
-        raw = data.contiguous().view(torch.uint8).reshape(-1)
+        # flat first: a 0-d tensor cannot be viewed as bytes, and every rank is the same bytes
+        raw = data.contiguous().reshape(-1).view(torch.uint8)
         if raw.numel() != size:  # cannot happen for a listed ref; never write a bad layout
             raise DequantizeError(f"tensor {ref.name} read {raw.numel()} bytes, not {size}")
         fh.write(raw.numpy().data)  # the array's own buffer: no copy
@@ -190,7 +193,7 @@ def dequantize(paths: Sequence[str | Path], out: str | Path, *, dtype: str = "fl
     if index is not None:
         written.append(index)
     weights = sum(spec_of(r) is not None for refs in by_source.values() for r in refs)
-    return Dequantized(tuple(written), weights, len(inputs.tensors) - weights)
+    return Dequantized(tuple(written), weights, len(inputs.tensors) - weights, inputs.notices)
 
 
 def _index(files: Sequence[Path], targets: dict[str, Path],

@@ -27,3 +27,25 @@ class Layout(StrEnum):
     GPT_OSS_MXFP4 = "gpt-oss-mxfp4"
     """gpt-oss MXFP4: ``*_blocks`` (16 bytes of nibbles per 32 elements) and ``*_scales``
     (E8M0 bytes)."""
+    CT_MXFP4 = "ct-mxfp4"
+    """compressed-tensors / llmcompressor ``mxfp4-pack-quantized``: ``weight_packed`` (two
+    E2M1 codes a byte, low nibble first) and E8M0 byte ``weight_scale`` per 32."""
+    MXFP4 = "mxfp4"
+    """ModelOpt and amd-quark MXFP4: packed ``weight`` (low nibble first) and E8M0 byte
+    ``weight_scale`` per 32, no global scale."""
+    MXFP6_E2M3 = "mxfp6-e2m3"
+    """amd-quark MXFP6 E2M3: ``weight`` of four 6-bit codes in three bytes (little endian,
+    element 0 in the low bits) and E8M0 byte ``weight_scale`` per 32."""
+    MXFP6_E3M2 = "mxfp6-e3m2"
+    """amd-quark MXFP6 E3M2: as ``mxfp6-e2m3``, E3M2 codes."""
+
+
+class Library(StrEnum):
+    """Whose decoder ``--order library`` reproduces: the library that wrote the checkpoint,
+    from its config (or the layout's own library where the config names none)."""
+
+    COMPRESSED_TENSORS = "compressed-tensors"
+    MODELOPT = "modelopt"
+    QUARK = "quark"
+    DEEPSEEK = "deepseek"
+    TRANSFORMERS = "transformers"

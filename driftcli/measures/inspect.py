@@ -40,7 +40,7 @@ from driftcli.io.readers.quantized_weight import (
     element_values,
     scale_values,
     spec_of,
-    unpack_nibbles,
+    unpack_codes,
     weight_ref,
 )
 from driftcli.io.tables import column
@@ -141,16 +141,13 @@ class Inspection:
     files: tuple[Path, ...]
     errors: tuple[str, ...]
     """Inputs or weights that could not be read."""
+    notices: tuple[str, ...] = ()
+    """Configs naming a quantization drift does not know (their weights read by name)."""
 
 
 def _codes(spec: QuantSpec) -> torch.Tensor:
     """The stored codes as int64, shaped like the dequantized weight."""
-    raw = spec.codes.read()
-    if spec.packed:
-        if len(spec.shape) < len(spec.codes.shape):
-            raw = raw.reshape(*raw.shape[:-2], -1)
-        return unpack_nibbles(raw.view(torch.uint8))
-    return raw.view(torch.uint8).to(torch.int64)
+    return unpack_codes(spec.codes.read(), spec)
 
 
 def _per_block_all_zero(zero: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -285,7 +282,7 @@ def inspect(paths: Sequence[str | Path], *, requant: Sequence[str] = (),
         rows = _with_requant(rows, inputs.tensors, requant)
     findings = tuple(f for r in rows if r.requant in (None, requant[0] if requant else None)
                      for f in _findings(r))
-    return Inspection(tuple(rows), findings, inputs.files, tuple(errors))
+    return Inspection(tuple(rows), findings, inputs.files, tuple(errors), inputs.notices)
 
 
 def _magnitude_lint(rows: list[InspectRow], rms_of: list[float],

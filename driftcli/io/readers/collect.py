@@ -216,7 +216,7 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
                 collector.open(item)
     unreadable = {(Path(source).parent, p.tensor) for source, p in collector.errors
                   if p.tensor is not None}
-    collector.tensors, found = assemble(collector.tensors, unreadable, layout)
+    collector.tensors, found, notices = assemble(collector.tensors, unreadable, layout)
     collector.errors.extend(found)
     # names are data: a file name that is not UTF-8 (or a pickled name with a lone
     # surrogate) is shown escaped in every source, name and message, so that it prints and
@@ -237,4 +237,5 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
                                for source, p in reported),
                   excluded=len(tensors) - len(kept) + dropped,
                   skipped=tuple(dict.fromkeys(f for _files, skipped in expanded
-                                              for f in skipped)))
+                                              for f in skipped)),
+                  notices=tuple(shown(n) for n in notices))

@@ -213,6 +213,9 @@ class Inputs:
     skipped: tuple[Path, ...] = ()
     """Files found in a folder that are known not to hold weights (``training_args.bin``,
     optimizer and scheduler state, RNG state), left unread."""
+    notices: tuple[str, ...] = ()
+    """One line each: a checkpoint's config names a quantization drift does not know (its
+    weights are read by their names)."""
 
 
 @dataclass(frozen=True)

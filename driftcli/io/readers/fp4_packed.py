@@ -10,6 +10,7 @@ bytes, 3-D expert tensors).
 from __future__ import annotations
 
 from driftcli.io.readers.core import TensorRef
+from driftcli.io.readers.mx_packed import E8M0
 from driftcli.io.readers.quantized_weight import Config, Family, Layout, QuantSpec
 
 NV_BLOCK = 16
@@ -49,6 +50,11 @@ def claims(by_name: dict[str, TensorRef], unreadable: set[str]) -> dict[str, set
         if name.endswith((".weight_packed", ".weight_global_scale")):
             stem = name[:-len("_packed")] if name.endswith("_packed") else \
                 name[:-len("_global_scale")]
+            scale = by_name.get(f"{stem}_scale")
+            glob = f"{stem}_global_scale"
+            if scale is not None and scale.dtype in E8M0 and glob not in by_name and \
+                    glob not in unreadable:
+                continue  # E8M0 bytes and no global scale: MXFP4 (the MX family's)
             out.setdefault(stem, set()).add(Layout.CT_NVFP4)
         elif name.endswith(".weight_scale_2"):
             out.setdefault(name[:-len("_scale_2")], set()).add(Layout.MODELOPT_NVFP4)

@@ -31,6 +31,17 @@ def _blocked(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     return (*shape[:-2], _cdiv(shape[-2], block[0]), _cdiv(shape[-1], block[1]))
 
 
+def _grid(scale: tuple[int, ...], weight: tuple[int, ...]) -> tuple[int, ...]:
+    """The scale grid a 2-D weight's scale shape stands for: ModelOpt stores one scale per
+    row as ``[rows]`` (``FP8_PER_CHANNEL_PER_TOKEN``) and 2-D blocks as ``[R, 1, C, 1]``
+    (``fp8_pb_wo``); the readers read them as ``[rows, 1]`` and ``[R, C]``."""
+    if len(weight) == 2 and len(scale) == 1 and scale[0] == weight[0] > 1:
+        return (scale[0], 1)
+    if len(weight) == 2 and len(scale) == 4 and scale[1] == scale[3] == 1:
+        return (scale[0], scale[2])
+    return scale
+
+
 def _e8m0_layouts(codes: TensorRef | None, scale: TensorRef, inv: bool) -> set[Layout]:
     """Which block shape E8M0 scale bytes fit: 1 x 32 (MXFP8), 128 x 128 (DeepSeek)."""
     if codes is None or len(codes.shape) < 2:
@@ -56,6 +67,10 @@ def claims(by_name: dict[str, TensorRef], unreadable: set[str]) -> dict[str, set
             if codes is not None and codes.dtype not in _FP8 and (
                     f"{stem}_scale_2" in by_name or f"{stem}_scale_2" in unreadable):
                 continue  # a ModelOpt NVFP4 weight's block scale (the FP4 family's)
+            scale = by_name.get(name)
+            if codes is not None and codes.dtype == "uint8" and not inv and \
+                    scale is not None and scale.dtype in _E8M0:
+                continue  # packed MXFP4 / MXFP6 codes (the MX family's)
             if codes is None and stem not in unreadable and not inv and (
                     f"{stem}_packed" in by_name or f"{stem}_global_scale" in by_name):
                 continue
@@ -100,22 +115,24 @@ def build(layout: Layout, stem: str, by_name: dict[str, TensorRef],
         return (f"tensor {scale_name} is {scale.dtype}; a scale is float32, bfloat16, float16 "
                 "or E8M0 bytes")
     shape = codes.shape
+    grid = _grid(scale.shape, shape)
     if layout is Layout.MXFP8:
-        block = (1, MX_BLOCK)
+        block = config.block if config.block is not None and config.block[0] == 1 else \
+            (1, MX_BLOCK)
     elif layout is Layout.DEEPSEEK_FP8:
         block = config.block or DEEPSEEK_BLOCK
     elif scale.numel == 1:
         block = (shape[-2], shape[-1])
-    elif scale.shape == (*shape[:-1], 1):
+    elif grid == (*shape[:-1], 1):
         block = (1, shape[-1])
-    elif scale.shape == _blocked(shape, config.block or DEEPSEEK_BLOCK):
-        block = config.block or DEEPSEEK_BLOCK  # compressed-tensors' block strategy
+    elif grid == _blocked(shape, config.block or DEEPSEEK_BLOCK):
+        block = config.block or DEEPSEEK_BLOCK  # compressed-tensors' and ModelOpt's blocks
     else:
         tile = "x".join(map(str, config.block or DEEPSEEK_BLOCK))
         return (f"tensor {scale_name} has shape {list(scale.shape)}, which is neither one scale "
                 f"per tensor, one per row, nor one per {tile} block of weight {stem} "
                 f"{list(shape)}; re-export it, or give --layout")
-    if scale.numel != 1 and scale.shape != _blocked(shape, block):
+    if scale.numel != 1 and grid != _blocked(shape, block):
         return (f"tensor {scale_name} has shape {list(scale.shape)} but weight {stem} "
                 f"{list(shape)} in {block[0]} x {block[1]} blocks needs "
                 f"{list(_blocked(shape, block))}; the scales do not cover the weight")

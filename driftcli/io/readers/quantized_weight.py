@@ -19,18 +19,55 @@ from enum import StrEnum
 import torch
 
 from driftcli.casts.codec import decode
-from driftcli.io.layouts import Layout
+from driftcli.io.layouts import Layout, Library
 from driftcli.io.readers.core import ReadError, TensorRef
 
 
 class Order(StrEnum):
-    """How a two-level scale is applied (``--order``)."""
+    """How a weight's codes and scales are combined (``--order``)."""
 
     EXACT = "exact"
     """The exact product of code, block scale and global scale, rounded once."""
     LIBRARY = "library"
-    """As compressed-tensors' and ModelOpt's eager decoders do: the combined scale (block
-    scale / or x global scale) rounded to float32 first, then the product rounded."""
+    """As the library that wrote the checkpoint decodes it (:data:`LIBRARY_ORDERS`): its
+    intermediate roundings and its sign of zero; exact where it has none."""
+
+
+@dataclass(frozen=True)
+class LibraryOrder:
+    """The roundings one library's decoder makes before the output's own (each cited in
+    ``docs/dequantize.md``)."""
+
+    scale_dtype: str | None = None
+    """The (combined) scale is rounded to this dtype before the product: a dtype name, or
+    ``out`` for the output dtype; None: used exactly."""
+    product_dtype: str | None = None
+    """The product is rounded to this dtype before the output's rounding: a dtype name, or
+    ``scale`` for the dtype the library holds the scale in (float32 beside a global scale,
+    bfloat16 for E8M0 bytes, else the stored float dtype); None: rounded once."""
+    signed_zero: bool = True
+    """Whether the code for -0 decodes as -0.0 (ModelOpt's NVFP4 table holds +0 there)."""
+
+
+LIBRARY_ORDERS: dict[tuple[Library, Layout], LibraryOrder] = {
+    (Library.COMPRESSED_TENSORS, Layout.CT_NVFP4): LibraryOrder("float32", "scale"),
+    (Library.COMPRESSED_TENSORS, Layout.CT_FP8): LibraryOrder(None, "scale"),
+    (Library.COMPRESSED_TENSORS, Layout.MXFP8): LibraryOrder(None, "scale"),
+    (Library.COMPRESSED_TENSORS, Layout.CT_MXFP4): LibraryOrder(None, "scale"),
+    (Library.MODELOPT, Layout.MODELOPT_NVFP4): LibraryOrder("float32", "float32", False),
+    (Library.MODELOPT, Layout.CT_FP8): LibraryOrder("out", None),
+    (Library.MODELOPT, Layout.MXFP4): LibraryOrder(None, "float32"),
+    (Library.DEEPSEEK, Layout.DEEPSEEK_FP8): LibraryOrder(None, "float32"),
+}
+"""Each library's decoding order of each layout it writes; a pair not listed decodes as
+the exact order does (its decoder makes no rounding before the output's)."""
+
+DEFAULT_LIBRARY: dict[Layout, Library] = {
+    Layout.CT_NVFP4: Library.COMPRESSED_TENSORS, Layout.CT_FP8: Library.COMPRESSED_TENSORS,
+    Layout.CT_MXFP4: Library.COMPRESSED_TENSORS, Layout.MODELOPT_NVFP4: Library.MODELOPT,
+    Layout.DEEPSEEK_FP8: Library.DEEPSEEK, Layout.GPT_OSS_MXFP4: Library.TRANSFORMERS,
+    Layout.MXFP6_E2M3: Library.QUARK, Layout.MXFP6_E3M2: Library.QUARK}
+"""The library a layout's checkpoint comes from where its config names none."""
 
 
 class QuantizedError(ReadError):
@@ -74,6 +111,16 @@ class QuantSpec:
     out_dtype: str = "float32"
     extras: tuple[str, ...] = field(default=())
     """Other stored tensors of this weight (input scales), never measured."""
+    library: Library | None = None
+    """The library that wrote it (its config's, else the layout's own): whose decoding
+    ``Order.LIBRARY`` reproduces."""
+
+    @property
+    def library_order(self) -> LibraryOrder:
+        """The roundings ``Order.LIBRARY`` makes for this weight (none: exact)."""
+        lib = self.library or DEFAULT_LIBRARY.get(self.layout)
+        return LIBRARY_ORDERS.get((lib, self.layout), LibraryOrder()) if lib else \
+            LibraryOrder()
 
     @property
     def tensors(self) -> tuple[str, ...]:
@@ -92,6 +139,26 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     drift reads stores element ``2i`` in the low nibble of byte ``i``)."""
     b = packed.to(torch.int64)
     return torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def unpack_sixes(packed: torch.Tensor) -> torch.Tensor:
+    """Four 6-bit codes per three bytes along the last dim: the three bytes are one
+    little-endian 24-bit word, element ``4i + k`` in its bits ``6k .. 6k + 5`` (amd-quark's
+    FP6 packing)."""
+    b = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, 3)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    return torch.stack([(word >> (6 * k)) & 0x3F for k in range(4)], dim=-1).reshape(
+        *packed.shape[:-1], -1)
+
+
+def unpack_codes(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The stored codes of ``spec`` (rows of them) as int64, one per element."""
+    if not spec.packed:
+        return raw.view(torch.uint8).to(torch.int64)
+    if len(spec.shape) < len(spec.codes.shape):  # gpt-oss: (..., G, 16) -> (..., G*16)
+        raw = raw.reshape(*raw.shape[:-2], -1)
+    raw = raw.view(torch.uint8)
+    return unpack_sixes(raw) if spec.element.startswith("float6") else unpack_nibbles(raw)
 
 
 def scale_values(raw: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -139,14 +206,11 @@ def read_weight(spec: QuantSpec, start: int, stop: int) -> torch.Tensor:
 
     Raises :class:`QuantizedError` naming the weight where a scale it needs is NaN or
     infinite."""
-    codes = spec.codes.read(start, stop)
-    if spec.packed:
-        if len(spec.shape) < len(spec.codes.shape):  # gpt-oss: (..., G, 16) -> (..., G*32)
-            codes = codes.reshape(*codes.shape[:-2], -1)
-        codes = unpack_nibbles(codes.view(torch.uint8))
-    else:
-        codes = codes.view(torch.uint8)
+    codes = unpack_codes(spec.codes.read(start, stop), spec)
     vals = element_values(codes, spec.element)
+    lib = spec.library_order if spec.order is Order.LIBRARY else LibraryOrder()
+    if not lib.signed_zero:
+        vals = torch.where(vals == 0, 0.0, vals)
     out_shape = (stop - start, *spec.shape[1:])
     if spec.scale.numel == 1:
         raw = spec.scale.read()
@@ -155,6 +219,8 @@ def read_weight(spec: QuantSpec, start: int, stop: int) -> torch.Tensor:
         br = spec.block[0]
         first, last = start // br, -(-stop // br)
         raw = spec.scale.read(first, last)
+        # ModelOpt's [rows] and [R, 1, C, 1] grids are [rows, 1] and [R, C]
+        raw = raw.reshape(raw.shape[0], math.prod(raw.shape[1:]))
         scale = _expand(scale_values(raw, spec.scale_format), spec.block,
                         (start - first * br, stop - start), out_shape)
     else:  # dim 0 leads (experts); the blocks tile the last two dims
@@ -167,21 +233,44 @@ def read_weight(spec: QuantSpec, start: int, stop: int) -> torch.Tensor:
                              f"{'NaN' if bool(scale.isnan().any()) else 'infinite'} scale, so "
                              f"weight {spec.name} cannot be dequantized; re-export the "
                              "checkpoint")
-    if spec.global_scale is None:
-        return round_once(vals * scale, spec.out_dtype)  # exact: <= 4 + 24 bits
-    g = spec.global_scale.read().to(torch.float64).reshape(())
-    if not math.isfinite(float(g)) or float(g) == 0:
-        raise QuantizedError(f"{spec.global_scale.source}: tensor {spec.global_scale.name} "
-                             f"is {float(g)}, so weight {spec.name} cannot be dequantized; "
-                             "re-export the checkpoint")
-    if spec.order is Order.LIBRARY:
-        combined = (scale / g if spec.global_divides else scale * g).to(torch.float32)
-        return round_once(vals * combined.double(), spec.out_dtype)
-    # code (2 bits) x E4M3 scale (4 bits) x float32 global (24 bits) is exact in float64; a
-    # quotient is rounded once to 53 bits, which cannot move it across a float32 or bfloat16
-    # rounding boundary (see docs/inputs.md), so the final rounding is the only one that counts
-    full = vals * scale / g if spec.global_divides else vals * scale * g
-    return round_once(full, spec.out_dtype)
+    if spec.global_scale is not None:
+        g = spec.global_scale.read().to(torch.float64).reshape(())
+        if not math.isfinite(float(g)) or float(g) == 0:
+            raise QuantizedError(f"{spec.global_scale.source}: tensor "
+                                 f"{spec.global_scale.name} is {float(g)}, so weight "
+                                 f"{spec.name} cannot be dequantized; re-export the checkpoint")
+        if lib.scale_dtype is None:
+            # code (2 bits) x E4M3 scale (4 bits) x float32 global (24 bits) is exact in
+            # float64; a quotient is rounded once to 53 bits, which cannot move it across a
+            # float32 or bfloat16 rounding boundary (see docs/inputs.md), so the final
+            # rounding is the only one that counts
+            full = vals * scale / g if spec.global_divides else vals * scale * g
+            return _library_product(full, spec, lib)
+        scale = scale / g if spec.global_divides else scale * g
+    if lib.scale_dtype is not None:
+        scale = round_once(scale, _dtype(lib.scale_dtype, spec)).double()
+    return _library_product(vals * scale, spec, lib)  # exact: <= 4 + 24 bits
+
+
+def _dtype(name: str, spec: QuantSpec) -> str:
+    """A :class:`LibraryOrder` dtype: ``out`` the output's, ``scale`` the one the library
+    holds the scale in."""
+    if name == "out":
+        return spec.out_dtype
+    if name == "scale":
+        if spec.global_scale is not None:
+            return "float32"
+        fmt = "bfloat16" if spec.scale_format == "e8m0" else spec.scale_format
+        return fmt if fmt in OUT_DTYPES else "float32"
+    return name
+
+
+def _library_product(exact: torch.Tensor, spec: QuantSpec, lib: LibraryOrder) -> torch.Tensor:
+    """The product rounded to the output dtype, through the library's own dtype first where
+    its decoder rounds there."""
+    if lib.product_dtype is not None:
+        exact = round_once(exact, _dtype(lib.product_dtype, spec)).double()
+    return round_once(exact, spec.out_dtype)
 
 
 @dataclass(frozen=True)
@@ -237,8 +326,11 @@ class Config:
     layout: Layout | None
     block: tuple[int, int] | None = None
     pow2_declared: bool = False
-    error: str | None = None
-    """Why the folder's config could not be used (an unknown ``quant_method``)."""
+    library: Library | None = None
+    """The library the config says wrote the checkpoint."""
+    notice: str | None = None
+    """A one-line notice: the config names a quantization drift does not know, and the
+    weights are read by their names."""
 
 
 @dataclass(frozen=True)

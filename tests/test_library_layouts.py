@@ -1,0 +1,360 @@
+"""Each quantized layout as the library that writes it writes it (tensor names, dtypes,
+shapes, config and packing taken from the library's source, cited in docs/inputs.md; the
+library is not installed), read by drift and compared, element by element, with Python
+``Fraction``s decoded from the stored bits by this file's own unpacking."""
+
+from __future__ import annotations
+
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+from test_quantized import (
+    BF16,
+    E4M3_MAX,
+    F32,
+    frac_e4m3,
+    round_frac,
+    same_bits,
+    sample,
+    write,
+)
+from typer.testing import CliRunner
+
+from driftcli.cli import app
+from driftcli.io.dequantize import dequantize
+from driftcli.io.readers import open_inputs
+from driftcli.io.readers.quantized_weight import Order, spec_of, with_options
+from driftcli.measures.inspect import inspect
+
+FP6 = {"e2m3": (2, 3, 1), "e3m2": (3, 2, 3)}
+"""OCP FP6 element formats: exponent bits, mantissa bits, bias (no infinity, no NaN)."""
+
+
+def frac_fp(c: int, ebits: int, mbits: int, bias: int) -> Fraction:
+    """A sign-magnitude float code with subnormals and no special values (E2M1, FP6)."""
+    sign = -1 if c >> (ebits + mbits) & 1 else 1
+    e, m = (c >> mbits) & ((1 << ebits) - 1), c & ((1 << mbits) - 1)
+    mag = Fraction(m, 1 << mbits) * Fraction(2) ** (1 - bias) if e == 0 else \
+        (1 + Fraction(m, 1 << mbits)) * Fraction(2) ** (e - bias)
+    return sign * mag
+
+
+def nearest_codes(v: torch.Tensor, ebits: int, mbits: int, bias: int) -> torch.Tensor:
+    """The nearest code of each value (saturating), sign in the top bit."""
+    n = 1 << (ebits + mbits)
+    table = torch.tensor([float(frac_fp(c, ebits, mbits, bias)) for c in range(n)])
+    idx = (v.abs().unsqueeze(-1) - table).abs().argmin(-1)
+    return idx + (v < 0).to(torch.int64) * n
+
+
+def e8m0_bytes(x: torch.Tensor, rule: str, emax: int) -> torch.Tensor:
+    """One E8M0 byte per 32 elements of a row: ``floor`` (OCP MX v1.0: floor(log2 amax) -
+    emax), ``modelopt`` (MXFP4QTensor.quantize: ceil(log2(amax / 6)), at least -127) or
+    ``ct`` (compressed-tensors generate_mx_scales: amax's float32 bits plus 2**21, the
+    mantissa masked off, then log2 - emax)."""
+    amax = x.reshape(*x.shape[:-1], -1, 32).abs().amax(-1).float()
+    if rule == "modelopt":
+        e = torch.ceil(torch.maximum(torch.log2(amax / 6), torch.tensor(-127.0)))
+    elif rule == "ct":
+        bits = amax.view(torch.int32) + (1 << 21)
+        e = torch.floor(torch.log2((bits & ~((1 << 23) - 1)).view(torch.float32))) - emax
+    else:
+        e = torch.floor(torch.log2(amax)) - emax
+    return (e + 127).to(torch.uint8)
+
+
+def mx_codes(x: torch.Tensor, b: torch.Tensor, fmt: tuple[int, int, int]) -> torch.Tensor:
+    s = torch.pow(2.0, b.double() - 127).repeat_interleave(32, -1)
+    return nearest_codes((x.double() / s).float(), *fmt)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Element 2i in the low nibble of byte i (compressed-tensors pack_fp4_to_uint8,
+    ModelOpt fuse_uint4_to_uint8, quark Pack_fp4.pack)."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def pack_sixes(codes: torch.Tensor) -> torch.Tensor:
+    """quark Pack_fp6.pack: v3 << 18 | v2 << 12 | v1 << 6 | v0, stored low byte first."""
+    c = codes.reshape(*codes.shape[:-1], -1, 4)
+    word = c[..., 0] | (c[..., 1] << 6) | (c[..., 2] << 12) | (c[..., 3] << 18)
+    out = torch.stack([(word >> (8 * k)) & 0xFF for k in range(3)], dim=-1)
+    return out.reshape(*codes.shape[:-1], -1).to(torch.uint8)
+
+
+def my_codes(packed: list[int], six: bool) -> list[int]:
+    """This test's own reading of one row of packed bytes."""
+    if not six:
+        return [n for b in packed for n in (b & 15, b >> 4)]
+    out = []
+    for i in range(0, len(packed), 3):
+        word = packed[i] | packed[i + 1] << 8 | packed[i + 2] << 16
+        out += [(word >> (6 * k)) & 63 for k in range(4)]
+    return out
+
+
+def expect_mx(packed: torch.Tensor, scales: torch.Tensor, fmt: tuple[int, int, int],
+              six: bool, out: tuple[int, int, int] = F32) -> list[float]:
+    want = []
+    for row, srow in zip(packed.tolist(), scales.tolist(), strict=True):
+        for j, c in enumerate(my_codes(row, six)):
+            v = round_frac(frac_fp(c, *fmt) * Fraction(2) ** (srow[j // 32] - 127), *out)
+            want.append(math.copysign(v, -1) if c >> (fmt[0] + fmt[1]) and v == 0 else v)
+    return want
+
+
+E2M1 = (2, 1, 1)
+MX_LIBRARIES = {
+    # name: (codes name, element, scale rule, config.json, hf_quant_config.json)
+    "compressed-tensors": ("m.weight_packed", "fp4", "ct", {
+        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+            "symmetric": True, "scale_dtype": "torch.uint8"}}}}, None),
+    "modelopt": ("m.weight", "fp4", "modelopt", None,
+                 {"producer": {"name": "modelopt"},
+                  "quantization": {"quant_algo": "MXFP4", "group_size": 32}}),
+    "quark": ("m.weight", "fp4", "floor", {
+        "quant_method": "quark", "global_quant_config": {"weight": {
+            "dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1,
+            "scale_format": "e8m0", "is_dynamic": False}}}, None),
+    "quark-e2m3": ("m.weight", "fp6_e2m3", "floor", {
+        "quant_method": "quark", "global_quant_config": {"weight": {
+            "dtype": "fp6_e2m3", "qscheme": "per_group", "group_size": 32, "ch_axis": -1,
+            "scale_format": "e8m0"}}}, None),
+    "quark-e3m2": ("m.weight", "fp6_e3m2", "floor", {
+        "quant_method": "quark", "global_quant_config": {"weight": {
+            "dtype": "fp6_e3m2", "qscheme": "per_group", "group_size": 32, "ch_axis": -1,
+            "scale_format": "e8m0"}}}, None),
+}
+LAYOUT_OF = {"compressed-tensors": "ct-mxfp4", "modelopt": "mxfp4", "quark": "mxfp4",
+             "quark-e2m3": "mxfp6-e2m3", "quark-e3m2": "mxfp6-e3m2"}
+
+
+def mx_folder(folder: Path, lib: str, shape: tuple[int, int] = (6, 96), seed: int = 1,
+              config: bool = True) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """A Linear weight (and an input scale) written as ``lib`` writes MX."""
+    name, element, rule, cfg, hf = MX_LIBRARIES[lib]
+    six = element.startswith("fp6")
+    fmt = FP6[element[4:]] if six else E2M1
+    x = sample(shape, seed, zero_block=False)
+    emax = 2 ** fmt[0] - 1 - fmt[2]  # the element's largest exponent
+    b = e8m0_bytes(x, rule, emax)
+    codes = mx_codes(x, b, fmt)
+    packed = pack_sixes(codes) if six else pack_nibbles(codes)
+    write(folder, {name: packed, "m.weight_scale": b, "m.input_scale": torch.ones(())},
+          cfg if config else None, hf if config else None)
+    return packed, b, fmt
+
+
+@pytest.mark.parametrize("lib", list(MX_LIBRARIES))
+def test_mx_layouts_as_each_library_writes_them(tmp_path: Path, lib: str) -> None:
+    packed, b, fmt = mx_folder(tmp_path / lib, lib)
+    six = MX_LIBRARIES[lib][1].startswith("fp6")
+    inputs = open_inputs([tmp_path / lib])
+    assert inputs.errors == () and inputs.notices == ()
+    (ref,) = inputs.tensors
+    spec = spec_of(ref)
+    assert spec is not None and ref.name == "m.weight" and ref.shape == (6, 96)
+    assert str(spec.layout) == LAYOUT_OF[lib]
+    got = ref.read()
+    assert got.numel() == 576
+    assert same_bits(got, expect_mx(packed, b, fmt, six), torch.float32) == 0
+    assert same_bits(with_options(ref, "bfloat16").read(),
+                     expect_mx(packed, b, fmt, six, BF16), torch.bfloat16) == 0
+    # the library's order: MX scales are powers of two, every library's product is exact
+    assert same_bits(with_options(ref, order=Order.LIBRARY).read(),
+                     expect_mx(packed, b, fmt, six), torch.float32) == 0
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / lib), "--out",
+                                      str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.output)["rows"]
+    assert (row["layout"], row["block"], row["scale_format"], row["error"]) == (
+        LAYOUT_OF[lib], "1x32", "e8m0", None)
+    assert row["n_blocks"] == 18 and row["scales_pow2"] is True
+
+
+def test_mxfp6_without_its_config_is_refused_in_one_line(tmp_path: Path) -> None:
+    packed, b, fmt = mx_folder(tmp_path / "q", "quark-e3m2", config=False)
+    inputs = open_inputs([tmp_path / "q"])
+    assert inputs.tensors == () and len(inputs.errors) == 1
+    assert "fit more than one layout (mxfp6-e2m3, mxfp6-e3m2); give --layout" in \
+        inputs.errors[0].message
+    (ref,) = open_inputs([tmp_path / "q"], layout="mxfp6-e3m2").tensors
+    assert same_bits(ref.read(), expect_mx(packed, b, fmt, True), torch.float32) == 0
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "q"), "--out",
+                                      str(tmp_path / "out")])
+    assert result.exit_code == 2 and "no quantized weights" not in result.output
+
+
+def test_packed_mx_garbage_is_never_read(tmp_path: Path) -> None:
+    """uint8 codes with float scales, rows that are not whole 6-bit groups, and scales that
+    do not cover the weight: each one line naming the tensor, exit 2, nothing measured."""
+    b = torch.full((4, 2), 127, dtype=torch.uint8)
+    cases = {
+        "float": ({"m.weight": torch.zeros(4, 32, dtype=torch.uint8),
+                   "m.weight_scale": torch.ones(4, 2)}, None),
+        "sixes": ({"m.weight": torch.zeros(4, 47, dtype=torch.uint8), "m.weight_scale": b},
+                  {"quant_method": "quark", "global_quant_config": {"weight": {
+                      "dtype": "fp6_e2m3", "group_size": 32, "scale_format": "e8m0"}}}),
+        "cover": ({"m.weight_packed": torch.zeros(4, 48, dtype=torch.uint8),
+                   "m.weight_scale": b}, None),
+    }
+    why = {"float": "not an FP8 dtype", "sixes": "not whole groups of three bytes",
+           "cover": "the scales do not cover the weight"}
+    for case, (tensors, cfg) in cases.items():
+        write(tmp_path / case, tensors, cfg)
+        inputs = open_inputs([tmp_path / case])
+        assert inputs.tensors == () and len(inputs.errors) == 1, case
+        assert why[case] in inputs.errors[0].message, inputs.errors[0].message
+        result = CliRunner().invoke(app, ["clip-rate", str(tmp_path / case), "-c",
+                                          "mxfp8_e4m3", "--out", str(tmp_path / "o" / case)])
+        assert result.exit_code == 2, result.output
+
+
+# --- configs that follow the weights ----------------------------------------------------------
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ModelOpt FP8_PC_PT (to_quantized_weight): one float32 scale per output row, stored
+    as ``[rows]``."""
+    s = (x.abs().amax(-1) / E4M3_MAX).float()
+    return (x / s[:, None]).to(torch.float8_e4m3fn), s
+
+
+def fp8_blocks(x: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ModelOpt FP8_PB_WO (FP8QTensor.quantize with block_sizes {-1: b, -2: b}): the
+    weight padded to whole blocks, scale = amax / 448 per b x b block, stored as
+    ``[R, 1, C, 1]``."""
+    r, c = x.shape
+    gr, gc = -(-r // b), -(-c // b)
+    pad = torch.zeros(gr * b, gc * b)
+    pad[:r, :c] = x
+    s = (pad.reshape(gr, b, gc, b).abs().amax((1, 3)) / E4M3_MAX).float()
+    full = s.repeat_interleave(b, 0).repeat_interleave(b, 1)[:r, :c]
+    return (x / full).to(torch.float8_e4m3fn), s.reshape(gr, 1, gc, 1)
+
+
+def expect_fp8_grid(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int],
+                    out: tuple[int, int, int] = F32) -> list[float]:
+    fs = [[Fraction(float(v)) for v in row] for row in s.tolist()]  # a 2-D grid
+    want = []
+    for i, row in enumerate(q.view(torch.uint8).tolist()):
+        for j, c in enumerate(row):
+            e = frac_e4m3(c)
+            v = math.nan if e is None else round_frac(e * fs[i // block[0]][j // block[1]],
+                                                      *out)
+            want.append(math.copysign(v, -1) if c & 0x80 and v == 0 else v)
+    return want
+
+
+def test_modelopt_fp8_per_channel_and_2d_blocks(tmp_path: Path) -> None:
+    x = sample((200, 300), 3, zero_block=False)
+    q, s = fp8_rows(x)
+    write(tmp_path / "pc", {"m.weight": q, "m.weight_scale": s, "m.input_scale": torch.ones(())},
+          hf_quant={"quantization": {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}})
+    qb, sb = fp8_blocks(x, 128)
+    assert sb.shape == (2, 1, 3, 1)
+    write(tmp_path / "pb", {"m.weight": qb, "m.weight_scale": sb},
+          hf_quant={"quantization": {"quant_algo": "fp8_pb_wo"}})
+    for case, codes, scale, block in (("pc", q, s, (1, 300)), ("pb", qb, sb, (128, 128))):
+        inputs = open_inputs([tmp_path / case])
+        assert inputs.errors == () and inputs.notices == (), inputs.errors
+        (ref,) = inputs.tensors
+        spec = spec_of(ref)
+        assert spec is not None and spec.block == block
+        grid = scale.reshape(-1, 1) if case == "pc" else scale.reshape(2, 3)
+        assert same_bits(ref.read(), expect_fp8_grid(codes, grid, block), torch.float32) == 0
+        assert same_bits(with_options(ref, "bfloat16").read(),
+                         expect_fp8_grid(codes, grid, block, BF16), torch.bfloat16) == 0
+        (row,) = inspect([tmp_path / case]).rows
+        assert row.error is None and row.block == f"{block[0]}x{block[1]}"
+
+
+def _nvfp4_tensors() -> dict[str, torch.Tensor]:
+    from test_quantized import nvfp4
+    p, ws, gs = nvfp4(sample((4, 64), 9, zero_block=False), False)
+    return {"m.weight": p, "m.weight_scale": ws, "m.weight_scale_2": gs}
+
+
+def _mxfp8_tensors() -> dict[str, torch.Tensor]:
+    from test_quantized import mxfp8
+    q, b = mxfp8(sample((4, 64), 9, zero_block=False))
+    return {"m.weight": q, "m.weight_scale": b}
+
+
+def test_configs_drift_knows_are_read_and_others_are_a_notice(tmp_path: Path) -> None:
+    x = sample((8, 64), 4, zero_block=False)
+    q, s = fp8_rows(x)
+    mx = {n: t for n, t in zip(("m.weight", "m.weight_scale"),
+                               mx_folder(tmp_path / "tmp", "modelopt")[:2], strict=True)}
+    folders = {  # every quant_algo / quant_method of the issue, as its writer names it
+        "W4A16_NVFP4": (_nvfp4_tensors(), None, {"quant_algo": "W4A16_NVFP4",
+                                                  "group_size": 16}),
+        "MXFP8": (_mxfp8_tensors(), None, {"quant_algo": "MXFP8", "group_size": 32}),
+        "MXFP4": (mx, None, {"quant_algo": "MXFP4", "group_size": 32}),
+        "FP8_PER_CHANNEL_PER_TOKEN": ({"m.weight": q, "m.weight_scale": s}, None,
+                                      {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}),
+        "quark": ({"m.weight": q, "m.weight_scale": s.amax().reshape(())},
+                  {"quant_method": "quark", "global_quant_config": {"weight": {
+                      "dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False}}},
+                  None),
+        "modelopt-in-config": (_nvfp4_tensors(), {"quant_method": "modelopt",
+                                                  "quant_algo": "NVFP4"}, None),
+    }
+    for case, (tensors, cfg, algo) in folders.items():
+        write(tmp_path / case, tensors, cfg, None if algo is None else {"quantization": algo})
+        inputs = open_inputs([tmp_path / case])
+        assert inputs.errors == () and inputs.notices == (), (case, inputs.errors)
+        assert [t.name for t in inputs.tensors] == ["m.weight"], case
+        assert spec_of(inputs.tensors[0]) is not None
+    # a quant_algo drift does not know: one notice; the weights it recognises are read
+    write(tmp_path / "unknown", _mxfp8_tensors(), None,
+          {"quantization": {"quant_algo": "W4A8_FUTURE"}})
+    inputs = open_inputs([tmp_path / "unknown"])
+    assert inputs.errors == () and [t.name for t in inputs.tensors] == ["m.weight"]
+    (notice,) = inputs.notices
+    assert "quant_algo 'W4A8_FUTURE' is not one drift knows" in notice
+    result = CliRunner().invoke(app, ["clip-rate", str(tmp_path / "unknown"), "-c",
+                                      "mxfp8_e4m3", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0 and "notice: " in result.output, result.output
+
+
+def test_fp8_block_size_comes_from_the_config(tmp_path: Path) -> None:
+    """transformers' fine-grained FP8 with ``weight_block_size: [1, 32]`` and ue8m0
+    scales, as float32 powers of two and as E8M0 bytes, under ``weight_scale_inv``."""
+    from test_quantized import mxfp8
+    q, b = mxfp8(sample((8, 96), 6, zero_block=False))
+    floats = torch.pow(2.0, b.float() - 127)
+    cfg = {"quant_method": "fp8", "weight_block_size": [1, 32], "scale_fmt": "ue8m0"}
+    for case, scale in (("float", floats), ("bytes", b)):
+        write(tmp_path / case, {"m.weight": q, "m.weight_scale_inv": scale}, cfg)
+        inputs = open_inputs([tmp_path / case])
+        assert inputs.errors == (), inputs.errors
+        (ref,) = inputs.tensors
+        spec = spec_of(ref)
+        assert spec is not None and spec.block == (1, 32) and str(spec.layout) == "deepseek-fp8"
+        assert same_bits(ref.read(), expect_fp8_grid(q, floats, (1, 32)), torch.float32) == 0
+    # --layout overrides the config, and works
+    (ref,) = open_inputs([tmp_path / "bytes"], layout="mxfp8").tensors
+    assert same_bits(ref.read(), expect_fp8_grid(q, floats, (1, 32)), torch.float32) == 0
+
+
+def test_dequantize_keeps_tensors_of_every_rank(tmp_path: Path) -> None:
+    q, s = fp8_rows(sample((4, 32), 7, zero_block=False))
+    others = {"zero_d": torch.tensor(0.7), "one_d": torch.arange(3.0),
+              "three_d": torch.ones(2, 1, 3, dtype=torch.bfloat16), "empty": torch.zeros(0, 4)}
+    write(tmp_path / "ck", {"m.weight": q, "m.weight_scale": s.reshape(4, 1), **others},
+          {"quant_method": "compressed-tensors", "format": "float-quantized"})
+    done = dequantize([tmp_path / "ck"], tmp_path / "out.safetensors")
+    assert done.weights == 1 and done.copied == 4
+    from safetensors.torch import load_file
+    back = load_file(tmp_path / "out.safetensors")
+    for name, t in others.items():
+        assert back[name].shape == t.shape and torch.equal(back[name], t), name
+    assert same_bits(back["m.weight"], expect_fp8_grid(q, s.reshape(4, 1), (1, 32)),
+                     torch.float32) == 0
