@@ -35,6 +35,7 @@ import torch
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
 from driftcli.io.readers.quantized_weight import (
     Layout,
+    LibraryOrder,
     Order,
     QuantSpec,
     element_values,
@@ -103,9 +104,10 @@ class InspectRow:
     pow2_declared: bool | None = _opt("Whether the layout declares power-of-two scales "
                                         "(ue8m0, E8M0)")
     rms: float | None = _opt("RMS of the dequantized weight (exact, float64)")
-    order_differs: int | None = _opt("NVFP4: elements whose float32 value differs between "
-                                       "the exact order and the library's (combined scale "
-                                       "rounded first); null for other layouts")
+    order_differs: int | None = _opt("Elements whose float32 value differs between the "
+                                       "exact order and the library's (--order library); "
+                                       "null where the library's decoder rounds nothing "
+                                       "before the output")
     lint_pow2: bool | None = _opt("Lint: power-of-two scales declared, some are not")
     lint_magnitude: bool | None = _opt("Lint: RMS over 1,000x off the median RMS of the "
                                        "checkpoint's 2-D tensors (null: fewer than 3)")
@@ -236,7 +238,7 @@ def _inspect_weight(ref: TensorRef, spec: QuantSpec) -> tuple[InspectRow, float]
         return row, math.nan
     exact = weight_ref(replace(spec, out_dtype="float32")).read()  # in bounded chunks
     row = replace(row, rms=_rms(exact))
-    if spec.global_scale is not None:
+    if spec.library_order != LibraryOrder():  # the library's decoder rounds in between
         lib = weight_ref(replace(spec, order=Order.LIBRARY)).read()
         differs = (lib.view(torch.int32) != exact.view(torch.int32)) & ~(
             lib.isnan() & exact.isnan())
