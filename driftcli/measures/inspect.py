@@ -77,8 +77,9 @@ class InspectRow:
 
     source: str = column("File holding the weight's codes")
     tensor: str = column("The weight's own name (its scale tensors are not rows)")
-    layout: str | None = _opt("Quantized layout: deepseek-fp8, mxfp8, ct-fp8, ct-nvfp4, "
-                                "modelopt-nvfp4, gpt-oss-mxfp4")
+    layout: str | None = _opt("Quantized layout (--layout): deepseek-fp8, mxfp8, ct-fp8, "
+                                "ct-nvfp4, modelopt-nvfp4, gpt-oss-mxfp4, ct-mxfp4, mxfp4, "
+                                "mxfp6-e2m3, mxfp6-e3m2")
     element_format: str | None = _opt("Element format of the codes")
     scale_format: str | None = _opt("How the scales are stored: float32, bfloat16, "
                                       "float8_e4m3fn, or e8m0 (bytes 2**(b-127))")

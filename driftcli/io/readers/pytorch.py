@@ -141,6 +141,13 @@ def _load_torch(path: Path) -> _Flat:
                             "torch.save or as safetensors") from exc
         found = re.search(r"GLOBAL (\S+)", text)
         what = f" (it holds {found.group(1)})" if found else ""
+        if found and found.group(1).startswith("torchao"):
+            # a state dict of torchao tensors is what torch.save(model.state_dict()) wrote:
+            # that advice would send the user round in a circle
+            raise ReadError(f"{path} needs arbitrary unpickling{what}, which drift refuses "
+                            "(it can run code): its weights are torchao quantized tensors; "
+                            "save them dequantized ({k: v.dequantize() for each torchao "
+                            "tensor}) with torch.save or safetensors save_file") from exc
         raise ReadError(f"{path} " + _REFUSED_PICKLE.format(what=what)) from exc
     except _LOAD_ERRORS as exc:
         raise ReadError(f"cannot read {path} as a PyTorch file ({first_line(exc)}); "

@@ -33,6 +33,7 @@ from driftcli.io.readers.core import (
     torch_dtype,
     truncated,
 )
+from driftcli.io.readers.torchao import torchao_parts
 
 INDEX_SUFFIX = ".safetensors.index.json"
 """The ending of a sharded safetensors checkpoint's index."""
@@ -293,8 +294,13 @@ def safetensors_refs(path: Path) -> Listing:
     _check_layout(path, ordered, head)
     fields, notes = _dump_fields(path, meta, set(header))
     problems = [Problem(note) for note in notes]
+    # torchao's flattened subclasses: their parts are codes and scale bytes, never weights
+    parts, refused = torchao_parts(path, meta, set(header))
+    problems += refused
     refs = []
     for name, (begin, end) in ordered:
+        if name in parts:
+            continue
         why = _entry_problem(header[name], end - begin)
         if why is not None:
             problems.append(Problem(f"{path}: tensor {name!r} {why}; the file is corrupt, "
