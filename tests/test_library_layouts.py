@@ -536,3 +536,61 @@ def test_torch_save_of_torchao_tensors_advises_dequantizing(
     assert f"(it holds {name}.MXTensor)" in err.message
     assert "torchao quantized tensors; save them dequantized" in err.message
     assert "torch.save(model.state_dict()" not in err.message  # what made the file
+
+
+# --- which scale rule wrote a checkpoint; --requant as the writer computed --------------------
+
+
+def mxfp8_by_rule(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 E4M3 with each block's exponent chosen by ``rule``: ``floor`` (OCP),
+    ``ceil`` (2**ceil(log2(amax / 448)), NVIDIA's), ``ct`` (compressed-tensors)."""
+    amax = x.reshape(*x.shape[:-1], -1, 32).abs().amax(-1).float()
+    if rule == "ceil":
+        e = torch.ceil(torch.log2(amax / E4M3_MAX))
+        b = (e + 127).to(torch.uint8)
+    else:
+        b = e8m0_bytes(x, rule, 8)
+    s = torch.pow(2.0, b.double() - 127).repeat_interleave(32, -1)
+    return (x.double() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), b
+
+
+def test_inspect_names_the_scale_rule(tmp_path: Path) -> None:
+    x = sample((64, 256), 11, zero_block=False)
+    rules = {}
+    for rule in ("floor", "ceil", "ct"):
+        q, b = mxfp8_by_rule(x, rule)
+        write(tmp_path / rule, {"m.weight": q, "m.weight_scale": b})
+        (row,) = inspect([tmp_path / rule]).rows
+        rules[rule] = row.scale_rules
+    assert "floor" in rules["floor"].split(", ") and "floor" not in rules["ceil"]
+    assert "ceil" in rules["ceil"].split(", ") and "compressed-tensors" in rules["ct"]
+    # each MX writer of this file: its own rule among those named
+    for lib, named in (("compressed-tensors", "compressed-tensors"), ("modelopt", "ceil"),
+                       ("quark", "floor")):
+        mx_folder(tmp_path / lib, lib, (16, 256), seed=12)
+        (row,) = inspect([tmp_path / lib]).rows
+        assert named in (row.scale_rules or "").split(", "), (lib, row.scale_rules)
+    # a planted fault: a block whose largest code is a quarter of what any rule leaves
+    q, b = mxfp8_by_rule(x, "floor")
+    bad = q.float()
+    bad[0, :32] = bad[0, :32] / 8
+    write(tmp_path / "bad", {"m.weight": bad.to(torch.float8_e4m3fn), "m.weight_scale": b})
+    (row,) = inspect([tmp_path / "bad"]).rows
+    assert row.scale_rules == "none"
+
+
+@pytest.mark.parametrize("divisor", [True, False], ids=["compressed-tensors", "modelopt"])
+def test_requant_nvfp4_compares_block_scales_as_written(tmp_path: Path, divisor: bool) -> None:
+    """Each library's NVFP4 (test_quantized.nvfp4 writes both conventions): requantized
+    with nvfp4, no block scale and no code changes; the recomputed tensor scale, a float32
+    step off the stored one, is not a changed block."""
+    from test_quantized import nvfp4
+    x = sample((64, 256), 13, zero_block=False) * 0.02
+    packed, ws, gs = nvfp4(x, divisor)
+    names = ("m.weight_packed", "m.weight_scale", "m.weight_global_scale") if divisor else \
+        ("m.weight", "m.weight_scale", "m.weight_scale_2")
+    write(tmp_path, dict(zip(names, (packed, ws, gs), strict=True)))
+    rows = inspect([tmp_path], requant=["nvfp4"]).rows
+    (row,) = rows
+    assert (row.requant_changed_blocks, row.requant_changed_codes) == (0, 0), row
+    assert row.n_blocks == 1024

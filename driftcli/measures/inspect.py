@@ -25,10 +25,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -45,8 +46,11 @@ from driftcli.io.readers.quantized_weight import (
     weight_ref,
 )
 from driftcli.io.tables import column
+from driftcli.oracle.rounding import binade
+from driftcli.oracle.scaling import EXACT_RULES
 from driftcli.records.castspec import parse_cast
-from driftcli.records.formats import get_format
+from driftcli.records.formats import Format, Kind, get_format, pow2
+from driftcli.records.modes import ScaleRule
 
 MAGNITUDE_FACTOR = 1000.0
 """How far a weight's RMS may sit from the median RMS of the checkpoint's other 2-D
@@ -114,12 +118,16 @@ class InspectRow:
                                        "checkpoint's 2-D tensors (null: fewer than 3)")
     lint_nan_scales: bool | None = _opt("Lint: NaN or infinite scales")
     lint_zero_blocks: bool | None = _opt("Lint: blocks whose every code is zero")
+    scale_rules: str | None = _opt("Power-of-two scale rules every block's E8M0 scale is "
+                                     "consistent with (floor, ceil, even, ceil-amax, "
+                                     "compressed-tensors; none: no rule fits); null for other "
+                                     "scales")
     requant: str | None = _opt("Preset the weight was quantized again with (--requant); "
                                  "null without")
     requant_changed_blocks: int | None = _opt("Blocks whose scale the preset changes (all-zero "
                                               "blocks not counted; a two-level scale as its "
-                                              "float32 product); null where its blocks are not "
-                                              "the layout's")
+                                              "stored block scale, the tensor scale aside); "
+                                              "null where its blocks are not the layout's")
     requant_changed_codes: int | None = _opt("Elements whose code the preset changes; null "
                                                "where its element format is not the layout's")
     requant_changed_values: int | None = _opt("Elements whose value the preset changes")
@@ -192,15 +200,71 @@ def _requant(spec: QuantSpec, values: torch.Tensor, codes_vals: torch.Tensor,
     s = cast.scaling
     if (s.granularity.value == "block" and spec.block == (1, s.block)
             and info.scales.numel() == scales.numel()):
-        stored = scales
-        if spec.global_scale is not None:
-            g = float(spec.global_scale.read().double().reshape(()))
-            stored = (scales / g if spec.global_divides else scales * g).float().double()
+        mine = info.scales.double().reshape(-1)
+        if spec.global_scale is not None and info.tensor_scale:
+            # compared as the writer computed it: the block scale in its own format, the
+            # float32 tensor scale (recomputed from the dequantized amax, a float32 step
+            # off the stored one) aside; the preset's divisor is fl32(block x tensor scale),
+            # so dividing the tensor scale back out and rounding recovers its block scale
+            from driftcli.casts.rounding import round_to_format
+            mine = round_to_format(mine / info.tensor_scale, spec.scale_format).double()
         # an all-zero block is the same whatever its scale: only the others can change
         live = ~_per_block_all_zero(codes_vals == 0, spec.block).reshape(-1)
-        moved = info.scales.double().reshape(-1) != stored
+        moved = mine != scales
         out["requant_changed_blocks"] = int((moved & live).sum())
     return out
+
+
+def _ct_exponent(amax: Fraction, elem: Format) -> int:
+    """compressed-tensors' ``generate_mx_scales``: amax rounded up to the next power of two
+    where its significand is at least 1.75 (its bits plus 2**21, the mantissa masked off),
+    else down, then ``floor`` (minus the element's largest exponent)."""
+    e = binade(amax)
+    return e + (amax >= Fraction(7, 4) * pow2(e)) - elem.emax
+
+
+SCALE_RULES: dict[str, Callable[[Fraction, Format], int]] = {
+    **{str(r): cast(Callable[[Fraction, Format], int], EXACT_RULES[r])
+       for r in ScaleRule if r.power_of_two},
+    "compressed-tensors": _ct_exponent}
+"""The power-of-two scale rules ``scale_rules`` judges: drift's (``floor``, ``ceil``,
+``even``, ``ceil-amax``; NVIDIA's RCEIL is ``ceil`` in exact arithmetic, ModelOpt's MXFP4
+``ceil(log2(amax / 6))`` too) and the libraries' own."""
+
+
+def _fits(rule: Callable[[Fraction, Format], int], mag: Fraction, grid: list[Fraction],
+          elem: Format) -> bool:
+    """Whether ``rule`` picks the exponent 0 for some amax that rounds to the code ``mag``
+    (a block's largest code magnitude, its scale 2**0): the amaxes that round to it span
+    half-way to its neighbours (past the top, without end: saturation), and every rule is
+    monotone in amax with steps of one, so it fits where it gives <= 0 at the low end and
+    >= 0 at the high end."""
+    i = grid.index(mag)
+    low = (grid[i - 1] + mag) / 2 if i else mag / 2
+    high = (mag + grid[i + 1]) / 2 if i + 1 < len(grid) else mag * (1 << 20)
+    return rule(low, elem) <= 0 <= rule(high, elem)
+
+
+def _scale_rules(spec: QuantSpec, codes_vals: torch.Tensor, raw_scales: torch.Tensor
+                 ) -> str | None:
+    """The rules every block's E8M0 scale is consistent with, judged on its largest code
+    (scale-free: a power-of-two rule's exponent moves with the amax's binade); blocks of
+    zeros, NaN scales and the clamped byte 0 say nothing."""
+    if spec.scale_format != "e8m0" or spec.global_scale is not None or spec.block[0] != 1:
+        return None
+    *lead, c = codes_vals.shape
+    g = -(-c // spec.block[1])
+    pad = torch.zeros(*lead, g * spec.block[1], dtype=torch.float64)
+    pad[..., :c] = codes_vals.abs().nan_to_num(0.0)
+    mags = pad.reshape(-1, g, spec.block[1]).amax(-1).reshape(-1)
+    b = raw_scales.view(torch.uint8).reshape(-1).to(torch.int64)
+    live = (mags > 0) & (b != 0) & (b != 255)
+    elem = get_format(spec.element)
+    grid = sorted({v.mag for _, v in elem.values() if v.kind is Kind.FINITE and v.mag > 0})
+    seen = {Fraction(m) for m in mags[live].unique().tolist()}
+    names = [n for n, rule in SCALE_RULES.items()
+             if all(_fits(rule, m, grid, elem) for m in seen)]
+    return ", ".join(names) or "none"
 
 
 def _inspect_weight(ref: TensorRef, spec: QuantSpec) -> tuple[InspectRow, float]:
@@ -234,7 +298,8 @@ def _inspect_weight(ref: TensorRef, spec: QuantSpec) -> tuple[InspectRow, float]
         subnormal_scales=int((nonzero.abs() < below).sum()),
         nan_scales=nan_scales, scales_pow2=pow2, pow2_declared=spec.pow2_declared,
         lint_pow2=spec.pow2_declared and not pow2, lint_nan_scales=nan_scales > 0,
-        lint_zero_blocks=zero_blocks > 0)
+        lint_zero_blocks=zero_blocks > 0,
+        scale_rules=_scale_rules(spec, vals, spec.scale.read()))
     if nan_scales:
         return row, math.nan
     exact = weight_ref(replace(spec, out_dtype="float32")).read()  # in bounded chunks
