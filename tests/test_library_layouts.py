@@ -313,6 +313,8 @@ def test_configs_drift_knows_are_read_and_others_are_a_notice(tmp_path: Path) ->
         assert inputs.errors == () and inputs.notices == (), (case, inputs.errors)
         assert [t.name for t in inputs.tensors] == ["m.weight"], case
         assert spec_of(inputs.tensors[0]) is not None
+        found = inspect([tmp_path / case])  # drift inspect on each fixture
+        assert found.errors == () and [r.error for r in found.rows] == [None], case
     # a quant_algo drift does not know: one notice; the weights it recognises are read
     write(tmp_path / "unknown", _mxfp8_tensors(), None,
           {"quantization": {"quant_algo": "W4A8_FUTURE"}})
