@@ -478,7 +478,10 @@ class Manifest:
             return False, None
         try:
             result = self._read(path, key)
-            why_not = check(result) if check is not None else None
+            try:
+                why_not = check(result) if check is not None else None
+            except (TypeError, ValueError, AttributeError, ArithmeticError) as err:
+                why_not = f"{type(err).__name__}: {err}"  # a value of a shape none expected
             if why_not is not None:
                 raise _Damaged(f"its result cannot be the unit's: {why_not}")
         except _Damaged as why:

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -35,6 +36,14 @@ PAGEMAP = Path("/proc/self/pagemap")
 """A regular file of size 0 that streams one entry per page of the reader's address space
 (about 256 GB on x86-64), readable by its owner."""
 EMPTY_SHA = hashlib.sha256(b"").hexdigest()
+MEMORY = 4 << 30
+"""Address space each process started here may map (torch, numba and a small scan take under
+2 GiB): a case that would read a stream into memory fails instead of swapping the machine."""
+
+
+def capped() -> None:
+    """``preexec_fn`` of every process a test starts: the :data:`MEMORY` limit."""
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
 
 
 def drift_proc(*argv: str | Path, cwd: Path, timeout: float = 60,
@@ -42,7 +51,7 @@ def drift_proc(*argv: str | Path, cwd: Path, timeout: float = 60,
     """``drift ARGV`` in a fresh interpreter held to ``timeout`` seconds (a hang fails)."""
     return subprocess.run([sys.executable, "-m", "driftcli", *map(str, argv)], cwd=cwd,
                           env=env or ENV, capture_output=True, text=True, timeout=timeout,
-                          check=False)
+                          check=False, preexec_fn=capped)
 
 
 def one_line(text: str) -> str:
@@ -69,7 +78,7 @@ def test_hashing_a_file_that_streams_past_its_size_reads_st_size_bytes(tmp_path:
         from driftcli.io.tables import file_identity, sha256_of
         print(sha256_of(Path({str(link)!r})))
         print(file_identity(Path({str(link)!r}))["size"])
-    """)], env=ENV, capture_output=True, text=True, timeout=30, check=False)
+    """)], env=ENV, capture_output=True, text=True, timeout=30, check=False, preexec_fn=capped)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == [EMPTY_SHA, "0"]
 
@@ -142,7 +151,7 @@ def test_an_interrupt_while_waiting_stops_the_background_hash(tmp_path: Path) ->
         while reading() and time.monotonic() - stopped < 20:
             time.sleep(0.1)
         print(int(was), round(time.monotonic() - stopped, 1), reading())
-    """)], env=ENV, capture_output=True, text=True, timeout=60, check=False)
+    """)], env=ENV, capture_output=True, text=True, timeout=60, check=False, preexec_fn=capped)
     assert done.returncode == 0, done.stderr[-2000:]
     was_reading, took, reading = done.stdout.split()
     # before the fix: the thread read on for the whole 64 GiB (still reading after 20 s)
@@ -157,7 +166,7 @@ def test_ctrl_c_during_a_long_hash_ends_the_command_at_once(tmp_path: Path) -> N
     proc = subprocess.Popen([sys.executable, "-m", "driftcli", "clip-rate", str(tmp_path), "-c",
                              "mxfp8_e4m3", "--out", str(tmp_path / "out"), "-q"], env=ENV,
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=capped)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not _reading(proc.pid, big):
@@ -218,7 +227,7 @@ def test_processes_workers_and_tracker_die_with_a_killed_parent(tmp_path: Path) 
                              "-c", "mxfp8_e4m3:sr", "--draws", "64", "--engine", "processes",
                              "--workers", "2", "--out", str(tmp_path / "out"), "-q"], env=ENV,
                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=capped)
     children: set[int] = set()
     try:
         deadline = time.monotonic() + 90
@@ -424,7 +433,7 @@ def test_an_unexpected_exception_is_exit_3_and_one_line(tmp_path: Path) -> None:
     env = {**ENV, "TMPDIR": str(tmp_path)}
     env.pop("DRIFT_DEBUG", None)
     done = subprocess.run([sys.executable, "-c", PLANTED], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
+                          text=True, timeout=60, check=False, preexec_fn=capped)
     # before the fix: a traceback and exit 1, drift's code for "a rule broke"
     assert done.returncode == 3, done.stderr
     line = one_line(done.stderr)
@@ -437,7 +446,8 @@ def test_an_unexpected_exception_is_exit_3_and_one_line(tmp_path: Path) -> None:
 
 def test_drift_debug_shows_an_unexpected_exceptions_traceback() -> None:
     done = subprocess.run([sys.executable, "-c", PLANTED], env={**ENV, "DRIFT_DEBUG": "1"},
-                          capture_output=True, text=True, timeout=60, check=False)
+                          capture_output=True, text=True, timeout=60, check=False,
+                          preexec_fn=capped)
     assert done.returncode == 1 and "Traceback" in done.stderr
     assert done.stderr.rstrip().endswith("ZeroDivisionError: planted\nsecond line")
 
