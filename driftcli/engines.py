@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -334,6 +335,7 @@ def _decode(value: Any) -> Any:
     raise _Damaged("a value of no known form")
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     """The field types of one of drift's dataclasses; empty where they cannot be resolved
     (a name only imported for type checking): such fields are taken as they come."""
@@ -369,8 +371,7 @@ def _fits(value: Any, hint: Any) -> bool:
         return not args or (len(args) == len(value)
                             and all(_fits(v, a) for v, a in zip(value, args, strict=True)))
     if origin is list:
-        return isinstance(value, list) and all(_fits(v, args[0]) for v in value) if args \
-            else isinstance(value, list)
+        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
     if origin is dict:
         return isinstance(value, dict) and (not args or all(
             _fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items()))

@@ -403,7 +403,10 @@ def test_a_forged_health_unit_is_recomputed_with_one_line(
     with monkeypatch.context() as patch:
         patch.setattr(engines, "clear_units", lambda folder: None)
         assert CliRunner().invoke(app, args).exit_code == 0
-    expected, _ = read_table(tmp_path / "o" / "health.parquet")
+        honest = CliRunner().invoke(app, [*args, "--resume", "--overwrite"])
+        assert honest.exit_code == 0 and honest.stderr == "", honest.output  # taken
+    expected, prov = read_table(tmp_path / "o" / "health.parquet")
+    assert prov["resumed_units"] == 1
     assert _forge(tmp_path / "o" / ".health.parquet.units",
                   lambda f: f.update(frozen=f["numel"] + 5), ":_Counts") == 1
     resumed = CliRunner().invoke(app, [*args, "--resume", "--overwrite"])

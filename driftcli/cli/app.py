@@ -141,6 +141,8 @@ def _crash_line(err: Exception, args: Sequence[str] | None) -> str:
     argv = list(sys.argv[1:] if args is None else args)
     where = f"drift {argv[0]}" if argv and not argv[0].startswith("-") else "drift"
     detail = str(err)
+    if len(detail) > 300:  # a message quoting a whole input: the file holds it all
+        detail = detail[:299] + "…"
     what = f"{type(err).__name__}: {detail}" if detail else type(err).__name__
     try:
         fd, saved = tempfile.mkstemp(prefix="drift-crash-", suffix=".txt")

@@ -342,12 +342,11 @@ stored in bfloat16 or float16."""
 
 def _against(x: dict[str, Any], y: dict[str, Any], skip: frozenset[str] = frozenset()) -> str:
     """Every key whose values differ, as ``key REF against the run's RUN``, comma-joined."""
-    return ", ".join(f"{k} {json_text(y.get(k))} against the run's {json_text(x.get(k))}"
-                     for k in sorted(set(x) | set(y) - skip)
-                     if k not in skip and x.get(k) != y.get(k))
+    return ", ".join(f"{k} {_json_text(y.get(k))} against the run's {_json_text(x.get(k))}"
+                     for k in sorted(set(x) | set(y)) if k not in skip and x.get(k) != y.get(k))
 
 
-def json_text(value: Any) -> str:
+def _json_text(value: Any) -> str:
     """A recorded setting as JSON writes it, cut at 40 characters (it is data from a file)."""
     text = json.dumps(value, default=str)
     return text if len(text) <= 40 else text[:39] + "…"
