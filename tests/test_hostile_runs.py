@@ -418,6 +418,33 @@ def test_a_forged_health_unit_is_recomputed_with_one_line(
     assert got.equals(expected)
 
 
+@pytest.mark.parametrize("forgery", ["share_above_1", "another_checkpoint", "cosine_above_1"])
+def test_a_forged_probe_unit_is_recomputed_with_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forgery: str) -> None:
+    import driftcli.engines as engines
+
+    run = _run(tmp_path / "run", SMALL, steps=(0, 1))
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    args = ["probe", str(run), "-p", "exact", "--text", str(text), "--out", str(tmp_path / "o"),
+            "-q"]
+    with monkeypatch.context() as patch:
+        patch.setattr(engines, "clear_units", lambda folder: None)
+        assert CliRunner().invoke(app, args).exit_code == 0
+    expected, _ = read_table(tmp_path / "o" / "probe.parquet")
+    change = {"share_above_1": lambda f: f.update(freeze_share=1.5),
+              "another_checkpoint": lambda f: f.update(checkpoint="step-000009.safetensors"),
+              "cosine_above_1": lambda f: f.update(cosine=1.25)}[forgery]
+    assert _forge(tmp_path / "o" / ".probe.parquet.units", change, ":ProbeRow") == 2
+    resumed = CliRunner().invoke(app, [*args, "--resume", "--overwrite"])
+    # before the fix: the forged rows written as measured
+    assert resumed.exit_code == 0, (resumed.exception, resumed.output)
+    assert one_line(resumed.stderr).startswith("warning: kept unit ")
+    got, prov = read_table(tmp_path / "o" / "probe.parquet")
+    assert prov["resumed_units"] == 0
+    assert got.equals(expected)
+
+
 # --- 22: an unexpected failure is exit 3 and one line ------------------------------------------
 
 PLANTED = """if True:
