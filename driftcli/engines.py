@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -321,11 +322,74 @@ def _decode(value: Any) -> Any:
         if set(value["f"]) != fields:
             raise _Damaged(f"fields {sorted(value['f'])} where {value['$c']} has "
                            f"{sorted(fields)}")
+        hints = _hints(cls)
         made: Any = object.__new__(cls)
         for name, v in value["f"].items():
-            object.__setattr__(made, name, _decode(v))
+            field = _decode(v)
+            if name in hints and not _fits(field, hints[name]):
+                hint = hints[name]
+                raise _Damaged(f"{value['$c']}.{name} is {_shown(field)}, not "
+                               f"{getattr(hint, '__name__', hint)}")
+            object.__setattr__(made, name, field)
         return made
     raise _Damaged("a value of no known form")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The field types of one of drift's dataclasses; empty where they cannot be resolved
+    (a name only imported for type checking): such fields are taken as they come."""
+    import typing
+
+    try:
+        return typing.get_type_hints(cls)
+    except (NameError, TypeError, AttributeError):
+        return {}
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a decoded value is of the declared type ``hint``: the plain types, ``X |
+    None``, tuples, lists and dicts of them, drift's dataclasses and enums; a hint of any
+    other kind (a tensor, a callable) is not checked."""
+    import enum
+    import numbers
+    import types
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    if origin is typing.Union or isinstance(hint, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return not args or (len(args) == len(value)
+                            and all(_fits(v, a) for v, a in zip(value, args, strict=True)))
+    if origin is list:
+        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
+    if origin is dict:
+        return isinstance(value, dict) and (not args or all(
+            _fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items()))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if hint in (str, Path) or (isinstance(hint, type) and (
+            dataclasses.is_dataclass(hint) or issubclass(hint, enum.Enum))):
+        return isinstance(value, hint)
+    return True
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 _NUMPY_SCALARS = {f"{e}{k}{n}" for e in "<>|" for k, n in
@@ -401,15 +465,26 @@ class Manifest:
             self._noticed = True
             warnings.warn(message, UnitNotice, stacklevel=3)
 
-    def get(self, key: str) -> tuple[bool, Any]:
+    def get(self, key: str,
+            check: Callable[[Any], str | None] | None = None) -> tuple[bool, Any]:
         """``(True, result)`` for a unit kept here under ``key``, else ``(False, None)``; a
-        kept unit that does not hold (see the class) is ``(False, None)`` with a notice."""
+        kept unit that does not hold (see the class) is ``(False, None)`` with a notice. A
+        kept file is data anyone could have written: its values are of the types their
+        fields declare (see :func:`_decode`), and ``check`` (the unit's ``check_kept``) says
+        why they cannot be the unit's (a count past the tensor's elements, a rate above 1),
+        or None when they can; one that cannot runs again, with the notice."""
         self._keep_pending()
         path = self._path(key)
         if not os.path.lexists(path) or not os.path.isdir(self.folder):
             return False, None
         try:
             result = self._read(path, key)
+            try:
+                why_not = check(result) if check is not None else None
+            except (TypeError, ValueError, AttributeError, ArithmeticError) as err:
+                why_not = f"{type(err).__name__}: {err}"  # a value of a shape none expected
+            if why_not is not None:
+                raise _Damaged(f"its result cannot be the unit's: {why_not}")
         except _Damaged as why:
             self._notice(f"kept unit {path} is not taken ({why}); it and any other such unit "
                          "run again")
@@ -589,7 +664,8 @@ def run(units: Sequence[U], work: Callable[[U], R], execution: Execution | None 
     results: dict[int, R] = {}
     todo: list[int] = []
     for i in range(len(units)):
-        kept, result = manifest.get(keys[i]) if manifest is not None else (False, None)
+        kept, result = (manifest.get(keys[i], getattr(units[i], "check_kept", None))
+                        if manifest is not None else (False, None))
         if kept:
             results[i] = cast(R, result)
         else:
@@ -637,7 +713,8 @@ def _run_processes(units: Sequence[U], todo: list[int], work: Callable[[U], R],
     os.environ.update(WORKER_ENV)  # what the spawned workers start with
     try:
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=execution.n_workers(), mp_context=context) as pool:
+        with ProcessPoolExecutor(max_workers=execution.n_workers(), mp_context=context,
+                                 initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(work, units[i]): i for i in todo}
             try:
                 for future in as_completed(futures):
@@ -659,6 +736,44 @@ def _run_processes(units: Sequence[U], todo: list[int], work: Callable[[U], R],
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+PR_SET_PDEATHSIG = 1
+"""``prctl``'s option (``<linux/prctl.h>``): the signal a process gets when its parent dies."""
+PARENT_POLL_S = 0.5
+"""Seconds between a worker's checks that the drift process that started it still lives
+(where the system cannot tell it at once)."""
+
+
+def die_with_parent(parent: int) -> None:
+    """A worker's first act (the process pool's initializer): end with the drift process that
+    started it, however that ends. A parent killed with SIGKILL runs no cleanup, and its idle
+    workers (hundreds of MB each) would wait for work forever; once they are gone, the
+    resource tracker sees its last reader close and ends too. On Linux the kernel sends the
+    worker SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``); everywhere, a daemon
+    thread polls ``os.getppid()`` every :data:`PARENT_POLL_S` seconds and ends the worker
+    when it changes (the worker is handed to another process when its parent dies)."""
+    import signal
+    import threading
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0,
+                                                     0)
+    if os.getppid() != parent:  # it died before the prctl was made
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent,), name="drift-parent",
+                     daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    import time
+
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
 
 
 def _run_ray(units: Sequence[U], todo: list[int], work: Callable[[U], R], execution: Execution,

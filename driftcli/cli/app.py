@@ -2,8 +2,11 @@
 
 This package is the only place that prints or exits. Library errors
 (:class:`DriftError`) become ``error: …`` on stderr and exit code 2, and so do the usage
-errors the framework finds (a missing folder, an unknown choice); set ``DRIFT_DEBUG=1`` to
-see the traceback instead. Python warnings print as one ``warning: …`` line.
+errors the framework finds (a missing folder, an unknown choice); any other exception is a
+drift bug: one ``error: unexpected failure …`` line, its traceback saved to a file the line
+names, and exit code 3, so that 1 keeps meaning "a rule broke" to CI (Ctrl-C is typer's exit
+code 130). Set ``DRIFT_DEBUG=1`` to see the traceback instead. Python warnings print as one
+``warning: …`` line.
 
 The command modules import only what their options need (typer, rich and drift's
 torch-free modules); the library is imported when a command runs, so ``drift --help``,
@@ -33,6 +36,8 @@ EXIT_FOUND = 1
 """The measurement ran and found what it was asked to fail on."""
 EXIT_USAGE = 2
 """Bad input or usage."""
+EXIT_CRASH = 3
+"""An unexpected failure: an exception that is not a :class:`DriftError` (a drift bug)."""
 
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Measure", ("clip-rate", "underflow-rate", "error-bias", "cast-diff", "accum-error",
@@ -116,10 +121,39 @@ class DriftGroup(TyperGroup):
         except typer.Abort:
             typer.echo("error: aborted", err=True)
             code = EXIT_FOUND
+        except Exception as err:  # a bug anywhere in a command: one line, exit 3
+            if os.environ.get("DRIFT_DEBUG") == "1":
+                raise
+            typer.echo(for_terminal(_crash_line(err, args), markup=False), err=True)
+            code = EXIT_CRASH
         code = code if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _crash_line(err: Exception, args: Sequence[str] | None) -> str:
+    """The one line of an unexpected failure, its traceback saved to a temporary file (a long
+    run's crash may not come again) that the line names."""
+    import tempfile
+    import traceback
+
+    argv = list(sys.argv[1:] if args is None else args)
+    where = f"drift {argv[0]}" if argv and not argv[0].startswith("-") else "drift"
+    detail = str(err)
+    if len(detail) > 300:  # a message quoting a whole input: the file holds it all
+        detail = detail[:299] + "…"
+    what = f"{type(err).__name__}: {detail}" if detail else type(err).__name__
+    try:
+        fd, saved = tempfile.mkstemp(prefix="drift-crash-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as fh:
+            fh.write(f"drift {' '.join(argv)}\n")
+            traceback.print_exception(err, file=fh)
+        kept = f"the traceback in {saved}"
+    except OSError:
+        kept = "run again with DRIFT_DEBUG=1 for the traceback"
+    return (f"error: unexpected failure in {where}: {what}; this is a drift bug: please report "
+            f"it with {kept}; outputs written before it are intact")
 
 
 app = typer.Typer(

@@ -106,19 +106,34 @@ _DIGESTING: dict[tuple[Any, ...], threading.Lock] = {}
 _DIGESTS_LOCK = threading.Lock()
 
 
+HASH_CHUNK = 1 << 20
+"""Bytes hashed per read: between two reads, a stop asked for (Ctrl-C) is seen."""
+
+
+class HashStopped(Exception):
+    """Hashing stopped part way because it was asked to (see :func:`sha256_of`)."""
+
+
 @typing.overload
 def sha256_of(path: Path) -> str: ...
 @typing.overload
-def sha256_of(path: Path, *, wait: bool) -> str | None: ...
+def sha256_of(path: Path, *, wait: bool, stop: threading.Event | None = None) -> str | None: ...
 
 
-def sha256_of(path: Path, *, wait: bool = True) -> str | None:
+def sha256_of(path: Path, *, wait: bool = True,
+              stop: threading.Event | None = None) -> str | None:
     """The sha256 of a file's bytes (streamed), worked out once per process and file version:
     provenance and the kept units of ``--resume`` (see :mod:`driftcli.engines`) ask for the
     same inputs' digests, often at the same time from two threads, and the second waits for
     the first instead of reading the file again (or, with ``wait=False``, gets None while
     another thread is at it). A version is the file's device, inode, size, mtime and ctime
-    (a rewrite that restores size and mtime still changes ctime)."""
+    (a rewrite that restores size and mtime still changes ctime).
+
+    Exactly the ``st_size`` bytes the opened file's stat gives are read, never more: a file
+    that streams past its size (``/proc/self/pagemap``: size 0, about 256 GB of reads) is
+    hashed as its stat describes it, and a file that is not a regular one when opened (a FIFO
+    put in its place) is an ``OSError``, never a read that blocks. With ``stop`` set, the
+    hashing raises :class:`HashStopped` at its next read (Ctrl-C on the thread waiting)."""
     st = path.stat()
     version = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
                st.st_ctime_ns)
@@ -130,26 +145,46 @@ def sha256_of(path: Path, *, wait: bool = True) -> str | None:
         return None
     try:
         if version not in _DIGESTS:  # (another thread may have finished it meanwhile)
-            digest = hashlib.sha256()
-            with path.open("rb") as fh:
-                while chunk := fh.read(1 << 20):
-                    digest.update(chunk)
+            digest = _hash_regular(path, stop)
             with _DIGESTS_LOCK:
-                _DIGESTS[version] = digest.hexdigest()
+                _DIGESTS[version] = digest
         return _DIGESTS[version]
     finally:
         busy.release()
 
 
-def file_identity(path: Path, fast_hash: bool = False) -> dict[str, Any]:
-    """Path, size and sha256 (streamed) of an input, or size + mtime with ``fast_hash``."""
+def _hash_regular(path: Path, stop: threading.Event | None) -> str:
+    """The sha256 of the ``st_size`` bytes of the regular file at ``path`` (see
+    :func:`sha256_of`)."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    digest = hashlib.sha256()
+    with os.fdopen(os.open(path, flags), "rb", buffering=0) as fh:
+        st = os.fstat(fh.fileno())
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file when opened for hashing", str(path))
+        left = st.st_size
+        while left > 0:
+            if stop is not None and stop.is_set():
+                raise HashStopped(str(path))
+            chunk = fh.read(min(HASH_CHUNK, left))
+            if not chunk:  # shortened since its stat: what is there
+                break
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
+def file_identity(path: Path, fast_hash: bool = False,
+                  stop: threading.Event | None = None) -> dict[str, Any]:
+    """Path, size and sha256 (streamed, ``st_size`` bytes: :func:`sha256_of`) of an input, or
+    size + mtime with ``fast_hash``."""
     stat = path.stat()
     ident: dict[str, Any] = {"path": str(path), "size": stat.st_size}
     # a folder, or a FIFO or device (reading one can block or never end): its stat only
     if fast_hash or not stat_mod.S_ISREG(stat.st_mode):
         ident["mtime"] = dt.datetime.fromtimestamp(stat.st_mtime, dt.UTC).isoformat()
         return ident
-    ident["sha256"] = sha256_of(path)
+    ident["sha256"] = sha256_of(path, wait=True, stop=stop)
     return ident
 
 
@@ -159,20 +194,28 @@ def identify_in_background(paths: Sequence[Path],
     reads and hashes with the GIL released, so it runs beside a scan (and beside its
     compilation, which keeps one core busy). The function returned waits for the thread
     and gives the identities in order, or raises the ``OSError`` it met. The thread is a
-    daemon, so a command that fails meanwhile does not wait for it."""
+    daemon, so a command that fails meanwhile does not wait for it; an interrupt (Ctrl-C)
+    while waiting stops the hashing at its next read."""
     box: dict[str, Any] = {}
+    stop = threading.Event()
 
     def work() -> None:
         try:
-            box["ids"] = [file_identity(Path(p), fast_hash) for p in paths]
+            box["ids"] = [file_identity(Path(p), fast_hash, stop) for p in paths]
         except OSError as exc:  # raised where the caller asks for the result
             box["error"] = exc
+        except HashStopped:
+            pass
 
     thread = threading.Thread(target=work, name="drift-identify", daemon=True)
     thread.start()
 
     def result() -> list[dict[str, Any]]:
-        thread.join()
+        try:
+            thread.join()
+        except BaseException:
+            stop.set()
+            raise
         if "error" in box:
             raise box["error"]
         if "ids" not in box:

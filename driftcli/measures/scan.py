@@ -371,6 +371,23 @@ class TensorUnit:
         return (f"scan|{self.input}|{engines.stamp(ref.source)}|{ref.name}|{ref.dtype}|"
                 f"{list(ref.shape)}|{[str(c) for c in self.casts]}|{self.options}|{self.rounded}")
 
+    def check_kept(self, results: object) -> str | None:
+        """Why ``results``, a kept unit read back under ``--resume``, cannot be this unit's
+        (see :meth:`driftcli.engines.Manifest.get`), or None: one result per cast, of this
+        tensor and cast, and counts within the tensor's elements (:meth:`CastStats.problem`)."""
+        if not (isinstance(results, list) and len(results) == len(self.casts)
+                and all(isinstance(r, Result) for r in results)):
+            return f"not {len(self.casts)} results, one per cast"
+        for r, c in zip(results, self.casts, strict=True):
+            if r.ref != self.ref or r.input != self.input or str(r.cast) != str(c):
+                return f"a result of another tensor or cast than {self.ref.name} under {c}"
+            if r.error is None and not 1 <= len(r.draws) <= max(1, self.options.draws):
+                return f"{len(r.draws)} draws of {c}"
+            for st in (*r.draws, *([r.expected] if r.expected is not None else [])):
+                if (why := st.problem(self.ref.numel)) is not None:
+                    return f"{self.ref.name} under {c}: {why}"
+        return None
+
 
 _WORKER_STAGING = _Staging()
 """The byte buffer of a worker process's reads, kept between its units (a serial scan has its
@@ -484,7 +501,8 @@ def _serial(units: Sequence[TensorUnit], todo: int, progress: Progress | None,
             if progress is not None:
                 progress(before + within, todo, unit.ref.name)
 
-        found, kept = manifest.get(keys[n]) if manifest is not None else (False, None)
+        found, kept = (manifest.get(keys[n], unit.check_kept) if manifest is not None
+                       else (False, None))
         result: list[Result] = (cast(list[Result], kept) if found
                                 else scan_unit(unit, advance, staging))
         if not found and manifest is not None:

@@ -13,6 +13,7 @@ few bits (the tests compare them at a relative 1e-12).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -123,6 +124,31 @@ class CastStats:
     """Σ e·x over the same elements."""
     e_sum: float | None
     """Σ e over the same elements."""
+
+    def problem(self, numel: int) -> str | None:
+        """Why these counts cannot be a cast of a tensor of ``numel`` elements (a kept unit
+        read back under ``--resume``, see :mod:`driftcli.engines`), or None: every count
+        within what it counts (clips among the finite elements, clipped groups among the
+        groups, ...) and every sum of magnitudes or squares a non-negative number."""
+        finite = self.numel - self.nonfinite
+        groups = self.groups
+        bounds = (("numel", self.numel, numel, numel), ("nonfinite", self.nonfinite, 0, numel),
+                  ("groups", groups, 0, max(numel, 1)), ("clipped", self.clipped, 0, finite),
+                  ("clipped_by_rounding", self.clipped_by_rounding, 0, self.clipped),
+                  ("clipped_groups", self.clipped_groups, 0, groups),
+                  ("scale_clamped", self.scale_clamped, 0, groups),
+                  ("nonfinite_groups", self.nonfinite_groups, 0, groups),
+                  ("nonzero", self.nonzero, 0, finite), ("subnormal", self.subnormal, 0, finite),
+                  ("underflowed", self.underflowed, 0, finite), ("lost", self.lost, 0, finite))
+        for name, value, low, high in bounds:
+            if value is not None and not low <= value <= high:
+                return f"{name} {value} outside {low}..{high} for {numel} elements"
+        for name in ("clip_excess", "abs_sum", "xx", "ee", "ex", "e_sum"):
+            value = getattr(self, name)
+            if value is not None and (math.isnan(value)
+                                      or (name not in ("ex", "e_sum") and value < 0)):
+                return f"{name} {value}"
+        return None
 
     @staticmethod
     def merge(parts: list[CastStats], per_tensor: bool) -> CastStats:

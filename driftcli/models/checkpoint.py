@@ -40,6 +40,9 @@ MODEL_KEY = "drift.model"
 """The metadata key marking a drift model checkpoint (its config and state as JSON)."""
 CHECKPOINT_VERSION = 1
 """The version of the ``drift.model`` JSON; a reader refuses versions it does not know."""
+MAX_STEP = 2**53
+"""The largest training step a checkpoint may record (any real run's is far below; every
+step is a table's int64 value and takes part in float64 arithmetic, exact up to 2^53)."""
 OPTIMIZER_PREFIX = "optimizer/"
 """Tensor names starting with this hold the optimizer's buffers."""
 
@@ -143,6 +146,13 @@ def _info(p: Path, meta: dict[str, str]) -> tuple[ModelConfig, dict[str, Any]]:
     state = head.get("state") or {}
     if not isinstance(state, dict):
         raise CheckpointFileError(f"{p}: the training state in {MODEL_KEY} is not a JSON object")
+    for key in ("step", "optimizer_step"):
+        value = state.get(key, 0)
+        # bool is an int to Python; a float (1e308) or a huge int is no int64 table value
+        if type(value) is not int or not 0 <= value <= MAX_STEP:
+            raise CheckpointFileError(
+                f"{p}: the training state's {key} {json.dumps(value)[:40]} is not a step "
+                f"(a whole number 0..{MAX_STEP}); the file was not written by drift train")
     return config, state
 
 

@@ -43,7 +43,9 @@ All the sums are float64; the freeze counts are exact.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,6 +74,7 @@ from driftcli.runs.probe import (
     probe_batch,
     probe_corpus,
     run_checkpoints,
+    training_settings,
     update_lost,
 )
 from driftcli.runs.training import deterministic
@@ -311,18 +314,75 @@ class _Counts:
     flips: int | None = None
     state: StateCounts | None = None
 
+    def problem(self) -> str | None:
+        """Why these cannot be one parameter's counts (a kept unit), or None."""
+        for name in ("frozen", "predicted", "oscillating"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= self.numel:
+                return f"{name} {value} outside 0..{self.numel}"
+        if self.numel < 0 or (self.flips is not None and self.flips < 0):
+            return f"numel {self.numel}, flips {self.flips}"
+        for name in ("grad_sq", "noise_sq"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:  # NaN too
+                return f"{name} {value}"
+        return None
+
+
+class ReferenceNotice(UserWarning):
+    """A reference run trained with other settings than the run (seed, learning rate, ...):
+    its trajectory is still taken for the run's, and the CLI says so in one ``warning:``
+    line."""
+
+
+EXPECTED_DIFFERENCES = frozenset({"storage"})
+"""Training settings a reference is expected to differ in: it is the float32 run of a run
+stored in bfloat16 or float16."""
+
+
+def _against(x: dict[str, Any], y: dict[str, Any], skip: frozenset[str] = frozenset()) -> str:
+    """Every key whose values differ, as ``key REF against the run's RUN``, comma-joined."""
+    return ", ".join(f"{k} {_json_text(y.get(k))} against the run's {_json_text(x.get(k))}"
+                     for k in sorted(set(x) | set(y)) if k not in skip and x.get(k) != y.get(k))
+
+
+def _json_text(value: Any) -> str:
+    """A recorded setting as JSON writes it, cut at 40 characters (it is data from a file)."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:39] + "…"
+
 
 def _reference_paths(run: Path, reference: str | Path | None, pattern: str,
-                     steps: list[int]) -> list[Path] | None:
+                     paths: Sequence[Path], steps: list[int]) -> list[Path] | None:
+    """The reference's checkpoints, refused unless they are the run's model (the prediction
+    follows the reference's weights name by name, so the same config: the same names and
+    shapes) at the same steps; other training settings than the expected storage are said in
+    one :class:`ReferenceNotice`."""
     if reference is None:
         return None
-    paths = run_checkpoints(reference, pattern)
-    theirs = [int(read_info(p)[1].get("step", 0)) for p in paths]
-    if theirs != steps:
-        raise HealthError(f"reference {reference} holds checkpoints of steps {theirs[:6]}…, "
-                          f"run {run} of {steps[:6]}…; the prediction needs the same steps "
-                          "(train both with the same --checkpoint-every and --steps)")
-    return paths
+    found = run_checkpoints(reference, pattern)
+    (config, state), (their_config, their_state) = read_info(paths[0]), read_info(found[0])
+    mine, theirs = config.to_json(), their_config.to_json()
+    if mine != theirs:
+        what = (f"model {their_config.kind.value} against the run's {config.kind.value}"
+                if config.kind is not their_config.kind else
+                f"model config {_against(mine, theirs)}")
+        raise HealthError(f"reference {reference} is not the model of run {run} ({what}); "
+                          "the prediction follows the reference's weights name by name: give "
+                          "a run of the same model (drift train with the same model options)")
+    theirs_steps = [read_info(p)[1].get("step", 0) for p in found]
+    if theirs_steps != steps:
+        raise HealthError(f"reference {reference} holds checkpoints of steps "
+                          f"{theirs_steps[:6]}…, run {run} of {steps[:6]}…; the prediction "
+                          "needs the same steps (train both with the same --checkpoint-every "
+                          "and --steps)")
+    settings = _against(training_settings(state), training_settings(their_state),
+                        EXPECTED_DIFFERENCES)
+    if settings:
+        warnings.warn(f"reference {reference} was trained with other settings than run {run} "
+                      f"({settings}); its trajectory is taken for the run's", ReferenceNotice,
+                      stacklevel=3)
+    return found
 
 
 CHUNK = 16
@@ -347,6 +407,24 @@ class HealthUnit:
         files = self.paths[first:self.stop] + (self.reference or ())[first:self.stop]
         return (f"health|{engines.stamp(*files)}|{self.start}|{self.stop}|"
                 f"{self.settings}")
+
+    def check_kept(self, points: object) -> str | None:
+        """Why ``points``, a kept unit read back under ``--resume``, cannot be this unit's
+        counts (see :meth:`driftcli.engines.Manifest.get`), or None: one point per checkpoint
+        of the unit, in order, each parameter's counts within its elements."""
+        if not (isinstance(points, list) and all(isinstance(p, _Point) for p in points)):
+            return "not a list of checkpoint counts"
+        if [p.index for p in points] != list(range(self.start, self.stop)):
+            return f"counts of checkpoints other than {self.start}..{self.stop - 1}"
+        for p in points:
+            if p.checkpoint != Path(self.paths[p.index]).name:
+                return f"checkpoint {p.checkpoint!r} at {Path(self.paths[p.index]).name}"
+            for name, c in p.counts.items():
+                if not isinstance(c, _Counts):
+                    return f"{name}: not counts"
+                if (why := c.problem()) is not None:
+                    return f"{p.checkpoint} {name}: {why}"
+        return None
 
 
 def health_unit(unit: HealthUnit) -> list[_Point]:
@@ -427,8 +505,8 @@ def health(run: str | Path, *, storage: Storage | str | None = None,
         None if text is None else str(Path(text).resolve()), seed, threads,
         None if state_layout is None else parse_choice(StateLayout, state_layout,
                                                        "optimizer-state layout"))
-    steps = [int(read_info(p)[1].get("step", 0)) for p in paths]
-    ref = _reference_paths(folder, reference, checkpoints, steps)
+    steps = [read_info(p)[1].get("step", 0) for p in paths]  # checked: int steps
+    ref = _reference_paths(folder, reference, checkpoints, paths, steps)
     mine = tuple(str(p.resolve()) for p in paths)
     theirs = None if ref is None else tuple(str(p.resolve()) for p in ref)
     units = [HealthUnit(mine, theirs, i, min(i + CHUNK, len(mine)), settings)

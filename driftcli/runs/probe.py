@@ -256,9 +256,11 @@ def _first_difference(what: str, x: dict[str, Any], y: dict[str, Any]) -> str | 
     return None
 
 
-def _settings(state: dict[str, Any]) -> dict[str, Any]:
-    # the model's shape is the config's, compared on its own
-    return {k: v for k, v in (state.get("train") or {}).items() if k != "model"}
+def training_settings(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's recorded training settings, less the model (its shape is the config's,
+    compared on its own)."""
+    train = state.get("train")
+    return {k: v for k, v in train.items() if k != "model"} if isinstance(train, dict) else {}
 
 
 def _difference(a: tuple[ModelConfig, dict[str, Any]],
@@ -277,7 +279,8 @@ def _difference(a: tuple[ModelConfig, dict[str, Any]],
                 f"{str(text_a.get('sha256'))[:12]}…) against {text_b.get('source')!r} (sha256 "
                 f"{str(text_b.get('sha256'))[:12]}…)")
     return (_first_difference("model config", config_a.to_json(), config_b.to_json()) or text
-            or _first_difference("training setting", _settings(state_a), _settings(state_b)))
+            or _first_difference("training setting", training_settings(state_a),
+                                               training_settings(state_b)))
 
 
 def freeze_storage(paths: Sequence[Path], storage: Storage | str | None = None) -> Storage:
@@ -362,6 +365,26 @@ class CheckpointUnit:
         policies = [(p.name, p.describe(), p.seed) for p in self.policies]
         return (f"probe|{self.run}|{engines.stamp(self.path, self.text)}|{policies}|"
                 f"{self.draws}|{self.seed}|{self.storage}|{self.windows}|{self.threads}")
+
+    def check_kept(self, rows: object) -> str | None:
+        """Why ``rows``, a kept unit read back under ``--resume``, cannot be this unit's (see
+        :meth:`driftcli.engines.Manifest.get`), or None: rows of this run, checkpoint,
+        storage and policies, shares within [0, 1], cosines within [-1, 1]."""
+        if not (isinstance(rows, list) and all(isinstance(r, ProbeRow) for r in rows)):
+            return "not a list of probe rows"
+        names = {p.name for p in self.policies}
+        for r in rows:
+            if (r.run, r.checkpoint, r.storage) != (self.run, Path(self.path).name,
+                                                    self.storage.value) or r.policy not in names:
+                return f"a row of {r.run}/{r.checkpoint} under {r.policy}, not this unit's"
+            if not (0 <= r.freeze_share <= 1 and r.numel >= 0 and 1 <= r.draws <= self.draws):
+                return (f"{r.parameter}: freeze_share {r.freeze_share}, numel {r.numel}, "
+                        f"draws {r.draws}")
+            for cosine in (r.cosine, r.expected_cosine):
+                # a float64 cosine of parallel gradients may pass 1 by its last bits
+                if cosine is not None and not math.isnan(cosine) and abs(cosine) > 1 + 1e-9:
+                    return f"{r.parameter}: cosine {cosine}"
+        return None
 
 
 def probe_unit(unit: CheckpointUnit) -> list[ProbeRow]:
