@@ -95,13 +95,14 @@ _ACTIVATION_SCALES = re.compile(r"(^|\.)(input_scale|input_global_scale|k_scale|
 
 
 def assemble(tensors: Sequence[TensorRef], unreadable: set[tuple[Path, str]],
-             layout: Layout | str | None = None
+             layout: Layout | str | None = None, configs: bool = True
              ) -> tuple[list[TensorRef], list[tuple[str, Problem]]]:
     """Put each quantized weight of ``tensors`` in place of its stored tensors.
 
     ``unreadable`` names (folder, tensor) the listing could not read (their problem is
     recorded already): a weight with one of them is left out, and its other tensors with it.
-    ``layout`` overrides what the folders' configs say and what the names suggest.
+    ``layout`` overrides what the folders' configs say and what the names suggest; without
+    ``configs`` no folder's config is read (tensors in memory have no folder).
     Returns the tensors in listing order (a weight where its codes were) and the problems
     (each with the file or folder it is about):
     a weight whose tensors do not fit together, an ambiguous or contradictory weight, an
@@ -120,7 +121,7 @@ def assemble(tensors: Sequence[TensorRef], unreadable: set[tuple[Path, str]],
     replaced: dict[str, TensorRef | None] = {}  # "source\0name" -> its weight, or dropped
     problems: list[tuple[str, Problem]] = []
     for folder, refs in folders.items():
-        config = read_config(folder)
+        config = read_config(folder) if configs else None
         if config is not None and config.error is not None:
             problems.append((str(folder), Problem(config.error)))
         found: list[Problem] = []
