@@ -71,7 +71,7 @@ def _frame(row_type: type[Row], rows: list[Any], skipped: list[str]) -> pd.DataF
     # column by column: the rows hold plain values, so no copy of each (dataclasses.asdict)
     table = pa.Table.from_pydict({n: [getattr(r, n) for r in rows] for n in schema.names},
                                  schema=schema)
-    frame = table.to_pandas()
+    frame = table.to_pandas(use_threads=False)  # a few rows: a hand-off costs more
     frame.attrs["skipped"] = skipped
     return frame
 
