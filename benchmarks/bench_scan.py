@@ -206,6 +206,7 @@ def in_memory(path: Path, repeat: int) -> None:
     of the file, interleaved (target: at most 1.2x its time), and its fixed cost per call on a
     4096-element tensor with the three casts (target: at most 2 ms; medians of 200 calls)."""
     from collections.abc import Callable
+    from functools import partial
 
     from safetensors.torch import load_file
 
@@ -214,8 +215,8 @@ def in_memory(path: Path, repeat: int) -> None:
     state = load_file(str(path))  # already in memory: the read is not timed
     calls: dict[str, Callable[[], object]] = {"cast": lambda: None}
     for name in COMMANDS:
-        calls[f"{name} file"] = lambda name=name: MEASURES[name].run([path], list(CASTS))
-        calls[f"{name} memory"] = lambda name=name: drift.measure(state, list(CASTS), name)
+        calls[f"{name} file"] = partial(MEASURES[name].run, [path], list(CASTS))
+        calls[f"{name} memory"] = partial(drift.measure, state, list(CASTS), name)
     t = interleaved(calls, repeat)
     print(f"\nin memory (drift.measure on the same tensors), medians of {repeat}:")
     for name in COMMANDS:
