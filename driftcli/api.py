@@ -1,22 +1,18 @@
 """The in-memory API: :func:`measure` a tensor, a state dict, a module or a path from a notebook
 or a training loop, and get the rows the command writes, as a pandas DataFrame.
 
-The in-memory cases go through the command's own path: the tensors are saved with
-``torch.save`` into a temporary folder and scanned as the ``.pt`` file a user would give the
-command, so the rows are those of ``drift clip-rate FILE.pt`` (same names, same numbers, same
-columns and dtypes as the Parquet table read back), with ``source`` set to ``name``.
+Tensors in memory are a source of the command's own scan (:class:`~driftcli.io.readers.memory.
+Held`): listed as the ``.pt`` reader lists the file ``torch.save`` would write of them, and read
+where they lie. The rows are those of ``drift clip-rate NAME.pt`` (same names, same numbers,
+same columns and dtypes as the Parquet table read back), with ``source`` set to ``name``;
+nothing is written, nothing is locked, and several threads can call :func:`measure` at once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import os
-import stat
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,17 +20,12 @@ from torch import nn
 
 from driftcli.choices import Device, parse_choice
 from driftcli.errors import DriftError
+from driftcli.io.readers.memory import Held
 from driftcli.io.tables import Row, schema_of
 from driftcli.measures import MEASURES
 from driftcli.measures.axes import axis_misfits
-from driftcli.measures.scan import ScanOptions
+from driftcli.measures.scan import ScanOptions, Source
 from driftcli.records.cast import Cast
-
-fcntl: ModuleType | None
-try:
-    import fcntl
-except ImportError:  # not on Windows: calls there are not serialised
-    fcntl = None
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -67,29 +58,8 @@ def _casts(casts: str | Cast | Sequence[str | Cast]) -> list[str | Cast]:
     return [casts] if isinstance(casts, str | Cast) else list(casts)
 
 
-@contextlib.contextmanager
-def _scratch(label: str) -> Iterator[Path]:
-    """The file an in-memory input is saved to, held (locked) for one call, removed after.
-
-    Its path is the same on every call (a folder of the user's in the temporary folder):
-    a stochastic cast's draws are seeded by the tensor's source path, so a fresh random
-    folder would give other draws on every call with the same ``seed``."""
-    uid = os.getuid() if hasattr(os, "getuid") else None
-    folder = Path(tempfile.gettempdir()) / f"drift-measure-{uid if uid is not None else 'user'}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    st = folder.lstat()
-    # a shared temporary folder: a folder of that name made by another user is not ours
-    if not stat.S_ISDIR(st.st_mode) or (uid is not None and st.st_uid != uid):
-        raise DriftError(f"measure: {folder} is not a folder of this user's; remove it or "
-                         "set TMPDIR to a folder of your own")
-    with open(folder / ".lock", "a+b") as lock:
-        if fcntl is not None:  # calls in other threads and processes wait their turn
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        path = folder / f"{label}.pt"  # a bare tensor is named by the file's stem
-        try:
-            yield path
-        finally:
-            path.unlink(missing_ok=True)
+_schema = functools.cache(schema_of)
+"""A row type's schema, made once: it reads the type's hints, a third of a small call's time."""
 
 
 def _frame(row_type: type[Row], rows: list[Any], skipped: list[str]) -> pd.DataFrame:
@@ -97,9 +67,11 @@ def _frame(row_type: type[Row], rows: list[Any], skipped: list[str]) -> pd.DataF
     tensors the axis does not fit in ``attrs["skipped"]``."""
     import pyarrow as pa
 
-    table = pa.Table.from_pylist([dataclasses.asdict(r) for r in rows],
-                                 schema=schema_of(row_type))
-    frame = table.to_pandas()
+    schema = _schema(row_type)
+    # column by column: the rows hold plain values, so no copy of each (dataclasses.asdict)
+    table = pa.Table.from_pydict({n: [getattr(r, n) for r in rows] for n in schema.names},
+                                 schema=schema)
+    frame = table.to_pandas(use_threads=False)  # a few rows: a hand-off costs more
     frame.attrs["skipped"] = skipped
     return frame
 
@@ -128,40 +100,34 @@ def measure(x: Measurable, casts: str | Cast | Sequence[str | Cast],
     options = ScanOptions(axis=axis, draws=(8 if what == "error-bias" else 1)
                           if draws is None else draws, seed=seed,
                           device=parse_choice(Device, device, "device"))
-    if isinstance(x, str | Path) or (isinstance(x, Sequence) and not isinstance(x, str)):
-        paths = [x] if isinstance(x, str | Path) else list(x)
-        if not all(isinstance(p, str | Path) for p in paths):
+    sources: list[Source]
+    if isinstance(x, str | Path):
+        sources = [x]
+    elif isinstance(x, Sequence):
+        sources = list(x)
+        if not all(isinstance(p, str | Path) for p in sources):
             raise DriftError("measure: a list is read as paths; give a dict for tensors "
                              "(a state dict)")
-        fit = axis_misfits(paths, axis, include, exclude)
-        rows = m.run(paths, _casts(casts), options=options, include=include,
-                     exclude=[*exclude, *fit.exclude])
-        return _frame(m.row_type, rows, fit.lines())
+    else:
+        sources = [_held(x, name)]
+    fit = axis_misfits(sources, axis, include, exclude)
+    rows = m.run(sources, _casts(casts), options=options, include=include,
+                 exclude=[*exclude, *fit.exclude])
+    return _frame(m.row_type, rows, fit.lines())
+
+
+def _held(x: torch.Tensor | nn.Module | Mapping[str, Any], name: str | None) -> Held:
+    """``x`` as named tensors in memory: a tensor named ``name`` (default ``"tensor"``), or a
+    state dict or module's under the source ``name`` (default ``"state_dict"``)."""
     if isinstance(x, nn.Module):
         x = x.state_dict()
     if isinstance(x, torch.Tensor):
-        label = name or "tensor"
-        payload: Any = x.detach()
+        held = Held(name or "tensor", x.detach())
     elif isinstance(x, Mapping):
-        label = name or "state_dict"
-        payload = _plain(x, "")
+        held = Held(name or "state_dict", _plain(x, ""))
     else:
         raise DriftError(f"measure: x is a {type(x).__name__}; give a tensor, a state dict, a "
                          "module or a path")
-    if "/" in label or label in ("", ".", ".."):
-        raise DriftError(f"measure: name {label!r} cannot be a file name; give a plain name")
-    with _scratch(label) as path:
-        torch.save(payload, path)
-        where = str(path)
-        fit = axis_misfits([path], axis, include, exclude)
-        try:
-            rows = m.run([path], _casts(casts), options=options, include=include,
-                         exclude=[*exclude, *fit.exclude])
-        except DriftError as err:  # the scratch file is ours, not the user's: name the input
-            if err.args and isinstance(err.args[0], str):
-                err.args = (err.args[0].replace(where, label), *err.args[1:])
-            raise
-    rows = [dataclasses.replace(
-        r, source=label if r.source == where else r.source,
-        error=r.error.replace(where, label) if r.error else r.error) for r in rows]
-    return _frame(m.row_type, rows, [line.replace(where, label, 1) for line in fit.lines()])
+    if not held.name:
+        raise DriftError("measure: name is empty; give the source a name")
+    return held

@@ -96,8 +96,8 @@ def test_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_stochastic_draws_follow_the_seed_only() -> None:
-    """An in-memory input is saved at the same path on every call: the draws of an sr cast,
-    seeded by the source path, are the same for the same seed."""
+    """The draws of an sr cast, seeded by (seed, source name, tensor name), are the same on
+    every call with the same seed, and others with another seed."""
     w = _weights()["layer.weight"]
     first = drift.measure(w, "mxfp4_e2m1:sr", "error-bias", draws=2, seed=5)
     again = drift.measure(w, "mxfp4_e2m1:sr", "error-bias", draws=2, seed=5)

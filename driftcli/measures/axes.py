@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from driftcli.errors import DriftError
-from driftcli.io.readers import open_inputs
 from driftcli.io.readers.core import TensorRef
+from driftcli.measures.scan import Source, open_source
 
 
 def fits(shape: Sequence[int], axis: int) -> bool:
@@ -52,14 +51,14 @@ class AxisFit:
                 for r in self.skipped]
 
 
-def axis_misfits(paths: Sequence[str | Path], axis: int, include: Sequence[str] = (),
+def axis_misfits(paths: Sequence[Source], axis: int, include: Sequence[str] = (),
                  exclude: Sequence[str] = (), layout: str | None = None) -> AxisFit:
     """The selected floating-point tensors of ``paths`` that ``axis`` does not fit, from
     their headers. Raises :class:`DriftError` when it fits none of them (nothing would be
     measured). The default axes (-1, 0) fit every tensor, and list nothing."""
     if axis in (-1, 0):
         return AxisFit(axis, ())
-    refs = [r for p in paths for r in open_inputs([p], include, exclude, layout).tensors
+    refs = [r for p in paths for r in open_source(p, include, exclude, layout).tensors
             if r.is_float]
     bad = {r.name for r in refs if not fits(r.shape, axis)}
     skipped = tuple(r for r in refs if r.name in bad)

@@ -7,12 +7,11 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from driftcli.io.tables import column
 from driftcli.measures.diffstats import DiffStats
-from driftcli.measures.scan import Result, Scan, ScanOptions, iter_groups, scan
+from driftcli.measures.scan import Result, Scan, ScanOptions, Source, iter_groups, scan
 from driftcli.measures.stats import CastStats
 from driftcli.progress import Progress
 from driftcli.records.cast import Cast
@@ -173,7 +172,7 @@ class Measure:
         options = options or ScanOptions()
         return dataclasses.replace(options, compare=self.pair_columns is not None)
 
-    def run(self, paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
+    def run(self, paths: Sequence[Source], casts: Sequence[Cast | str], *,
             options: ScanOptions | None = None, include: Sequence[str] = (),
             exclude: Sequence[str] = (), progress: Progress | None = None,
             layout: str | None = None) -> list[Any]:

@@ -1,5 +1,12 @@
 """One pass over named tensors under several casts: the engine behind clip-rate,
-underflow-rate and error-bias.
+underflow-rate and error-bias, and behind :func:`driftcli.measure` in memory.
+
+The unit is a named tensor with its metadata (:class:`~driftcli.io.readers.TensorRef`: its
+source, its name, a dump's layer, role and step). Sources yield them: a path (a file or a
+folder, through the readers) or tensors in memory (:class:`~driftcli.io.readers.memory.Held`,
+a state dict or a module's, read where they lie: no file, no lock). The scan is the same for
+every source, so the same tensors under the same names give the same results, stochastic
+draws included (:func:`draw_seed`).
 
 Each tensor is read once, in row slices of about :data:`CHUNK_ELEMENTS` elements
 aligned to the cast's scale
@@ -31,6 +38,7 @@ from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io import rht_signs
 from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
+from driftcli.io.readers.memory import Held
 from driftcli.measures.diffstats import DiffStats, cast_diff_stats
 from driftcli.measures.stats import (
     CastStats,
@@ -179,9 +187,37 @@ def _widen(x: Tensor, device: Device) -> Tensor:
     return x.to(device=device.value, dtype=working_dtype(x.dtype))
 
 
-def _draw_seed(seed: int, *parts: object) -> int:
-    """A seed per (tensor, cast, draw, slice), independent of the order they run in."""
-    text = "/".join(str(p) for p in (seed, *parts))
+Source = str | Path | Held
+"""What a scan measures: a path (a file or a folder, read as the command reads it), or named
+tensors in memory."""
+
+
+def open_source(source: Source, include: Sequence[str] = (), exclude: Sequence[str] = (),
+                layout: str | None = None) -> Inputs:
+    """The selected tensors of one source, listed (no tensor data read)."""
+    if isinstance(source, Held):
+        return source.open(include, exclude, layout)
+    return open_inputs([source], include, exclude, layout)
+
+
+def source_label(source: Source) -> str:
+    """A source as its rows name it: the path as given, or the name of tensors in memory."""
+    return source.name if isinstance(source, Held) else str(source)
+
+
+def source_name(ref: TensorRef) -> str:
+    """The name of a file's source for the stochastic draws: the file's name without its
+    folder and its suffix (``model`` for ``ckpt/model.safetensors``), the name a bare tensor
+    of it is given and the ``name`` under which the same tensors in memory give the same
+    draws."""
+    return Path(ref.source).stem
+
+
+def draw_seed(seed: int, source: str, tensor: str, *parts: object) -> int:
+    """The seed of one stochastic draw: of (seed, source name, tensor name) and the cast, draw
+    and slice it is for; independent of the order they run in, of the folder a file is read
+    from and of whether the tensor came from a file or from memory."""
+    text = "/".join(str(p) for p in (seed, source, tensor, *parts))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
@@ -207,11 +243,11 @@ class _Staging:
 
 
 def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
-                    rounded: bool, staging: _Staging,
-                    advance: Callable[[int], None]) -> list[Result]:
+                    rounded: bool, staging: _Staging, advance: Callable[[int], None],
+                    seed_name: str) -> list[Result]:
     """Every cast of one tensor, reading it slice by slice; without ``rounded``, only what
     needs no rounding (one draw: clipping does not depend on it). ``advance`` is told the
-    tensor's bytes done after each slice."""
+    tensor's bytes done after each slice; ``seed_name`` is its source's name for the draws."""
     if opts.chunk_elements is None:
         opts = dataclasses.replace(opts, chunk_elements=CHUNK_ELEMENTS)
     slicing = _slices(ref, casts, opts)
@@ -265,7 +301,7 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
             total: Tensor | None = None
             first: CastStats | None = None
             for d in range(n):
-                seed = _draw_seed(opts.seed, ref.source, ref.name, c, d, start)
+                seed = draw_seed(opts.seed, seed_name, ref.name, c, d, start)
                 sr = rounded and c.rounding is Rounding.SR
                 st, q = cast_stats(x, c, axis=opts.axis, tensor_amax=rht_amax.get(ci, amax),
                                    seed=seed if sr else None,
@@ -363,6 +399,9 @@ class TensorUnit:
     casts: tuple[Cast, ...]
     options: ScanOptions
     rounded: bool
+    source_name: str | None = None
+    """The source's name for the stochastic draws; None: that of the tensor's file
+    (:func:`source_name`)."""
 
     def key(self) -> str:
         """Everything the unit's results depend on, its file's stamp included (the manifest's
@@ -403,7 +442,8 @@ def scan_unit(unit: TensorUnit, advance: Callable[[int], None] | None = None,
     casts = [c for c in unit.casts if c not in refused]
     try:
         done = iter(_tensor_results(unit.input, unit.ref, casts, unit.options, unit.rounded,
-                                    staging, advance or (lambda within: None))
+                                    staging, advance or (lambda within: None),
+                                    unit.source_name or source_name(unit.ref))
                     if casts else [])
     except ReadError as err:
         return [Result(unit.input, unit.ref, unit.ref.source, c, (), None, str(err))
@@ -414,12 +454,13 @@ def scan_unit(unit: TensorUnit, advance: Callable[[int], None] | None = None,
             if c in refused else next(done) for c in unit.casts]
 
 
-def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
+def scan(paths: Sequence[Source], casts: Sequence[Cast | str], *,
          options: ScanOptions | None = None, include: Sequence[str] = (),
          exclude: Sequence[str] = (), progress: Progress | None = None,
          rounded: bool = True, on_open: Callable[[list[Path]], None] | None = None,
          execution: Execution | None = None, layout: str | None = None) -> Scan:
-    """Cast every selected floating-point tensor of ``paths`` with every cast and count.
+    """Cast every selected floating-point tensor of ``paths`` (files, folders, tensors in
+    memory: :data:`Source`) with every cast and count.
 
     ``rounded=False`` counts only what needs no rounding (see
     :func:`driftcli.measures.stats.cast_stats`): what clip-rate needs, several times faster.
@@ -444,7 +485,7 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     parsed = tuple(parse_cast(c) for c in casts)
     for c in parsed:  # tc= beside rht= names a tensor core: refused before anything is read
         check_core(c.rht)
-    opened = [(str(p), open_inputs([p], include, exclude, layout)) for p in paths]
+    opened = [(source_label(p), open_source(p, include, exclude, layout)) for p in paths]
     empty = {inp: why for inp, inputs in opened if (why := nothing_to_measure(inp, inputs))}
     if len(empty) == len(opened):
         raise NothingToMeasure("; ".join(empty.values()))
@@ -453,10 +494,11 @@ def scan(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
         on_open([f for _, i in opened for f in i.files])
     # rht=checkpoint: each tensor's own casts, its layer's signs read in (refused at once, in
     # one line, where a layer has none); the results keep the spec as given
-    vectors = {inp: rht_signs.sign_vectors(open_inputs([inp], (), (), layout).tensors)
-               for inp, _ in opened} if rht_signs.needs_signs(parsed) else {}
+    vectors = {source_label(p): rht_signs.sign_vectors(open_source(p, (), (), layout).tensors)
+               for p in paths} if rht_signs.needs_signs(parsed) else {}
+    names = {source_label(p): p.name for p in paths if isinstance(p, Held)}
     units = [TensorUnit(inp, ref, rht_signs.resolve(parsed, ref, vectors.get(inp, {})),
-                        options, rounded)
+                        options, rounded, names.get(inp))
              for inp, inputs in opened for ref in inputs.tensors if ref.is_float]
     if execution.engine is Engine.SERIAL:
         per_unit = _serial(units, todo, progress, execution.resume)

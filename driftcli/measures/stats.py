@@ -67,8 +67,13 @@ def error_terms(x: Tensor, q: Tensor, finite: Tensor | None = None
 
 
 def error_sums(e: Tensor, xv: Tensor) -> list[Tensor]:
-    """Σx², Σe², Σe·x, Σe of :func:`error_terms` (the ``xx ee ex e_sum`` of CastStats)."""
-    return [(xv * xv).sum(), (e * e).sum(), (e * xv).sum(), e.sum()]
+    """Σx², Σe², Σe·x, Σe of :func:`error_terms` (the ``xx ee ex e_sum`` of CastStats), the
+    same bits for any thread count: torch splits a CPU sum across its threads, and a float64
+    sum's last bits follow the split, so on the CPU numpy's pairwise sum (one thread) adds."""
+    terms = [xv * xv, e * e, e * xv, e]
+    if e.device.type != "cpu":
+        return [t.sum() for t in terms]
+    return [torch.tensor(t.contiguous().numpy().sum(), dtype=torch.float64) for t in terms]
 
 
 def _abs_sum(x: Tensor) -> Tensor:

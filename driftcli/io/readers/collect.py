@@ -214,28 +214,37 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
                 collector.open_index(item)
             else:
                 collector.open(item)
-    unreadable = {(Path(source).parent, p.tensor) for source, p in collector.errors
+    return gathered(collector.tensors, collector.errors, collector.files, include, exclude,
+                    layout, tuple(dict.fromkeys(f for _files, skipped in expanded
+                                                for f in skipped)))
+
+
+def gathered(found: Sequence[TensorRef], problems: Sequence[tuple[str, Problem]],
+             files: Sequence[Path], include: Sequence[str], exclude: Sequence[str],
+             layout: Layout | str | None, skipped: tuple[Path, ...] = (),
+             configs: bool = True) -> Inputs:
+    """What a listing found (tensors, and problems with the file or folder they are about)
+    as :class:`Inputs`: quantized weights assembled (``configs``: reading each folder's
+    config), names shown, ``include`` / ``exclude`` applied."""
+    unreadable = {(Path(source).parent, p.tensor) for source, p in problems
                   if p.tensor is not None}
-    collector.tensors, found, notices = assemble(collector.tensors, unreadable, layout)
-    collector.errors.extend(found)
+    assembled, more, notices = assemble(found, unreadable, layout, configs)
     # names are data: a file name that is not UTF-8 (or a pickled name with a lone
     # surrogate) is shown escaped in every source, name and message, so that it prints and
     # goes into a table; each reader keeps the real path to open
     tensors = [r if r.source.isascii() and r.name.isascii() else
                dataclasses.replace(r, source=shown(r.source), name=shown(r.name))
-               for r in collector.tensors]
+               for r in assembled]
     errors = [(shown(source), Problem(shown(p.message),
                                       None if p.tensor is None else shown(p.tensor)))
-              for source, p in collector.errors]
+              for source, p in [*problems, *more]]
     kept = [r for r in tensors if _selected(r.name, include, exclude)]
     # a problem with one tensor goes where the tensor would: into the errors, or excluded
     reported = [(source, p) for source, p in errors
                 if p.tensor is None or _selected(p.tensor, include, exclude)]
     dropped = len(errors) - len(reported)
-    return Inputs(files=tuple(collector.files), tensors=tuple(kept),
+    return Inputs(files=tuple(files), tensors=tuple(kept),
                   errors=tuple(InputError(source, p.message, p.tensor)
                                for source, p in reported),
-                  excluded=len(tensors) - len(kept) + dropped,
-                  skipped=tuple(dict.fromkeys(f for _files, skipped in expanded
-                                              for f in skipped)),
+                  excluded=len(tensors) - len(kept) + dropped, skipped=skipped,
                   notices=tuple(shown(n) for n in notices))

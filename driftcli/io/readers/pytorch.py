@@ -12,6 +12,7 @@ import pickle
 import re
 import threading
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from driftcli.io.readers.core import (
     FileKind,
     Listing,
     Problem,
+    Reader,
     ReadError,
     TensorRef,
     first_line,
@@ -152,10 +154,16 @@ def _load_torch(path: Path) -> _Flat:
     except _LOAD_ERRORS as exc:
         raise ReadError(f"cannot read {path} as a PyTorch file ({first_line(exc)}); "
                         "re-save it with torch.save or as safetensors") from exc
+    return flatten(obj, path.stem)
+
+
+def flatten(obj: Any, bare: str) -> _Flat:
+    """The tensors of a state dict (nested dicts, lists and tuples) under dotted names; a bare
+    tensor is named ``bare`` (a file's stem, like an ``.npy`` file's)."""
     out = _Flat()
     _flatten(obj, "", "", out)
-    if "" in out.tensors:  # the file holds one bare tensor: name it like an .npy file
-        out.tensors[path.stem] = out.tensors.pop("")
+    if "" in out.tensors:
+        out.tensors[bare] = out.tensors.pop("")
     return out
 
 
@@ -176,13 +184,21 @@ class _TorchEntry:
                 tuple(t.shape) != ref.shape):
             raise ReadError(f"{ref.source}: tensor {ref.name} changed since drift listed it "
                             "(the file was rewritten); run again")
-        try:
-            part = t[start:stop] if ref.shape else t
-            # contiguous copy of just these rows: it owns its memory and keeps no mapping
-            return part.clone(memory_format=torch.contiguous_format)
-        except RuntimeError as exc:  # e.g. a sparse or quantized layout that cannot slice
-            raise ReadError(f"{ref.source}: cannot read tensor {ref.name} "
-                            f"({first_line(exc)})") from exc
+        # contiguous copy of just these rows: it owns its memory and keeps no mapping
+        return rows(t, ref, start, stop, copy=True)
+
+
+def rows(t: torch.Tensor, ref: TensorRef, start: int, stop: int, copy: bool) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a loaded tensor (all of a 0-d one), contiguous: a copy, or
+    without ``copy`` a view where ``t`` is contiguous. Raises :class:`ReadError` for a layout
+    that cannot be sliced (sparse, quantized)."""
+    try:
+        part = t[start:stop] if ref.shape else t
+        return part.clone(memory_format=torch.contiguous_format) if copy else \
+            part.contiguous()
+    except RuntimeError as exc:
+        raise ReadError(f"{ref.source}: cannot read tensor {ref.name} "
+                        f"({first_line(exc)})") from exc
 
 
 SHARED_MOST = 4
@@ -216,19 +232,24 @@ def torch_refs(path: Path) -> Listing:
     view larger than its storage, one more view of a storage covered :data:`SHARED_MOST`
     times already, and two tensors whose dotted names are the same, are problems naming
     them."""
-    flat = _TORCH_FILES.load(path)
+    return listing(str(path), _TORCH_FILES.load(path), lambda name: _TorchEntry(path, name))
+
+
+def listing(source: str, flat: _Flat, reader: Callable[[str], Reader]) -> Listing:
+    """The tensors of a flattened state dict held by ``source`` (a file, or a state dict in
+    memory), each read through ``reader(name)``, and the problems :func:`torch_refs` names."""
     refs, problems = [], []
     covered: dict[tuple[int, int], int] = {}
     for name, t in flat.tensors.items():
         why = storage_problem(t) or _shared_problem(t, covered)
         if why is not None:
-            problems.append(Problem(f"{path}: tensor {name} {why}", name))
+            problems.append(Problem(f"{source}: tensor {name} {why}", name))
             continue
-        refs.append(TensorRef(str(path), name, str(t.dtype).removeprefix("torch."),
-                              tuple(t.shape), _reader=_TorchEntry(path, name)))
+        refs.append(TensorRef(source, name, str(t.dtype).removeprefix("torch."),
+                              tuple(t.shape), _reader=reader(name)))
     for name, keys in flat.clashes.items():
         problems.append(Problem(
-            f"{path}: tensors {' and '.join(keys)} both flatten to the name {name}, so drift "
+            f"{source}: tensors {' and '.join(keys)} both flatten to the name {name}, so drift "
             "cannot tell them apart and measures neither; rename one (nested keys are joined "
             "with '.')", name))
     return refs, problems

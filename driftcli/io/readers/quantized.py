@@ -152,13 +152,14 @@ _ACTIVATION_SCALES = re.compile(r"(^|\.)(input_scale|input_global_scale|k_scale|
 
 
 def assemble(tensors: Sequence[TensorRef], unreadable: set[tuple[Path, str]],
-             layout: Layout | str | None = None
+             layout: Layout | str | None = None, configs: bool = True
              ) -> tuple[list[TensorRef], list[tuple[str, Problem]], list[str]]:
     """Put each quantized weight of ``tensors`` in place of its stored tensors.
 
     ``unreadable`` names (folder, tensor) the listing could not read (their problem is
     recorded already): a weight with one of them is left out, and its other tensors with it.
-    ``layout`` overrides what the folders' configs say and what the names suggest.
+    ``layout`` overrides what the folders' configs say and what the names suggest; without
+    ``configs`` no folder's config is read (tensors in memory have no folder).
     Returns the tensors in listing order (a weight where its codes were), the problems
     (each with the file or folder it is about): a weight whose tensors do not fit together,
     an ambiguous or contradictory weight; the other weights are kept; and the notices: a
@@ -178,7 +179,7 @@ def assemble(tensors: Sequence[TensorRef], unreadable: set[tuple[Path, str]],
     problems: list[tuple[str, Problem]] = []
     notices: list[str] = []
     for folder, refs in folders.items():
-        config = read_config(folder)
+        config = read_config(folder) if configs else None
         if config is not None and config.notice is not None:
             notices.append(config.notice)
         found: list[Problem] = []
