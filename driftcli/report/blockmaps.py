@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from driftcli.report.load import Table
-from driftcli.report.plots import DPI, Note, Plot
+from driftcli.report.plots import DPI, Note, Plot, as_text
 
 MAX_TENSORS = 60
 """Rows of one heatmap: the first tensors of the table beyond this are left out (and said)."""
@@ -62,6 +62,7 @@ def _cut(grid: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return grid.iloc[:MAX_TENSORS], f" The first {MAX_TENSORS} of {len(grid.index)} tensors."
 
 
+@as_text
 def exponent_maps(table: Table) -> list[Plot | Note]:
     """Per cast and direction of a ``block-scales`` table: tensors × scale exponent."""
     frame = table.display_frame()
@@ -88,6 +89,7 @@ def exponent_maps(table: Table) -> list[Plot | Note]:
     return out
 
 
+@as_text
 def clip_map(table: Table) -> Plot | Note:
     """Tensors × (cast, direction) of a ``block-stats`` table: the share of blocks that clip."""
     frame = table.display_frame()
@@ -107,6 +109,7 @@ def clip_map(table: Table) -> Plot | Note:
                 "clipped_block_share: clipped_blocks / n_blocks." + cut, _png(fig))
 
 
+@as_text
 def block_maps(table: Table) -> list[Plot | Note]:
     """The heatmaps ``table`` gets: none unless it is one of block-stats' tables."""
     if table.name == "block-scales":

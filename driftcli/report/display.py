@@ -125,6 +125,7 @@ def about(summary: TableSummary) -> Iterator[str]:
     provenance, inputs, fixed groups."""
     p = summary.provenance
     yield f"file {summary.path}, {summary.n_rows} rows, written by {p.line}"
+    yield from summary.notes
     yield from no_values(summary)
     yield from losses(summary)
     if summary.headline_doc:

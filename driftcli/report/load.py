@@ -18,7 +18,17 @@ socket, a folder) is only stat'ed, never opened: it is not the file the table me
 The rows a report reads are bounded (:data:`MAX_ROWS`, or ``DRIFT_REPORT_MAX_ROWS``): each
 table's row count is taken from its Parquet footer before any column is read, so a small
 file declaring millions of rows of repeated values (a few hundred KB can hold 50 M) is
-refused in milliseconds instead of taking gigabytes.
+refused in milliseconds instead of taking gigabytes. So are the bytes its columns decode to
+(:data:`MAX_BYTES`, or ``DRIFT_REPORT_MAX_BYTES``): a few rows can repeat one long string
+stored once in a Parquet dictionary (12 MB of file, 20 GiB of strings). The footer's
+uncompressed page sizes bound the plainly stored values before anything is read; strings
+are then read still dictionary-encoded, and their decoded length summed from the dictionary
+and the indices, before one is decoded.
+
+Nothing read from a table's metadata can crash a report: provenance that is not JSON (or
+nested past the parser's stack) is shown as unreadable in one line, and columns of a table
+this drift has no row type for that are nested (structs, maps, lists) are left out, named in
+one line; such a table whose key or headline is nested is skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -45,7 +55,6 @@ from driftcli.io.tables import (
     TABLE_KEY,
     Row,
     file_identity,
-    read_table,
     schema_of,
 )
 
@@ -79,8 +88,16 @@ class SchemaError(DriftError):
     """A drift table whose columns or metadata are not the ones its row type declares."""
 
 
-class TooManyRowsError(DriftError):
+class BudgetError(DriftError):
+    """Tables larger than a report reads: the rows or the bytes of a budget."""
+
+
+class TooManyRowsError(BudgetError):
     """Tables holding more rows than a report reads (see :func:`row_budget`)."""
+
+
+class TooManyBytesError(BudgetError):
+    """Tables decoding to more bytes than a report reads (see :func:`byte_budget`)."""
 
 
 MAX_ROWS = 1_000_000
@@ -93,20 +110,38 @@ MAX_ROWS_ENV = "DRIFT_REPORT_MAX_ROWS"
 """The environment variable that sets another row budget."""
 
 
-def row_budget() -> int:
-    """The rows :func:`load` may read: ``DRIFT_REPORT_MAX_ROWS`` where set, else
-    :data:`MAX_ROWS`."""
-    given = os.environ.get(MAX_ROWS_ENV)
+MAX_BYTES = 2_000_000_000
+"""Bytes the columns of one :func:`load`'s tables decode to at most (strings' characters,
+8 a number), summed over its tables. A clip-rate table of :data:`MAX_ROWS` rows decodes to
+about 0.4 GB; pandas takes about twice the decoded bytes again (its objects)."""
+MAX_BYTES_ENV = "DRIFT_REPORT_MAX_BYTES"
+"""The environment variable that sets another byte budget."""
+
+
+def _budget(variable: str, default: int, what: str) -> int:
+    given = os.environ.get(variable)
     if given is None or not given.strip():
-        return MAX_ROWS
+        return default
     try:
         value = int(given.replace("_", "").replace(",", ""))
     except ValueError:
         value = 0
     if value < 1:
-        raise DriftError(f"{MAX_ROWS_ENV}={given!r} is not a positive whole number of rows; "
-                         f"set it to one (the default is {MAX_ROWS:,}) or unset it")
+        raise DriftError(f"{variable}={given!r} is not a positive whole number of {what}; "
+                         f"set it to one (the default is {default:,}) or unset it")
     return value
+
+
+def row_budget() -> int:
+    """The rows :func:`load` may read: ``DRIFT_REPORT_MAX_ROWS`` where set, else
+    :data:`MAX_ROWS`."""
+    return _budget(MAX_ROWS_ENV, MAX_ROWS, "rows")
+
+
+def byte_budget() -> int:
+    """The decoded bytes :func:`load` may read: ``DRIFT_REPORT_MAX_BYTES`` where set, else
+    :data:`MAX_BYTES`."""
+    return _budget(MAX_BYTES_ENV, MAX_BYTES, "bytes")
 
 
 @dataclass(frozen=True)
@@ -128,6 +163,9 @@ class Table:
     turns an integer column with nulls into floats)."""
     row_type: type[Row] | None = field(compare=False, default=None)
     """This drift's row type for the table, or None for a table it does not know."""
+    notes: tuple[str, ...] = field(compare=False, default=())
+    """What could not be read and was left out (unreadable provenance, nested columns), a
+    line each."""
 
     @property
     def columns(self) -> list[str]:
@@ -241,12 +279,14 @@ def _facts(path: Path, meta: dict[bytes, bytes], columns: list[str],
     """Keys, headline and direction from the schema metadata, checked against the columns."""
     damaged = (f"{path}: its drift metadata is damaged or from an incompatible drift "
                f"({_written_by(prov)})")
+    keys, bad_keys = _json(meta.get(b"drift.keys", b"[]"), None)
+    worse, bad_worse = _json(meta.get(b"drift.higher_is_worse", b"true"), None)
     try:
-        keys = json.loads(meta.get(b"drift.keys", b"[]"))
         headline = meta.get(b"drift.headline", b"").decode()
-        worse = json.loads(meta.get(b"drift.higher_is_worse", b"true"))
-    except (ValueError, UnicodeDecodeError):
-        raise SchemaError(f"{damaged}; re-run the measurement") from None
+    except UnicodeDecodeError:
+        bad_keys = "not UTF-8"
+    if bad_keys or bad_worse:
+        raise SchemaError(f"{damaged}; re-run the measurement")
     if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)
             and isinstance(worse, bool)):
         raise SchemaError(f"{damaged}; re-run the measurement")
@@ -266,11 +306,103 @@ def _too_many(path: Path, rows: int, budget: int, total: int) -> TooManyRowsErro
         f"(about 700 bytes a row)")
 
 
-def read(path: Path, budget: int | None = None, *, total: int | None = None) -> Table:
+def _too_large(path: Path, size: int, budget: int, total: int, *, bound: bool) -> TooManyBytesError:
+    before = total - budget
+    held = (f"{'stores up to' if bound else 'decodes to'} {size:,} bytes"
+            + (f", with the {before:,} of the tables before it" if before else ""))
+    return TooManyBytesError(
+        f"{path} {held}, beyond the {total:,} bytes a report reads; report fewer tables at a "
+        f"time, or set {MAX_BYTES_ENV} higher if this machine has the memory (pandas takes "
+        "about twice as much again)")
+
+
+def _json(raw: bytes | None, default: Any) -> tuple[Any, str]:
+    """``raw`` parsed as JSON, and '' or why it could not be (never raises: metadata is
+    data)."""
+    if raw is None:
+        return default, ""
+    try:
+        return json.loads(raw.decode("utf-8")), ""
+    except UnicodeDecodeError:
+        return default, "not UTF-8"
+    except RecursionError:
+        return default, "nested too deep"
+    except ValueError:
+        return default, "not JSON"
+
+
+NESTED = "nested"
+"""What :func:`_nested` calls a column it leaves out, in a note."""
+
+
+def _nested(schema: pa.Schema) -> dict[str, str]:
+    """Columns of nested types (struct, map, list, ...), by name, with their kind."""
+    return {f.name: str(f.type).split("<")[0] for f in schema if pa.types.is_nested(f.type)}
+
+
+def _stored_bytes(path: Path) -> int:
+    """The uncompressed bytes of every column chunk, from the footer: a bound on what the
+    values stored plainly decode to (a dictionary's entries are counted once here)."""
+    meta = pq.read_metadata(path)
+    return sum(meta.row_group(g).column(c).total_uncompressed_size
+               for g in range(meta.num_row_groups) for c in range(meta.num_columns))
+
+
+def _decoded_bytes(table: pa.Table) -> int:
+    """The bytes ``table``'s columns take decoded: each dictionary-encoded string once per
+    row that refers to it (summed from the dictionary's lengths, nothing decoded), the
+    buffers of every other column."""
+    import pyarrow.compute as pc
+
+    total = 0
+    for col in table.columns:
+        for chunk in col.chunks:
+            if pa.types.is_dictionary(chunk.type):
+                lengths = pc.binary_length(chunk.dictionary)
+                total += int(pc.sum(pc.take(lengths, chunk.indices)).as_py() or 0)
+                total += 8 * len(chunk)  # the offsets
+            else:
+                total += chunk.nbytes
+    return total
+
+
+def _strings(schema: pa.Schema) -> list[str]:
+    return [f.name for f in schema if pa.types.is_string(f.type)
+            or pa.types.is_large_string(f.type) or pa.types.is_binary(f.type)
+            or pa.types.is_large_binary(f.type)]
+
+
+def _read_columns(path: Path, schema: pa.Schema, columns: list[str], budget: int | None,
+                  total: int | None) -> tuple[pa.Table, int]:
+    """``columns`` of the table at ``path``, and the bytes they decode to, refused with
+    :class:`TooManyBytesError` beyond ``budget`` (of ``total``) before any string is
+    decoded."""
+    whole = budget if total is None else total
+    if budget is not None:
+        stored = _stored_bytes(path)
+        if stored > budget:
+            raise _too_large(path, stored, budget, whole or budget, bound=True)
+    table = pq.read_table(path, columns=columns, read_dictionary=_strings(schema))
+    size = _decoded_bytes(table)
+    if budget is not None and size > budget:
+        raise _too_large(path, size, budget, whole or budget, bound=False)
+    plain = pa.schema([schema.field(c) for c in columns], metadata=schema.metadata)
+    return table.cast(plain), size
+
+
+def read(path: Path, budget: int | None = None, *, total: int | None = None,
+         byte_budget: int | None = None, byte_total: int | None = None) -> Table:
     """One drift table, checked. Raises :class:`DriftError` for a file that is not a drift
-    table (the caller may skip it), :class:`SchemaError` for a mismatched one and
+    table (the caller may skip it), :class:`SchemaError` for a mismatched one,
     :class:`TooManyRowsError` for one whose footer declares more than ``budget`` rows (of
-    ``total``, the whole budget, named in the message), before any of its columns is read."""
+    ``total``, the whole budget, named in the message) and :class:`TooManyBytesError` for one
+    whose columns decode to more than ``byte_budget`` bytes (of ``byte_total``), before any of
+    its values is decoded."""
+    return _read(path, budget, total, byte_budget, byte_total)[0]
+
+
+def _read(path: Path, budget: int | None, total: int | None, byte_budget: int | None,
+          byte_total: int | None) -> tuple[Table, int]:
     try:
         schema = pq.read_schema(path)
         rows = pq.read_metadata(path).num_rows
@@ -282,20 +414,33 @@ def read(path: Path, budget: int | None = None, *, total: int | None = None) -> 
     if TABLE_KEY not in meta:
         raise DriftError(f"{path} is a Parquet file but not a drift table (no drift metadata)")
     name = meta[TABLE_KEY].decode("utf-8", "replace")
-    try:
-        prov = json.loads(meta.get(PROVENANCE_KEY, b"{}"))
-    except ValueError:
+    prov, why = _json(meta.get(PROVENANCE_KEY), {})
+    notes = [f"provenance unreadable ({why}); shown without it"] if why else []
+    if not isinstance(prov, dict):
         prov = {}
-    prov = prov if isinstance(prov, dict) else {}
+        notes = notes or ["provenance unreadable (not a JSON object); shown without it"]
     row_type = row_types().get(name)
     if row_type is not None:
         check_schema(path, schema, row_type, prov)
     keys, headline, worse = _facts(path, meta, schema.names, prov)
-    frame, _ = read_table(path)
+    nested = _nested(schema) if row_type is None else {}
+    if inner := [c for c in (*keys, headline) if c in nested]:
+        raise DriftError(f"{path} is a {name} table whose key or headline column "
+                         f"{', '.join(f'{c} ({nested[c]})' for c in inner)} is nested; a "
+                         "report summarizes tables of plain columns")
+    if nested:
+        notes.append(f"left out {NESTED} columns: "
+                     + ", ".join(f"{c} ({kind})" for c, kind in nested.items()))
+    columns = [c for c in schema.names if c not in nested]
+    try:
+        table, size = _read_columns(path, schema, columns, byte_budget, byte_total)
+    except (OSError, pa.ArrowException) as exc:
+        raise DriftError(f"{path} is not a readable Parquet file ({exc})") from None
     docs = {f.name: (f.metadata or {}).get(b"doc", b"").decode("utf-8", "replace")
-            for f in schema}
-    return Table(path, name, keys, headline, worse, frame, prov, docs,
-                 kinds={f.name: _kind(f.type) for f in schema}, row_type=row_type)
+            for f in schema if f.name in columns}
+    return Table(path, name, keys, headline, worse, table.to_pandas(), prov, docs,
+                 kinds={f.name: _kind(f.type) for f in schema if f.name in columns},
+                 row_type=row_type, notes=tuple(notes)), size
 
 
 def _candidates(paths: Iterable[Path]) -> Iterable[Path]:
@@ -317,20 +462,23 @@ def load(paths: Sequence[Path]) -> Loaded:
     """Every drift table in ``paths`` (files, and folders searched recursively for
     ``*.parquet``); Parquet files that are not drift tables are skipped with the reason.
     Raises :class:`DriftError` when no drift table is found at all, and
-    :class:`TooManyRowsError` when the tables hold more rows than :func:`row_budget`."""
+    :class:`BudgetError` when the tables hold more rows than :func:`row_budget` or decode to
+    more bytes than :func:`byte_budget`."""
     tables: list[Table] = []
     skipped: list[Skipped] = []
     seen: set[Path] = set()
-    total = row_budget()
-    left = total
+    total, byte_total = row_budget(), byte_budget()
+    left, bytes_left = total, byte_total
     for path in _candidates(paths):
         if path.resolve() in seen:
             continue
         seen.add(path.resolve())
         try:
-            tables.append(read(path, left, total=total))
-            left -= len(tables[-1].frame)
-        except (SchemaError, TooManyRowsError):
+            table, size = _read(path, left, total, bytes_left, byte_total)
+            tables.append(table)
+            left -= len(table.frame)
+            bytes_left -= size
+        except (SchemaError, BudgetError):
             raise
         except DriftError as err:
             skipped.append(Skipped(path, str(err).removeprefix(f"{path} is ")))

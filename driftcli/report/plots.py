@@ -34,11 +34,12 @@ What a reader of one page should never have to guess:
 
 from __future__ import annotations
 
+import functools
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -151,6 +152,26 @@ class Tally:
 
 
 TALLIES = (Tally("n_failed", "n_checked", "disagreements", "values"),)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def as_text(draw: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``draw`` with every text of its figures drawn as written, never parsed as math:
+    tensor names and cast specs are data (``a$\\foo$b`` made matplotlib's math parser raise,
+    ``$x^{2}$`` was drawn as x squared). Tick labels are made when a figure is saved, so the
+    setting holds until ``draw`` returns."""
+
+    @functools.wraps(draw)
+    def drawn(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        import matplotlib
+
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return draw(*args, **kwargs)
+
+    return drawn
 
 
 def unit(table: Table, column: str) -> str:
@@ -329,6 +350,7 @@ def _numeric(frame: pd.DataFrame, column: str) -> pd.Series:
     return pd.to_numeric(frame[column], errors="coerce").astype(float)
 
 
+@as_text
 def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot | None:
     """``column`` by item (tensor, parameter), one series per group side by side in each
     item's row; None with no values."""
@@ -441,6 +463,7 @@ RING = 2.5
 """Area factor of the open ring drawn around a point an earlier series already has there."""
 
 
+@as_text
 def scatter(table: Table, spec: Scatter, palette: Palette | None = None) -> Plot | None:
     """``spec.y`` against ``spec.x``, one point per row, one colour per group."""
     palette = Palette() if palette is None else palette
@@ -517,6 +540,7 @@ def _constants(shown: Sequence[_Series], columns: Sequence[str]) -> str:
     return ", ".join(said)
 
 
+@as_text
 def by_step(table: Table, palette: Palette | None = None) -> list[Plot | Note]:
     """Each measured column against step (headline first), one line per group; only the
     aggregate rows where the table has them. Columns constant at every step (a run's seed)
@@ -570,6 +594,7 @@ def by_step(table: Table, palette: Palette | None = None) -> list[Plot | Note]:
     return plots
 
 
+@as_text
 def by_layer_step(table: Table) -> list[Plot | Note]:
     """Each measured column as a layer × step heatmap (layers in the table's order, steps
     ascending), one per series of the other group columns; cells without a value stay blank.
@@ -635,6 +660,7 @@ def _nothing(table: Table, frame: pd.DataFrame, what: str, groups: str) -> Note:
     return Note(f"{table.name}: {what}", f"{what} is 0 for every {groups}: nothing to plot.")
 
 
+@as_text
 def by_group(table: Table) -> Plot | Note | None:
     """The headline per group as bars: the total for a count, the worst value otherwise;
     a :class:`Note` where every bar would be 0."""
@@ -687,6 +713,7 @@ def by_group(table: Table) -> Plot | Note | None:
                 f"{head}: {doc}.", _png(fig))
 
 
+@as_text
 def figures(table: Table, palette: Palette | None = None) -> list[Plot | Note]:
     """Every figure ``table`` gets (see the module docstring), its series styled by
     ``palette`` (pass one palette for every table of a page)."""

@@ -194,6 +194,8 @@ class TableSummary:
     beside: tuple[str, ...] = ()
     """Columns of each group's aggregate row shown beside the headline (the row type's
     ``SHOWN``: error-bias's bias, alignment and n_lost; clip-rate's exact_clip_rate)."""
+    notes: tuple[str, ...] = ()
+    """What of the file was left out (:attr:`Table.notes`), a line each."""
 
     @property
     def changed(self) -> tuple[InputCheck, ...]:
@@ -345,6 +347,6 @@ def summarize(table: Table, worst: int = WORST,
         n_rows=len(frame), provenance=Provenance.of(table.provenance), groups=tuple(groups),
         known_row_type=table.row_type is not None,
         headline_doc=table.docs.get(table.headline, ""), constants=constants,
-        names=table.names, inputs=inputs,
+        names=table.names, inputs=inputs, notes=table.notes,
         beside=tuple(c for c in getattr(table.row_type, "SHOWN", ())
                     if lay.has_aggregate and c in frame.columns))
