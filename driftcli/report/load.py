@@ -83,6 +83,24 @@ ROW_TYPES: dict[str, str] = {
 report first needs it. A new table is one entry here; ``tests/test_report.py`` checks that
 every row type of the package is listed, under its own ``TABLE``."""
 
+JUDGING = ("clip-rate", "underflow-rate", "error-bias", "grad-cosine", "cast-diff",
+           "block-stats", "accum-error", "attention", "health", "probe", "calibrate")
+"""Tables that judge a cast, policy or run, in the order a report shows them: what a cast
+loses (clipped, flushed to zero, its error and bias), then what training sees of it."""
+BOOKKEEPING = ("train", "inspect", "verify-formats", "block-scales")
+"""Tables a report shows last: logs and counts that explain, but do not judge, a cast
+(block-scales' "blocks, higher is better" says nothing by itself). Tables of neither list
+(another drift's) come between the two."""
+
+
+def concern(name: str) -> int:
+    """Where a table named ``name`` comes in a report (see :data:`JUDGING`)."""
+    if name in JUDGING:
+        return JUDGING.index(name)
+    if name in BOOKKEEPING:
+        return len(JUDGING) + 1 + BOOKKEEPING.index(name)
+    return len(JUDGING)
+
 
 class SchemaError(DriftError):
     """A drift table whose columns or metadata are not the ones its row type declares."""
@@ -208,7 +226,8 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Loaded:
-    """What a set of paths held: the tables, in path order, and the files skipped."""
+    """What a set of paths held: the tables, in order of concern (:func:`concern`, then
+    path order), and the files skipped."""
 
     tables: tuple[Table, ...]
     skipped: tuple[Skipped, ...]
@@ -486,7 +505,7 @@ def load(paths: Sequence[Path]) -> Loaded:
         named = ", ".join(str(p) for p in paths)
         raise DriftError(f"no drift tables in {named}; run a measurement first (e.g. drift "
                          "clip-rate MODEL --cast mxfp8_e4m3 --out DIR) and report DIR")
-    return Loaded(tuple(tables), tuple(skipped))
+    return Loaded(tuple(sorted(tables, key=lambda t: concern(t.name))), tuple(skipped))
 
 
 class InputState(StrEnum):

@@ -53,7 +53,10 @@ DECADES = 2.0
 """Nonzero magnitudes spanning more than this many decades (5th to 95th percentile) get a
 log scale."""
 MAX_LABELLED = 60
-"""Items named on the axis; beyond this, items are plotted by index and the worst named."""
+"""Items named on the axis; beyond this, items are plotted against their size (:data:`SIZE`,
+or their index in the file where a table has no size) and the worst named."""
+SIZE = "numel"
+"""The column of an item's size: its elements."""
 NAMED_WORST = 5
 MAX_SERIES = 10
 MAX_STEP_PANELS = 6
@@ -379,12 +382,17 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
         part, v = part[v.notna()], v[v.notna()]
         agg = _numeric(s.rows[agg_rows], column).dropna()
         total = float(agg.iloc[0]) if not agg.empty else None
-        drawn.append(([pos[str(x)] for x in part[item]], list(v), total))
+        drawn.append(([pos[str(x)] for x in part[item]], list(v), total,
+                      list(_numeric(part, SIZE)) if SIZE in part.columns else []))
         pairs = tuple(sorted(zip(part[item].astype(str), v, strict=True)))
         points.append((pairs, total) if pairs or total is not None else None)
     twins = _twins(points)
     labels = _named(shown, twins, column)
     labelled = len(items) <= MAX_LABELLED
+    # beyond MAX_LABELLED, items lie along their size where every one has it: a tensor's
+    # index in the file says nothing about it, its element count says how much it weighs
+    sized = (not labelled and SIZE in rows.columns
+             and bool((_numeric(rows, SIZE) > 0).all()))
     more = ""
     # each series its own place in a row, a marker and a gap wide (MARKER_PT is 6.5 px
     # across): taller rows for more series; a legend under the plot takes its own height
@@ -393,12 +401,12 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
     height += 0.3 + 0.17 * len(shown) if _below(labels) else 0
     fig, ax = _figure(9.5, min(max(height, 3.2), 40))
     value_axis = "x" if labelled else "y"
-    lines = _coinciding([total for _, _, total in drawn])
-    for n, (s, (where, v, total)) in enumerate(zip(shown, drawn, strict=True)):
+    lines = _coinciding([total for _, _, total, _ in drawn])
+    for n, (s, (where, v, total, sizes)) in enumerate(zip(shown, drawn, strict=True)):
         style = palette[s.name]
         kw = {"marker": style.marker, "color": style.colour, "alpha": ALPHA, "s": MARKER_PT,
               "label": labels[n]}
-        at = [w + offset[n] for w in where]
+        at = sizes if sized else [w + offset[n] for w in where]
         if labelled:
             ax.scatter(v, at, **kw)
         else:
@@ -408,7 +416,7 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
             line = ax.axvline if labelled else ax.axhline
             line(total, color=style.colour, linewidth=1, alpha=0.7,
                  linestyle="--" if m == 1 else _dashes(k, m))
-    totals = [t for _, _, t in drawn if t is not None]
+    totals = [t for _, _, t, _ in drawn if t is not None]
     kind = _apply_scale(ax, value_axis, list(values), also=totals)
     if labelled:
         ax.set_yticks(range(len(items)), items, fontsize=7 if len(items) > 30 else 8)
@@ -416,9 +424,15 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
         ax.set_xlabel(axis_label(table, column))
         ax.set_ylabel(item)
         ax.grid(axis="x", alpha=0.3)
+    elif sized:
+        ax.set_xscale("log")
+        _pad(ax, "x", list(_numeric(rows, SIZE)))
+        ax.set_xlabel(f"{SIZE} [count] (elements of each {item}; the {NAMED_WORST} worst are "
+                      "numbered)")
     else:
         _pad(ax, "x", [-DODGE / 2, len(items) - 1 + DODGE / 2])
         ax.set_xlabel(f"{item} index (file order; the {NAMED_WORST} worst are numbered)")
+    if not labelled:
         ax.set_ylabel(axis_label(table, column))
         ax.grid(axis="y", alpha=0.3)
         # numbered rings, names in the caption: names written on a dense plot overlap
@@ -429,7 +443,8 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
         worst = rows.assign(_v=values, _s=row_series).sort_values(
             "_v", ascending=not table.higher_is_worse, kind="stable").head(NAMED_WORST)
         for n, (_, r) in enumerate(worst.iterrows(), 1):
-            ring = (pos[str(r[item])] + place.get(r["_s"], 0.0), r["_v"])
+            ring = ((float(r[SIZE]) if sized else pos[str(r[item])] + place.get(r["_s"], 0.0)),
+                    r["_v"])
             ax.scatter(*ring, s=90, facecolors="none", edgecolors="black", linewidths=1)
             ax.annotate(str(n), ring, fontsize=8, fontweight="bold", xytext=(5, -3),
                         textcoords="offset points")
