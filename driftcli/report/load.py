@@ -102,6 +102,14 @@ def concern(name: str) -> int:
     return len(JUDGING)
 
 
+CAST, CAST_NAME = "cast", "cast_name"
+"""A cast's canonical spec, and the name it was given by (a preset), the columns of every
+table that measures casts. A table without ``cast_name`` (written before it, or by a
+measurement that keeps the names in its provenance) gets it on reading: the provenance's
+name for each spec, else the spec."""
+NAME_DOC = "The cast as it was given (a preset such as nvfp4); the canonical spec otherwise"
+
+
 class SchemaError(DriftError):
     """A drift table whose columns or metadata are not the ones its row type declares."""
 
@@ -197,10 +205,16 @@ class Table:
         preset the user gave). Only what is shown changes: expressions and baselines read
         the values as written."""
         got = self.provenance.get("names")
-        if not isinstance(got, dict):
-            return {}
-        return {str(c): {str(v): str(n) for v, n in m.items()} for c, m in got.items()
-                if isinstance(m, dict)}
+        names = ({str(c): {str(v): str(n) for v, n in m.items()} for c, m in got.items()
+                  if isinstance(m, dict)} if isinstance(got, dict) else {})
+        if CAST_NAME in self.frame.columns:
+            given = self.frame[[CAST, CAST_NAME]].dropna().drop_duplicates()
+            names[CAST] = {**names.get(CAST, {}), **{
+                str(c): str(n) for c, n in zip(given[CAST], given[CAST_NAME], strict=True)
+                if c != n}}
+            if not names[CAST]:
+                del names[CAST]
+        return names
 
     def display_frame(self) -> pd.DataFrame:
         """The frame with its named values (see :attr:`names`) replaced by their names."""
@@ -273,7 +287,8 @@ def check_schema(path: Path, schema: pa.Schema, row_type: type[Row], prov: dict[
     have = {f.name: f for f in schema}
     need = {f.name: f for f in want}
     problems = []
-    if missing := [n for n in need if n not in have]:
+    if missing := [n for n in need if n not in have
+                   and not (n == CAST_NAME and CAST in have)]:  # derived on reading
         problems.append(f"missing {', '.join(missing)}")
     if extra := [n for n in have if n not in need]:
         problems.append(f"unexpected {', '.join(extra)}")
@@ -457,9 +472,25 @@ def _read(path: Path, budget: int | None, total: int | None, byte_budget: int | 
         raise DriftError(f"{path} is not a readable Parquet file ({exc})") from None
     docs = {f.name: (f.metadata or {}).get(b"doc", b"").decode("utf-8", "replace")
             for f in schema if f.name in columns}
-    return Table(path, name, keys, headline, worse, table.to_pandas(), prov, docs,
-                 kinds={f.name: _kind(f.type) for f in schema if f.name in columns},
+    kinds = {f.name: _kind(f.type) for f in schema if f.name in columns}
+    frame = table.to_pandas()
+    if CAST in frame.columns and CAST_NAME not in frame.columns:
+        frame = _named_casts(frame, prov)
+        docs[CAST_NAME], kinds[CAST_NAME] = NAME_DOC, "string"
+    return Table(path, name, keys, headline, worse, frame, prov, docs, kinds=kinds,
                  row_type=row_type, notes=tuple(notes)), size
+
+
+def _named_casts(frame: pd.DataFrame, prov: dict[str, Any]) -> pd.DataFrame:
+    """``frame`` with :data:`CAST_NAME` beside :data:`CAST`: the name the provenance
+    recorded for each spec, else the spec."""
+    got = prov.get("names")
+    given = got.get(CAST) if isinstance(got, dict) else None
+    names = ({str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {})
+    named = frame[CAST].map(lambda c: names.get(c, c) if isinstance(c, str) else c)
+    return frame.assign(**{CAST_NAME: named})[
+        [*frame.columns[:frame.columns.get_loc(CAST) + 1], CAST_NAME,
+         *frame.columns[frame.columns.get_loc(CAST) + 1:]]]
 
 
 def _candidates(paths: Iterable[Path]) -> Iterable[Path]:
