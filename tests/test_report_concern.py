@@ -19,7 +19,7 @@ from test_report import (
     write_real_grad,
     write_run,
 )
-from test_report_html import drawn, pixels  # noqa: F401 (drawn: a fixture)
+from test_report_html import NO_BROWSER, drawn, pixels, screenshot  # noqa: F401 (drawn: a fixture)
 
 from driftcli.io.tables import write_table
 from driftcli.measures.block_stats import BlockScaleRow, BlockStatsRow
@@ -120,6 +120,37 @@ def test_an_exponent_axis_spans_the_exponents_present(tmp_path: Path,
     ticks = [t.get_text() for t in fig.axes[0].get_xticklabels() if t.get_text()]
     assert "-127" in ticks and "-9" in ticks and "-3" in ticks, ticks
     assert "-126 to -10: no blocks" in page
+
+
+@NO_BROWSER
+def test_an_exponent_map_is_readable_in_the_browser(tmp_path: Path) -> None:
+    """As Chromium shows the page: each cell of the scale-exponent map is wide (on main, 125
+    columns from -127 to -3 were shrunk to fit the page, 8 pixels each)."""
+    import numpy as np
+    from matplotlib import colormaps
+    from PIL import Image
+
+    exps = {"a": [-9, -8, -7, -6], "b": [-5, -4, -3], "zero": [-127, -6, -5]}
+    rows = [make_row(BlockScaleRow, source="m.safetensors", tensor=t, cast="mxfp8_e4m3",
+                     direction="rows", scale_code=e + 127, scale_exponent=e, blocks=k + 1)
+            for t, es in exps.items() for k, e in enumerate(es)]
+    write_table(tmp_path / "out" / "block-scales.parquet", BlockScaleRow, rows, PROV)
+    page = tmp_path / "r.html"
+    assert report(str(tmp_path / "out"), "--html", str(page)).exit_code == 0
+    shot, _ = screenshot(page, tmp_path)
+    rgb = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    shares = {(k + 1) / sum(range(1, len(es) + 1)) for es in exps.values()
+              for k in range(len(es))}
+    widths = []
+    for share in shares:  # every cell has a share of its own in its row, so a colour
+        colour = np.round(np.asarray(colormaps["viridis"](share)[:3]) * 255)
+        hit = np.abs(rgb - colour).max(axis=2) <= 6
+        runs = []  # the longest run of the colour in each row that has it
+        for row in hit[hit.sum(axis=1) >= 3]:
+            edges = np.flatnonzero(np.diff(np.r_[0, row.astype(int), 0]))
+            runs.append(int((edges[1::2] - edges[::2]).max()))
+        widths.append(float(np.median(runs)))  # a cell's rows, not the colour bar's one
+    assert min(widths) >= 25, widths
 
 
 def overlaps(labels: list[Any], renderer: Any) -> list[tuple[str, str]]:
