@@ -76,14 +76,33 @@ def test_tables_without_cast_name_still_load(tmp_path: Path) -> None:
     assert [v.n_rows for v in rep.violations] == [2]  # w and *, nvfp4's only
 
 
+def test_block_stats_tables_carry_cast_name(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.linspace(-500, 500, 4096).reshape(16, 256)},
+              str(tmp_path / "m.safetensors"))
+    out = tmp_path / "out"
+    done = runner.invoke(app, ["block-stats", str(tmp_path / "m.safetensors"), "-c", "nvfp4",
+                               "-c", MX, "--out", str(out), "--quiet"])
+    assert done.exit_code == 0, done.output
+    for name in ("block-stats", "block-scales"):
+        stored = pq.read_table(out / f"{name}.parquet").to_pandas()
+        assert dict(zip(stored.cast, stored.cast_name, strict=True)) == {NV: "nvfp4", MX: MX}
+    text = markdown.render(make_report([out / "block-stats.parquet"], Options()))
+    assert "| nvfp4 |" in text and f"| {NV} |" not in text
+
+
 def test_every_table_with_a_cast_gets_its_name(tmp_path: Path) -> None:
-    """block-stats' rows hold the spec; the report adds cast_name from the names its
-    provenance recorded, and shows the name."""
+    """A table whose rows hold the spec alone (an older block-stats') gets cast_name on
+    reading, from the names its provenance recorded."""
     rows = [BlockStatsRow("m.safetensors", "w", None, None, None, c, "float4_e2m1fn", "e4m3",
                           "block", 16, "rows", 10, 0, 0, k, k / 10, 0, 0, 0, 0, 0, 0, 2, 0, 0,
                           0.0, None) for k, c in enumerate((NV, MX))]
     path = write_table(tmp_path / "block-stats.parquet", BlockStatsRow, rows,
                        {**PROV, "names": {"cast": {NV: "nvfp4"}}})
+    old = pq.read_table(path)
+    pq.write_table(old.drop_columns(["cast_name"]).replace_schema_metadata(
+        old.schema.metadata), path)
     (table,) = load([path]).tables
     assert table.frame.cast_name.tolist() == ["nvfp4", MX]
     text = markdown.render(make_report([path], Options()))

@@ -17,6 +17,9 @@ from driftcli.measures.stats import CastStats
 from driftcli.progress import Progress
 from driftcli.records.cast import Cast
 
+CAST_NAME_DOC = ("The cast as it was given (a preset such as nvfp4); the canonical spec where "
+                 "it was given as one, or as a Cast")
+"""The ``cast_name`` column of every table that measures casts."""
 ALL_TENSORS = "*"
 """The ``tensor`` of the row that aggregates every selected tensor of an input."""
 
@@ -37,8 +40,7 @@ class TensorCastRow:
     shape: str | None = column("Shape as a JSON list, e.g. [4096, 11008]")
     numel: int | None = column("Elements (all selected tensors in the all-tensors row)")
     cast: str = column("Canonical cast spec (drift formats --cast SPEC explains it)")
-    cast_name: str = column("The cast as it was given (a preset such as nvfp4); the canonical "
-                            "spec where it was given as one, or as a Cast")
+    cast_name: str = column(CAST_NAME_DOC)
     format: str = column("Element format")
     granularity: str = column("Scale granularity: none, tensor, channel, block or tile")
     block: int = column("Block or tile size (0 for none, tensor, channel)")

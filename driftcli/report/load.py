@@ -107,7 +107,8 @@ CAST, CAST_NAME = "cast", "cast_name"
 table that measures casts. A table without ``cast_name`` (written before it, or by a
 measurement that keeps the names in its provenance) gets it on reading: the provenance's
 name for each spec, else the spec."""
-NAME_DOC = "The cast as it was given (a preset such as nvfp4); the canonical spec otherwise"
+NAME_DOC = ("The cast as it was given (a preset such as nvfp4); the canonical spec where it "
+            "was given as one, or as a Cast")
 
 
 class SchemaError(DriftError):
@@ -474,7 +475,8 @@ def _read(path: Path, budget: int | None, total: int | None, byte_budget: int | 
             for f in schema if f.name in columns}
     kinds = {f.name: _kind(f.type) for f in schema if f.name in columns}
     frame = table.to_pandas()
-    if CAST in frame.columns and CAST_NAME not in frame.columns:
+    if CAST in frame.columns and (CAST_NAME not in frame.columns
+                                  or not frame[CAST_NAME].astype(bool).all()):
         frame = _named_casts(frame, prov)
         docs[CAST_NAME], kinds[CAST_NAME] = NAME_DOC, "string"
     return Table(path, name, keys, headline, worse, frame, prov, docs, kinds=kinds,
@@ -482,12 +484,16 @@ def _read(path: Path, budget: int | None, total: int | None, byte_budget: int | 
 
 
 def _named_casts(frame: pd.DataFrame, prov: dict[str, Any]) -> pd.DataFrame:
-    """``frame`` with :data:`CAST_NAME` beside :data:`CAST`: the name the provenance
-    recorded for each spec, else the spec."""
+    """``frame`` with :data:`CAST_NAME` beside :data:`CAST` (or, where it has the column,
+    its empty and null cells filled): the name the provenance recorded for each spec, else
+    the spec."""
     got = prov.get("names")
     given = got.get(CAST) if isinstance(got, dict) else None
     names = ({str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {})
     named = frame[CAST].map(lambda c: names.get(c, c) if isinstance(c, str) else c)
+    if CAST_NAME in frame.columns:  # written, but empty in some rows: those are filled
+        given = frame[CAST_NAME]
+        return frame.assign(**{CAST_NAME: given.where(given.astype(bool), named)})
     return frame.assign(**{CAST_NAME: named})[
         [*frame.columns[:frame.columns.get_loc(CAST) + 1], CAST_NAME,
          *frame.columns[frame.columns.get_loc(CAST) + 1:]]]
