@@ -217,3 +217,7 @@ def test_dumps_are_grouped_by_step_and_role(tmp_path: Path) -> None:
     text = markdown.render(make_report([tmp_path], Options()))
     assert "| 200 | gradient | 2 | - | - | 0.3 | 0.4 | s200.gradient.1 0.4 |" in text, text
     assert "| all | all | 0 | 0.02 | - | - | - | - |" in text, text
+    # drawn by tensor, a series per step and role; step is not a per-step table's key here
+    page = report_html.render(make_report([tmp_path], Options()))
+    titles = re.findall(r'<img [^>]* title="([^"]+)"', page)
+    assert titles == ["clip-rate: clip_rate by tensor"], titles

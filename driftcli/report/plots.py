@@ -7,7 +7,7 @@ Which figures a table gets follows from its layout and columns, never from its n
   by parameter for each policy), and the same for each column of ``BY_ITEM_EXTRA`` it has;
 - a table with both columns of a ``Scatter`` gets that scatter (error size against bias: one
   point per tensor and cast);
-- a table with more than one ``step`` gets its measured columns against step; where it also
+- a table with more than one ``step`` key gets its measured columns against step; where it also
   has a ``layer`` key column with more than ``MAX_LAYER_LINES`` layers (a line per layer would
   be unreadable), each measured column is a layer × step heatmap instead, one per series of
   the other group columns (a cast, a policy);
@@ -734,7 +734,9 @@ def figures(table: Table, palette: Palette | None = None) -> list[Plot | Note]:
     ``palette`` (pass one palette for every table of a page)."""
     palette = Palette() if palette is None else palette
     lay = layout(table)
-    stepped = STEP in table.columns and table.frame[STEP].nunique() > 1
+    # a per-step table declares step a key; a dump's tensors carry theirs as a column, and
+    # are drawn by tensor, a series per step (summary.BREAKDOWN)
+    stepped = STEP in table.keys and table.frame[STEP].nunique() > 1
     plots: list[Plot | Note | None] = []
     layered = (stepped and LAYER in table.keys
                and table.frame[LAYER].nunique() > MAX_LAYER_LINES)
