@@ -6,6 +6,7 @@ and adds ``cast_name``, the name the user gave (the spec where none was given), 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -35,17 +36,25 @@ def test_a_dataframe_keeps_the_spec_and_the_name_given() -> None:
     assert len(picked) == 2 and set(picked.cast) == {NV}
 
 
-def test_a_table_carries_cast_name_and_rules_select_by_either(tmp_path: Path) -> None:
+def measured(tmp_path: Path, command: str, *tables: str) -> Path:
+    """``drift COMMAND`` on one weight under nvfp4 and mxfp8_e4m3's spec; each of ``tables``
+    it writes holds both casts' specs and their names."""
     from safetensors.torch import save_file
 
     save_file({"w": torch.linspace(-500, 500, 4096).reshape(16, 256)},
               str(tmp_path / "m.safetensors"))
     out = tmp_path / "out"
-    done = runner.invoke(app, ["clip-rate", str(tmp_path / "m.safetensors"), "-c", "nvfp4",
+    done = runner.invoke(app, [command, str(tmp_path / "m.safetensors"), "-c", "nvfp4",
                                "-c", MX, "--out", str(out), "--quiet"])
     assert done.exit_code == 0, done.output
-    stored = pq.read_table(out / "clip-rate.parquet").to_pandas()
-    assert dict(zip(stored.cast, stored.cast_name, strict=True)) == {NV: "nvfp4", MX: MX}
+    for name in tables:
+        stored = pq.read_table(out / f"{name}.parquet").to_pandas()
+        assert dict(zip(stored.cast, stored.cast_name, strict=True)) == {NV: "nvfp4", MX: MX}
+    return out
+
+
+def test_a_table_carries_cast_name_and_rules_select_by_either(tmp_path: Path) -> None:
+    out = measured(tmp_path, "clip-rate", "clip-rate")
     (table,) = load([out]).tables
     assert set(table.frame[table.frame.cast_name == "nvfp4"].cast) == {NV}
     for rule in ("cast_name == 'nvfp4' and clip_rate >= 0", "cast == 'nvfp4' and clip_rate >= 0",
@@ -56,17 +65,23 @@ def test_a_table_carries_cast_name_and_rules_select_by_either(tmp_path: Path) ->
     assert result.exit_code == 2 and "nvfp4" in result.output, result.output
 
 
+def written_before(path: Path, row_type: type, rows: list[Any]) -> Path:
+    """``rows`` as a table written before cast_name: without the column, nvfp4's name in its
+    provenance."""
+    write_table(path, row_type, rows, {**PROV, "names": {"cast": {NV: "nvfp4"}}})
+    table = pq.read_table(path)
+    pq.write_table(table.drop_columns(["cast_name"]).replace_schema_metadata(
+        table.schema.metadata), path)
+    return path
+
+
 def test_tables_without_cast_name_still_load(tmp_path: Path) -> None:
     """A table written before the column: cast_name is the name its provenance recorded, else
     the spec; its schema is accepted."""
     rows = [tensor_row(ClipRateRow, t, c, clip_rate=0.1 * (k + 1), clipped=1, n_blocks=10,
                        cast_name=c)
             for k, c in enumerate((NV, MX)) for t in ("w", "*")]
-    path = write_table(tmp_path / "clip-rate.parquet", ClipRateRow, rows,
-                       {**PROV, "names": {"cast": {NV: "nvfp4"}}})
-    old = pq.read_table(path)
-    pq.write_table(old.drop_columns(["cast_name"]).replace_schema_metadata(
-        old.schema.metadata), path)
+    path = written_before(tmp_path / "clip-rate.parquet", ClipRateRow, rows)
     (table,) = load([path]).tables
     assert dict(zip(table.frame.cast, table.frame.cast_name, strict=True)) == {NV: "nvfp4",
                                                                               MX: MX}
@@ -77,17 +92,7 @@ def test_tables_without_cast_name_still_load(tmp_path: Path) -> None:
 
 
 def test_block_stats_tables_carry_cast_name(tmp_path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file({"w": torch.linspace(-500, 500, 4096).reshape(16, 256)},
-              str(tmp_path / "m.safetensors"))
-    out = tmp_path / "out"
-    done = runner.invoke(app, ["block-stats", str(tmp_path / "m.safetensors"), "-c", "nvfp4",
-                               "-c", MX, "--out", str(out), "--quiet"])
-    assert done.exit_code == 0, done.output
-    for name in ("block-stats", "block-scales"):
-        stored = pq.read_table(out / f"{name}.parquet").to_pandas()
-        assert dict(zip(stored.cast, stored.cast_name, strict=True)) == {NV: "nvfp4", MX: MX}
+    out = measured(tmp_path, "block-stats", "block-stats", "block-scales")
     text = markdown.render(make_report([out / "block-stats.parquet"], Options()))
     assert "| nvfp4 |" in text and f"| {NV} |" not in text
 
@@ -98,11 +103,7 @@ def test_every_table_with_a_cast_gets_its_name(tmp_path: Path) -> None:
     rows = [BlockStatsRow("m.safetensors", "w", None, None, None, c, "float4_e2m1fn", "e4m3",
                           "block", 16, "rows", 10, 0, 0, k, k / 10, 0, 0, 0, 0, 0, 0, 2, 0, 0,
                           0.0, None) for k, c in enumerate((NV, MX))]
-    path = write_table(tmp_path / "block-stats.parquet", BlockStatsRow, rows,
-                       {**PROV, "names": {"cast": {NV: "nvfp4"}}})
-    old = pq.read_table(path)
-    pq.write_table(old.drop_columns(["cast_name"]).replace_schema_metadata(
-        old.schema.metadata), path)
+    path = written_before(tmp_path / "block-stats.parquet", BlockStatsRow, rows)
     (table,) = load([path]).tables
     assert table.frame.cast_name.tolist() == ["nvfp4", MX]
     text = markdown.render(make_report([path], Options()))
