@@ -20,10 +20,10 @@ table's row count is taken from its Parquet footer before any column is read, so
 file declaring millions of rows of repeated values (a few hundred KB can hold 50 M) is
 refused in milliseconds instead of taking gigabytes. So are the bytes its columns decode to
 (:data:`MAX_BYTES`, or ``DRIFT_REPORT_MAX_BYTES``): a few rows can repeat one long string
-stored once in a Parquet dictionary (12 MB of file, 20 GiB of strings). The footer's
-uncompressed page sizes bound the plainly stored values before anything is read; strings
-are then read still dictionary-encoded, and their decoded length summed from the dictionary
-and the indices, before one is decoded.
+stored once in a Parquet dictionary (50 KB of file, 100 MB of strings, in the tests). The
+footer's uncompressed page sizes bound the plainly stored values before anything is read;
+strings are then read still dictionary-encoded, and their decoded length summed from the
+dictionary and the indices, before one is decoded.
 
 Nothing read from a table's metadata can crash a report: provenance that is not JSON (or
 nested past the parser's stack) is shown as unreadable in one line, and columns of a table
