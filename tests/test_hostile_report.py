@@ -66,6 +66,18 @@ def test_a_table_that_decodes_past_the_byte_budget_is_refused_before_decoding(
     assert len(table.frame) == ROWS and len(table.frame["checkpoint"].iloc[-1]) == LONG
 
 
+def test_the_byte_budget_counts_every_table(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    first = write_bomb(tmp_path / "a" / "grad-cosine-test.parquet")
+    second = write_bomb(tmp_path / "b" / "grad-cosine-test.parquet")
+    monkeypatch.setenv(MAX_BYTES_ENV, "150_000_000")
+    assert len(load([first]).tables) == 1
+    with pytest.raises(DriftError, match=r"b/grad-cosine-test.parquet decodes to 100,\d{3},\d{3} "
+                       r"bytes, with the 100,\d{3},\d{3} of the tables before it, beyond the "
+                       r"150,000,000"):
+        load([first, second])
+
+
 def test_a_byte_budget_that_is_no_number_is_one_line(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     bomb = write_bomb(tmp_path / "grad-cosine-test.parquet")

@@ -412,32 +412,31 @@ def _read_columns(path: Path, schema: pa.Schema, columns: list[str], budget: int
     """``columns`` of the table at ``path``, and the bytes they decode to, refused with
     :class:`TooManyBytesError` beyond ``budget`` (of ``total``) before any string is
     decoded."""
-    whole = budget if total is None else total
     if budget is not None:
         stored = _stored_bytes(path)
         if stored > budget:
-            raise _too_large(path, stored, budget, whole or budget, bound=True)
+            raise _too_large(path, stored, budget, total or budget, bound=True)
     table = pq.read_table(path, columns=columns, read_dictionary=_strings(schema))
     size = _decoded_bytes(table)
     if budget is not None and size > budget:
-        raise _too_large(path, size, budget, whole or budget, bound=False)
+        raise _too_large(path, size, budget, total or budget, bound=False)
     plain = pa.schema([schema.field(c) for c in columns], metadata=schema.metadata)
     return table.cast(plain), size
 
 
 def read(path: Path, budget: int | None = None, *, total: int | None = None,
-         byte_budget: int | None = None, byte_total: int | None = None) -> Table:
+         max_bytes: int | None = None, bytes_total: int | None = None) -> Table:
     """One drift table, checked. Raises :class:`DriftError` for a file that is not a drift
     table (the caller may skip it), :class:`SchemaError` for a mismatched one,
     :class:`TooManyRowsError` for one whose footer declares more than ``budget`` rows (of
     ``total``, the whole budget, named in the message) and :class:`TooManyBytesError` for one
-    whose columns decode to more than ``byte_budget`` bytes (of ``byte_total``), before any of
+    whose columns decode to more than ``max_bytes`` bytes (of ``bytes_total``), before any of
     its values is decoded."""
-    return _read(path, budget, total, byte_budget, byte_total)[0]
+    return _read(path, budget, total, max_bytes, bytes_total)[0]
 
 
-def _read(path: Path, budget: int | None, total: int | None, byte_budget: int | None,
-          byte_total: int | None) -> tuple[Table, int]:
+def _read(path: Path, budget: int | None, total: int | None, max_bytes: int | None,
+          bytes_total: int | None) -> tuple[Table, int]:
     try:
         schema = pq.read_schema(path)
         rows = pq.read_metadata(path).num_rows
@@ -468,7 +467,7 @@ def _read(path: Path, budget: int | None, total: int | None, byte_budget: int | 
                      + ", ".join(f"{c} ({kind})" for c, kind in nested.items()))
     columns = [c for c in schema.names if c not in nested]
     try:
-        table, size = _read_columns(path, schema, columns, byte_budget, byte_total)
+        table, size = _read_columns(path, schema, columns, max_bytes, bytes_total)
     except (OSError, pa.ArrowException) as exc:
         raise DriftError(f"{path} is not a readable Parquet file ({exc})") from None
     docs = {f.name: (f.metadata or {}).get(b"doc", b"").decode("utf-8", "replace")
