@@ -51,7 +51,8 @@ def tensor_row(row_type: type, tensor: str, cast: str, error: str | None = None,
                **own: Any) -> Any:
     """A row of a per-tensor measurement: the shared columns filled in, the rest null."""
     base = {f.name: None for f in dataclasses.fields(row_type)}
-    base.update(source="model.safetensors", tensor=tensor, cast=cast, format="float8_e4m3fn",
+    base.update(source="model.safetensors", tensor=tensor, cast=cast, cast_name=cast,
+                format="float8_e4m3fn",
                 granularity="block", block=32, rounding="rne", n_tensors=1, n_skipped=0,
                 error=error)
     if tensor == ALL_TENSORS:

@@ -407,8 +407,28 @@ def frame(gray: np.ndarray) -> tuple[int, int]:
     return int(left), int(right)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (Debian: apt-get "
-                    "install chromium chromium-driver); the checks without a browser still run")
+def screenshot(page: Path, folder: Path) -> tuple[Path, Path]:
+    """The page as headless Chromium shows it, 1200 × 4000 CSS pixels at one device pixel
+    each, with the network blocked; the screenshot and the browser's network log."""
+    shot, netlog = folder / "shot.png", folder / "net.json"
+    proc = subprocess.run(
+        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", f"--user-data-dir={folder / 'profile'}",
+         "--host-resolver-rules=MAP * ~NOTFOUND",  # block the network: nothing may resolve
+         f"--log-net-log={netlog}", "--window-size=1200,4000", "--hide-scrollbars",
+         "--force-device-scale-factor=1", f"--screenshot={shot}", page.as_uri()],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return shot, netlog
+
+
+NO_BROWSER = pytest.mark.skipif(
+    CHROMIUM is None, reason="Chromium is not installed (Debian: apt-get install chromium "
+    "chromium-driver); the checks without a browser still run")
+
+
+@NO_BROWSER
 def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     """The page as a browser shows it, and on its figures the points of issue 19: every cast
     visible where two coincide, one colour per cast on the whole page, markers at the
@@ -418,16 +438,7 @@ def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
     out = planted_run(tmp_path / "out")
     page = tmp_path / "report.html"
     assert report(str(out), "--html", str(page)).exit_code == 0
-    shot, netlog = tmp_path / "shot.png", tmp_path / "net.json"
-    proc = subprocess.run(
-        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
-         "--host-resolver-rules=MAP * ~NOTFOUND",  # block the network: nothing may resolve
-         f"--log-net-log={netlog}", "--window-size=1200,4000", "--hide-scrollbars",
-         "--force-device-scale-factor=1", f"--screenshot={shot}", page.as_uri()],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    shot, netlog = screenshot(page, tmp_path)
     img = Image.open(shot)
     assert img.size == (1200, 4000)
     gray = np.asarray(img.convert("L"))

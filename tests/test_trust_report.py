@@ -32,8 +32,8 @@ def report(*args: str) -> Any:
 def row(row_type: type, tensor: str, cast: str, **own: Any) -> Any:
     """A row with the shared columns filled in and the rest null."""
     base = {f.name: None for f in dataclasses.fields(row_type)}
-    base.update(source="m.safetensors", tensor=tensor, cast=cast, format="f", granularity="block",
-                block=16, rounding="rne", n_tensors=1, n_skipped=0)
+    base.update(source="m.safetensors", tensor=tensor, cast=cast, cast_name=cast, format="f",
+                granularity="block", block=16, rounding="rne", n_tensors=1, n_skipped=0)
     base.update(own)
     return row_type(**base)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from fractions import Fraction
 from pathlib import Path
@@ -54,6 +54,7 @@ from driftcli.errors import DriftError
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
 from driftcli.io.tables import column
 from driftcli.kernels import jit
+from driftcli.measures.common import CAST_NAME_DOC
 from driftcli.measures.scan import NothingToMeasure, nothing_to_measure
 from driftcli.progress import Progress
 from driftcli.records.cast import Cast
@@ -120,6 +121,7 @@ class BlockStatsRow:
     range_over_span: float | None = column("Share of live groups whose range exceeds "
                                            "element_span")
     error: str | None = column("Why this tensor could not be measured; null when it was")
+    cast_name: str = column(CAST_NAME_DOC, default="")
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ class BlockScaleRow:
                              "a float32 scale of a float64 tensor: the nearest float32's)")
     scale_exponent: int = column("floor(log2 s) of that scale")
     blocks: int = column("Finite groups with this scale")
+    cast_name: str = column(CAST_NAME_DOC, default="")
 
 
 # --- the pass over the groups (the kernel seam: numba or torch) -------------------------------
@@ -531,7 +534,7 @@ def _base(ref: TensorRef, c: Cast) -> dict[str, Any]:
 _NULLS: dict[str, Any] = {f.name: None for f in fields(BlockStatsRow)
           if f.name not in ("source", "tensor", "layer", "dtype", "shape", "cast", "format",
                        "scale_format", "granularity", "block", "direction", "element_span",
-                       "error")}
+                       "error", "cast_name")}
 
 
 def block_unit(unit: BlockUnit) -> tuple[list[BlockStatsRow], list[BlockScaleRow]]:
@@ -599,4 +602,7 @@ def block_stats(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     for r, h in found:
         rows.extend(r)
         scales.extend(h)
-    return BlockStats(rows, scales, [f for _, i in opened for f in i.files])
+    names = {str(p): c for c, p in zip(casts, parsed, strict=True) if isinstance(c, str)}
+    return BlockStats([replace(r, cast_name=names.get(r.cast, r.cast)) for r in rows],
+                      [replace(r, cast_name=names.get(r.cast, r.cast)) for r in scales],
+                      [f for _, i in opened for f in i.files])

@@ -16,6 +16,9 @@ from driftcli.measures.stats import CastStats
 from driftcli.progress import Progress
 from driftcli.records.cast import Cast
 
+CAST_NAME_DOC = ("The cast as it was given (a preset such as nvfp4); the canonical spec where "
+                 "it was given as one, or as a Cast")
+"""The ``cast_name`` column of every table that measures casts."""
 ALL_TENSORS = "*"
 """The ``tensor`` of the row that aggregates every selected tensor of an input."""
 
@@ -36,6 +39,7 @@ class TensorCastRow:
     shape: str | None = column("Shape as a JSON list, e.g. [4096, 11008]")
     numel: int | None = column("Elements (all selected tensors in the all-tensors row)")
     cast: str = column("Canonical cast spec (drift formats --cast SPEC explains it)")
+    cast_name: str = column(CAST_NAME_DOC)
     format: str = column("Element format")
     granularity: str = column("Scale granularity: none, tensor, channel, block or tile")
     block: int = column("Block or tile size (0 for none, tensor, channel)")
@@ -53,11 +57,12 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
-def _cast_columns(c: Cast) -> dict[str, Any]:
+def _cast_columns(c: Cast, names: dict[str, str]) -> dict[str, Any]:
     s = c.scaling
     rule = None if s.rule is None else s.rule.value + (f"+{s.headroom}" if s.headroom else "")
-    return {"cast": str(c), "format": c.format.name, "granularity": s.granularity.value,
-            "block": s.block, "scale_rule": rule, "rounding": c.rounding.value}
+    return {"cast": str(c), "cast_name": names.get(str(c), str(c)), "format": c.format.name,
+            "granularity": s.granularity.value, "block": s.block, "scale_rule": rule,
+            "rounding": c.rounding.value}
 
 
 def _counts(st: CastStats | None) -> dict[str, Any]:
@@ -66,7 +71,7 @@ def _counts(st: CastStats | None) -> dict[str, Any]:
     return {"n_finite": st.numel - st.nonfinite, "n_nonfinite": st.nonfinite}
 
 
-def _tensor_base(r: Result) -> dict[str, Any]:
+def _tensor_base(r: Result, names: dict[str, str]) -> dict[str, Any]:
     ref = r.ref
     st = r.draws[0] if r.draws else None
     return {
@@ -75,7 +80,7 @@ def _tensor_base(r: Result) -> dict[str, Any]:
         "operand": ref.operand if ref else None, "step": ref.step if ref else None,
         "dtype": ref.dtype if ref else None,
         "shape": json.dumps(list(ref.shape)) if ref else None,
-        "numel": ref.numel if ref else None, **_cast_columns(r.cast), "n_tensors": 1,
+        "numel": ref.numel if ref else None, **_cast_columns(r.cast, names), "n_tensors": 1,
         "n_skipped": 0, **_counts(st), "error": r.error,
     }
 
@@ -115,7 +120,7 @@ class Measure:
         out = []
         for r in s.results:
             own = self.columns(r.draws, r.expected) if r.error is None else self._nulls()
-            out.append(self.row_type(**_tensor_base(r), **own))
+            out.append(self.row_type(**_tensor_base(r, s.names), **own))
         for inp, c, results in iter_groups(s):
             n_draws = max((len(r.draws) for r in results), default=1)
             draws = tuple(CastStats.merge([r.draws[d] for r in results], False)
@@ -125,7 +130,7 @@ class Measure:
             bad = sum(1 for r in s.errors if r.input == inp and str(r.cast) == str(c))
             out.append(self.row_type(
                 source=inp, tensor=ALL_TENSORS, role=None, layer=None, operand=None, step=None,
-                dtype=None, shape=None, numel=draws[0].numel, **_cast_columns(c),
+                dtype=None, shape=None, numel=draws[0].numel, **_cast_columns(c, s.names),
                 n_tensors=len(results), n_skipped=s.skipped.get(inp, 0), **_counts(draws[0]),
                 error=f"{bad} tensor(s) or file(s) could not be read" if bad else None,
                 **self.columns(draws, expected)))
@@ -149,7 +154,7 @@ class Measure:
             nulls = {k: v for k, v in self._nulls().items() if k != "against"}
             own = (own_columns(r.draws[0], b.draws[0], r.diff)
                    if ok and r.diff is not None else nulls)
-            out.append(self.row_type(**_tensor_base(r), against=first, **own))
+            out.append(self.row_type(**_tensor_base(r, s.names), against=first, **own))
         groups = list(iter_groups(s))
         baseline = {inp: results for inp, c, results in groups if str(c) == first}
         for inp, c, results in groups:
@@ -161,7 +166,7 @@ class Measure:
             bad = sum(1 for r in s.errors if r.input == inp and str(r.cast) == str(c))
             out.append(self.row_type(
                 source=inp, tensor=ALL_TENSORS, role=None, layer=None, operand=None, step=None,
-                dtype=None, shape=None, numel=mine.numel, **_cast_columns(c),
+                dtype=None, shape=None, numel=mine.numel, **_cast_columns(c, s.names),
                 n_tensors=len(results), n_skipped=s.skipped.get(inp, 0), **_counts(mine),
                 error=f"{bad} tensor(s) or file(s) could not be read" if bad else None,
                 against=first, **own_columns(mine, theirs, diff)))

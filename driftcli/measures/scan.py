@@ -355,6 +355,9 @@ class Scan:
     skipped: dict[str, int]
     """Per input: tensors skipped because they are not floating point."""
     inputs: tuple[Inputs, ...]
+    names: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Each cast's canonical spec → the text it was given as (a preset), for the rows'
+    ``cast_name``."""
 
     @property
     def files(self) -> list[Path]:
@@ -527,7 +530,8 @@ def scan(paths: Sequence[Source], casts: Sequence[Cast | str], *,
         for _ in (ref for ref in inputs.tensors if ref.is_float):
             results.extend(dataclasses.replace(r, cast=c)
                            for r, c in zip(next(found), parsed, strict=True))
-    return Scan(tuple(results), skipped, tuple(i for _, i in opened))
+    return Scan(tuple(results), skipped, tuple(i for _, i in opened),
+                {str(p): c for c, p in zip(casts, parsed, strict=True) if isinstance(c, str)})
 
 
 def _serial(units: Sequence[TensorUnit], todo: int, progress: Progress | None,

@@ -1,6 +1,7 @@
 """``drift report``: summaries of drift tables, thresholds, baselines, and renderers.
 
-One job per module: :mod:`~driftcli.report.load` finds and checks tables,
+One job per module: :mod:`~driftcli.report.load` finds and checks tables (as much of them
+as :mod:`~driftcli.report.budget` allows),
 :mod:`~driftcli.report.summary` summarizes them, :mod:`~driftcli.report.expr` is the
 ``--fail-on`` language and :mod:`~driftcli.report.thresholds` applies it,
 :mod:`~driftcli.report.baseline` compares runs, :mod:`~driftcli.report.model` assembles a

@@ -6,16 +6,18 @@ tensors × cast and direction, each cell the share of blocks that clip."""
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from driftcli.report.load import Table
-from driftcli.report.plots import DPI, Note, Plot
+from driftcli.report.plots import DPI, Note, Plot, as_text
 
 MAX_TENSORS = 60
-"""Rows of one heatmap: the first tensors of the table beyond this are left out (and said)."""
+"""Rows of one heatmap: beyond this, the worst tensors by the measurement are kept (and it
+is said)."""
 MAX_MAPS = 8
 """Scale-exponent heatmaps on one page (casts × directions)."""
 
@@ -45,9 +47,11 @@ def _heatmap(grid: pd.DataFrame, title: str, xlabel: str, label: str) -> Any:
                       max(2.5, 0.28 * len(grid.index) + 1.5))
     image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest",
                       cmap="viridis", vmin=0.0, vmax=1.0)
-    step = max(1, len(grid.columns) // 16)
+    # upright labels one column (0.35 inch) apart, each a line high: never overlapping,
+    # however long a cast's spec is
+    step = max(1, len(grid.columns) // 32)
     ax.set_xticks(range(0, len(grid.columns), step),
-                  [str(c) for c in grid.columns[::step]], rotation=30, ha="right")
+                  [str(c) for c in grid.columns[::step]], rotation=90)
     ax.set_yticks(range(len(grid.index)), [str(v) for v in grid.index])
     ax.set_xlabel(xlabel)
     ax.set_ylabel("tensor")
@@ -56,14 +60,50 @@ def _heatmap(grid: pd.DataFrame, title: str, xlabel: str, label: str) -> Any:
     return fig
 
 
-def _cut(grid: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+def _worst(grid: pd.DataFrame, score: pd.Series, what: str) -> tuple[pd.DataFrame, str]:
+    """``grid`` whole, or beyond :data:`MAX_TENSORS` rows the rows of the highest ``score``
+    (the measurement, never the name), worst first, with the sentence that says so."""
     if len(grid.index) <= MAX_TENSORS:
         return grid, ""
-    return grid.iloc[:MAX_TENSORS], f" The first {MAX_TENSORS} of {len(grid.index)} tensors."
+    ranked = score.reindex(grid.index).fillna(-np.inf).sort_values(ascending=False,
+                                                                   kind="stable")
+    return (grid.loc[ranked.index[:MAX_TENSORS]],
+            f" The {MAX_TENSORS} of {len(grid.index)} tensors with the largest {what}, worst "
+            "first.")
 
 
+GAP = 4
+"""Absent binades after which an exponent axis breaks: an all-zero block's scale sits at the
+scale format's floor (E8M0's -127), far below the others, and an axis from there up would
+leave each tensor's blocks a sliver."""
+BREAK = "⋯"
+"""The column where an exponent axis skips binades that hold no block."""
+
+
+def exponent_axis(present: Sequence[int]) -> tuple[list[int | str], list[str]]:
+    """The columns of an exponent axis over the exponents ``present``: each run of them (no
+    more than :data:`GAP` binades apart) whole, a :data:`BREAK` between runs; and the ranges
+    skipped (``"-126 to -10"``)."""
+    runs: list[list[int]] = []
+    for e in sorted(set(present)):
+        if runs and e - runs[-1][1] <= GAP:
+            runs[-1][1] = e
+        else:
+            runs.append([e, e])
+    columns: list[int | str] = []
+    skipped = []
+    for n, (lo, hi) in enumerate(runs):
+        if n:
+            columns.append(BREAK)
+            skipped.append(f"{runs[n - 1][1] + 1} to {lo - 1}")
+        columns += range(lo, hi + 1)
+    return columns, skipped
+
+
+@as_text
 def exponent_maps(table: Table) -> list[Plot | Note]:
-    """Per cast and direction of a ``block-scales`` table: tensors × scale exponent."""
+    """Per cast and direction of a ``block-scales`` table: tensors × scale exponent, over the
+    exponents present; beyond :data:`MAX_TENSORS`, the tensors whose scales spread widest."""
     frame = table.display_frame()
     frame = frame.assign(_row=_rows(frame))
     out: list[Plot | Note] = []
@@ -72,22 +112,25 @@ def exponent_maps(table: Table) -> list[Plot | Note]:
         part = frame[(frame["cast"] == cast) & (frame["direction"] == direction)]
         counts = part.pivot_table(index="_row", columns="scale_exponent", values="blocks",
                                   aggfunc="sum", sort=False)
-        counts = counts.reindex(index=list(dict.fromkeys(part["_row"])),
-                                columns=range(int(part["scale_exponent"].min()),
-                                              int(part["scale_exponent"].max()) + 1))
+        columns, skipped = exponent_axis([int(e) for e in part["scale_exponent"]])
+        counts = counts.reindex(index=list(dict.fromkeys(part["_row"])), columns=columns)
         shares = counts.div(counts.sum(axis=1), axis=0)
-        shares, cut = _cut(shares)
+        exps = part.groupby("_row", sort=False)["scale_exponent"]
+        shares, cut = _worst(shares, exps.max() - exps.min(), "spread of scale exponents")
+        gaps = "".join(f" {g}: no blocks, skipped ({BREAK})." for g in skipped)
         title = f"{table.name}: scale exponents under {cast} ({direction})"
         fig = _heatmap(shares, title, "floor(log2 scale)", "share of the tensor's blocks")
         out.append(Plot(title, f"heatmap of the share of each tensor's blocks per scale exponent "
                                f"under {cast}, blocks along {direction}",
-                        "Each row one tensor; blank cells hold no block." + cut, _png(fig)))
+                        "Each row one tensor; blank cells hold no block." + gaps + cut,
+                        _png(fig)))
     if len(pairs) > MAX_MAPS:
         out.append(Note(f"{table.name}: more casts",
                         f"{len(pairs) - MAX_MAPS} more cast and direction pairs, not drawn."))
     return out
 
 
+@as_text
 def clip_map(table: Table) -> Plot | Note:
     """Tensors × (cast, direction) of a ``block-stats`` table: the share of blocks that clip."""
     frame = table.display_frame()
@@ -100,13 +143,14 @@ def clip_map(table: Table) -> Plot | Note:
                              aggfunc="first", sort=False)
     grid = grid.reindex(index=list(dict.fromkeys(frame["_row"])),
                         columns=list(dict.fromkeys(frame["_col"])))
-    grid, cut = _cut(grid)
+    grid, cut = _worst(grid, grid.max(axis=1), "share of clipping blocks in any cast")
     title = f"{table.name}: share of blocks that clip, by tensor"
     fig = _heatmap(grid, title, "cast and direction", "clipped_block_share")
     return Plot(title, "heatmap of the share of clipping blocks per tensor, cast and direction",
                 "clipped_block_share: clipped_blocks / n_blocks." + cut, _png(fig))
 
 
+@as_text
 def block_maps(table: Table) -> list[Plot | Note]:
     """The heatmaps ``table`` gets: none unless it is one of block-stats' tables."""
     if table.name == "block-scales":

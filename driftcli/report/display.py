@@ -11,9 +11,11 @@ from typing import Any
 from driftcli.report.baseline import Change
 from driftcli.report.load import InputState
 from driftcli.report.model import Mix, Mixed, Report
-from driftcli.report.summary import GroupSummary, TableSummary
+from driftcli.report.summary import BREAKDOWN, GroupSummary, TableSummary
 from driftcli.report.thresholds import Violation
 
+ALL = "all"
+"""An aggregate row's step and role where a dump's rows are grouped by them: it is over all."""
 LISTED = 20
 """Changes, new keys and missing keys listed per table (the counts are always given)."""
 
@@ -62,7 +64,8 @@ def headers(summary: TableSummary, vary: list[str]) -> list[str]:
 def cells(summary: TableSummary, group: GroupSummary, vary: list[str]) -> list[str]:
     """One summary table row."""
     g = dict(group.group)
-    row = [fmt(summary.shown(c, g[c])) for c in vary] + [str(group.n_rows)]
+    row = [ALL if g[c] is None and c in BREAKDOWN and group.aggregate is not None
+           else fmt(summary.shown(c, g[c])) for c in vary] + [str(group.n_rows)]
     if summary.layout.has_aggregate:
         row.append(fmt(group.aggregate_value(summary.headline)))
         row += [fmt(group.aggregate_value(c)) for c in summary.beside]
@@ -125,6 +128,7 @@ def about(summary: TableSummary) -> Iterator[str]:
     provenance, inputs, fixed groups."""
     p = summary.provenance
     yield f"file {summary.path}, {summary.n_rows} rows, written by {p.line}"
+    yield from summary.notes
     yield from no_values(summary)
     yield from losses(summary)
     if summary.headline_doc:

@@ -15,10 +15,13 @@ replaced since it was hashed (ctime cannot be set back by a copy that keeps the 
 What is now not a regular file at a recorded path (a FIFO, a device such as /dev/zero, a
 socket, a folder) is only stat'ed, never opened: it is not the file the table measured.
 
-The rows a report reads are bounded (:data:`MAX_ROWS`, or ``DRIFT_REPORT_MAX_ROWS``): each
-table's row count is taken from its Parquet footer before any column is read, so a small
-file declaring millions of rows of repeated values (a few hundred KB can hold 50 M) is
-refused in milliseconds instead of taking gigabytes.
+The rows a report reads, and the bytes they decode to, are bounded
+(:mod:`driftcli.report.budget`), before the values are decoded.
+
+Nothing read from a table's metadata can crash a report: provenance that is not JSON (or
+nested past the parser's stack) is shown as unreadable in one line, and columns of a table
+this drift has no row type for that are nested (structs, maps, lists) are left out, named in
+one line; such a table whose key or headline is nested is skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import datetime as dt
 import functools
 import importlib
 import json
-import os
 import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -45,9 +47,11 @@ from driftcli.io.tables import (
     TABLE_KEY,
     Row,
     file_identity,
-    read_table,
     schema_of,
 )
+from driftcli.report.budget import BudgetError as BudgetError
+from driftcli.report.budget import TooManyRowsError as TooManyRowsError  # where tests find it
+from driftcli.report.budget import byte_budget, read_columns, row_budget, too_many
 
 ALL_ROWS = "*"
 """The key value of a row that aggregates the others (``driftcli.measures.common.ALL_TENSORS``
@@ -74,39 +78,36 @@ ROW_TYPES: dict[str, str] = {
 report first needs it. A new table is one entry here; ``tests/test_report.py`` checks that
 every row type of the package is listed, under its own ``TABLE``."""
 
+JUDGING = ("clip-rate", "underflow-rate", "error-bias", "grad-cosine", "cast-diff",
+           "block-stats", "accum-error", "attention", "health", "probe", "calibrate")
+"""Tables that judge a cast, policy or run, in the order a report shows them: what a cast
+loses (clipped, flushed to zero, its error and bias), then what training sees of it."""
+BOOKKEEPING = ("train", "inspect", "verify-formats", "block-scales")
+"""Tables a report shows last: logs and counts that explain, but do not judge, a cast
+(block-scales' "blocks, higher is better" says nothing by itself). Tables of neither list
+(another drift's) come between the two."""
+
+
+def concern(name: str) -> int:
+    """Where a table named ``name`` comes in a report (see :data:`JUDGING`)."""
+    if name in JUDGING:
+        return JUDGING.index(name)
+    if name in BOOKKEEPING:
+        return len(JUDGING) + 1 + BOOKKEEPING.index(name)
+    return len(JUDGING)
+
+
+CAST, CAST_NAME = "cast", "cast_name"
+"""A cast's canonical spec, and the name it was given by (a preset), the columns of every
+table that measures casts. A table without ``cast_name`` (written before it, or by a
+measurement that keeps the names in its provenance) gets it on reading: the provenance's
+name for each spec, else the spec."""
+NAME_DOC = ("The cast as it was given (a preset such as nvfp4); the canonical spec where it "
+            "was given as one, or as a Cast")
+
 
 class SchemaError(DriftError):
     """A drift table whose columns or metadata are not the ones its row type declares."""
-
-
-class TooManyRowsError(DriftError):
-    """Tables holding more rows than a report reads (see :func:`row_budget`)."""
-
-
-MAX_ROWS = 1_000_000
-"""Rows one :func:`load` reads at most, summed over its tables (the report's tables, and
-separately the baseline's). The largest tables drift writes hold tens of thousands of rows
-(a tensor × cast each). Measured on a clip-rate table of 1,000,000 rows (27 columns, a
-distinct tensor name a row): the report's peak RSS 1.02 GB against 0.34 GB for a table of 7
-rows, about 700 bytes a row, in 6.9 s."""
-MAX_ROWS_ENV = "DRIFT_REPORT_MAX_ROWS"
-"""The environment variable that sets another row budget."""
-
-
-def row_budget() -> int:
-    """The rows :func:`load` may read: ``DRIFT_REPORT_MAX_ROWS`` where set, else
-    :data:`MAX_ROWS`."""
-    given = os.environ.get(MAX_ROWS_ENV)
-    if given is None or not given.strip():
-        return MAX_ROWS
-    try:
-        value = int(given.replace("_", "").replace(",", ""))
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise DriftError(f"{MAX_ROWS_ENV}={given!r} is not a positive whole number of rows; "
-                         f"set it to one (the default is {MAX_ROWS:,}) or unset it")
-    return value
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,9 @@ class Table:
     turns an integer column with nulls into floats)."""
     row_type: type[Row] | None = field(compare=False, default=None)
     """This drift's row type for the table, or None for a table it does not know."""
+    notes: tuple[str, ...] = field(compare=False, default=())
+    """What could not be read and was left out (unreadable provenance, nested columns), a
+    line each."""
 
     @property
     def columns(self) -> list[str]:
@@ -141,10 +145,16 @@ class Table:
         preset the user gave). Only what is shown changes: expressions and baselines read
         the values as written."""
         got = self.provenance.get("names")
-        if not isinstance(got, dict):
-            return {}
-        return {str(c): {str(v): str(n) for v, n in m.items()} for c, m in got.items()
-                if isinstance(m, dict)}
+        names = ({str(c): {str(v): str(n) for v, n in m.items()} for c, m in got.items()
+                  if isinstance(m, dict)} if isinstance(got, dict) else {})
+        if CAST_NAME in self.frame.columns:
+            given = self.frame[[CAST, CAST_NAME]].dropna().drop_duplicates()
+            names[CAST] = {**names.get(CAST, {}), **{
+                str(c): str(n) for c, n in zip(given[CAST], given[CAST_NAME], strict=True)
+                if c != n}}
+            if not names[CAST]:
+                del names[CAST]
+        return names
 
     def display_frame(self) -> pd.DataFrame:
         """The frame with its named values (see :attr:`names`) replaced by their names."""
@@ -170,7 +180,8 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Loaded:
-    """What a set of paths held: the tables, in path order, and the files skipped."""
+    """What a set of paths held: the tables, in order of concern (:func:`concern`, then
+    path order), and the files skipped."""
 
     tables: tuple[Table, ...]
     skipped: tuple[Skipped, ...]
@@ -216,7 +227,8 @@ def check_schema(path: Path, schema: pa.Schema, row_type: type[Row], prov: dict[
     have = {f.name: f for f in schema}
     need = {f.name: f for f in want}
     problems = []
-    if missing := [n for n in need if n not in have]:
+    if missing := [n for n in need if n not in have
+                   and not (n == CAST_NAME and CAST in have)]:  # derived on reading
         problems.append(f"missing {', '.join(missing)}")
     if extra := [n for n in have if n not in need]:
         problems.append(f"unexpected {', '.join(extra)}")
@@ -241,12 +253,14 @@ def _facts(path: Path, meta: dict[bytes, bytes], columns: list[str],
     """Keys, headline and direction from the schema metadata, checked against the columns."""
     damaged = (f"{path}: its drift metadata is damaged or from an incompatible drift "
                f"({_written_by(prov)})")
+    keys, bad_keys = _json(meta.get(b"drift.keys", b"[]"), None)
+    worse, bad_worse = _json(meta.get(b"drift.higher_is_worse", b"true"), None)
     try:
-        keys = json.loads(meta.get(b"drift.keys", b"[]"))
         headline = meta.get(b"drift.headline", b"").decode()
-        worse = json.loads(meta.get(b"drift.higher_is_worse", b"true"))
-    except (ValueError, UnicodeDecodeError):
-        raise SchemaError(f"{damaged}; re-run the measurement") from None
+    except UnicodeDecodeError:
+        bad_keys = "not UTF-8"
+    if bad_keys or bad_worse:
+        raise SchemaError(f"{damaged}; re-run the measurement")
     if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)
             and isinstance(worse, bool)):
         raise SchemaError(f"{damaged}; re-run the measurement")
@@ -257,45 +271,102 @@ def _facts(path: Path, meta: dict[bytes, bytes], columns: list[str],
     return tuple(keys), headline, worse
 
 
-def _too_many(path: Path, rows: int, budget: int, total: int) -> TooManyRowsError:
-    before = total - budget  # rows the tables read before this one took
-    held = f"{rows:,} rows" + (f", with the {before:,} of the tables before it" if before else "")
-    return TooManyRowsError(
-        f"{path} holds {held}, beyond the {total:,} rows a report reads; report fewer "
-        f"tables at a time, or set {MAX_ROWS_ENV} higher if this machine has the memory "
-        f"(about 700 bytes a row)")
+def _json(raw: bytes | None, default: Any) -> tuple[Any, str]:
+    """``raw`` parsed as JSON, and '' or why it could not be (never raises: metadata is
+    data)."""
+    if raw is None:
+        return default, ""
+    try:
+        return json.loads(raw.decode("utf-8")), ""
+    except UnicodeDecodeError:
+        return default, "not UTF-8"
+    except RecursionError:
+        return default, "nested too deep"
+    except ValueError:
+        return default, "not JSON"
 
 
-def read(path: Path, budget: int | None = None, *, total: int | None = None) -> Table:
+NESTED = "nested"
+"""What :func:`_nested` calls a column it leaves out, in a note."""
+
+
+def _nested(schema: pa.Schema) -> dict[str, str]:
+    """Columns of nested types (struct, map, list, ...), by name, with their kind."""
+    return {f.name: str(f.type).split("<")[0] for f in schema if pa.types.is_nested(f.type)}
+
+
+def read(path: Path, budget: int | None = None, *, total: int | None = None,
+         max_bytes: int | None = None, bytes_total: int | None = None) -> Table:
     """One drift table, checked. Raises :class:`DriftError` for a file that is not a drift
-    table (the caller may skip it), :class:`SchemaError` for a mismatched one and
+    table (the caller may skip it), :class:`SchemaError` for a mismatched one,
     :class:`TooManyRowsError` for one whose footer declares more than ``budget`` rows (of
-    ``total``, the whole budget, named in the message), before any of its columns is read."""
+    ``total``, the whole budget, named in the message) and :class:`TooManyBytesError` for one
+    whose columns decode to more than ``max_bytes`` bytes (of ``bytes_total``), before any of
+    its values is decoded."""
+    return _read(path, budget, total, max_bytes, bytes_total)[0]
+
+
+def _read(path: Path, budget: int | None, total: int | None, max_bytes: int | None,
+          bytes_total: int | None) -> tuple[Table, int]:
     try:
         schema = pq.read_schema(path)
         rows = pq.read_metadata(path).num_rows
     except (OSError, pa.ArrowException) as exc:
         raise DriftError(f"{path} is not a readable Parquet file ({exc})") from None
     if budget is not None and rows > budget:
-        raise _too_many(path, rows, budget, budget if total is None else total)
+        raise too_many(path, rows, budget, budget if total is None else total)
     meta = schema.metadata or {}
     if TABLE_KEY not in meta:
         raise DriftError(f"{path} is a Parquet file but not a drift table (no drift metadata)")
     name = meta[TABLE_KEY].decode("utf-8", "replace")
-    try:
-        prov = json.loads(meta.get(PROVENANCE_KEY, b"{}"))
-    except ValueError:
+    prov, why = _json(meta.get(PROVENANCE_KEY), {})
+    notes = [f"provenance unreadable ({why}); shown without it"] if why else []
+    if not isinstance(prov, dict):
         prov = {}
-    prov = prov if isinstance(prov, dict) else {}
+        notes = notes or ["provenance unreadable (not a JSON object); shown without it"]
     row_type = row_types().get(name)
     if row_type is not None:
         check_schema(path, schema, row_type, prov)
     keys, headline, worse = _facts(path, meta, schema.names, prov)
-    frame, _ = read_table(path)
+    nested = _nested(schema) if row_type is None else {}
+    if inner := [c for c in (*keys, headline) if c in nested]:
+        raise DriftError(f"{path} is a {name} table whose key or headline column "
+                         f"{', '.join(f'{c} ({nested[c]})' for c in inner)} is nested; a "
+                         "report summarizes tables of plain columns")
+    if nested:
+        notes.append(f"left out {NESTED} columns: "
+                     + ", ".join(f"{c} ({kind})" for c, kind in nested.items()))
+    columns = [c for c in schema.names if c not in nested]
+    try:
+        table, size = read_columns(path, schema, columns, max_bytes, bytes_total)
+    except (OSError, pa.ArrowException) as exc:
+        raise DriftError(f"{path} is not a readable Parquet file ({exc})") from None
     docs = {f.name: (f.metadata or {}).get(b"doc", b"").decode("utf-8", "replace")
-            for f in schema}
-    return Table(path, name, keys, headline, worse, frame, prov, docs,
-                 kinds={f.name: _kind(f.type) for f in schema}, row_type=row_type)
+            for f in schema if f.name in columns}
+    kinds = {f.name: _kind(f.type) for f in schema if f.name in columns}
+    frame = table.to_pandas()
+    if CAST in frame.columns and (CAST_NAME not in frame.columns
+                                  or not frame[CAST_NAME].astype(bool).all()):
+        frame = _named_casts(frame, prov)
+        docs[CAST_NAME], kinds[CAST_NAME] = NAME_DOC, "string"
+    return Table(path, name, keys, headline, worse, frame, prov, docs, kinds=kinds,
+                 row_type=row_type, notes=tuple(notes)), size
+
+
+def _named_casts(frame: pd.DataFrame, prov: dict[str, Any]) -> pd.DataFrame:
+    """``frame`` with :data:`CAST_NAME` beside :data:`CAST` (or, where it has the column,
+    its empty and null cells filled): the name the provenance recorded for each spec, else
+    the spec."""
+    got = prov.get("names")
+    given = got.get(CAST) if isinstance(got, dict) else None
+    names = ({str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {})
+    named = frame[CAST].map(lambda c: names.get(c, c) if isinstance(c, str) else c)
+    if CAST_NAME in frame.columns:  # written, but empty in some rows: those are filled
+        given = frame[CAST_NAME]
+        return frame.assign(**{CAST_NAME: given.where(given.astype(bool), named)})
+    return frame.assign(**{CAST_NAME: named})[
+        [*frame.columns[:frame.columns.get_loc(CAST) + 1], CAST_NAME,
+         *frame.columns[frame.columns.get_loc(CAST) + 1:]]]
 
 
 def _candidates(paths: Iterable[Path]) -> Iterable[Path]:
@@ -317,20 +388,23 @@ def load(paths: Sequence[Path]) -> Loaded:
     """Every drift table in ``paths`` (files, and folders searched recursively for
     ``*.parquet``); Parquet files that are not drift tables are skipped with the reason.
     Raises :class:`DriftError` when no drift table is found at all, and
-    :class:`TooManyRowsError` when the tables hold more rows than :func:`row_budget`."""
+    :class:`BudgetError` when the tables hold more rows than :func:`row_budget` or decode to
+    more bytes than :func:`byte_budget`."""
     tables: list[Table] = []
     skipped: list[Skipped] = []
     seen: set[Path] = set()
-    total = row_budget()
-    left = total
+    total, byte_total = row_budget(), byte_budget()
+    left, bytes_left = total, byte_total
     for path in _candidates(paths):
         if path.resolve() in seen:
             continue
         seen.add(path.resolve())
         try:
-            tables.append(read(path, left, total=total))
-            left -= len(tables[-1].frame)
-        except (SchemaError, TooManyRowsError):
+            table, size = _read(path, left, total, bytes_left, byte_total)
+            tables.append(table)
+            left -= len(table.frame)
+            bytes_left -= size
+        except (SchemaError, BudgetError):
             raise
         except DriftError as err:
             skipped.append(Skipped(path, str(err).removeprefix(f"{path} is ")))
@@ -338,7 +412,7 @@ def load(paths: Sequence[Path]) -> Loaded:
         named = ", ".join(str(p) for p in paths)
         raise DriftError(f"no drift tables in {named}; run a measurement first (e.g. drift "
                          "clip-rate MODEL --cast mxfp8_e4m3 --out DIR) and report DIR")
-    return Loaded(tuple(tables), tuple(skipped))
+    return Loaded(tuple(sorted(tables, key=lambda t: concern(t.name))), tuple(skipped))
 
 
 class InputState(StrEnum):

@@ -7,7 +7,7 @@ Which figures a table gets follows from its layout and columns, never from its n
   by parameter for each policy), and the same for each column of ``BY_ITEM_EXTRA`` it has;
 - a table with both columns of a ``Scatter`` gets that scatter (error size against bias: one
   point per tensor and cast);
-- a table with more than one ``step`` gets its measured columns against step; where it also
+- a table with more than one ``step`` key gets its measured columns against step; where it also
   has a ``layer`` key column with more than ``MAX_LAYER_LINES`` layers (a line per layer would
   be unreadable), each measured column is a layer × step heatmap instead, one per series of
   the other group columns (a cast, a policy);
@@ -34,11 +34,12 @@ What a reader of one page should never have to guess:
 
 from __future__ import annotations
 
+import functools
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -52,7 +53,10 @@ DECADES = 2.0
 """Nonzero magnitudes spanning more than this many decades (5th to 95th percentile) get a
 log scale."""
 MAX_LABELLED = 60
-"""Items named on the axis; beyond this, items are plotted by index and the worst named."""
+"""Items named on the axis; beyond this, items are plotted against their size (:data:`SIZE`,
+or their index in the file where a table has no size) and the worst named."""
+SIZE = "numel"
+"""The column of an item's size: its elements."""
 NAMED_WORST = 5
 MAX_SERIES = 10
 MAX_STEP_PANELS = 6
@@ -151,6 +155,26 @@ class Tally:
 
 
 TALLIES = (Tally("n_failed", "n_checked", "disagreements", "values"),)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def as_text(draw: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``draw`` with every text of its figures drawn as written, never parsed as math:
+    tensor names and cast specs are data (``a$\\foo$b`` made matplotlib's math parser raise,
+    ``$x^{2}$`` was drawn as x squared). Tick labels are made when a figure is saved, so the
+    setting holds until ``draw`` returns."""
+
+    @functools.wraps(draw)
+    def drawn(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        import matplotlib
+
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return draw(*args, **kwargs)
+
+    return drawn
 
 
 def unit(table: Table, column: str) -> str:
@@ -329,6 +353,7 @@ def _numeric(frame: pd.DataFrame, column: str) -> pd.Series:
     return pd.to_numeric(frame[column], errors="coerce").astype(float)
 
 
+@as_text
 def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot | None:
     """``column`` by item (tensor, parameter), one series per group side by side in each
     item's row; None with no values."""
@@ -357,12 +382,17 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
         part, v = part[v.notna()], v[v.notna()]
         agg = _numeric(s.rows[agg_rows], column).dropna()
         total = float(agg.iloc[0]) if not agg.empty else None
-        drawn.append(([pos[str(x)] for x in part[item]], list(v), total))
+        drawn.append(([pos[str(x)] for x in part[item]], list(v), total,
+                      list(_numeric(part, SIZE)) if SIZE in part.columns else []))
         pairs = tuple(sorted(zip(part[item].astype(str), v, strict=True)))
         points.append((pairs, total) if pairs or total is not None else None)
     twins = _twins(points)
     labels = _named(shown, twins, column)
     labelled = len(items) <= MAX_LABELLED
+    # beyond MAX_LABELLED, items lie along their size where every one has it: a tensor's
+    # index in the file says nothing about it, its element count says how much it weighs
+    sized = (not labelled and SIZE in rows.columns
+             and bool((_numeric(rows, SIZE) > 0).all()))
     more = ""
     # each series its own place in a row, a marker and a gap wide (MARKER_PT is 6.5 px
     # across): taller rows for more series; a legend under the plot takes its own height
@@ -371,12 +401,12 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
     height += 0.3 + 0.17 * len(shown) if _below(labels) else 0
     fig, ax = _figure(9.5, min(max(height, 3.2), 40))
     value_axis = "x" if labelled else "y"
-    lines = _coinciding([total for _, _, total in drawn])
-    for n, (s, (where, v, total)) in enumerate(zip(shown, drawn, strict=True)):
+    lines = _coinciding([total for _, _, total, _ in drawn])
+    for n, (s, (where, v, total, sizes)) in enumerate(zip(shown, drawn, strict=True)):
         style = palette[s.name]
         kw = {"marker": style.marker, "color": style.colour, "alpha": ALPHA, "s": MARKER_PT,
               "label": labels[n]}
-        at = [w + offset[n] for w in where]
+        at = sizes if sized else [w + offset[n] for w in where]
         if labelled:
             ax.scatter(v, at, **kw)
         else:
@@ -386,7 +416,7 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
             line = ax.axvline if labelled else ax.axhline
             line(total, color=style.colour, linewidth=1, alpha=0.7,
                  linestyle="--" if m == 1 else _dashes(k, m))
-    totals = [t for _, _, t in drawn if t is not None]
+    totals = [t for _, _, t, _ in drawn if t is not None]
     kind = _apply_scale(ax, value_axis, list(values), also=totals)
     if labelled:
         ax.set_yticks(range(len(items)), items, fontsize=7 if len(items) > 30 else 8)
@@ -394,9 +424,15 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
         ax.set_xlabel(axis_label(table, column))
         ax.set_ylabel(item)
         ax.grid(axis="x", alpha=0.3)
+    elif sized:
+        ax.set_xscale("log")
+        _pad(ax, "x", list(_numeric(rows, SIZE)))
+        ax.set_xlabel(f"{SIZE} [count] (elements of each {item}; the {NAMED_WORST} worst are "
+                      "numbered)")
     else:
         _pad(ax, "x", [-DODGE / 2, len(items) - 1 + DODGE / 2])
         ax.set_xlabel(f"{item} index (file order; the {NAMED_WORST} worst are numbered)")
+    if not labelled:
         ax.set_ylabel(axis_label(table, column))
         ax.grid(axis="y", alpha=0.3)
         # numbered rings, names in the caption: names written on a dense plot overlap
@@ -407,7 +443,8 @@ def by_item(table: Table, column: str, palette: Palette | None = None) -> Plot |
         worst = rows.assign(_v=values, _s=row_series).sort_values(
             "_v", ascending=not table.higher_is_worse, kind="stable").head(NAMED_WORST)
         for n, (_, r) in enumerate(worst.iterrows(), 1):
-            ring = (pos[str(r[item])] + place.get(r["_s"], 0.0), r["_v"])
+            ring = ((float(r[SIZE]) if sized else pos[str(r[item])] + place.get(r["_s"], 0.0)),
+                    r["_v"])
             ax.scatter(*ring, s=90, facecolors="none", edgecolors="black", linewidths=1)
             ax.annotate(str(n), ring, fontsize=8, fontweight="bold", xytext=(5, -3),
                         textcoords="offset points")
@@ -441,6 +478,7 @@ RING = 2.5
 """Area factor of the open ring drawn around a point an earlier series already has there."""
 
 
+@as_text
 def scatter(table: Table, spec: Scatter, palette: Palette | None = None) -> Plot | None:
     """``spec.y`` against ``spec.x``, one point per row, one colour per group."""
     palette = Palette() if palette is None else palette
@@ -517,6 +555,7 @@ def _constants(shown: Sequence[_Series], columns: Sequence[str]) -> str:
     return ", ".join(said)
 
 
+@as_text
 def by_step(table: Table, palette: Palette | None = None) -> list[Plot | Note]:
     """Each measured column against step (headline first), one line per group; only the
     aggregate rows where the table has them. Columns constant at every step (a run's seed)
@@ -570,6 +609,7 @@ def by_step(table: Table, palette: Palette | None = None) -> list[Plot | Note]:
     return plots
 
 
+@as_text
 def by_layer_step(table: Table) -> list[Plot | Note]:
     """Each measured column as a layer × step heatmap (layers in the table's order, steps
     ascending), one per series of the other group columns; cells without a value stay blank.
@@ -635,6 +675,7 @@ def _nothing(table: Table, frame: pd.DataFrame, what: str, groups: str) -> Note:
     return Note(f"{table.name}: {what}", f"{what} is 0 for every {groups}: nothing to plot.")
 
 
+@as_text
 def by_group(table: Table) -> Plot | Note | None:
     """The headline per group as bars: the total for a count, the worst value otherwise;
     a :class:`Note` where every bar would be 0."""
@@ -687,12 +728,15 @@ def by_group(table: Table) -> Plot | Note | None:
                 f"{head}: {doc}.", _png(fig))
 
 
+@as_text
 def figures(table: Table, palette: Palette | None = None) -> list[Plot | Note]:
     """Every figure ``table`` gets (see the module docstring), its series styled by
     ``palette`` (pass one palette for every table of a page)."""
     palette = Palette() if palette is None else palette
     lay = layout(table)
-    stepped = STEP in table.columns and table.frame[STEP].nunique() > 1
+    # a per-step table declares step a key; a dump's tensors carry theirs as a column, and
+    # are drawn by tensor, a series per step (summary.BREAKDOWN)
+    stepped = STEP in table.keys and table.frame[STEP].nunique() > 1
     plots: list[Plot | Note | None] = []
     layered = (stepped and LAYER in table.keys
                and table.frame[LAYER].nunique() > MAX_LAYER_LINES)

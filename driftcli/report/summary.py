@@ -9,9 +9,12 @@ How a table is cut (its :class:`Layout`) follows from its keys and values, not f
   aggregates, the others are summarized and named;
 - otherwise a key column named ``step`` with more than one value is the item (a training or
   probe run, summarized over steps);
-- the *group* columns are the other key columns; a table with neither an item nor steps is
-  grouped by its first key column that takes between 2 and ``MAX_GROUPS`` values, and its
-  rows are named by the remaining key values.
+- the *group* columns are the other key columns, and in a table with an item the columns
+  of :data:`BREAKDOWN` that vary between its items: the tensors of a dump at steps 100 and
+  200 are summarized per step and role (activation, weight, gradient), never pooled; the
+  aggregate rows, over every step and role, are then groups of their own;
+- a table with neither an item nor steps is grouped by its first key column that takes
+  between 2 and ``MAX_GROUPS`` values, and its rows are named by the remaining key values.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ ERROR = "error"
 LOST = "n_lost"
 """A count column, where a table has it, of elements lost to inf or NaN by the cast: left out
 of the error sums, so the summary names the rows that have any."""
+BREAKDOWN = (STEP, "role")
+"""Columns (not keys) that split an item's rows into groups where they vary: a dump's
+training step and tensor role."""
 EMPTY = (("numel", "no elements"), ("n_finite", "no finite elements"),
          ("n_nonzero", "no nonzero elements"))
 """Count columns whose 0 says why a row has no headline: drift's headlines are ratios, null
@@ -77,8 +83,11 @@ def layout(table: Table) -> Layout:
     """The item and group columns of ``table`` (see the module docstring)."""
     frame, keys = table.frame, table.keys
     for k in keys:
-        if k in frame and (frame[k].astype(object) == ALL_ROWS).any():
-            return Layout(k, tuple(c for c in keys if c != k), (k,), True)
+        if k in frame and (is_agg := frame[k].astype(object) == ALL_ROWS).any():
+            items = frame[~is_agg]
+            split = tuple(c for c in BREAKDOWN if c in frame and c not in keys
+                          and items[c].nunique() > 1)
+            return Layout(k, (*(c for c in keys if c != k), *split), (k,), True)
     if STEP in keys and frame[STEP].nunique() > 1:
         return Layout(STEP, tuple(c for c in keys if c != STEP), (STEP,), False)
     for k in keys:
@@ -194,6 +203,8 @@ class TableSummary:
     beside: tuple[str, ...] = ()
     """Columns of each group's aggregate row shown beside the headline (the row type's
     ``SHOWN``: error-bias's bias, alignment and n_lost; clip-rate's exact_clip_rate)."""
+    notes: tuple[str, ...] = ()
+    """What of the file was left out (:attr:`Table.notes`), a line each."""
 
     @property
     def changed(self) -> tuple[InputCheck, ...]:
@@ -345,6 +356,6 @@ def summarize(table: Table, worst: int = WORST,
         n_rows=len(frame), provenance=Provenance.of(table.provenance), groups=tuple(groups),
         known_row_type=table.row_type is not None,
         headline_doc=table.docs.get(table.headline, ""), constants=constants,
-        names=table.names, inputs=inputs,
+        names=table.names, inputs=inputs, notes=table.notes,
         beside=tuple(c for c in getattr(table.row_type, "SHOWN", ())
                     if lay.has_aggregate and c in frame.columns))

@@ -8,10 +8,11 @@ pass, so a typo in CI cannot turn a threshold off.
 
 A quoted string compared with a cast column (``cast == 'nvfp4'``) stands for the casts the
 report shows by that name: the preset or spelling the user gave on the measurement's command
-line (the table's provenance ``names``), as well as the canonical spec the table stores and the
-spec the string itself parses to. A string compared with a key column that stands for no value
-of any table the rule covers is an error naming the values there are: such a rule could never
-break, whatever the numbers.
+line (the table's ``cast_name`` column, or its provenance ``names``), as well as the canonical
+spec the table stores and the spec the string itself parses to; ``cast_name == 'nvfp4'``
+selects by the name alone. A string compared with a key column (or ``cast_name``) that stands
+for no value of any table the rule covers is an error naming the values there are: such a
+rule could never break, whatever the numbers.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from driftcli.report.expr import (
     evaluate,
     parse_rule,
 )
-from driftcli.report.load import Table
+from driftcli.report.load import CAST_NAME, Table
 from driftcli.report.summary import plain
 
 SHOWN_ROWS = 20
 """Rows kept per (rule, table) in a violation; the count says how many broke it."""
 CAST_COLUMNS = ("cast", "against")
+NAMED_COLUMNS = (CAST_NAME,)
+"""Columns that are not keys but name what a row measured: a string compared with one that
+no row holds is refused, as with a key column."""
 """Columns holding canonical cast specs: a string compared with them may be any spelling of
 the cast (a preset, the user's ``-c``)."""
 LISTED_VALUES = 12
@@ -118,7 +122,8 @@ def _require_meaningful(rule: Rule, tables: Sequence[Table]) -> None:
     """Raise :class:`ExpressionError` when a string compared with a key column stands for no
     value of any table the rule covers, naming the values it could have meant."""
     for column, text in rule.text_comparisons:
-        keyed = [t for t in tables if column in t.keys]
+        keyed = [t for t in tables if column in t.keys
+                 or (column in NAMED_COLUMNS and column in t.frame.columns)]
         if not keyed or any(meant(t, column, text) for t in keyed):
             continue
         shown = list(dict.fromkeys(_names(t, column).get(v, v) for t in keyed
