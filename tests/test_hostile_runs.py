@@ -102,7 +102,8 @@ def test_report_on_a_table_naming_pagemap_does_not_hang(tmp_path: Path) -> None:
             "command": ["drift", "clip-rate"],
             "inputs": [{"path": str(PAGEMAP), "size": 0, "sha256": "00" * 32}]}
     row: dict[str, Any] = {f.name: None for f in dataclasses.fields(ClipRateRow)}
-    row.update(source=str(PAGEMAP), tensor="w", cast="mxfp8_e4m3", format="float8_e4m3fn",
+    row.update(source=str(PAGEMAP), tensor="w", cast="mxfp8_e4m3", cast_name="mxfp8_e4m3",
+               format="float8_e4m3fn",
                granularity="block", block=32, rounding="rne", n_tensors=1, n_skipped=0,
                clip_rate=0.0, clipped=0, n_blocks=1)
     write_table(tmp_path / "clip-rate.parquet", ClipRateRow, [ClipRateRow(**row)], prov)
