@@ -213,6 +213,10 @@ class Inputs:
     skipped: tuple[Path, ...] = ()
     """Files found in a folder that are known not to hold weights (``training_args.bin``,
     optimizer and scheduler state, RNG state), left unread."""
+    duplicates: tuple[tuple[Path, Path], ...] = ()
+    """Torch files found in a folder beside a safetensors checkpoint of the same weights
+    (``pytorch_model.bin`` beside ``model.safetensors``), left unread: (the torch file, the
+    safetensors file or index read instead)."""
 
 
 @dataclass(frozen=True)
