@@ -6,10 +6,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint setup clean
 
+# torch when $(PYTHON) has none: 2.13.0, which this project's machines hold as a local CPU wheel.
+# Elsewhere plain pip fetches the multi-GB CUDA build on Linux; for a CPU build, install one into
+# $(PYTHON) first (pip install torch --index-url https://download.pytorch.org/whl/cpu), or give
+# make TORCH="torch --index-url https://download.pytorch.org/whl/cpu"
+TORCH ?= torch==2.13.0
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned: this machine holds 2.13.0 as a local CPU wheel (no multi-GB CUDA build)
-	$(BIN)/pip install -q torch==2.13.0
+	# a torch $(PYTHON) already has is kept: a .pth puts the site-packages holding it after the
+	# venv's own (--system-site-packages would not reach it when $(PYTHON) is itself a venv's)
+	$(BIN)/python -c "import torch" 2>/dev/null || ! $(PYTHON) -c "import torch" 2>/dev/null || \
+	    $(PYTHON) -c "import pathlib, torch; print(pathlib.Path(torch.__file__).parents[1])" \
+	    > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/torch-there.pth"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 

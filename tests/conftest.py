@@ -14,6 +14,12 @@ import pytest
 for _name in ("COLUMNS", "LINES"):
     os.environ.pop(_name, None)
 
+# Without a terminal (as under CliRunner and in CI) drift prints progress as plain lines every
+# 10 s, and a notice when its kernels compile for long (docs/cli.md): lines that depend on the
+# machine's speed and its numba cache, which tests comparing a command's output must not see. A
+# test of those lines sets the variable itself.
+os.environ.setdefault("DRIFT_PROGRESS_EVERY", "0")
+
 # Two xdist workers on two cores (make test): each worker's torch, and drift's jit pool that
 # torch's thread count sizes, would start a thread per core and wait on the core the other
 # worker holds. One thread a worker, before any test imports torch (measured back to back on

@@ -280,7 +280,7 @@ def test_the_inputs_help_check_catches_a_stale_list() -> None:
     # the help as it was before issue 30: .pth files and Transformer Engine dumps unnamed
     stale = ("safetensors (or its .index.json folder), .pt/.bin state dicts, .npz/.npy, or "
              "folders of these; drift dumps too.")
-    assert _unnamed_readers(stale) == ["Transformer Engine dump", ".pth"]
+    assert _unnamed_readers(stale) == ["Transformer Engine dump", ".pth", ".ckpt"]
 
 
 def test_help_names_every_reader_engine_and_layout() -> None:

@@ -225,7 +225,8 @@ def test_probe_resume_takes_the_kept_checkpoints(
         run: Path, serial_probe: tuple[str, list[list[Any]]],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A run interrupted after its units finished: --resume takes them (no checkpoint is
-    measured again) and writes the same table; without --resume they are cleared first."""
+    measured again) and writes the same table; a run without --resume does not take them, and
+    leaves them for a later --resume (issue 45)."""
     kept = run / ".probe.parquet.units"
 
     def interrupted() -> None:
@@ -247,4 +248,4 @@ def test_probe_resume_takes_the_kept_checkpoints(
     code, _, _ = drift("probe", run, *(a for p in POLICIES for a in ("-p", p)), "--draws", "3",
                        "--batch", "4", "-q", "--overwrite")
     assert code != 0  # a new run: the kept units are not taken
-    assert not kept.exists()
+    assert len(list(kept.iterdir())) == 3  # nor thrown away

@@ -21,7 +21,8 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, TypeVar, get_args
 
 import typer
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
@@ -58,8 +59,34 @@ def _usage_name(param: Any) -> str:
     return f"{name}{many}" if param.required else f"[{name}]{many}"
 
 
+def _takes_paths(param: Any) -> bool:
+    """Whether a parameter's values are paths (``Path``, ``list[Path]``, ``Path | None``)."""
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    inner = get_args(annotation)
+    return annotation is Path or Path in inner or any(Path in get_args(a) for a in inner)
+
+
 class DriftCommand(TyperCommand):
-    """A command whose usage line and argument list read as Unix tools write them."""
+    """A command whose usage line and argument list read as Unix tools write them, and that
+    refuses an empty path before it runs."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        # an empty path is the current folder to pathlib ("" -> "."): an unset $CHECKPOINT in
+        # CI would walk and measure whatever lies there, so the raw values are looked at first
+        try:
+            raw, _, _ = self.make_parser(ctx).parse_args(args=list(args))
+        except UsageError:
+            raw = {}  # the parse below says what is wrong
+        for param in self.get_params(ctx):
+            given = raw.get(param.name)
+            values = given if isinstance(given, list | tuple) else [given]
+            if _takes_paths(param) and any(isinstance(v, str) and not v.strip()
+                                           for v in values):
+                name = (_usage_name(param).strip("[]").replace("]", "").rstrip(".")
+                        if param.param_type_name == "argument" else param.opts[0])
+                raise UsageError(f"{name} is empty: give a path (an unset variable such as "
+                                 "\"$CHECKPOINT\" expands to an empty one)", ctx)
+        return super().parse_args(ctx, args)
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []

@@ -46,7 +46,7 @@ Inputs = Annotated[list[Path], typer.Argument(
     metavar="INPUT...", show_default=False,
     # the readers' registry (io/readers/collect.KINDS) imports torch, which --help must not:
     # a test holds this list to every kind's name and endings
-    help="safetensors (or its .index.json folder), .pt/.pth/.bin state dicts, .npz/.npy, "
+    help="safetensors (or its .index.json folder), .pt/.pth/.bin/.ckpt state dicts, .npz/.npy, "
          "Transformer Engine dumps, or folders of these; drift dumps too.")]
 Casts = Annotated[list[str], typer.Option(
     "--cast", "-c", metavar="SPEC", show_default=False,
@@ -81,6 +81,10 @@ def _summary(m: Measure, rows: list[Any], path: Path, given: list[str]) -> dict[
     head = m.row_type.HEADLINE
     out: dict[str, Any] = {"table": str(path), "measure": m.name, "headline": head,
                            "beside": list(getattr(m.row_type, "SHOWN", ())), "casts": []}
+    # a name held by several files (two checkpoints given) is shown with its file
+    sources: dict[str, set[str]] = {}
+    for r in rows:
+        sources.setdefault(r.tensor, set()).add(r.source)
     for agg in (r for r in rows if r.tensor == ALL_TENSORS):
         tensors = [r for r in rows if r.tensor != ALL_TENSORS and r.cast == agg.cast
                    and r.error is None and getattr(r, head) is not None]
@@ -92,7 +96,9 @@ def _summary(m: Measure, rows: list[Any], path: Path, given: list[str]) -> dict[
             # beside the headline: what it hides (error-bias: bias, alignment, lost elements;
             # clip-rate: the clip rate without the scale's rounding)
             **{c: getattr(agg, c) for c in getattr(m.row_type, "SHOWN", ())},
-            "worst": [{"source": r.source, "tensor": r.tensor, head: getattr(r, head)}
+            "worst": [{"source": r.source, "tensor": r.tensor, head: getattr(r, head),
+                       "shown": (f"{r.tensor} ({r.source})" if len(sources[r.tensor]) > 1
+                                 else r.tensor)}
                       for r in tensors[:WORST]]})
     out["errors"] = [{"source": r.source, "tensor": r.tensor, "error": r.error}
                      for r in rows if r.error is not None and r.tensor != ALL_TENSORS]
@@ -115,7 +121,7 @@ def _print(summary: dict[str, Any]) -> None:
     out = Console(width=width(), soft_wrap=True)  # lines outside the table are never broken
     # names and numbers never cut; the worst tensors wrapped, or below the table when narrow
     inside = fixed_columns(table, columns, "worst tensors", out.width)
-    worst = [esc(", ".join(f"{w['tensor']} {fmt(w[head])}" for w in c["worst"]) or "-")
+    worst = [esc(", ".join(f"{w['shown']} {fmt(w[head])}" for w in c["worst"]) or "-")
              for c in casts]
     for n in range(len(casts)):
         table.add_row(*(cells[n] for _, cells, _ in columns), *([worst[n]] if inside else []))
@@ -123,9 +129,8 @@ def _print(summary: dict[str, Any]) -> None:
     if not inside:
         for c, w in zip(casts, worst, strict=True):
             out.print(f"worst tensors under {esc(c['cast'])}: {w}")
-    skipped = sum(c["skipped"] for c in summary["casts"]) // max(1, len(summary["casts"]))
-    if skipped:
-        out.print(f"skipped {skipped} non-floating-point tensor(s)")
+    for line in summary.get("unmeasured", []):
+        out.print(esc(line, markup=False), markup=False)
     for f in summary.get("skipped_files", []):
         out.print(esc(f"skipped {f}: holds no weights (training state)", markup=False),
                   markup=False)
@@ -223,6 +228,7 @@ def _run(name: str, args: ScanArgs, draws: int = 1, seed: int = 0) -> None:
 
 def _measure(m: Measure, path: Path, args: ScanArgs, options: ScanOptions) -> None:
     from driftcli.engines import clear_units
+    from driftcli.io.readers.collect import unmeasured
     from driftcli.io.tables import identify_in_background
     from driftcli.measures.axes import axis_misfits
     from driftcli.measures.scan import scan
@@ -257,6 +263,7 @@ def _measure(m: Measure, path: Path, args: ScanArgs, options: ScanOptions) -> No
         raise typer.Exit(EXIT_USAGE)
     summary = _summary(m, rows, path, casts)
     summary["skipped_files"] = [str(f) for i in s.inputs for f in i.skipped]
+    summary["unmeasured"] = unmeasured(s.inputs)
     summary["axis_skipped"] = fit.lines()
     summary["notices"] = list(dict.fromkeys(n for i in s.inputs for n in i.notices))
     failed = {f"{e['source']} {e['tensor']}: {e['error']}": None for e in summary["errors"]}

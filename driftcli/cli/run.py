@@ -5,6 +5,11 @@ could not be measured. A command is its typer signature, one library call and th
 from __future__ import annotations
 
 import math
+import os
+import re
+import shlex
+import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
@@ -17,7 +22,7 @@ from driftcli.choices import Engine
 from driftcli.cli.app import EXIT_USAGE
 from driftcli.escaping import for_terminal
 from driftcli.io.layouts import Layout
-from driftcli.progress import Progress
+from driftcli.progress import Progress, notices_to
 
 if TYPE_CHECKING:
     from driftcli.engines import Execution
@@ -60,14 +65,66 @@ def execution(engine: Engine, workers: int | None, ray_address: str | None,
     mtime and ctime rather than sha256. A symlinked units folder is refused."""
     from driftcli.engines import Execution, clear_units, fast_hash_units, reset_taken, start
 
+    _RUN.update(units=units_dir, earlier=False)
     if units_dir is not None:
-        if not resume:
-            clear_units(units_dir)
-        reset_taken(units_dir)
-        fast_hash_units(units_dir, fast_hash)
+        # a symlinked folder is never read through: clearing it below refuses it
+        kept = 0 if os.path.islink(units_dir) else kept_units(units_dir)
+        if kept and not resume:
+            # an interrupted run's work is not thrown away by a run that forgot --resume: it
+            # stays for a later --resume, and this run neither takes nor adds to it
+            typer.echo(for_terminal(
+                f"note: {kept} unit(s) an earlier run finished are kept in {units_dir}; this "
+                f"run does them again (add --resume to take them instead)", markup=False),
+                err=True)
+            _RUN.update(earlier=True)
+            units_dir = None
+        else:
+            if not resume:
+                clear_units(units_dir)
+            reset_taken(units_dir)
+            fast_hash_units(units_dir, fast_hash)
     chosen = Execution(engine, workers, ray_address, units_dir)
     start(chosen)  # a missing extra or an unreachable cluster fails before any work
     return chosen
+
+
+_RUN: dict[str, Any] = {"units": None, "earlier": False}
+"""Where this command's run keeps its finished units (set by :func:`execution`), and whether
+they are an earlier run's (kept aside), for the line an interrupt prints."""
+
+_UNIT = re.compile(r"[0-9a-f]{64}")
+"""A kept unit's file name (the sha256 of its key, see :class:`driftcli.engines.Manifest`)."""
+
+EXIT_INTERRUPTED = 130
+"""Ctrl-C: the shell's code for a process ended by SIGINT (128 + 2)."""
+
+
+def kept_units(folder: Path) -> int:
+    """How many finished units are kept in ``folder`` (0 when there is none)."""
+    try:
+        with os.scandir(folder) as entries:
+            return sum(1 for e in entries if _UNIT.fullmatch(e.name))
+    except OSError:
+        return 0
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    """The command line that runs ``argv`` (``sys.argv``) again taking the kept units."""
+    args = [a for a in argv[1:] if a != "--resume"]
+    return shlex.join(["drift", *args, "--resume"])
+
+
+def interrupted() -> str:
+    """The one line a Ctrl-C prints: what was kept, and the command that goes on from it."""
+    units = _RUN["units"]
+    if units is None:
+        return "interrupted: nothing was kept (this command keeps no finished work)"
+    kept = kept_units(units)
+    if not kept:
+        return "interrupted before any unit finished: nothing was kept"
+    earlier = " (an earlier run's)" if _RUN["earlier"] else ""
+    return (f"interrupted: {kept} finished unit(s){earlier} kept in {units}; to go on from them: "
+            f"{resume_command(sys.argv)}")
 
 
 @contextmanager
@@ -173,10 +230,46 @@ class Bar(StrEnum):
     """Units done of all (matmuls, checkpoints, steps)."""
 
 
+PROGRESS_EVERY = "DRIFT_PROGRESS_EVERY"
+"""The environment variable of the seconds between plain progress lines without a terminal
+(default 10; 0: none, and no notices either)."""
+
+
+def _every() -> float:
+    try:
+        return max(0.0, float(os.environ.get(PROGRESS_EVERY, "10")))
+    except ValueError:
+        return 10.0
+
+
+class PlainProgress:
+    """Progress as plain lines on stderr, at most one per ``every`` seconds (a CI log, where a
+    live bar cannot draw): the first once the work has gone on that long."""
+
+    def __init__(self, label: str, bar: Bar, every: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.label, self.bar, self.every, self.clock = label, bar, every, clock
+        self.last = clock()
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        now = self.clock()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        share = f" ({100 * done / total:.0f} %)" if total else ""
+        amount = (f"{done / 2**20:,.1f} of {total / 2**20:,.1f} MiB" if self.bar is Bar.BYTES
+                  else f"{done} of {total}")
+        typer.echo(for_terminal(f"{self.label}: {amount}{share}, at {name[-60:]}",
+                                markup=False), err=True)
+
+
 @contextmanager
 def progress_bar(label: str, bar: Bar, quiet: bool) -> Iterator[Progress]:
-    """A live bar on stderr (only when it is a terminal and not ``quiet``), as the
-    :data:`~driftcli.progress.Progress` callback the library reports to."""
+    """A live bar on stderr when it is a terminal, else plain lines every
+    :data:`PROGRESS_EVERY` seconds (none when ``quiet``), as the
+    :data:`~driftcli.progress.Progress` callback the library reports to; the library's
+    notices (kernels compiling) print above it. Ctrl-C inside ends the command with one line
+    (:func:`interrupted`) and exit code 130."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -198,13 +291,30 @@ def progress_bar(label: str, bar: Bar, quiet: bool) -> Iterator[Progress]:
          MofNCompleteColumn(),
          TextColumn("{task.description}"), TimeElapsedColumn()))
     live = not quiet and console.is_terminal
+    every = _every()
+    plain = not quiet and not live and every > 0
     with Bars(*columns, console=console, disable=not live, transient=True) as shown:
         task = shown.add_task(for_terminal(label) if bar is Bar.BYTES else "", total=None)
+        lines = PlainProgress(label, bar, every)
 
         def advance(done: int, total: int, name: str) -> None:
             shown.update(task, completed=done, total=total, description=for_terminal(name[-40:]))
+            if plain:
+                lines(done, total, name)
 
-        yield advance
+        def say(message: str) -> None:  # even with --quiet: minutes of silence are no quiet
+            if live:
+                shown.console.print(for_terminal(message, markup=False), markup=False)
+            elif every > 0:
+                typer.echo(for_terminal(message, markup=False), err=True)
+
+        try:
+            with notices_to(say):
+                yield advance
+        except KeyboardInterrupt:
+            shown.stop()
+            typer.echo(for_terminal(interrupted(), markup=False), err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def fmt(value: Any, spec: str = ".4g") -> str:

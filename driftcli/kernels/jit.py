@@ -52,6 +52,9 @@ def _numba_problem() -> str | None:
         import driftcli.kernels.jitcode  # noqa: F401
     except ImportError as err:
         return f"numba is not importable ({err}): pip install numba"
+    from driftcli.kernels.compiling import watch_compiles
+
+    watch_compiles()  # a first run's minutes of compiling are said, not silent
     return None
 
 

@@ -155,10 +155,11 @@ def parse_cast(spec: str | Cast) -> Cast:
     except FormatSpecError as err:
         raise CastSpecError(f"cast spec {spec!r}: {err}") from None
     except DriftError:
-        raise CastSpecError(
-            f"cast spec {spec!r}: unknown format or preset {head!r}"
-            f"{close_matches(head, [*preset_names(), *FORMATS])} (see drift formats --presets)"
-        ) from None
+        # names are lower case: MXFP8_E4M3 is the name mxfp8_e4m3 in capitals
+        names, folded = [*preset_names(), *FORMATS], head.casefold()
+        hint = f"; did you mean {folded}?" if folded in names else close_matches(folded, names)
+        raise CastSpecError(f"cast spec {spec!r}: unknown format or preset {head!r}{hint} "
+                            "(see drift formats --presets)") from None
     p = _classify(spec, rest)
     gran, size = p.granularity or (Granularity.NONE, 0)
     if gran is Granularity.NONE:

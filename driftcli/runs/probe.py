@@ -307,8 +307,15 @@ def run_checkpoints(run: str | Path, pattern: str = CHECKPOINTS) -> list[Path]:
         raise ProbeError(f"run {folder} is not a folder; give the --out folder of drift train")
     found = sorted(p for p in folder.glob(pattern) if p.is_file())
     if not found:
-        raise ProbeError(f"run {folder} has no checkpoint matching {pattern!r}; train with "
-                         "--checkpoint-every N or give another --checkpoints glob")
+        # an HF folder or any other checkpoint: probe takes only drift's own runs, say so
+        other = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix.lower()
+                       in (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json"))
+        held = f" ({folder} holds {', '.join(other[:3])}{', ...' if other[3:] else ''})"
+        raise ProbeError(f"run {folder} has no checkpoint matching {pattern!r}: drift probe "
+                         "takes only the run folders drift train writes"
+                         f"{held if other else ''}; measure another checkpoint's tensors with "
+                         "drift clip-rate, underflow-rate or error-bias, or give another "
+                         "--checkpoints glob")
     info = {p: read_info(p) for p in found}
     first = found[0]
     for path in found[1:]:

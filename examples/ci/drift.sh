@@ -46,7 +46,7 @@ drift report "$OUT" \
     --markdown "${GITHUB_STEP_SUMMARY:-drift-summary.md}" \
     --html report.html \
     --json report.json \
-    --fail-on 'clip-rate:clip_rate > 0.02' \
+    --fail-on 'clip-rate:clip_rate > 0.02 and tensor == "*"' \
     --fail-on 'underflow-rate:underflow_rate > 0.05 and tensor == "*"' \
     --fail-on 'error-bias:rel_error > 0.1 and tensor == "*"' \
     "${REGRESSION[@]}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -13,10 +14,12 @@ from driftcli.io.readers.core import (
     FileKind,
     InputError,
     Inputs,
+    Listing,
     Problem,
     ReadError,
     TensorRef,
     not_regular,
+    open_regular,
     shown,
     within_bounds,
 )
@@ -27,9 +30,66 @@ from driftcli.io.readers.quantized_weight import Layout
 from driftcli.io.readers.safetensors import INDEX_SUFFIX, SAFETENSORS, Index, is_index, read_index
 from driftcli.io.readers.te_dumps import TE_DUMPS
 
-KINDS: list[FileKind] = [SAFETENSORS, TE_DUMPS, PYTORCH, NPZ, NPY]
+_ZIP = b"PK\x03\x04"
+_PICKLE = b"\x80"
+"""How torch.save's files begin: a zip archive (torch >= 1.6), or a pickle of protocol 2 or
+later (the legacy format)."""
+
+
+def _first_bytes(path: Path) -> bytes:
+    try:
+        with open_regular(path) as fh:
+            return fh.read(4)
+    except OSError as exc:
+        raise ReadError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def _torch_file(path: Path) -> Listing:
+    """A ``.pt``/``.pth``/``.bin`` file, handed to torch only when it begins as torch.save's
+    files do: another ``.bin`` (raw weights, a GGML file, a tokenizer's data) would reach the
+    unpickler and fail with its opcode ("Unsupported operand 94")."""
+    head = _first_bytes(path)
+    if not head.startswith((_ZIP, _PICKLE)):
+        raise ReadError(f"{path} is not a PyTorch file (it does not begin as a file torch.save "
+                        f"writes: {head.hex(' ') or 'empty'}); drift reads {path.suffix} files "
+                        "only as torch state dicts; convert the weights to safetensors")
+    return PYTORCH.list_file(path)
+
+
+def _torch_ckpt(path: Path) -> Listing:
+    """A ``.ckpt`` is read when torch.save wrote it (PyTorch Lightning's checkpoints), as a
+    zip archive like a ``.pt``; other programs' ``.ckpt`` (TensorFlow's) are refused."""
+    head = _first_bytes(path)
+    if not head.startswith(_ZIP):
+        raise ReadError(f"{path} is not a torch zip file: drift reads a .ckpt only as torch.save "
+                        "writes it (PyTorch Lightning's checkpoints); convert other checkpoints "
+                        "(TensorFlow's) to safetensors")
+    return PYTORCH.list_file(path)
+
+
+TORCH = dataclasses.replace(PYTORCH, list_file=_torch_file)
+CKPT = FileKind("torch checkpoint", (".ckpt",), _torch_ckpt)
+
+KINDS: list[FileKind] = [SAFETENSORS, TE_DUMPS, TORCH, CKPT, NPZ, NPY]
 """Every kind of tensor file drift reads, in the order messages name them: a new kind is one
 module and one entry here."""
+
+FOREIGN = {
+    ".gguf": "a GGUF file (llama.cpp's format), which drift does not read; convert it to "
+             "safetensors first, e.g. with transformers (pip install gguf): "
+             "AutoModelForCausalLM.from_pretrained(FOLDER, gguf_file=NAME).save_pretrained(OUT), "
+             "which dequantizes its weights",
+    ".onnx": "an ONNX model, which drift does not read; save the framework's state dict as "
+             "safetensors instead",
+    ".h5": "an HDF5 (Keras) file, which drift does not read; save the weights as safetensors "
+           "instead",
+    ".keras": "a Keras model, which drift does not read; save the weights as safetensors instead",
+}
+"""Files drift does not read but a user may point it at, by ending: what to do instead."""
+
+
+def _foreign(path: Path) -> str | None:
+    return next((why for end, why in FOREIGN.items() if path.name.lower().endswith(end)), None)
 
 
 def _accepted() -> str:
@@ -63,33 +123,67 @@ def not_weights(path: Path) -> bool:
     return any(fnmatch.fnmatchcase(name, g) for g in NOT_WEIGHTS)
 
 
-def _walk(folder: Path) -> tuple[list[Path], list[Path]]:
-    """Tensor and index files under ``folder``, recursively, sorted by relative path; and
-    those of them skipped as :data:`NOT_WEIGHTS`."""
+_SHARD = re.compile(r"-\d+-of-\d+$")
+
+
+def _family(path: Path) -> str:
+    """The checkpoint a weights file belongs to in its folder, whatever its format:
+    ``model.safetensors``, ``model-00001-of-00002.safetensors``, ``pytorch_model.bin`` and
+    ``pytorch_model-00001-of-00002.bin`` are all ``model`` (Hugging Face's names)."""
+    name = path.name.lower()
+    stem = name.removesuffix(INDEX_SUFFIX) if is_index(path) else name.rsplit(".", 1)[0]
+    return _SHARD.sub("", stem).removeprefix("pytorch_")
+
+
+def _twins(found: list[Path]) -> list[tuple[Path, Path]]:
+    """Torch files of a folder that hold again the weights of a safetensors checkpoint beside
+    them (Hugging Face folders keep both ``model.safetensors`` and ``pytorch_model.bin``):
+    (the torch file, left unread; the safetensors file or index read instead)."""
+    kept: dict[tuple[Path, str], Path] = {}
+    for p in found:
+        if is_index(p) or SAFETENSORS.recognises(p):
+            kept.setdefault((p.parent, _family(p)), p)
+    return [(p, kept[(p.parent, _family(p))]) for p in found
+            if TORCH.recognises(p) and (p.parent, _family(p)) in kept]
+
+
+def _walk(folder: Path) -> tuple[list[Path], list[Path], list[tuple[Path, Path]]]:
+    """Tensor and index files under ``folder``, recursively, sorted by relative path; those of
+    them skipped as :data:`NOT_WEIGHTS`; and those skipped as a safetensors file's twin."""
     found = sorted((Path(root) / name
                     for root, _dirs, names in os.walk(folder)
                     for name in names if _is_tensor_file(Path(name))),
                    key=lambda p: p.relative_to(folder).parts)
-    return [p for p in found if not not_weights(p)], [p for p in found if not_weights(p)]
+    weights = [p for p in found if not not_weights(p)]
+    twins = _twins(weights)
+    left = {p for p, _ in twins}
+    return ([p for p in weights if p not in left], [p for p in found if not_weights(p)], twins)
 
 
-def _expand(path: Path) -> tuple[list[Path], list[Path]]:
-    """The tensor and index files a given path stands for, and those skipped; raises for an
-    unusable path."""
+def _expand(path: Path) -> tuple[list[Path], list[Path], list[tuple[Path, Path]]]:
+    """The tensor and index files a given path stands for, those skipped, and the twins
+    skipped (see :func:`_twins`); raises for an unusable path."""
     if path.is_dir():
-        files, skipped = _walk(path)
+        files, skipped, twins = _walk(path)
         if not files:
             only = (f" (only {', '.join(p.name for p in skipped)}, which hold no weights)"
                     if skipped else "")
+            foreign = sorted(Path(root) / name for root, _dirs, names in os.walk(path)
+                             for name in names if _foreign(Path(name)))
+            if foreign:
+                only += f"; {foreign[0]} is {_foreign(foreign[0])}"
             raise ReadError(f"no tensor files {_accepted()} under {path}{only}; point drift "
                             "at a checkpoint, a dump or a folder holding them")
-        return files, skipped
+        return files, skipped, twins
     if not path.exists():
         raise ReadError(f"{path} does not exist; check the path")
+    why = _foreign(path)
+    if why is not None:
+        raise ReadError(f"{path} is {why}")
     if not _is_tensor_file(path):
         raise ReadError(f"{path} is not a tensor file: drift reads {_accepted()} files and "
                         "folders holding them")
-    return [path], []
+    return [path], [], []
 
 
 class _Collector:
@@ -208,15 +302,17 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
                         "them")
     expanded = [_expand(Path(p)) for p in paths]  # every path checked before any is read
     collector = _Collector()
-    for files, _skipped in expanded:
+    for files, _skipped, _twins in expanded:
         for item in _plan(files, collector):
             if isinstance(item, Index):
                 collector.open_index(item)
             else:
                 collector.open(item)
-    return gathered(collector.tensors, collector.errors, collector.files, include, exclude,
-                    layout, tuple(dict.fromkeys(f for _files, skipped in expanded
-                                                for f in skipped)))
+    inputs = gathered(collector.tensors, collector.errors, collector.files, include, exclude,
+                      layout, tuple(dict.fromkeys(f for _files, skipped, _ in expanded
+                                                  for f in skipped)))
+    return dataclasses.replace(
+        inputs, duplicates=tuple(dict.fromkeys(t for *_, twins in expanded for t in twins)))
 
 
 def gathered(found: Sequence[TensorRef], problems: Sequence[tuple[str, Problem]],
@@ -248,3 +344,37 @@ def gathered(found: Sequence[TensorRef], problems: Sequence[tuple[str, Problem]]
                                for source, p in reported),
                   excluded=len(tensors) - len(kept) + dropped, skipped=skipped,
                   notices=tuple(shown(n) for n in notices))
+
+
+_QUANTIZED_CODES = ("int8", "uint8", "int16", "int32")
+"""Integer dtypes pre-quantized weights store their codes in (int4 codes packed in int32)."""
+
+
+def unmeasured(inputs: Sequence[Inputs], shown_names: int = 5) -> list[str]:
+    """Lines naming the tensors a measurement leaves out because they are not floating point
+    (with their count), the first that looks like a pre-quantized weight (integer codes with
+    two or more dimensions) pointing at ``drift inspect``; and one line per folder of torch
+    files left unread beside the same weights in safetensors."""
+    refs = [r for i in inputs for r in i.tensors if not r.is_float]
+    lines = []
+    if refs:
+        word = ("integer" if all(r.dtype.startswith(("int", "uint")) for r in refs)
+                else "non-floating-point")
+        named = ", ".join(f"{r.name} ({r.dtype})" for r in refs[:shown_names])
+        more = f", and {len(refs) - shown_names} more" if len(refs) > shown_names else ""
+        line = f"skipped {len(refs)} {word} tensor(s), not measured: {named}{more}"
+        codes = next((r for r in refs if r.dtype in _QUANTIZED_CODES and len(r.shape) >= 2),
+                     None)
+        if codes is not None:
+            line += (f"; {codes.name} looks quantized ({codes.dtype} codes): drift inspect "
+                     f"{codes.source} shows what a pre-quantized checkpoint holds")
+        lines.append(line)
+    for i in inputs:
+        by_twin: dict[Path, list[Path]] = {}
+        for left, read in i.duplicates:
+            by_twin.setdefault(read, []).append(left)
+        for read, unread in by_twin.items():
+            names = ", ".join(shown(p) for p in unread)
+            lines.append(f"skipped {names}: the same weights as {shown(read)}, which was read "
+                         "(safetensors preferred)")
+    return lines

@@ -216,6 +216,10 @@ class Inputs:
     notices: tuple[str, ...] = ()
     """One line each: a checkpoint's config names a quantization drift does not know (its
     weights are read by their names)."""
+    duplicates: tuple[tuple[Path, Path], ...] = ()
+    """Torch files found in a folder beside a safetensors checkpoint of the same weights
+    (``pytorch_model.bin`` beside ``model.safetensors``), left unread: (the torch file, the
+    safetensors file or index read instead)."""
 
 
 @dataclass(frozen=True)
