@@ -46,10 +46,21 @@ class _Flat:
     """Name -> the keys of every tensor that flattens to it (two or more)."""
 
 
-def _flatten(obj: Any, prefix: str, keys: str, out: _Flat) -> None:
+MAX_DEPTH = 100
+"""Containers a state dict may nest (a model's are a few deep): past it the file is refused
+with one line, never a ``RecursionError`` that loses the run."""
+
+
+class _TooDeep(Exception):
+    """A state dict nested deeper than :data:`MAX_DEPTH`."""
+
+
+def _flatten(obj: Any, prefix: str, keys: str, out: _Flat, depth: int = 0) -> None:
     """Tensors of nested dicts / lists / tuples under dotted names; other leaves are skipped.
     ``{"a.b": t1, "a": {"b": t2}}`` gives two tensors one name: neither can be told apart
     from the other, so the name goes to ``clashes`` (never one silently dropped)."""
+    if depth > MAX_DEPTH:
+        raise _TooDeep
     if isinstance(obj, torch.Tensor):
         if prefix in out.clashes:
             out.clashes[prefix].append(keys)
@@ -60,10 +71,11 @@ def _flatten(obj: Any, prefix: str, keys: str, out: _Flat) -> None:
             out.tensors[prefix], out.where[prefix] = obj, keys
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), f"{keys}[{k!r}]", out)
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), f"{keys}[{k!r}]", out,
+                     depth + 1)
     elif isinstance(obj, list | tuple):
         for i, v in enumerate(obj):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), f"{keys}[{i}]", out)
+            _flatten(v, f"{prefix}.{i}" if prefix else str(i), f"{keys}[{i}]", out, depth + 1)
     # numbers, strings, None (an epoch counter, a config) are not tensors
 
 
@@ -142,14 +154,24 @@ def _load_torch(path: Path) -> _Flat:
         found = re.search(r"GLOBAL (\S+)", text)
         what = f" (it holds {found.group(1)})" if found else ""
         raise ReadError(f"{path} " + _REFUSED_PICKLE.format(what=what)) from exc
+    except RecursionError:
+        raise ReadError(_too_deep(path)) from None
     except _LOAD_ERRORS as exc:
         raise ReadError(f"cannot read {path} as a PyTorch file ({first_line(exc)}); "
                         "re-save it with torch.save or as safetensors") from exc
     out = _Flat()
-    _flatten(obj, "", "", out)
+    try:
+        _flatten(obj, "", "", out)
+    except (_TooDeep, RecursionError):
+        raise ReadError(_too_deep(path)) from None
     if "" in out.tensors:  # the file holds one bare tensor: name it like an .npy file
         out.tensors[path.stem] = out.tensors.pop("")
     return out
+
+
+def _too_deep(path: Path) -> str:
+    return (f"{path} nests containers more than {MAX_DEPTH} deep, which no state dict does; "
+            "drift refuses it (re-save the tensors as a flat state dict or as safetensors)")
 
 
 _TORCH_FILES = _TorchCache()

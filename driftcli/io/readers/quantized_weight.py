@@ -128,10 +128,11 @@ def _expand(scales: torch.Tensor, block: tuple[int, int], rows: tuple[int, int],
     """Block scales spread over the elements they cover, cut to ``shape``; ``rows`` is the
     (offset, count) of the last-but-one dim wanted within the first scale row's block."""
     br, bc = block
-    x = scales.repeat_interleave(bc, dim=-1)[..., :shape[-1]]
-    x = x.repeat_interleave(br, dim=-2)
     off, n = rows
-    return x[..., off:off + n, :]
+    # indices, not repeat_interleave: a block size from a config (2^24 rows) costs the
+    # elements wanted, never block x scales
+    x = scales.index_select(-1, torch.arange(shape[-1]) // bc)
+    return x.index_select(-2, torch.arange(off, off + n) // br)
 
 
 def read_weight(spec: QuantSpec, start: int, stop: int) -> torch.Tensor:
