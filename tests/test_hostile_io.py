@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_hostile_inputs import bounded
 from test_outputs_safety import drift_process
-from test_quantized import deepseek_fp8, mxfp8, nvfp4, sample, write
+from test_quantized import _all_layouts, deepseek_fp8, mxfp8, nvfp4, sample, write
 from typer.testing import CliRunner
 
 from driftcli.cli import app
@@ -260,7 +260,8 @@ def test_a_full_disk_names_the_file_and_keeps_the_earlier_output(tmp_path: Path)
     done = drift_process("dequantize", src, "--out", out, "--overwrite", cwd=tmp_path,
                          fsize=100_000)
     # before the fix: "error: [Errno 27] File too large", naming no file
-    one_line(done.returncode, done.stderr, str(out), "intact")
+    one_line(done.returncode, done.stderr, f"cannot write {out}: File too large (the disk "
+             f"or the file size limit is full); the earlier {out} is intact")
     assert out.read_bytes() == b"the earlier output"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.safetensors", "out.safetensors"]
 
@@ -299,6 +300,9 @@ def test_dequantize_refuses_non_finite_values_from_finite_inputs(tmp_path: Path,
     line = one_line(*drift("dequantize", folder, "--out", out, *opts), "w.weight",
                     "nothing was written")
     assert "infinite" in line or "NaN" in line
+    if case == "float16":  # the example of docs/dequantize.md
+        assert "weight w.weight dequantizes to 128 infinite and 0 NaN value(s) in float16 " \
+               "from finite scales" in line
     assert not out.exists()
 
 
@@ -474,3 +478,27 @@ def test_te_tensor_saved_with_requires_grad_is_plain_data(tmp_path: Path) -> Non
     code, out = drift("clip-rate", tmp_path, "-c", "mxfp8_e4m3", "--out", tmp_path / "o",
                       "-q")
     assert code == 0 and "requires_grad" not in out, out
+
+
+def test_inspect_in_chunks_equals_inspect_whole(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streamed counts do not depend on the chunk: chunks smaller than a block row, a
+    block's rows split across chunks (128 x 128 blocks, 1 x 32, experts), and whole."""
+    import dataclasses
+
+    import driftcli.measures.inspect as inspect_mod
+
+    folder = _all_layouts(tmp_path)
+    z = torch.zeros(300, 260, dtype=torch.float8_e4m3fn)
+    z[5, 7] = 1.0  # one nonzero block among zero ones, split by small chunks
+    save_file({"z.weight": z, "z.weight_scale_inv": torch.ones(3, 3)},
+              str(folder / "z.safetensors"))
+    whole = {r.tensor: r for r in inspect([folder]).rows}
+    assert whole["z.weight"].zero_blocks == 8 and whole["ds.weight"].order_differs is None
+    for chunk in (100, 260 * 130, 3000):
+        monkeypatch.setattr(inspect_mod, "CHUNK_ELEMENTS", chunk)
+        for r in inspect([folder]).rows:
+            w = whole[r.tensor]
+            assert r.rms is not None and w.rms is not None
+            assert math.isclose(r.rms, w.rms, rel_tol=1e-12), (chunk, r.tensor)  # sum order
+            assert dataclasses.replace(r, rms=w.rms) == w, (chunk, r.tensor)
