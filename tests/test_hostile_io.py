@@ -261,9 +261,21 @@ def test_a_full_disk_names_the_file_and_keeps_the_earlier_output(tmp_path: Path)
                          fsize=100_000)
     # before the fix: "error: [Errno 27] File too large", naming no file
     one_line(done.returncode, done.stderr, f"cannot write {out}: File too large (the disk "
-             f"or the file size limit is full); the earlier {out} is intact")
+             "or the file size limit is full); the earlier file is kept as it was")
     assert out.read_bytes() == b"the earlier output"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.safetensors", "out.safetensors"]
+    # a folder output: the shard named, the earlier folder whole, no temporary folder left
+    src = sharded(tmp_path / "sh")
+    folder = tmp_path / "deq"
+    assert drift("dequantize", src, "--out", folder, "--dtype", "bfloat16", "-q")[0] == 0
+    kept = snapshot(folder)
+    done = drift_process("dequantize", src, "--out", folder, "--overwrite", cwd=tmp_path,
+                         fsize=100_000)
+    one_line(done.returncode, done.stderr, f"cannot write {folder / 'm-1.safetensors'}: File "
+             f"too large", f"the earlier {folder} is kept as it was")
+    assert snapshot(folder) == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.safetensors", "deq",
+                                                          "out.safetensors", "sh"]
 
 
 # --- (13) non-finite outputs from finite inputs -----------------------------------------------

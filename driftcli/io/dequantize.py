@@ -20,10 +20,10 @@ import ctypes
 import errno
 import json
 import os
+import secrets
 import shutil
 import stat
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +42,7 @@ from driftcli.io.readers.quantized_weight import (
     with_options,
 )
 from driftcli.io.readers.safetensors import INDEX_SUFFIX, header_metadata
-from driftcli.io.tables import WriteError, _fsync_folder, _umask, table_lock, write_text
+from driftcli.io.tables import WriteError, atomic_write, fsync_folder, table_lock, write_text
 
 _CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
           "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
@@ -204,19 +204,11 @@ def dequantize(paths: Sequence[str | Path], out: str | Path, *, dtype: str = "fl
              for r in refs if (s := spec_of(r)) is not None})} for source, refs in
             by_source.items()}
         sharded = any(f.name.endswith(INDEX_SUFFIX) for f in inputs.files) and len(names) > 1
-        kept = f"the earlier {out} is intact" if earlier else "nothing was written"
-        try:
-            if one_file:
-                (source, refs), = by_source.items()
-                _write_one(out, refs, meta[source])
-            else:
-                _write_folder(out, by_source, names, meta, sharded)
-        except OSError as err:
-            why = err.strerror or str(err)
-            if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                why += " (the disk or the file size limit is full)"
-            where = err.filename or out
-            raise WriteError(f"cannot write {where}: {why}; {kept}") from None
+        if one_file:  # written beside and renamed over out (a full disk: WriteError)
+            (source, refs), = by_source.items()
+            atomic_write(out, lambda fh: _stream(fh, refs, meta[source]))
+        else:
+            _write_folder(out, by_source, names, meta, sharded, earlier)
     written = [out] if one_file else [out / n for n in names.values()]
     if sharded:
         written.append(out / "model.safetensors.index.json")
@@ -300,12 +292,12 @@ def _remove(entry: Path) -> None:
             entry.unlink()
 
 
-def _stream(fh: IO[bytes], refs: list[TensorRef], meta: dict[str, str],
-            errors: list[str]) -> None:
-    """One output file written to ``fh`` (a new file), flushed to disk."""
+def _stream(fh: IO[bytes], refs: list[TensorRef], meta: dict[str, str]) -> None:
+    """One output file written to ``fh``; raises :class:`DequantizeError` (after the other
+    weights were read, to count the bad ones) where a weight cannot be dequantized."""
+    errors: list[str] = []
     _write_file(fh, refs, meta, errors)
-    fh.flush()
-    os.fsync(fh.fileno())
+    _refuse(errors)
 
 
 def _refuse(errors: list[str]) -> None:
@@ -314,48 +306,45 @@ def _refuse(errors: list[str]) -> None:
                               f"{errors[0]}; nothing was written")
 
 
-def _write_one(out: Path, refs: list[TensorRef], meta: dict[str, str]) -> None:
-    """A one-file output: written beside ``out`` and renamed over it."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fh.fileno(), 0o666 & ~_umask())  # as a plain open() would make it
-            errors: list[str] = []
-            _stream(fh, refs, meta, errors)
-        _refuse(errors)
-        os.replace(name, out)
-        _fsync_folder(out.parent)
-    finally:
-        _remove(Path(name))
-
-
 def _write_folder(out: Path, by_source: dict[str, list[TensorRef]], names: dict[str, str],
-                  meta: dict[str, dict[str, str]], sharded: bool) -> None:
+                  meta: dict[str, dict[str, str]], sharded: bool, earlier: bool) -> None:
     """A folder output: every file written in a new folder beside ``out``, then that folder
-    swapped in for ``out`` at once."""
+    swapped in for ``out`` at once. A write that fails (a full disk) is a
+    :class:`~driftcli.io.tables.WriteError` naming the file, and ``out`` is as it was."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
+    name = out
     try:
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.mkdir(tmp)  # (the mode a plain mkdir gives: what out will have)
         errors: list[str] = []
         for source, refs in by_source.items():
+            name = out / names[source]
             with open(tmp / names[source], "xb") as fh:
-                _stream(fh, refs, meta[source], errors)
+                _write_file(fh, refs, meta[source], errors)
+                fh.flush()
+                os.fsync(fh.fileno())
         _refuse(errors)
         if sharded:
+            name = out / "model.safetensors.index.json"
             wmap = {r.name: names[s] for s, refs in by_source.items() for r in refs}
             total = sum(r.numel * torch_dtype_size(r.dtype) for refs in by_source.values()
                         for r in refs)
-            write_text(tmp / "model.safetensors.index.json",
+            write_text(tmp / name.name,
                        json.dumps({"metadata": {"total_size": total}, "weight_map": wmap},
                                   indent=2))
-        _fsync_folder(tmp)
+        fsync_folder(tmp)
+        name = out
         if os.path.lexists(out):
             _swap(tmp, out)
         else:
             os.rename(tmp, out)
-        _fsync_folder(out.parent)
+        fsync_folder(out.parent)
+    except OSError as err:
+        why = err.strerror or str(err)
+        if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            why += " (the disk or the file size limit is full)"
+        kept = f"the earlier {out} is kept as it was" if earlier else "nothing was written"
+        raise WriteError(f"cannot write {name}: {why}; {kept}") from None
     finally:
         _remove(tmp)  # after a swap, the earlier output
 
@@ -392,8 +381,7 @@ def _swap(new: Path, out: Path) -> None:
         raise OutputError(f"--out {out} is not a folder; choose another --out")
     if _exchange(new, out):
         return
-    aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    os.rmdir(aside)
+    aside = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
     os.rename(out, aside)
     os.rename(new, out)
     os.rename(aside, new)
