@@ -357,10 +357,11 @@ def test_te_storage_referenced_many_times_is_read_once(tmp_path: Path) -> None:
     out = bounded(f"""
         from driftcli.io.readers import open_inputs
         got = open_inputs([{str(path)!r}])
-        print(got.tensors[0].name, got.errors, float(got.tensors[0].read().sum()))
+        assert not got.errors, got.errors  # before the fix: ... (MemoryError)
+        print(got.tensors[0].name, float(got.tensors[0].read().sum()))
     """, timeout=60)
-    name, errors, total = out.split(" ", 2)
-    assert name == "l.activation" and errors == "()"
+    name, total = out.split()
+    assert name == "l.activation"
     assert math.isclose(float(total), float(t[:64].sum()), rel_tol=1e-5)  # float32 sums
 
 
