@@ -167,7 +167,7 @@ def _codes(spec: QuantSpec, start: int = 0, stop: int | None = None) -> torch.Te
 CHUNK_ELEMENTS = 1 << 18
 """Elements inspected at a time: the per-element work (codes as int64, their decoded and
 dequantized values in float64, the comparisons) peaks near 200 bytes each, so a weight of
-any size costs about 50 MiB beside its scales (``docs/inputs.md``)."""
+any size costs some tens of MiB beside its scales (``docs/inputs.md``)."""
 
 
 def _chunks(spec: QuantSpec) -> list[tuple[int, int]]:
@@ -336,7 +336,7 @@ def _inspect_weight(ref: TensorRef, spec: QuantSpec) -> tuple[InspectRow, float]
         n_blocks=scales.numel(), zero_blocks=zero_blocks,
         scale_min=float(finite.min()) if finite.numel() else None,
         scale_max=float(finite.max()) if finite.numel() else None,
-        scale_exponents=len(set(exps.tolist())),
+        scale_exponents=int(torch.unique(exps).numel()),
         subnormal_scales=int((nonzero.abs() < below).sum()),
         nan_scales=nan_scales, negative_scales=negative, zero_scales=zeros,
         scales_pow2=pow2, pow2_declared=spec.pow2_declared,

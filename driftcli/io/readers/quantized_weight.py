@@ -15,12 +15,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from functools import cache
 
 import torch
 
 from driftcli.casts.codec import decode
 from driftcli.io.layouts import Layout
 from driftcli.io.readers.core import ReadError, TensorRef
+from driftcli.records.formats import get_format
 
 
 class Order(StrEnum):
@@ -107,9 +109,17 @@ def scale_values(raw: torch.Tensor, fmt: str) -> torch.Tensor:
     return raw.to(torch.float64)
 
 
+@cache
+def _values_of(element: str) -> torch.Tensor:
+    """Every code's exact float64 value in ``element``, in code order (drift's codec)."""
+    return decode(torch.arange(1 << get_format(element).bits), element).double()
+
+
 def element_values(codes: torch.Tensor, element: str) -> torch.Tensor:
-    """Integer codes as their exact float64 values in ``element`` (drift's codec)."""
-    return decode(codes, element).double()
+    """Integer codes as their exact float64 values in ``element``: a lookup in the table of
+    every code's value (decoded once), a few times faster than decoding each element."""
+    table = _values_of(element)
+    return table[codes.to(torch.int64) & (len(table) - 1)]
 
 
 def round_once(x: torch.Tensor, dtype: str) -> torch.Tensor:
