@@ -36,6 +36,9 @@ def dequantize_cmd(
         metavar="GLOB", help="Only tensors whose name matches (repeatable).")] = None,
     exclude: Annotated[list[str] | None, typer.Option(
         metavar="GLOB", help="Leave out tensors whose name matches (repeatable).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an earlier dequantize output at --out (never an input, "
+                            "never a folder of other files).")] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No summary.")] = False,
 ) -> None:
     """Write a pre-quantized checkpoint back as a plain one.
@@ -47,7 +50,7 @@ def dequantize_cmd(
     from driftcli.io.dequantize import dequantize
 
     done = dequantize(inputs, out, dtype=dtype, layout=layout, order=order,
-                      include=include or (), exclude=exclude or ())
+                      include=include or (), exclude=exclude or (), overwrite=overwrite)
     if not quiet:
         for line in done.notices:
             typer.echo(esc(f"notice: {line}", markup=False))

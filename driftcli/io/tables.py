@@ -313,7 +313,7 @@ class WriteError(OutputError):
     folder): the message names the file, and the earlier file of that name is intact."""
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
     """Make a rename in ``folder`` durable (a folder's entries are its own data)."""
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -380,7 +380,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *,
             os.unlink(tmp)
         raise
     if durable:
-        _fsync_folder(path.parent)
+        fsync_folder(path.parent)
     return path
 
 

@@ -13,7 +13,12 @@ of two. The lints:
   the checkpoint's 2-D tensors, itself included (a divisor read as a multiplier, scales not
   decoded); null with fewer than three;
 - ``lint_nan_scales``: NaN (or infinite) scales;
-- ``lint_zero_blocks``: blocks whose every code is zero.
+- ``lint_zero_blocks``: blocks whose every code is zero;
+- ``lint_negative_scales``: scales below zero;
+- ``lint_zero_scales``: a zero scale over a block holding a nonzero code.
+
+The per-element counts are made a chunk of rows at a time (:data:`CHUNK_ELEMENTS`), so a
+weight costs its scales and a bounded work area, whatever its size.
 
 ``requant`` presets (``--requant``) quantize the dequantized weight again and count the
 blocks whose scale changes and the elements whose code or value changes. See
@@ -105,6 +110,8 @@ class InspectRow:
     subnormal_scales: int | None = _opt("Nonzero scales in the scale format's subnormal "
                                           "range")
     nan_scales: int | None = _opt("NaN or infinite scales")
+    negative_scales: int | None = _opt("Finite scales below zero")
+    zero_scales: int | None = _opt("Scales that are zero")
     scales_pow2: bool | None = _opt("Whether every finite nonzero scale is a power of two")
     pow2_declared: bool | None = _opt("Whether the layout declares power-of-two scales "
                                         "(ue8m0, E8M0)")
@@ -117,6 +124,9 @@ class InspectRow:
     lint_magnitude: bool | None = _opt("Lint: RMS over 1,000x off the median RMS of the "
                                        "checkpoint's 2-D tensors (null: fewer than 3)")
     lint_nan_scales: bool | None = _opt("Lint: NaN or infinite scales")
+    lint_negative_scales: bool | None = _opt("Lint: scales below zero")
+    lint_zero_scales: bool | None = _opt("Lint: a zero scale over a block holding a nonzero "
+                                         "code")
     lint_zero_blocks: bool | None = _opt("Lint: blocks whose every code is zero")
     scale_rules: str | None = _opt("Power-of-two scale rules every block's E8M0 scale is "
                                      "consistent with (floor, ceil, even, ceil-amax, "
@@ -156,9 +166,50 @@ class Inspection:
     """Configs naming a quantization drift does not know (their weights read by name)."""
 
 
-def _codes(spec: QuantSpec) -> torch.Tensor:
-    """The stored codes as int64, shaped like the dequantized weight."""
-    return unpack_codes(spec.codes.read(), spec)
+def _codes(spec: QuantSpec, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """The stored codes of rows ``[start, stop)`` (of dim 0) as int64, shaped like the
+    dequantized weight's rows."""
+    return unpack_codes(spec.codes.read(start, stop), spec)
+
+
+CHUNK_ELEMENTS = 1 << 18
+"""Elements inspected at a time: the per-element work (codes as int64, their decoded and
+dequantized values in float64, the comparisons) peaks near 200 bytes each, so a weight of
+any size costs some tens of MiB beside its scales (``docs/inputs.md``)."""
+
+
+def _chunks(spec: QuantSpec) -> list[tuple[int, int]]:
+    """Row ranges (of dim 0) of about :data:`CHUNK_ELEMENTS` elements, whole block rows of a
+    2-D weight where a block row fits."""
+    rows = spec.shape[0]
+    step = max(1, CHUNK_ELEMENTS // max(math.prod(spec.shape[1:]), 1))
+    if len(spec.shape) == 2 and step > spec.block[0]:
+        step -= step % spec.block[0]
+    return [(at, min(at + step, rows)) for at in range(0, rows, step)]
+
+
+def _all_zero_into(mask: torch.Tensor, zero: torch.Tensor, block: tuple[int, int],
+                   row0: int) -> None:
+    """AND the rows of ``zero`` (rows ``row0..`` of the last-but-one dim) into ``mask``, one
+    bool per block of ``block`` (edges partial): True while every element seen is zero.
+    Never pads rows to a whole block: a block of 2^24 rows costs the rows seen."""
+    *lead, r, c = zero.shape
+    br, bc = block
+    gc = mask.shape[-1]
+    cols = torch.ones(*lead, r, gc * bc, dtype=torch.bool)
+    cols[..., :c] = zero
+    per_row = cols.reshape(*lead, r, gc, bc).all(-1)
+    first, last = row0 // br, (row0 + r - 1) // br
+    if last - first < 3:  # a chunk within a few blocks: each block's rows at once
+        for b in range(first, last + 1):
+            a, z = max(b * br - row0, 0), min((b + 1) * br - row0, r)
+            mask[..., b, :] &= per_row[..., a:z, :].all(-2)
+        return
+    # whole blocks in between: pad the chunk to block edges (under 2 x its rows)
+    off = row0 - first * br
+    pad = torch.ones(*lead, (last - first + 1) * br, gc, dtype=torch.bool)
+    pad[..., off:off + r, :] = per_row
+    mask[..., first:last + 1, :] &= pad.reshape(*lead, last - first + 1, br, gc).all(-2)
 
 
 def _per_block_all_zero(zero: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -173,12 +224,6 @@ def _per_block_all_zero(zero: torch.Tensor, block: tuple[int, int]) -> torch.Ten
 
 def _scales(spec: QuantSpec) -> torch.Tensor:
     return scale_values(spec.scale.read(), spec.scale_format).reshape(-1)
-
-
-def _rms(x: torch.Tensor) -> float:
-    x = x.double()
-    x = x[torch.isfinite(x)]
-    return math.sqrt(float((x * x).mean())) if x.numel() else math.nan
 
 
 def _requant(spec: QuantSpec, values: torch.Tensor, codes_vals: torch.Tensor,
@@ -246,10 +291,11 @@ def _fits(rule: Callable[[Fraction, Format], int], mag: Fraction, grid: list[Fra
 
 
 def _scale_rules(spec: QuantSpec, codes_vals: torch.Tensor, raw_scales: torch.Tensor
-                 ) -> str | None:
+                 ) -> list[str] | None:
     """The rules every block's E8M0 scale is consistent with, judged on its largest code
     (scale-free: a power-of-two rule's exponent moves with the amax's binade); blocks of
-    zeros, NaN scales and the clamped byte 0 say nothing."""
+    zeros, NaN scales and the clamped byte 0 say nothing. ``codes_vals`` and ``raw_scales``
+    are the same rows of the weight and its scales (a chunk: the blocks are rows of one)."""
     if spec.scale_format != "e8m0" or spec.global_scale is not None or spec.block[0] != 1:
         return None
     *lead, c = codes_vals.shape
@@ -264,52 +310,125 @@ def _scale_rules(spec: QuantSpec, codes_vals: torch.Tensor, raw_scales: torch.Te
     seen = {Fraction(m) for m in mags[live].unique().tolist()}
     names = [n for n, rule in SCALE_RULES.items()
              if all(_fits(rule, m, grid, elem) for m in seen)]
-    return ", ".join(names) or "none"
+    return names
+@dataclass
+class _Tally:
+    """What the chunks of one weight add up to."""
+
+    max_codes: int = 0
+    zero_codes: int = 0
+    nan_codes: int = 0
+    squares: float = 0.0
+    finite: int = 0
+    order_differs: int = 0
+
+    def values(self, x: torch.Tensor) -> None:
+        """Add the finite values of ``x`` to the sum of squares (for the RMS)."""
+        x = x.double()
+        x = x[torch.isfinite(x)]
+        self.squares += float((x * x).sum())
+        self.finite += x.numel()
+
+    @property
+    def rms(self) -> float:
+        return math.sqrt(self.squares / self.finite) if self.finite else math.nan
+
+
+def _rms_streamed(ref: TensorRef) -> float:
+    """The RMS of a stored tensor's finite values, read a chunk of rows at a time."""
+    tally = _Tally()
+    rows = ref.shape[0] if ref.shape else 1
+    step = max(1, CHUNK_ELEMENTS // max(math.prod(ref.shape[1:]), 1))
+    for at in range(0, rows, step):
+        tally.values(ref.read(at, at + step))
+    return tally.rms
 
 
 def _inspect_weight(ref: TensorRef, spec: QuantSpec) -> tuple[InspectRow, float]:
     fmt = get_format(spec.element)
-    codes = _codes(spec)
-    vals = element_values(codes, spec.element)
     scales = _scales(spec)
     finite = scales[torch.isfinite(scales)]
     nonzero = finite[finite != 0]
     mant, exps = torch.frexp(nonzero) if nonzero.numel() else (nonzero, nonzero.long())
-    numel = vals.numel()
-    max_codes = int((vals.abs() == float(fmt.max)).sum())
+    numel = math.prod(spec.shape)
     block = spec.block if spec.scale.numel != 1 else (spec.shape[-2], spec.shape[-1])
-    zero_blocks = int(_per_block_all_zero(vals == 0, block).sum())
+    rows, cols = spec.shape[-2], spec.shape[-1]
+    eff = (max(1, min(block[0], rows)), max(1, min(block[1], cols)))
+    all_zero = torch.ones(*spec.shape[:-2], -(-rows // eff[0]), -(-cols // eff[1]),
+                          dtype=torch.bool)
     nan_scales = int(scales.numel() - finite.numel())
+    exact = weight_ref(replace(spec, out_dtype="float32"))
+    library = (weight_ref(replace(spec, out_dtype="float32", order=Order.LIBRARY))
+               if spec.library_order != LibraryOrder() else None)  # it rounds in between
+    raw_scales = spec.scale.read() if spec.scale.numel != 1 else None
+    # the rules every chunk's blocks fit (None: the weight's scales are not per-row E8M0)
+    rules: list[str] | None = list(SCALE_RULES) if raw_scales is not None else None
+    tally = _Tally()
+    for start, stop in _chunks(spec):  # every per-element count a chunk at a time
+        vals = element_values(_codes(spec, start, stop), spec.element)
+        if rules is not None and raw_scales is not None:
+            fit = _scale_rules(spec, vals, raw_scales[start:stop])
+            rules = None if fit is None else [n for n in rules if n in fit]
+        tally.max_codes += int((vals.abs() == float(fmt.max)).sum())
+        zero = vals == 0
+        tally.zero_codes += int(zero.sum())
+        tally.nan_codes += int(vals.isnan().sum())
+        del vals
+        if len(spec.shape) == 2:
+            _all_zero_into(all_zero, zero, eff, start)
+        else:  # dim 0 leads (experts): the blocks tile the last two dims of each
+            _all_zero_into(all_zero[start:stop], zero, eff, 0)
+        del zero
+        if nan_scales:
+            continue  # the weight cannot be dequantized
+        got = exact.read(start, stop)
+        tally.values(got)
+        if library is not None:
+            lib = library.read(start, stop)
+            tally.order_differs += int(((lib.view(torch.int32) != got.view(torch.int32))
+                                        & ~(lib.isnan() & got.isnan())).sum())
+    zero_blocks = int(all_zero.sum())
     pow2 = bool((mant.abs() == 0.5).all()) if nonzero.numel() else True
     below = _SUBNORMAL_BELOW.get(spec.scale_format, 0.0)
+    negative = int((finite < 0).sum())
+    zeros = int((finite == 0).sum())
+    lost = _zero_scales_over_codes(scales, all_zero)
     row = InspectRow(
         source=ref.source, tensor=spec.name, layout=str(spec.layout),
         element_format=spec.element, scale_format=spec.scale_format,
         block=f"{block[0]}x{block[1]}",
         global_scale=None if spec.global_scale is None else
         "divisor" if spec.global_divides else "multiplier",
-        shape=json.dumps(list(spec.shape)), numel=numel, max_codes=max_codes,
-        max_code_rate=max_codes / numel if numel else None,
-        zero_codes=int((vals == 0).sum()), nan_codes=int(vals.isnan().sum()),
+        shape=json.dumps(list(spec.shape)), numel=numel, max_codes=tally.max_codes,
+        max_code_rate=tally.max_codes / numel if numel else None,
+        zero_codes=tally.zero_codes, nan_codes=tally.nan_codes,
         n_blocks=scales.numel(), zero_blocks=zero_blocks,
         scale_min=float(finite.min()) if finite.numel() else None,
         scale_max=float(finite.max()) if finite.numel() else None,
-        scale_exponents=len(set(exps.tolist())),
+        scale_exponents=int(torch.unique(exps).numel()),
         subnormal_scales=int((nonzero.abs() < below).sum()),
-        nan_scales=nan_scales, scales_pow2=pow2, pow2_declared=spec.pow2_declared,
+        nan_scales=nan_scales, negative_scales=negative, zero_scales=zeros,
+        scales_pow2=pow2, pow2_declared=spec.pow2_declared,
         lint_pow2=spec.pow2_declared and not pow2, lint_nan_scales=nan_scales > 0,
+        lint_negative_scales=negative > 0, lint_zero_scales=lost > 0,
         lint_zero_blocks=zero_blocks > 0,
-        scale_rules=_scale_rules(spec, vals, spec.scale.read()))
+        scale_rules=None if rules is None else ", ".join(rules) or "none")
     if nan_scales:
         return row, math.nan
-    exact = weight_ref(replace(spec, out_dtype="float32")).read()  # in bounded chunks
-    row = replace(row, rms=_rms(exact))
-    if spec.library_order != LibraryOrder():  # the library's decoder rounds in between
-        lib = weight_ref(replace(spec, order=Order.LIBRARY)).read()
-        differs = (lib.view(torch.int32) != exact.view(torch.int32)) & ~(
-            lib.isnan() & exact.isnan())
-        row = replace(row, order_differs=int(differs.sum()))
-    return row, row.rms if row.rms is not None else math.nan
+    row = replace(row, rms=tally.rms,
+                  order_differs=tally.order_differs if library is not None else None)
+    return row, tally.rms
+
+
+def _zero_scales_over_codes(scales: torch.Tensor, all_zero: torch.Tensor) -> int:
+    """Zero scales whose block holds a nonzero code (its values all dequantize to 0). A zero
+    scale over an all-zero block loses nothing (NVFP4 writers give those 0)."""
+    zero = scales == 0
+    if scales.numel() == all_zero.numel():
+        return int((zero & ~all_zero.reshape(-1)).sum())
+    if scales.numel() == 1:  # one scale for every block
+        return int(zero.sum()) if not bool(all_zero.all()) else 0
+    return int(zero.sum())
 
 
 def inspect(paths: Sequence[str | Path], *, requant: Sequence[str] = (),
@@ -333,7 +452,7 @@ def inspect(paths: Sequence[str | Path], *, requant: Sequence[str] = (),
         if spec is None:
             if ref.is_float and len(ref.shape) >= 2:
                 try:
-                    others.append(_rms(ref.read()))
+                    others.append(_rms_streamed(ref))
                 except ReadError as exc:
                     errors.append(str(exc))
             continue
@@ -401,6 +520,13 @@ def _findings(row: InspectRow) -> list[Finding]:
     if row.lint_nan_scales:
         found.append(Finding(row.tensor, "lint_nan_scales", f"{row.nan_scales} NaN or "
                              "infinite scale(s): the weight cannot be dequantized"))
+    if row.lint_negative_scales:
+        found.append(Finding(row.tensor, "lint_negative_scales", f"{row.negative_scales} "
+                             "negative scale(s): a scale is a magnitude (a sign bit set by "
+                             "a writer, or a scale negated?)"))
+    if row.lint_zero_scales:
+        found.append(Finding(row.tensor, "lint_zero_scales", "zero scale(s) over blocks "
+                             "holding nonzero codes: those values dequantize to 0"))
     if row.lint_magnitude:
         found.append(Finding(row.tensor, "lint_magnitude", f"RMS {row.rms:.3g} is over "
                              f"{MAGNITUDE_FACTOR:,.0f}x off the median of the checkpoint's 2-D "

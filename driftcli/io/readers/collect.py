@@ -243,6 +243,10 @@ class _Collector:
                 continue
             if shard.resolve() in self.seen:
                 continue  # already read, as a file given on its own or through another index
+            if not any(kind.recognises(shard) for kind in KINDS):
+                self.fail(index.path, f"{index.path} lists shard {shard.name}, which is not a "
+                                      f"tensor file {_accepted()}; re-download the index")
+                continue
             held = self.open(shard, only=names)
             if held is None:
                 continue  # the shard's own error is recorded

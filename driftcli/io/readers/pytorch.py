@@ -48,10 +48,21 @@ class _Flat:
     """Name -> the keys of every tensor that flattens to it (two or more)."""
 
 
-def _flatten(obj: Any, prefix: str, keys: str, out: _Flat) -> None:
+MAX_DEPTH = 100
+"""Containers a state dict may nest (a model's are a few deep): past it the file is refused
+with one line, never a ``RecursionError`` that loses the run."""
+
+
+class _TooDeep(Exception):
+    """A state dict nested deeper than :data:`MAX_DEPTH`."""
+
+
+def _flatten(obj: Any, prefix: str, keys: str, out: _Flat, depth: int = 0) -> None:
     """Tensors of nested dicts / lists / tuples under dotted names; other leaves are skipped.
     ``{"a.b": t1, "a": {"b": t2}}`` gives two tensors one name: neither can be told apart
     from the other, so the name goes to ``clashes`` (never one silently dropped)."""
+    if depth > MAX_DEPTH:
+        raise _TooDeep
     if isinstance(obj, torch.Tensor):
         if prefix in out.clashes:
             out.clashes[prefix].append(keys)
@@ -62,10 +73,11 @@ def _flatten(obj: Any, prefix: str, keys: str, out: _Flat) -> None:
             out.tensors[prefix], out.where[prefix] = obj, keys
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), f"{keys}[{k!r}]", out)
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), f"{keys}[{k!r}]", out,
+                     depth + 1)
     elif isinstance(obj, list | tuple):
         for i, v in enumerate(obj):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), f"{keys}[{i}]", out)
+            _flatten(v, f"{prefix}.{i}" if prefix else str(i), f"{keys}[{i}]", out, depth + 1)
     # numbers, strings, None (an epoch counter, a config) are not tensors
 
 
@@ -151,20 +163,31 @@ def _load_torch(path: Path) -> _Flat:
                             "save them dequantized ({k: v.dequantize() for each torchao "
                             "tensor}) with torch.save or safetensors save_file") from exc
         raise ReadError(f"{path} " + _REFUSED_PICKLE.format(what=what)) from exc
+    except RecursionError:
+        raise ReadError(_too_deep(path)) from None
     except _LOAD_ERRORS as exc:
         raise ReadError(f"cannot read {path} as a PyTorch file ({first_line(exc)}); "
                         "re-save it with torch.save or as safetensors") from exc
-    return flatten(obj, path.stem)
+    return flatten(obj, path.stem, path)
 
 
-def flatten(obj: Any, bare: str) -> _Flat:
+def flatten(obj: Any, bare: str, where: Path | str | None = None) -> _Flat:
     """The tensors of a state dict (nested dicts, lists and tuples) under dotted names; a bare
-    tensor is named ``bare`` (a file's stem, like an ``.npy`` file's)."""
+    tensor is named ``bare`` (a file's stem, like an ``.npy`` file's). Nesting past
+    :data:`MAX_DEPTH` is a :class:`ReadError` naming ``where`` (default ``bare``)."""
     out = _Flat()
-    _flatten(obj, "", "", out)
-    if "" in out.tensors:
+    try:
+        _flatten(obj, "", "", out)
+    except (_TooDeep, RecursionError):
+        raise ReadError(_too_deep(where if where is not None else bare)) from None
+    if "" in out.tensors:  # the file holds one bare tensor: name it like an .npy file
         out.tensors[bare] = out.tensors.pop("")
     return out
+
+
+def _too_deep(path: Path | str) -> str:
+    return (f"{path} nests containers more than {MAX_DEPTH} deep, which no state dict does; "
+            "drift refuses it (re-save the tensors as a flat state dict or as safetensors)")
 
 
 _TORCH_FILES = _TorchCache()

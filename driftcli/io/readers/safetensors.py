@@ -158,6 +158,14 @@ def _safetensors_header(path: Path) -> _SafetensorsHeader:
     return _SafetensorsHeader(_header_json(path, raw), 8 + n, size, padding)
 
 
+def header_metadata(path: Path) -> dict[str, Any] | None:
+    """A safetensors file's ``__metadata__`` (None where it has none), its header read as
+    strictly as :func:`safetensors_refs` reads it; raises :class:`ReadError` for a file that
+    is not one."""
+    meta = _safetensors_header(path).entries.get("__metadata__")
+    return meta if isinstance(meta, dict) else None
+
+
 def _data_offsets(path: Path, name: str, entry: Any) -> tuple[int, int]:
     """An entry's ``data_offsets``; raises for an entry without two byte counts (where its
     bytes are, and so where every other tensor's are, is unknown)."""
@@ -346,8 +354,18 @@ def read_index(path: Path) -> Index:
         raise ReadError(f"corrupt safetensors index {path}: no 'weight_map' of tensor name -> "
                         "shard file; re-download it, or give the shard files themselves")
     shards: dict[Path, set[str]] = {}
+    spelled: dict[Path, Path] = {}  # resolved shard -> the first spelling of it
     for name, shard in wmap.items():
-        shards.setdefault(path.parent / shard, set()).add(name)
+        rel = os.path.normpath(shard)
+        if os.path.isabs(rel) or rel == os.pardir or rel.startswith(os.pardir + os.sep):
+            raise ReadError(f"corrupt safetensors index {path}: it puts tensor {name!r} in "
+                            f"{shard!r}, outside the index's folder; drift reads shards beside "
+                            "their index only (re-download it, or give the shard files "
+                            "themselves)")
+        found = path.parent / rel
+        # one file under two spellings (a/../b, a link) is one shard: read once, every name
+        first = spelled.setdefault(found.resolve(), found)
+        shards.setdefault(first, set()).add(name)
     return Index(path, dict(sorted(shards.items())))
 
 

@@ -101,10 +101,29 @@ class _StorageType:
     dtype: torch.dtype
 
 
+def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
+                backward_hooks: Any = None, metadata: Any = None) -> torch.Tensor:
+    """torch's ``_rebuild_tensor_v2`` as data: never ``requires_grad`` and no hooks (a tensor
+    saved from training would otherwise have autograd record every cast drift makes)."""
+    del requires_grad, backward_hooks
+    return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False,
+                                           collections.OrderedDict(), metadata)
+
+
+def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any,
+                backward_hooks: Any, dtype: Any, metadata: Any = None) -> torch.Tensor:
+    """torch's ``_rebuild_tensor_v3`` as data, like :func:`_rebuild_v2`."""
+    del requires_grad, backward_hooks
+    return torch._utils._rebuild_tensor_v3(storage, offset, size, stride, False,
+                                           collections.OrderedDict(), dtype, metadata)
+
+
 def _allowed(module: str, name: str) -> Any:
     """The torch objects a tensor's pickle needs; None for everything else."""
-    if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
-        return getattr(torch._utils, name)
+    if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+        return _rebuild_v2
+    if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+        return _rebuild_v3
     if (module, name) == ("collections", "OrderedDict"):
         return collections.OrderedDict
     if (module, name) == ("torch.storage", "UntypedStorage"):
@@ -129,6 +148,9 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, zf: zipfile.ZipFile, prefix: str) -> None:
         super().__init__(io.BytesIO(data))
         self.zf, self.prefix = zf, prefix
+        # each storage member read once: torch.save names one storage once per view of it,
+        # and a 16 MiB file of views would otherwise be read and copied hundreds of times
+        self.members: dict[str, bytearray] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in (("__builtin__", "getattr"), ("builtins", "getattr")):
@@ -145,14 +167,15 @@ class _Unpickler(pickle.Unpickler):
             raise pickle.UnpicklingError("a storage of no known dtype")
         dtype = storage_type.dtype
         member = f"{self.prefix}/data/{key}"
-        info = self.zf.getinfo(member)
+        raw = self.members.get(member)
+        if raw is None:
+            raw = self.members[member] = bytearray(self.zf.read(member))
         need = numel * dtype.itemsize
-        if info.file_size < need:
-            raise pickle.UnpicklingError(f"storage {key} needs {need} bytes, holds "
-                                         f"{info.file_size}")
-        raw = bytearray(self.zf.read(member)[:need])
-        untyped = torch.frombuffer(raw, dtype=torch.uint8).untyped_storage() if raw else \
-            torch.UntypedStorage(0)
+        if len(raw) < need:
+            raise pickle.UnpicklingError(f"storage {key} needs {need} bytes, holds {len(raw)}")
+        # a view of the member's bytes, never a copy: however many references name it
+        untyped = torch.frombuffer(raw, dtype=torch.uint8, count=need).untyped_storage() \
+            if need else torch.UntypedStorage(0)
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
@@ -217,7 +240,7 @@ class _Entry:
     def read(self, ref: TensorRef, start: int, stop: int,
              into: torch.Tensor | None) -> torch.Tensor:
         del into
-        value = _DUMPS.load(self.path).get(self.key)
+        value = dict.get(_DUMPS.load(self.path), self.key)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != ref.shape:
             raise ReadError(f"{ref.source}: tensor {ref.name} changed since it was listed")
         return (value[start:stop] if value.dim() else value).clone()
@@ -237,7 +260,8 @@ def dump_refs(path: Path) -> Listing:
     step = int(found.group("step")) if found else None
     name = f"{layer}.{kind}" if kind else path.stem
     refs, problems = [], []
-    hp = obj.get("high_precision")
+    # dict.get unbound: a pickled OrderedDict can carry an instance attribute named get
+    hp = dict.get(obj, "high_precision")
     why = storage_problem(hp) if isinstance(hp, torch.Tensor) else None
     if why is not None:  # a stride-0 view: 2^36 elements over 4 bytes
         problems.append(Problem(f"{path}: tensor {name} {why}", name))
@@ -248,7 +272,7 @@ def dump_refs(path: Path) -> Listing:
     elif hp is not None:
         problems.append(Problem(f"{path}: high_precision is a {type(hp).__name__}, not a "
                                 "tensor", name))
-    quantized = obj.get("quantized")
+    quantized = dict.get(obj, "quantized")
     if isinstance(quantized, Refused):
         problems.append(Problem(
             f"{path}: entry 'quantized' is a pickled {quantized.refused_name}, which drift "
