@@ -507,7 +507,8 @@ def test_inspect_in_chunks_equals_inspect_whole(tmp_path: Path,
     save_file({"z.weight": z, "z.weight_scale_inv": torch.ones(3, 3)},
               str(folder / "z.safetensors"))
     whole = {r.tensor: r for r in inspect([folder]).rows}
-    assert whole["z.weight"].zero_blocks == 8 and whole["ds.weight"].order_differs is None
+    # DeepSeek's decoder rounds the product to float32 once: at float32 it is the exact order
+    assert whole["z.weight"].zero_blocks == 8 and whole["ds.weight"].order_differs == 0
     for chunk in (100, 260 * 130, 3000):
         monkeypatch.setattr(inspect_mod, "CHUNK_ELEMENTS", chunk)
         for r in inspect([folder]).rows:

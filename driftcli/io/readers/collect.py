@@ -138,13 +138,16 @@ def _family(path: Path) -> str:
 def _twins(found: list[Path]) -> list[tuple[Path, Path]]:
     """Torch files of a folder that hold again the weights of a safetensors checkpoint beside
     them (Hugging Face folders keep both ``model.safetensors`` and ``pytorch_model.bin``):
-    (the torch file, left unread; the safetensors file or index read instead)."""
+    (the torch file, left unread; the safetensors file or index read instead). Only a torch
+    file under Hugging Face's own name (``pytorch_…``) is taken for a copy: ``model.pt``
+    beside ``model.safetensors`` may hold other weights, and both are read."""
     kept: dict[tuple[Path, str], Path] = {}
     for p in found:
         if is_index(p) or SAFETENSORS.recognises(p):
             kept.setdefault((p.parent, _family(p)), p)
     return [(p, kept[(p.parent, _family(p))]) for p in found
-            if TORCH.recognises(p) and (p.parent, _family(p)) in kept]
+            if TORCH.recognises(p) and p.name.lower().startswith("pytorch_")
+            and (p.parent, _family(p)) in kept]
 
 
 def _walk(folder: Path) -> tuple[list[Path], list[Path], list[tuple[Path, Path]]]:

@@ -9,8 +9,6 @@ the reference code of each convention.
 
 from __future__ import annotations
 
-import json
-
 from driftcli.io.readers.core import TensorRef
 from driftcli.io.readers.quantized_weight import Config, Family, Layout, QuantSpec
 
@@ -117,10 +115,8 @@ def build(layout: Layout, stem: str, by_name: dict[str, TensorRef],
         return (f"tensor {scale_name} is {scale.dtype}; a scale is float32, bfloat16, float16 "
                 "or E8M0 bytes")
     shape = codes.shape
-    if config.block is not None and not all(type(b) is int for b in config.block):
-        # JSON's true is Python's 1: [true, true] must not pass for 1 x 1 blocks
-        return (f"the checkpoint's config gives weight_block_size {json.dumps(config.block)}, not "
-                "two positive integers; fix config.json, or give --layout")
+    if config.block_error is not None and config.block is None:
+        return config.block_error
     grid = _grid(scale.shape, shape)
     if layout is Layout.MXFP8:
         block = config.block if config.block is not None and config.block[0] == 1 else \

@@ -120,7 +120,12 @@ def read_config(folder: Path) -> Config | None:
     blk = _pair(q.get("weight_block_size"))
     pow2 = q.get("scale_fmt") == "ue8m0"
     if method == "fp8":
-        return Config(Layout.DEEPSEEK_FP8, blk, pow2)
+        given = q.get("weight_block_size")
+        # JSON's true is Python's 1: [true, true] must not pass for 1 x 1 blocks
+        bad = None if given is None or blk is not None else (
+            f"{where}: weight_block_size {json.dumps(given)} is not two positive integers; "
+            "fix config.json, or give --layout")
+        return Config(Layout.DEEPSEEK_FP8, blk, pow2, block_error=bad)
     if method == "mxfp4":
         return Config(Layout.GPT_OSS_MXFP4, library=Library.TRANSFORMERS)
     if method == "compressed-tensors":

@@ -342,6 +342,9 @@ class Config:
     notice: str | None = None
     """A one-line notice: the config names a quantization drift does not know, and the
     weights are read by their names."""
+    block_error: str | None = None
+    """The config gives a block size that is no block size (``[true, true]``, ``[0, 128]``):
+    the weights it would apply to are refused with this line, never read under a guess."""
 
 
 @dataclass(frozen=True)
