@@ -64,9 +64,10 @@ def _show(summary: dict[str, Any]) -> None:
     rows = summary["rows"]
     table = Table(title="inspect: quantized weights")
     heads = ("tensor", "layout", "block", "max codes", "zero blocks", "scales", "pow2",
-             "requant", "changed blocks", "changed codes")
+             "scale rules", "requant", "changed blocks", "changed codes")
     for h in heads:
-        table.add_column(h, justify="left" if h in ("tensor", "layout", "requant") else "right")
+        table.add_column(h, justify="left" if h in ("tensor", "layout", "scale rules", "requant")
+                         else "right")
     for r in rows:
         if r["error"] is not None:
             continue
@@ -74,6 +75,7 @@ def _show(summary: dict[str, Any]) -> None:
                 f"{r['scale_min']:.3g}..{r['scale_max']:.3g}")
         table.add_row(esc(r["tensor"]), r["layout"], r["block"], str(r["max_codes"]),
                       str(r["zero_blocks"]), span, str(r["scales_pow2"]).lower(),
+                      esc(r["scale_rules"] or "-"),
                       esc(r["requant"] or "-"), _num(r["requant_changed_blocks"]),
                       _num(r["requant_changed_codes"]))
     out = Console(width=160)

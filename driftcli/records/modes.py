@@ -115,6 +115,11 @@ class ScaleRule(StrEnum):
     CEIL_AMAX = "ceil-amax", True, True
     """``2**(ceil(log2 amax) - emax_elem)``: amax rounded up to a power of two, then ``floor``
     (torchao's CEIL); the scale can exceed ``ceil``'s by one binade, nothing clips."""
+    EVEN_E2M1 = "even-e2m1", True
+    """amax rounded (ties away) to E2M1's one mantissa bit, whatever the element, then
+    ``floor``: up a binade where amax's significand is at least 1.75 (compressed-tensors'
+    ``generate_mx_scales`` for MXFP4 and MXFP8). ``even`` on E2M1; on E4M3 the largest
+    values can clip only through rounding, on E2M1 by the rule."""
 
 
 # --- scale arithmetic: where each float operation of a scale happens -----------------------
