@@ -650,3 +650,35 @@ def test_requant_mxfp8_of_each_library_under_its_own_rule(tmp_path: Path, lib: s
     (row,) = inspect([tmp_path / "bad"], requant=[preset]).rows
     assert row.requant_changed_blocks == 1
     assert row.requant_changed_codes is not None and 0 < row.requant_changed_codes <= 32
+
+
+def test_each_librarys_mxfp8_is_a_drift_cast(tmp_path: Path) -> None:
+    """compressed-tensors' MXFP8 is drift's even-e2m1 cast, ModelOpt's is ceil in its float32
+    log2 order, bit for bit (scale bytes and codes), on a block of amax 448 * 2**-3 (where
+    ceil and even-e2m1 part) and one just above 448 * 2**-10 (where float32 log2 rounds onto
+    -10: exact ceil goes a binade up, ModelOpt does not and clips the largest element); that
+    checkpoint still requantizes with 0 changed blocks under exact ceil."""
+    from driftcli.casts.quantization import QuantInfo, quantize
+    x = sample((8, 256), 15, zero_block=False)
+    x[0:2, :32] *= 1e-6
+    x[0, 0] = 448.0 * 2**-3
+    x[1, 0] = float(torch.nextafter(torch.tensor(448.0 * 2**-10), torch.tensor(1.0)))
+    modelopt = "float8_e4m3fn:block32:ceil:amax=ieee,pow2=log2,apply=mul"
+    apart = {}
+    for spec, rule in (("float8_e4m3fn:block32:even-e2m1", "ct"), (modelopt, "ceil"),
+                       ("mxfp8_e4m3_ceil", "ceil"), ("float8_e4m3fn:block32:ceil", "ct")):
+        info = quantize(x, spec, return_info=True)
+        assert isinstance(info, QuantInfo) and info.codes is not None
+        q, b = mxfp8_by_rule(x, rule)
+        mine = (torch.log2(info.scales.reshape(b.shape).double()) + 127).to(torch.uint8)
+        apart[spec, rule] = (mine != b).nonzero().tolist()
+    assert apart[("float8_e4m3fn:block32:even-e2m1", "ct")] == apart[(modelopt, "ceil")] == []
+    assert apart[("mxfp8_e4m3_ceil", "ceil")] == [[1, 0]]  # the log2 block
+    assert apart[("float8_e4m3fn:block32:ceil", "ct")] == [[0, 0]]  # amax 448 * 2**-3
+    q, b = mxfp8_by_rule(x, "ceil")
+    write(tmp_path, {"m.weight": q, "m.weight_scale": b}, *MXFP8_WRITERS["modelopt"][2:])
+    (row,) = inspect([tmp_path], requant=["mxfp8_e4m3_ceil"]).rows
+    block_max = q.float().abs().reshape(8, 8, 32).amax(-1)
+    flips = int(((block_max <= 224) & (block_max > 0)).sum())  # ceil's round trip halves these
+    assert (row.requant_changed_blocks, row.requant_rescaled_blocks) == (0, flips)
+    assert float(block_max[1, 0]) == E4M3_MAX  # the log2 block: saturated, not rescaled
