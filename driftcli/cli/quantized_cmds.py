@@ -104,8 +104,9 @@ def inspect_cmd(
         "--out", metavar="DIR", help="Folder for the table.")] = Path("drift-out"),
     requant: Annotated[list[str] | None, typer.Option(
         "--requant", metavar="PRESET",
-        help="Quantize each dequantized weight again with this preset and count the blocks "
-             "and codes that change (repeatable).")] = None,
+        help="Quantize each dequantized weight again with this preset or cast spec and count "
+             "the blocks and codes it would not have written as stored, and the blocks the "
+             "round trip rescales (repeatable).")] = None,
     layout: LayoutOpt = None,
     include: Annotated[list[str] | None, typer.Option(
         metavar="GLOB", help="Only weights whose name matches (repeatable).")] = None,
