@@ -159,6 +159,7 @@ def test_even_e2m1_rounds_amax_at_seven_quarters(amax: Fraction, k: int) -> None
     assert pow2_scale_exponent(amax, E4M3, rule, 0, -127, 127) == (k, False)
     scale = cast_block([Exact.of(amax)], E4M3, E8M0, rule, 0, True, F32, scale_only=True)[1]
     assert scale == Exact.of(Fraction(2) ** k)
+    assert amax / Fraction(2) ** k < E4M3.max  # nothing clips on E4M3 (M = 1.75 · 2**8)
     for x in (Fraction(5), Fraction(13, 2), Fraction(7), Fraction(9, 20)):
         assert pow2_scale_exponent(x, FP4, rule, 0, -127, 127) == \
             pow2_scale_exponent(x, FP4, ScaleRule.EVEN, 0, -127, 127)

@@ -118,8 +118,9 @@ class ScaleRule(StrEnum):
     EVEN_E2M1 = "even-e2m1", True
     """amax rounded (ties away) to E2M1's one mantissa bit, whatever the element, then
     ``floor``: up a binade where amax's significand is at least 1.75 (compressed-tensors'
-    ``generate_mx_scales`` for MXFP4 and MXFP8). ``even`` on E2M1; on E4M3 the largest
-    values can clip only through rounding, on E2M1 by the rule."""
+    ``generate_mx_scales`` for MXFP4 and MXFP8). ``even`` on E2M1, where the rule clips
+    significands in (1.5, 1.75); where M's significand is at least 1.75 (E4M3, E5M2, FP6)
+    amax / 2**k stays below M and nothing clips."""
 
 
 # --- scale arithmetic: where each float operation of a scale happens -----------------------
