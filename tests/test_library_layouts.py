@@ -682,3 +682,18 @@ def test_each_librarys_mxfp8_is_a_drift_cast(tmp_path: Path) -> None:
     flips = int(((block_max <= 224) & (block_max > 0)).sum())  # ceil's round trip halves these
     assert (row.requant_changed_blocks, row.requant_rescaled_blocks) == (0, flips)
     assert float(block_max[1, 0]) == E4M3_MAX  # the log2 block: saturated, not rescaled
+
+
+def test_a_tie_belongs_to_the_even_code(tmp_path: Path) -> None:
+    """A block whose largest E4M3 code is 240 (odd) held an amax in (232, 248): 248, the tie
+    with 256, rounds to 256, and only there does even (248 rounded to 3 mantissa bits is 256)
+    pick this scale, so even is not named; a closed span would name it. At 256 (even code)
+    the span [248, 272] holds the tie, and even is named."""
+    for top, want in ((240.0, "ceil, ceil-amax, even-e2m1"),
+                      (256.0, "floor, ceil, even, ceil-amax, even-e2m1")):
+        q = torch.full((4, 64), 3.0)
+        q[:, 5::32] = top
+        write(tmp_path / str(top), {"m.weight": q.to(torch.float8_e4m3fn),
+                                    "m.weight_scale": torch.full((4, 2), 127, dtype=torch.uint8)})
+        (row,) = inspect([tmp_path / str(top)]).rows
+        assert row.scale_rules == want, (top, row.scale_rules)
