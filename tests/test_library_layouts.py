@@ -565,10 +565,12 @@ def test_inspect_names_the_scale_rule(tmp_path: Path) -> None:
         (row,) = inspect([tmp_path / rule]).rows
         rules[rule] = (row.scale_rules or "").split(", ")
     assert "floor" in rules["floor"] and "floor" not in rules["ceil"]
-    assert "ceil" in rules["ceil"] and "compressed-tensors" in rules["ct"]
+    assert "ceil" in rules["ceil"] and "even-e2m1" in rules["ct"]
+    # E4M3 codes cannot tell ceil from even-e2m1 (both leave largest codes 224 to 448)
+    assert "even-e2m1" in rules["ceil"] and "ceil" in rules["ct"]
     print(f"\nscale rules consistent with MXFP8 written by each rule: {rules}")
     # each MX writer of this file: its own rule among those named
-    for lib, named in (("compressed-tensors", "compressed-tensors"), ("modelopt", "ceil"),
+    for lib, named in (("compressed-tensors", "even-e2m1"), ("modelopt", "ceil"),
                        ("quark", "floor")):
         mx_folder(tmp_path / lib, lib, (16, 256), seed=12)
         (row,) = inspect([tmp_path / lib]).rows
@@ -597,3 +599,101 @@ def test_requant_nvfp4_compares_block_scales_as_written(tmp_path: Path, divisor:
     (row,) = rows
     assert (row.requant_changed_blocks, row.requant_changed_codes) == (0, 0), row
     assert row.n_blocks == 1024
+
+
+MXFP8_WRITERS = {
+    # library: (its rule in mxfp8_by_rule, its preset for --requant, config.json, hf_quant)
+    "compressed-tensors": ("ct", "float8_e4m3fn:block32:even-e2m1", {
+        "quant_method": "compressed-tensors", "format": "mxfp8-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "group", "group_size": 32,
+            "symmetric": True, "scale_dtype": "torch.uint8"}}}}, None),
+    "modelopt": ("ceil", "mxfp8_e4m3_ceil", None, {
+        "producer": {"name": "modelopt"},
+        "quantization": {"quant_algo": "MXFP8", "group_size": 32}}),
+}
+"""Each library's MXFP8 as it writes it: compressed-tensors MXFP8QuantizationCompressor
+(generate_mx_scales, E4M3 codes in ``weight``), ModelOpt MXFP8QTensor (its float32
+``ceil(log2(amax / 448))``)."""
+
+
+@pytest.mark.parametrize("lib", list(MXFP8_WRITERS))
+def test_requant_mxfp8_of_each_library_under_its_own_rule(tmp_path: Path, lib: str) -> None:
+    """--requant with the library's rule: 0 changed blocks, codes and values, though the round
+    trip moves scales (the rule, run on the dequantized weight, is not idempotent); OCP's
+    floor changes blocks; a block whose scale was doubled and codes halved (the same values,
+    a scale the rule picks for no amax its codes allow) is 1 changed block."""
+    rule, preset, cfg, hf = MXFP8_WRITERS[lib]
+    other = "mxfp8_e4m3"
+    x = sample((64, 256), 14, zero_block=False)
+    q, b = mxfp8_by_rule(x, rule)
+    write(tmp_path / "ok", {"m.weight": q, "m.weight_scale": b}, cfg, hf)
+    rows = {r.requant: r for r in inspect([tmp_path / "ok"], requant=[preset, other]).rows}
+    own = rows[preset]
+    assert own.layout == "mxfp8" and own.n_blocks == 512
+    assert (own.requant_changed_blocks, own.requant_changed_codes,
+            own.requant_changed_values) == (0, 0, 0)
+    # docs/inspect.md: the round trip rescales some, floor would not have written 76
+    assert own.requant_rescaled_blocks == {"compressed-tensors": 25, "modelopt": 28}[lib]
+    assert rows[other].requant_changed_blocks == 76
+    assert rule.replace("ct", "even-e2m1") in (own.scale_rules or "").split(", ")
+    print(f"\n{lib} MXFP8: --requant {preset}: 0 changed of 512 blocks "
+          f"({own.requant_rescaled_blocks} rescaled by the round trip); {other}: "
+          f"{rows[other].requant_changed_blocks} changed; scale_rules {own.scale_rules}")
+    # the planted fault: block 0 at twice its scale, its codes halved (values kept)
+    bad_q = q.float()
+    bad_q[0, :32] /= 2
+    bad_b = b.clone()
+    bad_b[0, 0] += 1
+    write(tmp_path / "bad", {"m.weight": bad_q.to(torch.float8_e4m3fn),
+                             "m.weight_scale": bad_b}, cfg, hf)
+    (row,) = inspect([tmp_path / "bad"], requant=[preset]).rows
+    assert row.requant_changed_blocks == 1
+    assert row.requant_changed_codes is not None and 0 < row.requant_changed_codes <= 32
+
+
+def test_each_librarys_mxfp8_is_a_drift_cast(tmp_path: Path) -> None:
+    """compressed-tensors' MXFP8 is drift's even-e2m1 cast, ModelOpt's is ceil in its float32
+    log2 order, bit for bit (scale bytes and codes), on a block of amax 448 * 2**-3 (where
+    ceil and even-e2m1 part) and one just above 448 * 2**-10 (where float32 log2 rounds onto
+    -10: exact ceil goes a binade up, ModelOpt does not and clips the largest element); that
+    checkpoint still requantizes with 0 changed blocks under exact ceil."""
+    from driftcli.casts.quantization import QuantInfo, quantize
+    x = sample((8, 256), 15, zero_block=False)
+    x[0:2, :32] *= 1e-6
+    x[0, 0] = 448.0 * 2**-3
+    x[1, 0] = float(torch.nextafter(torch.tensor(448.0 * 2**-10), torch.tensor(1.0)))
+    modelopt = "float8_e4m3fn:block32:ceil:amax=ieee,pow2=log2,apply=mul"
+    apart = {}
+    for spec, rule in (("float8_e4m3fn:block32:even-e2m1", "ct"), (modelopt, "ceil"),
+                       ("mxfp8_e4m3_ceil", "ceil"), ("float8_e4m3fn:block32:ceil", "ct")):
+        info = quantize(x, spec, return_info=True)
+        assert isinstance(info, QuantInfo) and info.codes is not None
+        q, b = mxfp8_by_rule(x, rule)
+        mine = (torch.log2(info.scales.reshape(b.shape).double()) + 127).to(torch.uint8)
+        apart[spec, rule] = (mine != b).nonzero().tolist()
+    assert apart[("float8_e4m3fn:block32:even-e2m1", "ct")] == apart[(modelopt, "ceil")] == []
+    assert apart[("mxfp8_e4m3_ceil", "ceil")] == [[1, 0]]  # the log2 block
+    assert apart[("float8_e4m3fn:block32:ceil", "ct")] == [[0, 0]]  # amax 448 * 2**-3
+    q, b = mxfp8_by_rule(x, "ceil")
+    write(tmp_path, {"m.weight": q, "m.weight_scale": b}, *MXFP8_WRITERS["modelopt"][2:])
+    (row,) = inspect([tmp_path], requant=["mxfp8_e4m3_ceil"]).rows
+    block_max = q.float().abs().reshape(8, 8, 32).amax(-1)
+    flips = int(((block_max <= 224) & (block_max > 0)).sum())  # ceil's round trip halves these
+    assert (row.requant_changed_blocks, row.requant_rescaled_blocks) == (0, flips)
+    assert float(block_max[1, 0]) == E4M3_MAX  # the log2 block: saturated, not rescaled
+
+
+def test_a_tie_belongs_to_the_even_code(tmp_path: Path) -> None:
+    """A block whose largest E4M3 code is 240 (odd) held an amax in (232, 248): 248, the tie
+    with 256, rounds to 256, and only there does even (248 rounded to 3 mantissa bits is 256)
+    pick this scale, so even is not named; a closed span would name it. At 256 (even code)
+    the span [248, 272] holds the tie, and even is named."""
+    for top, want in ((240.0, "ceil, ceil-amax, even-e2m1"),
+                      (256.0, "floor, ceil, even, ceil-amax, even-e2m1")):
+        q = torch.full((4, 64), 3.0)
+        q[:, 5::32] = top
+        write(tmp_path / str(top), {"m.weight": q.to(torch.float8_e4m3fn),
+                                    "m.weight_scale": torch.full((4, 2), 127, dtype=torch.uint8)})
+        (row,) = inspect([tmp_path / str(top)]).rows
+        assert row.scale_rules == want, (top, row.scale_rules)

@@ -145,6 +145,26 @@ def test_power_of_two_rules_on_fp4_blocks(amax: Fraction, floor: int, ceil: int,
         assert scale == Exact.of(Fraction(2) ** k), rule
 
 
+@pytest.mark.parametrize(("amax", "k"), [
+    (Fraction(447), 0),  # significand 447/256 < 7/4: floor's binade
+    (Fraction(448), 1),  # 7/4 exactly: up, though E4M3's max holds it (floor, ceil, even: 0)
+    (Fraction(480), 1),  # even keeps it (E4M3 holds 1.875 · 256): 0; ceil: 1
+    (Fraction(7, 4) * Fraction(1, 2**20), -27),  # the threshold in every binade
+])
+def test_even_e2m1_rounds_amax_at_seven_quarters(amax: Fraction, k: int) -> None:
+    """compressed-tensors' MX scale (generate_mx_scales: amax's bits plus a quarter of the
+    leading mantissa bit, the mantissa masked off, then floor - emax) on E4M3 blocks, where
+    it is neither floor, ceil nor even; on FP4 it is even."""
+    rule = ScaleRule.EVEN_E2M1
+    assert pow2_scale_exponent(amax, E4M3, rule, 0, -127, 127) == (k, False)
+    scale = cast_block([Exact.of(amax)], E4M3, E8M0, rule, 0, True, F32, scale_only=True)[1]
+    assert scale == Exact.of(Fraction(2) ** k)
+    assert amax / Fraction(2) ** k < E4M3.max  # nothing clips on E4M3 (M = 1.75 · 2**8)
+    for x in (Fraction(5), Fraction(13, 2), Fraction(7), Fraction(9, 20)):
+        assert pow2_scale_exponent(x, FP4, rule, 0, -127, 127) == \
+            pow2_scale_exponent(x, FP4, ScaleRule.EVEN, 0, -127, 127)
+
+
 def test_headroom_zero_blocks_and_clamping_are_shared_by_power_of_two_rules() -> None:
     assert pow2_scale_exponent(Fraction(7), FP4, ScaleRule.FLOOR, 2, -127, 127) == (2, False)
     assert pow2_scale_exponent(Fraction(7), FP4, ScaleRule.CEIL, 0, -127, 0) == (0, True)

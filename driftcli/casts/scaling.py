@@ -316,6 +316,15 @@ def _ceil_amax(e: Tensor, significand: Tensor, plan: ScalePlan) -> Tensor:
     return e - plan.elem_emax + (significand > 1).long()
 
 
+EVEN_E2M1_THRESHOLD = 1.75
+"""``even-e2m1``'s significand threshold: 2 - 2**-2, E2M1's ``even_threshold``."""
+
+
+def _even_e2m1(e: Tensor, significand: Tensor, plan: ScalePlan) -> Tensor:
+    """``floor`` of amax rounded (ties away) to one mantissa bit, whatever the element."""
+    return e - plan.elem_emax + (significand >= EVEN_E2M1_THRESHOLD).long()
+
+
 def real_rule(mode: Rounding | None) -> DivisorRule:
     """The rule ``fl(amax / M)`` rounded into the scale format by ``mode`` (None: kept as
     computed), one IEEE division in amax's dtype (M is exact there)."""
@@ -344,6 +353,7 @@ FAST_RULES: dict[ScaleRule, ExponentRule | DivisorRule] = {
     ScaleRule.AMAX_UP: real_rule(ScaleRule.AMAX_UP.rounding),
     ScaleRule.TWO_LEVEL: _two_level,
     ScaleRule.CEIL_AMAX: _ceil_amax,
+    ScaleRule.EVEN_E2M1: _even_e2m1,
 }
 """Each scale rule's fast implementation: an :data:`ExponentRule` for a power-of-two rule, a
 :data:`DivisorRule` for any other (see :class:`~driftcli.records.modes.ScaleRule`; the exact ones
@@ -364,6 +374,7 @@ THRESHOLD_RULES: dict[ScaleRule, Callable[[ScalePlan], tuple[float, bool]]] = {
     ScaleRule.CEIL_AMAX: lambda plan: (1.0, True),  # one binade up unless a power of two
     ScaleRule.CEIL: lambda plan: (plan.elem_max_significand, True),
     ScaleRule.EVEN: lambda plan: (plan.even_threshold, False),
+    ScaleRule.EVEN_E2M1: lambda plan: (EVEN_E2M1_THRESHOLD, False),
 }
 """The power-of-two rules written as a threshold on amax's significand (:func:`rule_threshold`),
 keyed by member; a rule absent here is not written so, and its casts take the two-pass path."""

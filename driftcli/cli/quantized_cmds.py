@@ -67,9 +67,10 @@ def _show(summary: dict[str, Any]) -> None:
     rows = summary["rows"]
     table = Table(title="inspect: quantized weights")
     heads = ("tensor", "layout", "block", "max codes", "zero blocks", "scales", "pow2",
-             "requant", "changed blocks", "changed codes")
+             "scale rules", "requant", "changed blocks", "changed codes")
     for h in heads:
-        table.add_column(h, justify="left" if h in ("tensor", "layout", "requant") else "right")
+        table.add_column(h, justify="left" if h in ("tensor", "layout", "scale rules", "requant")
+                         else "right")
     for r in rows:
         if r["error"] is not None:
             continue
@@ -77,6 +78,7 @@ def _show(summary: dict[str, Any]) -> None:
                 f"{r['scale_min']:.3g}..{r['scale_max']:.3g}")
         table.add_row(esc(r["tensor"]), r["layout"], r["block"], str(r["max_codes"]),
                       str(r["zero_blocks"]), span, str(r["scales_pow2"]).lower(),
+                      esc(r["scale_rules"] or "-"),
                       esc(r["requant"] or "-"), _num(r["requant_changed_blocks"]),
                       _num(r["requant_changed_codes"]))
     out = Console(width=160)
@@ -105,8 +107,9 @@ def inspect_cmd(
         "--out", metavar="DIR", help="Folder for the table.")] = Path("drift-out"),
     requant: Annotated[list[str] | None, typer.Option(
         "--requant", metavar="PRESET",
-        help="Quantize each dequantized weight again with this preset and count the blocks "
-             "and codes that change (repeatable).")] = None,
+        help="Quantize each dequantized weight again with this preset or cast spec and count "
+             "the blocks and codes it would not have written as stored, and the blocks the "
+             "round trip rescales (repeatable).")] = None,
     layout: LayoutOpt = None,
     include: Annotated[list[str] | None, typer.Option(
         metavar="GLOB", help="Only weights whose name matches (repeatable).")] = None,

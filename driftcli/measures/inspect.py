@@ -20,9 +20,11 @@ of two. The lints:
 The per-element counts are made a chunk of rows at a time (:data:`CHUNK_ELEMENTS`), so a
 weight costs its scales and a bounded work area, whatever its size.
 
+``scale_rules`` names the power-of-two rules every E8M0 block scale is consistent with.
 ``requant`` presets (``--requant``) quantize the dequantized weight again and count the
-blocks whose scale changes and the elements whose code or value changes. See
-``docs/inspect.md``.
+blocks the preset would not have written as stored (its rule, for no amax the block's codes
+allow), the elements whose code or value changes in them, and the blocks the round trip
+rescales. See ``docs/inspect.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
@@ -51,10 +53,9 @@ from driftcli.io.readers.quantized_weight import (
     weight_ref,
 )
 from driftcli.io.tables import column
-from driftcli.oracle.rounding import binade
-from driftcli.oracle.scaling import EXACT_RULES
+from driftcli.oracle.scaling import EXACT_RULES, ExponentRule
 from driftcli.records.castspec import parse_cast
-from driftcli.records.formats import Format, Kind, get_format, pow2
+from driftcli.records.formats import Format, Kind, get_format
 from driftcli.records.modes import ScaleRule
 
 MAGNITUDE_FACTOR = 1000.0
@@ -130,17 +131,25 @@ class InspectRow:
     lint_zero_blocks: bool | None = _opt("Lint: blocks whose every code is zero")
     scale_rules: str | None = _opt("Power-of-two scale rules every block's E8M0 scale is "
                                      "consistent with (floor, ceil, even, ceil-amax, "
-                                     "compressed-tensors; none: no rule fits); null for other "
-                                     "scales")
+                                     "even-e2m1; none: no rule fits); null for other scales")
     requant: str | None = _opt("Preset the weight was quantized again with (--requant); "
                                  "null without")
-    requant_changed_blocks: int | None = _opt("Blocks whose scale the preset changes (all-zero "
-                                              "blocks not counted; a two-level scale as its "
-                                              "stored block scale, the tensor scale aside); "
-                                              "null where its blocks are not the layout's")
-    requant_changed_codes: int | None = _opt("Elements whose code the preset changes; null "
-                                               "where its element format is not the layout's")
-    requant_changed_values: int | None = _opt("Elements whose value the preset changes")
+    requant_changed_blocks: int | None = _opt("Blocks whose scale the preset would not have "
+                                              "written (a power-of-two rule: for no amax its "
+                                              "codes allow; a two-level scale: its block "
+                                              "scale, the tensor scale aside; all-zero blocks "
+                                              "not counted); null where its blocks are not "
+                                              "the layout's")
+    requant_rescaled_blocks: int | None = _opt("Blocks whose scale the preset, run on the "
+                                               "dequantized weight, changes (a round trip: "
+                                               "the ceil rules' flip); null where its blocks "
+                                               "are not the layout's")
+    requant_changed_codes: int | None = _opt("Elements whose code the preset changes (none "
+                                               "in a block it would have written as stored); "
+                                               "null where its element format is not the "
+                                               "layout's")
+    requant_changed_values: int | None = _opt("Elements whose value the preset changes (none "
+                                                "in a block it would have written as stored)")
     error: str | None = _opt("Why this weight could not be inspected; null when it was")
 
 
@@ -230,21 +239,34 @@ def _requant(spec: QuantSpec, values: torch.Tensor, codes_vals: torch.Tensor,
              scales: torch.Tensor, preset: str) -> dict[str, int | None]:
     from driftcli.casts.quantization import QuantInfo, quantize
 
-    cast = parse_cast(preset)
-    info = quantize(values.float(), cast, return_info=True)
+    cast_ = parse_cast(preset)
+    info = quantize(values.float(), cast_, return_info=True)
     if not isinstance(info, QuantInfo):  # return_info always gives one
         raise TypeError("quantize did not return its info")
+    s = cast_.scaling
+    aligned = (s.granularity.value == "block" and spec.block == (1, s.block)
+               and info.scales.numel() == scales.numel())
+    # as the writer computed it: a power-of-two rule's block keeps its scale and codes where
+    # the rule picks that scale for some amax its largest code allows (the amax is gone)
+    kept = torch.zeros(values.shape, dtype=torch.bool)
+    fits = None
+    if (aligned and s.rule is not None and s.rule.power_of_two and s.scale_format is not None
+            and s.scale_format.name == "float8_e8m0fnu" and spec.scale_format == "e8m0"
+            and cast_.format.name == spec.element):
+        fits = _consistent(cast(ExponentRule, EXACT_RULES[s.rule]), s.headroom,
+                           cast_.format, _block_maxima(codes_vals, s.block), spec.scale.read())
+        width = values.shape[-1]
+        kept = fits.reshape(*values.shape[:-1], -1).repeat_interleave(s.block, -1)[..., :width]
     same_val = (info.values.double() == values) | (info.values.isnan() & values.isnan())
-    out: dict[str, int | None] = {"requant_changed_values": int((~same_val).sum()),
+    out: dict[str, int | None] = {"requant_changed_values": int((~same_val & ~kept).sum()),
                                   "requant_changed_codes": None,
-                                  "requant_changed_blocks": None}
-    if info.codes is not None and cast.format.name == spec.element:
+                                  "requant_changed_blocks": None,
+                                  "requant_rescaled_blocks": None}
+    if info.codes is not None and cast_.format.name == spec.element:
         c = info.codes.double()
         same = (c == codes_vals) | (c.isnan() & codes_vals.isnan())
-        out["requant_changed_codes"] = int((~same).sum())
-    s = cast.scaling
-    if (s.granularity.value == "block" and spec.block == (1, s.block)
-            and info.scales.numel() == scales.numel()):
+        out["requant_changed_codes"] = int((~same & ~kept).sum())
+    if aligned:
         mine = info.scales.double().reshape(-1)
         if spec.global_scale is not None and info.tensor_scale:
             # compared as the writer computed it: the block scale in its own format, the
@@ -255,62 +277,83 @@ def _requant(spec: QuantSpec, values: torch.Tensor, codes_vals: torch.Tensor,
             mine = round_to_format(mine / info.tensor_scale, spec.scale_format).double()
         # an all-zero block is the same whatever its scale: only the others can change
         live = ~_per_block_all_zero(codes_vals == 0, spec.block).reshape(-1)
-        moved = mine != scales
-        out["requant_changed_blocks"] = int((moved & live).sum())
+        moved = (mine != scales) & live
+        out["requant_rescaled_blocks"] = int(moved.sum())
+        out["requant_changed_blocks"] = int((moved if fits is None else ~fits & live).sum())
     return out
 
 
-def _ct_exponent(amax: Fraction, elem: Format) -> int:
-    """compressed-tensors' ``generate_mx_scales``: amax rounded up to the next power of two
-    where its significand is at least 1.75 (its bits plus 2**21, the mantissa masked off),
-    else down, then ``floor`` (minus the element's largest exponent)."""
-    e = binade(amax)
-    return e + (amax >= Fraction(7, 4) * pow2(e)) - elem.emax
+SCALE_RULES: dict[str, ExponentRule] = {
+    str(r): cast(ExponentRule, EXACT_RULES[r]) for r in ScaleRule if r.power_of_two}
+"""The power-of-two scale rules ``scale_rules`` judges, by name: ``floor`` (OCP), ``ceil``
+(NVIDIA's RCEIL, ModelOpt's MXFP4 and MXFP8 ``ceil(log2(amax / M))`` in exact arithmetic),
+``even``, ``ceil-amax`` (torchao's CEIL) and ``even-e2m1`` (compressed-tensors')."""
+
+NUDGE = Fraction(1, 1 << 80)
+"""An open end of a code's span is judged this far (relatively) inside it: every rule's
+thresholds and every span's ends are dyadic numbers of a few bits, so nothing lies between."""
 
 
-SCALE_RULES: dict[str, Callable[[Fraction, Format], int]] = {
-    **{str(r): cast(Callable[[Fraction, Format], int], EXACT_RULES[r])
-       for r in ScaleRule if r.power_of_two},
-    "compressed-tensors": _ct_exponent}
-"""The power-of-two scale rules ``scale_rules`` judges: drift's (``floor``, ``ceil``,
-``even``, ``ceil-amax``; NVIDIA's RCEIL is ``ceil`` in exact arithmetic, ModelOpt's MXFP4
-``ceil(log2(amax / 6))`` too) and the libraries' own."""
+def _spans(elem: Format) -> dict[float, tuple[Fraction, Fraction | None]]:
+    """For each positive code magnitude of ``elem``, the smallest and largest amax (scale
+    2**0) that round to it to nearest even: half-way to each neighbour, the half-way point
+    included where the code is even; without end above the largest (saturation)."""
+    code_of: dict[Fraction, int] = {}
+    for c, v in elem.values():
+        if v.kind is Kind.FINITE:
+            code_of.setdefault(v.mag, c)
+    grid = sorted(code_of)
+    out: dict[float, tuple[Fraction, Fraction | None]] = {}
+    for i, mag in enumerate(grid[1:], 1):
+        inward = 0 if code_of[mag] % 2 == 0 else NUDGE
+        low = (grid[i - 1] + mag) / 2 * (1 + inward)
+        high = (mag + grid[i + 1]) / 2 * (1 - inward) if i + 1 < len(grid) else None
+        out[float(mag)] = (low, high)
+    return out
 
 
-def _fits(rule: Callable[[Fraction, Format], int], mag: Fraction, grid: list[Fraction],
-          elem: Format) -> bool:
-    """Whether ``rule`` picks the exponent 0 for some amax that rounds to the code ``mag``
-    (a block's largest code magnitude, its scale 2**0): the amaxes that round to it span
-    half-way to its neighbours (past the top, without end: saturation), and every rule is
-    monotone in amax with steps of one, so it fits where it gives <= 0 at the low end and
-    >= 0 at the high end."""
-    i = grid.index(mag)
-    low = (grid[i - 1] + mag) / 2 if i else mag / 2
-    high = (mag + grid[i + 1]) / 2 if i + 1 < len(grid) else mag * (1 << 20)
-    return rule(low, elem) <= 0 <= rule(high, elem)
+def _block_maxima(codes_vals: torch.Tensor, width: int) -> torch.Tensor:
+    """Each 1 x ``width`` block's largest code magnitude (NaN codes as 0), flattened."""
+    *lead, c = codes_vals.shape
+    g = -(-c // width)
+    pad = torch.zeros(*lead, g * width, dtype=torch.float64)
+    pad[..., :c] = codes_vals.abs().nan_to_num(0.0)
+    return pad.reshape(-1, g, width).amax(-1).reshape(-1)
+
+
+def _consistent(rule: ExponentRule, headroom: int, elem: Format, maxima: torch.Tensor,
+                raw_scales: torch.Tensor) -> torch.Tensor:
+    """Per block, whether ``rule`` (plus ``headroom``, clamped to E8M0's exponents) picks the
+    stored E8M0 scale 2**k for some amax that rounds to the block's largest code: the writer's
+    amax is gone, its codes bound it. A power-of-two rule moves with amax's binade and is
+    monotone in steps of one, so it fits where it gives at most k at the span's low end and at
+    least k at its high end (or k is the clamp's bound). All-zero blocks and NaN scales fit."""
+    b = raw_scales.view(torch.uint8).reshape(-1).to(torch.int64)
+    ok = (maxima == 0) | (b == 255)
+    spans = _spans(elem)
+    for m in maxima[~ok].unique().tolist():
+        low, high = spans[m]
+        at = (maxima == m) & ~ok
+        fits_low = rule(low, elem) + headroom <= 0
+        fits_high = high is None or rule(high, elem) + headroom >= 0
+        ok |= at & (torch.tensor(fits_low) | (b == 254)) & (torch.tensor(fits_high) | (b == 0))
+    return ok
 
 
 def _scale_rules(spec: QuantSpec, codes_vals: torch.Tensor, raw_scales: torch.Tensor
                  ) -> list[str] | None:
-    """The rules every block's E8M0 scale is consistent with, judged on its largest code
-    (scale-free: a power-of-two rule's exponent moves with the amax's binade); blocks of
-    zeros, NaN scales and the clamped byte 0 say nothing. ``codes_vals`` and ``raw_scales``
-    are the same rows of the weight and its scales (a chunk: the blocks are rows of one)."""
+    """The rules every block's E8M0 scale is consistent with (:func:`_consistent`).
+    ``codes_vals`` and ``raw_scales`` are the same rows of the weight and its scales (a
+    chunk: the blocks are rows of one)."""
     if spec.scale_format != "e8m0" or spec.global_scale is not None or spec.block[0] != 1:
         return None
-    *lead, c = codes_vals.shape
-    g = -(-c // spec.block[1])
-    pad = torch.zeros(*lead, g * spec.block[1], dtype=torch.float64)
-    pad[..., :c] = codes_vals.abs().nan_to_num(0.0)
-    mags = pad.reshape(-1, g, spec.block[1]).amax(-1).reshape(-1)
-    b = raw_scales.view(torch.uint8).reshape(-1).to(torch.int64)
-    live = (mags > 0) & (b != 0) & (b != 255)
+    maxima = _block_maxima(codes_vals, spec.block[1])
     elem = get_format(spec.element)
-    grid = sorted({v.mag for _, v in elem.values() if v.kind is Kind.FINITE and v.mag > 0})
-    seen = {Fraction(m) for m in mags[live].unique().tolist()}
     names = [n for n, rule in SCALE_RULES.items()
-             if all(_fits(rule, m, grid, elem) for m in seen)]
+             if bool(_consistent(rule, 0, elem, maxima, raw_scales).all())]
     return names
+
+
 @dataclass
 class _Tally:
     """What the chunks of one weight add up to."""

@@ -85,6 +85,13 @@ def ceil_amax_exponent(amax: Fraction, elem: Format) -> int:
     return e - elem.emax + (amax > pow2(e))
 
 
+def even_e2m1_exponent(amax: Fraction, elem: Format) -> int:
+    """``even-e2m1``: ``floor`` of amax rounded (ties away) to one mantissa bit: a binade up
+    where its significand is at least 7/4."""
+    e = binade(amax)
+    return e - elem.emax + (amax >= Fraction(7, 4) * pow2(e))
+
+
 def real_rule(mode: Rounding | None) -> DivisorRule:
     """The rule ``fl32(amax / max_elem)`` rounded into the scale format by ``mode`` (None: kept
     as computed); an all-zero block gets the scale format's smallest value."""
@@ -127,6 +134,7 @@ EXACT_RULES: dict[ScaleRule, ExponentRule | DivisorRule] = {
     ScaleRule.AMAX_UP: real_rule(ScaleRule.AMAX_UP.rounding),
     ScaleRule.TWO_LEVEL: two_level_divisor,
     ScaleRule.CEIL_AMAX: ceil_amax_exponent,
+    ScaleRule.EVEN_E2M1: even_e2m1_exponent,
 }
 """Each scale rule's exact implementation: an :data:`ExponentRule` for a power-of-two rule, a
 :data:`DivisorRule` for any other (see :class:`~driftcli.records.modes.ScaleRule`)."""

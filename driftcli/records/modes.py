@@ -115,6 +115,12 @@ class ScaleRule(StrEnum):
     CEIL_AMAX = "ceil-amax", True, True
     """``2**(ceil(log2 amax) - emax_elem)``: amax rounded up to a power of two, then ``floor``
     (torchao's CEIL); the scale can exceed ``ceil``'s by one binade, nothing clips."""
+    EVEN_E2M1 = "even-e2m1", True
+    """amax rounded (ties away) to E2M1's one mantissa bit, whatever the element, then
+    ``floor``: up a binade where amax's significand is at least 1.75 (compressed-tensors'
+    ``generate_mx_scales`` for MXFP4 and MXFP8). ``even`` on E2M1, where the rule clips
+    significands in (1.5, 1.75); where M's significand is at least 1.75 (E4M3, E5M2, FP6)
+    amax / 2**k stays below M and nothing clips."""
 
 
 # --- scale arithmetic: where each float operation of a scale happens -----------------------
