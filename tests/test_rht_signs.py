@@ -154,8 +154,9 @@ def test_the_library_resolves_each_layers_signs_as_the_cli(tmp_path: Path, what:
                for layer, s in (("layers.0.w1", SIGNS_A), ("layers.1.w1", SIGNS_B))}
     swapped = _table(measure(ck, [f"te/nvfp4:rht={_spec(SIGNS_B)}"], what,
                              include=["layers.0.w1.weight"]))
-    numbers = [c for c in cli.columns if c not in ("tensor", "cast", "dtype", "shape", "error",
-                                                   "layer", "role", "operand", "step")]
+    numbers = [c for c in cli.columns if c not in ("tensor", "cast", "cast_name", "dtype",
+                                                   "shape", "error", "layer", "role",
+                                                   "operand", "step")]
     lib = _table(measure(sd, casts, what))
     for i, layer in enumerate(("layers.0.w1", "layers.1.w1")):
         assert lib.loc[i, "tensor"] == f"{layer}.weight"
