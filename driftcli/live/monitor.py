@@ -347,11 +347,13 @@ class Monitor:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self) -> Monitor:
-        """Begin at step ``config.start`` ... the monitor's step counter starts at 0."""
+    def start(self, step: int = 0) -> Monitor:
+        """Begin at ``step`` (the monitor counts the steps it is told of, from ``step``: a
+        resumed run's)."""
         if self._started:
             raise DriftError("a monitor can be started only once; call drift.monitor() again")
         self._started = True
+        self.current = step
         if self.out is not None:
             self._prov = provenance(seed=self.config.seed, device=self._device().value,
                                     extra={"monitor": self._manifest()})
@@ -361,15 +363,29 @@ class Monitor:
 
     def step(self) -> None:
         """End the current training step (measure it, if sampled) and begin the next."""
-        if not self._started or self._closed:
-            raise DriftError("monitor.step() outside the monitor; enter it with 'with' or "
-                             "call start() first")
+        self.end_step()
+        self.begin_step()
+
+    def end_step(self) -> None:
+        """End the current training step: measure it if it was sampled, remove the hooks, and
+        count it. Until :meth:`begin_step` nothing is recorded (a trainer's evaluation)."""
+        self._check_open("end_step")
         if self._capture is not None:
             cap, self._capture = self._capture, None
             cap.__exit__(None, None, None)
             self._measure(cap)
         self.current += 1
-        self._arm()
+
+    def begin_step(self) -> None:
+        """Begin the current training step: install the hooks if it is sampled (once)."""
+        self._check_open("begin_step")
+        if self._capture is None:
+            self._arm()
+
+    def _check_open(self, what: str) -> None:
+        if not self._started or self._closed:
+            raise DriftError(f"monitor.{what}() outside the monitor; enter it with 'with' or "
+                             "call start() first")
 
     def close(self) -> None:
         """Stop: remove the hooks (an unfinished step is not measured) and write what is
