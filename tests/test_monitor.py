@@ -338,3 +338,27 @@ def test_a_run_killed_mid_training_keeps_every_flushed_step(tmp_path: Path) -> N
     # the stats parts of the steps written so far: at most the step being written is missing
     assert set(tables["stats"].step) <= set(steps) and len(set(tables["stats"].step)) >= \
         len(steps) - 1
+
+
+def _binade(v: float) -> int:
+    return math.frexp(v)[1] - 1  # v = m·2**e with m in [0.5, 1): floor(log2 v) = e - 1
+
+
+def test_stats_columns_count_by_hand() -> None:
+    """amax, the smallest nonzero magnitude, the binades between them and the blocks' ranges,
+    against math.frexp; NaN and inf counted, not taken for the amax."""
+    from driftcli.live.monitor import _stats
+
+    x = torch.full((4, 64), 1.5)
+    x[0, 3], x[1, 40], x[2, 0] = 5000.0, 1e-30, 0.0
+    x[3, 33], x[3, 34] = math.nan, math.inf
+    got = _stats(x, -1)
+    # the 8 blocks: 5000 beside 1.5, 1e-30 beside 1.5, five of 1.5 (and zeros), one with NaN
+    spans = sorted([_binade(5000.0) - _binade(1.5), _binade(1.5) - _binade(1e-30), 0, 0, 0, 0,
+                    0])
+    assert spans == [0, 0, 0, 0, 0, 12, 100]
+    assert got == {"numel": 256, "n_nonfinite": 2, "amax": 5000.0,
+                   "amin": float(torch.tensor(1e-30)), "dynamic_range": 112, "block": 32,
+                   "block_range_median": spans[3], "block_range_max": 100}
+    # along the first axis (4 long): no whole block, so no blockwise range
+    assert _stats(x, 0)["block_range_median"] is None and _stats(x, 0)["amax"] == 5000.0

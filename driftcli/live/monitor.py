@@ -149,7 +149,6 @@ class MonitorStatsRow:
     shape: str = column("Shape as a JSON list, as the direction reads it")
     numel: int = column("Elements")
     n_nonfinite: int = column("Elements that are NaN or ±inf")
-    n_zero: int = column("Elements that are zero")
     amax: float | None = column("Largest finite magnitude; null with no finite element")
     amin: float | None = column("Smallest nonzero finite magnitude; null with none")
     dynamic_range: int | None = column("floor(log2 amax) - floor(log2 amin), from the bits "
@@ -157,8 +156,8 @@ class MonitorStatsRow:
     block: int = column("Elements per block of the blockwise range, along the direction's "
                         "contraction axis")
     block_range_median: int | None = column(
-        "Lower median over blocks holding a nonzero value of each block's dynamic range "
-        "(binades); null when the axis is not a multiple of block")
+        "Lower median over the finite blocks holding a nonzero value of each block's dynamic "
+        "range (binades); null when the axis is not a multiple of block")
     block_range_max: int | None = column("Largest dynamic range of a block (binades)")
 
 
@@ -277,31 +276,32 @@ class _Memory:
 
 
 def _stats(x: Tensor, axis: int) -> dict[str, Any]:
-    """The stats table's own columns of ``x`` read along ``axis`` (torch, on its device)."""
+    """The stats table's own columns of ``x`` read along ``axis``: one pass of block-stats'
+    range kernel over its blocks of :data:`STATS_BLOCK` (numba on the CPU, torch on a GPU),
+    the whole tensor one row where the axis is not a multiple of the block."""
     w = working(x.detach())
-    finite = torch.isfinite(w)
-    mags = w.abs()
-    nz = finite & (w != 0)
-    n_nz = int(torch.count_nonzero(nz))
-    n_finite = int(torch.count_nonzero(finite))
-    amax = float(torch.where(finite, mags, 0.0).max()) if n_finite else None
-    amin = float(torch.where(nz, mags, math.inf).min()) if n_nz else None
-    dyn = None
-    if amax is not None and amin is not None:
+    rows = w.movedim(axis, -1) if w.dim() else w.reshape(1)
+    blocked = rows.shape[-1] % STATS_BLOCK == 0 and rows.numel() > 0
+    groups = rows.reshape(-1, STATS_BLOCK if blocked else max(1, rows.numel())).contiguous()
+    top, low, span, bad = block_ranges(groups)
+    n_nonfinite = 0
+    if bool(bad.any()):  # rare: count the elements of the groups holding a NaN or inf
+        n_nonfinite = int(torch.count_nonzero(~torch.isfinite(groups[bad])))
+    amax = float(top.max()) if top.numel() else 0.0
+    amin = float(low.min()) if low.numel() else math.inf
+    dyn = med = widest = None
+    if math.isfinite(amin):  # some finite nonzero element: amax > 0 too
         ends = torch.tensor([amax, amin], dtype=w.dtype)
-        top, low = binade_and_significand(ends)[0].tolist()
-        dyn = top - low
-    med = widest = None
-    rows = w.movedim(axis, -1)
-    if rows.dim() and rows.shape[-1] % STATS_BLOCK == 0 and rows.numel():
-        blocks = rows.reshape(-1, STATS_BLOCK).contiguous()
-        span = block_ranges(blocks)[2]
-        live = span[span >= 0].sort().values
+        high, small = binade_and_significand(ends)[0].tolist()
+        dyn = high - small
+    n_finite = w.numel() - n_nonfinite
+    if blocked:
+        live = span[(span >= 0) & ~bad].sort().values  # finite groups with a nonzero
         if live.numel():
             med = int(live[(live.numel() - 1) // 2])
             widest = int(live[-1])
-    return {"numel": w.numel(), "n_nonfinite": w.numel() - n_finite,
-            "n_zero": int(torch.count_nonzero(finite & (w == 0))), "amax": amax, "amin": amin,
+    return {"numel": w.numel(), "n_nonfinite": n_nonfinite,
+            "amax": amax if n_finite else None, "amin": amin if dyn is not None else None,
             "dynamic_range": dyn, "block": STATS_BLOCK, "block_range_median": med,
             "block_range_max": widest}
 
