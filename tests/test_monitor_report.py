@@ -83,7 +83,7 @@ def test_the_page_draws_heatmaps_and_time_series_per_cast(folder: Path, tmp_path
     figs = _pngs(page.read_text())
     titles = sorted(figs)
     assert len(titles) == 6  # clip-rate: 2 casts x 2 figures; stats: 2 figures
-    assert sum("by layer and step under float4_e2m1fn" in t for t in titles) == 1
+    assert sum("by layer and step under nvfp4" in t for t in titles) == 1  # the name given
     assert sum("per layer over the run" in t for t in titles) == 3
     heat = figs["monitor-stats: dynamic_range by layer and step"]
     # the planted weight widens blocks.0.up's range at step 4 alone: viridis' yellow (the top

@@ -215,6 +215,8 @@ class MonitorConfig:
     alerts: tuple[str, ...] = ()
     seed: int = 0
     name: str = "monitor"
+    cast_names: tuple[tuple[str, str], ...] = ()
+    """(canonical spec, the name given) where they differ: the report shows the names."""
 
     def sampled(self, step: int) -> bool:
         """Whether ``step`` is measured."""
@@ -356,7 +358,8 @@ class Monitor:
         self.current = step
         if self.out is not None:
             self._prov = provenance(seed=self.config.seed, device=self._device().value,
-                                    extra={"monitor": self._manifest()})
+                                    extra={"monitor": self._manifest(),
+                                           "names": {"cast": dict(self.config.cast_names)}})
             write_text(self.out / MANIFEST, json.dumps(self._manifest(), indent=1) + "\n")
         self._arm()
         return self
@@ -597,8 +600,10 @@ def monitor(model: nn.Module, casts: str | Cast | Sequence[str | Cast], *,
             raise DriftError(f"monitor: {label} must be an int of at least {least}, not {v!r}")
     if end is not None and (isinstance(end, bool) or not isinstance(end, int) or end < start):
         raise DriftError(f"monitor: end must be None or an int of at least start, not {end!r}")
-    parsed = tuple(parse_cast(c) for c in _tuple(casts if not isinstance(casts, Cast)
-                                                  else (casts,), "casts"))
+    given = _tuple(casts if not isinstance(casts, Cast) else (casts,), "casts")
+    parsed = tuple(parse_cast(c) for c in given)
+    names = tuple((str(c), g) for g, c in zip(given, parsed, strict=True)
+                  if isinstance(g, str) and str(c) != g)
     if not parsed:
         raise DriftError("monitor: no cast given; name one, e.g. mxfp8_e4m3")
     kinds = tuple(dict.fromkeys(parse_choice(Measurement, m, "measurement")
@@ -613,7 +618,7 @@ def monitor(model: nn.Module, casts: str | Cast | Sequence[str | Cast], *,
         directions=frozenset(parse_choice(Direction, d, "direction")
                              for d in _tuple(directions, "directions")),
         every=every, start=start, end=end, flush_every=flush_every,
-        alerts=tuple(_tuple(alerts, "alerts")), seed=seed, name=name)
+        alerts=tuple(_tuple(alerts, "alerts")), seed=seed, name=name, cast_names=names)
     return Monitor(model, config, None if out is None else Path(out), on_alert)
 
 
