@@ -1,6 +1,7 @@
 """``drift.monitor``'s cost on a training run: a small transformer's training step on the CPU,
 plain and under the monitor (three casts, every layer, every operand and direction, the four
-measurements), sampled at every step, every 10 steps, and never (its steps only counted),
+measurements), sampled at every step, every 10 steps, and never (its steps only counted), and
+at every step with clip-rate alone (no rounding: the cheapest measurement),
 side by side in one process (issue 44's targets: every step at most 2x the plain step, every
 10 steps at most 1.1x over the run, unsampled steps at most 1.01x).
 
@@ -67,16 +68,19 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def train(args: argparse.Namespace, every: int | None, start: int = 0) -> float:
+def train(args: argparse.Namespace, every: int | None, start: int = 0,
+          measurements: tuple[str, ...] = ("clip-rate", "underflow-rate", "error-bias",
+                                           "stats")) -> float:
     """Seconds for ``args.steps`` training steps, under a monitor sampling every ``every``
-    steps from ``start`` (None: no monitor)."""
+    steps from ``start`` (None: no monitor) with ``measurements``."""
     torch.manual_seed(0)
     model = Model(args.vocab, args.d, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq + 1))
     mon: Any = None
     if every is not None:
-        mon = drift.monitor(model, list(CASTS), every=every, start=start).start()
+        mon = drift.monitor(model, list(CASTS), every=every, start=start,
+                            measurements=measurements).start()
     began = time.perf_counter()
     for s in range(args.steps):
         logits = model(data[s, :, :-1])
@@ -102,10 +106,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (one: a shared machine's other jobs disturb less)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     runs = {"plain": lambda: train(args, None),
             "every step": lambda: train(args, 1),
             "every 10 steps": lambda: train(args, 10),
+            "every, clip only": lambda: train(args, 1, measurements=("clip-rate",)),
             "never sampled": lambda: train(args, 1, start=10**9)}
     for fn in runs.values():
         fn()
@@ -117,9 +125,9 @@ def main() -> None:
     print(f"model: d={args.d}, {args.layers} layers, {args.heads} heads, batch {args.batch} x "
           f"{args.seq} tokens; {args.steps} steps; casts {', '.join(CASTS)}")
     plain = best["plain"]
-    print(f"{'run':<16} {'ms/step':>9} {'x plain':>8}")
+    print(f"{'run':<18} {'ms/step':>9} {'x plain':>8}")
     for name, seconds in best.items():
-        print(f"{name:<16} {1e3 * seconds / args.steps:9.1f} {seconds / plain:8.2f}")
+        print(f"{name:<18} {1e3 * seconds / args.steps:9.1f} {seconds / plain:8.2f}")
 
 
 if __name__ == "__main__":

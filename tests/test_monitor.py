@@ -281,6 +281,18 @@ def test_bad_arguments_are_one_line_errors() -> None:
         drift.monitor(model, "nvfp4").step()
 
 
+def test_a_folder_holding_a_run_is_not_written_over(tmp_path: Path) -> None:
+    model = nn.Linear(32, 8)
+    with drift.monitor(model, "nvfp4", out=tmp_path, every=1, measurements="stats") as mon:
+        model(torch.ones(2, 32)).sum().backward()
+        mon.step()
+    before = sorted(p.name for p in (tmp_path / "monitor-stats").iterdir())
+    assert before == ["part-000000000.parquet"] and len(mon.rows("stats")) == 6  # 3 x 2
+    with pytest.raises(DriftError, match="holds a monitor run already"):
+        drift.monitor(model, "nvfp4", out=tmp_path).start()
+    assert sorted(p.name for p in (tmp_path / "monitor-stats").iterdir()) == before
+
+
 _KILLED = """
 import sys
 import torch

@@ -357,6 +357,9 @@ class Monitor:
         self._started = True
         self.current = step
         if self.out is not None:
+            if (self.out / MANIFEST).exists():
+                raise DriftError(f"monitor: {self.out} holds a monitor run already; give another "
+                                 "out folder, or remove it to start again")
             self._prov = provenance(seed=self.config.seed, device=self._device().value,
                                     extra={"monitor": self._manifest(),
                                            "names": {"cast": dict(self.config.cast_names)}})
@@ -422,7 +425,14 @@ class Monitor:
         m = parse_choice(Measurement, measurement, "measurement")
         if m not in self._rows:
             raise DriftError(f"monitor: {m.value} is not measured; add it to measurements")
-        return _frame(ROW_TYPES[m], self._rows[m])
+        if self.out is None:
+            return _frame(ROW_TYPES[m], self._rows[m])
+        import pandas as pd
+
+        # with a folder the rows live there (a long run's would fill the memory): the parts
+        # written, then the rows not yet written
+        parts = [read_table(p)[0] for p in _parts(self.out / ROW_TYPES[m].TABLE)]
+        return pd.concat([*parts, _frame(ROW_TYPES[m], self._pending[m])], ignore_index=True)
 
     def flush(self) -> None:
         """Write the rows not yet written, one part per table (each file whole or absent)."""
@@ -482,7 +492,8 @@ class Monitor:
                 if got is not None:
                     self._measure_one(op, lay, *got, step_rows)
         for m, rows in step_rows.items():
-            self._rows[m].extend(rows)
+            if self.out is None:
+                self._rows[m].extend(rows)
             self._pending[m].extend(rows)
         self._pending_steps += 1
         self._alert(step_rows)
@@ -544,6 +555,11 @@ class Monitor:
                     log.warning("%s", alert.line())
                     if self.on_alert is not None:
                         self.on_alert(alert)
+
+
+def _parts(folder: Path) -> list[Path]:
+    """A table's parts in step order (a part being written has a temporary name)."""
+    return sorted(folder.glob("part-*.parquet"))
 
 
 def _columns(row: Any) -> dict[str, Any]:
@@ -636,8 +652,7 @@ def read_monitor(folder: str | Path) -> dict[str, Any]:
     tables = json.loads(manifest.read_text(encoding="utf-8"))["tables"]
     out: dict[str, Any] = {}
     for m, table in tables.items():
-        parts = sorted((root / table).glob("part-*.parquet"))
-        frames = [read_table(p)[0] for p in parts]
+        frames = [read_table(p)[0] for p in _parts(root / table)]
         out[m] = (pd.concat(frames, ignore_index=True) if frames
                   else _frame(ROW_TYPES[Measurement(m)], []))
     return out
