@@ -374,3 +374,46 @@ def test_stats_columns_count_by_hand() -> None:
                    "block_range_median": spans[3], "block_range_max": 100}
     # along the first axis (4 long): no whole block, so no blockwise range
     assert _stats(x, 0)["block_range_median"] is None and _stats(x, 0)["amax"] == 5000.0
+
+
+def test_block_stats_rows_are_block_stats_of_the_captured_linear_operands(tmp_path: Path
+                                                                          ) -> None:
+    """A Linear's operands in each direction are block-stats' rows (forward, the gradient's
+    dgrad) or columns (the wgrad's folded tokens, the weight's dgrad) of the captured tensor;
+    a cast block-stats refuses (unscaled bfloat16) is an error row, the others measured."""
+    from driftcli.measures.block_stats import block_stats
+
+    casts = ["mxfp8_e4m3", "nvfp4", "fp8_e4m3", "bfloat16"]
+
+    def step(model: nn.Module, x: torch.Tensor) -> None:
+        model(x).square().mean().backward()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32))
+    x = torch.randn(2, 16, 64) * torch.logspace(-3, 3, 64)
+    with drift.monitor(model, casts, every=1, measurements="block-stats") as mon:
+        step(model, x)
+        mon.step()
+    model.zero_grad()
+    with drift.capture(model, tmp_path / "d.safetensors"):
+        step(model, x)
+    got = mon.rows("block-stats")
+    assert len(got) == 6 * 2 * 4 and got.error.notna().sum() == 12  # bfloat16: no scales
+    assert got[got.error.notna()].cast.unique().tolist() == [str(drift.parse_cast("bfloat16"))]
+    want = pd.DataFrame([r.__dict__ for r in block_stats([tmp_path / "d.safetensors"],
+                                                         casts[:3]).rows])
+    axis_of = {"forward.lhs": "rows", "forward.rhs": "rows", "dgrad.lhs": "rows",
+               "dgrad.rhs": "columns", "wgrad.lhs": "columns", "wgrad.rhs": "columns"}
+    mine = got[got.error.isna()].assign(groups=lambda d: d.operand.map(axis_of))
+    per_tensor_cast = {"fp8_e4m3": "tensor"}  # one scale: block-stats' only direction
+    names = {str(drift.parse_cast(c)): c for c in casts}
+    mine["groups"] = [per_tensor_cast.get(names[c], g) for c, g in zip(mine.cast, mine.groups,
+                                                                        strict=True)]
+    columns = ["n_blocks", "clipped_blocks", "scale_at_max", "scale_exponent_min",
+               "scale_exponent_max", "range_median", "range_max", "zero_blocks"]
+    merged = mine.merge(want, left_on=["tensor", "cast", "groups"],
+                        right_on=["tensor", "cast", "direction"], suffixes=("", "_cmd"))
+    assert len(merged) == len(mine) == 36
+    for c in columns:
+        assert merged[c].tolist() == merged[f"{c}_cmd"].tolist(), c
+    assert (merged.clipped_blocks > 0).any() and merged.range_max.max() > 8  # not all trivial

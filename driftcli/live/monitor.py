@@ -54,7 +54,14 @@ from driftcli.io.tables import (
     write_text,
 )
 from driftcli.measures import MEASURES
-from driftcli.measures.block_stats import block_ranges
+from driftcli.measures.block_stats import (
+    BlockStatsRow,
+    block_ranges,
+    direction_stats,
+    directions,
+    element_span,
+)
+from driftcli.measures.block_stats import Direction as Groups
 from driftcli.measures.clip_rate import ClipRateRow
 from driftcli.measures.common import ALL_TENSORS
 from driftcli.measures.error_bias import ErrorBiasRow
@@ -62,6 +69,7 @@ from driftcli.measures.scan import Scan, ScanOptions, TensorUnit, scan_unit
 from driftcli.measures.underflow_rate import UnderflowRateRow
 from driftcli.records.cast import Cast
 from driftcli.records.castspec import parse_cast
+from driftcli.records.modes import Granularity
 from driftcli.report.expr import Rule, evaluate, parse_rule
 
 Tensor = torch.Tensor
@@ -89,6 +97,7 @@ class Measurement(StrEnum):
     CLIP_RATE = "clip-rate"
     UNDERFLOW_RATE = "underflow-rate"
     ERROR_BIAS = "error-bias"
+    BLOCK_STATS = "block-stats"
     STATS = "stats"
 
 
@@ -123,6 +132,21 @@ class MonitorErrorBiasRow(ErrorBiasRow):
     KEYS: ClassVar[tuple[str, ...]] = ("step", "tensor", "direction", "cast")
 
     direction: str = column(_DIRECTION_DOC)
+
+
+@dataclass(frozen=True)
+class MonitorBlockStatsRow(BlockStatsRow):
+    """block-stats of one operand, in one direction, at one step, under one cast: its blocks
+    run along that matmul's contraction axis."""
+
+    TABLE: ClassVar[str] = "monitor-block-stats"
+    KEYS: ClassVar[tuple[str, ...]] = ("step", "tensor", "direction", "cast")
+
+    direction: str = column(_DIRECTION_DOC + "; the blocks run along it (block-stats' rows of "
+                            "the operand turned so that axis is last)")
+    role: str = column("The operand: activation, weight or gradient")
+    operand: str = column("The matmul side it feeds, pass.side (forward.lhs)")
+    step: int = column("Training step")
 
 
 STATS_BLOCK = 32
@@ -165,6 +189,7 @@ ROW_TYPES: dict[Measurement, type[Any]] = {
     Measurement.CLIP_RATE: MonitorClipRateRow,
     Measurement.UNDERFLOW_RATE: MonitorUnderflowRateRow,
     Measurement.ERROR_BIAS: MonitorErrorBiasRow,
+    Measurement.BLOCK_STATS: MonitorBlockStatsRow,
     Measurement.STATS: MonitorStatsRow,
 }
 """Each measurement's table."""
@@ -511,7 +536,10 @@ class Monitor:
             out[Measurement.STATS].append(MonitorStatsRow(
                 source=self.config.name, **base, dtype=str(x.dtype).removeprefix("torch."),
                 shape=json.dumps(list(x.shape)), **_stats(x, axis)))
-        cast_measures = [m for m in self.config.measurements if m is not Measurement.STATS]
+        if Measurement.BLOCK_STATS in out:
+            out[Measurement.BLOCK_STATS].extend(self._block_rows(op, lay, x, axis))
+        cast_measures = [m for m in self.config.measurements
+                         if m not in (Measurement.STATS, Measurement.BLOCK_STATS)]
         if not cast_measures:
             return
         ref = TensorRef(self.config.name, op.name, str(x.dtype).removeprefix("torch."),
@@ -528,6 +556,36 @@ class Monitor:
             for row in MEASURES[m.value].rows(found):
                 if row.tensor != ALL_TENSORS:
                     out[m].append(ROW_TYPES[m](**_columns(row), direction=lay.direction.value))
+
+    def _block_rows(self, op: _Operand, lay: _Layout, x: Tensor, axis: int
+                    ) -> list[MonitorBlockStatsRow]:
+        """block-stats of ``x`` along ``axis`` under every cast: the rows of ``x`` turned so
+        the axis is last (a tile or tensor scale has the same groups either way)."""
+        rows = x.movedim(axis, -1)
+        out = []
+        for c in self.config.casts:
+            s = c.scaling
+            base: dict[str, Any] = {
+                "source": self.config.name, "tensor": op.name, "layer": op.layer,
+                "dtype": str(x.dtype).removeprefix("torch."), "shape": json.dumps(list(x.shape)),
+                "cast": str(c), "format": c.format.name,
+                "scale_format": s.scale_format.name if s.scale_format else "",
+                "granularity": s.granularity.value, "block": s.block,
+                "direction": lay.direction.value, "role": op.role.value, "operand": lay.token,
+                "step": self.current}
+            try:
+                groups = directions(c, rows.dim())[0] if c.scaling.granularity in (
+                    Granularity.TENSOR, Granularity.TILE) else Groups.ROWS
+                cols, _ = direction_stats(rows, c, groups)
+                out.append(MonitorBlockStatsRow(**base, **cols, error=None))
+            except DriftError as err:  # a cast block-stats does not model: a row saying so
+                nulls: dict[str, Any] = {
+                    f.name: None for f in dataclasses.fields(MonitorBlockStatsRow)
+                    if f.name not in base and f.name not in ("element_span", "error")}
+                out.append(MonitorBlockStatsRow(**base, **nulls,
+                                                element_span=element_span(c.format),
+                                                error=str(err)))
+        return out
 
     def _alert(self, step_rows: Mapping[Measurement, list[Any]]) -> None:
         if not self._rules:

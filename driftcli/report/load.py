@@ -65,6 +65,7 @@ ROW_TYPES: dict[str, str] = {
     "grad-cosine": "driftcli.measures.grad_cosine:GradCosineRow",
     "health": "driftcli.runs.health:HealthRow",
     "inspect": "driftcli.measures.inspect:InspectRow",
+    "monitor-block-stats": "driftcli.live.monitor:MonitorBlockStatsRow",
     "monitor-clip-rate": "driftcli.live.monitor:MonitorClipRateRow",
     "monitor-error-bias": "driftcli.live.monitor:MonitorErrorBiasRow",
     "monitor-stats": "driftcli.live.monitor:MonitorStatsRow",
