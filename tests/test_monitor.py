@@ -17,7 +17,8 @@ from torch import nn
 import driftcli as drift
 from driftcli.errors import DriftError
 from driftcli.io.readers import open_inputs
-from driftcli.live.monitor import Alert, read_monitor
+from driftcli.live.monitor import Alert
+from driftcli.live.tables import read_monitor
 
 CASTS = ["mxfp8_e4m3", "nvfp4", "fp8_e4m3"]
 CAST_MEASURES = ("clip-rate", "underflow-rate", "error-bias")
@@ -359,12 +360,12 @@ def _binade(v: float) -> int:
 def test_stats_columns_count_by_hand() -> None:
     """amax, the smallest nonzero magnitude, the binades between them and the blocks' ranges,
     against math.frexp; NaN and inf counted, not taken for the amax."""
-    from driftcli.live.monitor import _stats
+    from driftcli.live.operands import operand_stats
 
     x = torch.full((4, 64), 1.5)
     x[0, 3], x[1, 40], x[2, 0] = 5000.0, 1e-30, 0.0
     x[3, 33], x[3, 34] = math.nan, math.inf
-    got = _stats(x, -1)
+    got = operand_stats(x, -1)
     # the 8 blocks: 5000 beside 1.5, 1e-30 beside 1.5, five of 1.5 (and zeros), one with NaN
     spans = sorted([_binade(5000.0) - _binade(1.5), _binade(1.5) - _binade(1e-30), 0, 0, 0, 0,
                     0])
@@ -373,7 +374,8 @@ def test_stats_columns_count_by_hand() -> None:
                    "amin": float(torch.tensor(1e-30)), "dynamic_range": 112, "block": 32,
                    "block_range_median": spans[3], "block_range_max": 100}
     # along the first axis (4 long): no whole block, so no blockwise range
-    assert _stats(x, 0)["block_range_median"] is None and _stats(x, 0)["amax"] == 5000.0
+    along = operand_stats(x, 0)
+    assert along["block_range_median"] is None and along["amax"] == 5000.0
 
 
 def test_block_stats_rows_are_block_stats_of_the_captured_linear_operands(tmp_path: Path

@@ -10,7 +10,7 @@ import torch
 
 import driftcli as drift
 from driftcli.live.integrations import hf_callback, scalars
-from driftcli.live.monitor import read_monitor
+from driftcli.live.tables import read_monitor
 
 transformers = pytest.importorskip("transformers", reason="the HF callback needs "
                                    "driftcli[hf] (transformers, a dev extra)")

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from driftcli.errors import DriftError
-from driftcli.live.monitor import ROW_TYPES, Measurement, Monitor, monitor
+from driftcli.live.monitor import Monitor, monitor
+from driftcli.live.tables import ROW_TYPES, Measurement
 
 
 class ScalarWriter(Protocol):

@@ -26,47 +26,44 @@ import dataclasses
 import fnmatch
 import json
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from driftcli.arith.intercept import OUTSIDE, ROOT
-from driftcli.casts.quantization import working
-from driftcli.casts.scaling import binade_and_significand
 from driftcli.choices import Device, parse_choice
 from driftcli.errors import DriftError
 from driftcli.io.capture import Capture, capture
 from driftcli.io.dumps import ROLES, Role
 from driftcli.io.readers import TensorRef
 from driftcli.io.tables import (
-    column,
     provenance,
     read_table,
-    schema_of,
     write_table,
     write_text,
 )
-from driftcli.measures import MEASURES
-from driftcli.measures.block_stats import (
-    BlockStatsRow,
-    block_ranges,
-    direction_stats,
-    directions,
-    element_span,
+from driftcli.live.operands import Layout, MemoryReader, layouts, operand_stats, oriented
+from driftcli.live.tables import (
+    MANIFEST,
+    ROW_TYPES,
+    Direction,
+    Measurement,
+    MonitorBlockStatsRow,
+    MonitorStatsRow,
+    row_columns,
+    rows_frame,
+    table_parts,
 )
+from driftcli.measures import MEASURES
 from driftcli.measures.block_stats import Direction as Groups
-from driftcli.measures.clip_rate import ClipRateRow
+from driftcli.measures.block_stats import direction_stats, directions, element_span
 from driftcli.measures.common import ALL_TENSORS
-from driftcli.measures.error_bias import ErrorBiasRow
 from driftcli.measures.scan import Scan, ScanOptions, TensorUnit, scan_unit
-from driftcli.measures.underflow_rate import UnderflowRateRow
 from driftcli.records.cast import Cast
 from driftcli.records.castspec import parse_cast
 from driftcli.records.modes import Granularity
@@ -76,124 +73,6 @@ Tensor = torch.Tensor
 
 log = logging.getLogger("driftcli.monitor")
 log.addHandler(logging.NullHandler())  # a library: the application decides what is shown
-
-MANIFEST = "monitor.json"
-"""The file that makes a folder a monitor folder: what was monitored, written at the start."""
-
-
-class Direction(StrEnum):
-    """Which matmul of the training step reads the operand, and so along which axis a policy
-    casts it (docs/monitor.md#directions)."""
-
-    FORWARD = "forward"
-    DGRAD = "dgrad"
-    WGRAD = "wgrad"
-
-
-class Measurement(StrEnum):
-    """What the monitor measures: the per-cast measurements of the commands, and plain
-    statistics of the operand itself (no cast)."""
-
-    CLIP_RATE = "clip-rate"
-    UNDERFLOW_RATE = "underflow-rate"
-    ERROR_BIAS = "error-bias"
-    BLOCK_STATS = "block-stats"
-    STATS = "stats"
-
-
-_DIRECTION_DOC = "Matmul reading the operand: forward, dgrad or wgrad (cast along its contraction)"
-
-
-@dataclass(frozen=True)
-class MonitorClipRateRow(ClipRateRow):
-    """clip-rate of one operand, in one direction, at one step, under one cast."""
-
-    TABLE: ClassVar[str] = "monitor-clip-rate"
-    KEYS: ClassVar[tuple[str, ...]] = ("step", "tensor", "direction", "cast")
-
-    direction: str = column(_DIRECTION_DOC)
-
-
-@dataclass(frozen=True)
-class MonitorUnderflowRateRow(UnderflowRateRow):
-    """underflow-rate of one operand, in one direction, at one step, under one cast."""
-
-    TABLE: ClassVar[str] = "monitor-underflow-rate"
-    KEYS: ClassVar[tuple[str, ...]] = ("step", "tensor", "direction", "cast")
-
-    direction: str = column(_DIRECTION_DOC)
-
-
-@dataclass(frozen=True)
-class MonitorErrorBiasRow(ErrorBiasRow):
-    """error-bias of one operand, in one direction, at one step, under one cast."""
-
-    TABLE: ClassVar[str] = "monitor-error-bias"
-    KEYS: ClassVar[tuple[str, ...]] = ("step", "tensor", "direction", "cast")
-
-    direction: str = column(_DIRECTION_DOC)
-
-
-@dataclass(frozen=True)
-class MonitorBlockStatsRow(BlockStatsRow):
-    """block-stats of one operand, in one direction, at one step, under one cast: its blocks
-    run along that matmul's contraction axis."""
-
-    TABLE: ClassVar[str] = "monitor-block-stats"
-    KEYS: ClassVar[tuple[str, ...]] = ("step", "tensor", "direction", "cast")
-
-    direction: str = column(_DIRECTION_DOC + "; the blocks run along it (block-stats' rows of "
-                            "the operand turned so that axis is last)")
-    role: str = column("The operand: activation, weight or gradient")
-    operand: str = column("The matmul side it feeds, pass.side (forward.lhs)")
-    step: int = column("Training step")
-
-
-STATS_BLOCK = 32
-"""The block of the blockwise dynamic range in the stats table (MX's)."""
-
-
-@dataclass(frozen=True)
-class MonitorStatsRow:
-    """Plain statistics of one operand, in one direction, at one step: no cast."""
-
-    TABLE: ClassVar[str] = "monitor-stats"
-    KEYS: ClassVar[tuple[str, ...]] = ("step", "tensor", "direction")
-    HEADLINE: ClassVar[str] = "dynamic_range"
-    HIGHER_IS_WORSE: ClassVar[bool] = True
-
-    source: str = column("The monitor's name")
-    tensor: str = column("Operand name, as drift capture names it (fc1/activation)")
-    role: str = column("The operand: activation, weight or gradient")
-    layer: str = column("Layer (module) running the matmul")
-    operand: str = column("The matmul side it feeds, pass.side (forward.lhs)")
-    step: int = column("Training step")
-    direction: str = column(_DIRECTION_DOC)
-    dtype: str = column("Stored dtype")
-    shape: str = column("Shape as a JSON list, as the direction reads it")
-    numel: int = column("Elements")
-    n_nonfinite: int = column("Elements that are NaN or ±inf")
-    amax: float | None = column("Largest finite magnitude; null with no finite element")
-    amin: float | None = column("Smallest nonzero finite magnitude; null with none")
-    dynamic_range: int | None = column("floor(log2 amax) - floor(log2 amin), from the bits "
-                                       "(binades)")
-    block: int = column("Elements per block of the blockwise range, along the direction's "
-                        "contraction axis")
-    block_range_median: int | None = column(
-        "Lower median over the finite blocks holding a nonzero value of each block's dynamic "
-        "range (binades); null when the axis is not a multiple of block")
-    block_range_max: int | None = column("Largest dynamic range of a block (binades)")
-
-
-ROW_TYPES: dict[Measurement, type[Any]] = {
-    Measurement.CLIP_RATE: MonitorClipRateRow,
-    Measurement.UNDERFLOW_RATE: MonitorUnderflowRateRow,
-    Measurement.ERROR_BIAS: MonitorErrorBiasRow,
-    Measurement.BLOCK_STATS: MonitorBlockStatsRow,
-    Measurement.STATS: MonitorStatsRow,
-}
-"""Each measurement's table."""
-
 
 @dataclass(frozen=True)
 class Alert:
@@ -247,90 +126,6 @@ class MonitorConfig:
         """Whether ``step`` is measured."""
         return (step >= self.start and (self.end is None or step <= self.end)
                 and (step - self.start) % self.every == 0)
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """How one direction reads a recorded tensor: folded to 2-D or not, and the axis."""
-
-    direction: Direction
-    token: str
-    fold: bool
-    axis: int
-
-
-# F.linear's activation and output gradient (docs/capture.md#the-file): their wgrad sums over
-# every leading dimension, as the policy's wgrad folds the broadcast weight's batch
-_LINEAR_FOLDED = ("forward.lhs wgrad.rhs", "dgrad.lhs wgrad.lhs")
-
-
-def layouts(operand: str, transposed: bool) -> list[_Layout]:
-    """Each direction a recorded tensor feeds (its dump ``operand`` string), and the axis the
-    policy casts it along there (``arith/autograd``): forward ``A·B``, A along its last axis, B
-    along its second-to-last; dgrad ``dC·Bᵀ``, both along their last; wgrad ``Aᵀ·dC``, both
-    along their second-to-last (M). A weight multiplied transposed (``F.linear``'s, stored
-    ``(N, K)``) swaps the two."""
-    out = []
-    for token in operand.split():
-        kind, side = token.split(".")
-        axis = -1 if kind == "dgrad" or (kind == "forward" and side == "lhs") else -2
-        if transposed:
-            axis = -1 if axis == -2 else -2
-        fold = kind == "wgrad" and operand in _LINEAR_FOLDED
-        out.append(_Layout(Direction(kind), token, fold, axis))
-    return out
-
-
-def oriented(x: Tensor, lay: _Layout) -> tuple[Tensor, int] | None:
-    """The tensor and axis a direction measures (folded to ``(M, K)`` for a linear's wgrad);
-    None where the axis does not exist (a vector)."""
-    if lay.fold and x.dim() > 2:
-        x = x.reshape(-1, x.shape[-1])
-    if x.dim() < -lay.axis:
-        return None
-    return x, lay.axis
-
-
-class _Memory:
-    """A :class:`~driftcli.io.readers.core.Reader` over a tensor in memory: rows are views."""
-
-    def __init__(self, x: Tensor) -> None:
-        self.x = x
-
-    def read(self, ref: TensorRef, start: int, stop: int, into: Tensor | None) -> Tensor:
-        """Rows ``[start, stop)`` (the tensor itself for a 0-d one)."""
-        return self.x[start:stop] if self.x.dim() else self.x
-
-
-def _stats(x: Tensor, axis: int) -> dict[str, Any]:
-    """The stats table's own columns of ``x`` read along ``axis``: one pass of block-stats'
-    range kernel over its blocks of :data:`STATS_BLOCK` (numba on the CPU, torch on a GPU),
-    the whole tensor one row where the axis is not a multiple of the block."""
-    w = working(x.detach())
-    rows = w.movedim(axis, -1) if w.dim() else w.reshape(1)
-    blocked = rows.shape[-1] % STATS_BLOCK == 0 and rows.numel() > 0
-    groups = rows.reshape(-1, STATS_BLOCK if blocked else max(1, rows.numel())).contiguous()
-    top, low, span, bad = block_ranges(groups)
-    n_nonfinite = 0
-    if bool(bad.any()):  # rare: count the elements of the groups holding a NaN or inf
-        n_nonfinite = int(torch.count_nonzero(~torch.isfinite(groups[bad])))
-    amax = float(top.max()) if top.numel() else 0.0
-    amin = float(low.min()) if low.numel() else math.inf
-    dyn = med = widest = None
-    if math.isfinite(amin):  # some finite nonzero element: amax > 0 too
-        ends = torch.tensor([amax, amin], dtype=w.dtype)
-        high, small = binade_and_significand(ends)[0].tolist()
-        dyn = high - small
-    n_finite = w.numel() - n_nonfinite
-    if blocked:
-        live = span[(span >= 0) & ~bad].sort().values  # finite groups with a nonzero
-        if live.numel():
-            med = int(live[(live.numel() - 1) // 2])
-            widest = int(live[-1])
-    return {"numel": w.numel(), "n_nonfinite": n_nonfinite,
-            "amax": amax if n_finite else None, "amin": amin if dyn is not None else None,
-            "dynamic_range": dyn, "block": STATS_BLOCK, "block_range_median": med,
-            "block_range_max": widest}
 
 
 @dataclass
@@ -451,13 +246,13 @@ class Monitor:
         if m not in self._rows:
             raise DriftError(f"monitor: {m.value} is not measured; add it to measurements")
         if self.out is None:
-            return _frame(ROW_TYPES[m], self._rows[m])
+            return rows_frame(ROW_TYPES[m], self._rows[m])
         import pandas as pd
 
         # with a folder the rows live there (a long run's would fill the memory): the parts
         # written, then the rows not yet written
-        parts = [read_table(p)[0] for p in _parts(self.out / ROW_TYPES[m].TABLE)]
-        return pd.concat([*parts, _frame(ROW_TYPES[m], self._pending[m])], ignore_index=True)
+        parts = [read_table(p)[0] for p in table_parts(self.out / ROW_TYPES[m].TABLE)]
+        return pd.concat([*parts, rows_frame(ROW_TYPES[m], self._pending[m])], ignore_index=True)
 
     def flush(self) -> None:
         """Write the rows not yet written, one part per table (each file whole or absent)."""
@@ -527,7 +322,7 @@ class Monitor:
         if self._pending_steps >= self.config.flush_every:
             self.flush()
 
-    def _measure_one(self, op: _Operand, lay: _Layout, x: Tensor, axis: int,
+    def _measure_one(self, op: _Operand, lay: Layout, x: Tensor, axis: int,
                      out: dict[Measurement, list[Any]]) -> None:
         base: dict[str, Any] = {
             "tensor": op.name, "role": op.role.value, "layer": op.layer, "operand": lay.token,
@@ -535,7 +330,7 @@ class Monitor:
         if Measurement.STATS in out:
             out[Measurement.STATS].append(MonitorStatsRow(
                 source=self.config.name, **base, dtype=str(x.dtype).removeprefix("torch."),
-                shape=json.dumps(list(x.shape)), **_stats(x, axis)))
+                shape=json.dumps(list(x.shape)), **operand_stats(x, axis)))
         if Measurement.BLOCK_STATS in out:
             out[Measurement.BLOCK_STATS].extend(self._block_rows(op, lay, x, axis))
         cast_measures = [m for m in self.config.measurements
@@ -544,7 +339,7 @@ class Monitor:
             return
         ref = TensorRef(self.config.name, op.name, str(x.dtype).removeprefix("torch."),
                         tuple(x.shape), op.role.value, op.layer, lay.token, self.current,
-                        _reader=_Memory(x))
+                        _reader=MemoryReader(x))
         device = Device.CUDA if x.is_cuda else Device.CPU
         options = ScanOptions(axis=axis, seed=self.config.seed, device=device,
                               draws=8 if Measurement.ERROR_BIAS in cast_measures else 1)
@@ -555,9 +350,9 @@ class Monitor:
         for m in cast_measures:
             for row in MEASURES[m.value].rows(found):
                 if row.tensor != ALL_TENSORS:
-                    out[m].append(ROW_TYPES[m](**_columns(row), direction=lay.direction.value))
+                    out[m].append(ROW_TYPES[m](**row_columns(row), direction=lay.direction.value))
 
-    def _block_rows(self, op: _Operand, lay: _Layout, x: Tensor, axis: int
+    def _block_rows(self, op: _Operand, lay: Layout, x: Tensor, axis: int
                     ) -> list[MonitorBlockStatsRow]:
         """block-stats of ``x`` along ``axis`` under every cast: the rows of ``x`` turned so
         the axis is last (a tile or tensor scale has the same groups either way)."""
@@ -599,7 +394,7 @@ class Monitor:
                     continue
                 if not rows:
                     continue
-                frame = pd.DataFrame([_columns(r) for r in rows])
+                frame = pd.DataFrame([row_columns(r) for r in rows])
                 if not set(rule.columns) <= set(frame.columns):
                     continue  # a rule about another table's columns
                 hits = evaluate(rule, frame)
@@ -613,25 +408,6 @@ class Monitor:
                     log.warning("%s", alert.line())
                     if self.on_alert is not None:
                         self.on_alert(alert)
-
-
-def _parts(folder: Path) -> list[Path]:
-    """A table's parts in step order (a part being written has a temporary name)."""
-    return sorted(folder.glob("part-*.parquet"))
-
-
-def _columns(row: Any) -> dict[str, Any]:
-    """A row's columns (``dataclasses.asdict`` deep-copies every value: slower, and no row
-    holds a container)."""
-    return {f.name: getattr(row, f.name) for f in dataclasses.fields(row)}
-
-
-def _frame(row_type: type[Any], rows: list[Any]) -> Any:
-    """Rows as the table reads back: the table's schema, then pandas."""
-    import pyarrow as pa
-
-    return pa.Table.from_pylist([_columns(r) for r in rows],
-                                schema=schema_of(row_type)).to_pandas()
 
 
 def _tuple(value: Any, what: str) -> tuple[Any, ...]:
@@ -694,23 +470,3 @@ def monitor(model: nn.Module, casts: str | Cast | Sequence[str | Cast], *,
         every=every, start=start, end=end, flush_every=flush_every,
         alerts=tuple(_tuple(alerts, "alerts")), seed=seed, name=name, cast_names=names)
     return Monitor(model, config, None if out is None else Path(out), on_alert)
-
-
-def read_monitor(folder: str | Path) -> dict[str, Any]:
-    """Every table of a monitor folder, by measurement, as pandas DataFrames (the parts
-    concatenated in step order); a part still being written when the run stopped is not
-    there, every earlier one is."""
-    import pandas as pd
-
-    root = Path(folder)
-    manifest = root / MANIFEST
-    if not manifest.is_file():
-        raise DriftError(f"{root} is not a monitor folder (no {MANIFEST}); give the out= "
-                         "folder of drift.monitor")
-    tables = json.loads(manifest.read_text(encoding="utf-8"))["tables"]
-    out: dict[str, Any] = {}
-    for m, table in tables.items():
-        frames = [read_table(p)[0] for p in _parts(root / table)]
-        out[m] = (pd.concat(frames, ignore_index=True) if frames
-                  else _frame(ROW_TYPES[Measurement(m)], []))
-    return out
