@@ -41,12 +41,7 @@ from driftcli.errors import DriftError
 from driftcli.io.capture import Capture, capture
 from driftcli.io.dumps import ROLES, Role
 from driftcli.io.readers import TensorRef
-from driftcli.io.tables import (
-    provenance,
-    read_table,
-    write_table,
-    write_text,
-)
+from driftcli.io.tables import provenance, read_table, write_table, write_text
 from driftcli.live.operands import Layout, MemoryReader, layouts, operand_stats, oriented
 from driftcli.live.tables import (
     MANIFEST,
@@ -73,6 +68,7 @@ Tensor = torch.Tensor
 
 log = logging.getLogger("driftcli.monitor")
 log.addHandler(logging.NullHandler())  # a library: the application decides what is shown
+
 
 @dataclass(frozen=True)
 class Alert:
