@@ -13,6 +13,8 @@ The public API::
     with drift.capture(model, "dump.safetensors"):       # record every matmul operand
         model(batch).sum().backward()
     df = drift.measure(model, ["mxfp8_e4m3", "nvfp4"])  # clip-rate's rows, as a DataFrame
+    with drift.monitor(model, ["mxfp8_e4m3"], out="mon") as mon:  # live, in training
+        ...; mon.step()
 """
 
 from driftcli._version import __version__
@@ -43,6 +45,7 @@ _API = {
     "capture": "driftcli.io.capture",
     "grad_cosine": "driftcli.measures.grad_cosine",
     "measure": "driftcli.api",
+    "monitor": "driftcli.live.monitor",
 }
 """Each public name and its module, imported on first use (see :mod:`driftcli.lazy`)."""
 

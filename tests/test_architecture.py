@@ -46,7 +46,7 @@ LAYERS = (
     ("models",),
     ("measures", "verify"),
     ("runs", "api"),
-    ("report",),
+    ("report", "live"),
     ("cli", "__main__"),
 )
 """drift's layers, bottom first: a module imports only from its own layer or those below

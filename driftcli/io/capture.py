@@ -122,10 +122,12 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A detached, contiguous CPU copy in the tensor's own dtype, immune to later in-place ops."""
+def _snapshot(t: torch.Tensor, device: torch.device | str | None = "cpu") -> torch.Tensor:
+    """A detached, contiguous copy in the tensor's own dtype, immune to later in-place ops: on
+    the CPU, or on the tensor's own device for ``device=None`` (a capture kept in memory)."""
     return t.detach().resolve_conj().resolve_neg().to(
-        "cpu", memory_format=torch.contiguous_format, copy=True)
+        t.device if device is None else device, memory_format=torch.contiguous_format,
+        copy=True)
 
 
 @dataclasses.dataclass
@@ -148,6 +150,7 @@ class _Record:
     role: Role
     operand: str
     tensors: list[torch.Tensor]
+    transposed: bool = False
 
 
 class _CaptureMode(TorchFunctionMode):
@@ -176,7 +179,7 @@ class Capture:
     matmul-like functions whose operands are not in the dump.
     """
 
-    def __init__(self, model: nn.Module, path: Path, roles: frozenset[Role],
+    def __init__(self, model: nn.Module, path: Path | None, roles: frozenset[Role],
                  step: int | None) -> None:
         self.model = model
         self.path = path
@@ -185,6 +188,9 @@ class Capture:
         self.names: tuple[str, ...] = ()
         self.entries: Mapping[str, DumpEntry] = MappingProxyType({})
         self.unrecorded: Mapping[str, int] = MappingProxyType({})
+        self.tensors: Mapping[str, torch.Tensor] = MappingProxyType({})
+        self.transposed: frozenset[str] = frozenset()
+        self._device: str | None = "cpu" if path is not None else None
         self._records: list[_Record] = []
         self._stack: list[_Frame] = []
         self._outside = _Frame(OUTSIDE, 0)
@@ -201,7 +207,7 @@ class Capture:
     def __enter__(self) -> Capture:
         if self._used:
             raise DriftError("a capture can be entered only once; call capture() again")
-        if self.path.is_dir():
+        if self.path is not None and self.path.is_dir():
             raise DriftError(f"capture path {self.path} is a directory; give a file name "
                              "such as dump.safetensors")
         self._used = True
@@ -272,7 +278,7 @@ class Capture:
         frame = self._stack[-1] if self._stack else self._outside
         pending: list[tuple[Tensor, _Record]] = []
         for product in found.found:
-            gradient = self._product(frame, product.lhs, product.rhs, operands)
+            gradient = self._product(frame, product.lhs, product.rhs, operands, entry.linear)
             if not grads or (product.out is not None and not product.out.requires_grad):
                 continue
             self._records.append(gradient)  # each gradient next to its product
@@ -284,7 +290,7 @@ class Capture:
             self._hook_beside(out, side, pending)
 
     def _product(self, frame: _Frame, lhs: Any, rhs: Any,
-                 operands: tuple[str, str, str]) -> _Record:
+                 operands: tuple[str, str, str], linear: bool = False) -> _Record:
         """Record the two operands of one product; its gradient's record, still empty (kept
         only where a gradient is hooked into it)."""
         index = frame.matmuls
@@ -303,14 +309,15 @@ class Capture:
                     continue
                 self._weights_seen.add(key)
             self._records.append(_Record(frame.layer, frame.call, index, label, role, operand,
-                                         [_snapshot(t)]))
+                                         [_snapshot(t, self._device)],
+                                         transposed=operand == operands[1] and linear))
         return _Record(frame.layer, frame.call, index, "gradient", Role.GRADIENT, operands[2], [])
 
     def _hook(self, out: Tensor, record: _Record) -> None:
         """Copy the gradient reaching ``out``, the product itself, into ``record``."""
 
         def keep(grad: Tensor) -> None:
-            record.tensors.append(_snapshot(grad))
+            record.tensors.append(_snapshot(grad, self._device))
 
         self._handles.append(out.register_hook(keep))
 
@@ -328,7 +335,7 @@ class Capture:
                                           allow_unused=True)
             for (_, record), g in zip(pending, got, strict=True):
                 if g is not None:
-                    record.tensors.append(_snapshot(g))
+                    record.tensors.append(_snapshot(g, self._device))
 
         self._handles.append(out.register_hook(keep))
 
@@ -365,6 +372,13 @@ class Capture:
         entries = {n: DumpEntry(r.role, r.layer, r.operand, self.step) for n, r, _ in named}
         meta = {"version": DUMP_VERSION, "tensors": {n: e.to_json() for n, e in entries.items()}}
         tensors = {n: t for n, _, t in named}
+        self.names = tuple(entries)
+        self.entries = MappingProxyType(entries)
+        self.unrecorded = MappingProxyType(dict(self._unrecorded))
+        if self.path is None:  # kept in memory, on the operands' own devices
+            self.tensors = MappingProxyType(tensors)
+            self.transposed = frozenset(n for n, r, _ in named if r.transposed)
+            return
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -374,9 +388,6 @@ class Capture:
             raise DriftError(f"cannot write the capture to {self.path}: {exc}") from None
         finally:
             tmp.unlink(missing_ok=True)
-        self.names = tuple(entries)
-        self.entries = MappingProxyType(entries)
-        self.unrecorded = MappingProxyType(dict(self._unrecorded))
         if self._unrecorded:
             calls = ", ".join(f"{f} ×{n}" for f, n in sorted(self._unrecorded.items()))
             warnings.warn(f"capture did not record the operands of {calls}: drift cannot see "
@@ -384,15 +395,18 @@ class Capture:
                           stacklevel=3)
 
 
-def capture(model: nn.Module, path: str | os.PathLike[str], *,
+def capture(model: nn.Module, path: str | os.PathLike[str] | None, *,
             roles: Iterable[str | Role] | str = ROLES, step: int | None = None) -> Capture:
     """Record every matmul operand of ``model``'s forward and backward into a drift dump.
 
     Use as ``with capture(model, path) as cap: model(x).sum().backward()``. On a clean exit
     the dump is written to ``path`` atomically (a temporary name, then a rename); if the body
-    raises, nothing is written. ``roles`` selects which of ``activation``, ``gradient`` and
-    ``weight`` are recorded; ``step`` is stored with every tensor. The model's outputs and
-    gradients are bit for bit what they are without the capture.
+    raises, nothing is written. With ``path=None`` nothing is written: the tensors stay in
+    memory, on their own devices, in ``tensors`` (name -> tensor), and ``transposed`` names
+    the weights a product multiplies transposed (``F.linear``'s). ``roles`` selects which of
+    ``activation``, ``gradient`` and ``weight`` are recorded; ``step`` is stored with every
+    tensor. The model's outputs and gradients are bit for bit what they are without the
+    capture.
     """
     if not isinstance(model, nn.Module):
         raise DriftError(f"capture needs a torch.nn.Module, got {type(model).__name__}")
@@ -402,4 +416,4 @@ def capture(model: nn.Module, path: str | os.PathLike[str], *,
     if not chosen:
         raise DriftError("capture roles is empty; choose from activation, gradient, weight")
     parsed = frozenset(parse_choice(Role, r, "capture role") for r in chosen)
-    return Capture(model, Path(path), parsed, step)
+    return Capture(model, None if path is None else Path(path), parsed, step)

@@ -13,6 +13,7 @@ from html import escape
 from driftcli.report import display as d
 from driftcli.report.blockmaps import block_maps
 from driftcli.report.model import Report
+from driftcli.report.monitor import is_monitor, monitor_maps
 from driftcli.report.plots import Note, Palette, Plot, figures
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
@@ -97,7 +98,9 @@ def render(report: Report) -> str:
         if fails:
             body.append('<ul class="error">' + "".join(f"<li>{escape(f)}</li>" for f in fails)
                         + "</ul>")
-        body += [_figure(p) for p in [*figures(table, palette), *block_maps(table)]]
+        drawn = monitor_maps(table) if is_monitor(table) else [*figures(table, palette),
+                                                                *block_maps(table)]
+        body += [_figure(p) for p in drawn]
         body.append("</section>")
     if report.comparison is not None:
         body.append(f"<h2>Baseline <code>{escape(str(report.options.baseline))}</code></h2>")

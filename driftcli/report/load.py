@@ -32,7 +32,7 @@ import importlib
 import json
 import stat
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,11 @@ ROW_TYPES: dict[str, str] = {
     "grad-cosine": "driftcli.measures.grad_cosine:GradCosineRow",
     "health": "driftcli.runs.health:HealthRow",
     "inspect": "driftcli.measures.inspect:InspectRow",
+    "monitor-block-stats": "driftcli.live.tables:MonitorBlockStatsRow",
+    "monitor-clip-rate": "driftcli.live.tables:MonitorClipRateRow",
+    "monitor-error-bias": "driftcli.live.tables:MonitorErrorBiasRow",
+    "monitor-stats": "driftcli.live.tables:MonitorStatsRow",
+    "monitor-underflow-rate": "driftcli.live.tables:MonitorUnderflowRateRow",
     "probe": "driftcli.runs.probe:ProbeRow",
     "train": "driftcli.runs.training:TrainRow",
     "underflow-rate": "driftcli.measures.underflow_rate:UnderflowRateRow",
@@ -384,6 +389,28 @@ def _candidates(paths: Iterable[Path]) -> Iterable[Path]:
                              "holding them")
 
 
+PART = "part-"
+"""How a table written in parts names each (``drift.monitor``'s, docs/monitor.md): the parts of
+one table in one folder are read as one table, whose path is the folder."""
+
+
+def _joined(tables: list[Table]) -> list[Table]:
+    """``tables`` with the parts of each table written in parts joined, in file order."""
+    parts: dict[tuple[Path, str], list[Table]] = {}
+    out: list[Table | tuple[Path, str]] = []
+    for t in tables:
+        if not t.path.name.startswith(PART):
+            out.append(t)
+            continue
+        key = (t.path.parent, t.name)
+        if key not in parts:
+            out.append(key)
+        parts.setdefault(key, []).append(t)
+    return [t if isinstance(t, Table) else replace(
+        parts[t][-1], path=t[0],
+        frame=pd.concat([p.frame for p in parts[t]], ignore_index=True)) for t in out]
+
+
 def load(paths: Sequence[Path]) -> Loaded:
     """Every drift table in ``paths`` (files, and folders searched recursively for
     ``*.parquet``); Parquet files that are not drift tables are skipped with the reason.
@@ -408,6 +435,7 @@ def load(paths: Sequence[Path]) -> Loaded:
             raise
         except DriftError as err:
             skipped.append(Skipped(path, str(err).removeprefix(f"{path} is ")))
+    tables = _joined(tables)
     if not tables:
         named = ", ".join(str(p) for p in paths)
         raise DriftError(f"no drift tables in {named}; run a measurement first (e.g. drift "
