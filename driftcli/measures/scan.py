@@ -35,6 +35,7 @@ from driftcli.measures.diffstats import DiffStats, cast_diff_stats
 from driftcli.measures.stats import (
     CastStats,
     cast_stats,
+    clip_stats,
     error_sums,
     error_terms,
     finite_amax,
@@ -259,9 +260,14 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         x = read(start, stop)
         own = None if runs is None else \
             runs[start * row_elems // chunk:stop * row_elems // chunk]
-        facts = slice_facts(x, chunk, own)
+        # clip-rate: every cast the fused pass takes, in one read of the slice
+        fused = {} if rounded else clip_stats(x, list(casts), axis=opts.axis, tensor_amax=amax)
+        facts = slice_facts(x, chunk, own) if len(fused) < len(casts) else None
         for ci, c in enumerate(casts):
             n = n_draws[ci]
+            if ci in fused:
+                parts[ci][0].append(fused[ci])
+                n = 0
             total: Tensor | None = None
             first: CastStats | None = None
             for d in range(n):

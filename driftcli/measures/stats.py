@@ -13,10 +13,11 @@ few bits (the tests compare them at a relative 1e-12).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from driftcli import kernels
@@ -35,6 +36,7 @@ from driftcli.casts.quantization import (
     two_level_consts,
     working,
 )
+from driftcli.casts.route import flat_route, one_scale
 from driftcli.casts.scaling import ScalePlan, block_stats, to_blocks
 from driftcli.errors import DriftError
 from driftcli.kernels import jit
@@ -325,6 +327,47 @@ def finite_amax(x: Tensor, runs: Tensor | None = None) -> float:
     n = flat.numel()
     rows = flat.view(-1, TENSOR_ROW) if n % TENSOR_ROW == 0 else flat.view(1, -1)
     return float(_row_amax(rows)[0].max())
+
+
+def clip_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
+               tensor_amax: float | None = None) -> dict[int, CastStats]:
+    """:func:`cast_stats` with ``rounded=False`` for every cast of ``casts`` the fused pass
+    takes (:func:`driftcli.casts.route.flat_route`), keyed by the cast's index, in one read of
+    ``x`` for all of them (and one first read for the tensor's amax where a cast needs it and
+    ``tensor_amax`` is not given); the same counts, bit for bit. The casts it does not take,
+    and every cast on the torch back-end, are left out: :func:`cast_stats` counts them."""
+    if x.numel() == 0 or x.dtype != torch.float32 or not kernels.numba_runs(x):
+        return {}
+    parsed = [parse_cast(c) for c in casts]
+    shape = tuple(x.shape)
+    found = {i: r for i, c in enumerate(parsed)
+             if (r := flat_route(c, shape, axis, x.dtype)) is not None}
+    two = [r.q for r in found.values() if r.two_level]
+    # the pass's scale rounding is a constant of its code: one scale format per pass
+    found = {i: r for i, r in found.items() if not r.two_level or np.array_equal(r.q, two[0])}
+    if not found:
+        return {}
+    flat = x.reshape(-1).contiguous()
+    top = tensor_amax
+    if top is None and any(r.needs_amax for r in found.values()):
+        top = jit.finite_top(flat)
+    scales = {i: one_scale(parsed[i], r, top or 0.0) if not r.block else (0, 1.0, False)
+              for i, r in found.items()}
+    got = jit.clip_counts(flat, list(found.values()), [scales[i][0] for i in found],
+                          [scales[i][1] for i in found], top or 0.0)
+    out = {}
+    for (i, r), counts, excess in zip(found.items(), got.counts, got.excess, strict=True):
+        clipped, clipped_groups, clamped, n_bad = counts
+        one = not r.block
+        out[i] = CastStats(
+            numel=x.numel(), nonfinite=x.numel() - got.finite, nonzero=None,
+            groups=1 if one else x.numel() // r.block, clipped=clipped,
+            clipped_by_rounding=_by_rounding(parsed[i], clipped),
+            clipped_groups=min(clipped, 1) if one else clipped_groups, clip_excess=excess,
+            abs_sum=got.abs_sum, underflowed=None, subnormal=None,
+            scale_clamped=int(scales[i][2]) if one else clamped, nonfinite_groups=n_bad,
+            lost=None, xx=None, ee=None, ex=None, e_sum=None)
+    return out
 
 
 def _numba_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: int,
