@@ -13,15 +13,30 @@ arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 import torch
 
 from driftcli.casts.quantization import plan_scales, pow2_rule, two_level_consts
 from driftcli.casts.scaling import ScalePlan
-from driftcli.kernels.jit import BLOCK_POW2, PIECE, TENSOR_DIV, TENSOR_POW2, TWO_LEVEL
+from driftcli.kernels.jit import PIECE
 from driftcli.records.cast import Cast
 from driftcli.records.modes import Granularity, ScaleRule
+
+
+class ScaleStep(StrEnum):
+    """How the fused pass finds a cast's scale."""
+
+    TENSOR_DIVISOR = "tensor-divisor"
+    """One divisor for the slice (the tensor's, from its amax)."""
+    TENSOR_POW2 = "tensor-pow2"
+    """One power of two for the slice (a tensor's power-of-two rule; 2**0 unscaled)."""
+    BLOCK_POW2 = "block-pow2"
+    """A power-of-two rule's scale per block, from the block's amax."""
+    TWO_LEVEL = "two-level"
+    """A two-level (NVFP4) scale per block, from its amax and the tensor's."""
+
 
 _NO_RULE = np.zeros(6, dtype=np.int64)
 _NO_CONSTS = np.ones(5, dtype=np.float32)
@@ -32,9 +47,8 @@ _NO_Q = np.zeros(18, dtype=np.int64)
 class FlatRoute:
     """What the fused pass reads for one cast."""
 
-    kind: int
-    """One of the kernel's routes (:data:`driftcli.kernels.jit.TENSOR_DIV` …
-    ``TWO_LEVEL``)."""
+    kind: ScaleStep
+    """How its scale is found."""
     block: int
     """Elements per scale group; 0 for one scale for the tensor."""
     rule: np.ndarray
@@ -54,7 +68,7 @@ class FlatRoute:
     @property
     def two_level(self) -> bool:
         """A two-level scale per block (whose scale rounding ``q`` the pass compiles in)."""
-        return self.kind == TWO_LEVEL
+        return self.kind is ScaleStep.TWO_LEVEL
 
 
 def flat_route(c: Cast, shape: tuple[int, ...], axis: int, dtype: torch.dtype) -> FlatRoute | None:
@@ -72,19 +86,20 @@ def flat_route(c: Cast, shape: tuple[int, ...], axis: int, dtype: torch.dtype) -
     if s.granularity in (Granularity.TENSOR, Granularity.NONE):
         pow2 = s.granularity is Granularity.NONE or bool(s.rule is not None and
                                                        s.rule.power_of_two)
-        return FlatRoute(TENSOR_POW2 if pow2 else TENSOR_DIV, 0, _NO_RULE, _NO_CONSTS, _NO_Q,
-                         ends, False, s.granularity is Granularity.TENSOR)
+        step = ScaleStep.TENSOR_POW2 if pow2 else ScaleStep.TENSOR_DIVISOR
+        return FlatRoute(step, 0, _NO_RULE, _NO_CONSTS, _NO_Q, ends, False,
+                         s.granularity is Granularity.TENSOR)
     if s.granularity is not Granularity.BLOCK or axis % len(shape) != len(shape) - 1 or \
             shape[-1] % s.block or PIECE % s.block:
         return None
     if s.rule is ScaleRule.TWO_LEVEL:
         consts, q = two_level_consts(c)
-        return FlatRoute(TWO_LEVEL, s.block, _NO_RULE, consts, np.asarray(q, dtype=np.int64),
-                         ends, True, True)
+        return FlatRoute(ScaleStep.TWO_LEVEL, s.block, _NO_RULE, consts,
+                         np.asarray(q, dtype=np.int64), ends, True, True)
     rule = pow2_rule(c) if s.rule is not None and s.rule.power_of_two else None
     if rule is None:
         return None
-    return FlatRoute(BLOCK_POW2, s.block, rule, _NO_CONSTS, _NO_Q, ends, True, False)
+    return FlatRoute(ScaleStep.BLOCK_POW2, s.block, rule, _NO_CONSTS, _NO_Q, ends, True, False)
 
 
 def one_scale(c: Cast, route: FlatRoute, amax: float) -> tuple[int, float, bool]:
@@ -96,6 +111,6 @@ def one_scale(c: Cast, route: FlatRoute, amax: float) -> tuple[int, float, bool]
     top = torch.tensor([amax], dtype=torch.float32)
     plan = ScalePlan.of(c.format, c.scaling)
     scale, clamped = plan_scales(top, top[0], plan.divisors(top), plan=plan)
-    if route.kind == TENSOR_POW2:
+    if route.kind is ScaleStep.TENSOR_POW2:
         return int(scale[0]), 1.0, bool(clamped[0])
     return 0, float(scale[0]), bool(clamped[0])

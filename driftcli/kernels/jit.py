@@ -346,12 +346,6 @@ def slice_facts(x: Tensor, chunk: int) -> tuple[Tensor | None, int, float]:
     return amax, int(counts[0]), float(totals[0])
 
 
-TENSOR_DIV, TENSOR_POW2, BLOCK_POW2, TWO_LEVEL = 0, 1, 2, 3
-"""The routes of :func:`clip_counts` (:class:`driftcli.casts.route.FlatRoute`'s ``kind``): one
-divisor for the slice, one power of two for it, a power-of-two rule's scale per block, a
-two-level (NVFP4) scale per block."""
-
-
 def finite_top(x: Tensor) -> float:
     """The largest finite magnitude of a float32 tensor (0 for none), in one read: the first
     read of the casts that need the tensor's amax."""
@@ -393,20 +387,22 @@ def clip_counts(x: Tensor, routes: list[Any], sexp: list[int], div: list[float],
     finite = np.zeros(pieces, dtype=np.int64)
     sums = np.zeros(pieces, dtype=np.float64)
     blocks = np.array([r.block or run for r in routes], dtype=np.int64)
-    two = {tuple(int(v) for v in r.q) for r in routes if r.kind == TWO_LEVEL}
+    code = _stat_code()
+    kinds = np.array([code.STEPS.index(str(r.kind)) for r in routes], dtype=np.int64)
+    two = {tuple(int(v) for v in r.q) for r, k in zip(routes, kinds, strict=True)
+           if k == code.TWO_LEVEL}
     if len(two) > 1:
         raise DriftError("clip_counts: the two-level casts of one pass share their scale "
                          "format and its rounding")
     if pieces:
-        spread(_stat_code().clips_kernel(run, two.pop() if two else (0,) * len(PARAMS)),
-               pieces, PIECE, bits, values, n, PIECE,
-               np.array([r.kind for r in routes], dtype=np.int64), blocks,
+        spread(code.clips_kernel(run, two.pop() if two else (0,) * len(PARAMS)),
+               pieces, PIECE, bits, values, n, PIECE, kinds, blocks,
                np.array([r.blocked for r in routes], dtype=np.bool_),
                np.stack([r.rule for r in routes]), np.stack([r.consts for r in routes]),
                np.array([r.ends for r in routes], dtype=np.float64),
                np.array(sexp, dtype=np.int64), np.array(div, dtype=np.float32),
                int(np.float32(tensor_amax).view(np.int32)), counts, excess, finite, sums)
-    c, s, n_finite = _stat_code().add_clips(counts, excess, finite, sums)
+    c, s, n_finite = code.add_clips(counts, excess, finite, sums)
     return ClipCounts(c.tolist(), [float(v) for v in s[:n_casts]], int(n_finite),
                       float(s[n_casts]))
 

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from driftcli.kernels.jit import BLOCK_POW2, TENSOR_DIV, TENSOR_POW2, TWO_LEVEL
 from driftcli.kernels.jitcode import (
     OPTIONS,
     lean_quotient,
@@ -239,6 +238,11 @@ def add_pieces(counts: Any, sums: Any, finite: Any, abs_sum: Any) -> tuple[Any, 
 
 # --- every cast's clips in one pass (the plans of driftcli.casts.route) ---------------------
 
+STEPS = ("tensor-divisor", "tensor-pow2", "block-pow2", "two-level")
+"""The scale steps :func:`clips_kernel` takes, by code (the values of
+:class:`driftcli.casts.route.ScaleStep`): one divisor for the slice, one power of two for it,
+a power-of-two rule's scale per block, a two-level (NVFP4) scale per block."""
+TENSOR_DIV, TENSOR_POW2, BLOCK_POW2, TWO_LEVEL = range(len(STEPS))
 N_CLIPS = 4
 """Columns of a piece's counts per cast: clipped, groups with a clip, clamped scales,
 groups holding NaN or inf."""

@@ -329,6 +329,14 @@ def finite_amax(x: Tensor, runs: Tensor | None = None) -> float:
     return float(_row_amax(rows)[0].max())
 
 
+def clip_pass_takes(shape: tuple[int, ...], dtype: torch.dtype, casts: Sequence[Cast | str],
+                    axis: int = -1) -> bool:
+    """Whether :func:`clip_stats` counts every cast of ``casts`` on a tensor of ``shape``
+    and ``dtype`` (on the numba back-end): then nothing else reads the tensor for them."""
+    return dtype == torch.float32 and kernels.jit_unavailable() is None and all(
+        flat_route(parse_cast(c), shape, axis, dtype) is not None for c in casts)
+
+
 def clip_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
                tensor_amax: float | None = None) -> dict[int, CastStats]:
     """:func:`cast_stats` with ``rounded=False`` for every cast of ``casts`` the fused pass
