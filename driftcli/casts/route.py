@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cache
 
 import numpy as np
 import torch
@@ -71,6 +72,7 @@ class FlatRoute:
         return self.kind is ScaleStep.TWO_LEVEL
 
 
+@cache
 def flat_route(c: Cast, shape: tuple[int, ...], axis: int, dtype: torch.dtype) -> FlatRoute | None:
     """The route of ``c`` through the fused pass for a tensor of ``shape`` and ``dtype``, its
     blocks along ``axis``; None where the pass does not take it: a dtype other than float32,
