@@ -8,6 +8,10 @@ their excess, nonzero, underflowed, subnormal and lost elements, and the float64
 The element rounding is :func:`driftcli.kernels.jitcode.round_one` / ``round_lean``, the very
 code :func:`driftcli.quantize` runs on numba, so a count here is the count of its cast.
 
+:func:`clips_kernel` is clip-rate's pass: one read of a slice for every cast of a scan that
+needs no rounding, each cast's block scales and clips counted from the runs' amaxes it read
+(the routes of :mod:`driftcli.casts.route`).
+
 Every sum is made per piece of a fixed number of elements, and the pieces are added in order
 afterwards: the result does not depend on how many threads ran the pieces.
 """

@@ -9,6 +9,12 @@ one shared pass over the slice, computes the groups' scales, then casts and coun
 in one more pass, with the same rounding kernel as :func:`driftcli.quantize`. Both give the same
 counts, bit for bit; their float64 sums are added in different orders, and agree to the last
 few bits (the tests compare them at a relative 1e-12).
+
+What needs no rounding (clip-rate's counts) has one more numba path, :func:`clip_stats`: one
+read of a slice for every cast whose route :func:`driftcli.casts.route.flat_route` gives
+(a tensor scale, MX power-of-two rules, NVFP4's two-level scales, blocks along the last axis),
+each block's scale and clips counted from the runs' amaxes read once
+(:func:`driftcli.kernels.jit.clip_counts`); the same counts as :func:`cast_stats`.
 """
 
 from __future__ import annotations
