@@ -54,32 +54,41 @@ def pow2_scales(x: Any, cols: int, ks: Any, bad: Any, rule: Any,
     :func:`driftcli.casts.quantization.needs_wide` reads; and how many rows without NaN or inf had
     their ``k`` clamped (as :func:`driftcli.casts.scaling.plan_pow2_exponents` flags them).
     """
-    emax, threshold, strict, headroom, low, high = (rule[0], rule[1], rule[2], rule[3],
-                                                    rule[4], rule[5])
     kmin, kmax, clamped = NONE, -NONE, 0
     for row in range(ks.size):
         top, nonfinite = row_amax(x[row * cols:(row + 1) * cols])
         bad[row] = nonfinite
         tops[row] = top
-        if top == 0:
-            k = low
-        else:
-            field = top >> 23
-            if field == 0:  # a subnormal amax: normalise its fraction
-                length = bit_length(top)
-                e = length - 150
-                fraction = (top << (24 - length)) & 0x7FFFFF
-            else:
-                e = field - 127
-                fraction = top & 0x7FFFFF
-            up = fraction > threshold if strict else fraction >= threshold
-            free = e - emax + (1 if up else 0) + headroom
-            k = min(max(free, low), high)
-            clamped += int(k != free and not nonfinite)
+        k, moved = pow2_exponent(top, rule)
+        clamped += int(moved and not nonfinite)
+        if top != 0:
             kmin = min(kmin, k)
         kmax = max(kmax, k)
         ks[row] = k
     return kmin, kmax, clamped
+
+
+@njit(inline="always", **OPTIONS)
+def pow2_exponent(top: int, rule: Any) -> tuple[int, bool]:
+    """The scale exponent ``k`` of a power-of-two ``rule`` (as :func:`pow2_scales` reads it)
+    for a row whose largest finite magnitude has the float32 bits ``top``, and whether ``k``
+    was clamped into the rule's range (never for an all-zero row, which gets the low end)."""
+    emax, threshold, strict, headroom, low, high = (rule[0], rule[1], rule[2], rule[3],
+                                                    rule[4], rule[5])
+    if top == 0:
+        return low, False
+    field = top >> 23
+    if field == 0:  # a subnormal amax: normalise its fraction
+        length = bit_length(top)
+        e = length - 150
+        fraction = (top << (24 - length)) & 0x7FFFFF
+    else:
+        e = field - 127
+        fraction = top & 0x7FFFFF
+    up = fraction > threshold if strict else fraction >= threshold
+    free = e - emax + (1 if up else 0) + headroom
+    k = min(max(free, low), high)
+    return k, k != free
 
 
 @njit(**OPTIONS)
@@ -102,8 +111,6 @@ def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: 
     overflow), set to ``largest`` where that overflows and raised to ``smallest`` below it
     (``smallest`` for an all-zero row), and the divisor ``fl(scale · S)``.
     """
-    elem_max, two_level_max, smallest, largest, tiny = (consts[0], consts[1], consts[2],
-                                                        consts[3], consts[4])
     rows = divisor.size
     tensor_top = 0
     for row in range(rows):
@@ -114,29 +121,46 @@ def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: 
     if given_top >= 0:
         tensor_top = given_top
     amaxes = tops.view(np.float32)
-    tensor_amax = np.int32(tensor_top).view(np.float32)
-    if tensor_amax > 0:
-        tensor_scale = max(np.float32(tensor_amax / two_level_max), tiny)
-    else:
-        tensor_scale = np.float32(1.0)
+    tensor_scale = two_level_tensor_scale(tensor_top, consts)
     p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
          q[13], q[14], q[15], q[16], q[17])
     lim = row_limits(0, p)
     clamped = 0
     for row in range(rows):
-        amax = amaxes[row]
-        if amax == 0:
-            scale = smallest
-        else:
-            # np.float32 of each step: an operation on two float32 values rounded once to
-            # float32, however numba types it (a float64 quotient of float32 operands rounds
-            # to the same float32: double rounding is harmless at twice the precision + 2)
-            raw = np.float32(np.float32(amax / elem_max) / tensor_scale)
-            scale = np.int32(round_lean(raw.view(np.int32), 0, lim, p)).view(np.float32)
-            clamped += int((not np.isfinite(scale) or raw < smallest) and not bad[row])
-            scale = max(scale, smallest) if np.isfinite(scale) else largest
-        divisor[row] = np.float32(scale * tensor_scale)
+        d, moved = two_level_divisor(amaxes[row], tensor_scale, consts, lim, p)
+        clamped += int(moved and not bad[row])
+        divisor[row] = d
     return clamped
+
+
+@njit(inline="always", **OPTIONS)
+def two_level_tensor_scale(tensor_top: int, consts: Any) -> Any:
+    """A two-level cast's float32 tensor scale from the float32 bits of the tensor's amax
+    (``consts`` as :func:`two_level_scales` reads them)."""
+    tensor_amax = np.int32(tensor_top).view(np.float32)
+    if tensor_amax > 0:
+        return max(np.float32(tensor_amax / consts[1]), consts[4])
+    return np.float32(1.0)
+
+
+@njit(inline="always", **OPTIONS)
+def two_level_divisor(amax: Any, tensor_scale: Any, consts: Any, lim: Any,
+                      p: Any) -> tuple[Any, bool]:
+    """A block's float32 divisor under a two-level cast from its float32 ``amax`` and the
+    tensor scale (the steps of :func:`two_level_scales`), and whether its block scale was
+    clamped (not for an all-zero block)."""
+    elem_max, smallest, largest = consts[0], consts[2], consts[3]
+    # np.float32 of each step: an operation on two float32 values rounded once to float32,
+    # however numba types it (a float64 quotient of float32 operands rounds to the same
+    # float32: double rounding is harmless at twice the precision + 2)
+    raw = np.float32(np.float32(amax / elem_max) / tensor_scale)
+    scale = np.int32(round_lean(raw.view(np.int32), 0, lim, p)).view(np.float32)
+    # without branches, so that a loop over blocks vectorizes: an all-zero block's raw 0
+    # rounds to 0 and is raised to ``smallest``, not counted as clamped
+    finite = np.isfinite(scale)
+    moved = (not finite or raw < smallest) and amax != 0
+    scale = max(scale, smallest) if finite else largest
+    return np.float32(scale * tensor_scale), moved
 
 
 @cache

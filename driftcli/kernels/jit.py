@@ -13,6 +13,7 @@ slower. :func:`jit_unavailable` says why.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -346,6 +347,67 @@ def slice_facts(x: Tensor, chunk: int) -> tuple[Tensor | None, int, float]:
                                              np.zeros((0, 0), np.float64), finite, sums)
     amax = torch.from_numpy(tops).view(x.dtype) if chunk else None
     return amax, int(counts[0]), float(totals[0])
+
+
+def finite_top(x: Tensor) -> float:
+    """The largest finite magnitude of a float32 tensor (0 for none), in one read: the first
+    read of the casts that need the tensor's amax."""
+    bits = _array(x, torch.int32)
+    n = bits.size
+    pieces = -(-n // PIECE)
+    tops = np.zeros(max(pieces, 1), dtype=np.int32)
+    if pieces:
+        spread(_stat_code().top_kernel, pieces, PIECE, bits, n, PIECE, tops)
+    return float(tops.max().view(np.float32))
+
+
+class ClipCounts(NamedTuple):
+    """Per cast of :func:`clip_counts`: its clipped elements, groups with a clip, clamped
+    scales, groups holding NaN or inf, and its clip excess; and the slice's finite elements
+    and their Σ|x|."""
+
+    counts: list[list[int]]
+    excess: list[float]
+    finite: int
+    abs_sum: float
+
+
+def clip_counts(x: Tensor, routes: list[Any], sexp: list[int], div: list[float],
+                tensor_amax: float) -> ClipCounts:
+    """Every cast's clips in one read of a contiguous float32 slice ``x``, flattened
+    (:func:`driftcli.kernels.statcode.clips_kernel`): ``routes`` are the casts'
+    :class:`driftcli.casts.route.FlatRoute`, ``sexp`` and ``div`` the one-scale routes'
+    exponent or divisor, ``tensor_amax`` the tensor's largest finite magnitude (two-level
+    scales)."""
+    values = _array(x)
+    bits = values.view(np.int32)
+    n = values.size
+    pieces = -(-n // PIECE)
+    n_casts = len(routes)
+    run = math.gcd(16, *(r.block for r in routes if r.block))
+    code = _stat_code()
+    counts = np.zeros((pieces, n_casts, code.N_CLIPS), dtype=np.int64)
+    excess = np.zeros((pieces, n_casts), dtype=np.float64)
+    finite = np.zeros(pieces, dtype=np.int64)
+    sums = np.zeros(pieces, dtype=np.float64)
+    blocks = np.array([r.block or run for r in routes], dtype=np.int64)
+    kinds = np.array([code.STEPS.index(str(r.kind)) for r in routes], dtype=np.int64)
+    two = {tuple(int(v) for v in r.q) for r, k in zip(routes, kinds, strict=True)
+           if k == code.TWO_LEVEL}
+    if len(two) > 1:
+        raise DriftError("clip_counts: the two-level casts of one pass share their scale "
+                         "format and its rounding")
+    if pieces:
+        spread(code.clips_kernel(run, two.pop() if two else (0,) * len(PARAMS)),
+               pieces, PIECE, bits, values, n, PIECE, kinds, blocks,
+               np.array([r.blocked for r in routes], dtype=np.bool_),
+               np.stack([r.rule for r in routes]), np.stack([r.consts for r in routes]),
+               np.array([r.ends for r in routes], dtype=np.float64),
+               np.array(sexp, dtype=np.int64), np.array(div, dtype=np.float32),
+               int(np.float32(tensor_amax).view(np.int32)), counts, excess, finite, sums)
+    c, s, n_finite = code.add_clips(counts, excess, finite, sums)
+    return ClipCounts(c.tolist(), [float(v) for v in s[:n_casts]], int(n_finite),
+                      float(s[n_casts]))
 
 
 def cast_counts(blocks: Tensor, cols: int, random: Tensor | None, sexp: Tensor | None,

@@ -8,6 +8,10 @@ their excess, nonzero, underflowed, subnormal and lost elements, and the float64
 The element rounding is :func:`driftcli.kernels.jitcode.round_one` / ``round_lean``, the very
 code :func:`driftcli.quantize` runs on numba, so a count here is the count of its cast.
 
+:func:`clips_kernel` is clip-rate's pass: one read of a slice for every cast of a scan that
+needs no rounding, each cast's block scales and clips counted from the runs' amaxes it read
+(the routes of :mod:`driftcli.casts.route`).
+
 Every sum is made per piece of a fixed number of elements, and the pieces are added in order
 afterwards: the result does not depend on how many threads ran the pieces.
 """
@@ -234,3 +238,267 @@ def add_pieces(counts: Any, sums: Any, finite: Any, abs_sum: Any) -> tuple[Any, 
         c_out[counts.shape[1]] += finite[pc]
         s_out[last], comp[last] = _add(s_out[last], comp[last], abs_sum[pc])
     return c_out, s_out + comp
+
+
+# --- every cast's clips in one pass (the plans of driftcli.casts.route) ---------------------
+
+STEPS = ("tensor-divisor", "tensor-pow2", "block-pow2", "two-level")
+"""The scale steps :func:`clips_kernel` takes, by code (the values of
+:class:`driftcli.casts.route.ScaleStep`): one divisor for the slice, one power of two for it,
+a power-of-two rule's scale per block, a two-level (NVFP4) scale per block."""
+TENSOR_DIV, TENSOR_POW2, BLOCK_POW2, TWO_LEVEL = range(len(STEPS))
+N_CLIPS = 4
+"""Columns of a piece's counts per cast: clipped, groups with a clip, clamped scales,
+groups holding NaN or inf."""
+INF32 = 0x7F800000
+
+
+@njit(fastmath={"reassoc"}, **OPTIONS)
+def finite_abs_sum(xs: Any, vs: Any) -> tuple[int, float]:
+    """The finite elements of a piece (``xs`` its int32 view, ``vs`` its float32 values) and
+    their Σ|x| in float64, in the vector lanes the compiler chooses (reassociated: fixed by
+    this machine code, so the same bits for any thread count)."""
+    count = 0
+    total = 0.0
+    for i in range(xs.size):
+        ok = (xs[i] & 0x7FFFFFFF) < INF32
+        count += int(ok)
+        total += np.float64(abs(vs[i])) if ok else 0.0
+    return count, total
+
+
+@njit(**OPTIONS)
+def top_kernel(bits: Any, n: int, piece: int, tops: Any, start: int, stop: int) -> None:
+    """Pieces ``start..stop`` of a float32 slice's int32 view: each piece's largest finite
+    magnitude, as bits (the first read of the casts that need the tensor's amax)."""
+    for pc in range(start, stop):
+        xs = bits[pc * piece:min((pc + 1) * piece, n)]
+        top = 0
+        for i in range(xs.size):  # branch-free, so that it vectorizes
+            u = xs[i] & 0x7FFFFFFF
+            top = max(top, u if u < INF32 else 0)
+        tops[pc] = top
+
+
+@njit(fastmath={"reassoc"}, **OPTIONS)
+def _clips(vs: Any, size: int, groups: Any, his: Any, lows: Any, divs: Any, n: int,
+           pow2: bool) -> tuple[int, int, float]:
+    """The clips of ``n`` groups of ``size`` elements of a piece ``vs``: group ``groups[i]``
+    compared with ``his[i]`` and ``lows[i]`` (``pow2``: the element format's ends times the
+    group's power of two), else its quotient by ``divs[i]`` (one operation in the elements'
+    float type) with ``his[0]`` and ``lows[0]`` (the format's ends). The finite elements
+    beyond, the groups holding one, and their Σ(|x| - the scaled max) in float64, in the
+    vector lanes the compiler chooses (this machine code's fixed order)."""
+    hits = 0
+    groups_hit = 0
+    total = 0.0
+    for i in range(n):
+        xs = vs[groups[i] * size:(groups[i] + 1) * size]
+        count = 0
+        part = 0.0
+        if pow2:
+            hi, low = his[i], lows[i]
+            for j in range(xs.size):
+                v = np.float64(xs[j])
+                hit = (v > hi or v < low) and abs(v) < np.inf
+                count += int(hit)
+                part += abs(v) - hi if hit else 0.0
+        else:
+            d = divs[i]
+            hi, low = his[0], lows[0]
+            limit = np.float64(d) * hi
+            for j in range(xs.size):
+                y = np.float64(xs[j] / d)
+                hit = (y > hi or y < low) and abs(xs[j]) < np.inf
+                count += int(hit)
+                part += abs(np.float64(xs[j])) - limit if hit else 0.0
+        hits += count
+        groups_hit += int(count > 0)
+        total += part
+    return hits, groups_hit, total
+
+
+@njit(inline="always", **OPTIONS)
+def _pow2(k: int) -> float:
+    """``2.0**k`` for a normal float64 exponent, from its bits (no call into libm)."""
+    return np.int64((k + 1023) << 52).view(np.float64)
+
+
+@njit(**OPTIONS)
+def _threshold(pow2: bool, hi: float, low: float, d: Any, e_max: float, e_min: float) -> int:
+    """The smallest float32 magnitude bits whose value may clip under one scale (``pow2``:
+    above ``hi`` or, negated, below ``low``; else its float64 quotient by ``d`` above
+    ``e_max`` or, negated, below ``e_min``: the test :func:`counts_kernel` makes of a group's
+    amax); :data:`INF32` where none does. The test is monotone in the magnitude: a binary
+    search."""
+    lo_bits, hi_bits = 0, INF32
+    while lo_bits < hi_bits:
+        mid = (lo_bits + hi_bits) // 2
+        top = np.float64(np.int32(mid).view(np.float32))
+        may = (top > hi or -top < low) if pow2 else (top / d > e_max or -top / d < e_min)
+        if may:
+            hi_bits = mid
+        else:
+            lo_bits = mid + 1
+    return lo_bits
+
+
+@cache
+def clips_kernel(run: int, q: tuple[int, ...]) -> Callable[..., None]:
+    """``kernel(bits, values, n, piece, kinds, blocks, blocked, rules, consts, ends, sexp,
+    div, tensor_top, counts, excess, finite, abs_sum, start, stop)``: pieces ``start..stop``
+    of ``piece`` elements of a flat float32 slice, read once for every cast of a scan.
+
+    Per run of ``run`` elements (a divisor of every block), the largest finite magnitude and
+    whether it holds NaN or inf; per piece the finite elements and Σ|x|
+    (:func:`finite_abs_sum`). Then, per cast ``c`` of route ``kinds[c]`` over groups of
+    ``blocks[c]`` elements (``run`` for a one-scale route: its groups are only the unit
+    read at a time), the group's scale from those amaxes (:func:`~driftcli.kernels.castcode.
+    pow2_exponent` under ``rules[c]``, :func:`~driftcli.kernels.castcode.two_level_divisor`
+    under ``consts[c]`` and the scale rounding ``q`` (a constant of the kernel: one scale
+    format per scan, and its rounding folds) with the tensor amax's float32 bits
+    ``tensor_top``, else the slice's ``sexp[c]`` or ``div[c]``), and the group's elements
+    compared with the format's ends ``ends[c]`` (:func:`_clips`) only where its amax may
+    clip, by the test and in the types of :func:`counts_kernel`: the same counts. A
+    ``blocked[c]`` group holding NaN or inf is NaN whole: counted, not compared."""
+    from driftcli.kernels.castcode import pow2_exponent, two_level_divisor, two_level_tensor_scale
+
+    p = q
+    lim = (0, 0, 0, 0, 0)
+
+    @njit(**OPTIONS)
+    def kernel(bits: Any, values: Any, n: int, piece: int, kinds: Any, blocks: Any,
+               blocked: Any, rules: Any, consts: Any, ends: Any, sexp: Any, div: Any,
+               tensor_top: int, counts: Any, excess: Any, finite: Any, abs_sum: Any,
+               start: int, stop: int) -> None:
+        n_runs = -(-piece // run)
+        tops = np.empty(n_runs, dtype=np.int32)
+        bads = np.empty(n_runs, dtype=np.bool_)
+        found = np.empty(n_runs, dtype=np.int64)  # the groups that may clip, and their
+        his = np.empty(n_runs, dtype=np.float64)  # scales
+        lows = np.empty(n_runs, dtype=np.float64)
+        divs = np.empty(n_runs, dtype=np.float32)
+        gtops = np.empty(n_runs, dtype=np.int32)  # per group: its amax, NaN, scale, clamp
+        gbads = np.empty(n_runs, dtype=np.bool_)
+        ks = np.empty(n_runs, dtype=np.int64)
+        moves = np.empty(n_runs, dtype=np.bool_)
+        n_casts = kinds.size
+        limits = np.empty(n_casts, dtype=np.int64)  # one-scale routes: from which amax
+        for c in range(n_casts):
+            k = sexp[c]
+            limits[c] = _threshold(kinds[c] == TENSOR_POW2, ends[c, 0] * _pow2(k),
+                                   ends[c, 1] * _pow2(k), div[c], ends[c, 0], ends[c, 1])
+        two_lim = row_limits(0, p) if p[0] else lim
+        for pc in range(start, stop):
+            a = pc * piece
+            b = min(a + piece, n)
+            m = -(-(b - a) // run)
+            full = (b - a) // run
+            xs = bits[a:b]  # indexed from 0: offsets the compiler cannot prove positive
+            vs = values[a:b]  # would not vectorize (numba wraps negative indices)
+            piece_top = 0
+            for r in range(full):
+                top = 0
+                worst = 0
+                for i in range(run):  # whole runs: a loop of constant length
+                    u = xs[r * run + i] & 0x7FFFFFFF
+                    worst = max(worst, u)
+                    top = max(top, u if u < INF32 else 0)
+                tops[r] = top
+                bads[r] = worst >= INF32
+                piece_top = max(piece_top, top)
+            if full < m:  # a tensor scale's last run, cut short
+                top = 0
+                worst = 0
+                for i in range(full * run, b - a):
+                    u = xs[i] & 0x7FFFFFFF
+                    worst = max(worst, u)
+                    top = max(top, u if u < INF32 else 0)
+                tops[full] = top
+                bads[full] = worst >= INF32
+                piece_top = max(piece_top, top)
+            finite[pc], abs_sum[pc] = finite_abs_sum(xs, vs)
+            for c in range(n_casts):
+                kind = kinds[c]
+                per = blocks[c] // run
+                e_max, e_min = ends[c, 0], ends[c, 1]
+                pow2 = kind in (TENSOR_POW2, BLOCK_POW2)
+                n_found = clamped = n_bad = 0
+                if kind in (TENSOR_POW2, TENSOR_DIV):  # one scale: only amaxes past it
+                    if piece_top >= limits[c]:
+                        scale = _pow2(sexp[c])
+                        for r in range(m):
+                            if tops[r] >= limits[c]:
+                                found[n_found] = r
+                                his[n_found] = e_max * scale
+                                lows[n_found] = e_min * scale
+                                divs[n_found] = div[c]
+                                n_found += 1
+                else:  # a scale per block, from its runs' amaxes
+                    n_groups = m // per
+                    for g in range(n_groups):  # branch-free loops, so that they vectorize
+                        top = 0
+                        bad = False
+                        for r in range(g * per, (g + 1) * per):
+                            top = max(top, tops[r])
+                            bad = bad or bads[r]
+                        gtops[g] = top
+                        gbads[g] = bad and blocked[c]
+                    if kind == TWO_LEVEL:
+                        cc = consts[c]
+                        scale_t = two_level_tensor_scale(tensor_top, cc)
+                        for g in range(n_groups):
+                            divs[g], moves[g] = two_level_divisor(
+                                np.int32(gtops[g]).view(np.float32), scale_t, cc, two_lim, p)
+                    else:
+                        for g in range(n_groups):
+                            ks[g], moves[g] = pow2_exponent(gtops[g], rules[c])
+                    for g in range(n_groups):
+                        if gbads[g]:
+                            n_bad += 1
+                            continue
+                        clamped += int(moves[g])
+                        top64 = np.float64(np.int32(gtops[g]).view(np.float32))
+                        if kind == BLOCK_POW2:
+                            hi = e_max * _pow2(ks[g])
+                            low = e_min * _pow2(ks[g])
+                            may_clip = top64 > hi or -top64 < low
+                        else:
+                            d = divs[g]
+                            hi, low = e_max, e_min
+                            divs[n_found] = d  # n_found <= g: a slot already read
+                            may_clip = top64 / d > e_max or -top64 / d < e_min
+                        if may_clip:
+                            found[n_found] = g
+                            his[n_found] = hi
+                            lows[n_found] = low
+                            n_found += 1
+                hits, groups_hit, total = _clips(vs, per * run, found, his, lows, divs,
+                                                 n_found, pow2) if n_found else (0, 0, 0.0)
+                counts[pc, c, 0] = hits
+                counts[pc, c, 1] = groups_hit
+                counts[pc, c, 2] = clamped
+                counts[pc, c, 3] = n_bad
+                excess[pc, c] = total
+
+    return kernel
+
+
+@njit(**OPTIONS)
+def add_clips(counts: Any, excess: Any, finite: Any, abs_sum: Any) -> tuple[Any, Any, int]:
+    """Every piece's clip counts and excess per cast, and Σ|x| after them, added in piece order
+    (Neumaier's sum for the float64 ones), and the finite elements: the same totals whatever
+    threads made the pieces."""
+    n_casts = counts.shape[1]
+    c_out = np.zeros((n_casts, counts.shape[2]), dtype=np.int64)
+    s_out = np.zeros(n_casts + 1, dtype=np.float64)
+    comp = np.zeros(n_casts + 1, dtype=np.float64)
+    n_finite = 0
+    for pc in range(counts.shape[0]):
+        for c in range(n_casts):
+            for k in range(counts.shape[2]):
+                c_out[c, k] += counts[pc, c, k]
+            s_out[c], comp[c] = _add(s_out[c], comp[c], excess[pc, c])
+        n_finite += finite[pc]
+        s_out[n_casts], comp[n_casts] = _add(s_out[n_casts], comp[n_casts], abs_sum[pc])
+    return c_out, s_out + comp, n_finite

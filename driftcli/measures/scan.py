@@ -38,11 +38,14 @@ from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io import rht_signs
 from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
+from driftcli.io.readers.core import torch_dtype
 from driftcli.io.readers.memory import Held
 from driftcli.measures.diffstats import DiffStats, cast_diff_stats
 from driftcli.measures.stats import (
     CastStats,
     cast_stats,
+    clip_pass_takes,
+    clip_stats,
     error_sums,
     error_terms,
     finite_amax,
@@ -266,8 +269,12 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         return _widen(ref.read(start, stop, into=into) if ref.shape else ref.read(into=into),
                       opts.device)
 
-    # runs of the flattened tensor are not runs of a slice of its last dim
-    chunk = _facts_chunk(ref, casts, opts, slices) if by_rows else 0
+    # runs of the flattened tensor are not runs of a slice of its last dim; clip_stats'
+    # fused pass reads its own
+    stored = torch_dtype(ref.dtype)
+    fused_all = not rounded and opts.device is Device.CPU and stored is not None and \
+        clip_pass_takes(tuple(ref.shape), working_dtype(stored), casts, opts.axis)
+    chunk = _facts_chunk(ref, casts, opts, slices) if by_rows and not fused_all else 0
     need_amax = len(slices) > 1 and any(_needs_tensor_amax(c) for c in casts)
     # the held tensor's run amaxes: its amax and every slice's share them; without either,
     # a half-width tensor's float32 copy would be made for nothing
@@ -295,9 +302,14 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         x = read(start, stop)
         own = None if runs is None else \
             runs[start * row_elems // chunk:stop * row_elems // chunk]
-        facts = slice_facts(x, chunk, own)
+        # clip-rate: every cast the fused pass takes, in one read of the slice
+        fused = {} if rounded else clip_stats(x, list(casts), axis=opts.axis, tensor_amax=amax)
+        facts = slice_facts(x, chunk, own) if len(fused) < len(casts) else None
         for ci, c in enumerate(casts):
             n = n_draws[ci]
+            if ci in fused:
+                parts[ci][0].append(fused[ci])
+                n = 0
             total: Tensor | None = None
             first: CastStats | None = None
             for d in range(n):

@@ -9,15 +9,22 @@ one shared pass over the slice, computes the groups' scales, then casts and coun
 in one more pass, with the same rounding kernel as :func:`driftcli.quantize`. Both give the same
 counts, bit for bit; their float64 sums are added in different orders, and agree to the last
 few bits (the tests compare them at a relative 1e-12).
+
+What needs no rounding (clip-rate's counts) has one more numba path, :func:`clip_stats`: one
+read of a slice for every cast whose route :func:`driftcli.casts.route.flat_route` gives
+(a tensor scale, MX power-of-two rules, NVFP4's two-level scales, blocks along the last axis),
+each block's scale and clips counted from the runs' amaxes read once
+(:func:`driftcli.kernels.jit.clip_counts`); the same counts as :func:`cast_stats`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from driftcli import kernels
@@ -36,6 +43,7 @@ from driftcli.casts.quantization import (
     two_level_consts,
     working,
 )
+from driftcli.casts.route import flat_route, one_scale
 from driftcli.casts.scaling import ScalePlan, block_stats, to_blocks
 from driftcli.errors import DriftError
 from driftcli.kernels import jit
@@ -356,6 +364,55 @@ def finite_amax(x: Tensor, runs: Tensor | None = None) -> float:
     n = flat.numel()
     rows = flat.view(-1, TENSOR_ROW) if n % TENSOR_ROW == 0 else flat.view(1, -1)
     return float(_row_amax(rows)[0].max())
+
+
+def clip_pass_takes(shape: tuple[int, ...], dtype: torch.dtype, casts: Sequence[Cast | str],
+                    axis: int = -1) -> bool:
+    """Whether :func:`clip_stats` counts every cast of ``casts`` on a tensor of ``shape``
+    and ``dtype`` (on the numba back-end): then nothing else reads the tensor for them."""
+    return dtype == torch.float32 and kernels.jit_unavailable() is None and all(
+        flat_route(parse_cast(c), shape, axis, dtype) is not None for c in casts)
+
+
+def clip_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
+               tensor_amax: float | None = None) -> dict[int, CastStats]:
+    """:func:`cast_stats` with ``rounded=False`` for every cast of ``casts`` the fused pass
+    takes (:func:`driftcli.casts.route.flat_route`), keyed by the cast's index, in one read of
+    ``x`` for all of them (and one first read for the tensor's amax where a cast needs it and
+    ``tensor_amax`` is not given); the same counts, bit for bit. The casts it does not take,
+    and every cast on the torch back-end, are left out: :func:`cast_stats` counts them."""
+    if x.numel() == 0 or x.dtype != torch.float32 or not kernels.numba_runs(x):
+        return {}
+    parsed = [parse_cast(c) for c in casts]
+    shape = tuple(x.shape)
+    found = {i: r for i, c in enumerate(parsed)
+             if (r := flat_route(c, shape, axis, x.dtype)) is not None}
+    two = [r.q for r in found.values() if r.two_level]
+    # the pass's scale rounding is a constant of its code: one scale format per pass
+    found = {i: r for i, r in found.items() if not r.two_level or np.array_equal(r.q, two[0])}
+    if not found:
+        return {}
+    flat = x.reshape(-1).contiguous()
+    top = tensor_amax
+    if top is None and any(r.needs_amax for r in found.values()):
+        top = jit.finite_top(flat)
+    scales = {i: one_scale(parsed[i], r, top or 0.0) if not r.block else (0, 1.0, False)
+              for i, r in found.items()}
+    got = jit.clip_counts(flat, list(found.values()), [scales[i][0] for i in found],
+                          [scales[i][1] for i in found], top or 0.0)
+    out = {}
+    for (i, r), counts, excess in zip(found.items(), got.counts, got.excess, strict=True):
+        clipped, clipped_groups, clamped, n_bad = counts
+        one = not r.block
+        out[i] = CastStats(
+            numel=x.numel(), nonfinite=x.numel() - got.finite, nonzero=None,
+            groups=1 if one else x.numel() // r.block, clipped=clipped,
+            clipped_by_rounding=_by_rounding(parsed[i], clipped),
+            clipped_groups=min(clipped, 1) if one else clipped_groups, clip_excess=excess,
+            abs_sum=got.abs_sum, underflowed=None, subnormal=None,
+            scale_clamped=int(scales[i][2]) if one else clamped, nonfinite_groups=n_bad,
+            lost=None, xx=None, ee=None, ex=None, e_sum=None)
+    return out
 
 
 def _numba_stats(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: int,
