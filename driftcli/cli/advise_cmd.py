@@ -68,7 +68,7 @@ def advise_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     overwrite: Overwrite = False,
 ) -> None:
-    """Layers to keep in high precision under a cast, within a budget.
+    """Layers to keep in high precision under a cast.
 
     Ranks the layers by the loss change and gradient error when each alone is cast, and
     writes the policy keeping the most sensitive ones within the budget of matmul work.
