@@ -17,7 +17,7 @@ from driftcli.cli import app
 from driftcli.measures.advise import Advice, AdviseError, advise
 from driftcli.models import MLPConfig
 from driftcli.models.checkpoint import save_checkpoint
-from driftcli.models.nets import build_model, next_byte_loss
+from driftcli.models.nets import MLPLM, next_byte_loss
 
 runner = CliRunner()
 CONFIG = MLPConfig(context=8, embed=8, hidden=32, layers=3)
@@ -28,17 +28,21 @@ STORY = ("Once upon a time, there was a little girl named Lily. She loved to pla
          "the park. One day, she saw a big, red ball under a tree.")
 
 
-def model(planted: bool) -> torch.nn.Module:
-    """The tanh MLP at a seeded initialisation. Planted: one weight of hidden.0 is OUTLIER,
-    on an embedding feature that is 0 for every byte, so the exact model is the same but
-    the per-tensor scale of fp8_e4m3 sends every other weight of hidden.0 below E4M3's least
+def model(planted: bool) -> MLPLM:
+    """The tanh MLP at a seeded initialisation, its embedding frozen. Planted: one weight of
+    hidden.0 is OUTLIER, on an embedding feature that is 0 for every byte, so the exact model
+    and its gradient are the same (the frozen embedding takes no gradient through it) but the
+    per-tensor scale of fp8_e4m3 sends every other weight of hidden.0 below E4M3's least
     subnormal (about 0.1 · 448 / 1e6 < 2⁻⁹)."""
     torch.manual_seed(0)
-    m = build_model(CONFIG)
+    m = MLPLM(CONFIG)
     with torch.no_grad():
         m.embed.weight[:, 3] = 0  # feature 3 of every byte; input 3 of hidden.0 reads it
+        first = m.hidden[0]
+        assert isinstance(first, torch.nn.Linear)
         if planted:
-            m.hidden[0].weight[0, 3] = OUTLIER
+            first.weight[0, 3] = OUTLIER
+    m.embed.requires_grad_(False)
     return m
 
 
@@ -66,6 +70,12 @@ def test_the_planted_fragile_layer_ranks_first() -> None:
     assert first.layer_cosine is not None and before.layer_cosine is not None
     assert first.layer_cosine < 0.97 < 0.999 < before.layer_cosine
     assert first.batches == 2 and math.isfinite(first.loss_delta)
+    # the flushed weight is read by the forward (and the dgrad), not by the wgrad (X and dY)
+    assert first.forward_rel_error is not None and first.wgrad_rel_error is not None
+    assert first.forward_rel_error > 10 * first.wgrad_rel_error
+    assert first.forward_retention is not None and first.forward_retention < 0.9
+    # hidden.0's dgrad feeds only the frozen embedding: no parameter's gradient moves
+    assert first.dgrad_rel_error == 0 and first.dgrad_retention == 1
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.1, 0.2, 0.3, 1.0])

@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from driftcli.arith.intercept import OUTSIDE, ROOT
+from driftcli.arith.matmul import MatmulSpec
 from driftcli.arith.mode import ArithmeticMode
-from driftcli.arith.policy import ArithmeticPolicy, get_policy, with_seed
+from driftcli.arith.policy import ROLES, ArithmeticPolicy, Role, get_policy, with_seed
 from driftcli.errors import DriftError
 from driftcli.io.tables import column
 from driftcli.measures.grad_cosine import LossFn, Reference, exact_reference
@@ -86,6 +87,15 @@ class AdviseRow:
     layer_rel_error: float | None = column("The same: ‖ĝ - g‖ / ‖g‖")
     full_cosine: float | None = column("The layer's own parameters' gradient with every layer "
                                        "cast: cosine")
+    forward_rel_error: float | None = column("Whole gradient with only this layer's forward "
+                                             "cast (its dgrad and wgrad plain): ‖ĝ - g‖ / ‖g‖")
+    forward_retention: float | None = column("The same: ⟨ĝ, g⟩ / ‖g‖² (its bias)")
+    dgrad_rel_error: float | None = column("Whole gradient with only this layer's dgrad cast: "
+                                           "‖ĝ - g‖ / ‖g‖")
+    dgrad_retention: float | None = column("The same: ⟨ĝ, g⟩ / ‖g‖²")
+    wgrad_rel_error: float | None = column("Whole gradient with only this layer's wgrad cast: "
+                                           "‖ĝ - g‖ / ‖g‖")
+    wgrad_retention: float | None = column("The same: ⟨ĝ, g⟩ / ‖g‖²")
     batches: int = column("Batches the loss change is averaged over")
 
 
@@ -138,6 +148,14 @@ class _Watch(ArithmeticMode):
         lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]).numel()
         self.work[module] += lead * m * a.shape[-1] * n
         return super().product(a, b, name)
+
+
+def _one_role(policy: ArithmeticPolicy, role: Role) -> ArithmeticPolicy:
+    """``policy`` with every role but ``role`` the plain torch op."""
+    specs: dict[str, MatmulSpec | None] = {
+        r.value: getattr(policy, r.value) if r is role else None for r in ROLES}
+    return replace(policy, forward=specs["forward"], dgrad=specs["dgrad"],
+                   wgrad=specs["wgrad"])
 
 
 def _within(module: str, layer: str) -> bool:
@@ -249,6 +267,11 @@ def advise(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn,
             "layer_rel_error": part["rel_error"],
             "full_cosine": _metrics([full.grads[i] for i in mine],
                                     [ref.exact[i] for i in mine])["cosine"]}
+        for role in ROLES:  # the cast on one role of this layer: what each matmul adds
+            alone = _run(ref, _one_role(policy, role), layer, grad=True)
+            m = _metrics(alone.grads, ref.exact)
+            measured[layer][f"{role.value}_rel_error"] = m["rel_error"]
+            measured[layer][f"{role.value}_retention"] = m["retention"]
     del ref
     for batch in batches[1:]:
         other = exact_reference(model, batch, loss_fn, checkpoint)
@@ -288,9 +311,10 @@ def _advice(checkpoint: str, preset: str, policy: ArithmeticPolicy, budget: floa
                                                      if _within(m, layer)),
         work=work(layer), work_share=work(layer) / total, loss_delta=scored[layer][1],
         loss_exact=scored[layer][2], batches=n,
-        **{k: measured[layer][k] for k in ("cosine", "rel_error", "layer_cosine",
-                                           "layer_retention", "layer_rel_error",
-                                           "full_cosine")})
+        **{k: measured[layer][k] for k in (
+            "cosine", "rel_error", "layer_cosine", "layer_retention", "layer_rel_error",
+            "full_cosine", *(f"{r.value}_{m}" for r in ROLES for m in ("rel_error",
+                                                                       "retention")))})
         for rank, layer in enumerate(order, start=1))
     patterns = (*policy.keep_high_precision, *(keep_pattern(k) for k in kept))
     name = f"{policy.name}+advised"
