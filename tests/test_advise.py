@@ -160,3 +160,40 @@ def test_the_library_refuses_a_cast_that_casts_nothing() -> None:
         advise(model(False), batches(), next_byte_loss, "exact")
     with pytest.raises(AdviseError, match="budget"):
         advise(model(False), batches(), next_byte_loss, CAST, budget=True)
+
+
+def test_a_layer_holding_others_counts_their_work_and_keeps_them() -> None:
+    from driftcli.models import TransformerConfig
+    from driftcli.models.nets import build_model
+
+    torch.manual_seed(0)
+    d, t, b = 16, 8, 2
+    m = build_model(TransformerConfig(d_model=d, layers=1, context=t, heads=2))
+    ids = torch.tensor(list(STORY.encode())[: 2 * b * (t + 1)]).reshape(2, b, t + 1)
+    a = advise(m, list(ids), next_byte_loss, "mxfp8_e4m3", budget=1.0)
+    work = {r.layer: r.work for r in a.rows}
+    rows = b * t  # tokens of a batch: the forward's M
+    assert work["blocks.0.attn.qkv"] == rows * d * 3 * d
+    assert work["blocks.0.attn.proj"] == rows * d * d
+    # the attention module's own q·kᵀ and P·v (t × t × d each per window), and the two inside
+    assert work["blocks.0.attn"] == 2 * b * t * t * d + work["blocks.0.attn.qkv"] + work[
+        "blocks.0.attn.proj"]
+    top = ("blocks.0.attn", "blocks.0.mlp.fc", "blocks.0.mlp.out", "head")
+    assert a.total_work == sum(work[n] for n in top) == a.kept_work
+    assert all(r.kept for r in a.rows)
+    # one pattern per layer not inside a kept one: the layers inside ranked below it are not named
+    attn = next(r.rank for r in a.rows if r.layer == "blocks.0.attn")
+    inside = [r for r in a.rows if r.layer.startswith("blocks.0.attn.")]
+    assert len(a.policy.keep_high_precision) == 4 + sum(r.rank < attn for r in inside)
+
+
+def test_drift_train_runs_under_the_advised_policy(tmp_path: Path) -> None:
+    from driftcli.runs import TrainConfig, train
+
+    path = advised(True, 0.2).write_policy(tmp_path / "advise.toml")
+    story = tmp_path / "story.txt"
+    story.write_text(STORY * 8, encoding="utf-8")
+    result = train(TrainConfig(CONFIG, policy=str(path), steps=2, batch=4, eval_windows=2,
+                               log_every=0), tmp_path / "run", story)
+    assert len(result.rows) == 2 and result.diverged_at is None
+    assert all(math.isfinite(r.loss) for r in result.rows)
