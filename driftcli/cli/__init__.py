@@ -6,6 +6,7 @@ This package is the only place that prints or exits. Importing it registers ever
 # the command modules register themselves on import
 from driftcli.cli import (  # noqa: F401
     accum_cmd,
+    advise_cmd,
     block_stats_cmd,
     calibrate_cmd,
     demo_cmd,

@@ -42,7 +42,7 @@ EXIT_CRASH = 3
 
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Measure", ("clip-rate", "underflow-rate", "error-bias", "cast-diff", "accum-error",
-                 "grad-cosine", "block-stats")),
+                 "grad-cosine", "block-stats", "advise")),
     ("Verify", ("verify-formats", "formats", "calibrate")),
     ("Quantized checkpoints", ("inspect", "dequantize")),
     ("Report", ("report",)),

@@ -59,6 +59,7 @@ for tensors, the same star for parameters)."""
 
 ROW_TYPES: dict[str, str] = {
     "accum-error": "driftcli.measures.accum_error:AccumErrorRow",
+    "advise": "driftcli.measures.advise:AdviseRow",
     "attention": "driftcli.measures.probe_attention:AttentionRow",
     "block-scales": "driftcli.measures.block_stats:BlockScaleRow",
     "block-stats": "driftcli.measures.block_stats:BlockStatsRow",
@@ -84,7 +85,8 @@ report first needs it. A new table is one entry here; ``tests/test_report.py`` c
 every row type of the package is listed, under its own ``TABLE``."""
 
 JUDGING = ("clip-rate", "underflow-rate", "error-bias", "grad-cosine", "cast-diff",
-           "block-stats", "accum-error", "attention", "health", "probe", "calibrate")
+           "block-stats", "accum-error", "attention", "health", "probe", "calibrate",
+           "advise")
 """Tables that judge a cast, policy or run, in the order a report shows them: what a cast
 loses (clipped, flushed to zero, its error and bias), then what training sees of it."""
 BOOKKEEPING = ("train", "inspect", "verify-formats", "block-scales")
