@@ -70,6 +70,7 @@ ROW_TYPES: dict[str, str] = {
     "health": "driftcli.runs.health:HealthRow",
     "inspect": "driftcli.measures.inspect:InspectRow",
     "probe": "driftcli.runs.probe:ProbeRow",
+    "te-dumps": "driftcli.measures.te_dumps:TeDumpRow",
     "train": "driftcli.runs.training:TrainRow",
     "underflow-rate": "driftcli.measures.underflow_rate:UnderflowRateRow",
     "verify-formats": "driftcli.verify.compare:VerifyRow",
