@@ -325,3 +325,43 @@ def test_nothing_in_the_pickle_runs(tmp_path: Path, te: Any) -> None:
     assert errors[b.name] == "the Float8Tensor's _data is a pickled posix.system, not a tensor"
     with pytest.raises(ReadError, match="not a Float8Tensor"):
         quantized_parts(load_dump(a)["quantized"], str(a))
+
+
+def test_the_command_writes_the_table_and_names_the_difference(tmp_path: Path, te: Any) -> None:
+    import json
+
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from driftcli.cli import app
+
+    dumps = tmp_path / "tensor_dumps" / "rank_1"
+    save(dumps / "iter_000010" / "fc1_activation.pt", high_precision=X,
+         quantized=mxfp8_tensor(te, X))
+    q = mxfp8_tensor(te, X)
+    planted = q.args[0].clone()
+    planted[2, 3] ^= 0x80  # the sign bit of one code
+    save(dumps / "iter_000020" / "fc1_activation.pt", high_precision=X,
+         quantized=Reduced(q.fn, (planted, *q.args[1:])))
+    runner = CliRunner()
+    result = runner.invoke(app, ["te-dumps", str(tmp_path / "tensor_dumps"), "--out",
+                                 str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 1, result.output  # a difference found
+    summary = json.loads(result.output)
+    assert (summary["files"], summary["compared"], summary["n_codes_differ"],
+            summary["n_scales_differ"]) == (2, 4, 1, 0)
+    was = int(q.args[0][2, 3])
+    assert [(Path(d["source"]).parent.name, d["direction"], d["first_code_differ"])
+            for d in summary["differ"]] == [
+        ("iter_000020", "rowwise", f"[2, 3]: TE {was ^ 0x80:#04x}, drift {was:#04x}")]
+    table = pq.read_table(tmp_path / "out" / "te-dumps.parquet").to_pylist()
+    assert sorted((r["step"], r["rank"], r["direction"], r["n_codes_differ"]) for r in table) \
+        == [(10, 1, "columnwise", 0), (10, 1, "rowwise", 0), (20, 1, "columnwise", 0),
+            (20, 1, "rowwise", 1)]
+    # a folder with no dump: one line, exit 2, nothing written
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(app, ["te-dumps", str(empty), "--out", str(tmp_path / "out2")])
+    assert result.exit_code == 2
+    assert result.output.startswith(f"error: no Transformer Engine dump under {empty}")
+    assert not (tmp_path / "out2" / "te-dumps.parquet").exists()

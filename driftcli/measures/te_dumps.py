@@ -33,6 +33,7 @@ from driftcli.io.readers.te_dumps import (
     quantized_parts,
 )
 from driftcli.io.tables import column
+from driftcli.progress import Progress
 from driftcli.records.castspec import parse_cast
 
 Tensor = torch.Tensor
@@ -282,14 +283,14 @@ def dump_files(paths: Sequence[Path]) -> list[tuple[Path, DumpName]]:
     return found
 
 
-def te_dumps(paths: Sequence[Path],
-             progress: Callable[[int], None] | None = None) -> list[TeDumpRow]:
+def te_dumps(paths: Sequence[Path], progress: Progress | None = None) -> list[TeDumpRow]:
     """Every dump under ``paths``: its rows (:func:`compare_dump`), file by file."""
     rows: list[TeDumpRow] = []
-    for path, name in dump_files(paths):
+    found = dump_files(paths)
+    for done, (path, name) in enumerate(found, 1):
         rows += compare_dump(path, name)
         if progress is not None:
-            progress(1)
+            progress(done, len(found), path.name)
     return rows
 
 
