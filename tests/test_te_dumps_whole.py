@@ -173,7 +173,7 @@ def quantizer(te: Any, module: str, name: str, **state: object) -> Any:
     return built(te(f"{PKG}.{module}", name, "class"), state)
 
 
-def mxfp8_tensor(te: Any, x: torch.Tensor) -> object:
+def mxfp8_tensor(te: Any, x: torch.Tensor) -> Reduced:
     codes, scales = mxfp8(x)
     ccodes, cscales = mxfp8(x.T.contiguous())  # blocks down the columns, in x's layout
     fn = te(f"{PKG}.mxfp8_tensor", "_make_mxfp8_tensor_in_reduce_ex")
@@ -182,7 +182,7 @@ def mxfp8_tensor(te: Any, x: torch.Tensor) -> object:
                         quantizer(te, "mxfp8_tensor", "MXFP8Quantizer", rowwise_usage=True), False))
 
 
-def nvfp4_tensor(te: Any, x: torch.Tensor) -> object:
+def nvfp4_tensor(te: Any, x: torch.Tensor) -> Reduced:
     packed, sb, amax = nvfp4(x)
     cpacked, csb, camax = nvfp4(x.T.contiguous())
     fn = te(f"{PKG}.nvfp4_tensor", "_make_nvfp4_tensor_in_reduce_ex")
