@@ -55,7 +55,7 @@ def te(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], Any]]:
 class Reduced:
     """Pickles as ``fn(*args)``: TE's ``__reduce_ex__``."""
 
-    def __init__(self, fn: Any, args: tuple[object, ...]) -> None:
+    def __init__(self, fn: Any, args: tuple[Any, ...]) -> None:
         self.fn, self.args = fn, args
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, ...]:
