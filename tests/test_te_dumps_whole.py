@@ -365,3 +365,14 @@ def test_the_command_writes_the_table_and_names_the_difference(tmp_path: Path, t
     assert result.exit_code == 2
     assert result.output.startswith(f"error: no Transformer Engine dump under {empty}")
     assert not (tmp_path / "out2" / "te-dumps.parquet").exists()
+
+
+def test_codes_that_do_not_fit_the_tensor_are_an_error_not_a_crash(tmp_path: Path,
+                                                                    te: Any) -> None:
+    q = mxfp8_tensor(te, X)
+    short = q.args[0].reshape(-1)[:100].clone()  # 100 codes for a 64 x 128 tensor
+    path = save(tmp_path / "l_weight_iter_000001.pt", high_precision=X,
+                quantized=Reduced(q.fn, (short, *q.args[1:])))
+    (row,) = compare_dump(path)
+    assert (row.te_class, row.direction, row.n_elements) == ("MXFP8Tensor", "none", None)
+    assert str(row.error).startswith("TE's codes do not fit the [64, 128] tensor")

@@ -246,8 +246,12 @@ def compare_dump(path: Path, name: DumpName | None = None) -> list[TeDumpRow]:
                           "True)")]
     cols = hp.shape[-1] if hp.dim() else 1
     x = hp.reshape(-1, cols)
+    try:
+        sides = _sides(parts, x.shape[0], cols)
+    except RuntimeError as exc:  # bytes that do not fit the tensor's shape
+        return [row(error=f"TE's codes do not fit the {list(hp.shape)} tensor ({exc})")]
     rows = []
-    for side in _sides(parts, x.shape[0], cols):
+    for side in sides:
         try:
             target = x if side.direction == "rowwise" else x.T.contiguous()
             got = _compare(target, parts, side)
