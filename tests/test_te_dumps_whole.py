@@ -119,12 +119,14 @@ def fp4_codes(v: torch.Tensor) -> torch.Tensor:
     return code + 8 * (v < 0).to(torch.int64)
 
 
-def nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4(x: torch.Tensor, per_row: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 1 x 16 rowwise in TE's order: S_enc = fl(2688 / amax), sb = rn_e4m3(amax_b ·
     fl(S_enc · fl(1/6))), x · fl(1 / fl(sb · fl(1 / S_enc))); codes packed low nibble first,
     sb padded to (128, 4)."""
     m, k = x.shape
-    amax = x.float().abs().amax()
+    # row-scaled NVFP4: one amax a row, and so one S_enc a row
+    amax = x.float().abs().amax(-1, keepdim=True) if per_row else x.float().abs().amax()
     enc = torch.tensor(2688.0) / amax
     blocks = x.float().reshape(m, k // 16, 16)
     sb = (blocks.abs().amax(-1) * (enc * (1 / torch.tensor(6.0)))).to(torch.float8_e4m3fn)
@@ -133,7 +135,7 @@ def nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     padded = torch.zeros((-(-m // 128) * 128, -(-(k // 16) // 4) * 4), dtype=torch.uint8)
     padded[:m, :k // 16] = sb.view(torch.uint8)
-    return packed, padded, amax.reshape(1)
+    return packed, padded, amax.reshape(-1)
 
 
 def sample(shape: tuple[int, int], seed: int) -> torch.Tensor:
@@ -182,14 +184,14 @@ def mxfp8_tensor(te: Any, x: torch.Tensor) -> Reduced:
                         quantizer(te, "mxfp8_tensor", "MXFP8Quantizer", rowwise_usage=True), False))
 
 
-def nvfp4_tensor(te: Any, x: torch.Tensor) -> Reduced:
-    packed, sb, amax = nvfp4(x)
+def nvfp4_tensor(te: Any, x: torch.Tensor, per_row: bool = False) -> Reduced:
+    packed, sb, amax = nvfp4(x, per_row)
     cpacked, csb, camax = nvfp4(x.T.contiguous())
     fn = te(f"{PKG}.nvfp4_tensor", "_make_nvfp4_tensor_in_reduce_ex")
     q = quantizer(te, "nvfp4_tensor", "NVFP4Quantizer", with_rht=False, with_2d_quantization=False,
                   stochastic_rounding=False)
     return Reduced(fn, (x.shape, packed, sb, cpacked, csb, amax, camax, dtype_tag(te, 10),
-                        x.dtype, q, False, False, False, 448))
+                        x.dtype, q, False, per_row, False, 448))
 
 
 def storage(te: Any, x: torch.Tensor, which: str) -> Any:
@@ -249,11 +251,13 @@ def test_both_layouts_name_step_rank_layer_and_role(tmp_path: Path, te: Any) -> 
      "te/float8_current"),
     (lambda te: mxfp8_tensor(te, X), "MXFP8Tensor", {"rowwise", "columnwise"}, "te/mxfp8"),
     (lambda te: nvfp4_tensor(te, X), "NVFP4Tensor", {"rowwise", "columnwise"}, "te/nvfp4"),
+    (lambda te: nvfp4_tensor(te, X, per_row=True), "NVFP4Tensor", {"rowwise", "columnwise"},
+     "te/nvfp4_row"),
     (lambda te: storage(te, X, "float8"), "Float8Tensor", {"rowwise"}, "te/float8_current"),
     (lambda te: storage(te, X, "mxfp8"), "MXFP8Tensor", {"rowwise"}, "te/mxfp8"),
     (lambda te: storage(te, X, "nvfp4"), "NVFP4Tensor", {"rowwise"}, "te/nvfp4"),
-], ids=["float8", "float8-classmethod", "mxfp8", "nvfp4", "float8-storage", "mxfp8-storage",
-        "nvfp4-storage"])
+], ids=["float8", "float8-classmethod", "mxfp8", "nvfp4", "nvfp4-row-scaled", "float8-storage",
+        "mxfp8-storage", "nvfp4-storage"])
 def test_every_class_is_read_and_agrees_with_drifts_preset(
         tmp_path: Path, te: Any, build: Callable[[Any], object], te_class: str,
         directions: set[str], preset: str) -> None:
@@ -264,15 +268,19 @@ def test_every_class_is_read_and_agrees_with_drifts_preset(
     rows = compare_dump(path)
     assert {r.direction for r in rows} == directions
     for r in rows:
-        assert (r.te_class, r.preset, r.error, r.step) == (te_class, preset, None, 7), r
+        # the columnwise copy of a row-scaled tensor is scaled per tensor (TE: rows only)
+        want = "te/nvfp4" if r.direction == "columnwise" and preset == "te/nvfp4_row" \
+            else preset
+        assert (r.te_class, r.preset, r.error, r.step) == (te_class, want, None, 7), r
         assert r.n_elements == X.numel()
         # TE's bytes, made by torch's casts in TE's order, are drift's preset's, bit for bit
         assert (r.n_codes_differ, r.n_scales_differ) == (0, 0), r
         blocks = {"Float8Tensor": 1, "MXFP8Tensor": X.numel() // 32,
                   "NVFP4Tensor": X.numel() // 16}[te_class]
         assert r.n_blocks == blocks
-        if te_class == "NVFP4Tensor":
-            assert r.amax_te == r.amax_drift == float(X.float().abs().amax())
+        if te_class == "NVFP4Tensor":  # the first row's amax where each row has its own
+            whole = X.float().abs() if r.preset == "te/nvfp4" else X.float()[0].abs()
+            assert r.amax_te == r.amax_drift == float(whole.amax())
 
 
 @pytest.mark.parametrize("build,flip", [

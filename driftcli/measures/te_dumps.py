@@ -102,11 +102,14 @@ def _preset(parts: QuantizedParts, columnwise: bool) -> str:
     if parts.te_class is TeClass.MXFP8:
         return "te/mxfp8"
     if parts.flag("with_2d_quantization") is True:
-        return "te/nvfp4_2d"
+        return "te/nvfp4_2d_4over6" if parts.flag("_nvfp4_use_4over6") is True else \
+            "te/nvfp4_2d"
     if columnwise and parts.flag("with_rht") is True:
         return "te/nvfp4_rht"
     row = "_row" if parts.flag("_row_scaled_nvfp4") is True and not columnwise else ""
     four = "_4over6" if parts.flag("_nvfp4_use_4over6") is True else ""
+    if four and str(parts.flag("nvfp4_4over6_err_mode")).upper() == "MSE":
+        four += "_mse"
     return f"te/nvfp4{row}{four}"
 
 

@@ -489,7 +489,8 @@ def quantized_parts(value: object, where: str) -> QuantizedParts:
     shape = f.get("shape")
     quantizer = _state(f.get("_quantizer"))
     flags = {k: v for k, v in quantizer.items()
-             if k in ("with_rht", "with_2d_quantization", "stochastic_rounding")}
+             if k in ("with_rht", "with_2d_quantization", "stochastic_rounding",
+                      "nvfp4_4over6_err_mode")}
     flags.update({k: f[k] for k in ("_row_scaled_nvfp4", "_nvfp4_use_4over6") if k in f})
     data = tensor("_data") if te_class is TeClass.FLOAT8 else tensor("_rowwise_data")
     scale = tensor("_scale_inv") if te_class is TeClass.FLOAT8 else tensor("_rowwise_scale_inv")
