@@ -326,6 +326,13 @@ def test_nothing_in_the_pickle_runs(tmp_path: Path, te: Any) -> None:
     b = save(tmp_path / "b_activation_iter_000001.pt", high_precision=X,
              quantized=Reduced(fn, (Hostile(), dtype_tag(te, 7), torch.ones(1), X.dtype,
                                     X.shape)))
+    import pickletools
+    import zipfile
+
+    with zipfile.ZipFile(a) as zf:  # the pickle does name os.system and call it
+        pkl = zf.read(next(n for n in zf.namelist() if n.endswith("/data.pkl")))
+    ops = [(op.name, arg) for op, arg, _ in pickletools.genops(pkl)]
+    assert ("GLOBAL", f"{os.system.__module__} system") in ops and ("REDUCE", None) in ops
     rows = te_dumps([tmp_path])
     assert not marker.exists()
     errors = {Path(r.source).name: r.error for r in rows}
