@@ -373,6 +373,10 @@ def test_the_command_writes_the_table_and_names_the_difference(tmp_path: Path, t
     assert sorted((r["step"], r["rank"], r["direction"], r["n_codes_differ"]) for r in table) \
         == [(10, 1, "columnwise", 0), (10, 1, "rowwise", 0), (20, 1, "columnwise", 0),
             (20, 1, "rowwise", 1)]
+    # drift report gates on the table as on any other
+    result = runner.invoke(app, ["report", str(tmp_path / "out"), "--fail-on",
+                                 "n_codes_differ > 0 or n_scales_differ > 0"])
+    assert result.exit_code == 1 and "1 row(s) of te-dumps" in result.output
     # a folder with no dump: one line, exit 2, nothing written
     empty = tmp_path / "empty"
     empty.mkdir()
