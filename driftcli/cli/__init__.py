@@ -16,6 +16,7 @@ from driftcli.cli import (  # noqa: F401
     measure_cmds,
     quantized_cmds,
     report_cmd,
+    te_dumps_cmd,
     train_cmd,
     verify_cmd,
 )

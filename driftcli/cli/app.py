@@ -44,7 +44,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Measure", ("clip-rate", "underflow-rate", "error-bias", "cast-diff", "accum-error",
                  "grad-cosine", "block-stats", "advise")),
     ("Verify", ("verify-formats", "formats", "calibrate")),
-    ("Quantized checkpoints", ("inspect", "dequantize")),
+    ("Quantized checkpoints", ("inspect", "dequantize", "te-dumps")),
     ("Report", ("report",)),
     ("Train and probe", ("train", "dump", "probe", "health")),
     ("Try it", ("demo",)),

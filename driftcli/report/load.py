@@ -76,6 +76,7 @@ ROW_TYPES: dict[str, str] = {
     "monitor-stats": "driftcli.live.tables:MonitorStatsRow",
     "monitor-underflow-rate": "driftcli.live.tables:MonitorUnderflowRateRow",
     "probe": "driftcli.runs.probe:ProbeRow",
+    "te-dumps": "driftcli.measures.te_dumps:TeDumpRow",
     "train": "driftcli.runs.training:TrainRow",
     "underflow-rate": "driftcli.measures.underflow_rate:UnderflowRateRow",
     "verify-formats": "driftcli.verify.compare:VerifyRow",

@@ -26,6 +26,7 @@ import threading
 import warnings
 import zipfile
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -42,24 +43,70 @@ from driftcli.io.readers.core import (
     storage_problem,
 )
 
-NAME = re.compile(r"^(?P<layer>.+)_(?P<tensor>activation|gradient|weight|output|wgrad|dgrad)"
-                  r"_iter_(?P<step>\d{6,})\.pt$")
-"""A DumpTensors file name."""
+_TENSORS = r"(?P<tensor>activation|gradient|weight|output|wgrad|dgrad)"
+NAME = re.compile(rf"^(?P<layer>.+)_{_TENSORS}_iter_(?P<step>\d{{6,}})\.pt$")
+"""A DumpTensors file name, the first layout (every step in the rank's folder)."""
+IN_STEP = re.compile(rf"^(?P<layer>.+)_{_TENSORS}\.pt$")
+"""A DumpTensors file name in a step's folder ``iter_NNNNNN/``, the layout TE releases."""
+_STEP_FOLDER = re.compile(r"^iter_(?P<step>\d{6,})$")
+_RANK_FOLDER = re.compile(r"^rank_(?P<rank>\d+)$")
+
+
+@dataclass(frozen=True)
+class DumpName:
+    """What a DumpTensors path names."""
+
+    layer: str
+    """The layer as TE wrote it (TE's release turns its dots into underscores)."""
+    tensor: str
+    """TE's tensor name: activation, weight, gradient, output, wgrad or dgrad."""
+    step: int
+    """The iteration."""
+    rank: int | None
+    """The ``rank_R`` folder the file is in, if any."""
+
+    @property
+    def role(self) -> str:
+        """activation, weight or gradient (``output`` an activation, wgrad/dgrad gradients)."""
+        return _ROLES[self.tensor]
+
+
+def dump_name(path: Path) -> DumpName | None:
+    """The layer, tensor, step and rank a DumpTensors file's path gives, in either layout:
+    ``rank_R/LAYER_TENSOR_iter_NNNNNN.pt`` or ``rank_R/iter_NNNNNN/LAYER_TENSOR.pt``."""
+    found = NAME.match(path.name)
+    folder = path.parent
+    if found is None:
+        step_folder = _STEP_FOLDER.match(folder.name)
+        found = IN_STEP.match(path.name) if step_folder else None
+        if found is None or step_folder is None:
+            return None
+        step, folder = int(step_folder.group("step")), folder.parent
+    else:
+        step = int(found.group("step"))
+    rank = _RANK_FOLDER.match(folder.name)
+    return DumpName(found.group("layer"), found.group("tensor"), step,
+                    int(rank.group("rank")) if rank else None)
+
 _ROLES = {"activation": "activation", "output": "activation", "weight": "weight",
           "gradient": "gradient", "wgrad": "gradient", "dgrad": "gradient"}
 
 
 class Refused:
-    """What the pickle builds where it names a class or function drift does not run."""
+    """What the pickle builds where it names a class or function drift does not run: an
+    inert record of the name, the arguments the pickle called it with and the state it set
+    (data only: :func:`quantized_parts` reads Transformer Engine's tensors from them)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, args: tuple[object, ...] = (), state: object = None) -> None:
         self.refused_name = name
+        self.refused_args = args
+        self.refused_state = state
 
     def __call__(self, *args: object, **kwargs: object) -> Refused:
-        return Refused(self.refused_name)
+        return Refused(self.refused_name, args)
 
     def __setstate__(self, state: object) -> None:
-        pass  # the state is data drift does not use
+        self.refused_state = state  # kept as data, never applied
 
     def __setitem__(self, key: object, value: object) -> None:
         pass
@@ -79,7 +126,7 @@ def _placeholder_class(name: str) -> type:
 
         # unpickling the refused class yields the marker of its refusal, not an instance
         def __new__(cls, *args: object, **kwargs: object) -> Refused:  # type: ignore[misc]
-            return Refused(name)
+            return Refused(name, args)
 
         def __init__(self, *args: object, **kwargs: object) -> None:
             Refused.__init__(self, name)
@@ -249,15 +296,15 @@ class _Entry:
 def dump_refs(path: Path) -> Listing:
     """The ``high_precision`` tensor of one DumpTensors file, and a problem naming a
     pickled ``quantized`` entry (refused)."""
-    found = NAME.match(path.name)
+    found = dump_name(path)
     obj = _DUMPS.load(path)
     if "high_precision" not in obj and "quantized" not in obj:
         # named like a dump but not one: a state dict, read as any .pt file
         from driftcli.io.readers.pytorch import PYTORCH
         return PYTORCH.list_file(path)
-    layer = found.group("layer") if found else path.stem
-    kind = found.group("tensor") if found else None
-    step = int(found.group("step")) if found else None
+    layer = found.layer if found else path.stem
+    kind = found.tensor if found else None
+    step = found.step if found else None
     name = f"{layer}.{kind}" if kind else path.stem
     refs, problems = [], []
     # dict.get unbound: a pickled OrderedDict can carry an instance attribute named get
@@ -290,9 +337,173 @@ class _TeKind(FileKind):
 
     def recognises(self, path: Path) -> bool:
         """Whether ``path`` is named as a DumpTensors file."""
-        return NAME.match(path.name) is not None
+        return dump_name(path) is not None
 
 
 TE_DUMPS = _TeKind("Transformer Engine dump", (), dump_refs)
 """Transformer Engine DumpTensors files (before the plain ``.pt`` kind, which would refuse
 their pickled ``quantized`` entry as a whole file)."""
+
+
+# --- the quantized entry's raw parts -------------------------------------------------------
+
+class TeClass(StrEnum):
+    """The quantized tensors drift reads the parts of."""
+
+    FLOAT8 = "Float8Tensor"
+    MXFP8 = "MXFP8Tensor"
+    NVFP4 = "NVFP4Tensor"
+
+
+_TE = "transformer_engine."
+# each class's reconstructor and the positions of its arguments (TE appends new arguments, so
+# a shorter tuple of an older release reads the same), from ``__reduce_ex__`` of
+# transformer_engine/pytorch/tensor/{float8,mxfp8,nvfp4}_tensor.py at d0067d0
+_ARGS: dict[TeClass, tuple[str, ...]] = {
+    TeClass.FLOAT8: ("_data", "_fp8_dtype", "_scale_inv", "dtype", "shape", "_transpose"),
+    TeClass.MXFP8: ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data",
+                    "_columnwise_scale_inv", "_fp8_dtype", "dtype", "shape", "_quantizer",
+                    "_with_gemm_swizzled_scales"),
+    TeClass.NVFP4: ("shape", "_rowwise_data", "_rowwise_scale_inv", "_columnwise_data",
+                    "_columnwise_scale_inv", "_amax_rowwise", "_amax_columnwise", "_fp4_dtype",
+                    "dtype", "_quantizer", "_with_gemm_swizzled_scales", "_row_scaled_nvfp4",
+                    "_nvfp4_use_4over6", "_nvfp4_e4m3_max"),
+}
+_MAKERS = {
+    "float8_tensor._make_float8_tensor_in_reduce_ex": TeClass.FLOAT8,
+    "float8_tensor.Float8Tensor._make_in_reduce_ex": TeClass.FLOAT8,
+    "mxfp8_tensor._make_mxfp8_tensor_in_reduce_ex": TeClass.MXFP8,
+    "mxfp8_tensor.MXFP8Tensor._make_in_reduce_ex": TeClass.MXFP8,
+    "nvfp4_tensor._make_nvfp4_tensor_in_reduce_ex": TeClass.NVFP4,
+    "nvfp4_tensor.NVFP4Tensor._make_in_reduce_ex": TeClass.NVFP4,
+}
+"""A ``QuantizedTensor``'s reconstructor (the module-level function, or the classmethod older
+releases named), after ``transformer_engine.pytorch.tensor.``."""
+_STORAGES = {"float8_tensor_storage.Float8TensorStorage": TeClass.FLOAT8,
+             "mxfp8_tensor_storage.MXFP8TensorStorage": TeClass.MXFP8,
+             "nvfp4_tensor_storage.NVFP4TensorStorage": TeClass.NVFP4}
+"""The storage classes (``quantizer.internal``), pickled as a plain object: the class, then
+its ``__dict__``; after ``transformer_engine.pytorch.tensor.storage.``."""
+_DTYPES = {7: "float8_e4m3fn", 8: "float8_e5m2", 10: "float4_e2m1fn"}
+"""TE's ``DType`` values (``transformer_engine.h``: kFloat8E4M3 7, kFloat8E5M2 8,
+kFloat4E2M1 10) as drift's element formats."""
+
+
+@dataclass(frozen=True)
+class QuantizedParts:
+    """A pickled Transformer Engine quantized tensor's raw parts, as its kernel wrote them."""
+
+    te_class: TeClass
+    """Which class (its storage class reads the same)."""
+    element: str
+    """The element format (drift's name) TE's ``fp8_dtype``/``fp4_dtype`` tag names."""
+    shape: tuple[int, ...] | None
+    """The logical shape, where the pickle states it."""
+    rowwise_data: torch.Tensor | None
+    """uint8 codes in the tensor's layout (NVFP4: two codes a byte, the first in the low
+    nibble); a Float8Tensor's ``_data``."""
+    rowwise_scale_inv: torch.Tensor | None
+    """The rowwise decoding scales: float32 (Float8Tensor, one), E8M0 bytes (MXFP8), E4M3
+    bytes (NVFP4), padded as TE allocates them."""
+    columnwise_data: torch.Tensor | None
+    """The columnwise codes: MXFP8 in the tensor's layout; NVFP4 and a Float8Tensor's
+    ``_transpose`` of the transpose."""
+    columnwise_scale_inv: torch.Tensor | None
+    """The columnwise decoding scales (a Float8Tensor's transpose shares ``_scale_inv``)."""
+    amax_rowwise: torch.Tensor | None = None
+    """NVFP4: the float32 amax the rowwise tensor scale came from (one, or one a row)."""
+    amax_columnwise: torch.Tensor | None = None
+    """NVFP4: the columnwise amax."""
+    swizzled: bool = False
+    """The scales are in cuBLAS's GEMM-swizzled order, not row by row."""
+    flags: tuple[tuple[str, object], ...] = ()
+    """The quantizer's and the tensor's settings the pickle holds (``with_rht``,
+    ``with_2d_quantization``, ``stochastic_rounding``, ``_row_scaled_nvfp4``, ...)."""
+
+    def flag(self, name: str) -> object:
+        """A setting by name (None where the pickle does not hold it)."""
+        return dict(self.flags).get(name)
+
+
+def _te_dtype(value: object) -> int | None:
+    """TE's ``DType`` tag: the Python ``IntEnum`` and the pybind11 enum pickle as the class
+    called with the int; an older pybind11 enum as the class with the int as its state."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, Refused) and value.refused_name.endswith(".DType"):
+        for v in (*value.refused_args, value.refused_state):
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+            if isinstance(v, tuple) and len(v) == 1 and isinstance(v[0], int):
+                return v[0]
+    return None
+
+
+def _state(value: object) -> dict[str, object]:
+    """A pickled object's ``__dict__`` (its BUILD state), data only."""
+    state = value.refused_state if isinstance(value, Refused) else None
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
+        state = state[0]  # (dict, slots)
+    return {k: v for k, v in dict.items(state) if isinstance(k, str)} \
+        if isinstance(state, dict) else {}
+
+
+def _fields(value: Refused) -> tuple[TeClass, dict[str, object]] | None:
+    name = value.refused_name
+    if not name.startswith(_TE):
+        return None
+    tail = name.removeprefix(_TE + "pytorch.tensor.")
+    if tail in _MAKERS:
+        te_class = _MAKERS[tail]
+        return te_class, dict(zip(_ARGS[te_class], value.refused_args, strict=False))
+    if tail.removeprefix("storage.") in _STORAGES:
+        return _STORAGES[tail.removeprefix("storage.")], _state(value)
+    return None
+
+
+def quantized_parts(value: object, where: str) -> QuantizedParts:
+    """The raw parts of a dump's ``quantized`` entry (as :func:`load_dump` read it: inert
+    records, nothing of TE run); a :class:`ReadError` naming ``where`` for anything else."""
+    found = _fields(value) if isinstance(value, Refused) else None
+    if found is None:
+        what = value.refused_name if isinstance(value, Refused) else type(value).__name__
+        raise ReadError(f"{where}: entry 'quantized' is a {what}, not a Float8Tensor, "
+                        "MXFP8Tensor or NVFP4Tensor of Transformer Engine (or their storage "
+                        "classes); only those are compared")
+    te_class, f = found
+    code = _te_dtype(f.get("_fp4_dtype" if te_class is TeClass.NVFP4 else "_fp8_dtype"))
+    element = _DTYPES.get(code) if code is not None else None
+    if element is None or (te_class is TeClass.NVFP4) != (element == "float4_e2m1fn"):
+        raise ReadError(f"{where}: the {te_class.value}'s element type tag {code} is none "
+                        "drift knows for it (7 E4M3, 8 E5M2, 10 E2M1)")
+
+    def tensor(key: str) -> torch.Tensor | None:
+        t = f.get(key)
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor):
+            what = f"pickled {t.refused_name}" if isinstance(t, Refused) else type(t).__name__
+            raise ReadError(f"{where}: the {te_class.value}'s {key} is a {what}, not a tensor")
+        return t
+
+    shape = f.get("shape")
+    quantizer = _state(f.get("_quantizer"))
+    flags = {k: v for k, v in quantizer.items()
+             if k in ("with_rht", "with_2d_quantization", "stochastic_rounding",
+                      "nvfp4_4over6_err_mode")}
+    flags.update({k: f[k] for k in ("_row_scaled_nvfp4", "_nvfp4_use_4over6") if k in f})
+    data = tensor("_data") if te_class is TeClass.FLOAT8 else tensor("_rowwise_data")
+    scale = tensor("_scale_inv") if te_class is TeClass.FLOAT8 else tensor("_rowwise_scale_inv")
+    cdata = tensor("_transpose") if te_class is TeClass.FLOAT8 else tensor("_columnwise_data")
+    if te_class is TeClass.FLOAT8 and f.get("_transpose_invalid") is True:
+        cdata = None
+    cscale = scale if te_class is TeClass.FLOAT8 else tensor("_columnwise_scale_inv")
+    if data is None and cdata is None:
+        raise ReadError(f"{where}: the {te_class.value} holds neither rowwise nor columnwise "
+                        "data")
+    return QuantizedParts(
+        te_class, element,
+        tuple(int(n) for n in shape) if isinstance(shape, (tuple, list)) else None,
+        data, scale, cdata, cscale, tensor("_amax_rowwise"), tensor("_amax_columnwise"),
+        f.get("_with_gemm_swizzled_scales") is True,
+        tuple(sorted(flags.items())))
