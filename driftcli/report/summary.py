@@ -277,7 +277,7 @@ def _group(frame: pd.DataFrame, lay: Layout, table: Table, key: tuple[tuple[str,
                         failed, no_value, lost)
 
 
-def _under(path: str, inputs: Sequence[str]) -> str | None:
+def input_of(path: str, inputs: Sequence[str]) -> str | None:
     """The input ``path`` was found under: itself, the deepest folder holding it, or the index
     in whose folder it is; None for none."""
     norm = posixpath.normpath(path.replace("\\", "/"))
@@ -305,7 +305,7 @@ def by_input(frame: pd.DataFrame, lay: Layout) -> pd.DataFrame:
     inputs = list(dict.fromkeys(str(s) for s in frame.loc[is_agg, SOURCE]
                                 if plain(s) is not None))
     sources = frame[SOURCE].map(plain)
-    owner = sources.map(lambda s: None if s is None else _under(str(s), inputs))
+    owner = sources.map(lambda s: None if s is None else input_of(str(s), inputs))
     moved = owner.notna() & (owner != sources) & ~is_agg
     if not moved.any():
         return frame
