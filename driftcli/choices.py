@@ -28,7 +28,7 @@ class Engine(StrEnum):
 
     SERIAL = "serial", "in this process, one unit after another (the default)", False
     PROCESSES = "processes", "in local worker processes", True
-    RAY = "ray", "on a Ray cluster (the optional extra driftcli[ray])", True
+    RAY = "ray", "on a Ray cluster (needs Ray, the optional extra ray)", True
 
 
 class Device(StrEnum):

@@ -46,8 +46,9 @@ from driftcli.progress import Progress
 U = TypeVar("U")
 R = TypeVar("R")
 
-RAY_EXTRA = "driftcli[ray]"
-"""The optional extra that installs Ray."""
+RAY_PACKAGE = "ray"
+"""The package drift's optional extra ``ray`` installs (pyproject.toml): what an error says
+to install, whatever way drift itself was installed."""
 RETRIES = 3
 """Times a unit whose worker died is run again (a unit that raises for its input is not
 retried: it fails the same way everywhere)."""
@@ -124,7 +125,8 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise EngineError(f"--engine ray needs Ray: pip install '{RAY_EXTRA}'") from None
+        raise EngineError("--engine ray needs Ray (drift's optional extra ray): "
+                          f"pip install {RAY_PACKAGE}") from None
     return ray
 
 

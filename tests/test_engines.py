@@ -5,7 +5,9 @@ is one error line."""
 from __future__ import annotations
 
 import os
+import re
 import sys
+import tomllib
 from pathlib import Path
 
 import pandas as pd
@@ -22,7 +24,9 @@ from driftcli.io.tables import read_table
 from driftcli.measures import MEASURES
 from driftcli.measures import scan as scan_module
 from driftcli.measures.scan import ScanOptions, TensorUnit, scan, scan_unit
+from driftcli.models import loaders
 
+ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 CASTS = ["fp8_e4m3", "mxfp8_e4m3", "nvfp4", "mxfp4_e2m1:sr"]
 
@@ -237,8 +241,19 @@ def test_the_ray_engine_without_ray_is_one_line_naming_the_extra(
     result = runner.invoke(app, ["clip-rate", str(inputs), "-c", "mxfp8_e4m3", "--engine",
                                  "ray", "--out", str(tmp_path)])
     assert result.exit_code == 2
-    assert result.output == "error: --engine ray needs Ray: pip install 'driftcli[ray]'\n"
+    assert result.output == ("error: --engine ray needs Ray (drift's optional extra ray): "
+                             "pip install ray\n")
     assert not (tmp_path / "clip-rate.parquet").exists()
+
+
+def test_the_install_lines_of_messages_name_extras_and_packages_that_exist() -> None:
+    """What a message tells to pip install is the package drift's extra pins: driftcli is
+    not on a package index (the README installs drift from its repository)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    told = {"ray": engines.RAY_PACKAGE, "hf": loaders.HF_PACKAGE}
+    for extra, package in told.items():
+        assert [re.split(r"[<>=!~ \[]", r)[0] for r in extras[extra]] == [package]
 
 
 def test_a_ray_address_nothing_answers_at_is_one_line_at_once(inputs: Path,

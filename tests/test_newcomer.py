@@ -121,6 +121,26 @@ def test_the_worst_list_names_the_file_when_tensor_names_repeat(tmp_path: Path) 
         "a.weight", "b.weight"}
 
 
+def test_each_input_s_row_lists_its_own_worst_tensors_and_names_its_input(
+        tmp_path: Path) -> None:
+    for n in (1, 2):
+        (tmp_path / f"ckpt-{n}").mkdir()
+        save_file(_weights(n), str(tmp_path / f"ckpt-{n}" / "model.safetensors"))
+    args = ("clip-rate", str(tmp_path / "ckpt-1"), str(tmp_path / "ckpt-2"), "-c", "mxfp8_e4m3")
+    code, out = drift(*args, "--out", str(tmp_path / "o"), "--json")
+    assert code == 0, out
+    rows = json.loads(out)["casts"]
+    # one row per input and cast, each listing only the tensors of its own input
+    assert [Path(r["input"]).name for r in rows] == ["ckpt-1", "ckpt-2"]
+    assert all(Path(w["source"]).parent == Path(r["input"]) for r in rows for w in r["worst"])
+    assert [len(r["worst"]) for r in rows] == [2, 2]
+    code, out = drift(*args, "--out", str(tmp_path / "o2"))
+    assert code == 0, out
+    lines = [ln for ln in out.splitlines() if "mxfp8_e4m3" in ln]
+    # the terminal rows say which input they are (two rows alike would be a puzzle)
+    assert len(lines) == 2 and "ckpt-1" in lines[0] and "ckpt-2" in lines[1], out
+
+
 # --- 8. messages for what drift does not read ---------------------------------------------------
 
 

@@ -97,6 +97,23 @@ def test_block_stats_tables_carry_cast_name(tmp_path: Path) -> None:
     assert "| nvfp4 |" in text and f"| {NV} |" not in text
 
 
+def test_rows_named_by_their_cast_say_the_name_given(tmp_path: Path) -> None:
+    """Two files: block-stats' groups are the files, and each worst row is named by its cast
+    and direction, the cast as the user typed it."""
+    from safetensors.torch import save_file
+
+    files = []
+    for n in (1, 2):
+        files.append(str(tmp_path / f"m{n}.safetensors"))
+        save_file({"w": torch.linspace(-500, 500, 4096).reshape(16, 256) * n}, files[-1])
+    done = runner.invoke(app, ["block-stats", *files, "-c", "nvfp4", "-c", MX,
+                               "--out", str(tmp_path / "out"), "--quiet"])
+    assert done.exit_code == 0, done.output
+    text = markdown.render(make_report([tmp_path / "out" / "block-stats.parquet"], Options()))
+    worst = [line for line in text.splitlines() if "m1.safetensors" in line]
+    assert worst and "nvfp4 rows" in worst[0] and NV not in worst[0], worst
+
+
 def test_every_table_with_a_cast_gets_its_name(tmp_path: Path) -> None:
     """A table whose rows hold the spec alone (an older block-stats') gets cast_name on
     reading, from the names its provenance recorded."""

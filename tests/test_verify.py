@@ -401,5 +401,5 @@ def test_ray_without_the_extra_exits_2_naming_it(tmp_path: Path,
                                  "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "error: --engine ray needs Ray: pip install 'driftcli[ray]'"]
+        "error: --engine ray needs Ray (drift's optional extra ray): pip install ray"]
     assert not (tmp_path / "verify-formats.parquet").exists()

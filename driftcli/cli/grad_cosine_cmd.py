@@ -54,7 +54,7 @@ def grad_cosine_command(
     checkpoint: Annotated[Path, typer.Argument(
         metavar="CHECKPOINT", exists=True, show_default=False,
         help="A drift model checkpoint (drift train's step-*.safetensors) or a Hugging Face "
-             "causal-LM folder (needs driftcli[hf], i.e. transformers).")],
+             "causal-LM folder (needs transformers, the optional extra hf).")],
     policy: Annotated[list[str], typer.Option(
         "--policy", "-p", metavar="P", show_default=False,
         help="A policy preset (exact, float32, mxfp8_e4m3, nvfp4, ...), a cast spec or a "

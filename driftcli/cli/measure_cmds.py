@@ -76,6 +76,7 @@ def _summary(m: Measure, rows: list[Any], path: Path, given: list[str]) -> dict[
     """Per input and cast: the all-tensors headline and the worst tensors; casts are named
     as the user gave them (see :func:`cast_names`)."""
     from driftcli.measures.common import ALL_TENSORS
+    from driftcli.report.summary import input_of
 
     label = cast_names(given)
     head = m.row_type.HEADLINE
@@ -85,9 +86,11 @@ def _summary(m: Measure, rows: list[Any], path: Path, given: list[str]) -> dict[
     sources: dict[str, set[str]] = {}
     for r in rows:
         sources.setdefault(r.tensor, set()).add(r.source)
+    inputs = list(dict.fromkeys(r.source for r in rows if r.tensor == ALL_TENSORS))
     for agg in (r for r in rows if r.tensor == ALL_TENSORS):
         tensors = [r for r in rows if r.tensor != ALL_TENSORS and r.cast == agg.cast
-                   and r.error is None and getattr(r, head) is not None]
+                   and r.error is None and getattr(r, head) is not None
+                   and input_of(r.source, inputs) in (agg.source, None)]
         tensors.sort(key=lambda r: getattr(r, head), reverse=m.row_type.HIGHER_IS_WORSE)
         out["casts"].append({
             "input": agg.source, "cast": label.get(agg.cast, agg.cast), "spec": agg.cast,
@@ -115,7 +118,9 @@ def _print(summary: dict[str, Any]) -> None:
     table = Table(title=esc(f"{summary['measure']}: {head} (all tensors, and the worst)"))
     beside = summary.get("beside", [])
     casts = summary["casts"]
-    columns = [("cast", [esc(c["cast"]) for c in casts], False),
+    several = len({c["input"] for c in casts}) > 1  # then each row says which input it is
+    columns = [*([("input", [esc(c["input"]) for c in casts], False)] if several else []),
+               ("cast", [esc(c["cast"]) for c in casts], False),
                ("tensors", [str(c["tensors"]) for c in casts], True),
                *((col, [fmt(c[col]) for c in casts], True) for col in (head, *beside))]
     out = Console(width=width(), soft_wrap=True)  # lines outside the table are never broken
@@ -128,7 +133,8 @@ def _print(summary: dict[str, Any]) -> None:
     out.print(table)
     if not inside:
         for c, w in zip(casts, worst, strict=True):
-            out.print(f"worst tensors under {esc(c['cast'])}: {w}")
+            where = f"{c['input']} " if several else ""
+            out.print(f"worst tensors under {esc(where + c['cast'])}: {w}")
     for line in summary.get("unmeasured", []):
         out.print(esc(line, markup=False), markup=False)
     for f in summary.get("skipped_files", []):

@@ -4,7 +4,7 @@ A loader recognises a checkpoint path and returns a :class:`CausalLM`: the modul
 mode, so dropout is off), how to get its logits from token ids, and its tokenizer. Two kinds:
 
 - ``hf``: a Hugging Face causal-LM folder (``config.json`` beside the weights; needs the
-  optional extra ``hf``: ``pip install "driftcli[hf]"``, i.e. ``transformers``);
+  optional extra ``hf``, i.e. ``transformers``: README.md, "Install");
 - ``drift``: a checkpoint written by ``drift train`` (one ``.safetensors`` file whose metadata
   holds the model config, :mod:`driftcli.models.checkpoint`), with the byte-level tokenizer.
   Any other ``.safetensors`` file is refused with a message saying what the file lacks.
@@ -76,6 +76,9 @@ def _hf_logits(model: nn.Module, ids: Tensor) -> Tensor:
     return model(input_ids=ids, use_cache=False).logits
 
 
+HF_PACKAGE = "transformers"
+"""The package drift's optional extra ``hf`` installs (pyproject.toml): what an error says to
+install, whatever way drift itself was installed."""
 SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 """The sizes a Hugging Face ``config.json`` must give (under its model type's own names:
 ``n_embd`` for GPT-2's ``hidden_size``): transformers fills a missing one from the model
@@ -282,8 +285,8 @@ def _load_quantized(path: Path) -> nn.Module:
 
 def _load_hf(path: Path, float64_copies: int = 0, available: int | None = None) -> CausalLM:
     if importlib.util.find_spec("transformers") is None:
-        raise CheckpointError(f"{path} is a Hugging Face model folder, which needs the optional "
-                              "extra: pip install 'driftcli[hf]' (transformers)")
+        raise CheckpointError(f"{path} is a Hugging Face model folder, which needs "
+                              f"transformers (drift's optional extra hf): pip install {HF_PACKAGE}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # every check reads config.json only: a wrong model is refused before any weight is read
@@ -337,7 +340,7 @@ def _load_drift(path: Path) -> CausalLM:
 
 KINDS: list[CheckpointKind] = [
     CheckpointKind("hf", _is_hf, _load_hf,
-                   "a Hugging Face causal-LM folder (config.json; needs driftcli[hf])"),
+                   "a Hugging Face causal-LM folder (config.json; needs transformers)"),
     CheckpointKind("drift", _is_safetensors, _load_drift,
                    "a drift model checkpoint (step-*.safetensors from drift train)"),
 ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,8 +231,12 @@ class TableSummary:
         return "max" if self.higher_is_worse else "min"
 
 
-def _name(row: pd.Series, columns: Sequence[str]) -> str:
-    parts = [str(plain(row[c])) for c in columns if plain(row[c]) is not None]
+def _name(row: pd.Series, columns: Sequence[str],
+          names: Mapping[str, dict[str, str]] | None = None) -> str:
+    """A row's name within its group: its values of ``columns``, each as shown (a cast as the
+    user named it, from :attr:`Table.names`)."""
+    parts = [str(shown((names or {}).get(c, {}), plain(row[c]))) for c in columns
+             if plain(row[c]) is not None]
     if columns == (STEP,) and parts:
         return f"{STEP} {parts[0]}"  # a bare number reads as a value, not a name
     return " ".join(parts) if parts else "(row)"
@@ -254,30 +258,32 @@ def _group(frame: pd.DataFrame, lay: Layout, table: Table, key: tuple[tuple[str,
     failed: tuple[Failed, ...] = ()
     if ERROR in frame.columns:
         bad = frame[ERROR].notna()
-        failed = tuple(Failed(_name(r, lay.names), str(r[ERROR])) for _, r in frame[bad].iterrows())
+        failed = tuple(Failed(_name(r, lay.names, table.names), str(r[ERROR]))
+                       for _, r in frame[bad].iterrows())
         frame = frame[~bad]
     values = pd.to_numeric(frame[head], errors="coerce").astype(float)
     ok = values.notna()
-    no_value = tuple(NoValue(_name(r, lay.names), _why_empty(r))
+    no_value = tuple(NoValue(_name(r, lay.names, table.names), _why_empty(r))
                      for _, r in frame[~ok].iterrows())
     lost: tuple[Named, ...] = ()
     if LOST in frame.columns:
         counts = pd.to_numeric(frame[LOST], errors="coerce").fillna(0)
-        lost = tuple(Named(_name(frame.loc[i], lay.names), float(n)) for i, n in
+        lost = tuple(Named(_name(frame.loc[i], lay.names, table.names), float(n)) for i, n in
                      counts[counts > 0].sort_values(ascending=False, kind="stable").items())
     frame, values = frame[ok], values[ok]
     if values.empty:
         return GroupSummary(key, 0, None, None, (), agg, failed, no_value, lost)
     order = values.sort_values(ascending=not table.higher_is_worse, kind="stable")
     best = values.min() if table.higher_is_worse else values.max()
-    named = tuple(Named(_name(frame.loc[i], lay.names), float(v)) for i, v in order.items()
+    named = tuple(Named(_name(frame.loc[i], lay.names, table.names), float(v))
+                  for i, v in order.items()
                   if v != best)[:worst]
     extreme = values.max() if table.higher_is_worse else values.min()
     return GroupSummary(key, len(values), float(values.median()), float(extreme), named, agg,
                         failed, no_value, lost)
 
 
-def _under(path: str, inputs: Sequence[str]) -> str | None:
+def input_of(path: str, inputs: Sequence[str]) -> str | None:
     """The input ``path`` was found under: itself, the deepest folder holding it, or the index
     in whose folder it is; None for none."""
     norm = posixpath.normpath(path.replace("\\", "/"))
@@ -305,7 +311,7 @@ def by_input(frame: pd.DataFrame, lay: Layout) -> pd.DataFrame:
     inputs = list(dict.fromkeys(str(s) for s in frame.loc[is_agg, SOURCE]
                                 if plain(s) is not None))
     sources = frame[SOURCE].map(plain)
-    owner = sources.map(lambda s: None if s is None else _under(str(s), inputs))
+    owner = sources.map(lambda s: None if s is None else input_of(str(s), inputs))
     moved = owner.notna() & (owner != sources) & ~is_agg
     if not moved.any():
         return frame
