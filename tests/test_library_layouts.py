@@ -520,6 +520,22 @@ def test_torchao_safetensors_are_refused_in_one_line(tmp_path: Path, kind: str) 
     assert inputs.errors == () and [t.name for t in inputs.tensors] == ["0.bias"]
 
 
+def test_torchao_earlier_naming_is_refused_too(tmp_path: Path) -> None:
+    # torchao's earlier flatten_tensor_state_dict named the parts "0.weight:qdata" and a plain
+    # tensor "0.bias:_data": its codes and scale bytes were listed as weights and measured
+    tensors = {"0.weight:qdata": torch.zeros(4, 64, dtype=torch.float8_e4m3fn),
+               "0.weight:scale": torch.full((4, 2), 127, dtype=torch.uint8),
+               "0.bias:_data": torch.ones(4)}
+    meta = {"0.weight": json.dumps({"_type": "MXTensor", "_data": {"block_size": 32}}),
+            "0.bias": json.dumps({"_type": "Tensor"}),
+            "tensor_names": json.dumps(["0.weight", "0.bias"])}
+    save_file(tensors, tmp_path / "ao.safetensors", metadata=meta)
+    inputs = open_inputs([tmp_path / "ao.safetensors"])
+    assert [t.name for t in inputs.tensors] == ["0.bias:_data"]
+    (err,) = inputs.errors
+    assert err.tensor == "0.weight" and "(0.weight:qdata, 0.weight:scale)" in err.message
+
+
 def test_torch_save_of_torchao_tensors_advises_dequantizing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
