@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from driftcli.cli import app
 from driftcli.io.dequantize import dequantize
 from driftcli.io.readers import open_inputs
-from driftcli.io.readers.quantized_weight import Order, spec_of, with_options
+from driftcli.io.readers.quantized_weight import Order, spec_of, unpack_sixes, with_options
 from driftcli.measures.inspect import inspect
 
 FP6 = {"e2m3": (2, 3, 1), "e3m2": (3, 2, 3)}
@@ -713,3 +713,29 @@ def test_a_tie_belongs_to_the_even_code(tmp_path: Path) -> None:
                                     "m.weight_scale": torch.full((4, 2), 127, dtype=torch.uint8)})
         (row,) = inspect([tmp_path / str(top)]).rows
         assert row.scale_rules == want, (top, row.scale_rules)
+
+
+# --- packed MX weights of no elements ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (4, 0)])
+def test_packed_mx_weight_of_no_elements_is_a_row(tmp_path: Path,
+                                                  shape: tuple[int, int]) -> None:
+    # unpacking inferred the last dim (-1) and the block maxima the block count: a weight of
+    # no rows or no columns crashed inspect, clip-rate and dequantize (exit 3)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    rows, packed = shape
+    save_file({"l.weight_packed": torch.zeros(rows, packed, dtype=torch.uint8),
+               "l.weight_scale": torch.zeros(rows, -(-2 * packed // 32), dtype=torch.uint8)},
+              ck / "model.safetensors")
+    (ck / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}))
+    for cmd in (["inspect"], ["clip-rate", "-c", "mxfp8_e4m3"]):
+        result = CliRunner().invoke(app, [*cmd, str(ck), "--out", str(tmp_path / cmd[0])])
+        assert result.exit_code == 0, result.output
+    out = tmp_path / "out.safetensors"
+    dequantize([ck], out)
+    assert open_inputs([out]).tensors[0].shape == (rows, 2 * packed)
+    sixes = torch.zeros(0, 6, dtype=torch.uint8)
+    assert tuple(unpack_sixes(sixes).shape) == (0, 8)

@@ -318,7 +318,7 @@ def _block_maxima(codes_vals: torch.Tensor, width: int) -> torch.Tensor:
     g = -(-c // width)
     pad = torch.zeros(*lead, g * width, dtype=torch.float64)
     pad[..., :c] = codes_vals.abs().nan_to_num(0.0)
-    return pad.reshape(-1, g, width).amax(-1).reshape(-1)
+    return pad.reshape(-1, width).amax(-1)  # (rows, g, width) in order; no -1 over g = 0
 
 
 def _consistent(rule: ExponentRule, headroom: int, elem: Format, maxima: torch.Tensor,
