@@ -40,6 +40,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
+from driftcli.errors import DriftError
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
 from driftcli.io.readers.quantized_weight import (
     Layout,
@@ -56,7 +57,7 @@ from driftcli.io.tables import column
 from driftcli.oracle.scaling import EXACT_RULES, ExponentRule
 from driftcli.records.castspec import parse_cast
 from driftcli.records.formats import Format, Kind, get_format
-from driftcli.records.modes import ScaleRule
+from driftcli.records.modes import Rounding, ScaleRule
 
 MAGNITUDE_FACTOR = 1000.0
 """How far a weight's RMS may sit from the median RMS of the checkpoint's other 2-D
@@ -482,8 +483,11 @@ def inspect(paths: Sequence[str | Path], *, requant: Sequence[str] = (),
 
     A weight that cannot be read is a row with ``error`` set; the others are inspected.
     """
-    for preset in requant:
-        parse_cast(preset)  # a bad preset fails before anything is read
+    for preset in requant:  # a bad preset fails before anything is read
+        if parse_cast(preset).rounding is Rounding.SR:
+            raise DriftError(f"--requant {preset}: a stochastic cast gives other codes on "
+                             "every draw, so it cannot say what a writer changed; give it "
+                             "with round-to-nearest (without :sr)")
     inputs = open_inputs(paths, include, exclude, layout=layout)
     errors = [f"{e.source}: {e.message}" if not e.message.startswith(e.source) else e.message
               for e in inputs.errors]
