@@ -146,3 +146,21 @@ def test_a_state_dict_the_file_reader_refuses_parts_of_is_refused_alike(tmp_path
     assert list(got["tensor"]) == ["wide", "a.b", "ok", "*"]
     assert got["error"].iloc[0].startswith("sd: tensor wide has 4,096 elements")
     assert got["error"].iloc[1].startswith("sd: tensors ['a.b'] and ['a']['b'] both flatten")
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_tensors_without_rows_or_names_are_one_line_each_the_rest_measured() -> None:
+    """A state dict in memory can hold what no file read gives: a meta tensor crashed the
+    call (NotImplementedError), a nested one too (RuntimeError), a sparse one was torch's
+    many-line message; keys 1 and "1" kept one tensor of the two in silence."""
+    state = {"meta": torch.empty(4, 32, device="meta"), "sparse": torch.eye(32).to_sparse(),
+             "nested": torch.nested.nested_tensor([torch.ones(2, 32), torch.ones(3, 32)]),
+             1: torch.ones(4, 32), "1": torch.zeros(4, 32), "ok": W}
+    df = drift.measure(state, "mxfp8_e4m3", name="sd")
+    errors = dict(zip(df.tensor, df.error, strict=True))
+    assert "is on the meta device: it has no data" in errors["meta"]
+    assert errors["sparse"] == "sd: tensor sparse is stored as sparse_coo; give t.to_dense()"
+    assert "is a nested tensor; give its parts (t.unbind())" in errors["nested"]
+    assert "tensors [1] and ['1'] both flatten to the name 1" in errors["1"]
+    assert all("\n" not in e for e in errors.values() if isinstance(e, str))
+    assert df.loc[df.tensor == "ok", "n_finite"].tolist() == [W.numel()]
