@@ -60,6 +60,19 @@ def test_an_empty_path_among_good_ones_and_in_an_option_is_refused(tmp_path: Pat
     assert code == 2 and "--html" in out and "empty" in out, out
 
 
+@pytest.mark.parametrize("given", ["", " ", ["w.safetensors", ""]])
+def test_the_library_refuses_an_empty_path_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               given: str | list[str]) -> None:
+    # only the CLI refused it: drift.measure("") (a notebook's unset variable) measured the
+    # current folder
+    from driftcli import DriftError, measure
+
+    save_file(_weights(), str(tmp_path / "w.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DriftError, match=r"an input path is empty \('\s*'\)"):
+        measure(given, "mxfp8_e4m3")
+
+
 # --- 7. one checkpoint, one count ---------------------------------------------------------------
 
 

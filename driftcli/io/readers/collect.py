@@ -307,6 +307,11 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
     if not paths:
         raise ReadError("no inputs given; name checkpoint or dump files, or folders holding "
                         "them")
+    for p in paths:  # pathlib reads "" as ".": an unset variable would measure the folder
+        if isinstance(p, str) and not p.strip():
+            raise ReadError(f"an input path is empty ({p!r}); give a checkpoint, a dump or a "
+                            "folder (an unset variable such as \"$CHECKPOINT\" expands to "
+                            "an empty one)")
     expanded = [_expand(Path(p)) for p in paths]  # every path checked before any is read
     collector = _Collector()
     for files, _skipped, _twins in expanded:
