@@ -164,3 +164,19 @@ def test_tensors_without_rows_or_names_are_one_line_each_the_rest_measured() -> 
     assert "tensors [1] and ['1'] both flatten to the name 1" in errors["1"]
     assert all("\n" not in e for e in errors.values() if isinstance(e, str))
     assert df.loc[df.tensor == "ok", "n_finite"].tolist() == [W.numel()]
+
+
+def test_a_units_key_holds_the_name_that_seeds_its_draws(tmp_path: Path) -> None:
+    """A kept unit is found by its key, which must hold all its results depend on: since the
+    draws are seeded by the source name (not the path), units kept by a run seeded otherwise
+    would be taken by --resume beside units seeded anew."""
+    from driftcli.io.readers import open_inputs
+    from driftcli.measures.scan import ScanOptions, TensorUnit
+    from driftcli.records.castspec import parse_cast
+
+    torch.save({"w": W}, tmp_path / "m.pt")
+    (ref,) = open_inputs([tmp_path / "m.pt"]).tensors
+    unit = TensorUnit(str(tmp_path), ref, (parse_cast(SR),), ScanOptions(), True)
+    keys = {unit.key(), TensorUnit(str(tmp_path), ref, unit.casts, unit.options, True,
+                                   "other").key()}
+    assert len(keys) == 2 and unit.key().endswith("|seeds=m")
