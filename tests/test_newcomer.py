@@ -93,6 +93,22 @@ def test_a_folder_with_safetensors_and_bin_of_the_same_weights_is_read_once(
     assert len(said) == 1 and "model.safetensors" in said[0], out
 
 
+def test_dequantize_and_inspect_say_which_twin_they_left_unread(tmp_path: Path) -> None:
+    # only the measure commands said it: dequantize wrote no output for pytorch_model.bin
+    # and inspect left it out, both in silence
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    w = {"l.weight": torch.ones(4, 8).to(torch.float8_e4m3fn), "l.weight_scale": torch.ones(())}
+    save_file(w, str(ck / "model.safetensors"))
+    torch.save(w, ck / "pytorch_model.bin")
+    for cmd in (["dequantize", str(ck), "--out", str(tmp_path / "deq")],
+                ["inspect", str(ck), "--out", str(tmp_path / "ins")]):
+        code, out = drift(*cmd)
+        assert code == 0, out
+        said = [line for line in out.splitlines() if "pytorch_model.bin" in line]
+        assert len(said) == 1 and "the same weights as" in said[0], out
+
+
 def test_shards_of_both_formats_are_read_once_from_the_safetensors(tmp_path: Path) -> None:
     w = _weights()
     save_file({"a.weight": w["a.weight"]}, str(tmp_path / "model-00001-of-00002.safetensors"))

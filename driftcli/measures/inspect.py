@@ -42,6 +42,7 @@ import torch
 
 from driftcli.errors import DriftError
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
+from driftcli.io.readers.collect import twins_skipped
 from driftcli.io.readers.quantized_weight import (
     Layout,
     LibraryOrder,
@@ -173,7 +174,8 @@ class Inspection:
     errors: tuple[str, ...]
     """Inputs or weights that could not be read."""
     notices: tuple[str, ...] = ()
-    """Configs naming a quantization drift does not know (their weights read by name)."""
+    """Configs naming a quantization drift does not know (their weights read by name), and
+    torch files left unread beside the same weights in safetensors."""
 
 
 def _codes(spec: QuantSpec, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -516,7 +518,8 @@ def inspect(paths: Sequence[str | Path], *, requant: Sequence[str] = (),
         rows = _with_requant(rows, inputs.tensors, requant)
     findings = tuple(f for r in rows if r.requant in (None, requant[0] if requant else None)
                      for f in _findings(r))
-    return Inspection(tuple(rows), findings, inputs.files, tuple(errors), inputs.notices)
+    return Inspection(tuple(rows), findings, inputs.files, tuple(errors),
+                      (*inputs.notices, *twins_skipped(inputs)))
 
 
 def _magnitude_lint(rows: list[InspectRow], rms_of: list[float],
