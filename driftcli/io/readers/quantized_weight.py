@@ -163,7 +163,8 @@ def unpack_codes(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     if len(spec.shape) < len(spec.codes.shape):  # gpt-oss: (..., G, 16) -> (..., G*16)
         raw = raw.reshape(*raw.shape[:-2], -1)
     raw = raw.view(torch.uint8)
-    return unpack_sixes(raw) if spec.element.startswith("float6") else unpack_nibbles(raw)
+    # by the element's width (its record), not its name: four 6-bit codes per three bytes
+    return unpack_sixes(raw) if get_format(spec.element).bits == 6 else unpack_nibbles(raw)
 
 
 def scale_values(raw: torch.Tensor, fmt: str) -> torch.Tensor:
