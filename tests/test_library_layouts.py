@@ -739,3 +739,26 @@ def test_packed_mx_weight_of_no_elements_is_a_row(tmp_path: Path,
     assert open_inputs([out]).tensors[0].shape == (rows, 2 * packed)
     sixes = torch.zeros(0, 6, dtype=torch.uint8)
     assert tuple(unpack_sixes(sixes).shape) == (0, 8)
+
+
+def test_a_group_size_wider_than_the_weight_is_its_rows_in_inspect(tmp_path: Path) -> None:
+    # the scale rules padded each row to the config's group size: 2**40 asked for 32 TiB and
+    # crashed inspect (exit 3); a block wider than a row of 32 is that row, as a block of 32
+    rows = []
+    for group in (32, 2**40):
+        ck = tmp_path / str(group)
+        ck.mkdir()
+        codes = torch.arange(64, dtype=torch.uint8).reshape(4, 16) * 3
+        save_file({"l.weight_packed": codes,
+                   "l.weight_scale": torch.tensor([[120], [127], [127], [130]],
+                                                  dtype=torch.uint8)},
+                  ck / "model.safetensors")
+        (ck / "config.json").write_text(json.dumps({"quantization_config": {
+            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+            "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float",
+                                                "group_size": group}}}}}))
+        (row,) = inspect([ck]).rows
+        assert row.error is None
+        rows.append(row)
+    assert rows[1].scale_rules == rows[0].scale_rules is not None
+    assert rows[1].zero_blocks == rows[0].zero_blocks

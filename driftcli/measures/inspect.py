@@ -318,6 +318,9 @@ def _spans(elem: Format) -> dict[float, tuple[Fraction, Fraction | None]]:
 def _block_maxima(codes_vals: torch.Tensor, width: int) -> torch.Tensor:
     """Each 1 x ``width`` block's largest code magnitude (NaN codes as 0), flattened."""
     *lead, c = codes_vals.shape
+    # a block wider than the row is the row: a config's group_size (2**40) padded to its
+    # width would allocate terabytes
+    width = min(width, max(c, 1))
     g = -(-c // width)
     pad = torch.zeros(*lead, g * width, dtype=torch.float64)
     pad[..., :c] = codes_vals.abs().nan_to_num(0.0)
