@@ -734,6 +734,10 @@ def test_packed_mx_weight_of_no_elements_is_a_row(tmp_path: Path,
     for cmd in (["inspect"], ["clip-rate", "-c", "mxfp8_e4m3"]):
         result = CliRunner().invoke(app, [*cmd, str(ck), "--out", str(tmp_path / cmd[0])])
         assert result.exit_code == 0, result.output
+    # --requant crashed on them too (a block count of 0 divided by, a reshape of -1)
+    found = inspect([ck], requant=["mxfp4_e2m1", "mxfp8_e4m3"]).rows
+    assert [(r.requant_changed_values, r.requant_changed_codes, r.requant_changed_blocks)
+            for r in found] == [(0, 0, 0), (0, None, 0)]
     out = tmp_path / "out.safetensors"
     dequantize([ck], out)
     assert open_inputs([out]).tensors[0].shape == (rows, 2 * packed)

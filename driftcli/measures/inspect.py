@@ -555,6 +555,12 @@ def _with_requant(rows: list[InspectRow], tensors: Sequence[TensorRef],
             if spec is None or row.error is not None or row.nan_scales:
                 out.append(replace(row, requant=preset))
                 continue
+            if not math.prod(spec.shape):  # no elements: nothing changes (no block to count)
+                same = parse_cast(preset).format.name == spec.element
+                out.append(replace(row, requant=preset, requant_changed_values=0,
+                                   requant_changed_codes=0 if same else None,
+                                   requant_changed_blocks=0, requant_rescaled_blocks=0))
+                continue
             # a two-level layout's weight is requantized as the preset computes it: the
             # combined scale rounded to float32 first (drift's nvfp4 and the libraries alike)
             order = Order.LIBRARY if spec.global_scale is not None else Order.EXACT
