@@ -44,7 +44,9 @@ def _plain(value: Any, key: str) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach()
     if isinstance(value, Mapping):
-        return {str(k): _plain(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+        # the keys as given: two that read alike ({1: a, "1": b}) are a clash the listing
+        # names, as the file's; str() here kept one of them, in silence
+        return {k: _plain(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_plain(v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(value)]
     if isinstance(value, _PLAIN):

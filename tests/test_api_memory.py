@@ -4,6 +4,7 @@ once, the command's rows on the same tensors under the same names, stochastic dr
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -74,9 +75,11 @@ def test_no_file_is_written_and_no_lock_taken(tmp_path: Path,
         raise AssertionError("drift.measure in memory wrote or locked a file")
 
     monkeypatch.setattr(torch, "save", refused)
-    fcntl = pytest.importorskip("fcntl")  # (Windows has none: nothing to lock with there)
-    monkeypatch.setattr(fcntl, "flock", refused)
-    monkeypatch.setattr(fcntl, "lockf", refused)
+    if importlib.util.find_spec("fcntl") is not None:  # Windows has none: nothing to lock
+        import fcntl  # the test runs there too, without a skip
+
+        monkeypatch.setattr(fcntl, "flock", refused)
+        monkeypatch.setattr(fcntl, "lockf", refused)
     lin = torch.nn.Linear(48, 64)
     for x in (W, _state(), lin):
         for what in ("clip-rate", "error-bias", "cast-diff"):
@@ -146,3 +149,37 @@ def test_a_state_dict_the_file_reader_refuses_parts_of_is_refused_alike(tmp_path
     assert list(got["tensor"]) == ["wide", "a.b", "ok", "*"]
     assert got["error"].iloc[0].startswith("sd: tensor wide has 4,096 elements")
     assert got["error"].iloc[1].startswith("sd: tensors ['a.b'] and ['a']['b'] both flatten")
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_tensors_without_rows_or_names_are_one_line_each_the_rest_measured() -> None:
+    """A state dict in memory can hold what no file read gives: a meta tensor crashed the
+    call (NotImplementedError), a nested one too (RuntimeError), a sparse one was torch's
+    many-line message; keys 1 and "1" kept one tensor of the two in silence."""
+    state = {"meta": torch.empty(4, 32, device="meta"), "sparse": torch.eye(32).to_sparse(),
+             "nested": torch.nested.nested_tensor([torch.ones(2, 32), torch.ones(3, 32)]),
+             1: torch.ones(4, 32), "1": torch.zeros(4, 32), "ok": W}
+    df = drift.measure(state, "mxfp8_e4m3", name="sd")
+    errors = dict(zip(df.tensor, df.error, strict=True))
+    assert "is on the meta device: it has no data" in errors["meta"]
+    assert errors["sparse"] == "sd: tensor sparse is stored as sparse_coo; give t.to_dense()"
+    assert "is a nested tensor; give its parts (t.unbind())" in errors["nested"]
+    assert "tensors [1] and ['1'] both flatten to the name 1" in errors["1"]
+    assert all("\n" not in e for e in errors.values() if isinstance(e, str))
+    assert df.loc[df.tensor == "ok", "n_finite"].tolist() == [W.numel()]
+
+
+def test_a_units_key_holds_the_name_that_seeds_its_draws(tmp_path: Path) -> None:
+    """A kept unit is found by its key, which must hold all its results depend on: since the
+    draws are seeded by the source name (not the path), units kept by a run seeded otherwise
+    would be taken by --resume beside units seeded anew."""
+    from driftcli.io.readers import open_inputs
+    from driftcli.measures.scan import ScanOptions, TensorUnit
+    from driftcli.records.castspec import parse_cast
+
+    torch.save({"w": W}, tmp_path / "m.pt")
+    (ref,) = open_inputs([tmp_path / "m.pt"]).tensors
+    unit = TensorUnit(str(tmp_path), ref, (parse_cast(SR),), ScanOptions(), True)
+    keys = {unit.key(), TensorUnit(str(tmp_path), ref, unit.casts, unit.options, True,
+                                   "other").key()}
+    assert len(keys) == 2 and unit.key().endswith("|seeds=m")

@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from driftcli.cli import app
 from driftcli.io.dequantize import dequantize
 from driftcli.io.readers import open_inputs
-from driftcli.io.readers.quantized_weight import Order, spec_of, with_options
+from driftcli.io.readers.quantized_weight import Order, spec_of, unpack_sixes, with_options
 from driftcli.measures.inspect import inspect
 
 FP6 = {"e2m3": (2, 3, 1), "e3m2": (3, 2, 3)}
@@ -520,6 +520,22 @@ def test_torchao_safetensors_are_refused_in_one_line(tmp_path: Path, kind: str) 
     assert inputs.errors == () and [t.name for t in inputs.tensors] == ["0.bias"]
 
 
+def test_torchao_earlier_naming_is_refused_too(tmp_path: Path) -> None:
+    # torchao's earlier flatten_tensor_state_dict named the parts "0.weight:qdata" and a plain
+    # tensor "0.bias:_data": its codes and scale bytes were listed as weights and measured
+    tensors = {"0.weight:qdata": torch.zeros(4, 64, dtype=torch.float8_e4m3fn),
+               "0.weight:scale": torch.full((4, 2), 127, dtype=torch.uint8),
+               "0.bias:_data": torch.ones(4)}
+    meta = {"0.weight": json.dumps({"_type": "MXTensor", "_data": {"block_size": 32}}),
+            "0.bias": json.dumps({"_type": "Tensor"}),
+            "tensor_names": json.dumps(["0.weight", "0.bias"])}
+    save_file(tensors, tmp_path / "ao.safetensors", metadata=meta)
+    inputs = open_inputs([tmp_path / "ao.safetensors"])
+    assert [t.name for t in inputs.tensors] == ["0.bias:_data"]
+    (err,) = inputs.errors
+    assert err.tensor == "0.weight" and "(0.weight:qdata, 0.weight:scale)" in err.message
+
+
 def test_torch_save_of_torchao_tensors_advises_dequantizing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
@@ -697,3 +713,56 @@ def test_a_tie_belongs_to_the_even_code(tmp_path: Path) -> None:
                                     "m.weight_scale": torch.full((4, 2), 127, dtype=torch.uint8)})
         (row,) = inspect([tmp_path / str(top)]).rows
         assert row.scale_rules == want, (top, row.scale_rules)
+
+
+# --- packed MX weights of no elements ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (4, 0)])
+def test_packed_mx_weight_of_no_elements_is_a_row(tmp_path: Path,
+                                                  shape: tuple[int, int]) -> None:
+    # unpacking inferred the last dim (-1) and the block maxima the block count: a weight of
+    # no rows or no columns crashed inspect, clip-rate and dequantize (exit 3)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    rows, packed = shape
+    save_file({"l.weight_packed": torch.zeros(rows, packed, dtype=torch.uint8),
+               "l.weight_scale": torch.zeros(rows, -(-2 * packed // 32), dtype=torch.uint8)},
+              ck / "model.safetensors")
+    (ck / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}))
+    for cmd in (["inspect"], ["clip-rate", "-c", "mxfp8_e4m3"]):
+        result = CliRunner().invoke(app, [*cmd, str(ck), "--out", str(tmp_path / cmd[0])])
+        assert result.exit_code == 0, result.output
+    # --requant crashed on them too (a block count of 0 divided by, a reshape of -1)
+    found = inspect([ck], requant=["mxfp4_e2m1", "mxfp8_e4m3"]).rows
+    assert [(r.requant_changed_values, r.requant_changed_codes, r.requant_changed_blocks)
+            for r in found] == [(0, 0, 0), (0, None, 0)]
+    out = tmp_path / "out.safetensors"
+    dequantize([ck], out)
+    assert open_inputs([out]).tensors[0].shape == (rows, 2 * packed)
+    sixes = torch.zeros(0, 6, dtype=torch.uint8)
+    assert tuple(unpack_sixes(sixes).shape) == (0, 8)
+
+
+def test_a_group_size_wider_than_the_weight_is_its_rows_in_inspect(tmp_path: Path) -> None:
+    # the scale rules padded each row to the config's group size: 2**40 asked for 32 TiB and
+    # crashed inspect (exit 3); a block wider than a row of 32 is that row, as a block of 32
+    rows = []
+    for group in (32, 2**40):
+        ck = tmp_path / str(group)
+        ck.mkdir()
+        codes = torch.arange(64, dtype=torch.uint8).reshape(4, 16) * 3
+        save_file({"l.weight_packed": codes,
+                   "l.weight_scale": torch.tensor([[120], [127], [127], [130]],
+                                                  dtype=torch.uint8)},
+                  ck / "model.safetensors")
+        (ck / "config.json").write_text(json.dumps({"quantization_config": {
+            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+            "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float",
+                                                "group_size": group}}}}}))
+        (row,) = inspect([ck]).rows
+        assert row.error is None
+        rows.append(row)
+    assert rows[1].scale_rules == rows[0].scale_rules is not None
+    assert rows[1].zero_blocks == rows[0].zero_blocks

@@ -60,6 +60,19 @@ def test_an_empty_path_among_good_ones_and_in_an_option_is_refused(tmp_path: Pat
     assert code == 2 and "--html" in out and "empty" in out, out
 
 
+@pytest.mark.parametrize("given", ["", " ", ["w.safetensors", ""]])
+def test_the_library_refuses_an_empty_path_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               given: str | list[str]) -> None:
+    # only the CLI refused it: drift.measure("") (a notebook's unset variable) measured the
+    # current folder
+    from driftcli import DriftError, measure
+
+    save_file(_weights(), str(tmp_path / "w.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DriftError, match=r"an input path is empty \('\s*'\)"):
+        measure(given, "mxfp8_e4m3")
+
+
 # --- 7. one checkpoint, one count ---------------------------------------------------------------
 
 
@@ -78,6 +91,22 @@ def test_a_folder_with_safetensors_and_bin_of_the_same_weights_is_read_once(
     assert code == 0, out
     said = [line for line in out.splitlines() if "pytorch_model.bin" in line]
     assert len(said) == 1 and "model.safetensors" in said[0], out
+
+
+def test_dequantize_and_inspect_say_which_twin_they_left_unread(tmp_path: Path) -> None:
+    # only the measure commands said it: dequantize wrote no output for pytorch_model.bin
+    # and inspect left it out, both in silence
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    w = {"l.weight": torch.ones(4, 8).to(torch.float8_e4m3fn), "l.weight_scale": torch.ones(())}
+    save_file(w, str(ck / "model.safetensors"))
+    torch.save(w, ck / "pytorch_model.bin")
+    for cmd in (["dequantize", str(ck), "--out", str(tmp_path / "deq")],
+                ["inspect", str(ck), "--out", str(tmp_path / "ins")]):
+        code, out = drift(*cmd)
+        assert code == 0, out
+        said = [line for line in out.splitlines() if "pytorch_model.bin" in line]
+        assert len(said) == 1 and "the same weights as" in said[0], out
 
 
 def test_shards_of_both_formats_are_read_once_from_the_safetensors(tmp_path: Path) -> None:

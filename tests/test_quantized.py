@@ -753,6 +753,18 @@ def test_requant_is_zero_on_a_presets_own_output(tmp_path: Path) -> None:
     assert codes_ is None and values_ > 0
 
 
+def test_requant_refuses_a_stochastic_preset_naming_it(tmp_path: Path) -> None:
+    # it was "stochastic rounding needs seed= or random_bits=", naming neither the option
+    # nor the fix
+    q, b = mxfp8(sample((32, 256), 40))
+    write(tmp_path, {"mx.weight": q, "mx.weight_scale": b})
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path), "--requant", "mxfp8_e4m3:sr",
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "error: --requant mxfp8_e4m3:sr: a stochastic cast" in result.output
+    assert "round-to-nearest" in result.output and not (tmp_path / "out").exists()
+
+
 def test_requant_reproduces_the_megatron_scale_flip(tmp_path: Path) -> None:
     """MXFP8 with the ceil rule (2**ceil(log2(amax / 448))) -> BF16 -> MXFP8: a block whose
     dequantized max is at most 224 * s gets s / 2 the second time."""

@@ -135,3 +135,48 @@ def test_a_table_without_provenance_names_shows_its_cast_name(tmp_path: Path,
     path = write_table(tmp_path / "clip-rate.parquet", ClipRateRow, rows, PROV)
     text = markdown.render(make_report([path], Options()))
     assert f"cast={given}" in text
+
+
+def test_append_to_a_table_written_before_cast_name(tmp_path: Path) -> None:
+    """--append merges into a table written before the column (it was refused as "not a
+    clip-rate table of this drift version's columns"): its rows get their names from its
+    provenance, the new rows theirs."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.linspace(-500, 500, 4096).reshape(16, 256)},
+              str(tmp_path / "m.safetensors"))
+    rows = [tensor_row(ClipRateRow, t, NV, clip_rate=0.1, clipped=1, n_blocks=10,
+                       cast_name=NV) for t in ("w", "*")]
+    out = tmp_path / "out"
+    out.mkdir()
+    written_before(out / "clip-rate.parquet", ClipRateRow, rows)
+    done = runner.invoke(app, ["clip-rate", str(tmp_path / "m.safetensors"), "-c", "fp8_e4m3",
+                               "--out", str(out), "--append", "--quiet"])
+    assert done.exit_code == 0, done.output
+    stored = pq.read_table(out / "clip-rate.parquet").to_pandas()
+    assert sorted(zip(stored.cast_name, stored.tensor, strict=True)) == [
+        ("fp8_e4m3", "*"), ("fp8_e4m3", "w"), ("nvfp4", "*"), ("nvfp4", "w")]
+
+
+def test_append_to_a_table_it_cannot_merge_into_is_refused_before_the_scan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the refusal came after the whole scan, its units left behind for a --resume that would
+    # be refused again
+    from safetensors.torch import save_file
+
+    import driftcli.measures.scan as scan_module
+
+    save_file({"w": torch.ones(16, 256)}, str(tmp_path / "m.safetensors"))
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = [tensor_row(ClipRateRow, "w", NV, clip_rate=0.1, clipped=1, n_blocks=10,
+                       cast_name=NV)]
+    write_table(out / "underflow-rate.parquet", ClipRateRow, rows, PROV)  # another measure's
+
+    def no_scan(*args: object, **kwargs: object) -> None:
+        raise AssertionError("scanned before refusing the table")
+
+    monkeypatch.setattr(scan_module, "scan", no_scan)
+    done = runner.invoke(app, ["underflow-rate", str(tmp_path / "m.safetensors"), "-c", "nvfp4",
+                               "--out", str(out), "--append", "--quiet"])
+    assert done.exit_code == 2 and "is not a underflow-rate table" in done.output, done.output

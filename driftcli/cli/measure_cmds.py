@@ -241,6 +241,10 @@ def _measure(m: Measure, path: Path, args: ScanArgs, options: ScanOptions) -> No
     from driftcli.memory import bound_memory
 
     include, exclude, casts, layout = args.include or (), args.exclude or (), args.cast, args.layout
+    if args.append and path.exists():  # a table rows cannot merge into: refused before the scan
+        from driftcli.io.tables import read_rows
+
+        read_rows(path, m.row_type)
     fit = axis_misfits(args.inputs, options.axis, include, exclude, layout)
     run_on = execution(args.engine, args.workers, args.ray_address, units_dir(path),
                        args.resume, args.fast_hash)

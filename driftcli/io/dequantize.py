@@ -34,6 +34,7 @@ import torch
 from driftcli.errors import DriftError
 from driftcli.io.outputs import OutputError, check_writable
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
+from driftcli.io.readers.collect import twins_skipped
 from driftcli.io.readers.quantized_weight import (
     OUT_DTYPES,
     Layout,
@@ -70,7 +71,8 @@ class Dequantized:
     copied: int
     """Tensors copied as stored."""
     notices: tuple[str, ...] = ()
-    """Configs naming a quantization drift does not know (their weights read by name)."""
+    """Configs naming a quantization drift does not know (their weights read by name), and
+    torch files left unread beside the same weights in safetensors (no output of theirs)."""
 
 
 def _out_names(sources: list[str], out: Path) -> dict[str, str]:
@@ -216,7 +218,8 @@ def dequantize(paths: Sequence[str | Path], out: str | Path, *, dtype: str = "fl
     if sharded:
         written.append(out / "model.safetensors.index.json")
     weights = sum(spec_of(r) is not None for refs in by_source.values() for r in refs)
-    return Dequantized(tuple(written), weights, len(inputs.tensors) - weights, inputs.notices)
+    return Dequantized(tuple(written), weights, len(inputs.tensors) - weights,
+                       (*inputs.notices, *twins_skipped(inputs)))
 
 
 def _not_an_input(out: Path, files: Sequence[Path]) -> None:

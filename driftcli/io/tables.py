@@ -478,26 +478,51 @@ def table_lock(table: Path, *, option: str = "--out") -> Iterator[None]:
                 folder.rmdir()
 
 
+CAST_NAME = "cast_name"
+"""The column of the name a cast was given by (a preset), added after tables were written
+without it: :func:`read_rows` fills it."""
+
+
 def read_rows(path: Path, row_type: type[Row]) -> tuple[list[Any], dict[str, Any]]:
     """A drift table of ``row_type`` as its rows (instances of ``row_type``) and provenance:
     what ``--append`` merges into. A table of another measurement, or of another drift
-    version's columns, is a :class:`~driftcli.errors.DriftError` naming it."""
+    version's columns, is a :class:`~driftcli.errors.DriftError` naming it; one written
+    before the ``cast_name`` column gets it (:data:`CAST_NAME`)."""
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowInvalid) as exc:
         raise DriftError(f"cannot read {path}: {exc}; is it a Parquet file?") from None
     meta = table.schema.metadata or {}
     names = [f.name for f in dataclasses.fields(row_type)]
-    if meta.get(TABLE_KEY) != row_type.TABLE.encode() or table.column_names != names:
+    # a table written before the cast_name column: each row gets its spec's name from the
+    # provenance, as a report fills it
+    before_names = CAST_NAME in names and table.column_names == [n for n in names
+                                                                 if n != CAST_NAME]
+    if meta.get(TABLE_KEY) != row_type.TABLE.encode() or (table.column_names != names
+                                                          and not before_names):
         raise DriftError(f"{path} is not a {row_type.TABLE} table of this drift version's "
                          "columns, so rows cannot be appended to it; give --overwrite to "
                          "replace it, or another --out")
     try:
-        rows = [row_type(**record) for record in table.to_pylist()]
-    except (TypeError, ValueError) as exc:
+        prov = json.loads(meta.get(PROVENANCE_KEY, b"{}"))
+    except (ValueError, RecursionError):
+        prov = None
+    if not isinstance(prov, dict):
+        raise DriftError(f"{path}: its provenance is not a JSON object, so rows cannot be "
+                         "appended to it; give --overwrite to replace it, or another --out")
+    names_of = prov.get("names")
+    given = names_of.get("cast") if isinstance(names_of, dict) else None
+    given = given if isinstance(given, dict) else {}
+    try:
+        records = table.to_pylist()
+        if before_names:
+            for record in records:
+                record[CAST_NAME] = str(given.get(record.get("cast"), record.get("cast")))
+        rows = [row_type(**record) for record in records]
+    except (TypeError, ValueError, AttributeError) as exc:
         raise DriftError(f"{path}: its rows do not read back as {row_type.TABLE} rows "
                          f"({exc}); give --overwrite to replace it") from None
-    return rows, json.loads(meta.get(PROVENANCE_KEY, b"{}"))
+    return rows, prov
 
 
 def merge_rows(old: Sequence[Any], new: Sequence[Any], keys: Sequence[str]) -> list[Any]:

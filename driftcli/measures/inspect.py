@@ -40,7 +40,9 @@ from typing import Any, ClassVar, cast
 
 import torch
 
+from driftcli.errors import DriftError
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
+from driftcli.io.readers.collect import twins_skipped
 from driftcli.io.readers.quantized_weight import (
     Layout,
     LibraryOrder,
@@ -56,7 +58,7 @@ from driftcli.io.tables import column
 from driftcli.oracle.scaling import EXACT_RULES, ExponentRule
 from driftcli.records.castspec import parse_cast
 from driftcli.records.formats import Format, Kind, get_format
-from driftcli.records.modes import ScaleRule
+from driftcli.records.modes import Rounding, ScaleRule
 
 MAGNITUDE_FACTOR = 1000.0
 """How far a weight's RMS may sit from the median RMS of the checkpoint's other 2-D
@@ -172,7 +174,8 @@ class Inspection:
     errors: tuple[str, ...]
     """Inputs or weights that could not be read."""
     notices: tuple[str, ...] = ()
-    """Configs naming a quantization drift does not know (their weights read by name)."""
+    """Configs naming a quantization drift does not know (their weights read by name), and
+    torch files left unread beside the same weights in safetensors."""
 
 
 def _codes(spec: QuantSpec, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -315,10 +318,13 @@ def _spans(elem: Format) -> dict[float, tuple[Fraction, Fraction | None]]:
 def _block_maxima(codes_vals: torch.Tensor, width: int) -> torch.Tensor:
     """Each 1 x ``width`` block's largest code magnitude (NaN codes as 0), flattened."""
     *lead, c = codes_vals.shape
+    # a block wider than the row is the row: a config's group_size (2**40) padded to its
+    # width would allocate terabytes
+    width = min(width, max(c, 1))
     g = -(-c // width)
     pad = torch.zeros(*lead, g * width, dtype=torch.float64)
     pad[..., :c] = codes_vals.abs().nan_to_num(0.0)
-    return pad.reshape(-1, g, width).amax(-1).reshape(-1)
+    return pad.reshape(-1, width).amax(-1)  # (rows, g, width) in order; no -1 over g = 0
 
 
 def _consistent(rule: ExponentRule, headroom: int, elem: Format, maxima: torch.Tensor,
@@ -482,8 +488,11 @@ def inspect(paths: Sequence[str | Path], *, requant: Sequence[str] = (),
 
     A weight that cannot be read is a row with ``error`` set; the others are inspected.
     """
-    for preset in requant:
-        parse_cast(preset)  # a bad preset fails before anything is read
+    for preset in requant:  # a bad preset fails before anything is read
+        if parse_cast(preset).rounding is Rounding.SR:
+            raise DriftError(f"--requant {preset}: a stochastic cast gives other codes on "
+                             "every draw, so it cannot say what a writer changed; give it "
+                             "with round-to-nearest (without :sr)")
     inputs = open_inputs(paths, include, exclude, layout=layout)
     errors = [f"{e.source}: {e.message}" if not e.message.startswith(e.source) else e.message
               for e in inputs.errors]
@@ -512,7 +521,8 @@ def inspect(paths: Sequence[str | Path], *, requant: Sequence[str] = (),
         rows = _with_requant(rows, inputs.tensors, requant)
     findings = tuple(f for r in rows if r.requant in (None, requant[0] if requant else None)
                      for f in _findings(r))
-    return Inspection(tuple(rows), findings, inputs.files, tuple(errors), inputs.notices)
+    return Inspection(tuple(rows), findings, inputs.files, tuple(errors),
+                      (*inputs.notices, *twins_skipped(inputs)))
 
 
 def _magnitude_lint(rows: list[InspectRow], rms_of: list[float],
@@ -544,6 +554,12 @@ def _with_requant(rows: list[InspectRow], tensors: Sequence[TensorRef],
         for preset in presets:
             if spec is None or row.error is not None or row.nan_scales:
                 out.append(replace(row, requant=preset))
+                continue
+            if not math.prod(spec.shape):  # no elements: nothing changes (no block to count)
+                same = parse_cast(preset).format.name == spec.element
+                out.append(replace(row, requant=preset, requant_changed_values=0,
+                                   requant_changed_codes=0 if same else None,
+                                   requant_changed_blocks=0, requant_rescaled_blocks=0))
                 continue
             # a two-level layout's weight is requantized as the preset computes it: the
             # combined scale rounded to float32 first (drift's nvfp4 and the libraries alike)

@@ -420,10 +420,12 @@ class TensorUnit:
 
     def key(self) -> str:
         """Everything the unit's results depend on, its file's stamp included (the manifest's
-        name for them; see :mod:`driftcli.engines`)."""
+        name for them; see :mod:`driftcli.engines`), and the source name that seeds its draws
+        (units kept before draws were seeded by it, by the file's path, are not taken)."""
         ref = self.ref
         return (f"scan|{self.input}|{engines.stamp(ref.source)}|{ref.name}|{ref.dtype}|"
-                f"{list(ref.shape)}|{[str(c) for c in self.casts]}|{self.options}|{self.rounded}")
+                f"{list(ref.shape)}|{[str(c) for c in self.casts]}|{self.options}|{self.rounded}"
+                f"|seeds={self.source_name or source_name(ref)}")
 
     def check_kept(self, results: object) -> str | None:
         """Why ``results``, a kept unit read back under ``--resume``, cannot be this unit's

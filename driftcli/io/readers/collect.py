@@ -307,6 +307,11 @@ def open_inputs(paths: Sequence[str | Path], include: Sequence[str] = (),
     if not paths:
         raise ReadError("no inputs given; name checkpoint or dump files, or folders holding "
                         "them")
+    for p in paths:  # pathlib reads "" as ".": an unset variable would measure the folder
+        if isinstance(p, str) and not p.strip():
+            raise ReadError(f"an input path is empty ({p!r}); give a checkpoint, a dump or a "
+                            "folder (an unset variable such as \"$CHECKPOINT\" expands to "
+                            "an empty one)")
     expanded = [_expand(Path(p)) for p in paths]  # every path checked before any is read
     collector = _Collector()
     for files, _skipped, _twins in expanded:
@@ -376,12 +381,14 @@ def unmeasured(inputs: Sequence[Inputs], shown_names: int = 5) -> list[str]:
             line += (f"; {codes.name} looks quantized ({codes.dtype} codes): drift inspect "
                      f"{codes.source} shows what a pre-quantized checkpoint holds")
         lines.append(line)
-    for i in inputs:
-        by_twin: dict[Path, list[Path]] = {}
-        for left, read in i.duplicates:
-            by_twin.setdefault(read, []).append(left)
-        for read, unread in by_twin.items():
-            names = ", ".join(shown(p) for p in unread)
-            lines.append(f"skipped {names}: the same weights as {shown(read)}, which was read "
-                         "(safetensors preferred)")
-    return lines
+    return lines + [line for i in inputs for line in twins_skipped(i)]
+
+
+def twins_skipped(inputs: Inputs) -> list[str]:
+    """One line per file read in place of torch files holding the same weights (see
+    :func:`_twins`), naming what was left unread: every command that reads folders says it."""
+    by_twin: dict[Path, list[Path]] = {}
+    for left, read in inputs.duplicates:
+        by_twin.setdefault(read, []).append(left)
+    return [f"skipped {', '.join(shown(p) for p in unread)}: the same weights as {shown(read)}, "
+            "which was read (safetensors preferred)" for read, unread in by_twin.items()]

@@ -258,13 +258,27 @@ def torch_refs(path: Path) -> Listing:
     return listing(str(path), _TORCH_FILES.load(path), lambda name: _TorchEntry(path, name))
 
 
+def _no_rows(t: torch.Tensor) -> str | None:
+    """Why a tensor has no rows drift can read (no data, or no strided layout), with what to
+    give instead; None for a plain tensor. A state dict in memory can hold any of these, and
+    reading one failed with torch's own many-line message or crashed."""
+    if t.is_nested:
+        return "is a nested tensor; give its parts (t.unbind()) as tensors of their own"
+    if t.is_meta:
+        return ("is on the meta device: it has no data (a model built on meta and never "
+                "loaded); load its weights first")
+    if t.layout is not torch.strided and not t.is_quantized:
+        return f"is stored as {str(t.layout).removeprefix('torch.')}; give t.to_dense()"
+    return None
+
+
 def listing(source: str, flat: _Flat, reader: Callable[[str], Reader]) -> Listing:
     """The tensors of a flattened state dict held by ``source`` (a file, or a state dict in
     memory), each read through ``reader(name)``, and the problems :func:`torch_refs` names."""
     refs, problems = [], []
     covered: dict[tuple[int, int], int] = {}
     for name, t in flat.tensors.items():
-        why = storage_problem(t) or _shared_problem(t, covered)
+        why = _no_rows(t) or storage_problem(t) or _shared_problem(t, covered)
         if why is not None:
             problems.append(Problem(f"{source}: tensor {name} {why}", name))
             continue

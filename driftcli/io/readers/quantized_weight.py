@@ -140,17 +140,20 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Two 4-bit codes per byte along the last dim, the low nibble first (every FP4 layout
     drift reads stores element ``2i`` in the low nibble of byte ``i``)."""
     b = packed.to(torch.int64)
-    return torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+    # the last dim named, not -1: a weight of no rows has no size for -1 to infer
+    return torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*packed.shape[:-1],
+                                                          2 * packed.shape[-1])
 
 
 def unpack_sixes(packed: torch.Tensor) -> torch.Tensor:
     """Four 6-bit codes per three bytes along the last dim: the three bytes are one
     little-endian 24-bit word, element ``4i + k`` in its bits ``6k .. 6k + 5`` (amd-quark's
     FP6 packing)."""
-    b = packed.to(torch.int64).reshape(*packed.shape[:-1], -1, 3)
+    groups = packed.shape[-1] // 3  # named, not -1: a weight of no rows has no size to infer
+    b = packed.to(torch.int64).reshape(*packed.shape[:-1], groups, 3)
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
     return torch.stack([(word >> (6 * k)) & 0x3F for k in range(4)], dim=-1).reshape(
-        *packed.shape[:-1], -1)
+        *packed.shape[:-1], 4 * groups)
 
 
 def unpack_codes(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -160,7 +163,8 @@ def unpack_codes(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     if len(spec.shape) < len(spec.codes.shape):  # gpt-oss: (..., G, 16) -> (..., G*16)
         raw = raw.reshape(*raw.shape[:-2], -1)
     raw = raw.view(torch.uint8)
-    return unpack_sixes(raw) if spec.element.startswith("float6") else unpack_nibbles(raw)
+    # by the element's width (its record), not its name: four 6-bit codes per three bytes
+    return unpack_sixes(raw) if get_format(spec.element).bits == 6 else unpack_nibbles(raw)
 
 
 def scale_values(raw: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -3,7 +3,8 @@
 with ``safetensors.save_file``.
 
 Each subclass weight ``M.W`` is stored as its parts ``M._W_qdata``, ``M._W_scale``, ...
-(``_tensor_data_names``), and the file's ``__metadata__`` holds, under ``M.W``, the JSON
+(``_tensor_data_names``; torchao's earlier releases name them ``M.W:qdata``, ``M.W:scale``
+and a plain tensor ``M.b:_data``), and the file's ``__metadata__`` holds, under ``M.W``, the JSON
 ``{"_type": "MXTensor", "_data": {...}, "_tensor_data_names": [...]}`` and, under
 ``tensor_names``, every weight's name. Measured as plain tensors those parts are codes and
 scale bytes, never the weight: drift recognises the layout from the metadata and refuses
@@ -48,11 +49,14 @@ def torchao_parts(path: Path, meta: dict[str, str] | None,
     for weight in weights:
         entry = _entry(meta.get(weight)) if isinstance(weight, str) else None
         kind = entry.get("_type") if entry is not None else None
-        if not isinstance(weight, str) or "." not in weight or kind in (None, "Tensor"):
+        if not isinstance(weight, str) or kind in (None, "Tensor"):
             continue
-        module, leaf = weight.rsplit(".", 1)
-        prefix = f"{module}._{leaf}_"
-        mine = sorted(n for n in names if n.startswith(prefix))
+        # both namings torchao has written: "M._W_qdata" and, before, "M.W:qdata"
+        prefixes = [f"{weight}:"]
+        if "." in weight:
+            module, leaf = weight.rsplit(".", 1)
+            prefixes.append(f"{module}._{leaf}_")
+        mine = sorted(n for n in names if n.startswith(tuple(prefixes)))
         parts.update(mine)
         data = entry.get("_data") if entry is not None else None
         swizzled = isinstance(data, dict) and data.get("is_swizzled_scales") is True
