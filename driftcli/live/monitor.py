@@ -342,7 +342,7 @@ class Monitor:
         rounded = any(MEASURES[m.value].rounded for m in cast_measures)
         results = tuple(scan_unit(TensorUnit(self.config.name, ref, self.config.casts, options,
                                              rounded)))
-        found = Scan(results, {}, ())
+        found = Scan(results, {}, (), names=dict(self.config.cast_names))
         for m in cast_measures:
             for row in MEASURES[m.value].rows(found):
                 if row.tensor != ALL_TENSORS:

@@ -75,7 +75,7 @@ class MonitorErrorBiasRow(ErrorBiasRow):
     direction: str = column(_DIRECTION_DOC)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # after block-stats' defaulted cast_name
 class MonitorBlockStatsRow(BlockStatsRow):
     """block-stats of one operand, in one direction, at one step, under one cast: its blocks
     run along that matmul's contraction axis."""
