@@ -49,6 +49,13 @@ TABLE = {  # cast: {operand: (clipped, underflowed, rel_error, bias x 1e3)}
                             "dY": (23568, 96071, 0.0821, -1.59)},
 }
 ELEMENTS = {"X": 182016, "dY": 224768}  # 36 tensors each: shapes are exact
+# The gradient of q_proj's output at a window's first token is 0 in exact arithmetic (that
+# query sees one key: a softmax of one term has no gradient), but torch's float32 backward
+# leaves rounding noise of about 1e-9 there or not, as the BLAS code path MKL picks for the CPU
+# decides (none under MKL_CBWR=COMPATIBLE), and a cast flushes every noisy element: up to 4
+# windows x 64 features x 5 layers more flushed dY elements on one machine than another
+# (measured: 632 fewer under MKL_CBWR=COMPATIBLE and under SSE4_2 than on the Intel default).
+FIRST_TOKEN_NOISE = {"X": 0, "dY": 4 * 64 * 5}
 # tensors (of 36) whose rel_error is below te/nvfp4's
 LOWER_ERROR = {"te/nvfp4_rht": {"X": 22, "dY": 3}, "te/nvfp4_4over6": {"X": 36, "dY": 36},
                "te/nvfp4_4over6_mse": {"X": 36, "dY": 36}}
@@ -110,7 +117,8 @@ def test_the_scans_give_the_docs_table(scans: Path) -> None:
             n = got[cast][op]
             assert n["tensors"] == 36 and n["elements"] == ELEMENTS[op], (cast, op)
             assert abs(n["clipped"] - clipped) <= 0.005 * clipped, (cast, op, n["clipped"])
-            assert abs(n["underflowed"] - underflowed) <= 0.005 * underflowed, (cast, op, n)
+            assert (abs(n["underflowed"] - underflowed)
+                    <= 0.005 * underflowed + FIRST_TOKEN_NOISE[op]), (cast, op, n)
             assert abs(n["rel_error"] - rel_error) <= 1e-4, (cast, op, n["rel_error"])
             assert abs(n["bias"] * 1e3 - bias) <= 0.05, (cast, op, n["bias"])
             if cast in LOWER_ERROR:
