@@ -49,13 +49,32 @@ TABLE = {  # cast: {operand: (clipped, underflowed, rel_error, bias x 1e3)}
                             "dY": (23568, 96071, 0.0821, -1.59)},
 }
 ELEMENTS = {"X": 182016, "dY": 224768}  # 36 tensors each: shapes are exact
+# The gradient of q_proj's output at a window's first token is 0 in exact arithmetic (that
+# query sees one key: a softmax of one term has no gradient), but torch's float32 backward
+# leaves rounding noise of about 1e-9 there or not, as the BLAS code path MKL picks for the CPU
+# decides (none under MKL_CBWR=COMPATIBLE), and a cast flushes every noisy element: up to 4
+# windows x 64 features x 5 layers more flushed dY elements on one machine than another
+# (measured: 632 fewer under MKL_CBWR=COMPATIBLE and under SSE4_2 than on the Intel default).
+FIRST_TOKEN_NOISE = {"X": 0, "dY": 4 * 64 * 5}
 # tensors (of 36) whose rel_error is below te/nvfp4's
 LOWER_ERROR = {"te/nvfp4_rht": {"X": 22, "dY": 3}, "te/nvfp4_4over6": {"X": 36, "dY": 36},
                "te/nvfp4_4over6_mse": {"X": 36, "dY": 36}}
 # grad-cosine on batch 0 (the doc's first column); the casts and the SR bits are exact and
-# seeded, the matmuls torch's float32 ones, so 5e-4 as tests/test_recipe_policies.py allows
-COSINE_B0 = {"nvfp4": 0.353, "te/nvfp4": 0.446, "te/nvfp4_recipe": 0.516,
-             "te-nvfp4-recipe-no-rht": 0.520}
+# seeded, the matmuls torch's float32 ones, so 5e-4 as tests/test_recipe_policies.py allows.
+# That holds for the two recipe rows only (0.516009 and 0.519634 to the last digit printed on
+# the AMD EPYC and the Intel Xeon machines and under every MKL code path below).
+COSINE_B0 = {"te/nvfp4_recipe": 0.516, "te-nvfp4-recipe-no-rht": 0.520}
+# nvfp4 and te/nvfp4 cast attention's operands too: P·v's output is a sum of products of
+# NVFP4 values, and o_proj's cast of it finds elements exactly on a rounding tie, which side of
+# it MKL's float32 sgemm (the policies' `native` order) lands on decided by the kernel MKL picks
+# for the CPU. One flipped element moves by a third of its value and the forward diverges from
+# there: batch 0's cosine was 0.353 / 0.446 (nvfp4 / te/nvfp4) on the AMD machine, 0.313 / 0.287
+# on the Intel one, 0.311 / 0.414 under MKL_ENABLE_INSTRUCTIONS=AVX2, 0.399 / 0.203 under
+# MKL_CBWR=COMPATIBLE, 0.375 / 0.203 under SSE4_2. Asserted is what held on all of them: each
+# row well above 0 and below the recipe's (the doc's verdict); the doc shows both machines'.
+COSINE_B0_MACHINE = {"nvfp4": {"AMD EPYC": 0.353, "Intel Xeon": 0.313},
+                     "te/nvfp4": {"AMD EPYC": 0.446, "Intel Xeon": 0.287}}
+COSINE_B0_FLOOR = 0.15  # the lowest measured, 0.203, less a margin
 
 runner = CliRunner()
 
@@ -98,7 +117,8 @@ def test_the_scans_give_the_docs_table(scans: Path) -> None:
             n = got[cast][op]
             assert n["tensors"] == 36 and n["elements"] == ELEMENTS[op], (cast, op)
             assert abs(n["clipped"] - clipped) <= 0.005 * clipped, (cast, op, n["clipped"])
-            assert abs(n["underflowed"] - underflowed) <= 0.005 * underflowed, (cast, op, n)
+            assert (abs(n["underflowed"] - underflowed)
+                    <= 0.005 * underflowed + FIRST_TOKEN_NOISE[op]), (cast, op, n)
             assert abs(n["rel_error"] - rel_error) <= 1e-4, (cast, op, n["rel_error"])
             assert abs(n["bias"] * 1e3 - bias) <= 0.05, (cast, op, n["bias"])
             if cast in LOWER_ERROR:
@@ -128,6 +148,11 @@ def test_the_doc_shows_the_tables_numbers() -> None:
     for policy, cosine in COSINE_B0.items():
         row = next(line for line in cosines.splitlines() if line.startswith(f"| `{policy}` |"))
         assert f"{cosine:.3f}" in row, (policy, row)
+    for policy, machines in COSINE_B0_MACHINE.items():
+        for machine, cosine in machines.items():
+            row = next(line for line in cosines.splitlines()
+                       if line.startswith(f"| `{policy}`, {machine} |"))
+            assert f"| {cosine:.3f} |" in row, (policy, machine, row)
     assert section.count("**Verdict") >= 3
 
 
@@ -157,6 +182,8 @@ def test_grad_cosine_of_batch_0(tmp_path: Path) -> None:
                    strict=True))
     for policy, cosine in COSINE_B0.items():
         assert abs(got[policy] - cosine) <= 5e-4, (policy, got[policy])
+    for policy in COSINE_B0_MACHINE:  # machine-dependent (see COSINE_B0_MACHINE)
+        assert COSINE_B0_FLOOR < got[policy] < got["te/nvfp4_recipe"], (policy, got[policy])
     summary = _summary_module().cosine_numbers([tmp_path / "gc-b0" / "grad-cosine.parquet"] * 2)
     assert summary["te/nvfp4_recipe"]["sd"] == 0.0  # the same batch twice: no spread
 

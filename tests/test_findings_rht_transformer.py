@@ -27,8 +27,11 @@ SELECT = ["--include", "*/activation", "--include", "*/gradient", "--exclude", "
 # steps of torch's float32 training and one float32 forward and backward, whose last bits a CPU
 # may change (docs/contributing.md); a changed bit moves an element across a clip or flush
 # threshold only within an ulp of one, and 100 steps of AdamW can carry such a change into the
-# weights' last bits, so the counts get 2 %, the means 1e-3 (rel_error) and 0.2 (bias x 1e3),
-# well inside the gaps the verdicts read (the smallest, RHT's dY rel_error, is 4.6e-3).
+# weights' last bits, so the counts get 2 %, the means 1e-3 (rel_error) and 0.3 (bias x 1e3),
+# well inside the gaps the verdicts read (the smallest, RHT's dY rel_error, is 4.6e-3). The
+# bias is the loosest: a mean of 9 tensors' ⟨e, x⟩/‖x‖², each moved by whichever few large
+# elements flip; RHT's dY bias ranged over 0.28 (−3.68 to −3.40) across the Intel Xeon's
+# default, AVX2 and SSE4_2 MKL paths, MKL_CBWR=COMPATIBLE and ATEN_CPU_CAPABILITY=avx2.
 TABLE = {  # cast: {operand: (clipped, flushed, rel_error, bias x 1e3)}
     "te/nvfp4": {"X": (5056, 4526, 0.1006, 4.39), "dY": (6227, 19941, 0.0927, -2.87)},
     "te/nvfp4_rht": {"X": (4258, 9982, 0.0934, -3.01), "dY": (6558, 10602, 0.0973, -3.60)},
@@ -39,9 +42,15 @@ ELEMENTS = {"X": 122880, "dY": 180224}  # 9 linear maps each: shapes are exact
 LOWER_ERROR = {"te/nvfp4_rht": {"X": 9, "dY": 1}, "te/nvfp4_4over6": {"X": 9, "dY": 9},
                "te/nvfp4_4over6_mse": {"X": 9, "dY": 9}}
 # grad-cosine over every parameter, 4 windows of 32 bytes; the SR policies average 4 draws; the
-# matmuls are torch's float32 ones on trained weights (as above): 3e-3
+# matmuls are torch's float32 ones on weights trained by them, so each machine's cosines are its
+# own (the doc gives the AMD EPYC machine's and an Intel Xeon's): across the five code paths
+# above the nvfp4 row ranged over 0.9540-0.9604, te/nvfp4 0.9551-0.9604, the recipe
+# 0.9723-0.9751, without RHT 0.9736-0.9769, at most 6e-3 from the AMD figures: 0.01. The
+# verdicts' gaps held on every path (the recipe above te/nvfp4 by 0.0118 to 0.0200).
 COSINE = {"nvfp4": 0.960, "te/nvfp4": 0.960, "te/nvfp4_recipe": 0.974,
           "te-nvfp4-recipe-no-rht": 0.975}
+COSINE_INTEL = {"nvfp4": 0.959, "te/nvfp4": 0.955, "te/nvfp4_recipe": 0.975,
+                "te-nvfp4-recipe-no-rht": 0.977}
 
 runner = CliRunner()
 
@@ -93,7 +102,7 @@ def test_the_part_gives_the_docs_numbers_and_verdicts(part: Path) -> None:
             assert abs(n["clipped"] - clipped) <= 0.02 * clipped, (cast, op, n["clipped"])
             assert abs(n["underflowed"] - flushed) <= 0.02 * flushed, (cast, op, n)
             assert abs(n["rel_error"] - rel_error) <= 1e-3, (cast, op, n["rel_error"])
-            assert abs(n["bias"] * 1e3 - bias) <= 0.2, (cast, op, n["bias"])
+            assert abs(n["bias"] * 1e3 - bias) <= 0.3, (cast, op, n["bias"])
             if cast in LOWER_ERROR:
                 assert abs(n["lower_error"] - LOWER_ERROR[cast][op]) <= 1, (cast, op, n)
     base, rht = got["te/nvfp4"], got["te/nvfp4_rht"]
@@ -110,7 +119,7 @@ def test_the_part_gives_the_docs_numbers_and_verdicts(part: Path) -> None:
     t = t[t["parameter"] == "*"]
     cos = dict(zip(t["policy"], t["cosine"], strict=True))
     for policy, cosine in COSINE.items():
-        assert abs(cos[policy] - cosine) <= 3e-3, (policy, cos[policy])
+        assert abs(cos[policy] - cosine) <= 0.01, (policy, cos[policy])
     assert cos["te/nvfp4_recipe"] > cos["te/nvfp4"] + 0.01  # the recipe helps
     assert abs(cos["te/nvfp4_recipe"] - cos["te-nvfp4-recipe-no-rht"]) < 0.005  # not its RHT
 
@@ -127,7 +136,7 @@ def test_the_doc_shows_the_tables_numbers() -> None:
     cosines = section.split("| policy |")[1]
     for policy, cosine in COSINE.items():
         row = next(line for line in cosines.splitlines() if line.startswith(f"| `{policy}` |"))
-        assert f"{cosine:.3f}" in row, (policy, row)
+        assert f"| {cosine:.3f} | {COSINE_INTEL[policy]:.3f} |" in row, (policy, row)
     assert section.count("**Verdict") >= 3
 
 
