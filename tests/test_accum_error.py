@@ -423,9 +423,11 @@ def test_the_documented_default_run_reproduces(tmp_path: Path) -> None:
     """docs/accum-error.md's `drift accum-error` table, row by row: drift's own orders to the
     digits shown (their arithmetic is the same on every CPU; only the float64 norms of the
     metrics are torch's reductions, far below the third digit). order=native is torch.matmul's
-    float32 and differs by CPU, as the page says: its errors within 30 % (float32 orders here
-    differ by up to 13 % from each other; a wrong accumulator is off by orders of magnitude),
-    and its bias, noise around zero, only below 1e-8."""
+    float32 and differs by CPU, as the page says: its errors within a factor of 2 (the BLAS
+    library picks its sgemm blocking by CPU vendor, so the chain of float32 additions differs:
+    the median error was 2.04e-07 on an AMD EPYC and 2.90e-07 on an Intel Xeon with MKL, 42 %
+    apart; a wrong accumulator, bfloat16, is off by four orders of magnitude), and its bias,
+    noise around zero, only below 1e-8."""
     page = (Path(__file__).resolve().parents[1] / "docs" / "accum-error.md").read_text()
     block = page.split("$ drift accum-error\n")[1].split("```")[0]
     shown = {}
@@ -449,7 +451,7 @@ def test_the_documented_default_run_reproduces(tmp_path: Path) -> None:
         assert int(cells[0]) == s["matmuls"]
         if "order=native" in label:
             for cell, value in zip(cells[1:4], values[:3], strict=True):
-                assert abs(value - float(cell)) <= 0.3 * float(cell), (label, cell, value)
+                assert float(cell) / 2 <= value <= 2 * float(cell), (label, cell, value)
             assert abs(values[3]) < 1e-8
         else:
             assert [f"{v:.3g}" for v in values] == cells[1:], label

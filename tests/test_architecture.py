@@ -254,6 +254,8 @@ CASTS_INTERFACE = {
     "casts.rounding": {"round_to_format", "draw_random_bits", "add", "multiply"},
     "casts.codec": {"encode", "decode", "nan_code"},
     "casts.hadamard": {"transform", "transformed", "check_core", "rht_problem"},
+    # the cast pipeline's route, decided once per cast (issue 41): what the fused pass takes
+    "casts.route": {"flat_route", "one_scale"},
 }
 """The names of ``casts/`` the layers above may use: a whole cast (``quantize``), the element
 rounding and arithmetic verify checks, code <-> value, the random Hadamard transform, and the

@@ -366,6 +366,12 @@ def test_the_documented_run_reproduces(tmp_path: Path) -> None:
     for policy, cells in shown.items():
         for name, cell in cells.items():
             doc, value = float(cell), got[policy][name]
+            if policy == "float32" and name == "rel_error":
+                # float32's whole error is the last bits of torch's sgemm, whose blocking the
+                # BLAS library picks by CPU vendor: 1.68e-06 on an AMD EPYC, 1.86e-06 on an
+                # Intel Xeon with MKL; within a factor of 2 (an 8-bit cast's is 1e-2 and more)
+                assert doc / 2 <= value <= 2 * doc, (policy, name, cell, value)
+                continue
             allowed = max(TOLERANCE[policy] * abs(doc), _half_unit(cell))
             assert abs(value - doc) <= allowed, (policy, name, cell, value)
 
