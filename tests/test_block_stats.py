@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_report_html import screenshot
 from typer.testing import CliRunner
 
 from driftcli import kernels
@@ -370,7 +371,6 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def test_the_heatmaps_are_readable_in_headless_chromium(tmp_path: Path) -> None:
     """The report page as a browser draws it: the block-stats heatmaps show (the colour map's
     yellow cells of the planted tensor, where every block has one scale and clips)."""
-    import subprocess
 
     import numpy as np
     from PIL import Image
@@ -386,15 +386,7 @@ def test_the_heatmaps_are_readable_in_headless_chromium(tmp_path: Path) -> None:
     assert runner.invoke(app, ["report", str(out / "block-stats.parquet"),
                                str(out / "block-scales.parquet"), "--html",
                                str(page)]).exit_code == 0
-    shot = tmp_path / "shot.png"
-    proc = subprocess.run(
-        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--host-resolver-rules=MAP * ~NOTFOUND",
-         "--window-size=1200,4000", "--hide-scrollbars", "--force-device-scale-factor=1",
-         f"--screenshot={shot}", page.as_uri()],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    shot, _ = screenshot(page, tmp_path)
     rgb = np.asarray(Image.open(shot).convert("RGB")).astype(int)
     yellow = (rgb[..., 0] > 230) & (rgb[..., 1] > 210) & (rgb[..., 2] < 80)
     assert yellow.sum() > 1500  # full cells on the clip map and the exponent maps

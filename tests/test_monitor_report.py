@@ -8,7 +8,6 @@ import io
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 from test_monitor import TwoLayer, run
+from test_report_html import screenshot
 from typer.testing import CliRunner
 
 from driftcli.cli import app
@@ -98,15 +98,7 @@ def test_the_page_is_readable_in_headless_chromium(folder: Path, tmp_path: Path)
     page = tmp_path / "r.html"  # one table's folder of parts: its heatmap within the window
     assert runner.invoke(app, ["report", str(folder / "monitor-stats"), "--html",
                                str(page)]).exit_code == 0
-    shot = tmp_path / "shot.png"
-    proc = subprocess.run(
-        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--host-resolver-rules=MAP * ~NOTFOUND",
-         "--window-size=1200,6000", "--hide-scrollbars", "--force-device-scale-factor=1",
-         f"--screenshot={shot}", page.as_uri()],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    shot, _ = screenshot(page, tmp_path, height=6000)
     rgb = np.asarray(Image.open(shot).convert("RGB")).astype(int)
     yellow = (rgb[..., 0] > 230) & (rgb[..., 1] > 210) & (rgb[..., 2] < 80)
     assert yellow.sum() > 50  # the heatmap's planted cell, drawn by the browser

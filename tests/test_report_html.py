@@ -407,16 +407,16 @@ def frame(gray: np.ndarray) -> tuple[int, int]:
     return int(left), int(right)
 
 
-def screenshot(page: Path, folder: Path) -> tuple[Path, Path]:
-    """The page as headless Chromium shows it, 1200 × 4000 CSS pixels at one device pixel
-    each, with the network blocked; the screenshot and the browser's network log."""
+def screenshot(page: Path, folder: Path, height: int = 4000) -> tuple[Path, Path]:
+    """The page as headless Chromium shows it, 1200 × ``height`` CSS pixels at one device
+    pixel each, with the network blocked; the screenshot and the browser's network log."""
     shot, netlog = folder / "shot.png", folder / "net.json"
     proc = subprocess.run(
         [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
          "--no-first-run", "--disable-background-networking", "--disable-component-update",
          "--disable-sync", f"--user-data-dir={folder / 'profile'}",
          "--host-resolver-rules=MAP * ~NOTFOUND",  # block the network: nothing may resolve
-         f"--log-net-log={netlog}", "--window-size=1200,4000", "--hide-scrollbars",
+         f"--log-net-log={netlog}", f"--window-size=1200,{height}", "--hide-scrollbars",
          "--force-device-scale-factor=1", f"--screenshot={shot}", page.as_uri()],
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
