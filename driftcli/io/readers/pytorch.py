@@ -139,9 +139,59 @@ def _torch_zip(path: Path) -> bool:
     return True
 
 
+_MAX_SCANNED_PICKLE = 64 << 20
+"""A zip member ``data.pkl`` larger than this is not scanned for torchao's classes (a state
+dict's pickle is kilobytes to a few megabytes; torch.load still refuses what it must)."""
+
+
+def _torchao_global(path: Path) -> str | None:
+    """The first torchao class the file's pickle names (``module.Class``), read from its
+    opcodes without running any (``pickletools.genops`` only parses). torch's weights-only
+    loader accepts torchao's tensor classes once torchao is imported in the process (it adds
+    them to torch's safe globals), so the refusal cannot wait for torch to raise: a user's
+    notebook with torchao imported would otherwise build torchao's objects from the file."""
+    import pickletools
+
+    try:
+        with zipfile.ZipFile(path) as zf:
+            member = next((i for i in zf.infolist() if i.filename.endswith("/data.pkl")
+                           or i.filename == "data.pkl"), None)
+            if member is None or member.file_size > _MAX_SCANNED_PICKLE:
+                return None
+            data = zf.read(member)
+    except (OSError, *ZIP_ERRORS):
+        return None
+    strings: list[str] = []
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            if op.name == "GLOBAL" and isinstance(arg, str):
+                module, _, name = arg.partition(" ")
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                module, name = strings[-2], strings[-1]
+            else:
+                if isinstance(arg, str):
+                    strings.append(arg)
+                continue
+            if module == "torchao" or module.startswith("torchao."):
+                return f"{module}.{name}"
+    except (ValueError, EOFError):  # a damaged pickle: torch.load says so
+        return None
+    return None
+
+
+def _torchao_refusal(path: Path, what: str) -> str:
+    # a state dict of torchao tensors is what torch.save(model.state_dict()) wrote: that
+    # advice would send the user round in a circle
+    return (f"{path} needs arbitrary unpickling{what}, which drift refuses (it can run code): "
+            "its weights are torchao quantized tensors; save them dequantized ({k: "
+            "v.dequantize() for each torchao tensor}) with torch.save or safetensors save_file")
+
+
 def _load_torch(path: Path) -> _Flat:
     # mmap needs the zip format; older files are loaded whole
     mmap = _torch_zip(path)
+    if mmap and (held := _torchao_global(path)) is not None:
+        raise ReadError(_torchao_refusal(path, f" (it holds {held})"))
     try:
         obj = torch.load(path, weights_only=True, mmap=mmap, map_location="cpu")
     except pickle.UnpicklingError as exc:
@@ -156,12 +206,7 @@ def _load_torch(path: Path) -> _Flat:
         found = re.search(r"GLOBAL (\S+)", text)
         what = f" (it holds {found.group(1)})" if found else ""
         if found and found.group(1).startswith("torchao"):
-            # a state dict of torchao tensors is what torch.save(model.state_dict()) wrote:
-            # that advice would send the user round in a circle
-            raise ReadError(f"{path} needs arbitrary unpickling{what}, which drift refuses "
-                            "(it can run code): its weights are torchao quantized tensors; "
-                            "save them dequantized ({k: v.dequantize() for each torchao "
-                            "tensor}) with torch.save or safetensors save_file") from exc
+            raise ReadError(_torchao_refusal(path, what)) from exc
         raise ReadError(f"{path} " + _REFUSED_PICKLE.format(what=what)) from exc
     except RecursionError:
         raise ReadError(_too_deep(path)) from None
