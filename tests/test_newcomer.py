@@ -410,9 +410,13 @@ def test_the_readme_install_lines_install_drift_beside_the_torch_there(tmp_path:
     assert subprocess.run(version, capture_output=True, text=True).stdout == before
     # make's set-up with this environment's python: the venv sees its torch, pip fetches none
     dev = tmp_path / "dev"
-    plan = subprocess.run(["make", "-n", "setup", f"PYTHON={env / 'bin' / 'python'}",
-                           f"VENV={dev}"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.replace("\\\n", "")
+    # under `make test` this make is a sub-make: it would print "make[1]: Entering directory"
+    # lines among the commands, so it is told not to, and forgets the parent's flags
+    alone = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    plan = subprocess.run(["make", "--no-print-directory", "-n", "setup",
+                           f"PYTHON={env / 'bin' / 'python'}", f"VENV={dev}"], cwd=ROOT,
+                          capture_output=True, text=True, check=True,
+                          env=alone).stdout.replace("\\\n", "")
     steps = [s for s in plan.splitlines() if s and not s.startswith("#") and "-e '.[dev]'" not in s
              and not s.startswith("touch")]
     ran = subprocess.run(["bash", "-ec", "\n".join(steps)], capture_output=True, text=True,
