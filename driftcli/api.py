@@ -2,7 +2,7 @@
 or a training loop, and get the rows the command writes, as a pandas DataFrame.
 
 Tensors in memory are a source of the command's own scan (:class:`~driftcli.io.readers.memory.
-Held`): listed as the ``.pt`` reader lists the file ``torch.save`` would write of them, and read
+Held`): listed under the dotted names the ``.pt`` reader gives a saved state dict, and read
 where they lie. The rows are those of ``drift clip-rate NAME.pt`` (same names, same numbers,
 same columns and dtypes as the Parquet table read back), with ``source`` set to ``name``;
 nothing is written, nothing is locked, and several threads can call :func:`measure` at once.
