@@ -255,7 +255,11 @@ CASTS_INTERFACE = {
     "casts.codec": {"encode", "decode", "nan_code"},
     "casts.hadamard": {"transform", "transformed", "check_core", "rht_problem"},
     # the cast pipeline's route, decided once per cast (issue 41): what the fused pass takes
-    "casts.route": {"flat_route", "one_scale"},
+    "casts.route": {"flat_route", "one_scale",
+                    # and its steps: the groups' amax, scales, values and counts
+                    "block_amax", "block_ranges", "group_ranges", "group_scales", "GroupScales",
+                    "cast_elements", "ElementCast", "block_summary", "key_counts",
+                    "fused_summary", "Summary"},
 }
 """The names of ``casts/`` the layers above may use: a whole cast (``quantize``), the element
 rounding and arithmetic verify checks, code <-> value, the random Hadamard transform, and the
@@ -271,23 +275,10 @@ KNOWN_ISSUE_41 = {
             "tensor_amax_of", "two_level_consts", "working")),
         *(f"driftcli.casts.rounding.{n}" for n in ("jit_params", "source_of", "target_of")),
         *(f"driftcli.casts.scaling.{n}" for n in ("ScalePlan", "block_stats", "to_blocks"))},
-    "driftcli.measures.block_stats": {
-        "driftcli.kernels", "driftcli.kernels.jit",
-        *(f"driftcli.casts.quantization.{n}" for n in ("pow2_rule", "two_level_consts",
-                                                       "working")),
-        *(f"driftcli.casts.scaling.{n}" for n in (
-            "ScalePlan", "binade_and_significand", "plan_divisors", "plan_pow2_exponents",
-            "plan_two_level_scales", "pow2_range", "to_blocks"))},
-    "driftcli.measures.diffstats": {
-        f"driftcli.casts.quantization.{n}" for n in ("Blocked", "cast_blocks", "element_masks")},
-    "driftcli.verify.blocks": {
-        "driftcli.casts.microscale.micro_scales",
-        *(f"driftcli.casts.scaling.{n}" for n in ("ScalePlan", "block_stats", "plan_divisors",
-                                                  "pow2_exponents"))},
 }
 """Issue 41: the reaches into ``kernels/`` and the casts' insides there are today, each one a
-private composition of a cast's route (``stats._numba_stats``, block-stats' scale path,
-``verify/blocks._fast_scales``, cast-diff's block masks) that the one cast pipeline replaces.
+private composition of a cast's route (``stats._numba_stats``) that the one cast pipeline
+replaces (block-stats, ``verify/blocks`` and cast-diff call its steps).
 The only exceptions: a module reaching in anywhere else fails, and an entry here goes once its
 module stops."""
 
@@ -381,7 +372,7 @@ def test_measures_verify_and_runs_use_no_kernel_and_no_private_cast_name() -> No
     assert {m: names for m, names in gone.items() if names} == {}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 41: stats, block_stats, diffstats and verify's "
-                                       "blocks still compose a cast's route of their own")
+@pytest.mark.xfail(strict=True, reason="issue 41: measures/stats still composes a cast's "
+                                       "route of its own")
 def test_no_exception_to_the_casts_interface_is_left() -> None:
     assert _engine_reaches() == {}

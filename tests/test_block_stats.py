@@ -17,6 +17,7 @@ from test_report_html import screenshot
 from typer.testing import CliRunner
 
 from driftcli import kernels
+from driftcli.casts.route import _two_level_numba, block_ranges, key_counts
 from driftcli.casts.scaling import ScalePlan, plan_two_level_scales
 from driftcli.choices import Engine
 from driftcli.cli import app
@@ -30,13 +31,10 @@ from driftcli.measures.block_stats import (
     Direction,
     _fused,
     _groups,
-    _two_level_numba,
-    block_ranges,
     block_stats,
     direction_stats,
     directions,
     element_span,
-    key_counts,
 )
 from driftcli.measures.stats import cast_stats
 from driftcli.records.castspec import parse_cast

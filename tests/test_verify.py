@@ -96,17 +96,25 @@ def test_unknown_and_impossible_formats_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "verify-formats.parquet").exists()
 
 
-def _log2_shortcut(amax, elem, scaling):  # type: ignore[no-untyped-def]
-    """The bug verify-formats must catch: the exponent from a float32 log2, which rounds
-    log2 of the largest float32 below 8.0 up to 3."""
+def _log2_shortcut(real):  # type: ignore[no-untyped-def]
+    """The bug verify-formats must catch, planted in verify's scale step alone
+    (:func:`driftcli.casts.route.group_scales`, on either back-end): the exponent from a
+    float32 log2, which rounds log2 of the largest float32 below 8.0 up to 3."""
+    import dataclasses
+
     import torch
 
-    from driftcli.casts.scaling import pow2_range
-
-    k = torch.floor(torch.log2(amax.float())).long() - elem.emax + scaling.headroom
-    low, high = pow2_range(scaling.scale_format)
-    zero = amax == 0
-    return torch.where(zero, low, k.clamp(low, high)), torch.zeros_like(zero)
+    def planted(c, amax, **kw):  # type: ignore[no-untyped-def]
+        got = real(c, amax, **kw)
+        if got.exponent is None:
+            return got
+        safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+        exact = torch.frexp(safe).exponent.long() - 1  # read from the bits
+        shift = torch.where(amax > 0, torch.floor(torch.log2(safe.float())).long() - exact, 0)
+        k = got.exponent + shift
+        return dataclasses.replace(got, exponent=k, value=torch.ldexp(
+            torch.ones_like(k, dtype=torch.float64), k.double()))
+    return planted
 
 
 def _log2_shortcut_plan(amax, plan):  # type: ignore[no-untyped-def]
@@ -149,27 +157,31 @@ def test_a_planted_log2_scale_rule_is_caught(where: str, backend: str,
         monkeypatch.setattr(quantization, "plan_pow2_exponents", _log2_shortcut_plan)
         monkeypatch.setattr(jit, "pow2_block_scales", _log2_shortcut_rows(jit.pow2_block_scales))
     else:
-        monkeypatch.setattr(blocks, "pow2_exponents", _log2_shortcut)
+        monkeypatch.setattr(blocks, "group_scales", _log2_shortcut(blocks.group_scales))
     with kernel_path(backend):
         outcomes = verify([FORMATS["float4_e2m1fn"]], Plan(quick=True))
     failing = {o.check for o in outcomes if o.n_failed}
-    assert failing == ({"blocks"} if where == "cast" else {"block scales"})
+    # the numba back-end's scale kernel is the cast's and verify's scale step's both
+    # (driftcli.casts.route.group_scales): planted there, both checks catch it
+    shared = {"block scales"} if backend == "jit" else set()
+    assert failing == ({"blocks"} | shared if where == "cast" else {"block scales"})
 
 
 def test_floor_where_ceil_is_asked_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
-    real = quantization.pow2_exponents
+    real = blocks.group_scales
     real_plan = quantization.plan_pow2_exponents
 
-    def floor_instead(amax, elem, scaling):  # type: ignore[no-untyped-def]
-        return real(amax, elem, dataclasses.replace(scaling, rule=ScaleRule.FLOOR))
+    def floor_instead(c, *args, **kw):  # type: ignore[no-untyped-def]
+        floor = dataclasses.replace(c.scaling, rule=ScaleRule.FLOOR)
+        return real(dataclasses.replace(c, scaling=floor), *args, **kw)
 
     def floor_instead_plan(amax, plan):  # type: ignore[no-untyped-def]
         return real_plan(amax, dataclasses.replace(plan, rule=ScaleRule.FLOOR))
 
     monkeypatch.setattr(quantization, "plan_pow2_exponents", floor_instead_plan)
-    monkeypatch.setattr(blocks, "pow2_exponents", floor_instead)
+    monkeypatch.setattr(blocks, "group_scales", floor_instead)
     ceil = next(c for c in block_casts(FORMATS["float8_e4m3fn"])
                 if c.scaling.rule is ScaleRule.CEIL)
     outcomes = list(check_cast(FORMATS["float8_e4m3fn"], ceil, Plan(quick=True)))

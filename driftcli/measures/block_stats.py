@@ -37,30 +37,30 @@ from typing import Any, ClassVar
 
 import torch
 
-from driftcli import engines, kernels
+from driftcli import engines
 from driftcli.casts.codec import encode
-from driftcli.casts.quantization import pow2_rule, two_level_consts, working
-from driftcli.casts.scaling import (
-    ScalePlan,
-    binade_and_significand,
-    plan_divisors,
-    plan_pow2_exponents,
-    plan_two_level_scales,
-    pow2_range,
-    to_blocks,
+from driftcli.casts.quantization import working_dtype
+from driftcli.casts.route import (
+    GroupScales,
+    Summary,
+    block_summary,
+    fused_summary,
+    group_ranges,
+    group_scales,
+    key_counts,
 )
+from driftcli.casts.route import block_ranges as block_ranges  # the live monitor's groups
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
 from driftcli.io.tables import column
-from driftcli.kernels import jit
 from driftcli.measures.common import CAST_NAME_DOC
 from driftcli.measures.scan import NothingToMeasure, nothing_to_measure
 from driftcli.progress import Progress
 from driftcli.records.cast import Cast
 from driftcli.records.castspec import parse_cast
 from driftcli.records.formats import Format
-from driftcli.records.modes import Granularity, ScaleRule
+from driftcli.records.modes import Granularity
 
 Tensor = torch.Tensor
 
@@ -145,25 +145,7 @@ class BlockScaleRow:
     cast_name: str = column(CAST_NAME_DOC, default="")
 
 
-# --- the pass over the groups (the kernel seam: numba or torch) -------------------------------
-
-def block_ranges(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per row of 2-D float32 or float64 ``blocks``: the largest finite magnitude (0 for
-    none), the smallest nonzero finite one (inf for none), the binades from it to the largest,
-    ``floor(log2 top) - floor(log2 low)`` (-1 for none), and whether it holds NaN or inf.
-    The numba back-end is :func:`driftcli.kernels.jit.block_ranges`; this is its torch
-    twin."""
-    if kernels.numba_runs(blocks):
-        return jit.block_ranges(blocks.contiguous())
-    finite = torch.isfinite(blocks)
-    mags = blocks.abs()
-    top = torch.where(finite, mags, 0.0).amax(dim=1)
-    low = torch.where(finite & (blocks != 0), mags, torch.inf).amin(dim=1)
-    has = torch.isfinite(low)
-    span = binade_and_significand(torch.where(has, top, 1.0))[0] - \
-        binade_and_significand(torch.where(has, low, 1.0))[0]
-    return top, low, torch.where(has, span, -1), ~finite.all(dim=1)
-
+# --- the groups' facts (the cast's steps, driftcli.casts.route, on either back-end) ------------
 
 def floor_log2(value: Fraction) -> int:
     """``floor(log2 value)`` of a positive rational, exactly."""
@@ -224,87 +206,32 @@ def _symmetric(c: Cast) -> bool:
     return bool(-c.format.min == c.format.max)
 
 
-def _powers_of_two(k: Tensor, sf: Format | None) -> Tensor:
-    """``2**k`` in float64 for the exponents ``k`` of a power-of-two scale in ``sf``."""
-    low, high = pow2_range(sf) if sf is not None else (-1075, 1024)
-    if low >= -1022 and high <= 1023:
-        # every value of the format is a float64 normal: write its exponent field (exact,
-        # and several times cheaper than ldexp, which multiplies by a computed power)
-        return ((k.long() + 1023) << 52).view(torch.float64)
-    return torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double())
-
-
-def _two_level_numba(amax: Tensor, c: Cast) -> tuple[Tensor, Tensor, Tensor] | None:
-    """A two-level cast's block scales (float64, and their float32 bits) and float32 divisors
-    by castcode's kernel (the one ``quantize`` runs, each group's amax a block of one), or
-    None where it does not apply: not float32, not the numba back-end, or a divisor below
-    float32's normals.
-
-    The kernel gives the divisor ``fl32(b * S)`` of the block scale ``b`` (a value of the
-    scale format, ``mbits + 1`` significant bits at most) and the tensor scale ``S``. Where the
-    divisor is a float32 normal its relative error is at most 2**-24, and the float64 quotient
-    by ``S`` adds 2**-53: far inside half the spacing (2**-(mbits+1) relative) of the scale
-    format's values, so rounding the quotient to ``mbits + 1`` significant bits gives ``b``
-    back exactly (:func:`driftcli.kernels.blockcode.two_level_values_kernel`)."""
-    sf = c.scaling.scale_format
-    if amax.dtype != torch.float32 or sf is None or sf.integer or \
-            not kernels.numba_runs(amax) or not amax.numel():
-        return None
-    consts, q = two_level_consts(c)
-    # without a given tensor amax the kernel takes the largest of the rows: amax.max()
-    divisor = jit.two_level_block_scales(amax.reshape(-1, 1).contiguous(), consts, q).scale
-    got = jit.two_level_values(amax, divisor, consts, 52 - sf.mbits)
-    return None if got is None else (got[0], got[1], divisor)
-
-
 def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
-    """Each group's scale by the rule's fast implementation (``plan_*``: what ``quantize``
+    """Each group's scale (:func:`driftcli.casts.route.group_scales`: what ``quantize``
     divides by) and whether the group clips, from its amax (and from its elements, ``blocks``,
     for an asymmetric element format)."""
-    s, elem = c.scaling, c.format
-    plan = ScalePlan.of(elem, s)
-    rule = s.rule
-    # the tensor's amax: read by a tensor scale and by the rules that take it (two-level's)
-    top = amax.max() if s.granularity is Granularity.TENSOR or not (
-        rule is not None and rule.power_of_two) else amax[:0]
-    if s.granularity is Granularity.TENSOR:
-        amax = top.expand_as(amax).contiguous()
+    elem = c.format
+    if c.scaling.granularity is Granularity.TENSOR:
+        amax = amax.max().expand_as(amax).contiguous()
+    sc: GroupScales = group_scales(c, amax)
     big = float(elem.max)
-    if rule is not None and rule.power_of_two:
-        vector = pow2_rule(c) if amax.dtype == torch.float32 and kernels.numba_runs(amax) \
-            else None
-        if vector is not None:  # castcode's scale kernel, each group's amax a block of one
-            k = jit.pow2_block_scales(amax.reshape(-1, 1).contiguous(), vector).scale
-        else:
-            k, _ = plan_pow2_exponents(amax, plan)
-        value = _powers_of_two(k, s.scale_format)
-        # |x| > M·2**k in float64 is exact (as quantize's masks test it)
+    if sc.divisor is None:  # a power of two: |x| > M·2**k in float64 is exact (as quantize's
+        # masks test it)
         if blocks is None:
-            clipped = amax.double() > value * big
+            clipped = amax.double() > sc.value * big
         else:
             wide = blocks.double()
-            clipped = ((wide > (value * big)[:, None]) |
-                       (wide < (value * float(elem.min))[:, None])).any(dim=1)
-        return _Scales(value, k, clipped)
-    fast = _two_level_numba(amax, c) if rule is ScaleRule.TWO_LEVEL and \
-        s.granularity is not Granularity.TENSOR else None
-    if fast is not None:
-        value, divisor = fast[0], fast[2]
-    elif rule is ScaleRule.TWO_LEVEL:
-        two = plan_two_level_scales(amax, top, plan.divisors(amax), plan)
-        value, divisor = two.block_scale.double(), two.divisor
-    else:
-        div = plan.divisors(amax)
-        divisor, _ = plan_divisors(amax, top, div, plan)
-        value = divisor.double()
+            clipped = ((wide > (sc.value * big)[:, None]) |
+                       (wide < (sc.value * float(elem.min))[:, None])).any(dim=1)
+        return _Scales(sc.value, sc.exponent, clipped)
     # the cast's own float division, monotone in x: the group's largest quotient is amax's
-    d = divisor.to(amax.dtype)
+    d = sc.divisor.to(amax.dtype)
     if blocks is None:
         clipped = (amax / d) > big
     else:
         y = blocks / d[:, None]
         clipped = ((y > big) | (y < float(elem.min))).any(dim=1)
-    return _Scales(value, None, clipped)
+    return _Scales(sc.value, None, clipped)
 
 
 def _groups(x: Tensor, c: Cast, d: Direction) -> tuple[Tensor | None, tuple[Tensor, ...]]:
@@ -312,30 +239,12 @@ def _groups(x: Tensor, c: Cast, d: Direction) -> tuple[Tensor | None, tuple[Tens
     read the columns in place and nothing else needs the elements) and their
     :func:`block_ranges`."""
     two = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
-    s = c.scaling
-    if d is Direction.COLUMNS and _symmetric(c) and kernels.numba_runs(two) and \
-            s.granularity in (Granularity.BLOCK, Granularity.CHANNEL):
-        k = s.block if s.granularity is Granularity.BLOCK else two.shape[0]
-        return None, jit.block_ranges(two.contiguous(), k)
-    blocks = to_blocks(two, s, 0 if d is Direction.COLUMNS else -1)[0].contiguous()
-    return blocks, block_ranges(blocks)
+    return group_ranges(two, c.scaling, 0 if d is Direction.COLUMNS else -1,
+                        keep=not _symmetric(c))
 
 
 def _floor_log2(v: float) -> int:
     return math.frexp(v)[1] - 1  # v = m * 2**e, 0.5 <= m < 1: exact
-
-
-def key_counts(keys: Tensor, finite: Tensor) -> tuple[int, Tensor]:
-    """The smallest of the integer ``keys`` where ``finite`` holds, and how many ``finite``
-    groups hold each key from it up to the largest (empty for none). The numba back-end is
-    :func:`driftcli.kernels.jit.key_counts`; this is its torch twin."""
-    if kernels.numba_runs(keys, finite):
-        return jit.key_counts(keys, finite)
-    k = keys[finite].long()
-    if not k.numel():
-        return 0, torch.zeros(0, dtype=torch.int64)
-    low = int(k.min())
-    return low, torch.bincount(k - low)
 
 
 def _histogram(sc: _Scales, finite: Tensor, sf: Format) -> dict[int, tuple[int, int]]:
@@ -372,92 +281,21 @@ def _coded(values: Tensor, found: Tensor, sf: Format) -> dict[int, tuple[int, in
     return out
 
 
-MAX_SPAN = 2200
-"""Above any group's range in binades (float64: 2**1023 over 2**-1074 is 2097)."""
-
-Summary = tuple[list[int], tuple[float, float], Tensor]
-"""Counts (live, zero, nonfinite, clipped, scale at max, subnormal scale, scale at min,
-range over span, largest range), the live scales' smallest and largest, and the live ranges'
-histogram (groups per binade count)."""
-
-
-def block_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, scale: Tensor,
-                  clipped: Tensor, ends: tuple[float, float, float],
-                  elem_span: int) -> Summary:
-    """What block-stats counts of the groups' facts (their amax ``top``, ranges ``span``,
-    NaN/inf flags ``bad``, scales and clip flags; ``ends``: the scale format's max, smallest
-    normal, 0 where it has no subnormals, and smallest value; with ``poison`` a group holding
-    NaN or inf is not counted but as nonfinite). The numba back-end is
-    :func:`driftcli.kernels.jit.block_summary`; this is its torch twin."""
-    if kernels.numba_runs(top, scale):
-        return jit.block_summary(top, span, bad, poison, scale, clipped, ends, elem_span,
-                                 MAX_SPAN)
-    finite = ~bad if poison else torch.ones_like(bad)
-    live = finite & (top > 0)
-    ranges = span[live]
-    sl = scale.double()[live]
-    counts = [_count(live), _count(finite & (top == 0)), _count(bad), _count(clipped & finite),
-              _count(sl == ends[0]), _count(sl < ends[1]), _count(sl == ends[2]),
-              _count(ranges > elem_span), int(ranges.max()) if ranges.numel() else 0]
-    lo = float(sl.min()) if sl.numel() else math.inf
-    hi = float(sl.max()) if sl.numel() else 0.0
-    return counts, (lo, hi), torch.bincount(ranges, minlength=MAX_SPAN + 1)
-
-
 def _fused(amax: Tensor, span: Tensor, bad: Tensor, poison: bool, c: Cast, sf: Format,
            ends: tuple[float, float, float], elem_span: int
            ) -> tuple[Summary, dict[int, tuple[int, int]]] | None:
-    """The scales, clip flags, summary and histogram of float32 groups in one numba pass after
-    castcode's scale kernel (:func:`driftcli.kernels.jit.fused_summary`): what
-    :func:`_scales`, :func:`block_summary` and :func:`_histogram` give, for the casts whose
-    scales that kernel computes (a power-of-two rule written as a threshold, a two-level
-    rule into a narrow float scale format) on a symmetric element format with block or
-    channel scales. None for the others (and where a key falls outside the counted range),
-    which take those three steps."""
-    s = c.scaling
-    if amax.dtype != torch.float32 or not kernels.numba_runs(amax) or not _symmetric(c) or \
-            s.granularity not in (Granularity.BLOCK, Granularity.CHANNEL):
+    """The summary and histogram of :func:`driftcli.casts.route.fused_summary` (one numba
+    pass), or None where it does not answer."""
+    got = fused_summary(amax, span, bad, poison, c, ends, elem_span)
+    if got is None:
         return None
-    rule = s.rule
-    big = float(c.format.max)
-    if rule is not None and rule.power_of_two:
-        vector = pow2_rule(c)
-        if vector is None:
-            return None
-        ks = jit.pow2_block_scales(amax.reshape(-1, 1).contiguous(), vector).scale
-        low, high = pow2_range(sf)
-        got = jit.fused_summary(amax, span, bad, poison, ks, None, big, 0,
-                                (low, high - low + 1), ends, elem_span, MAX_SPAN)
-        shift = 0
-    elif rule is ScaleRule.TWO_LEVEL and sf.bits <= 16 and not sf.integer:
-        two = _two_level_numba(amax, c)
-        if two is None:
-            return None
-        shift = 23 - sf.mbits
-        got = jit.fused_summary(amax, span, bad, poison, None, two, big, shift,
-                                (0, 1 << (31 - shift)), ends, elem_span, MAX_SPAN)
-        low = 0
-    else:
-        return None
-    counts, extremes, ranges, kcounts = got
-    if counts[9]:
-        return None
-    present = kcounts.nonzero()[:, 0]
-    keys = present + low
-    if shift:
-        values = (keys.int() << shift).view(torch.float32).double()
-    else:
-        values = _powers_of_two(keys, sf)
-    return (counts[:9], extremes, ranges), _coded(values, kcounts[present], sf)
+    summary, values, found = got
+    return summary, _coded(values, found, sf)
 
 
 def _lower_median(ranges: Tensor, n: int) -> int:
     """The lower median of ``n`` values from their histogram ``ranges``."""
     return int(torch.searchsorted(ranges.cumsum(0), (n - 1) // 2, right=True))
-
-
-def _count(mask: Tensor) -> int:
-    return int(torch.count_nonzero(mask))  # several times faster than a bool sum
 
 
 def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
@@ -470,7 +308,7 @@ def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
                 "nonfinite_blocks": 0, "clipped_blocks": 0, "scale_at_max": 0,
                 "scale_subnormal": 0, "scale_at_min": 0,
                 "element_span": element_span(c.format)}, {}
-    blocks, (amax, _, span, bad) = _groups(working(x), c, d)
+    blocks, (amax, _, span, bad) = _groups(x.to(working_dtype(x.dtype)), c, d)
     sf = c.scaling.scale_format
     if sf is None:  # every scaled cast has one (Scaling checks it)
         raise DriftError(f"block-stats: cast {c} has no scale format")

@@ -8,10 +8,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from driftcli.casts.hadamard import transformed
-from driftcli.casts.quantization import Blocked, cast_blocks, element_masks
+from driftcli.casts.route import cast_elements
 from driftcli.errors import DriftError
 from driftcli.records.cast import Cast
-from driftcli.records.modes import DEFAULT_SR_BITS, Rounding
+from driftcli.records.modes import Rounding
 
 Tensor = torch.Tensor
 
@@ -50,11 +50,6 @@ def _bits_differ(a: Tensor, b: Tensor) -> Tensor:
     return (a.view(torch.int32) != b.view(torch.int32)) & ~(a.isnan() & b.isnan())
 
 
-def _element_scale(b: Blocked) -> Tensor:
-    """Each element's scale (float64), in the input's layout."""
-    return b.back(b.scales[:, None].expand(b.blocks.shape).contiguous())
-
-
 def spacing(codes: Tensor, c: Cast, scale: Tensor) -> Tensor:
     """The gap of ``c``'s scaled grid at each code: the element format's quantum there
     (``2**(max(binade, emin) - mbits)``, 1 for integers) times the element's scale."""
@@ -81,14 +76,11 @@ def cast_diff_stats(x: Tensor, a: Cast, b: Cast, axis: int = -1,
         if c.rht is not None and tensor_amax is not None:
             raise DriftError(f"cast-diff: {c} reads the amax of the transformed tensor, "
                              "which a slice cannot give: compare whole tensors")
-        blocked = cast_blocks(transformed(x, c, axis), c, axis, None, DEFAULT_SR_BITS,
-                              tensor_amax)
-        masks = element_masks(blocked, c, DEFAULT_SR_BITS)
-        out.append((blocked.back(blocked.q), blocked.back(masks.codes), blocked))
-    (va, ca, ba), (vb, cb, _) = out
+        out.append(cast_elements(transformed(x, c, axis), c, axis, tensor_amax))
+    (va, ca), (vb, cb) = (out[0].values, out[0].codes), (out[1].values, out[1].codes)
     values = _bits_differ(va, vb)
     both = torch.isfinite(va) & torch.isfinite(vb)
-    gap = spacing(ca, a, _element_scale(ba))
+    gap = spacing(ca, a, out[0].scales())
     units = torch.where(both & values & (gap > 0), (va.double() - vb.double()).abs() / gap, 0.0)
     return DiffStats(compared=x.numel(), codes_differ=int(_bits_differ(ca, cb).sum()),
                      values_differ=int(values.sum()),

@@ -13,8 +13,7 @@ import numpy as np
 import torch
 
 from driftcli import oracle
-from driftcli.casts.microscale import micro_scales
-from driftcli.casts.scaling import ScalePlan, block_stats, plan_divisors, pow2_exponents
+from driftcli.casts.route import block_amax, group_scales
 from driftcli.records.cast import Cast, MicroBase, Scaling
 from driftcli.records.castspec import parse_cast
 from driftcli.records.formats import FORMATS, NAN, Exact, Format, Kind, pow2
@@ -290,21 +289,16 @@ def random_blocks(count: int, size: int, seed: int) -> Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
-def _fast_scales(blocks: Tensor, c: Cast, group: int) -> tuple[Tensor, Tensor]:
-    """The scales the fast path chooses for each row of ``blocks`` (rows grouped by ``group``
-    into tensors, whose amax the two-level rule reads)."""
-    s = c.scaling
+def _fast_scales(blocks: Tensor, c: Cast, group: int) -> Tensor:
+    """The scales (float64) the cast's steps choose for each row of ``blocks`` (rows grouped
+    by ``group`` into tensors, whose amax the two-level rule reads): the divisor where the
+    elements are divided, else the scale (``2**k``, a micro-scaled cast's first level)."""
     if c.micro is not None:
-        sc = micro_scales(blocks, c.format, c.micro)
-        return sc.s, sc.clamped
-    stats = block_stats(blocks)
-    if s.rule is not None and s.rule.power_of_two:
-        k, clamped = pow2_exponents(stats.amax, c.format, s)
-        return torch.ldexp(torch.ones_like(k, dtype=torch.float64), k.double()), clamped
-    group_amax = stats.amax.reshape(-1, group).amax(dim=1).repeat_interleave(group)
-    plan = ScalePlan.of(c.format, s)
-    divisor, clamped = plan_divisors(stats.amax, group_amax, plan.divisors(stats.amax), plan)
-    return divisor.double(), clamped
+        return group_scales(c, blocks=blocks).value
+    amax, _ = block_amax(blocks)
+    tensor_amax = amax.reshape(-1, group).amax(dim=1).repeat_interleave(group)
+    sc = group_scales(c, amax, tensor_amax=tensor_amax)
+    return sc.value if sc.divisor is None else sc.divisor.double()
 
 
 @cache
@@ -361,7 +355,7 @@ def check_cast(fmt: Format, c: Cast, plan: Plan, random: bool = True) -> Iterato
     count -= count % group
     out = Outcome(fmt.name, "block scales", spec, c.rounding.value, c.overflow.value)
     blocks, amax = _random_pool(count, size, plan.seed + 11)
-    got, _ = _fast_scales(blocks, c, group)
+    got = _fast_scales(blocks, c, group)
     scale_format = s.scale_format or f32
     if c.micro is not None:
         bf16 = FORMATS["bfloat16"]
