@@ -376,3 +376,69 @@ def test_measures_verify_and_runs_use_no_kernel_and_no_private_cast_name() -> No
                                        "route of its own")
 def test_no_exception_to_the_casts_interface_is_left() -> None:
     assert _engine_reaches() == {}
+
+
+ROUTE_DECIDER = "driftcli.casts.route"
+"""Where a cast's route is decided (issue 41): the only module of the cast pipeline and of its
+users that asks which back-end runs (:func:`driftcli.kernels.numba_runs`); ``quantize``
+(``casts/quantization``) and the layers of :data:`ENGINE_USERS` take the steps it gives. The
+casts' single kernels (element rounding, micro scales, four over six, the transform) choose
+their own back-end inside their modules, as arith's do."""
+
+
+def _asks_the_back_end(source: str) -> bool:
+    """Whether ``source`` calls ``numba_runs`` (by any name it imported it as, or as
+    ``kernels.numba_runs``)."""
+    import ast
+
+    tree = ast.parse(source)
+    names = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             for a in node.names if a.name == "numba_runs"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id in names) or (
+                    isinstance(f, ast.Attribute) and f.attr == "numba_runs"):
+                return True
+    return False
+
+
+def _route_deciders() -> set[str]:
+    from pathlib import Path
+
+    found = set()
+    for name in _every_module():
+        rel = name.removeprefix("driftcli.")
+        if rel.split(".")[0] not in ENGINE_USERS and name != ROUTE_DECIDER and \
+                rel != "casts.quantization":
+            continue
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None
+        if _asks_the_back_end(Path(spec.origin).read_text(encoding="utf-8")):
+            found.add(name)
+    return found
+
+
+def test_the_checker_finds_a_back_end_asked_any_way() -> None:
+    """The checker's planted case: asked through the package, through an imported name (and
+    an alias), and not asked where the name is only mentioned."""
+    assert _asks_the_back_end("from driftcli import kernels\nkernels.numba_runs(x)\n")
+    assert _asks_the_back_end("from driftcli.kernels import numba_runs as nr\nnr(x, y)\n")
+    assert not _asks_the_back_end("from driftcli.casts.route import group_scales\n"
+                                  "doc = 'numba_runs'\ngroup_scales(c, a)\n")
+
+
+@pytest.mark.xfail(strict=True, reason="issue 41: quantize (casts/quantization) and the scan "
+                                       "(measures/stats) still decide their route themselves")
+def test_the_route_is_decided_in_one_module() -> None:
+    """Beside :data:`ROUTE_DECIDER`, neither ``quantize`` nor a module that measures, verifies
+    or trains asks which back-end runs."""
+    assert _route_deciders() == {ROUTE_DECIDER}
+
+
+def test_block_stats_verify_and_cast_diff_take_the_route_they_are_given() -> None:
+    """What issue 41 has done of the above: only ``quantize`` and the scan decide a route
+    beside :data:`ROUTE_DECIDER`."""
+    found = _route_deciders()
+    assert ROUTE_DECIDER in found
+    assert found <= {ROUTE_DECIDER, "driftcli.casts.quantization", "driftcli.measures.stats"}
