@@ -57,7 +57,6 @@ from driftcli.live.tables import (
 from driftcli.measures import MEASURES
 from driftcli.measures.block_stats import Direction as Groups
 from driftcli.measures.block_stats import direction_stats, directions, element_span
-from driftcli.measures.common import ALL_TENSORS
 from driftcli.measures.scan import Scan, ScanOptions, TensorUnit, scan_unit
 from driftcli.records.cast import Cast
 from driftcli.records.castspec import parse_cast
@@ -344,9 +343,8 @@ class Monitor:
                                              rounded)))
         found = Scan(results, {}, (), names=dict(self.config.cast_names))
         for m in cast_measures:
-            for row in MEASURES[m.value].rows(found):
-                if row.tensor != ALL_TENSORS:
-                    out[m].append(ROW_TYPES[m](**row_columns(row), direction=lay.direction.value))
+            for row in MEASURES[m.value].rows(found, totals=False):
+                out[m].append(ROW_TYPES[m](**row_columns(row), direction=lay.direction.value))
 
     def _block_rows(self, op: _Operand, lay: Layout, x: Tensor, axis: int
                     ) -> list[MonitorBlockStatsRow]:

@@ -113,15 +113,16 @@ class Measure:
         base = {f.name for f in fields(TensorCastRow)}
         return {f.name: None for f in fields(self.row_type) if f.name not in base}
 
-    def rows(self, s: Scan) -> list[Any]:
-        """One row per (source, tensor, cast), then one per (input, cast) over all tensors."""
+    def rows(self, s: Scan, totals: bool = True) -> list[Any]:
+        """One row per (source, tensor, cast), then (with ``totals``) one per (input, cast)
+        over all tensors."""
         if self.pair_columns is not None:
             return self._pair_rows(s, self.pair_columns)
         out = []
         for r in s.results:
             own = self.columns(r.draws, r.expected) if r.error is None else self._nulls()
             out.append(self.row_type(**_tensor_base(r, s.names), **own))
-        for inp, c, results in iter_groups(s):
+        for inp, c, results in iter_groups(s) if totals else ():
             n_draws = max((len(r.draws) for r in results), default=1)
             draws = tuple(CastStats.merge([r.draws[d] for r in results], False)
                           for d in range(n_draws))

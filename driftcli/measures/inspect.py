@@ -51,6 +51,7 @@ from driftcli.io.readers.quantized_weight import (
     element_values,
     scale_values,
     spec_of,
+    stored_scale_format,
     unpack_codes,
     weight_ref,
 )
@@ -254,8 +255,8 @@ def _requant(spec: QuantSpec, values: torch.Tensor, codes_vals: torch.Tensor,
     kept = torch.zeros(values.shape, dtype=torch.bool)
     fits = None
     if (aligned and s.rule is not None and s.rule.power_of_two and s.scale_format is not None
-            and s.scale_format.name == "float8_e8m0fnu" and spec.scale_format == "e8m0"
-            and cast_.format.name == spec.element):
+            and s.scale_format == stored_scale_format(spec)
+            and cast_.format == get_format(spec.element)):
         fits = _consistent(cast(ExponentRule, EXACT_RULES[s.rule]), s.headroom,
                            cast_.format, _block_maxima(codes_vals, s.block), spec.scale.read())
         width = values.shape[-1]
@@ -265,7 +266,7 @@ def _requant(spec: QuantSpec, values: torch.Tensor, codes_vals: torch.Tensor,
                                   "requant_changed_codes": None,
                                   "requant_changed_blocks": None,
                                   "requant_rescaled_blocks": None}
-    if info.codes is not None and cast_.format.name == spec.element:
+    if info.codes is not None and cast_.format == get_format(spec.element):
         c = info.codes.double()
         same = (c == codes_vals) | (c.isnan() & codes_vals.isnan())
         out["requant_changed_codes"] = int((~same & ~kept).sum())

@@ -13,6 +13,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 from driftcli.errors import CastSpecError, close_matches
@@ -414,6 +415,11 @@ class Cast:
                 "leave two= out for drift's exact two-level rule on these formats")
 
     def __str__(self) -> str:
+        return self._spec
+
+    @cached_property
+    def _spec(self) -> str:
+        # a scan names its cast in every row it writes: spelled once per Cast, not per row
         s = self.scaling
         if self.micro is not None:  # its preset, with the parts a preset may change
             tail = [f"rht={self.rht}"] if self.rht is not None else []

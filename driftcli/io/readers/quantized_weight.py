@@ -22,7 +22,7 @@ import torch
 from driftcli.casts.codec import decode
 from driftcli.io.layouts import Layout, Library
 from driftcli.io.readers.core import ReadError, TensorRef
-from driftcli.records.formats import get_format
+from driftcli.records.formats import FORMATS, Format, get_format
 
 
 class Order(StrEnum):
@@ -178,6 +178,13 @@ def scale_values(raw: torch.Tensor, fmt: str) -> torch.Tensor:
     if raw.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return decode(raw.view(torch.uint8), str(raw.dtype).removeprefix("torch.")).double()
     return raw.to(torch.float64)
+
+
+def stored_scale_format(spec: QuantSpec) -> Format | None:
+    """The format record of the scales as stored: ``e8m0`` bytes are OCP's E8M0, any other
+    name is a torch float dtype's (a layout's storage names, read once here); ``None`` for a
+    dtype drift has no format of (float64)."""
+    return FORMATS.get("float8_e8m0fnu" if spec.scale_format == "e8m0" else spec.scale_format)
 
 
 @cache
