@@ -6,7 +6,7 @@ NaN or inf. :func:`column_range_kernel` does the same for groups that run down t
 a row-major matrix (the transpose a weight-gradient matmul reads), without copying it.
 Magnitudes are compared as the bits of ``|x|`` (for non-negative floats the bit order is the
 value order) and binades read from the exponent field, so nothing is rounded; the torch twin
-is :func:`driftcli.measures.block_stats.block_ranges`.
+is :func:`driftcli.casts.route.block_ranges`.
 """
 
 from __future__ import annotations

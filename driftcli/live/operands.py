@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from driftcli.casts.quantization import working
+from driftcli.casts.route import block_ranges
 from driftcli.casts.scaling import binade_and_significand
 from driftcli.io.readers import TensorRef
 from driftcli.live.tables import STATS_BLOCK, Direction
-from driftcli.measures.block_stats import block_ranges
 
 Tensor = torch.Tensor
 

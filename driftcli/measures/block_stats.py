@@ -49,7 +49,6 @@ from driftcli.casts.route import (
     group_scales,
     key_counts,
 )
-from driftcli.casts.route import block_ranges as block_ranges  # the live monitor's groups
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io.readers import ReadError, TensorRef, open_inputs
@@ -237,7 +236,7 @@ def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
 def _groups(x: Tensor, c: Cast, d: Direction) -> tuple[Tensor | None, tuple[Tensor, ...]]:
     """``x``'s groups under ``c`` in direction ``d``: one row each (None where the numba pass
     read the columns in place and nothing else needs the elements) and their
-    :func:`block_ranges`."""
+    :func:`~driftcli.casts.route.block_ranges`."""
     two = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
     return group_ranges(two, c.scaling, 0 if d is Direction.COLUMNS else -1,
                         keep=not _symmetric(c))
