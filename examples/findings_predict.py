@@ -1,0 +1,142 @@
+"""Does a signal warn of a divergence, in runs that share their cast? The table of
+docs/findings.md's section "Which signal warns before a divergence?", from the runs
+examples/findings.sh's part predict trained.
+
+    python examples/findings_predict.py DIR
+
+DIR holds drift train run folders named GROUP-...-sSEED (each with run.json, train.parquet and,
+for a transformer, attention.parquet). Runs are grouped by the name before the first dash (tf,
+mlp); within a group, the runs of seeds 0 and 1 fit each signal's rule and those of seeds 2 and
+3 judge it (driftcli.runs.predict). Writes DIR/signals.parquet (every run's signal table, the
+runs' divergence steps in its metadata), DIR/summary.json and prints the tables as they stand
+in the doc. Everything here reads tables; nothing trains or measures.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from driftcli.runs.predict import BASELINE, Judgement, evaluate, run_signals
+
+FIT_SEEDS = (0, 1)
+HELD_OUT_SEEDS = (2, 3)
+START = 50
+"""Steps before this are not judged: the loss falls too fast there for a ratio to mean much
+(the divergence rule's own check of its factor starts at step 50)."""
+MEAN_STEPS = 50
+"""The norms' running mean: the 50 steps before."""
+WINDOWS = (1, 3, 10)
+RUNS_KEY = b"drift.predict.runs"
+
+
+def collect(folder: Path, mean_steps: int = MEAN_STEPS
+            ) -> tuple[pd.DataFrame, dict[str, int | None]]:
+    """Every run folder's signal table, joined, and each run's divergence step."""
+    tables = []
+    diverged: dict[str, int | None] = {}
+    for run in sorted(p.parent for p in folder.glob("*/run.json")):
+        table, step = run_signals(run, mean_steps=mean_steps)
+        tables.append(table)
+        diverged[run.name] = step
+    if not tables:
+        raise SystemExit(f"findings_predict: no run folders in {folder}")
+    return pd.concat(tables, ignore_index=True), diverged
+
+
+def write_signals(path: Path, signals: pd.DataFrame, diverged: dict[str, int | None]) -> None:
+    """The signal table as Parquet, the divergence steps in its metadata."""
+    table = pa.Table.from_pandas(signals, preserve_index=False)
+    meta = {**(table.schema.metadata or {}), RUNS_KEY: json.dumps(diverged).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), path, compression="zstd")
+
+
+def read_signals(path: Path) -> tuple[pd.DataFrame, dict[str, int | None]]:
+    """What :func:`write_signals` wrote."""
+    table = pq.read_table(path)
+    diverged = json.loads((table.schema.metadata or {})[RUNS_KEY])
+    return table.to_pandas(), diverged
+
+
+def _seed(run: str) -> int:
+    found = re.search(r"-s(\d+)$", run)
+    if found is None:
+        raise SystemExit(f"findings_predict: run {run!r} is not named ...-sSEED")
+    return int(found.group(1))
+
+
+def study(signals: pd.DataFrame, diverged: dict[str, int | None], start: int = START
+          ) -> dict[str, Any]:
+    """Per group: its runs, the split, and every signal's rule and records."""
+    groups: dict[str, Any] = {}
+    for group in sorted({run.split("-")[0] for run in diverged}):
+        runs = sorted(r for r in diverged if r.split("-")[0] == group)
+        fit = [r for r in runs if _seed(r) in FIT_SEEDS]
+        held = [r for r in runs if _seed(r) in HELD_OUT_SEEDS]
+        table = signals[signals["run"].isin(runs)].dropna(axis=1, how="all")
+        judged = evaluate(table, diverged, fit, held, windows=WINDOWS, start=start)
+        groups[group] = {"runs": {r: diverged[r] for r in runs}, "fit": fit,
+                         "held_out": held, "signals": [_judgement(j) for j in judged]}
+    return groups
+
+
+def _judgement(j: Judgement) -> dict[str, Any]:
+    out: dict[str, Any] = {"signal": j.signal, "rule": None, "fit": None, "held_out": None}
+    if j.rule is not None:
+        out["rule"] = {**asdict(j.rule), "direction": j.rule.direction.value}
+        out["fit"] = {**asdict(j.fit), "leads": list(j.fit.leads)} if j.fit else None
+        out["held_out"] = ({**asdict(j.held_out), "leads": list(j.held_out.leads)}
+                           if j.held_out else None)
+    return out
+
+
+def _threshold(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def table_lines(group: dict[str, Any]) -> list[str]:
+    """The doc's table of a group, one line per signal (the baseline first)."""
+    lines = ["| signal | rule (fit on seeds 0, 1) | fit: hits, false alarms | held out: hits "
+             "| held out: false alarms | held out: lead (steps) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for s in group["signals"]:
+        name = f"`{s['signal']}`" + (" (baseline)" if s["signal"] == BASELINE else "")
+        rule = s["rule"]
+        if rule is None:
+            lines.append(f"| {name} | none beats chance | | | | |")
+            continue
+        fit, held = s["fit"], s["held_out"]
+        sign = "≥" if rule["direction"] == "above" else "≤"
+        window = "" if rule["window"] == 1 else f", mean of {rule['window']}"
+        leads = ", ".join(str(v) for v in held["leads"]) or "—"
+        lines.append(
+            f"| {name} | {sign} {_threshold(rule['threshold'])}{window} "
+            f"| {fit['hits']}/{fit['diverging']}, {fit['false_alarms']}/{fit['surviving']} "
+            f"| {held['hits']}/{held['diverging']} "
+            f"| {held['false_alarms']}/{held['surviving']} | {leads} |")
+    return lines
+
+
+def main(argv: list[str], start: int = START, mean_steps: int = MEAN_STEPS) -> int:
+    folder = Path(argv[0])
+    signals, diverged = collect(folder, mean_steps)
+    write_signals(folder / "signals.parquet", signals, diverged)
+    groups = study(signals, diverged, start)
+    (folder / "summary.json").write_text(json.dumps(groups, indent=2) + "\n", encoding="utf-8")
+    for name, group in groups.items():
+        print(f"{name}: diverged at " + ", ".join(
+            f"{run} {step or '—'}" for run, step in group["runs"].items()))
+        print("\n".join(table_lines(group)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
