@@ -35,6 +35,9 @@ START = 50
 MEAN_STEPS = 50
 """The norms' running mean: the 50 steps before."""
 WINDOWS = (1, 3, 10)
+HORIZONS: tuple[int | None, ...] = (100, None)
+"""Each signal's rule is fit and judged twice: a hit must come within 100 steps of the
+divergence (an alarm before that is a false alarm), and at any time before it."""
 RUNS_KEY = b"drift.predict.runs"
 
 
@@ -73,8 +76,8 @@ def _seed(run: str) -> int:
     return int(found.group(1))
 
 
-def study(signals: pd.DataFrame, diverged: dict[str, int | None], start: int = START
-          ) -> dict[str, Any]:
+def study(signals: pd.DataFrame, diverged: dict[str, int | None], start: int = START,
+          horizons: tuple[int | None, ...] = HORIZONS) -> dict[str, Any]:
     """Per group: its runs, the split, and every signal's rule and records."""
     groups: dict[str, Any] = {}
     for group in sorted({run.split("-")[0] for run in diverged}):
@@ -82,9 +85,13 @@ def study(signals: pd.DataFrame, diverged: dict[str, int | None], start: int = S
         fit = [r for r in runs if _seed(r) in FIT_SEEDS]
         held = [r for r in runs if _seed(r) in HELD_OUT_SEEDS]
         table = signals[signals["run"].isin(runs)].dropna(axis=1, how="all")
-        judged = evaluate(table, diverged, fit, held, windows=WINDOWS, start=start)
+        judgements = {}
+        for horizon in horizons:
+            judged = evaluate(table, diverged, fit, held, windows=WINDOWS, start=start,
+                              horizon=horizon)
+            judgements[str(horizon)] = [_judgement(j) for j in judged]
         groups[group] = {"runs": {r: diverged[r] for r in runs}, "fit": fit,
-                         "held_out": held, "signals": [_judgement(j) for j in judged]}
+                         "held_out": held, "horizons": judgements}
     return groups
 
 
@@ -102,34 +109,44 @@ def _threshold(value: float) -> str:
     return f"{value:.4g}"
 
 
+def _cells(s: dict[str, Any]) -> list[str]:
+    """A judgement's cells: the rule, held-out hits, false alarms and leads."""
+    rule = s["rule"]
+    if rule is None:
+        return ["none beats chance", "", "", ""]
+    held = s["held_out"]
+    sign = "≥" if rule["direction"] == "above" else "≤"
+    window = "" if rule["window"] == 1 else f", mean of {rule['window']}"
+    leads = ", ".join(str(v) for v in held["leads"]) or "—"
+    return [f"{sign} {_threshold(rule['threshold'])}{window}",
+            f"{held['hits']}/{held['diverging']}", f"{held['false_alarms']}/{held['quiet']}",
+            leads]
+
+
 def table_lines(group: dict[str, Any]) -> list[str]:
-    """The doc's table of a group, one line per signal (the baseline first)."""
-    lines = ["| signal | rule (fit on seeds 0, 1) | fit: hits, false alarms | held out: hits "
-             "| held out: false alarms | held out: lead (steps) |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for s in group["signals"]:
-        name = f"`{s['signal']}`" + (" (baseline)" if s["signal"] == BASELINE else "")
-        rule = s["rule"]
-        if rule is None:
-            lines.append(f"| {name} | none beats chance | | | | |")
-            continue
-        fit, held = s["fit"], s["held_out"]
-        sign = "≥" if rule["direction"] == "above" else "≤"
-        window = "" if rule["window"] == 1 else f", mean of {rule['window']}"
-        leads = ", ".join(str(v) for v in held["leads"]) or "—"
-        lines.append(
-            f"| {name} | {sign} {_threshold(rule['threshold'])}{window} "
-            f"| {fit['hits']}/{fit['diverging']}, {fit['false_alarms']}/{fit['surviving']} "
-            f"| {held['hits']}/{held['diverging']} "
-            f"| {held['false_alarms']}/{held['surviving']} | {leads} |")
+    """The doc's table of a group, one line per signal (the baseline first): per horizon, the
+    rule fit on seeds 0 and 1 and its held-out hits, false alarms and leads."""
+    head = ["signal"]
+    for horizon in group["horizons"]:
+        when = "any time before" if horizon == "None" else f"within {horizon} steps"
+        head += [f"{when}: rule", "hits", "false alarms", "lead (steps)"]
+    lines = ["| " + " | ".join(head) + " |",
+             "| --- |" + " --- | ---: | ---: | --- |" * len(group["horizons"])]
+    for judged in zip(*group["horizons"].values(), strict=True):
+        signal = judged[0]["signal"]
+        cells = [f"`{signal}`" + (" (baseline)" if signal == BASELINE else "")]
+        for j in judged:
+            cells += _cells(j)
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def main(argv: list[str], start: int = START, mean_steps: int = MEAN_STEPS) -> int:
+def main(argv: list[str], start: int = START, mean_steps: int = MEAN_STEPS,
+         horizons: tuple[int | None, ...] = HORIZONS) -> int:
     folder = Path(argv[0])
     signals, diverged = collect(folder, mean_steps)
     write_signals(folder / "signals.parquet", signals, diverged)
-    groups = study(signals, diverged, start)
+    groups = study(signals, diverged, start, horizons)
     (folder / "summary.json").write_text(json.dumps(groups, indent=2) + "\n", encoding="utf-8")
     for name, group in groups.items():
         print(f"{name}: diverged at " + ", ".join(

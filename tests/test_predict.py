@@ -56,7 +56,7 @@ def test_a_rise_k_steps_before_the_divergence_has_lead_k() -> None:
     assert j.fit is not None and (j.fit.hits, j.fit.false_alarms, j.fit.leads) == (1, 0, (20,))
     assert j.held_out is not None
     assert (j.held_out.hits, j.held_out.diverging, j.held_out.leads) == (1, 2, (35,))
-    assert (j.held_out.false_alarms, j.held_out.surviving) == (0, 1)
+    assert (j.held_out.false_alarms, j.held_out.quiet) == (0, 1)
     assert j.held_out.median_lead == 35
 
 
@@ -75,11 +75,35 @@ def test_a_firing_in_a_surviving_run_is_a_false_alarm() -> None:
     diverged = {"d1": 200, "s1": None, "s2": None}
     rule = Rule("x", Direction.ABOVE, 0.5, 1)
     out = judge(rule, signals, diverged, ["d1", "s1", "s2"])
-    assert (out.hits, out.false_alarms, out.surviving) == (1, 1, 2)
+    assert (out.hits, out.false_alarms, out.quiet) == (1, 1, 2)
     # a mean over 3 values of one spike of 5 is 5/3: still above 0.5
     assert judge(Rule("x", Direction.ABOVE, 0.5, 3), signals, diverged, ["s2"]).false_alarms == 1
     # above 2 it takes the rise, held for 3 steps, not the spike (mean 5/3)
     assert judge(Rule("x", Direction.ABOVE, 2.0, 3), signals, diverged, ["s2"]).false_alarms == 0
+
+
+def test_under_a_horizon_an_alarm_long_before_the_divergence_is_false() -> None:
+    # d1 is high from step 60 (a run that "looks like" a diverging learning rate from the
+    # start) and higher still 30 steps before its divergence at 400; s1 stays flat
+    high = _run("d1", 399, 60, level=1.0)
+    high.loc[high["step"] >= 370, "x"] = 3.0
+    signals = _table(high, _run("s1", 400))
+    diverged = {"d1": 400, "s1": None}
+    low = Rule("x", Direction.ABOVE, 0.5, 1)
+    # without a horizon: a hit, 340 steps ahead
+    out = judge(low, signals, diverged, ["d1", "s1"])
+    assert (out.hits, out.false_alarms, out.quiet, out.leads) == (1, 0, 1, (340,))
+    # within 100 steps: still a hit (it fires in the warning stretch, from step 300) but a
+    # false alarm too (it fired in the quiet stretch before), and both runs have a quiet stretch
+    out = judge(low, signals, diverged, ["d1", "s1"], horizon=100)
+    assert (out.hits, out.false_alarms, out.quiet, out.leads) == (1, 1, 2, (100,))
+    # the rule fit under the horizon takes the late rise only: 30 steps ahead, no false alarm
+    found = fit_rule("x", signals, diverged, ["d1", "s1"], horizon=100)
+    assert found is not None
+    assert 1.0 < found[0].threshold <= 3.0
+    assert (found[1].hits, found[1].false_alarms, found[1].leads) == (1, 0, (30,))
+    # a divergence closer to start than the horizon leaves its run no quiet stretch
+    assert judge(low, signals, {"d1": 120, "s1": None}, ["d1"], horizon=100).quiet == 0
 
 
 def test_the_window_is_fit_to_ignore_a_one_step_spike() -> None:

@@ -52,30 +52,41 @@ def test_the_study_at_tiny_size(text: Path, tmp_path: Path) -> None:
             fates[name] = train(config, tmp_path / name, text).diverged_at
     diverging = sorted(name for name, step in fates.items() if step is not None)
     assert diverging == ["mlp-lr0.6-s1", "mlp-lr0.7-s2", "mlp-lr0.7-s3"], fates
-    assert fp.main([str(tmp_path)], start=2, mean_steps=3) == 0
+    assert fp.main([str(tmp_path)], start=2, mean_steps=3, horizons=(5, None)) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     group = summary["mlp"]
     assert group["runs"] == fates
     assert group["fit"] == ["mlp-lr0.6-s0", "mlp-lr0.6-s1", "mlp-lr0.7-s0", "mlp-lr0.7-s1"]
     assert group["held_out"] == ["mlp-lr0.6-s2", "mlp-lr0.6-s3", "mlp-lr0.7-s2",
                                  "mlp-lr0.7-s3"]
-    names = [s["signal"] for s in group["signals"]]
-    assert names[0] == BASELINE and "grad_norm_ratio" in names and "clip_rate_gradient" in names
+    assert list(group["horizons"]) == ["5", "None"]
     # the signal table written beside, read back, gives the same study (the doc test's path)
     signals, diverged = fp.read_signals(tmp_path / "signals.parquet")
     assert diverged == fates
-    assert fp.study(signals, diverged, start=2) == summary
-    ruled = [s for s in group["signals"] if s["rule"] is not None]
-    assert ruled, "no signal beat chance on the fit half"
-    for s in ruled:
-        fit, held, rule = s["fit"], s["held_out"], s["rule"]
-        assert fit["hits"] / fit["diverging"] > fit["false_alarms"] / fit["surviving"]
-        assert (held["diverging"], held["surviving"]) == (2, 2)
-        # the held-out record is the rule judged on the held-out runs alone
-        again = judge(Rule(s["signal"], Direction(rule["direction"]), rule["threshold"],
-                           rule["window"]), signals, diverged, group["held_out"], start=2)
-        assert (again.hits, again.false_alarms, list(again.leads)) == (
-            held["hits"], held["false_alarms"], held["leads"])
-        assert all(0 < lead < 60 for lead in held["leads"])
+    assert fp.study(signals, diverged, start=2, horizons=(5, None)) == summary
+    # held out: lr 0.7's seeds 2 and 3 diverge, at steps 8 and 48 on this text; within 5
+    # steps, both keep a quiet stretch before their warning (from step 2, the start, to 3 and
+    # to 43), so all 4 runs can false-alarm; at any time, only the 2 that survive
+    quiet = {"5": 4, "None": 2}
+    for key, judged in group["horizons"].items():
+        names = [s["signal"] for s in judged]
+        assert names[0] == BASELINE and "grad_norm_ratio" in names
+        assert "clip_rate_gradient" in names
+        ruled = [s for s in judged if s["rule"] is not None]
+        assert ruled, f"no signal beat chance on the fit half (horizon {key})"
+        horizon = None if key == "None" else int(key)
+        for s in ruled:
+            fit, held, rule = s["fit"], s["held_out"], s["rule"]
+            assert fit["hits"] / fit["diverging"] > fit["false_alarms"] / max(fit["quiet"], 1)
+            assert (held["diverging"], held["quiet"]) == (2, quiet[key])
+            # the held-out record is the rule judged on the held-out runs alone
+            again = judge(Rule(s["signal"], Direction(rule["direction"]), rule["threshold"],
+                               rule["window"]), signals, diverged, group["held_out"], start=2,
+                          horizon=horizon)
+            assert (again.hits, again.false_alarms, list(again.leads)) == (
+                held["hits"], held["false_alarms"], held["leads"])
+            assert all(0 < lead <= (horizon or 60) for lead in held["leads"])
     lines = fp.table_lines(group)
-    assert len(lines) == 2 + len(group["signals"]) and lines[2].startswith("| `loss_spike`")
+    assert len(lines) == 2 + len(group["horizons"]["5"])
+    assert lines[0].startswith("| signal | within 5 steps: rule |")
+    assert lines[2].startswith("| `loss_spike` (baseline) |")

@@ -8,16 +8,21 @@ divergence rule's own quantity), the gradient and update norms over their traili
 operand clip and underflow rates per role of the logged steps, and a transformer's attention
 probes per layer (``blocks.0.attn/logit_max``).
 
-A **rule** is a direction, a threshold and a window: it fires at the first step ``t ≥ start``,
+A **rule** is a direction, a threshold and a window: it fires at every step ``t ≥ start``,
 before the run's divergence, where the mean of the signal's last ``window`` measured values is
-at or above the threshold (``above``) or at or below it (``below``). In a run that diverges at
-``d``, a rule that fires at ``a < d`` is a **hit** with **lead** ``d − a``; in a run that does
-not diverge, a rule that fires at all is a **false alarm**. :func:`fit_rule` chooses a signal's
+at or above the threshold (``above``) or at or below it (``below``). With a **horizon** ``H``,
+a run that diverges at step ``d`` has a *warning stretch*, its steps from ``d − H`` on, and
+every other judged step is *quiet* (all of a run that does not diverge; without a horizon a
+diverging run is all warning). A rule that fires in a run's warning stretch is a **hit**, its
+**lead** ``d`` minus the first step it fires there; one that fires in a run's quiet stretch is
+a **false alarm**: a rule that fires 500 steps ahead of every divergence of a learning rate
+that diverges is a false alarm there under a horizon of 100. Hit rate is over the diverging
+runs, false-alarm rate over the runs with a quiet stretch. :func:`fit_rule` chooses a signal's
 rule on the *fit* runs alone: the best hit rate minus false-alarm rate (Youden's J) first,
 then the longest mean lead, then the shortest window; thresholds are tried halfway between
 the observed values, and of those that tie the middle one is kept. A best J of 0 or less is no
-rule. :func:`evaluate` fits every signal on the fit runs and judges the
-rule on the held-out runs, which play no part in choosing it.
+rule. :func:`evaluate` fits every signal on the fit runs and judges the rule on the held-out
+runs, which play no part in choosing it.
 
 Everything here reads tables; nothing trains or measures.
 """
@@ -76,16 +81,16 @@ class Outcome:
     hits: int
     diverging: int
     false_alarms: int
-    surviving: int
+    quiet: int
+    """Runs with a quiet stretch (module docs): the false alarms' denominator."""
     leads: tuple[int, ...]
-    """The lead (divergence step minus alarm step) of each hit, in the runs' order."""
+    """The lead (divergence step minus first alarm in the warning stretch) of each hit, in the
+    runs' order."""
 
     @property
     def score(self) -> float:
         """Hit rate minus false-alarm rate (Youden's J); a side with no runs counts 0."""
-        hit = self.hits / self.diverging if self.diverging else 0.0
-        false = self.false_alarms / self.surviving if self.surviving else 0.0
-        return hit - false
+        return self.hits / max(self.diverging, 1) - self.false_alarms / max(self.quiet, 1)
 
     @property
     def median_lead(self) -> float | None:
@@ -163,58 +168,87 @@ def first_alarm(steps: np.ndarray, values: np.ndarray, direction: Direction,
 
 
 @dataclass(frozen=True)
-class _Prepared:
-    """One run's series under one window, with its running extremes for fast first alarms."""
+class _Stretch:
+    """Consecutive judged steps of a run, with running extremes for fast first alarms."""
 
     steps: np.ndarray
-    values: np.ndarray
-    diverged_at: int | None
     top: np.ndarray
     """The running maximum (non-decreasing): the first alarm above θ is where it reaches θ."""
     neg_bottom: np.ndarray
     """Minus the running minimum (non-decreasing): likewise below θ."""
 
     @classmethod
-    def of(cls, steps: np.ndarray, values: np.ndarray, diverged_at: int | None) -> _Prepared:
-        top = np.maximum.accumulate(values) if values.size else values
-        bottom = np.minimum.accumulate(values) if values.size else values
-        return cls(steps, values, diverged_at, top, -bottom)
+    def of(cls, steps: np.ndarray, values: np.ndarray) -> _Stretch:
+        if not values.size:
+            return cls(steps, values, values)
+        return cls(steps, np.maximum.accumulate(values), -np.minimum.accumulate(values))
 
-    def alarm(self, direction: Direction, threshold: float) -> int | None:
+    def first(self, direction: Direction, thresholds: np.ndarray) -> np.ndarray:
+        """Per threshold, the index of the first step that fires (``len(steps)``: none)."""
         if direction is Direction.ABOVE:
-            i = int(np.searchsorted(self.top, threshold, side="left"))
-        else:
-            i = int(np.searchsorted(self.neg_bottom, -threshold, side="left"))
-        return int(self.steps[i]) if i < self.steps.size else None
+            return np.searchsorted(self.top, thresholds, side="left")
+        return np.searchsorted(self.neg_bottom, -thresholds, side="left")
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """One run's series under one window, split into its quiet and warning stretches."""
+
+    diverged_at: int | None
+    quiet: _Stretch | None
+    """None where the run has no quiet stretch."""
+    warning: _Stretch | None
+    """None where the run does not diverge."""
+    values: np.ndarray
+
+    @classmethod
+    def of(cls, steps: np.ndarray, values: np.ndarray, diverged_at: int | None,
+           horizon: int | None, start: int) -> _Prepared:
+        if diverged_at is None:
+            return cls(None, _Stretch.of(steps, values), None, values)
+        warn_from = start if horizon is None else max(start, diverged_at - horizon)
+        early = steps < warn_from
+        quiet = _Stretch.of(steps[early], values[early]) if warn_from > start else None
+        return cls(diverged_at, quiet, _Stretch.of(steps[~early], values[~early]), values)
+
+    def record(self, direction: Direction, thresholds: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per threshold: whether it hits, whether it false-alarms, and the hit's lead."""
+        false = np.zeros(thresholds.size, dtype=bool)
+        hit = np.zeros(thresholds.size, dtype=bool)
+        lead = np.zeros(thresholds.size)
+        if self.quiet is not None:
+            false = self.quiet.first(direction, thresholds) < self.quiet.steps.size
+        if self.warning is not None and self.diverged_at is not None and self.warning.steps.size:
+            index = self.warning.first(direction, thresholds)
+            hit = index < self.warning.steps.size
+            alarm = self.warning.steps[np.minimum(index, self.warning.steps.size - 1)]
+            lead = np.where(hit, self.diverged_at - alarm, 0)
+        return hit, false, lead
 
 
 def _prepare(signals: pd.DataFrame, signal: str, diverged: Mapping[str, int | None],
-             runs: Sequence[str], start: int, window: int) -> list[_Prepared]:
+             runs: Sequence[str], start: int, window: int,
+             horizon: int | None) -> list[_Prepared]:
     return [_Prepared.of(*_series(signals, run, signal, diverged[run], start, window),
-                         diverged[run]) for run in runs]
-
-
-def _outcome(prepared: Sequence[_Prepared], direction: Direction,
-             threshold: float) -> Outcome:
-    hits = false_alarms = n_div = 0
-    leads: list[int] = []
-    for run in prepared:
-        alarm = run.alarm(direction, threshold)
-        if run.diverged_at is None:
-            false_alarms += alarm is not None
-            continue
-        n_div += 1
-        if alarm is not None:
-            hits += 1
-            leads.append(run.diverged_at - alarm)
-    return Outcome(hits, n_div, false_alarms, len(prepared) - n_div, tuple(leads))
+                         diverged[run], horizon, start) for run in runs]
 
 
 def judge(rule: Rule, signals: pd.DataFrame, diverged: Mapping[str, int | None],
-          runs: Sequence[str], *, start: int = 50) -> Outcome:
-    """``rule``'s hits, false alarms and leads on ``runs``."""
-    prepared = _prepare(signals, rule.signal, diverged, runs, start, rule.window)
-    return _outcome(prepared, rule.direction, rule.threshold)
+          runs: Sequence[str], *, start: int = 50, horizon: int | None = None) -> Outcome:
+    """``rule``'s hits, false alarms and leads on ``runs`` (module docs)."""
+    hits = false_alarms = n_div = n_quiet = 0
+    leads: list[int] = []
+    threshold = np.array([rule.threshold])
+    for run in _prepare(signals, rule.signal, diverged, runs, start, rule.window, horizon):
+        hit, false, lead = run.record(rule.direction, threshold)
+        n_div += run.diverged_at is not None
+        n_quiet += run.quiet is not None
+        false_alarms += bool(false[0])
+        if hit[0]:
+            hits += 1
+            leads.append(int(lead[0]))
+    return Outcome(hits, n_div, false_alarms, n_quiet, tuple(leads))
 
 
 def _candidates(values: np.ndarray) -> np.ndarray:
@@ -228,37 +262,29 @@ def _candidates(values: np.ndarray) -> np.ndarray:
 
 
 def fit_rule(signal: str, signals: pd.DataFrame, diverged: Mapping[str, int | None],
-             runs: Sequence[str], *, windows: Sequence[int] = (1, 3, 10),
-             start: int = 50) -> tuple[Rule, Outcome] | None:
+             runs: Sequence[str], *, windows: Sequence[int] = (1, 3, 10), start: int = 50,
+             horizon: int | None = None) -> tuple[Rule, Outcome] | None:
     """The best rule for ``signal`` on ``runs`` alone (module docs), with its record there;
     None where no rule has a hit rate above its false-alarm rate."""
     best: tuple[tuple[float, float, int], Rule] | None = None
-    n_div = sum(diverged[run] is not None for run in runs)
-    n_surv = len(runs) - n_div
     for window in windows:
-        prepared = _prepare(signals, signal, diverged, runs, start, window)
+        prepared = _prepare(signals, signal, diverged, runs, start, window, horizon)
         thresholds = _candidates(np.concatenate([p.values for p in prepared] or [np.empty(0)]))
         if thresholds.size == 0:
             continue
+        n_div = sum(p.diverged_at is not None for p in prepared)
+        n_quiet = sum(p.quiet is not None for p in prepared)
         for direction in Direction:
+            # every threshold at once: the running extremes are sorted
             hits = np.zeros(thresholds.size)
             false_alarms = np.zeros(thresholds.size)
             lead_sum = np.zeros(thresholds.size)
             for run in prepared:
-                # every threshold's first alarm at once (the running extreme is sorted)
-                if direction is Direction.ABOVE:
-                    index = np.searchsorted(run.top, thresholds, side="left")
-                else:
-                    index = np.searchsorted(run.neg_bottom, -thresholds, side="left")
-                fired = index < run.steps.size
-                if run.diverged_at is None:
-                    false_alarms += fired
-                    continue
-                hits += fired
-                alarm = run.steps[np.minimum(index, max(run.steps.size - 1, 0))] \
-                    if run.steps.size else np.zeros(thresholds.size)
-                lead_sum += np.where(fired, run.diverged_at - alarm, 0)
-            score = (hits / max(n_div, 1)) - (false_alarms / max(n_surv, 1))
+                hit, false, lead = run.record(direction, thresholds)
+                hits += hit
+                false_alarms += false
+                lead_sum += lead
+            score = hits / max(n_div, 1) - false_alarms / max(n_quiet, 1)
             mean_lead = np.where(hits > 0, lead_sum / np.maximum(hits, 1), -math.inf)
             # the best score, then the longest mean lead; of the thresholds that tie, the
             # middle one (furthest from both ends of the tied range)
@@ -271,12 +297,12 @@ def fit_rule(signal: str, signals: pd.DataFrame, diverged: Mapping[str, int | No
     if best is None or best[0][0] <= 0:
         return None
     rule = best[1]
-    return rule, judge(rule, signals, diverged, runs, start=start)
+    return rule, judge(rule, signals, diverged, runs, start=start, horizon=horizon)
 
 
 def evaluate(signals: pd.DataFrame, diverged: Mapping[str, int | None], fit: Sequence[str],
              held_out: Sequence[str], *, windows: Sequence[int] = (1, 3, 10),
-             start: int = 50) -> list[Judgement]:
+             start: int = 50, horizon: int | None = None) -> list[Judgement]:
     """Per signal column of ``signals``: the rule fit on the ``fit`` runs alone and its record
     there and on the ``held_out`` runs (the baseline first, then the columns' order).
     ``diverged`` maps every run to its divergence step or None."""
@@ -294,11 +320,13 @@ def evaluate(signals: pd.DataFrame, diverged: Mapping[str, int | None], fit: Seq
     names.sort(key=lambda c: c != BASELINE)
     out = []
     for name in names:
-        found = fit_rule(name, signals, diverged, fit, windows=windows, start=start)
+        found = fit_rule(name, signals, diverged, fit, windows=windows, start=start,
+                         horizon=horizon)
         if found is None:
             out.append(Judgement(name, None, None, None))
             continue
         rule, fit_outcome = found
         out.append(Judgement(name, rule, fit_outcome,
-                             judge(rule, signals, diverged, held_out, start=start)))
+                             judge(rule, signals, diverged, held_out, start=start,
+                                   horizon=horizon)))
     return out
