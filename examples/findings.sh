@@ -351,19 +351,20 @@ part_health() {
 # Two groups of 16 runs that share their cast and differ only in learning rate and seed, so
 # that some diverge and some do not: the findings' transformer under mxfp8_e4m3 at lr 0.004,
 # 0.0055, 0.007 and 0.01, and the tanh MLP under mxfp4_e2m1 (both backward operands cast) at
-# lr 0.005, 0.01, 0.02 and 0.03; seeds 0-3, 1,000 steps, operands logged every 5 steps. Seeds 0 and 1 fit
-# each signal's rule, seeds 2 and 3 judge it. Not a part of all; the table goes to
-# $OUT/predict/summary.json (examples/findings_predict.py, driftcli.measures.predict).
+# lr 0.005, 0.01, 0.02 and 0.03; seeds 0-3, 1,000 steps, operands logged every 5 steps.
+# Seeds 0 and 1 fit each signal's rule, seeds 2 and 3 judge it. Not a part of all; the tables
+# go to $OUT/predict/summary.json and signals.parquet (examples/findings_predict.py,
+# driftcli.runs.predict).
 part_predict() {
     log "predict: 32 runs near the divergence edge, operands logged every 5 steps"
     local P="$OUT/predict"
     mkdir -p "$P"
     for seed in 0 1 2 3; do
         for lr in 0.004 0.0055 0.007 0.01; do
-            bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy mxfp8_e4m3 --lr $lr --diverge-factor 2 --steps 1000 --seed $seed --log-every 5 --eval-every 250 --threads 1 --out "$P/tf-lr$lr-s$seed" --overwrite -q
+            bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy mxfp8_e4m3 --lr $lr --diverge-factor 2 --steps 1000 --seed $seed --log-every 5 --eval-every 250 --threads 1 --out "$OUT/predict/tf-lr$lr-s$seed" --overwrite -q
         done
         for lr in 0.005 0.01 0.02 0.03; do
-            bg drift train --model mlp --policy mxfp4_e2m1 --lr $lr --diverge-factor 2 --steps 1000 --seed $seed --log-every 5 --eval-every 250 --threads 1 --out "$P/mlp-lr$lr-s$seed" --overwrite -q
+            bg drift train --model mlp --policy mxfp4_e2m1 --lr $lr --diverge-factor 2 --steps 1000 --seed $seed --log-every 5 --eval-every 250 --threads 1 --out "$OUT/predict/mlp-lr$lr-s$seed" --overwrite -q
         done
     done
     join

@@ -25,7 +25,15 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from driftcli.runs.predict import BASELINE, Judgement, evaluate, run_signals
+from driftcli.runs.predict import (
+    BASELINE,
+    Direction,
+    Judgement,
+    Rule,
+    alarm_steps,
+    evaluate,
+    run_signals,
+)
 
 FIT_SEEDS = (0, 1)
 HELD_OUT_SEEDS = (2, 3)
@@ -39,6 +47,11 @@ HORIZONS: tuple[int | None, ...] = (100, None)
 """Each signal's rule is fit and judged twice: a hit must come within 100 steps of the
 divergence (an alarm before that is a false alarm), and at any time before it."""
 RUNS_KEY = b"drift.predict.runs"
+ALARM_SIGNALS = {
+    "tf": (BASELINE, "grad_norm_ratio", "clip_rate_activation", "blocks.1.attn/logit_max"),
+    "mlp": (BASELINE, "grad_norm_ratio", "clip_rate_activation", "clip_rate_weight"),
+}
+"""The signals whose first alarms the doc shows run by run (the rules without a horizon)."""
 
 
 def collect(folder: Path, mean_steps: int = MEAN_STEPS
@@ -52,7 +65,12 @@ def collect(folder: Path, mean_steps: int = MEAN_STEPS
         diverged[run.name] = step
     if not tables:
         raise SystemExit(f"findings_predict: no run folders in {folder}")
-    return pd.concat(tables, ignore_index=True), diverged
+    signals = pd.concat(tables, ignore_index=True)
+    # float32 (seven digits, more than any rule's threshold needs) halves the committed table
+    # docs/findings/predict-signals.parquet; the study runs on these very values
+    values = [c for c in signals.columns if c not in ("run", "step")]
+    signals[values] = signals[values].astype("float32")
+    return signals, diverged
 
 
 def write_signals(path: Path, signals: pd.DataFrame, diverged: dict[str, int | None]) -> None:
@@ -141,6 +159,43 @@ def table_lines(group: dict[str, Any]) -> list[str]:
     return lines
 
 
+def runs_lines(name: str, group: dict[str, Any]) -> list[str]:
+    """The doc's table of a group's runs: the step each diverged at, by learning rate (rows)
+    and seed (columns); —: it ran all its steps."""
+    by_lr: dict[float, dict[int, int | None]] = {}
+    for run, step in group["runs"].items():
+        found = re.search(r"-lr([0-9.]+)-s(\d+)$", run)
+        if found is None:
+            raise SystemExit(f"findings_predict: run {run!r} is not named GROUP-lrLR-sSEED")
+        by_lr.setdefault(float(found.group(1)), {})[int(found.group(2))] = step
+    seeds = sorted({seed for steps in by_lr.values() for seed in steps})
+    lines = [f"| {name}: lr | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+             "| ---: |" + " ---: |" * len(seeds)]
+    for lr in sorted(by_lr):
+        cells = [str(by_lr[lr].get(s) or "—") for s in seeds]
+        lines.append(f"| {lr:g} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def alarms_lines(name: str, group: dict[str, Any], signals: pd.DataFrame,
+                 diverged: dict[str, int | None], start: int = START) -> list[str]:
+    """The doc's table of first alarms: per held-out run, the step at which each of the
+    group's ALARM_SIGNALS first fires under its rule fit without a horizon (—: never)."""
+    judged = {j["signal"]: j for j in group["horizons"]["None"]}
+    shown = [s for s in ALARM_SIGNALS.get(name, ()) if judged.get(s, {}).get("rule")]
+    lines = ["| run | diverged at | " + " | ".join(f"`{s}`" for s in shown) + " |",
+             "| --- | ---: |" + " ---: |" * len(shown)]
+    for run in group["held_out"]:
+        cells = [run, str(diverged[run] or "—")]
+        for signal in shown:
+            r = judged[signal]["rule"]
+            rule = Rule(signal, Direction(r["direction"]), r["threshold"], r["window"])
+            step = alarm_steps(rule, signals, diverged, [run], start=start)[run]
+            cells.append(str(step or "—"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv: list[str], start: int = START, mean_steps: int = MEAN_STEPS,
          horizons: tuple[int | None, ...] = HORIZONS) -> int:
     folder = Path(argv[0])
@@ -149,9 +204,9 @@ def main(argv: list[str], start: int = START, mean_steps: int = MEAN_STEPS,
     groups = study(signals, diverged, start, horizons)
     (folder / "summary.json").write_text(json.dumps(groups, indent=2) + "\n", encoding="utf-8")
     for name, group in groups.items():
-        print(f"{name}: diverged at " + ", ".join(
-            f"{run} {step or '—'}" for run, step in group["runs"].items()))
+        print("\n".join(runs_lines(name, group)))
         print("\n".join(table_lines(group)))
+        print("\n".join(alarms_lines(name, group, signals, diverged, start)))
     return 0
 
 

@@ -86,7 +86,44 @@ def test_the_study_at_tiny_size(text: Path, tmp_path: Path) -> None:
             assert (again.hits, again.false_alarms, list(again.leads)) == (
                 held["hits"], held["false_alarms"], held["leads"])
             assert all(0 < lead <= (horizon or 60) for lead in held["leads"])
+    assert fp.runs_lines("mlp", group)[2:] == [
+        f"| 0.6 | — | {fates['mlp-lr0.6-s1']} | — | — |",
+        f"| 0.7 | — | — | {fates['mlp-lr0.7-s2']} | {fates['mlp-lr0.7-s3']} |"]
     lines = fp.table_lines(group)
     assert len(lines) == 2 + len(group["horizons"]["5"])
     assert lines[0].startswith("| signal | within 5 steps: rule |")
     assert lines[2].startswith("| `loss_spike` (baseline) |")
+
+
+def missing_lines(doc: str, lines: list[str]) -> list[str]:
+    """The lines of ``lines`` that ``doc`` does not hold verbatim."""
+    held = set(doc.splitlines())
+    return [line for line in lines if line not in held]
+
+
+def test_the_docs_tables_are_the_committed_runs_study() -> None:
+    """Every table line of the section is what the study gives on the committed signal tables
+    of the 32 runs (examples/findings.sh predict wrote them; nothing is trained here), and the
+    runs' divergence steps the section quotes are theirs."""
+    signals, diverged = fp.read_signals(SIGNALS)
+    summary = fp.study(signals, diverged)
+    doc = DOC.read_text(encoding="utf-8")
+    section = doc.split("## Which signal warns before a divergence?")[1].split("\n## ")[0]
+    for name, group in summary.items():
+        lines = fp.table_lines(group)
+        assert not missing_lines(section, lines), (name, missing_lines(section, lines))
+        assert not missing_lines(section, fp.runs_lines(name, group))
+    # the verdict's count: operand and attention signals (not the loss and the norms) that
+    # catch every held-out transformer divergence at any time with at most 2 false alarms
+    caught = [s["held_out"] for s in summary["tf"]["horizons"]["None"]
+              if not s["signal"].endswith(("loss_spike", "norm_ratio"))]
+    good = [h for h in caught if h and h["hits"] == h["diverging"] and h["false_alarms"] <= 2]
+    leads = [lead for h in good for lead in h["leads"]]
+    assert (f"{len(good)} of the {len(caught)} operand and attention signals catch every "
+            f"held-out transformer divergence with at most 2 false alarms of 5, with leads of "
+            f"{min(leads)} to {max(leads)} steps") in " ".join(section.split())
+    for name, group in summary.items():
+        assert not missing_lines(section, fp.alarms_lines(name, group, signals, diverged))
+    # the checker catches a planted change of one number
+    planted = section.replace("| `loss_spike` (baseline) | ≥ ", "| `loss_spike` (baseline) | ≥ 9")
+    assert missing_lines(planted, fp.table_lines(summary["tf"]))

@@ -251,6 +251,17 @@ def judge(rule: Rule, signals: pd.DataFrame, diverged: Mapping[str, int | None],
     return Outcome(hits, n_div, false_alarms, n_quiet, tuple(leads))
 
 
+def alarm_steps(rule: Rule, signals: pd.DataFrame, diverged: Mapping[str, int | None],
+                runs: Sequence[str], *, start: int = 50) -> dict[str, int | None]:
+    """Per run, the first step ``rule`` fires at (from ``start``, before a divergence), or
+    None."""
+    out = {}
+    for run in runs:
+        steps, values = _series(signals, run, rule.signal, diverged[run], start, rule.window)
+        out[run] = first_alarm(steps, values, rule.direction, rule.threshold)
+    return out
+
+
 def _candidates(values: np.ndarray) -> np.ndarray:
     """Thresholds halfway between consecutive distinct values, and one past each end."""
     distinct = np.unique(values[np.isfinite(values)])
