@@ -5,7 +5,7 @@ with driftcli.runs.predict."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -26,12 +26,12 @@ text = test_train.text
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("findings_predict", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["findings_predict"] = module
-    spec.loader.exec_module(module)
-    return module
+    """examples/findings_predict.py as a module (examples/ is no package)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return importlib.import_module(SCRIPT.stem)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
 
 
 fp = _script()
