@@ -5,7 +5,7 @@
 #
 # PART: a b c d claim1 ... claim7, or all (the default); or, not in all, rht, rht-tf, formats
 # (rht and formats read ../shared/data/models/stories260K-hf: run from the repository's root),
-# health (its own runs, into DIR/health). A part runs alone and trains what it needs; a run
+# health (its own runs, into DIR/health), predict (its own runs, into DIR/predict). A part runs alone and trains what it needs; a run
 # already in DIR from the same command is kept, so parts share their runs. CPU only, one torch
 # thread per process, at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it
 # prints each part's key numbers, writes DIR/summary.json and draws DIR/plots/*.png.
@@ -17,8 +17,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT=$2; shift 2 ;;
         -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-        a|b|c|d|claim[1-7]|rht|rht-tf|formats|health|all) PARTS+=("$1"); shift ;;
-        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht rht-tf formats health all)" >&2; exit 2 ;;
+        a|b|c|d|claim[1-7]|rht|rht-tf|formats|health|predict|all) PARTS+=("$1"); shift ;;
+        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht rht-tf formats health predict all)" >&2; exit 2 ;;
     esac
 done
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(all)
@@ -347,6 +347,30 @@ part_health() {
     "$PY" "$here/findings_health.py" "$H"
 }
 
+# ---------------------------------------------------------------- predict: the early-warning study
+# Two groups of 16 runs that share their cast and differ only in learning rate and seed, so
+# that some diverge and some do not: the findings' transformer under mxfp8_e4m3 at lr 0.004,
+# 0.0055, 0.007 and 0.01, and the tanh MLP under mxfp4_e2m1 (both backward operands cast) at
+# lr 0.005, 0.01, 0.02 and 0.03; seeds 0-3, 1,000 steps, operands logged every 5 steps.
+# Seeds 0 and 1 fit each signal's rule, seeds 2 and 3 judge it. Not a part of all; the tables
+# go to $OUT/predict/summary.json and signals.parquet (examples/findings_predict.py,
+# driftcli.runs.predict).
+part_predict() {
+    log "predict: 32 runs near the divergence edge, operands logged every 5 steps"
+    local P="$OUT/predict"
+    mkdir -p "$P"
+    for seed in 0 1 2 3; do
+        for lr in 0.004 0.0055 0.007 0.01; do
+            bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy mxfp8_e4m3 --lr $lr --diverge-factor 2 --steps 1000 --seed $seed --log-every 5 --eval-every 250 --threads 1 --out "$OUT/predict/tf-lr$lr-s$seed" --overwrite -q
+        done
+        for lr in 0.005 0.01 0.02 0.03; do
+            bg drift train --model mlp --policy mxfp4_e2m1 --lr $lr --diverge-factor 2 --steps 1000 --seed $seed --log-every 5 --eval-every 250 --threads 1 --out "$OUT/predict/mlp-lr$lr-s$seed" --overwrite -q
+        done
+    done
+    join
+    "$PY" "$here/findings_predict.py" "$P"
+}
+
 # ---------------------------------------------------------------- rht-tf: the same on the study's transformer
 # The findings' transformer (2 blocks, d_model 64, tanh MLP, context 32) trained 100 steps, seed
 # 0; one step's operands (4 windows of 32 bytes), the wgrad's X and dY of its 9 linear maps
@@ -395,6 +419,7 @@ for part in "${PARTS[@]}"; do
         claim1) claim1 ;; claim2) claim2 ;; claim3) claim3 ;; claim4) claim4 ;;
         claim5) claim5 ;; claim6) claim6 ;; claim7) claim7 ;; rht) part_rht ;;
         health) part_health ;;
+        predict) part_predict ;;
         rht-tf) part_rht_tf ;;
         formats) part_formats ;;
     esac
@@ -404,7 +429,7 @@ join
 log "summary"
 STUDY_PARTS=()
 for part in "${PARTS[@]}"; do
-    case "$part" in rht|rht-tf|formats|health) ;; *) STUDY_PARTS+=("$part") ;; esac
+    case "$part" in rht|rht-tf|formats|health|predict) ;; *) STUDY_PARTS+=("$part") ;; esac
 done
 [ ${#STUDY_PARTS[@]} -eq 0 ] || "$PY" "$here/findings_summary.py" "$OUT" "$SECONDS" "${STUDY_PARTS[@]}"
 log "done: $OUT/summary.json, $OUT/plots/"
