@@ -174,6 +174,7 @@ def test_the_command_writes_a_table_and_a_policy_grad_cosine_takes(tmp_path: Pat
     (["--budget", "1.5"], "budget 1.5 is not a share of the matmul work in [0, 1]"),
     (["--budget", "-0.1"], "budget -0.1 is not a share"),
     (["-c", "mxfp9_e4m3"], "unknown policy 'mxfp9_e4m3'"),
+    (["--choose", "first"], "unknown --choose 'first' (choose from score, last, random)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
     ck, story = _checkpoint(tmp_path)

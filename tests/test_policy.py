@@ -468,7 +468,7 @@ def test_one_policy_at_a_time_and_autocast_does_not_lower_the_spec() -> None:
 def test_the_policy_files_in_the_docs_are_the_example_files() -> None:
     docs = (EXAMPLES.parents[1] / "docs" / "arithmetic.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", docs, flags=re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     for block in blocks:
         path = EXAMPLES / re.search(r"examples/policies/(\S+\.toml)", block)[1]
         shown = policy_from_dict(tomllib.loads(block), default_name=path.stem)

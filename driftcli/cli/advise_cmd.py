@@ -47,7 +47,7 @@ def advise_command(
         help="The cast of every layer not kept: a policy preset (mxfp8_e4m3, nvfp4, ...), a "
              "cast spec or a .toml policy file.")],
     budget: Annotated[float, typer.Option(
-        metavar="B", help="Share of the matmul work kept in high precision, in [0, 1].")] = 0.15,
+        metavar="B", help="Share of the matmul work kept in bfloat16, in [0, 1].")] = 0.15,
     text: Annotated[Path | None, typer.Option(
         metavar="FILE", exists=True, dir_okay=False,
         help="Text tokenized with the checkpoint's tokenizer.")] = None,
