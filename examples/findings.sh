@@ -393,12 +393,13 @@ part_formats() {
 # Claims 2 and 4's transformer at lr 0.01 under mxfp8_e4m3 (diverges at every seed), seeds 0-2,
 # no operand logging; drift advise at step 100 of seed 0's run (the first 2,048 bytes of the
 # corpus, 4 batches of 16 windows of 32 bytes), budget 0.15 of the matmul work kept in bf16;
-# the same budget given to the last layers and to three random draws (seeds 1, 3 and 4: seed 2
-# draws the same layers as seed 1); each policy trained at
+# the same budget given to the last layers and to random draws (seeds 1, 3 and 4: seed 2
+# draws the same layers as seed 1; and seed 6, the first draw to keep an MLP map, added after
+# the others had run); each policy trained at
 # seeds 0-2. Not a part of all; the numbers go to $OUT/advise/summary.json
 # (examples/findings_advise.py).
 part_advise() {
-    log "advise: the advised hybrid against the last layers and random draws, 15 runs"
+    log "advise: the advised hybrid against the last layers and random draws, 18 runs"
     local A="$OUT/advise" corpus
     mkdir -p "$A"
     corpus=$("$PY" -c 'from driftcli.text import default_corpus; print(default_corpus())')
@@ -408,10 +409,10 @@ part_advise() {
     join
     drift advise "$A/mxfp8-s0/step-000100.safetensors" -c mxfp8_e4m3 --budget 0.15 --text "$corpus" --tokens 32 --windows 16 --batches 4 --out "$A/advised" --overwrite -q
     drift advise "$A/mxfp8-s0/step-000100.safetensors" -c mxfp8_e4m3 --budget 0.15 --text "$corpus" --tokens 32 --windows 16 --batches 1 --choose last --out "$A/last" --overwrite -q
-    for draw in 1 3 4; do
+    for draw in 1 3 4 6; do
         drift advise "$A/mxfp8-s0/step-000100.safetensors" -c mxfp8_e4m3 --budget 0.15 --text "$corpus" --tokens 32 --windows 16 --batches 1 --choose random --choose-seed $draw --out "$A/random-$draw" --overwrite -q
     done
-    for choice in advised random-1 random-3 random-4 last; do
+    for choice in advised random-1 random-3 random-4 last random-6; do
         for seed in 0 1 2; do
             bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy "$A/$choice/advise.toml" --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --log-every 0 --eval-every 250 --threads 1 --out "$A/$choice-s$seed" --overwrite -q
         done

@@ -4,11 +4,10 @@ checkpoint, a run per policy, and examples/findings_advise.py's summary and tabl
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+import runpy
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 
 import pytest
 import test_train
@@ -25,16 +24,7 @@ TF = ["--model", "transformer", "--activation", "tanh", "--layers", "1", "--d-mo
       "0", "--eval-every", "0", "--threads", "1", "-q"]
 
 
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("findings_advise", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["findings_advise"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fa = _script()
+fa = SimpleNamespace(**runpy.run_path(str(SCRIPT), run_name="findings_advise"))
 
 
 @pytest.mark.slow
