@@ -170,3 +170,35 @@ def test_train_and_grad_cosine_run_on_an_override(tmp_path: Path, text: Path) ->
     cos = dict(zip(whole["policy"], whole["cosine"], strict=True))
     # the head in bfloat16 brings the gradient closer to the exact one than MXFP8 everywhere
     assert cos["p"] > cos[MAIN]
+
+
+def test_module_policy_reads_keeps_and_overrides_from_the_dotted_name() -> None:
+    base = replace(get_policy(MAIN), overrides=(module_override(r"^blocks\.0$", "bf16"),
+                                                module_override(r"\.fc$", "fp8_e4m3")),
+                   keep_high_precision=(r"^blocks\.1\.attn$",))
+    assert base.module_policy("head") is base
+    below = base.module_policy("blocks.0.attn.qkv")  # the override of blocks.0, above it
+    assert below is not None and below.forward == base.overrides[0].spec
+    inner = base.module_policy("blocks.0.mlp.fc")  # the innermost override wins
+    assert inner is not None and inner.wgrad == base.overrides[1].spec
+    assert base.module_policy("blocks.1.attn.proj") is None  # kept above it
+
+
+def test_train_logs_an_overridden_module_under_its_own_cast(text: Path,  # noqa: F811
+                                                             tmp_path: Path) -> None:
+    from driftcli.runs.dump import dump_operands
+    from driftcli.runs.training import operand_rates
+
+    code, _, err = drift("train", "--model", "mlp", "--context", "8", "--hidden", "16",
+                         "--layers", "1", "--steps", "2", "--batch", "8", "--checkpoint-every",
+                         "2", "--text", str(text), "--out", str(tmp_path / "run"), "-q")
+    assert code == 0, err
+    dump = tmp_path / "dump.safetensors"
+    dump_operands(tmp_path / "run" / "step-000002.safetensors", dump, text, windows=4)
+    fp4 = PRESETS["mxfp4_e2m1"][0]
+    everywhere = replace(get_policy(MAIN), overrides=(module_override(".", "mxfp4_e2m1"),))
+    rates = operand_rates(dump, everywhere)
+    assert rates == operand_rates(dump, get_policy(MAIN), measure=fp4)
+    assert rates != operand_rates(dump, get_policy(MAIN))  # not the main cast's
+    kept = replace(everywhere, keep_high_precision=(".",))
+    assert set(operand_rates(dump, kept).values()) == {None}

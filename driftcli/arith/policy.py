@@ -242,6 +242,21 @@ class ArithmeticPolicy:
         """The first override matching the module of this qualified name, or None."""
         return next((o for o in self.overrides if re.search(o.modules, module_name)), None)
 
+    def module_policy(self, module_name: str) -> ArithmeticPolicy | None:
+        """The policy a module's own matmuls run under, read from its dotted name as the
+        arithmetic mode reads the running modules: None when it or a module above it is kept
+        in high precision (plain torch), else the innermost override matching it or a
+        module above it, else this policy."""
+        parts = module_name.split(".")
+        names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        if any(self.keeps(n) for n in names):
+            return None
+        for name in reversed(names):
+            found = self.override(name)
+            if found is not None:
+                return self.overridden(found)
+        return self
+
     def overridden(self, override: ModuleOverride) -> ArithmeticPolicy:
         """This policy as it runs inside a module ``override`` matches: every role the
         override's matmul, everything else this policy's."""
