@@ -21,6 +21,8 @@ from typing import Any
 from driftcli.io.tables import read_table
 
 RUN = re.compile(r"^(?P<name>.+)-s(?P<seed>\d+)$")
+CHOICES = ("score", "last", "random")
+"""drift advise's --choose values, in the order the table shows them."""
 
 
 def choice(folder: Path) -> dict[str, Any]:
@@ -69,7 +71,15 @@ def table(summary: dict[str, Any]) -> str:
     lines = ["| policy | layers kept in bf16 | work kept | " +
              " | ".join(f"seed {s}" for s in seeds) + " |",
              "| --- | --- | ---: | " + " | ".join("---" for _ in seeds) + " |"]
-    for name, runs in summary["runs"].items():
+    def order(name: str) -> tuple[int, int, int, str]:
+        # the cast alone first, then the advice, the last layers, the random draws by seed
+        c = summary["choices"].get(name)
+        if c is None:
+            return (0, 0, 0, name)
+        return (1, CHOICES.index(c["choose"]), c["choose_seed"], name)
+
+    for name in sorted(summary["runs"], key=order):
+        runs = summary["runs"][name]
         c = summary["choices"].get(name)
         kept = "none" if c is None else ", ".join(f"`{k}`" for k in c["kept"]) or "none"
         share = "0" if c is None else f"{c['kept_share']:.4f}"

@@ -67,7 +67,10 @@ def test_the_advise_part_at_tiny_size(text: Path, tmp_path: Path) -> None:
     # last first: the head (over half the work) does not fit in 0.3, the MLP's two maps do
     assert summary["choices"]["last"]["kept"] == ["blocks.0.mlp.fc", "blocks.0.mlp.out"]
     rows = fa.table(summary).splitlines()
-    mx = next(r for r in rows if r.startswith("| mxfp8 |"))
+    # the cast alone, the advice, then its controls
+    assert [r.split(" | ")[0] for r in rows[2:]] == ["| mxfp8", "| advised", "| last",
+                                                     "| random-1"]
+    mx = rows[2]
     assert "| none | 0 |" in mx
     assert f"{summary['runs']['mxfp8']['1']['final_val_loss']:.3f}" in mx
     advised = next(r for r in rows if r.startswith("| advised |"))
