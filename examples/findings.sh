@@ -5,7 +5,8 @@
 #
 # PART: a b c d claim1 ... claim7, or all (the default); or, not in all, rht, rht-tf, formats
 # (rht and formats read ../shared/data/models/stories260K-hf: run from the repository's root),
-# health (its own runs, into DIR/health), predict (its own runs, into DIR/predict). A part runs alone and trains what it needs; a run
+# health (its own runs, into DIR/health), predict (its own runs, into DIR/predict), advise (the
+# same, into DIR/advise). A part runs alone and trains what it needs; a run
 # already in DIR from the same command is kept, so parts share their runs. CPU only, one torch
 # thread per process, at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it
 # prints each part's key numbers, writes DIR/summary.json and draws DIR/plots/*.png.
@@ -17,8 +18,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT=$2; shift 2 ;;
         -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-        a|b|c|d|claim[1-7]|rht|rht-tf|formats|health|predict|all) PARTS+=("$1"); shift ;;
-        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht rht-tf formats health predict all)" >&2; exit 2 ;;
+        a|b|c|d|claim[1-7]|rht|rht-tf|formats|health|predict|advise|all) PARTS+=("$1"); shift ;;
+        *) echo "findings.sh: unknown part '$1' (a b c d claim1..claim7 rht rht-tf formats health predict advise all)" >&2; exit 2 ;;
     esac
 done
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(all)
@@ -413,6 +414,38 @@ part_formats() {
     )
 }
 
+# ---------------------------------------------------------------- advise: the advisor against the world
+# Claims 2 and 4's transformer at lr 0.01 under mxfp8_e4m3 (diverges at every seed), seeds 0-2,
+# no operand logging; drift advise at step 100 of seed 0's run (the first 2,048 bytes of the
+# corpus, 4 batches of 16 windows of 32 bytes), budget 0.15 of the matmul work kept in bf16;
+# the same budget given to the last layers and to random draws (seeds 1, 3 and 4: seed 2
+# draws the same layers as seed 1; and seed 6, the first draw to keep an MLP map, added after
+# the others had run); each policy trained at
+# seeds 0-2. Not a part of all; the numbers go to $OUT/advise/summary.json
+# (examples/findings_advise.py).
+part_advise() {
+    log "advise: the advised hybrid against the last layers and random draws, 18 runs"
+    local A="$OUT/advise" corpus
+    mkdir -p "$A"
+    corpus=$("$PY" -c 'from driftcli.text import default_corpus; print(default_corpus())')
+    for seed in 0 1 2; do
+        bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy mxfp8_e4m3 --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --checkpoint-every 100 --log-every 0 --eval-every 250 --threads 1 --out "$A/mxfp8-s$seed" --overwrite -q
+    done
+    join
+    drift advise "$A/mxfp8-s0/step-000100.safetensors" -c mxfp8_e4m3 --budget 0.15 --text "$corpus" --tokens 32 --windows 16 --batches 4 --out "$A/advised" --overwrite -q
+    drift advise "$A/mxfp8-s0/step-000100.safetensors" -c mxfp8_e4m3 --budget 0.15 --text "$corpus" --tokens 32 --windows 16 --batches 1 --choose last --out "$A/last" --overwrite -q
+    for draw in 1 3 4 6; do
+        drift advise "$A/mxfp8-s0/step-000100.safetensors" -c mxfp8_e4m3 --budget 0.15 --text "$corpus" --tokens 32 --windows 16 --batches 1 --choose random --choose-seed $draw --out "$A/random-$draw" --overwrite -q
+    done
+    for choice in advised random-1 random-3 random-4 last random-6; do
+        for seed in 0 1 2; do
+            bg drift train --model transformer --activation tanh --layers 2 --d-model 64 --context 32 --batch 16 --policy "$A/$choice/advise.toml" --lr 0.01 --diverge-factor 2 --steps 1000 --seed $seed --log-every 0 --eval-every 250 --threads 1 --out "$A/$choice-s$seed" --overwrite -q
+        done
+    done
+    join
+    "$PY" "$here/findings_advise.py" "$A"
+}
+
 for part in "${PARTS[@]}"; do
     case "$part" in
         a) part_a ;; b) part_b ;; c) part_c ;; d) part_d ;;
@@ -420,6 +453,7 @@ for part in "${PARTS[@]}"; do
         claim5) claim5 ;; claim6) claim6 ;; claim7) claim7 ;; rht) part_rht ;;
         health) part_health ;;
         predict) part_predict ;;
+        advise) part_advise ;;
         rht-tf) part_rht_tf ;;
         formats) part_formats ;;
     esac

@@ -14,10 +14,12 @@ from typer.testing import CliRunner
 from driftcli.arith.mode import arithmetic
 from driftcli.arith.policy import policy_from_toml
 from driftcli.cli import app
+from driftcli.errors import ChoiceError
 from driftcli.measures.advise import Advice, AdviseError, advise
 from driftcli.models import MLPConfig
 from driftcli.models.checkpoint import save_checkpoint
 from driftcli.models.nets import MLPLM, next_byte_loss
+from driftcli.records.presets import PRESETS
 
 runner = CliRunner()
 CONFIG = MLPConfig(context=8, embed=8, hidden=32, layers=3)
@@ -98,18 +100,46 @@ def test_the_budget_is_kept_and_no_layer_left_out_would_fit(budget: float) -> No
     assert all(r.kept for r in a.rows) is (budget == 1.0)
 
 
-def test_the_policy_file_round_trips_and_casts_every_layer_but_the_kept(tmp_path: Path) -> None:
+def test_the_policy_file_round_trips_and_keeps_the_kept_layers_in_bf16(tmp_path: Path) -> None:
     a = advised(True, 0.2)
     read = policy_from_toml(a.write_policy(tmp_path / "advise.toml"))
-    assert read == a.policy
+    assert read == a.policy and read.name == f"{CAST}+advised"
     kept = [r.layer for r in a.rows if r.kept]
-    assert kept and len(kept) < len(LAYERS)
+    assert kept == ["hidden.0"]
+    bf16 = PRESETS["bf16"][0]
     for r in a.rows:
-        assert read.keeps(r.layer) is r.kept
-    with arithmetic(read, model=(m := model(True))) as arith:
+        o = read.override(r.layer)
+        assert (o is not None and o.cast == bf16) is r.kept
+    assert not read.keep_high_precision  # kept means bfloat16, not the model's dtype
+    # under it every F.linear is routed, none plain (tests/test_policy_override.py checks
+    # that an overridden module's operands are bfloat16's rounding, every role, exactly)
+    m = model(True)
+    with arithmetic(read, model=m) as arith:
         next_byte_loss(m, batches()[0]).backward()
-    assert arith.plain["F.linear (kept in high precision)"] == len(kept)
-    assert arith.routed["F.linear"] == len(LAYERS) - len(kept)
+    assert arith.routed["F.linear"] == len(LAYERS) and not arith.plain
+    assert "# drift advise: fp8_e4m3 with the most sensitive layers kept in bf16" in a.toml
+
+
+def test_the_controls_keep_the_last_layers_or_a_random_draw_within_the_budget() -> None:
+    plain = model(False)
+    last = advise(plain, batches()[:1], next_byte_loss, CAST, budget=0.2, choose="last")
+    # last first: head (2/3 of the work) does not fit, hidden.2 (1/12) and hidden.1 (1/12) do,
+    # then hidden.0 (1/6) would pass 0.2
+    assert sorted(r.layer for r in last.rows if r.kept) == ["hidden.1", "hidden.2"]
+    assert last.policy.name == f"{CAST}+last" and last.kept_share == pytest.approx(1 / 6)
+    draws = {seed: advise(plain, batches()[:1], next_byte_loss, CAST, budget=0.2,
+                          choose="random", choose_seed=seed) for seed in range(4)}
+    kept = {seed: tuple(r.layer for r in a.rows if r.kept) for seed, a in draws.items()}
+    assert len(set(kept.values())) > 1  # the seed draws
+    for a in draws.values():  # the same rows, measured and ranked alike
+        assert [r.score for r in a.rows] == [r.score for r in last.rows]
+        assert a.kept_work <= 0.2 * a.total_work
+        assert all(a.kept_work + r.work > 0.2 * a.total_work for r in a.rows if not r.kept)
+    again = advise(plain, batches()[:1], next_byte_loss, CAST, budget=0.2, choose="random",
+                   choose_seed=1)
+    assert tuple(r.layer for r in again.rows if r.kept) == kept[1]
+    with pytest.raises(ChoiceError, match="choose"):
+        advise(plain, batches()[:1], next_byte_loss, CAST, choose="first")
 
 
 def _checkpoint(tmp_path: Path) -> tuple[Path, Path]:
@@ -144,6 +174,7 @@ def test_the_command_writes_a_table_and_a_policy_grad_cosine_takes(tmp_path: Pat
     (["--budget", "1.5"], "budget 1.5 is not a share of the matmul work in [0, 1]"),
     (["--budget", "-0.1"], "budget -0.1 is not a share"),
     (["-c", "mxfp9_e4m3"], "unknown policy 'mxfp9_e4m3'"),
+    (["--choose", "first"], "unknown --choose 'first' (choose from score, last, random)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
     ck, story = _checkpoint(tmp_path)
@@ -184,7 +215,7 @@ def test_a_layer_holding_others_counts_their_work_and_keeps_them() -> None:
     # one pattern per layer not inside a kept one: the layers inside ranked below it are not named
     attn = next(r.rank for r in a.rows if r.layer == "blocks.0.attn")
     inside = [r for r in a.rows if r.layer.startswith("blocks.0.attn.")]
-    assert len(a.policy.keep_high_precision) == 4 + sum(r.rank < attn for r in inside)
+    assert len(a.policy.overrides) == 4 + sum(r.rank < attn for r in inside)
 
 
 def test_drift_train_runs_under_the_advised_policy(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from driftcli.arith.policy import (
     PolicyError,
     Role,
     get_policy,
+    module_override,
     policy_from_dict,
     policy_from_toml,
     uniform_policy,
@@ -88,7 +89,7 @@ def test_get_policy_names_close_matches_and_takes_cast_specs() -> None:
 
 def test_example_policy_files_load() -> None:
     files = sorted(EXAMPLES.glob("*.toml"))
-    assert len(files) == 6
+    assert len(files) == 7
     h100 = get_policy(str(EXAMPLES / "h100_fp8.toml"))
     promoted = get_policy(str(EXAMPLES / "h100_fp8_promoted.toml"))
     f32 = get_policy(str(EXAMPLES / "fp8_f32_accumulate.toml"))
@@ -119,6 +120,9 @@ def test_example_policy_files_load() -> None:
     assert result.spec(Role.DGRAD).lhs is None and result.spec(Role.DGRAD).rhs is None
     assert result.spec(Role.DGRAD).out == operands.spec(Role.DGRAD).lhs
     assert result.spec(Role.WGRAD).out == operands.spec(Role.WGRAD).rhs
+    head = get_policy(str(EXAMPLES / "mxfp8_bf16_head.toml"))
+    assert head.overrides == (module_override("^head$", "bf16"),)
+    assert replace(head, name="mxfp8_e4m3", overrides=()) == operands
 
 
 def test_policy_file_errors_name_the_fix(tmp_path: Path) -> None:
@@ -468,7 +472,7 @@ def test_one_policy_at_a_time_and_autocast_does_not_lower_the_spec() -> None:
 def test_the_policy_files_in_the_docs_are_the_example_files() -> None:
     docs = (EXAMPLES.parents[1] / "docs" / "arithmetic.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", docs, flags=re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     for block in blocks:
         path = EXAMPLES / re.search(r"examples/policies/(\S+\.toml)", block)[1]
         shown = policy_from_dict(tomllib.loads(block), default_name=path.stem)

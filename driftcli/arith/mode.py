@@ -19,6 +19,9 @@ table :data:`driftcli.arith.intercept.MATMULS`, which capture reads too: the ope
 records are those the policy casts. The mode is the table's casting
 :class:`~driftcli.arith.intercept.ProductSink`.
 
+Inside a module one of the policy's ``overrides`` matches (and below it) the matmuls run under
+that override's cast instead (:class:`~driftcli.arith.policy.ModuleOverride`).
+
 What runs as the plain torch op, counted in ``plain``: matmuls inside a module kept in high
 precision (the policy's ``keep_high_precision`` regexes on qualified module names; the model's
 names come from ``model=`` or, without it, from the outermost module called), products with
@@ -67,6 +70,8 @@ Tensor = torch.Tensor
 class _Frame:
     name: str
     kept: bool
+    policy: ArithmeticPolicy
+    """The policy the module's matmuls run under: the mode's, or an override's."""
 
 
 class ArithmeticMode(TorchFunctionMode):
@@ -92,6 +97,7 @@ class ArithmeticMode(TorchFunctionMode):
         self._params: set[int] = set()
         self._roots: set[int] = set()
         self._handles: list[RemovableHandle] = []
+        self._overridden = {id(o): policy.overridden(o) for o in policy.overrides}
 
     # -- context --------------------------------------------------------------------------------
 
@@ -137,8 +143,13 @@ class ArithmeticMode(TorchFunctionMode):
         if not self._stack and self.model is None and id(module) not in self._roots:
             self._learn_names(module)  # the outermost module called names the others
         name = self._names.get(id(module), type(module).__name__)
-        parent_kept = bool(self._stack) and self._stack[-1].kept
-        self._stack.append(_Frame(name, parent_kept or self.policy.keeps(name)))
+        parent = self._stack[-1] if self._stack else None
+        override = self.policy.override(name)
+        # an override applies below the module it matches, until one below matches another
+        policy = (self._overridden[id(override)] if override is not None
+                  else self.policy if parent is None else parent.policy)
+        kept = (parent is not None and parent.kept) or self.policy.keeps(name)
+        self._stack.append(_Frame(name, kept, policy))
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._stack:
@@ -147,6 +158,11 @@ class ArithmeticMode(TorchFunctionMode):
     @property
     def _kept(self) -> bool:
         return bool(self._stack) and self._stack[-1].kept
+
+    @property
+    def current_policy(self) -> ArithmeticPolicy:
+        """The policy of the innermost running module: the mode's, or an override's."""
+        return self._stack[-1].policy if self._stack else self.policy
 
     @property
     def current_module(self) -> str:
@@ -166,7 +182,7 @@ class ArithmeticMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if entry.route is not None:
             return entry.route(self, entry.name, func, *args, **kwargs)
-        if not self._kept and not self.policy.exact:
+        if not self._kept and not self.current_policy.exact:
             raise UnsupportedMatmulError(
                 f"policy {self.policy.name!r}: {entry.name} runs in module "
                 f"{self.current_module!r} and multiplies matrices where drift cannot see "
@@ -184,7 +200,7 @@ class ArithmeticMode(TorchFunctionMode):
             return "kept in high precision"
         if self.policy.keep_matmuls:
             kind = matmul_kind(name, a, b, self._is_parameter)
-            if self.policy.keeps_kind(kind):
+            if self.policy.keeps_kind(kind):  # overrides share the policy's kept kinds
                 return f"{kind.value} matmul kept in high precision"
         if a.dim() >= 1 and a.shape[-1] == 1:
             return "outer product (K = 1)"
@@ -200,7 +216,7 @@ class ArithmeticMode(TorchFunctionMode):
         if reason is not None:
             self.note_plain(name, reason)
             return True
-        if self.policy.exact:
+        if self.current_policy.exact:
             counted = products or (name,)
             self.routed.update(counted)
             self.matmuls += len(counted)
@@ -227,7 +243,7 @@ class ArithmeticMode(TorchFunctionMode):
             squeeze.append(-1)
         self.routed[name] += 1
         self.matmuls += 1
-        out = policy_matmul(a, b, self.policy, index=self.matmuls - 1)
+        out = policy_matmul(a, b, self.current_policy, index=self.matmuls - 1)
         for dim in squeeze:
             out = out.squeeze(dim)
         return out

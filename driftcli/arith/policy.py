@@ -17,12 +17,16 @@ Policies come from presets (``exact``, ``float32``, one per cast preset of
 :data:`driftcli.records.presets.PRESETS` and one per recipe of
 :data:`driftcli.arith.recipe_policies.RECIPES`), from a cast spec (every operand cast with
 it), or from a TOML file (:func:`policy_from_toml`; docs/arithmetic.md describes the format).
+A policy may give the modules a regular expression matches a cast of their own
+(:class:`ModuleOverride`: a layer kept in bfloat16 under an MXFP8 policy).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
@@ -92,6 +96,55 @@ ROLES: tuple[Role, ...] = tuple(Role)
 """The roles in the order of a training step."""
 
 
+def _check_pattern(policy: str, key: str, pattern: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        raise PolicyError(f"policy {policy!r}: {key} pattern {pattern!r} is not a regular "
+                          f"expression ({err}); write a Python regex such as 'lm_head' or "
+                          r"r'layers\.0\.'") from None
+
+
+@dataclass(frozen=True)
+class ModuleOverride:
+    """Another cast for every matmul run inside the modules ``modules`` matches (``re.search``
+    on qualified names), and below them: both operands of the forward, the dgrad and the
+    wgrad cast with ``cast``, float32 accumulation in torch.matmul's order, no output cast
+    (the matmuls of :func:`uniform_policy`). Everything else (backward state, seed, kept
+    kinds, backward cast) is the policy's; a module ``keep_high_precision`` keeps stays plain.
+    """
+
+    modules: str
+    """A regular expression on module qualified names."""
+    cast: Cast
+    """The cast of both operands of every role (``bf16``: a layer kept in bfloat16)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.modules, str) or not self.modules:
+            raise PolicyError(f"override modules must be a non-empty regex string, e.g. "
+                              f"'^head$', not {self.modules!r}")
+        _check_pattern("override", "modules", self.modules)
+        if not isinstance(self.cast, Cast):
+            raise PolicyError(f"override {self.modules!r}: cast must be a Cast (a spec string "
+                              f"goes through module_override), not {self.cast!r}")
+
+    @property
+    def spec(self) -> MatmulSpec:
+        """The matmul every role of a matching module runs."""
+        return matmul_spec(lhs=self.cast, rhs=self.cast, accumulator="float32",
+                           order=Order.NATIVE)
+
+
+def module_override(modules: str, cast_spec: Cast | str) -> ModuleOverride:
+    """A :class:`ModuleOverride` from a regex and a cast preset or spec (``"bf16"``)."""
+    if isinstance(cast_spec, str):
+        try:
+            cast_spec = parse_cast(cast_spec)
+        except DriftError as err:
+            raise PolicyError(f"override {modules!r}: {err}") from None
+    return ModuleOverride(modules, cast_spec)
+
+
 @dataclass(frozen=True)
 class ArithmeticPolicy:
     """How every matmul of a model is computed, per role (see the module docs)."""
@@ -124,15 +177,17 @@ class ArithmeticPolicy:
     """The same for the right operand (Wᵀ, read by the dgrad): Transformer Engine's hybrid
     recipes recast one operand from the original tensor and cast the other from the forward's
     dequantized values (``columnwise_source``)."""
+    overrides: tuple[ModuleOverride, ...] = ()
+    """Modules that run another cast (:class:`ModuleOverride`); the first that matches a
+    module applies to it and below it, unless a module below matches one of its own."""
 
     def __post_init__(self) -> None:
         for pattern in self.keep_high_precision:
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise PolicyError(f"policy {self.name!r}: keep_high_precision pattern "
-                                  f"{pattern!r} is not a regular expression ({err}); write a "
-                                  "Python regex such as 'lm_head' or r'layers\\.0\\.'") from None
+            _check_pattern(self.name, "keep_high_precision", pattern)
+        if not all(isinstance(o, ModuleOverride) for o in self.overrides):
+            raise PolicyError(f"policy {self.name!r}: overrides must be ModuleOverride "
+                              f"(module_override(regex, cast)), not {self.overrides!r}")
+        object.__setattr__(self, "overrides", tuple(self.overrides))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise PolicyError(f"policy {self.name!r}: seed must be a non-negative int, not "
                               f"{self.seed!r}")
@@ -169,18 +224,45 @@ class ArithmeticPolicy:
     @property
     def exact(self) -> bool:
         """Whether no role is simulated: every matmul is the plain torch op."""
-        return all(self.spec(r) is None for r in ROLES)
+        return all(self.spec(r) is None for r in ROLES) and not self.overrides
 
     @property
     def stochastic(self) -> bool:
         """Whether some cast of some role rounds stochastically (then draws differ by seed)."""
         return any(c is not None and c.rounding is Rounding.SR
                    for s in (self.spec(r) for r in ROLES) if s is not None
-                   for c in (s.lhs, s.rhs, s.out))
+                   for c in (s.lhs, s.rhs, s.out)) or any(
+            o.cast.rounding is Rounding.SR for o in self.overrides)
 
     def keeps(self, module_name: str) -> bool:
         """Whether the module of this qualified name is kept in high precision."""
         return any(re.search(p, module_name) for p in self.keep_high_precision)
+
+    def override(self, module_name: str) -> ModuleOverride | None:
+        """The first override matching the module of this qualified name, or None."""
+        return next((o for o in self.overrides if re.search(o.modules, module_name)), None)
+
+    def module_policy(self, module_name: str) -> ArithmeticPolicy | None:
+        """The policy a module's own matmuls run under, read from its dotted name as the
+        arithmetic mode reads the running modules: None when it or a module above it is kept
+        in high precision (plain torch), else the innermost override matching it or a
+        module above it, else this policy."""
+        parts = module_name.split(".")
+        names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        if any(self.keeps(n) for n in names):
+            return None
+        for name in reversed(names):
+            found = self.override(name)
+            if found is not None:
+                return self.overridden(found)
+        return self
+
+    def overridden(self, override: ModuleOverride) -> ArithmeticPolicy:
+        """This policy as it runs inside a module ``override`` matches: every role the
+        override's matmul, everything else this policy's."""
+        spec = override.spec
+        return replace(self, forward=spec, dgrad=spec, wgrad=spec, keep_high_precision=(),
+                       overrides=())
 
     def describe(self) -> str:
         """One line naming every setting (what tables store next to the name)."""
@@ -202,6 +284,7 @@ class ArithmeticPolicy:
             parts.append(f"keep: {', '.join(self.keep_high_precision)}")
         if self.keep_matmuls:
             parts.append(f"keep matmuls: {', '.join(k.value for k in self.keep_matmuls)}")
+        parts += [f"override {o.modules}: {o.cast}" for o in self.overrides]
         return "; ".join(parts)
 
 
@@ -255,7 +338,8 @@ POLICIES.update({r.name: (recipe_policy(r), r.meaning) for r in RECIPES})
 # --- TOML files ---------------------------------------------------------------------------------
 
 _TOP_KEYS = ("name", "preset", "backward_state", "backward_cast", "keep_high_precision",
-             "keep_matmuls", "seed", "matmul", *(r.value for r in ROLES))
+             "keep_matmuls", "seed", "matmul", "override", *(r.value for r in ROLES))
+_OVERRIDE_KEYS = ("modules", "cast")
 _SPEC_KEYS = ("lhs", "rhs", "acc", "order", "fma", "tc", "scale", "out")
 _DEFAULTS = {"lhs": "none", "rhs": "none", "acc": "float32", "order": "native",
              "scale": "dequantized", "out": "none"}
@@ -338,6 +422,44 @@ def _backward_states(given: Any, base: ArithmeticPolicy, source: str
     return base.backward_state, lhs, rhs
 
 
+def _overrides(given: Any, base: ArithmeticPolicy, source: str) -> tuple[ModuleOverride, ...]:
+    """A file's ``[[override]]`` tables (absent: the preset's)."""
+    if given is None:
+        return base.overrides
+    example = '[[override]] modules = "^head$" cast = "bf16"'
+    if not isinstance(given, list) or not all(isinstance(t, dict) for t in given):
+        raise PolicyError(f"{source}: override must be tables written [[override]] with keys "
+                          f"modules and cast, e.g. {example}, not {given!r}")
+    out = []
+    for n, table in enumerate(given, start=1):
+        where = f"{source}: [[override]] {n}"
+        for key in table:
+            if key not in _OVERRIDE_KEYS:
+                raise PolicyError(f"{where}: unknown key {key!r}"
+                                  f"{close_matches(key, _OVERRIDE_KEYS)} (keys: modules, cast)")
+        for key in _OVERRIDE_KEYS:
+            if not isinstance(table.get(key), str) or not table[key]:
+                raise PolicyError(f"{where}: {key} must be a non-empty string (modules a "
+                                  f"regex on module names, cast a cast spec), e.g. {example}; "
+                                  f"got {table.get(key)!r}")
+        try:
+            out.append(module_override(table["modules"], table["cast"]))
+        except DriftError as err:
+            raise PolicyError(f"{where}: {err}") from None
+    return tuple(out)
+
+
+def override_toml(overrides: Sequence[ModuleOverride]) -> list[str]:
+    """The ``[[override]]`` tables of a policy file, as lines (what :func:`policy_from_toml`
+    reads back to the same overrides)."""
+    lines = []
+    for o in overrides:
+        # JSON strings are TOML basic strings: the same escapes
+        lines += ["", "[[override]]", f"modules = {json.dumps(o.modules)}",
+                  f"cast = {json.dumps(str(o.cast))}"]
+    return lines
+
+
 def policy_from_dict(data: dict[str, Any], *, source: str = "policy",
                      default_name: str = "policy") -> ArithmeticPolicy:
     """A policy from the parsed contents of a policy file (see :func:`policy_from_toml`)."""
@@ -386,10 +508,12 @@ def policy_from_dict(data: dict[str, Any], *, source: str = "policy",
         raise PolicyError(f"{source}: keep_matmuls must be a list of matmul kinds "
                           f"({', '.join(k.value for k in MatmulKind)}), e.g. [\"attention\"], "
                           f"not {kinds!r}")
+    overrides = _overrides(data.get("override"), base, source)
     try:
         return ArithmeticPolicy(name, specs[Role.FORWARD], specs[Role.DGRAD],
                                 specs[Role.WGRAD], state, tuple(keep), seed, tuple(kinds),
-                                data.get("backward_cast", base.backward_cast), lhs, rhs)
+                                data.get("backward_cast", base.backward_cast), lhs, rhs,
+                                overrides)
     except DriftError as err:
         raise PolicyError(f"{source}: {err}") from None
 
@@ -399,7 +523,8 @@ def policy_from_toml(path: str | Path) -> ArithmeticPolicy:
 
     Top-level keys: ``name`` (default: the file's stem), ``preset`` (a policy to start from),
     ``backward_state`` (a string, or a table ``{lhs = …, rhs = …}`` per forward operand),
-    ``keep_high_precision`` (a list of regexes), ``seed``; a ``[matmul]``
+    ``keep_high_precision`` (a list of regexes), ``seed``; ``[[override]]`` tables of
+    ``modules`` (a regex) and ``cast`` (:class:`ModuleOverride`); a ``[matmul]``
     table of spec keys shared by every role, and ``[forward]``, ``[dgrad]``, ``[wgrad]``
     tables overriding them per role (or a role given as ``"plain"``). Spec keys are those of a
     matmul spec string: ``lhs``, ``rhs``, ``acc``, ``order``, ``fma``, ``tc``, ``scale``,

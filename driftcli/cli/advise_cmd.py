@@ -47,7 +47,7 @@ def advise_command(
         help="The cast of every layer not kept: a policy preset (mxfp8_e4m3, nvfp4, ...), a "
              "cast spec or a .toml policy file.")],
     budget: Annotated[float, typer.Option(
-        metavar="B", help="Share of the matmul work kept in high precision, in [0, 1].")] = 0.15,
+        metavar="B", help="Share of the matmul work kept in bfloat16, in [0, 1].")] = 0.15,
     text: Annotated[Path | None, typer.Option(
         metavar="FILE", exists=True, dir_okay=False,
         help="Text tokenized with the checkpoint's tokenizer.")] = None,
@@ -62,6 +62,11 @@ def advise_command(
         metavar="K", min=1, help="Batches the loss change is averaged over.")] = 4,
     seed: Annotated[int, typer.Option(
         metavar="S", min=0, help="Seed of a stochastic cast's draws.")] = 0,
+    choose: Annotated[str, typer.Option(
+        metavar="HOW", help="Which layers the budget keeps: score (the advice), or as a "
+                            "control last (the last layers) or random.")] = "score",
+    choose_seed: Annotated[int, typer.Option(
+        metavar="N", min=0, help="Seed of --choose random's draw.")] = 0,
     out: Annotated[Path, typer.Option(
         metavar="DIR", help="Folder for advise.parquet and advise.toml.")] = OUT,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
@@ -74,12 +79,21 @@ def advise_command(
     writes the policy keeping the most sensitive ones within the budget of matmul work.
     """
     from driftcli.arith.policy import get_policy
+    from driftcli.choices import parse_choice
     from driftcli.io.outputs import check_writable
-    from driftcli.measures.advise import AdviseRow, advise, check_budget, split_batch, summarize
+    from driftcli.measures.advise import (
+        AdviseRow,
+        Choose,
+        advise,
+        check_budget,
+        split_batch,
+        summarize,
+    )
     from driftcli.measures.grad_cosine import BatchSource, load_input
     from driftcli.models.loaders import next_token_loss
 
     check_budget(budget)
+    parse_choice(Choose, choose, "--choose")
     get_policy(cast)  # fail now, not after loading the model
     check_writable(out)
     source = BatchSource(None if text is None else str(text),
@@ -90,11 +104,13 @@ def advise_command(
         loaded = load_input(checkpoint, source)
         parts = split_batch(loaded.ids, batches)
         advice = advise(loaded.lm.model, parts, next_token_loss(loaded.lm.logits), cast,
-                        budget=budget, seed=seed, checkpoint=str(checkpoint))
+                        budget=budget, seed=seed, checkpoint=str(checkpoint), choose=choose,
+                        choose_seed=choose_seed)
         advice.write_policy(policy_file)
         prov = table_provenance([*loaded.lm.files, source.path], seed=seed, extra={
             "checkpoint_kind": loaded.lm.kind, "cast": cast, "budget": budget,
-            "batches": batches, "batch_shape": list(loaded.ids.shape),
+            "batches": batches, "batch_shape": list(loaded.ids.shape), "choose": choose,
+            "choose_seed": choose_seed,
             "policy_file": str(policy_file)})
         publish(path, AdviseRow, list(advice.rows), prov,
                 summarize(advice, path, policy_file), _print, as_json=as_json, quiet=quiet)

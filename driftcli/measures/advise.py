@@ -1,8 +1,9 @@
 """``advise``: which layers to keep in high precision under a cast, within a budget of work.
 
 A **layer** is a module in which matmuls run (a ``nn.Linear``, an attention module's own
-``q·kᵀ`` and ``P·v``), named as ``model.named_modules()`` names it; keeping it in high
-precision keeps every matmul in it and below it (the policy's ``keep_high_precision``). Its
+``q·kᵀ`` and ``P·v``), named as ``model.named_modules()`` names it; keeping it runs every
+matmul in it and below it with both operands in bfloat16 (:data:`KEEP_CAST`, a policy
+override, :class:`~driftcli.arith.policy.ModuleOverride`). Its
 **work** is the multiply-adds of those matmuls in one forward pass, from their operands'
 shapes (the dgrad and the wgrad of a product take as many again each, so shares are the same
 for a training step); the **total** is the work of every matmul the cast applies to.
@@ -18,16 +19,19 @@ two results, the loss and its gradient, move when that layer alone is cast, each
 its exact value. Layers are ranked by score (a non-finite score first), and the advice keeps
 layers in rank order while they fit: a layer is kept when its work not already kept with
 another layer fits in what the budget has left, so every layer not kept would overrun it.
+As controls, the same budget can keep the last layers or a random draw (:class:`Choose`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from pathlib import Path
 from statistics import fmean
 from typing import Any, ClassVar
@@ -38,7 +42,16 @@ from torch import nn
 from driftcli.arith.intercept import OUTSIDE, ROOT
 from driftcli.arith.matmul import MatmulSpec
 from driftcli.arith.mode import ArithmeticMode
-from driftcli.arith.policy import ROLES, ArithmeticPolicy, Role, get_policy, with_seed
+from driftcli.arith.policy import (
+    ROLES,
+    ArithmeticPolicy,
+    Role,
+    get_policy,
+    module_override,
+    override_toml,
+    with_seed,
+)
+from driftcli.choices import parse_choice
 from driftcli.errors import DriftError
 from driftcli.io.tables import column
 from driftcli.measures.grad_cosine import LossFn, Reference, exact_reference
@@ -49,6 +62,21 @@ DEFAULT_BUDGET = 0.15
 pretraining recipe keeps in BF16."""
 DEFAULT_BATCHES = 4
 """Batches the loss change is averaged over by default."""
+KEEP_CAST = "bf16"
+"""The cast of a kept layer's matmuls (both operands, every role; float32 accumulation): the
+BF16 layers of NVIDIA's NVFP4 recipe, not the model's own dtype."""
+
+
+class Choose(StrEnum):
+    """Which layers the budget keeps."""
+
+    SCORE = "score"
+    """The most sensitive first (the advice)."""
+    LAST = "last"
+    """The last layers first, by where their first matmul runs in the forward (what NVIDIA's
+    NVFP4 recipe keeps): a control."""
+    RANDOM = "random"
+    """Layers in a seeded random order: a control."""
 
 
 class AdviseError(DriftError, ValueError):
@@ -105,7 +133,7 @@ class Advice:
 
     rows: tuple[AdviseRow, ...]
     policy: ArithmeticPolicy
-    """The cast with the kept layers in ``keep_high_precision``."""
+    """The cast with the kept layers overridden to :data:`KEEP_CAST`."""
     toml: str
     """The policy as a file :func:`~driftcli.arith.policy.policy_from_toml` reads."""
     budget: float
@@ -163,8 +191,8 @@ def _within(module: str, layer: str) -> bool:
 
 
 def keep_pattern(layer: str) -> str:
-    """The ``keep_high_precision`` regex matching exactly this module (and so the ones below
-    it, which the policy keeps with their parent)."""
+    """The override regex matching exactly this module (the ones below it run under its
+    override with it)."""
     return f"^{re.escape(layer)}$"
 
 
@@ -222,15 +250,21 @@ def check_budget(budget: float) -> float:
 
 def advise(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn,
            cast: ArithmeticPolicy | str, *, budget: float = DEFAULT_BUDGET, seed: int = 0,
-           checkpoint: str = "model") -> Advice:
+           checkpoint: str = "model", choose: Choose | str = Choose.SCORE,
+           choose_seed: int = 0) -> Advice:
     """Rank ``model``'s layers by their sensitivity to ``cast`` and keep the most sensitive
-    in high precision within ``budget`` (a share of the matmul work); see the module docs.
+    in bfloat16 (:data:`KEEP_CAST`) within ``budget`` (a share of the matmul work); see the
+    module docs.
 
     ``batches`` are what ``loss_fn(model, batch)`` takes (at least one): the loss change is
     their mean, the gradients are the first one's. The model is deep-copied to float64 per
-    batch (the caller's is not touched). A stochastic cast draws with ``seed``.
+    batch (the caller's is not touched). A stochastic cast draws with ``seed``. ``choose``
+    other than ``score`` keeps layers in another order within the same budget, as a control
+    (:class:`Choose`; ``random`` shuffles with ``choose_seed``); the rows are measured and
+    ranked the same.
     """
     budget = check_budget(budget)
+    choose = parse_choice(Choose, choose, "choose")
     if not batches:
         raise AdviseError("advise needs at least one batch")
     base = get_policy(cast)
@@ -243,7 +277,7 @@ def advise(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn,
                           "or nvfp4")
     ref = exact_reference(model, batches[0], loss_fn, checkpoint)
     full = _run(ref, policy, None, grad=True)
-    own = full.work  # every product the cast applies to, by the module it runs in
+    own = full.work  # every product the cast applies to, by the module it runs in, in order
     total = sum(own.values())
     layers = sorted(m for m in own if m not in (ROOT, OUTSIDE))
     if not layers or total == 0:
@@ -279,23 +313,19 @@ def advise(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn,
             loss = _run(other, policy, layer, grad=False).loss
             measured[layer]["deltas"].append(loss - other.loss_exact)
             measured[layer]["exacts"].append(other.loss_exact)
-    return _advice(checkpoint, preset, policy, budget, own, total, measured, len(batches))
+    return _advice(checkpoint, preset, policy, budget, own, total, measured, len(batches),
+                   choose, choose_seed)
 
 
-def _advice(checkpoint: str, preset: str, policy: ArithmeticPolicy, budget: float,
-            own: Counter[str], total: int, measured: dict[str, dict[str, Any]],
-            n: int) -> Advice:
-    def work(layer: str) -> int:
-        return sum(w for m, w in own.items() if _within(m, layer))
-
-    scored = {}
-    for layer, m in measured.items():
-        delta, exact = fmean(m["deltas"]), fmean(m["exacts"])
-        scored[layer] = (_score(delta, exact, m["rel_error"]), delta, exact)
-    order = sorted(measured, key=lambda name: (-scored[name][0], name))
+def keep_within(order: Sequence[str], own: Mapping[str, int], budget: float
+                ) -> tuple[list[str], int]:
+    """The layers of ``order`` kept, in that order, while they fit in ``budget`` (a share of
+    the work of every module in ``own``, the multiply-adds each module's own products take):
+    a layer is kept when the work of its modules not already kept (it and those below it)
+    fits in what is left. Returns the kept layers and the work kept."""
     kept: list[str] = []
     covered: set[str] = set()
-    limit = budget * total
+    limit = budget * sum(own.values())
     used = 0
     for layer in order:
         extra = {m for m in own if _within(m, layer)} - covered
@@ -305,6 +335,36 @@ def _advice(checkpoint: str, preset: str, policy: ArithmeticPolicy, budget: floa
             covered |= extra
             if more:
                 kept.append(layer)
+    return kept, used
+
+
+def _chosen(choose: Choose, ranked: Sequence[str], own: Mapping[str, int], seed: int
+            ) -> list[str]:
+    """The order in which ``choose`` keeps layers (``ranked``: by score)."""
+    if choose is Choose.SCORE:
+        return list(ranked)
+    if choose is Choose.LAST:  # the layers by their first product in the forward, last first
+        first = {layer: next(i for i, m in enumerate(own) if _within(m, layer))
+                 for layer in ranked}
+        return sorted(ranked, key=lambda layer: (-first[layer], layer))
+    order = sorted(ranked)
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def _advice(checkpoint: str, preset: str, policy: ArithmeticPolicy, budget: float,
+            own: Counter[str], total: int, measured: dict[str, dict[str, Any]],
+            n: int, choose: Choose, choose_seed: int) -> Advice:
+    def work(layer: str) -> int:
+        return sum(w for m, w in own.items() if _within(m, layer))
+
+    scored = {}
+    for layer, m in measured.items():
+        delta, exact = fmean(m["deltas"]), fmean(m["exacts"])
+        scored[layer] = (_score(delta, exact, m["rel_error"]), delta, exact)
+    order = sorted(measured, key=lambda name: (-scored[name][0], name))
+    kept, used = keep_within(_chosen(choose, order, own, choose_seed), own, budget)
+    covered = {m for m in own if any(_within(m, k) for k in kept)}
     rows = tuple(AdviseRow(
         checkpoint=checkpoint, cast=policy.name, policy_spec=policy.describe(), layer=layer,
         rank=rank, score=scored[layer][0], kept=all(m in covered for m in own
@@ -316,22 +376,20 @@ def _advice(checkpoint: str, preset: str, policy: ArithmeticPolicy, budget: floa
             "full_cosine", *(f"{r.value}_{m}" for r in ROLES for m in ("rel_error",
                                                                        "retention")))})
         for rank, layer in enumerate(order, start=1))
-    patterns = (*policy.keep_high_precision, *(keep_pattern(k) for k in kept))
-    name = f"{policy.name}+advised"
-    advised = replace(policy, name=name, keep_high_precision=patterns)
-    text = _toml(preset, name, patterns, policy.seed, budget, used / total)
+    overrides = (*(module_override(keep_pattern(k), KEEP_CAST) for k in kept),
+                 *policy.overrides)
+    how = "the most sensitive layers" if choose is Choose.SCORE else (
+        "the last layers" if choose is Choose.LAST else
+        f"layers drawn at random (seed {choose_seed})")
+    name = f"{policy.name}+" + ("advised" if choose is Choose.SCORE else choose.value) + (
+        f"{choose_seed}" if choose is Choose.RANDOM else "")
+    advised = replace(policy, name=name, overrides=overrides)
+    text = "\n".join([
+        f"# drift advise: {preset} with {how} kept in {KEEP_CAST} ({used / total:.4f} of the "
+        f"matmul work, budget {budget})",
+        f"name = {json.dumps(name)}", f"preset = {json.dumps(preset)}",
+        f"seed = {policy.seed}", *override_toml(overrides), ""])
     return Advice(rows, advised, text, budget, total, used)
-
-
-def _toml(preset: str, name: str, patterns: Sequence[str], seed: int, budget: float,
-          share: float) -> str:
-    # JSON strings are TOML basic strings: the same escapes
-    lines = [f"# drift advise: {preset} with the most sensitive layers kept in high precision "
-             f"({share:.4f} of the matmul work, budget {budget})",
-             f"name = {json.dumps(name)}", f"preset = {json.dumps(preset)}", f"seed = {seed}",
-             "keep_high_precision = ["]
-    lines += [f"  {json.dumps(p)}," for p in patterns]
-    return "\n".join([*lines, "]", ""])
 
 
 def split_batch(ids: Tensor, batches: int) -> list[Tensor]:

@@ -272,8 +272,8 @@ def _operand_cast(policy: ArithmeticPolicy, measure: Cast | None, slot: str) -> 
 def operand_rates(dump: Path, policy: ArithmeticPolicy,
                   measure: Cast | None = None) -> dict[str, float | None]:
     """Clip and underflow rates per role of a drift dump's operands under the casts ``policy``
-    applies to them (or ``measure`` for every operand): columns ``clip_rate_ROLE`` and
-    ``underflow_rate_ROLE``, null for a role nothing casts.
+    applies to them, module by module (or ``measure`` for every operand): columns
+    ``clip_rate_ROLE`` and ``underflow_rate_ROLE``, null for a role nothing casts.
 
     Each tensor is cast as its first matmul reads it: an activation on the left of the forward
     and an output gradient (the left of dgrad) blocked along their last axis, a linear weight
@@ -287,7 +287,9 @@ def operand_rates(dump: Path, policy: ArithmeticPolicy,
         entries = json.loads((fh.metadata() or {})[DUMP_KEY])["tensors"]
         for name, entry in entries.items():
             slot = entry["operand"].split()[0]
-            c = _operand_cast(policy, measure, slot)
+            # a module kept plain or overridden (drift advise's bf16 layers) casts as it runs
+            own = policy.module_policy(entry["layer"]) if measure is None else policy
+            c = None if own is None else _operand_cast(own, measure, slot)
             if c is None or entry["role"] not in parts:
                 continue
             x = fh.get_tensor(name)
