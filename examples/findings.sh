@@ -5,10 +5,9 @@
 #
 # PART: a b c d claim1 ... claim7, or all (the default); or, not in all, rht, rht-tf, formats
 # (rht and formats read ../shared/data/models/stories260K-hf: run from the repository's root),
-# health (its own runs, into DIR/health), predict (its own runs, into DIR/predict), advise (the
-# same, into DIR/advise). A part runs alone and trains what it needs; a run
-# already in DIR from the same command is kept, so parts share their runs. CPU only, one torch
-# thread per process, at most FINDINGS_JOBS (default 2) drift processes at a time. At the end it
+# health, predict and advise (each its own runs, into DIR/PART). A part runs alone and trains
+# what it needs; a run already in DIR from the same command is kept, so parts share their runs.
+# CPU only, one torch thread a process, at most FINDINGS_JOBS (default 2) at a time. At the end it
 # prints each part's key numbers, writes DIR/summary.json and draws DIR/plots/*.png.
 set -euo pipefail
 

@@ -206,10 +206,15 @@ def test_operand_rates_are_clip_rate_and_underflow_rate_by_role(text: Path,
     assert rates["clip_rate_activation"] > 0  # tanh activations near 1 clip under the floor rule
 
 
-def test_logging_rates_does_not_change_the_run(text: Path, tmp_path: Path) -> None:
-    """The capture at logged steps leaves the step alone: with and without logging, the
-    same losses and identical weights and optimizer state."""
-    args = ("--steps", "3", "--policy", "mxfp8_e4m3")
+@pytest.mark.parametrize("model", [
+    (), ("--model", "transformer", "--activation", "tanh", "--layers", "1", "--d-model", "16",
+         "--context", "8")], ids=["mlp", "transformer"])
+def test_logging_rates_does_not_change_the_run(text: Path, tmp_path: Path,
+                                               model: tuple[str, ...]) -> None:
+    """The capture at logged steps (and the transformer's attention probes) leaves the step
+    alone: with and without logging, the same losses and identical weights and optimizer
+    state."""
+    args = ("--steps", "3", "--policy", "mxfp8_e4m3", *model)
     logged = trained(tmp_path / "a" / "run", text, *args, "--log-every", "1")
     silent = trained(tmp_path / "b" / "run", text, *args, "--log-every", "0")
     a, _ = read_table(logged / "train.parquet")
