@@ -776,6 +776,27 @@ def test_requant_judges_power_of_two_scales_stored_as_floats(tmp_path: Path,
     assert (row.requant_changed_blocks, row.requant_rescaled_blocks) == (1, 1)
 
 
+def test_requant_does_not_judge_block_scales_under_a_global_scale(tmp_path: Path) -> None:
+    """ModelOpt NVFP4 (E4M3 block scales times a float32 global scale) requantized by a
+    power-of-two preset into E4M3 scales: the block scale alone is not what the codes were
+    divided by, so no block is taken as the preset's own (2b56df6 read the E4M3 bytes as E8M0
+    and reported 0 changed values of 378)."""
+    from driftcli.casts.quantization import QuantInfo, quantize
+
+    packed, ws, gs = nvfp4(sample((24, 64), 5), False)
+    write(tmp_path, {"m.weight": packed, "m.weight_scale": ws, "m.weight_scale_2": gs,
+                     "m.input_scale": torch.ones(())},
+          hf_quant={"quantization": {"quant_algo": "NVFP4", "group_size": 16}})
+    preset = "float4_e2m1fn:block16:float8_e4m3fn:floor"
+    (row,) = inspect([tmp_path], requant=[preset]).rows
+    weight = listed(tmp_path)["m.weight"].read().float()
+    info = quantize(weight, preset, return_info=True)
+    assert isinstance(info, QuantInfo)
+    moved = int((info.values != weight).sum())  # independent: every element the preset moves
+    assert moved > 0 and row.requant_changed_values == moved
+    assert row.requant_changed_blocks == row.requant_rescaled_blocks > 0
+
+
 def test_requant_refuses_a_stochastic_preset_naming_it(tmp_path: Path) -> None:
     # it was "stochastic rounding needs seed= or random_bits=", naming neither the option
     # nor the fix
