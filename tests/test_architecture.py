@@ -268,7 +268,8 @@ route) is private to it; the cast pipeline of issue 41 adds its steps here."""
 
 KNOWN_ISSUE_41 = {
     "driftcli.measures.stats": {
-        "driftcli.kernels", "driftcli.kernels.jit",
+        "driftcli.kernels", "driftcli.kernels.jit", "driftcli.kernels.jit_unavailable",
+        "driftcli.kernels.numba_runs",
         *(f"driftcli.casts.quantization.{n}" for n in (
             "amax_and_nonfinite", "cast_blocks", "checked_bits", "element_masks",
             "fused_block_cast_applies", "needs_wide", "plan_scales", "pow2_rule",
@@ -283,16 +284,27 @@ The only exceptions: a module reaching in anywhere else fails, and an entry here
 module stops."""
 
 
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is an importable module or package (not a name inside one)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a name inside a module, not a submodule
+        return False
+
+
 def _reaches_inside(source: str, package: str) -> set[str]:
     """What ``source`` (a module of ``package``) takes from ``kernels/`` (every import) and from
     ``casts/`` outside :data:`CASTS_INTERFACE`, as dotted names: imports anywhere in it (inside
-    functions and ``TYPE_CHECKING`` blocks too), and ``module.name`` where it imported a casts
-    module (``from driftcli.casts import rounding``, then ``rounding.jit_params``)."""
+    functions and ``TYPE_CHECKING`` blocks too), and ``module.name`` wherever it reaches a name
+    through a module it bound (``from driftcli.casts import rounding``, then
+    ``rounding.jit_params``; ``import driftcli.casts.scaling``, then
+    ``driftcli.casts.scaling.to_blocks``; ``from driftcli import casts``, then
+    ``casts.scaling.to_blocks``)."""
     import ast
 
     tree = ast.parse(source)
     taken: list[str] = []
-    modules: dict[str, str] = {}  # a local name -> the casts module it is
+    bound: dict[str, str] = {}  # a local name -> the dotted name of drift's it is
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             base = (package.rsplit(".", node.level - 1)[0] + (f".{node.module}" if node.module
@@ -301,18 +313,27 @@ def _reaches_inside(source: str, package: str) -> set[str]:
             for a in node.names:
                 full = f"{base}.{a.name}"
                 taken.append(full)
-                if full.removeprefix("driftcli.") in CASTS_INTERFACE or (
-                        base == "driftcli.casts"):
-                    modules[a.asname or a.name] = full
+                bound[a.asname or a.name] = full
         elif isinstance(node, ast.Import):
             for a in node.names:
                 taken.append(a.name)
-                if a.asname:
-                    modules[a.asname] = a.name
+                # ``import a.b.c as m`` binds ``m`` to a.b.c; ``import a.b.c`` binds ``a``
+                root = a.name.split(".")[0]
+                bound[a.asname or root] = a.name if a.asname else root
+    bound = {k: v for k, v in bound.items() if v.startswith("driftcli")}
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                and node.value.id in modules):
-            taken.append(f"{modules[node.value.id]}.{node.attr}")
+        parts: list[str] = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if not parts or not isinstance(node, ast.Name) or node.id not in bound:
+            continue
+        path = bound[node.id]
+        for attr in reversed(parts):  # down the modules, then the one name taken from the last
+            if not _is_module(path):
+                break
+            path = f"{path}.{attr}"
+            taken.append(path)
     found = set()
     for full in taken:
         rel = full.removeprefix("driftcli.")
@@ -359,6 +380,15 @@ def f(x):
         "driftcli.casts.rounding.jit_params", "driftcli.casts.scaling.to_blocks"}
     assert _reaches_inside("from driftcli.casts.codec import decode\n",
                            "driftcli.verify") == set()
+    # through a package bound whole: every dotted reach resolved down to the name it takes
+    assert _reaches_inside("import driftcli.casts.scaling\n"
+                           "y = driftcli.casts.scaling.to_blocks(x)\n",
+                           "driftcli.measures") == {"driftcli.casts.scaling.to_blocks"}
+    assert _reaches_inside("from driftcli import casts\ny = casts.quantization.plan_scales(x)\n"
+                           "z = casts.quantization.quantize.__doc__\n",
+                           "driftcli.measures") == {"driftcli.casts.quantization.plan_scales"}
+    assert _reaches_inside("import driftcli\ny = driftcli.kernels.jit.block_amax(x)\n",
+                           "driftcli.runs") == {"driftcli.kernels", "driftcli.kernels.jit"}
 
 
 def test_measures_verify_and_runs_use_no_kernel_and_no_private_cast_name() -> None:
@@ -387,20 +417,18 @@ their own back-end inside their modules, as arith's do."""
 
 
 def _asks_the_back_end(source: str) -> bool:
-    """Whether ``source`` calls ``numba_runs`` (by any name it imported it as, or as
-    ``kernels.numba_runs``)."""
+    """Whether ``source`` uses ``numba_runs`` (by any name it imported it as, through a star
+    import of ``kernels``, or as ``kernels.numba_runs``): called, or bound to call later."""
     import ast
 
     tree = ast.parse(source)
-    names = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-             for a in node.names if a.name == "numba_runs"}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            f = node.func
-            if (isinstance(f, ast.Name) and f.id in names) or (
-                    isinstance(f, ast.Attribute) and f.attr == "numba_runs"):
-                return True
-    return False
+    names = {a.asname or "numba_runs" for node in ast.walk(tree)
+             if isinstance(node, ast.ImportFrom) for a in node.names
+             if a.name == "numba_runs" or (
+                 a.name == "*" and (node.module or "").rsplit(".", 1)[-1] == "kernels")}
+    return any((isinstance(node, ast.Name) and node.id in names) or (
+        isinstance(node, ast.Attribute) and node.attr == "numba_runs")
+        for node in ast.walk(tree))
 
 
 def _route_deciders() -> set[str]:
@@ -421,9 +449,12 @@ def _route_deciders() -> set[str]:
 
 def test_the_checker_finds_a_back_end_asked_any_way() -> None:
     """The checker's planted case: asked through the package, through an imported name (and
-    an alias), and not asked where the name is only mentioned."""
+    an alias), through a star import, bound to a name first, and not asked where the name is
+    only mentioned."""
     assert _asks_the_back_end("from driftcli import kernels\nkernels.numba_runs(x)\n")
     assert _asks_the_back_end("from driftcli.kernels import numba_runs as nr\nnr(x, y)\n")
+    assert _asks_the_back_end("from driftcli.kernels import *\nnumba_runs(x)\n")
+    assert _asks_the_back_end("from driftcli import kernels\nask = kernels.numba_runs\nask(x)\n")
     assert not _asks_the_back_end("from driftcli.casts.route import group_scales\n"
                                   "doc = 'numba_runs'\ngroup_scales(c, a)\n")
 

@@ -182,6 +182,25 @@ def test_both_back_ends_give_equal_columns_and_histograms(spec: str) -> None:
     assert got["auto"] == got["never"]
 
 
+@pytest.mark.parametrize("mode", ["auto", "never"])
+def test_e8m0_scales_of_a_rounded_amax_rule_are_counted_down_to_the_smallest(mode: str) -> None:
+    """amax-up into E8M0 (a cast verify-formats checks): a zero block's scale is E8M0's
+    smallest, 2**-127, a float32 subnormal whose float32 bits lost it (the histogram
+    crashed: "value 0.0 is not a value of float8_e8m0fnu")."""
+    c = parse_cast("float4_e2m1fn:block32:float8_e8m0fnu:amax-up")
+    x = torch.ones(4, 64)
+    x[1, :32] = 0.0
+    x[2, 32:] = 2.0**-120  # amax / 6 = 2**-122.58, up: 2**-122
+    kernels.set_jit(mode)
+    try:
+        cols, hist = direction_stats(x, c, Direction.ROWS)
+    finally:
+        kernels.set_jit("auto")
+    # E8M0's code is the exponent + 127; 1 / 6 rounds up to 2**-2
+    assert hist == {0: (-127, 1), 5: (-122, 1), 125: (-2, 6)}
+    assert (cols["zero_blocks"], cols["scale_exponent_min"]) == (1, -122)
+
+
 def test_a_planted_clip_is_seen_in_its_direction_only() -> None:
     # every block amax 1.0 under mxfp8_e4m3's floor rule: scale 2**-8, M * s = 1.75; one
     # element of 1.9 in a row whose amax is 1.9 would set its own scale, so plant it where

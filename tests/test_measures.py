@@ -579,3 +579,20 @@ def test_bad_inputs_are_exit_2_with_one_error_line(tmp_path: Path, kind: str, sa
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: ") and says in errors[0], errors
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("name", ["clip-rate", "cast-diff"])
+def test_rows_without_totals_are_the_per_tensor_rows(name: str) -> None:
+    """``rows(totals=False)`` (the monitor's) leaves out the rows over all tensors, a comparing
+    measure's too (cast-diff's came back all the same)."""
+    from driftcli.io.readers.memory import Held
+    from driftcli.measures.common import ALL_TENSORS
+
+    m = MEASURES[name]
+    held = Held("src", {"a": torch.randn(8, 64, generator=torch.Generator().manual_seed(3)),
+                        "b": torch.ones(4, 32)})
+    found = scan([held], ["mxfp8_e4m3", "nvfp4"], options=m.scan_options(None))
+    every = m.rows(found)
+    assert any(r.tensor == ALL_TENSORS for r in every)
+    per_tensor = m.rows(found, totals=False)
+    assert per_tensor and per_tensor == [r for r in every if r.tensor != ALL_TENSORS]

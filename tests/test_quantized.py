@@ -753,6 +753,50 @@ def test_requant_is_zero_on_a_presets_own_output(tmp_path: Path) -> None:
     assert codes_ is None and values_ > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_requant_judges_power_of_two_scales_stored_as_floats(tmp_path: Path,
+                                                             dtype: torch.dtype) -> None:
+    """A power-of-two preset whose scale format is the stored float dtype: the writer's
+    consistency is judged on the scales' values (it read them as E8M0 bytes, 2 or 4 per
+    scale, and crashed). A scale that is no power of two is one the rule cannot have written."""
+    from driftcli.casts.quantization import QuantInfo, quantize
+
+    preset = f"float8_e4m3fn:block128:{str(dtype).removeprefix('torch.')}:floor"
+    info = quantize(sample((16, 128), 43), preset, return_info=True)
+    assert isinstance(info, QuantInfo) and info.codes is not None
+    codes, scales = info.codes.to(torch.float8_e4m3fn), info.scales.reshape(16, 1).to(dtype)
+    write(tmp_path / "own", {"w.weight": codes, "w.weight_scale": scales})
+    (row,) = inspect([tmp_path / "own"], requant=[preset]).rows
+    assert (row.requant_changed_blocks, row.requant_rescaled_blocks, row.requant_changed_codes,
+            row.requant_changed_values) == (0, 0, 0, 0)
+    planted = scales.clone()
+    planted[5] *= 1.5  # row 5: 1.5 x its power of two
+    write(tmp_path / "planted", {"w.weight": codes, "w.weight_scale": planted})
+    (row,) = inspect([tmp_path / "planted"], requant=[preset]).rows
+    assert (row.requant_changed_blocks, row.requant_rescaled_blocks) == (1, 1)
+
+
+def test_requant_does_not_judge_block_scales_under_a_global_scale(tmp_path: Path) -> None:
+    """ModelOpt NVFP4 (E4M3 block scales times a float32 global scale) requantized by a
+    power-of-two preset into E4M3 scales: the block scale alone is not what the codes were
+    divided by, so no block is taken as the preset's own (2b56df6 read the E4M3 bytes as E8M0
+    and reported 0 changed values of 378)."""
+    from driftcli.casts.quantization import QuantInfo, quantize
+
+    packed, ws, gs = nvfp4(sample((24, 64), 5), False)
+    write(tmp_path, {"m.weight": packed, "m.weight_scale": ws, "m.weight_scale_2": gs,
+                     "m.input_scale": torch.ones(())},
+          hf_quant={"quantization": {"quant_algo": "NVFP4", "group_size": 16}})
+    preset = "float4_e2m1fn:block16:float8_e4m3fn:floor"
+    (row,) = inspect([tmp_path], requant=[preset]).rows
+    weight = listed(tmp_path)["m.weight"].read().float()
+    info = quantize(weight, preset, return_info=True)
+    assert isinstance(info, QuantInfo)
+    moved = int((info.values != weight).sum())  # independent: every element the preset moves
+    assert moved > 0 and row.requant_changed_values == moved
+    assert row.requant_changed_blocks == row.requant_rescaled_blocks > 0
+
+
 def test_requant_refuses_a_stochastic_preset_naming_it(tmp_path: Path) -> None:
     # it was "stochastic rounding needs seed= or random_bits=", naming neither the option
     # nor the fix

@@ -58,7 +58,7 @@ from driftcli.measures.scan import NothingToMeasure, nothing_to_measure
 from driftcli.progress import Progress
 from driftcli.records.cast import Cast
 from driftcli.records.castspec import parse_cast
-from driftcli.records.formats import Format
+from driftcli.records.formats import Format, pow2
 from driftcli.records.modes import Granularity
 
 Tensor = torch.Tensor
@@ -255,12 +255,17 @@ def _histogram(sc: _Scales, finite: Tensor, sf: Format) -> dict[int, tuple[int, 
         values = torch.ldexp(torch.ones_like(ks, dtype=torch.float64), ks.double())
         found = counts[present]
     elif sf.bits <= 16 and not sf.integer:
-        # a narrow float format's values are float32s whose low significand bits are zero:
-        # count the float32 bits above them (scales are positive)
-        shift = 23 - sf.mbits
-        low, counts = key_counts(sc.value.float().view(torch.int32) >> shift, finite)
+        # a narrow float format's values are floats whose low significand bits are zero:
+        # count the bits above them (scales are positive), float32's unless the format goes
+        # below their grid (E8M0's 2**-127, a float32 subnormal, has no bit above 23 - mbits):
+        # then float64's, where each of its values is a normal
+        wide = sf.smallest_positive < pow2(-126 - sf.mbits)
+        real, bits, width = (torch.float64, torch.int64, 52) if wide else \
+            (torch.float32, torch.int32, 23)
+        shift = width - sf.mbits
+        low, counts = key_counts(sc.value.to(real).view(bits) >> shift, finite)
         present = counts.nonzero()[:, 0]
-        values = ((present + low).int() << shift).view(torch.float32).double()
+        values = ((present + low).to(bits) << shift).view(real).double()
         found = counts[present]
     else:
         # a float32 scale: drift computes a float64 tensor's in float64 (as quantize divides

@@ -117,7 +117,7 @@ class Measure:
         """One row per (source, tensor, cast), then (with ``totals``) one per (input, cast)
         over all tensors."""
         if self.pair_columns is not None:
-            return self._pair_rows(s, self.pair_columns)
+            return self._pair_rows(s, self.pair_columns, totals)
         out = []
         for r in s.results:
             own = self.columns(r.draws, r.expected) if r.error is None else self._nulls()
@@ -137,8 +137,9 @@ class Measure:
                 **self.columns(draws, expected)))
         return out
 
-    def _pair_rows(self, s: Scan, own_columns: PairColumns) -> list[Any]:
-        """Each cast but the first against the first: per tensor, then over all tensors."""
+    def _pair_rows(self, s: Scan, own_columns: PairColumns, totals: bool) -> list[Any]:
+        """Each cast but the first against the first: per tensor, then (with ``totals``) over
+        all tensors."""
         if not s.results:
             return []
         first = str(s.results[0].cast)
@@ -156,7 +157,7 @@ class Measure:
             own = (own_columns(r.draws[0], b.draws[0], r.diff)
                    if ok and r.diff is not None else nulls)
             out.append(self.row_type(**_tensor_base(r, s.names), against=first, **own))
-        groups = list(iter_groups(s))
+        groups = list(iter_groups(s)) if totals else []
         baseline = {inp: results for inp, c, results in groups if str(c) == first}
         for inp, c, results in groups:
             if str(c) == first:

@@ -58,7 +58,7 @@ from driftcli.io.readers.quantized_weight import (
 from driftcli.io.tables import column
 from driftcli.oracle.scaling import EXACT_RULES, ExponentRule
 from driftcli.records.castspec import parse_cast
-from driftcli.records.formats import Format, Kind, get_format
+from driftcli.records.formats import Format, Kind, get_format, pow2
 from driftcli.records.modes import Rounding, ScaleRule
 
 MAGNITUDE_FACTOR = 1000.0
@@ -254,11 +254,13 @@ def _requant(spec: QuantSpec, values: torch.Tensor, codes_vals: torch.Tensor,
     # the rule picks that scale for some amax its largest code allows (the amax is gone)
     kept = torch.zeros(values.shape, dtype=torch.bool)
     fits = None
+    # (a global scale multiplies the block's: the codes then bound no single power of two)
     if (aligned and s.rule is not None and s.rule.power_of_two and s.scale_format is not None
-            and s.scale_format == stored_scale_format(spec)
+            and spec.global_scale is None and s.scale_format == stored_scale_format(spec)
             and cast_.format == get_format(spec.element)):
         fits = _consistent(cast(ExponentRule, EXACT_RULES[s.rule]), s.headroom,
-                           cast_.format, _block_maxima(codes_vals, s.block), spec.scale.read())
+                           cast_.format, _block_maxima(codes_vals, s.block), scales,
+                           s.scale_format)
         width = values.shape[-1]
         kept = fits.reshape(*values.shape[:-1], -1).repeat_interleave(s.block, -1)[..., :width]
     same_val = (info.values.double() == values) | (info.values.isnan() & values.isnan())
@@ -329,21 +331,26 @@ def _block_maxima(codes_vals: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _consistent(rule: ExponentRule, headroom: int, elem: Format, maxima: torch.Tensor,
-                raw_scales: torch.Tensor) -> torch.Tensor:
-    """Per block, whether ``rule`` (plus ``headroom``, clamped to E8M0's exponents) picks the
-    stored E8M0 scale 2**k for some amax that rounds to the block's largest code: the writer's
-    amax is gone, its codes bound it. A power-of-two rule moves with amax's binade and is
-    monotone in steps of one, so it fits where it gives at most k at the span's low end and at
-    least k at its high end (or k is the clamp's bound). All-zero blocks and NaN scales fit."""
-    b = raw_scales.view(torch.uint8).reshape(-1).to(torch.int64)
-    ok = (maxima == 0) | (b == 255)
+                scales: torch.Tensor, scale_format: Format) -> torch.Tensor:
+    """Per block, whether ``rule`` (plus ``headroom``, clamped to ``scale_format``'s powers of
+    two) picks the stored scale 2**k (``scales``: their values, float64) for some amax that
+    rounds to the block's largest code: the writer's amax is gone, its codes bound it. A
+    power-of-two rule moves with amax's binade and is monotone in steps of one, so it fits
+    where it gives at most k at the span's low end and at least k at its high end (or k is the
+    clamp's bound). All-zero blocks and NaN scales fit; a scale that is no power of two never
+    does."""
+    v = scales.reshape(-1)
+    power = torch.frexp(v).mantissa == 0.5  # v = 0.5 * 2**e: a positive power of two
+    top = v == float(pow2(scale_format.emax))
+    bottom = v == float(scale_format.smallest_positive)
+    ok = (maxima == 0) | v.isnan()
     spans = _spans(elem)
     for m in maxima[~ok].unique().tolist():
         low, high = spans[m]
         at = (maxima == m) & ~ok
         fits_low = rule(low, elem) + headroom <= 0
         fits_high = high is None or rule(high, elem) + headroom >= 0
-        ok |= at & (torch.tensor(fits_low) | (b == 254)) & (torch.tensor(fits_high) | (b == 0))
+        ok |= at & power & (torch.tensor(fits_low) | top) & (torch.tensor(fits_high) | bottom)
     return ok
 
 
@@ -356,8 +363,12 @@ def _scale_rules(spec: QuantSpec, codes_vals: torch.Tensor, raw_scales: torch.Te
         return None
     maxima = _block_maxima(codes_vals, spec.block[1])
     elem = get_format(spec.element)
+    stored = stored_scale_format(spec)
+    if stored is None:  # e8m0 bytes are OCP's E8M0: never
+        raise DriftError(f"{spec.name}: no format record for its {spec.scale_format} scales")
+    values = scale_values(raw_scales, spec.scale_format)
     names = [n for n, rule in SCALE_RULES.items()
-             if bool(_consistent(rule, 0, elem, maxima, raw_scales).all())]
+             if bool(_consistent(rule, 0, elem, maxima, values, stored).all())]
     return names
 
 
