@@ -499,22 +499,29 @@ def cast_route(c: Cast, x: Tensor, axis: int = -1,
     tensor's dtype, size and device (and whether it needs a gradient, which numba's kernels
     refuse). The axis does not change today's route; it is the route's input all the same."""
     del axis  # every step reads its groups along any axis alike
+    if kernels.numba_runs(x, random_bits):
+        return _numba_route(c, x.dtype == torch.float32, x.numel() == 0)
+    return CastRoute(None, _block_step(c, x.numel() == 0), Backend.TORCH)
+
+
+def _block_step(c: Cast, empty: bool) -> BlockStep:
     s = c.scaling
-    numba = kernels.numba_runs(x, random_bits)
     if not s.arithmetic.exact:
-        blocks = BlockStep.ARITH
-    elif c.micro is not None:
-        blocks = BlockStep.MICRO
-    elif s.granularity is Granularity.NONE or x.numel() == 0:
-        blocks = BlockStep.UNSCALED
-    elif s.rule is not None and s.rule.power_of_two:
-        blocks = BlockStep.POW2
-    else:
-        blocks = BlockStep.DIVIDED
-    backend = Backend.NUMBA if numba else Backend.TORCH
-    if not numba or x.dtype != torch.float32 or x.numel() == 0:
-        return CastRoute(None, blocks, backend)
-    return CastRoute(_values_step(c, blocks), blocks, backend)
+        return BlockStep.ARITH
+    if c.micro is not None:
+        return BlockStep.MICRO
+    if s.granularity is Granularity.NONE or empty:
+        return BlockStep.UNSCALED
+    return BlockStep.POW2 if s.rule is not None and s.rule.power_of_two else BlockStep.DIVIDED
+
+
+@cache
+def _numba_route(c: Cast, float32: bool, empty: bool) -> CastRoute:
+    """The route of ``c`` on the numba back-end (once per cast: ``quantize`` casts small
+    tensors many times in a training step)."""
+    blocks = _block_step(c, empty)
+    values = _values_step(c, blocks) if float32 and not empty else None
+    return CastRoute(values, blocks, Backend.NUMBA)
 
 
 def _values_step(c: Cast, blocks: BlockStep) -> ValuesStep | None:
