@@ -1,6 +1,6 @@
 """A cast's route through the fused scan pass, decided once per cast: which scale step it
 takes and the plain numbers the pass reads for it (:class:`FlatRoute`), or None where the pass
-does not take it and the cast's own steps (:func:`driftcli.casts.quantization.cast_blocks`)
+does not take it and the cast's own steps (:func:`cast_blocks`)
 count instead.
 
 The pass (:func:`driftcli.kernels.jit.clip_counts`) reads a float32 slice once for every cast
@@ -13,6 +13,11 @@ Below it, the cast's steps as public functions, each choosing its back-end here:
 amax (:func:`block_amax`, :func:`block_ranges`), their scales (:func:`group_scales`), the
 values (:func:`cast_elements`) and the counts block-stats makes of groups
 (:func:`block_summary`, :func:`key_counts`, :func:`fused_summary`).
+
+Last, ``quantize``'s route for a tensor (:func:`cast_route`, a :class:`CastRoute`), decided once
+and followed by :func:`driftcli.casts.quantization.quantize`: a one-pass values cast
+(:func:`cast_values`), the block cast (:func:`cast_blocks`) and its masks
+(:func:`element_masks`).
 """
 
 from __future__ import annotations
@@ -622,19 +627,19 @@ def _apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, nonfinite: Tensor
 
 
 def _scaled_values(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,
-                   tensor_amax: Tensor, *, c: Cast, sr_bits: int,
+                   tensor_amax: Tensor, *, c: Cast, sr_bits: int, pow2: bool,
                    wide: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Dequantized rows, each row's scale and whether it clamped, from the rows' amax."""
     scale, clamped = _scales(amax, tensor_amax, c)
     s = c.scaling
     q = _apply(blocks, bits, scale, nonfinite, tgt=rounding.target_of(c.format),
-               mode=c.rounding, overflow=c.overflow, sr_bits=sr_bits,
-               pow2=bool(s.rule is not None and s.rule.power_of_two), blocked=s.blocked,
-               wide=wide)
+               mode=c.rounding, overflow=c.overflow, sr_bits=sr_bits, pow2=pow2,
+               blocked=s.blocked, wide=wide)
     return q, scale, clamped
 
 
 def amax_and_nonfinite(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's finite amax and whether it holds NaN or inf, by torch's ops."""
     stats = block_stats(blocks)
     return stats.amax, stats.nonfinite
 
@@ -708,13 +713,14 @@ def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bi
             amax = top.expand_as(amax)
         scale, clamped = _scales(amax, top, c)
         q = _jit_apply(blocks, bits, scale, nonfinite if s.blocked else None, c, sr_bits,
-                       pow2 and needs_wide(amax, c))
+                       pow2, pow2 and needs_wide(amax, c))
     else:
         amax, nonfinite = amax_and_nonfinite(blocks)
         top = tensor_amax_of(amax, tensor_amax)
         if s.granularity is Granularity.TENSOR:
             amax = top.expand_as(amax)
-        static: dict[str, Any] = {"c": c, "sr_bits": sr_bits, "wide": pow2 and needs_wide(amax, c)}
+        static: dict[str, Any] = {"c": c, "sr_bits": sr_bits, "pow2": pow2,
+                                  "wide": pow2 and needs_wide(amax, c)}
         # in cache-sized slices: several times faster than whole tensors
         q, scale, clamped = _sliced(blocks, bits, amax, nonfinite, top, static)
     bad_blocks = nonfinite if s.blocked else no_blocks
@@ -786,11 +792,10 @@ def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
 
 
 def _jit_apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, bad: Tensor | None, c: Cast,
-               sr_bits: int, wide: bool) -> Tensor:
+               sr_bits: int, pow2: bool, wide: bool) -> Tensor:
     """:func:`_apply` on numba's kernels: the element cast of every row under its scale, and
     NaN for the ``bad`` rows of a block scaling."""
-    s = c.scaling
-    if s.rule is not None and s.rule.power_of_two:
+    if pow2:
         work = blocks.double() if wide else blocks
         p = rounding.jit_params(src=rounding.source_of(work.dtype),
                                 tgt=rounding.target_of(c.format), rounding=c.rounding,
@@ -802,6 +807,7 @@ def _jit_apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, bad: Tensor |
 
 
 def tensor_amax_of(amax: Tensor, given: float | None) -> Tensor:
+    """The tensor's amax: ``given`` (a slice's whole tensor's) or the largest of the rows'."""
     return amax.max() if given is None else torch.tensor(given, dtype=amax.dtype,
                                                          device=amax.device)
 
