@@ -411,9 +411,10 @@ def test_no_exception_to_the_casts_interface_is_left() -> None:
 ROUTE_DECIDER = "driftcli.casts.route"
 """Where a cast's route is decided (issue 41): the only module of the cast pipeline and of its
 users that asks which back-end runs (:func:`driftcli.kernels.numba_runs`); ``quantize``
-(``casts/quantization``) and the layers of :data:`ENGINE_USERS` take the steps it gives. The
-casts' single kernels (element rounding, micro scales, four over six, the transform) choose
-their own back-end inside their modules, as arith's do."""
+(``casts/quantization``) follows the route its ``cast_route`` decides, and the layers of
+:data:`ENGINE_USERS` take the steps it gives. The casts' single kernels (element rounding,
+micro scales, four over six, the transform) choose their own back-end inside their modules,
+as arith's do."""
 
 
 def _asks_the_back_end(source: str) -> bool:
@@ -459,17 +460,24 @@ def test_the_checker_finds_a_back_end_asked_any_way() -> None:
                                   "doc = 'numba_runs'\ngroup_scales(c, a)\n")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 41: quantize (casts/quantization) and the scan "
-                                       "(measures/stats) still decide their route themselves")
+@pytest.mark.xfail(strict=True, reason="issue 41: the scan (measures/stats) still decides its "
+                                       "route itself")
 def test_the_route_is_decided_in_one_module() -> None:
     """Beside :data:`ROUTE_DECIDER`, neither ``quantize`` nor a module that measures, verifies
     or trains asks which back-end runs."""
     assert _route_deciders() == {ROUTE_DECIDER}
 
 
-def test_block_stats_verify_and_cast_diff_take_the_route_they_are_given() -> None:
-    """What issue 41 has done of the above: only ``quantize`` and the scan decide a route
-    beside :data:`ROUTE_DECIDER`."""
+def test_quantize_block_stats_verify_and_cast_diff_take_the_route_they_are_given() -> None:
+    """What issue 41 has done of the above: only the scan decides a route beside
+    :data:`ROUTE_DECIDER`; ``quantize`` follows :func:`driftcli.casts.route.cast_route`'s."""
+    import ast
+    from pathlib import Path
+
     found = _route_deciders()
     assert ROUTE_DECIDER in found
-    assert found <= {ROUTE_DECIDER, "driftcli.casts.quantization", "driftcli.measures.stats"}
+    assert found <= {ROUTE_DECIDER, "driftcli.measures.stats"}
+    source = Path(importlib.import_module("driftcli.casts.quantization").__file__ or "")
+    called = {n.func.id for n in ast.walk(ast.parse(source.read_text(encoding="utf-8")))
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "cast_route" in called

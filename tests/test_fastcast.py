@@ -16,13 +16,9 @@ from safetensors.torch import load_file
 
 from driftcli import kernels
 from driftcli.casts import rounding
-from driftcli.casts.quantization import (
-    _block_cast_numba,
-    cast_blocks,
-    fused_block_cast_applies,
-    quantize,
-)
+from driftcli.casts.quantization import cast_blocks, fused_block_cast_applies, quantize
 from driftcli.casts.rounding import draw_random_bits
+from driftcli.casts.route import cast_route, cast_values
 from driftcli.casts.scaling import ScalePlan, plan_pow2_exponents, pow2_range, rule_threshold
 from driftcli.kernels import castcode as castkernels
 from driftcli.kernels import jit
@@ -170,7 +166,9 @@ def constructed(shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
 
 def fast_cast(x: torch.Tensor, c: object, axis: int,
               bits: torch.Tensor | None) -> torch.Tensor | None:
-    return _block_cast_numba(x, c, axis, bits, DEFAULT_SR_BITS)  # type: ignore[arg-type]
+    """The one-pass values step of quantize's route (None where it has none or declines)."""
+    route = cast_route(c, x, axis, bits)  # type: ignore[arg-type]
+    return cast_values(x, c, axis, bits, DEFAULT_SR_BITS, route)  # type: ignore[arg-type]
 
 
 def general(x: torch.Tensor, c: object, axis: int, bits: torch.Tensor | None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from kernel_paths import kernel_path
 from typer.testing import CliRunner
 
 from driftcli import FORMATS, oracle
-from driftcli.casts import quantization, rounding, scaling
+from driftcli.casts import rounding, route, scaling
 from driftcli.choices import Engine
 from driftcli.cli import app
 from driftcli.engines import Execution
@@ -149,29 +149,29 @@ def _log2_shortcut_rows(real):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("where", ["cast", "verify"])
 def test_a_planted_log2_scale_rule_is_caught(where: str, backend: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Planted in quantize (the elements; on each back-end, which computes block scales its
-    own way) or in the scale path alone (the block scales)."""
+    """Planted in quantize's scale step (on each back-end, which computes block scales its
+    own way) or in verify's scale path alone (the block scales)."""
     from driftcli.kernels import jit
 
     if where == "cast":
-        monkeypatch.setattr(quantization, "plan_pow2_exponents", _log2_shortcut_plan)
+        monkeypatch.setattr(route, "plan_pow2_exponents", _log2_shortcut_plan)
         monkeypatch.setattr(jit, "pow2_block_scales", _log2_shortcut_rows(jit.pow2_block_scales))
     else:
         monkeypatch.setattr(blocks, "group_scales", _log2_shortcut(blocks.group_scales))
     with kernel_path(backend):
         outcomes = verify([FORMATS["float4_e2m1fn"]], Plan(quick=True))
     failing = {o.check for o in outcomes if o.n_failed}
-    # the numba back-end's scale kernel is the cast's and verify's scale step's both
-    # (driftcli.casts.route.group_scales): planted there, both checks catch it
-    shared = {"block scales"} if backend == "jit" else set()
-    assert failing == ({"blocks"} | shared if where == "cast" else {"block scales"})
+    # the cast's scale step is verify's scale step's too, on either back-end (in
+    # driftcli.casts.route: castcode's kernel, or plan_pow2_exponents): planted there, both
+    # checks catch it
+    assert failing == ({"blocks", "block scales"} if where == "cast" else {"block scales"})
 
 
 def test_floor_where_ceil_is_asked_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
     real = blocks.group_scales
-    real_plan = quantization.plan_pow2_exponents
+    real_plan = route.plan_pow2_exponents
 
     def floor_instead(c, *args, **kw):  # type: ignore[no-untyped-def]
         floor = dataclasses.replace(c.scaling, rule=ScaleRule.FLOOR)
@@ -180,7 +180,7 @@ def test_floor_where_ceil_is_asked_is_caught(monkeypatch: pytest.MonkeyPatch) ->
     def floor_instead_plan(amax, plan):  # type: ignore[no-untyped-def]
         return real_plan(amax, dataclasses.replace(plan, rule=ScaleRule.FLOOR))
 
-    monkeypatch.setattr(quantization, "plan_pow2_exponents", floor_instead_plan)
+    monkeypatch.setattr(route, "plan_pow2_exponents", floor_instead_plan)
     monkeypatch.setattr(blocks, "group_scales", floor_instead)
     ceil = next(c for c in block_casts(FORMATS["float8_e4m3fn"])
                 if c.scaling.rule is ScaleRule.CEIL)

@@ -1,6 +1,6 @@
 """A cast's route through the fused scan pass, decided once per cast: which scale step it
 takes and the plain numbers the pass reads for it (:class:`FlatRoute`), or None where the pass
-does not take it and the cast's own steps (:func:`driftcli.casts.quantization.cast_blocks`)
+does not take it and the cast's own steps (:func:`cast_blocks`)
 count instead.
 
 The pass (:func:`driftcli.kernels.jit.clip_counts`) reads a float32 slice once for every cast
@@ -13,6 +13,11 @@ Below it, the cast's steps as public functions, each choosing its back-end here:
 amax (:func:`block_amax`, :func:`block_ranges`), their scales (:func:`group_scales`), the
 values (:func:`cast_elements`) and the counts block-stats makes of groups
 (:func:`block_summary`, :func:`key_counts`, :func:`fused_summary`).
+
+Last, ``quantize``'s route for a tensor (:func:`cast_route`, a :class:`CastRoute`), decided once
+and followed by :func:`driftcli.casts.quantization.quantize`: a one-pass values cast
+(:func:`cast_values`), the block cast (:func:`cast_blocks`) and its masks
+(:func:`element_masks`).
 """
 
 from __future__ import annotations
@@ -22,19 +27,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
 
 from driftcli import kernels
-from driftcli.casts.microscale import micro_scales
-from driftcli.casts.quantization import (
-    cast_blocks,
-    element_masks,
-    plan_scales,
-    pow2_rule,
-    two_level_consts,
-)
+from driftcli.casts import rounding
+from driftcli.casts.fouroversix import four_over_six_scales, fused_values
+from driftcli.casts.microscale import micro_scales, micro_values, numba_values
+from driftcli.casts.scalearith import apply_ops, arith_scales, group_amax, row_amax, undo_ops
 from driftcli.casts.scaling import (
     ScalePlan,
     binade_and_significand,
@@ -42,15 +44,26 @@ from driftcli.casts.scaling import (
     plan_divisors,
     plan_pow2_exponents,
     plan_two_level_scales,
+    pow2_exponents,
     pow2_range,
+    rule_threshold,
     to_blocks,
+    two_level_scales,
 )
 from driftcli.errors import DriftError
 from driftcli.kernels import jit
 from driftcli.kernels.jit import PIECE
 from driftcli.records.cast import Cast, Scaling
 from driftcli.records.formats import Format
-from driftcli.records.modes import DEFAULT_SR_BITS, Granularity, ScaleRule
+from driftcli.records.modes import (
+    DEFAULT_SR_BITS,
+    AmaxPolicy,
+    ElementOp,
+    Granularity,
+    Overflow,
+    Rounding,
+    ScaleRule,
+)
 
 Tensor = torch.Tensor
 
@@ -411,3 +424,507 @@ def cast_elements(x: Tensor, c: Cast, axis: int = -1, tensor_amax: float | None 
         return b.back(b.scales[:, None].expand(b.blocks.shape).contiguous())
 
     return ElementCast(b.back(b.q), b.back(codes), scales)
+
+
+# --- quantize's route: decided once per cast and tensor (issue 41) -----------------------------
+# quantize (driftcli.casts.quantization) asks cast_route which steps cast a tensor and on which
+# back-end, then follows the record: below, the block cast those steps make (one row per scale
+# group), the masks of what it did, and the numba passes that cast values alone.
+
+class Backend(StrEnum):
+    """Where a route's block steps run (:mod:`driftcli.kernels`): the same bits on each."""
+
+    NUMBA = "numba"
+    TORCH = "torch"
+
+
+class ValuesStep(StrEnum):
+    """The numba cast :func:`~driftcli.casts.quantization.quantize` tries first when only the
+    values are asked (no masks); each may decline on what it reads, and then the
+    :class:`BlockStep` casts, with the same bits."""
+
+    MICRO = "micro"
+    """Micro-exponents' scales and elements in one pass
+    (:func:`driftcli.casts.microscale.numba_values`)."""
+    POW2_ROWS = "pow2-rows"
+    """A power-of-two rule written as a threshold: the block exponents in one pass, then each
+    row rounded on its grid (:func:`driftcli.kernels.jit.round_pow2_rows`); declines where a
+    grid leaves float32's range."""
+    POW2_BITS = "pow2-bits"
+    """The same exponents, then :func:`driftcli.kernels.jit.round_bits`: the roundings and
+    element formats (unsigned, no zero) ``round_pow2_rows`` does not take."""
+    TWO_LEVEL = "two-level"
+    """A two-level rule's block divisors in one pass, then the rows divided and rounded."""
+    FOUR_OVER_SIX = "four-over-six"
+    """Four over six's values in one pass (:func:`driftcli.casts.fouroversix.fused_values`);
+    declines on a block holding NaN or inf."""
+
+
+class BlockStep(StrEnum):
+    """How :func:`cast_blocks` casts the scale groups: ``quantize``'s route with
+    ``return_info``, and the fallback of a declined :class:`ValuesStep`."""
+
+    ARITH = "arith"
+    """A scale arithmetic (:mod:`driftcli.casts.scalearith`): float32, the rows through its
+    apply and undo operations."""
+    MICRO = "micro"
+    """Micro-exponents (:func:`driftcli.casts.microscale.micro_values`)."""
+    UNSCALED = "unscaled"
+    """No scale, or no element: the elements rounded as they are."""
+    POW2 = "pow2"
+    """A power-of-two rule: each row rounded on its scaled grid (in float64 where a grid
+    leaves float32's range, :func:`needs_wide`)."""
+    DIVIDED = "divided"
+    """Another rule: each row divided by its scale, rounded, multiplied back."""
+
+
+@dataclass(frozen=True)
+class CastRoute:
+    """A cast's route for one tensor, as :func:`cast_route` decided it."""
+
+    values: ValuesStep | None
+    """The one-pass values cast tried first when only values are asked; None for none."""
+    blocks: BlockStep
+    """The block cast's steps."""
+    backend: Backend
+    """Where the block cast's amax, scales and rounding run. Micro-exponents' and the unscaled
+    rounding's own kernels choose theirs (:mod:`driftcli.casts.microscale`,
+    :mod:`driftcli.casts.rounding`)."""
+
+
+_VECTOR_ROUNDINGS = (Rounding.RNE, Rounding.SR)
+"""The rounding modes of :func:`driftcli.kernels.jit.round_pow2_rows` (the others round
+power-of-two blocks with :func:`driftcli.kernels.jit.round_bits`)."""
+
+
+def cast_route(c: Cast, x: Tensor, axis: int = -1,
+               random_bits: Tensor | None = None) -> CastRoute:
+    """The route ``quantize`` takes to cast ``x`` (its blocks along ``axis``, stochastic
+    rounding reading ``random_bits``) under ``c``: decided here once, from the cast and the
+    tensor's dtype, size and device (and whether it needs a gradient, which numba's kernels
+    refuse). The axis does not change today's route; it is the route's input all the same."""
+    del axis  # every step reads its groups along any axis alike
+    if kernels.numba_runs(x, random_bits):
+        return _numba_route(c, x.dtype == torch.float32, x.numel() == 0)
+    return CastRoute(None, _block_step(c, x.numel() == 0), Backend.TORCH)
+
+
+def _block_step(c: Cast, empty: bool) -> BlockStep:
+    s = c.scaling
+    if not s.arithmetic.exact:
+        return BlockStep.ARITH
+    if c.micro is not None:
+        return BlockStep.MICRO
+    if s.granularity is Granularity.NONE or empty:
+        return BlockStep.UNSCALED
+    return BlockStep.POW2 if s.rule is not None and s.rule.power_of_two else BlockStep.DIVIDED
+
+
+@cache
+def _numba_route(c: Cast, float32: bool, empty: bool) -> CastRoute:
+    """The route of ``c`` on the numba back-end (once per cast: ``quantize`` casts small
+    tensors many times in a training step)."""
+    blocks = _block_step(c, empty)
+    values = _values_step(c, blocks) if float32 and not empty else None
+    return CastRoute(values, blocks, Backend.NUMBA)
+
+
+def _values_step(c: Cast, blocks: BlockStep) -> ValuesStep | None:
+    """The one-pass values cast of ``c`` on a nonempty float32 tensor numba casts."""
+    s = c.scaling
+    if blocks is BlockStep.MICRO:
+        return ValuesStep.MICRO
+    if blocks is BlockStep.ARITH:
+        four = s.arithmetic.two.four_over_six and c.rounding is Rounding.RNE and \
+            c.overflow is Overflow.SATURATE and s.granularity in (Granularity.BLOCK,
+                                                                  Granularity.TILE)
+        return ValuesStep.FOUR_OVER_SIX if four else None
+    if s.granularity is not Granularity.BLOCK:
+        return None
+    if blocks is BlockStep.DIVIDED:
+        return ValuesStep.TWO_LEVEL if s.rule is ScaleRule.TWO_LEVEL else None
+    if blocks is not BlockStep.POW2 or pow2_rule(c) is None:
+        return None
+    tgt = rounding.target_of(c.format)
+    lean = c.rounding in _VECTOR_ROUNDINGS and tgt.signed and tgt.has_zero
+    return ValuesStep.POW2_ROWS if lean else ValuesStep.POW2_BITS
+
+
+def fused_block_cast_applies(x: Tensor, c: Cast) -> bool:
+    """Whether :func:`~driftcli.casts.quantization.quantize` casts ``x`` under ``c`` in two
+    numba passes (a float32 CPU tensor, blocks of a power-of-two rule written as a threshold
+    or of the two-level rule, drift's exact scale arithmetic); otherwise it takes the general
+    steps, with the same bits."""
+    return cast_route(c, x).values in (ValuesStep.POW2_ROWS, ValuesStep.POW2_BITS,
+                                       ValuesStep.TWO_LEVEL)
+
+
+def cast_values(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bits: int,
+                route: CastRoute) -> Tensor | None:
+    """``quantize(x, c)``'s values by the route's :class:`ValuesStep`, or None where it has
+    none or it declines (then :func:`cast_blocks`)."""
+    step = route.values
+    if step is None:
+        return None
+    if step is ValuesStep.FOUR_OVER_SIX:
+        return fused_values(x, c, axis)
+    s = c.scaling
+    blocks, back = to_blocks(x, s, axis)
+    blocks = blocks.contiguous()
+    bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
+    if step is ValuesStep.MICRO:
+        values = numba_values(blocks, bits, c, sr_bits)
+        return None if values is None else back(values).to(x.dtype)
+    p = rounding.jit_params(src=rounding.source_of(torch.float32),
+                            tgt=rounding.target_of(c.format), rounding=c.rounding,
+                            overflow=c.overflow, sr_bits=sr_bits)
+    if step is ValuesStep.TWO_LEVEL:
+        consts, q = two_level_consts(c)
+        divisor, bad, *_ = jit.two_level_block_scales(blocks, consts, q)
+        return back(jit.round_divided(blocks, divisor, bits, p, bad)).to(x.dtype)
+    rule = pow2_rule(c)
+    if rule is None:
+        return None
+    ks, bad, _, kmin, kmax, _ = jit.pow2_block_scales(blocks, rule)
+    fmt = c.format
+    if (kmin != jit.NO_ROW and kmin + fmt.qmin < -149) or kmax + fmt.emax >= 128:
+        return None
+    if step is ValuesStep.POW2_BITS:
+        return back(jit.round_bits(blocks, None, bits, ks[:, None], p, bad)).to(x.dtype)
+    return back(jit.round_pow2_rows(blocks, bits, ks, bad, p)).to(x.dtype)
+
+
+def _scales(amax: Tensor, tensor_amax: Tensor, c: Cast) -> tuple[Tensor, Tensor]:
+    """Each row's scale (the exponent ``k`` of ``2**k``, or the divisor) and if it clamped."""
+    plan = ScalePlan.of(c.format, c.scaling)
+    return plan_scales(amax, tensor_amax, plan.divisors(amax), plan=plan)
+
+
+def plan_scales(amax: Tensor, tensor_amax: Tensor, div: Tensor, *,
+                 plan: ScalePlan) -> tuple[Tensor, Tensor]:
+    """Each block's scale under the plan's rule (an exponent for power-of-two rules, a divisor
+    for the others) and whether it was clamped: the rule's own fast implementation."""
+    if plan.rule.power_of_two:
+        return plan_pow2_exponents(amax, plan)
+    return plan_divisors(amax, tensor_amax, div, plan)
+
+
+def _apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, nonfinite: Tensor, *,
+           tgt: rounding.Target, mode: Rounding, overflow: Overflow, sr_bits: int, pow2: bool,
+           blocked: bool, wide: bool) -> Tensor:
+    """The element cast of every row under its scale, on the torch back-end."""
+    if pow2:
+        # a scaled grid beyond float32's range is rounded in float64, then stored as float32
+        work = blocks.double() if wide else blocks
+        q = rounding.round_fused(work, tgt, mode, overflow, bits, scale[:, None],
+                                 sr_bits).to(blocks.dtype)
+    else:
+        y = (blocks / scale[:, None]).contiguous()
+        q = rounding.round_fused(y, tgt, mode, overflow, bits, None, sr_bits) * scale[:, None]
+    if blocked:
+        q = torch.where(nonfinite[:, None], torch.nan, q)
+    return q
+
+
+def _scaled_values(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,
+                   tensor_amax: Tensor, *, c: Cast, sr_bits: int, pow2: bool,
+                   wide: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Dequantized rows, each row's scale and whether it clamped, from the rows' amax."""
+    scale, clamped = _scales(amax, tensor_amax, c)
+    s = c.scaling
+    q = _apply(blocks, bits, scale, nonfinite, tgt=rounding.target_of(c.format),
+               mode=c.rounding, overflow=c.overflow, sr_bits=sr_bits, pow2=pow2,
+               blocked=s.blocked, wide=wide)
+    return q, scale, clamped
+
+
+def amax_and_nonfinite(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's finite amax and whether it holds NaN or inf, by torch's ops."""
+    stats = block_stats(blocks)
+    return stats.amax, stats.nonfinite
+
+
+def needs_wide(amax: Tensor, c: Cast) -> bool:
+    """Whether a power-of-two scaled grid leaves float32's range for some block (then float64);
+    an unscaled cast's grid is its format's own (a scale of 2**0).
+
+    The extreme exponents bound every block's, as the rules are monotone in amax."""
+    low = high = 0
+    if c.scaling.granularity is not Granularity.NONE:
+        positive = torch.where(amax > 0, amax, torch.inf)
+        ends = torch.stack([positive.min(), amax.max()]).nan_to_num(posinf=1.0)
+        k, _ = pow2_exponents(torch.where(ends > 0, ends, 1.0), c.format, c.scaling)
+        low, high = int(k.min()), int(k.max())
+    return low + c.format.qmin < -149 or high + c.format.emax >= 128
+
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A cast done in block layout: one row per scale group."""
+
+    blocks: Tensor
+    q: Tensor
+    scales: Tensor
+    """Each row's scale as a float64 divisor (NaN for a nonfinite block)."""
+    clamped: Tensor
+    bad_blocks: Tensor
+    back: Callable[[Tensor], Tensor]
+    bits: Tensor | None
+    tensor_scale: float | None
+    apply: tuple[ElementOp, Tensor] | None = None
+    """Under a scale arithmetic: how elements met their row's operand on the way in (the
+    element masks divide or multiply the same way)."""
+    quotient: Tensor | None = None
+    """Under micro-exponents: each element's exact quotient on its element grid (float64)."""
+
+
+def cast_blocks(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None, sr_bits: int,
+                tensor_amax: float | None, route: CastRoute | None = None) -> Blocked:
+    """The cast of every scale group of ``x`` by the steps of ``route`` (:func:`cast_route`'s
+    when not given); ``tensor_amax`` stands in for the tensor's own amax when ``x`` is one
+    slice of a larger tensor (per-tensor and two-level scales)."""
+    if route is None:
+        route = cast_route(c, x, axis, random_bits)
+    if route.blocks is BlockStep.ARITH:
+        return _cast_blocks_arith(x, c, axis, random_bits, sr_bits, tensor_amax,
+                                  route.backend is Backend.NUMBA)
+    if route.blocks is BlockStep.MICRO:
+        return _cast_blocks_micro(x, c, axis, random_bits, sr_bits)
+    work = working(x)
+    elem, s = c.format, c.scaling
+    blocks, back = to_blocks(work, s, axis)
+    blocks = blocks.contiguous()
+    bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
+    n_rows = blocks.shape[0]
+    no_blocks = torch.zeros(n_rows, dtype=torch.bool, device=blocks.device)
+    rule = s.rule
+    pow2 = route.blocks is BlockStep.POW2
+    tensor_scale = None
+    if route.blocks is BlockStep.UNSCALED:
+        q = rounding.round_values(blocks, None, elem, c.rounding, c.overflow, bits, sr_bits,
+                                  blocks.dtype)
+        ones = torch.ones(n_rows, dtype=torch.float64, device=blocks.device)
+        return Blocked(blocks, q, ones, no_blocks, no_blocks, back, bits, None)
+    if route.backend is Backend.NUMBA:
+        amax, nonfinite = jit.block_amax(blocks)
+        top = tensor_amax_of(amax, tensor_amax)
+        if s.granularity is Granularity.TENSOR:
+            amax = top.expand_as(amax)
+        scale, clamped = _scales(amax, top, c)
+        q = _jit_apply(blocks, bits, scale, nonfinite if s.blocked else None, c, sr_bits,
+                       pow2, pow2 and needs_wide(amax, c))
+    else:
+        amax, nonfinite = amax_and_nonfinite(blocks)
+        top = tensor_amax_of(amax, tensor_amax)
+        if s.granularity is Granularity.TENSOR:
+            amax = top.expand_as(amax)
+        static: dict[str, Any] = {"c": c, "sr_bits": sr_bits, "pow2": pow2,
+                                  "wide": pow2 and needs_wide(amax, c)}
+        # in cache-sized slices: several times faster than whole tensors
+        q, scale, clamped = _sliced(blocks, bits, amax, nonfinite, top, static)
+    bad_blocks = nonfinite if s.blocked else no_blocks
+    clamped = clamped & ~bad_blocks  # a NaN block's scale is NaN, not clamped
+    scales = torch.ldexp(torch.ones_like(scale, dtype=torch.float64), scale.double()) \
+        if pow2 else scale.double()
+    if s.blocked:
+        scales = torch.where(bad_blocks, torch.nan, scales)
+    if rule is ScaleRule.TWO_LEVEL:
+        tensor_scale = float(two_level_scales(amax[:1], top, elem, s).tensor_scale)
+    return Blocked(blocks, q, scales, clamped, bad_blocks, back, bits, tensor_scale)
+
+
+def _cast_blocks_micro(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
+                       sr_bits: int) -> Blocked:
+    """:func:`cast_blocks` under micro-exponents (:mod:`driftcli.casts.microscale`): the scales
+    reported are the first-level ones."""
+    s = c.scaling
+    blocks, back = to_blocks(x.float(), s, axis)
+    blocks = blocks.contiguous()
+    bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
+    q, quotient, sc = micro_values(blocks, bits, c, sr_bits)
+    scales = torch.where(sc.bad, torch.nan, sc.s)
+    return Blocked(blocks, q, scales, sc.clamped, sc.bad, back, bits, None, None, quotient)
+
+
+def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
+                       sr_bits: int, tensor_amax: float | None, use_jit: bool) -> Blocked:
+    """:func:`cast_blocks` under a scale arithmetic (:mod:`driftcli.casts.scalearith`): in float32,
+    the scales by the arithmetic's operations, the elements through its apply and undo
+    operations."""
+    s, a = c.scaling, c.scaling.arithmetic
+    blocks, back = to_blocks(x.float(), s, axis)
+    blocks = blocks.contiguous()
+    bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
+    n_rows = blocks.shape[0]
+    if blocks.numel() == 0:
+        none = torch.zeros(n_rows, dtype=torch.bool, device=blocks.device)
+        ones = torch.ones(n_rows, dtype=torch.float64, device=blocks.device)
+        return Blocked(blocks, blocks.clone(), ones, none, none, back, bits, None)
+    finite_amax, bad = jit.block_amax(blocks) if use_jit else amax_and_nonfinite(blocks)
+    amax = group_amax(blocks, finite_amax, bad, a.amax)
+    top = tensor_amax_of(amax, tensor_amax)
+    if a.two.row_scaled:  # one amax per row: a slice of whole rows needs no tensor amax
+        top = row_amax(amax, x.shape[axis] if x.dim() else 1, s.block)
+    if s.granularity is Granularity.TENSOR:
+        amax = top.expand_as(amax).contiguous()
+    sc = (four_over_six_scales(blocks, amax, top, c.format, a.two) if a.two.four_over_six
+          else arith_scales(amax, top, c.format, s))
+    poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
+    if use_jit:
+        p = rounding.jit_params(src=rounding.source_of(torch.float32),
+                                tgt=rounding.target_of(c.format), rounding=c.rounding,
+                                overflow=c.overflow, sr_bits=sr_bits)
+        q = jit.round_scaled(blocks, sc.apply, sc.undo, bits, p, poisoned,
+                             sc.apply_op is ElementOp.MUL, sc.undo_op is ElementOp.DIV)
+    else:
+        y = apply_ops(sc.apply, sc.apply_op, blocks).contiguous()
+        code = rounding.round_fused(y, rounding.target_of(c.format), c.rounding, c.overflow, bits,
+                                    None, sr_bits)
+        q = undo_ops(sc.undo, sc.undo_op, code)
+        if poisoned is not None:
+            q = torch.where(poisoned[:, None], torch.nan, q)
+    bad_blocks = bad if s.blocked else torch.zeros_like(bad)
+    scales = sc.scale if poisoned is None else torch.where(poisoned, torch.nan, sc.scale)
+    clamped = sc.clamped & ~(poisoned if poisoned is not None else torch.zeros_like(bad))
+    return Blocked(blocks, q, scales, clamped, bad_blocks, back, bits, sc.tensor_scale,
+                   (sc.apply_op, sc.apply))
+
+
+def _jit_apply(blocks: Tensor, bits: Tensor | None, scale: Tensor, bad: Tensor | None, c: Cast,
+               sr_bits: int, pow2: bool, wide: bool) -> Tensor:
+    """:func:`_apply` on numba's kernels: the element cast of every row under its scale, and
+    NaN for the ``bad`` rows of a block scaling."""
+    if pow2:
+        work = blocks.double() if wide else blocks
+        p = rounding.jit_params(src=rounding.source_of(work.dtype),
+                                tgt=rounding.target_of(c.format), rounding=c.rounding,
+                                overflow=c.overflow, sr_bits=sr_bits)
+        return jit.round_bits(work, None, bits, scale[:, None], p, bad).to(blocks.dtype)
+    p = rounding.jit_params(src=rounding.source_of(blocks.dtype), tgt=rounding.target_of(c.format),
+                            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+    return jit.round_divided(blocks, scale, bits, p, bad)
+
+
+def tensor_amax_of(amax: Tensor, given: float | None) -> Tensor:
+    """The tensor's amax: ``given`` (a slice's whole tensor's) or the largest of the rows'."""
+    return amax.max() if given is None else torch.tensor(given, dtype=amax.dtype,
+                                                         device=amax.device)
+
+
+@dataclass(frozen=True)
+class Masks:
+    """Per-element facts of a cast, in block layout."""
+
+    finite: Tensor
+    clipped: Tensor
+    underflowed: Tensor
+    subnormal: Tensor
+    codes: Tensor
+
+
+def element_masks(b: Blocked, c: Cast, sr_bits: int) -> Masks:
+    """Which elements clipped, underflowed, came out subnormal, and each one's code: the
+    definitions of docs/measurements.md#what-is-measured, with s the scale each element's
+    block was divided by."""
+    elem, s = c.format, c.scaling
+    blocks, q, scales = b.blocks, b.q, b.scales
+    finite = torch.isfinite(blocks)
+    poisoned = s.blocked and s.arithmetic.amax is AmaxPolicy.FINITE
+    if b.quotient is not None:  # micro-exponents: the exact quotient on the element grid
+        y = b.quotient
+        qy = rounding.round_values(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits, y.dtype)
+        clipped = (y > float(elem.max)) | (y < float(elem.min))
+        subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
+        codes = torch.where(torch.isnan(q), torch.nan, qy).to(q.dtype)
+    elif b.apply is not None:  # a scale arithmetic: the quotient its apply operation made
+        y = apply_ops(b.apply[1], b.apply[0], blocks).contiguous()
+        qy = rounding.round_values(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits, y.dtype)
+        clipped = (y > float(elem.max)) | (y < float(elem.min))
+        subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
+        codes = torch.where(torch.isnan(q), torch.nan, qy)
+    elif s.rule is not None and s.rule.power_of_two:
+        exps = (torch.frexp(scales)[1] - 1).double()[:, None]  # scales are powers of two
+        top = torch.ldexp(torch.full_like(exps, float(elem.max)), exps)
+        bottom = torch.ldexp(torch.full_like(exps, float(elem.min)), exps)
+        small = torch.ldexp(torch.full_like(exps, float(elem.smallest_normal)), exps)
+        wide_blocks = blocks.double()
+        clipped = (wide_blocks > top) | (wide_blocks < bottom)
+        subnormal = (q != 0) & (q.double().abs() < small)
+        codes = torch.ldexp(q.double(), -exps).to(q.dtype)  # exact: q is a code times 2**k
+    else:
+        y, qy = blocks, q
+        if s.granularity is not Granularity.NONE:  # the same float division the cast made
+            y = (blocks / scales.to(blocks.dtype)[:, None]).contiguous()
+            qy = rounding.round_values(y, None, elem, c.rounding, c.overflow, b.bits, sr_bits,
+                                       y.dtype)
+        clipped = (y > float(elem.max)) | (y < float(elem.min))
+        subnormal = (qy != 0) & (qy.abs() < float(elem.smallest_normal))
+        codes = torch.where(torch.isnan(q), torch.nan, qy)
+    underflowed = (blocks != 0) & finite & (q == 0)
+    clipped = clipped & finite
+    if poisoned:
+        clipped = clipped & ~b.bad_blocks[:, None]
+    return Masks(finite, clipped, underflowed, subnormal & torch.isfinite(q), codes)
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype casts work in: float64 stays, every other float widens exactly to
+    float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def working(x: Tensor) -> Tensor:
+    """``x`` in its :func:`working_dtype`."""
+    return x.to(working_dtype(x.dtype))
+
+
+def _sliced(blocks: Tensor, bits: Tensor | None, amax: Tensor, nonfinite: Tensor,
+            tensor_amax: Tensor, static: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_scaled_values` eagerly, on cache-sized slices (faster than whole tensors)."""
+    n_rows, n_cols = blocks.shape
+    col_step = min(n_cols, rounding.EAGER_CHUNK)
+    row_step = max(1, rounding.EAGER_CHUNK // col_step)
+    q = torch.empty_like(blocks)
+    scales, clamps = [], []
+    for r in range(0, n_rows, row_step):
+        rows = slice(r, r + row_step)
+        for col in range(0, n_cols, col_step):
+            cols = slice(col, col + col_step)
+            part = None if bits is None else bits[rows, cols].contiguous()
+            q[rows, cols], scale, clamped = _scaled_values(
+                blocks[rows, cols].contiguous(), part, amax[rows], nonfinite[rows], tensor_amax,
+                **static)
+        scales.append(scale)
+        clamps.append(clamped)
+    return q, torch.cat(scales), torch.cat(clamps)
+
+
+_FLOAT32_TINY = 2.0**-126
+
+
+@cache
+def pow2_rule(c: Cast) -> np.ndarray | None:
+    """The one-pass kernel's rule vector of a power-of-two cast (``emax, threshold, strict,
+    headroom, low, high``), or None for a rule not written as a threshold."""
+    plan = ScalePlan.of(c.format, c.scaling)
+    found = rule_threshold(plan)
+    if found is None:
+        return None
+    if c.scaling.scale_format is None:  # ScalePlan.of has refused it already
+        return None
+    low, high = pow2_range(c.scaling.scale_format)
+    return np.array([plan.elem_emax, found[0], int(found[1]), plan.headroom, low, high],
+                    dtype=np.int64)
+
+
+@cache
+def two_level_consts(c: Cast) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The float32 constants and the scale rounding's parameters of a two-level cast."""
+    plan = ScalePlan.of(c.format, c.scaling)
+    consts = np.array([plan.elem_max, plan.two_level_max, plan.smallest, plan.largest,
+                       _FLOAT32_TINY], dtype=np.float32)
+    q = rounding.jit_params(src=rounding.source_of(torch.float32),
+                            tgt=plan.scale_target,
+                            rounding=Rounding.RNE, overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
+    return consts, q
