@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from driftcli import kernels
@@ -43,7 +42,7 @@ from driftcli.casts.quantization import (
     two_level_consts,
     working,
 )
-from driftcli.casts.route import flat_route, one_scale
+from driftcli.casts.route import FlatRoute, ScaleStep, flat_route, one_scale
 from driftcli.casts.scaling import ScalePlan, block_stats, to_blocks
 from driftcli.errors import DriftError
 from driftcli.kernels import jit
@@ -367,51 +366,101 @@ def finite_amax(x: Tensor, runs: Tensor | None = None) -> float:
 
 
 def clip_pass_takes(shape: tuple[int, ...], dtype: torch.dtype, casts: Sequence[Cast | str],
-                    axis: int = -1) -> bool:
-    """Whether :func:`clip_stats` counts every cast of ``casts`` on a tensor of ``shape``
-    and ``dtype`` (on the numba back-end): then nothing else reads the tensor for them."""
+                    axis: int = -1, rounded: bool = False) -> bool:
+    """Whether :func:`fused_stats` counts every cast of ``casts`` on a tensor of ``shape``
+    and ``dtype`` (on the numba back-end; ``rounded`` as there, without seeds: a stochastic
+    cast is then not taken): then nothing else reads the tensor for them. (A power-of-two
+    grid found out of float32's range sends a cast back to :func:`cast_stats` even so.)"""
+    parsed = [parse_cast(c) for c in casts]
     return dtype == torch.float32 and kernels.jit_unavailable() is None and all(
-        flat_route(parse_cast(c), shape, axis, dtype) is not None for c in casts)
+        flat_route(c, shape, axis, dtype) is not None and
+        not (rounded and c.rounding is Rounding.SR) for c in parsed)
 
 
 def clip_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
                tensor_amax: float | None = None) -> dict[int, CastStats]:
     """:func:`cast_stats` with ``rounded=False`` for every cast of ``casts`` the fused pass
+    takes (:func:`fused_stats` without the rounding)."""
+    return fused_stats(x, casts, axis=axis, tensor_amax=tensor_amax)
+
+
+def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
+                tensor_amax: float | None = None, rounded: bool = False,
+                seeds: Sequence[int | None] | None = None,
+                sr_bits: int = DEFAULT_SR_BITS) -> dict[int, CastStats]:
+    """:func:`cast_stats` (``rounded`` as there) for every cast of ``casts`` the fused pass
     takes (:func:`driftcli.casts.route.flat_route`), keyed by the cast's index, in one read of
     ``x`` for all of them (and one first read for the tensor's amax where a cast needs it and
-    ``tensor_amax`` is not given); the same counts, bit for bit. The casts it does not take,
-    and every cast on the torch back-end, are left out: :func:`cast_stats` counts them."""
+    ``tensor_amax`` is not given); the same counts, bit for bit, and with ``rounded`` the float
+    sums within a few units in their last place (summed in lanes, not in one order). A
+    stochastic cast is taken with its ``seeds`` entry (its draws made as :func:`cast_stats`
+    makes them); the casts of one rounding mode and overflow policy share a pass. The casts it
+    does not take, and every cast on the torch back-end, are left out: :func:`cast_stats`
+    counts them."""
     if x.numel() == 0 or x.dtype != torch.float32 or not kernels.numba_runs(x):
         return {}
     parsed = [parse_cast(c) for c in casts]
     shape = tuple(x.shape)
     found = {i: r for i, c in enumerate(parsed)
-             if (r := flat_route(c, shape, axis, x.dtype)) is not None}
-    two = [r.q for r in found.values() if r.two_level]
-    # the pass's scale rounding is a constant of its code: one scale format per pass
-    found = {i: r for i, r in found.items() if not r.two_level or np.array_equal(r.q, two[0])}
-    if not found:
-        return {}
+             if (r := flat_route(c, shape, axis, x.dtype)) is not None and
+             (not rounded or c.rounding is not Rounding.SR or
+              (seeds is not None and seeds[i] is not None))}
     flat = x.reshape(-1).contiguous()
     top = tensor_amax
     if top is None and any(r.needs_amax for r in found.values()):
         top = jit.finite_top(flat)
     scales = {i: one_scale(parsed[i], r, top or 0.0) if not r.block else (0, 1.0, False)
               for i, r in found.items()}
+    if rounded:  # a tensor's power-of-two grid out of float32's range: the torch back-end's
+        found = {i: r for i, r in found.items() if r.kind is not ScaleStep.TENSOR_POW2 or
+                 not needs_wide(torch.tensor([top or 0.0]), parsed[i])}
+    # one pass per scale rounding (a constant of its code) and, rounded, per rounding mode
+    passes: dict[tuple[Any, ...], dict[int, FlatRoute]] = {}
+    for i, r in found.items():
+        c = parsed[i]
+        key = (tuple(int(v) for v in r.q) if r.two_level else None,
+               (c.rounding, c.overflow) if rounded else None)
+        passes.setdefault(key, {})[i] = r
+    out: dict[int, CastStats] = {}
+    for group in passes.values():
+        out |= _fused_pass(x, flat, parsed, group, scales, top, rounded, seeds, sr_bits)
+    return dict(sorted(out.items()))
+
+
+def _fused_pass(x: Tensor, flat: Tensor, parsed: list[Cast], found: dict[int, FlatRoute],
+                scales: dict[int, tuple[int, float, bool]], top: float | None, rounded: bool,
+                seeds: Sequence[int | None] | None, sr_bits: int) -> dict[int, CastStats]:
+    """One pass of :func:`fused_stats` over the casts ``found`` (their indices and routes)."""
+    how = None
+    if rounded:
+        src = rounding.source_of(torch.float32)
+        how = jit.Rounded(
+            [rounding.jit_params(src=src, tgt=rounding.target_of(parsed[i].format),
+                                 rounding=parsed[i].rounding, overflow=parsed[i].overflow,
+                                 sr_bits=sr_bits) for i in found],
+            [checked_bits("fused_stats", x, parsed[i], seeds[i], None, sr_bits)
+             if parsed[i].rounding is Rounding.SR and seeds is not None else None
+             for i in found],
+            [(parsed[i].format.qmin, parsed[i].format.emax) for i in found])
     got = jit.clip_counts(flat, list(found.values()), [scales[i][0] for i in found],
-                          [scales[i][1] for i in found], top or 0.0)
+                          [scales[i][1] for i in found], top or 0.0, how)
     out = {}
-    for (i, r), counts, excess in zip(found.items(), got.counts, got.excess, strict=True):
-        clipped, clipped_groups, clamped, n_bad = counts
+    for n, (i, r) in enumerate(found.items()):
+        clipped, clipped_groups, clamped, n_bad = got.counts[n]
+        extra: dict[str, Any] = dict.fromkeys(_ROUNDED)
+        if rounded:
+            nonzero, under, sub, lost, n_wide = got.rounded[n]
+            if n_wide:  # a block's grid out of float32's range: the torch back-end's
+                continue
+            extra = dict(zip(_ROUNDED, (nonzero, under, sub, lost, *got.sums[n]), strict=True))
         one = not r.block
         out[i] = CastStats(
-            numel=x.numel(), nonfinite=x.numel() - got.finite, nonzero=None,
+            numel=x.numel(), nonfinite=x.numel() - got.finite,
             groups=1 if one else x.numel() // r.block, clipped=clipped,
             clipped_by_rounding=_by_rounding(parsed[i], clipped),
-            clipped_groups=min(clipped, 1) if one else clipped_groups, clip_excess=excess,
-            abs_sum=got.abs_sum, underflowed=None, subnormal=None,
-            scale_clamped=int(scales[i][2]) if one else clamped, nonfinite_groups=n_bad,
-            lost=None, xx=None, ee=None, ex=None, e_sum=None)
+            clipped_groups=min(clipped, 1) if one else clipped_groups, clip_excess=got.excess[n],
+            abs_sum=got.abs_sum, scale_clamped=int(scales[i][2]) if one else clamped,
+            nonfinite_groups=n_bad, **extra)
     return out
 
 
