@@ -424,6 +424,7 @@ def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: 
         gdivs = np.empty(n_runs, dtype=np.float32)  # per group its divisor, kept
         cast = np.empty(piece, dtype=np.float64)  # a piece's rounded values
         subs = np.empty(piece, dtype=np.bool_)  # and which of them are subnormal
+        dvs = np.empty(piece, dtype=np.float32)  # each element's divisor
         has_draws = draws.shape[1] > 0
         tops = np.empty(n_runs, dtype=np.int32)
         bads = np.empty(n_runs, dtype=np.bool_)
@@ -540,39 +541,47 @@ def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: 
                       pc_[9], pc_[10], pc_[11], pc_[12], rounding, overflow, pc_[15], pc_[16],
                       pc_[17])
                 size = b - a if kind in (TENSOR_POW2, TENSOR_DIV) else per * run
+                n_groups = -(-(b - a) // size)
                 n_out = 0
-                for g in range(-(-(b - a) // size)):  # group by group, into cast[]
-                    lo_j = g * size
-                    hi_j = min(lo_j + size, b - a)
-                    gx, gv = xs[lo_j:hi_j], vs[lo_j:hi_j]
-                    qs, ss = cast[lo_j:hi_j], subs[lo_j:hi_j]
-                    ds = draws[c, a + lo_j:a + hi_j] if has_draws else draws[c, 0:0]
-                    if kind not in (TENSOR_POW2, TENSOR_DIV) and gbads[g]:
-                        qs[:] = np.nan  # lost whole
-                        ss[:] = False
-                        continue
-                    if pow2:  # the value, rounded on the grid scaled by the group's 2**k
+                ds = draws[c, a:b] if has_draws else draws[c, 0:0]
+                if pow2:  # group by group, into cast[]: the grid scaled by its 2**k
+                    for g in range(n_groups):
+                        lo_j = g * size
+                        hi_j = min(lo_j + size, b - a)
+                        gx, qs, ss = xs[lo_j:hi_j], cast[lo_j:hi_j], subs[lo_j:hi_j]
+                        gd = ds[lo_j:hi_j] if has_draws else ds
                         k = sexp[c] if kind == TENSOR_POW2 else ks[g]
                         if kind == BLOCK_POW2 and ((gtops[g] != 0 and k + wide[c, 0] < -149)
                                                    or k + wide[c, 1] >= 128):
                             n_out += 1
                         rlim = row_limits(k, pr)
                         small = ends[c, 2] * _pow2(k)
-                        for j in range(gv.size):
-                            r = ds[j] if has_draws else 0
+                        for j in range(gx.size):
+                            r = gd[j] if has_draws else 0
                             qv = np.float64(np.int32(round_lean(gx[j], r, rlim, pr)).view(
                                 np.float32))
                             qs[j] = qv
                             ss[j] = qv != 0 and abs(qv) < small
-                    else:  # the quotient rounded, then multiplied back
-                        d = div[c] if kind == TENSOR_DIV else gdivs[g]
-                        rlim = row_limits(0, pr)
-                        for j in range(gv.size):
-                            r = ds[j] if has_draws else 0
-                            code = lean_quotient(gv[j] / d, r, rlim, pr)
-                            # a float32 cast returns the product rounded to float32
-                            qs[j] = np.float64(np.float32(code * d))
-                            ss[j] = code != 0 and abs(code) < ends[c, 2]
+                else:  # the quotients by each element's divisor rounded, multiplied back
+                    if kind == TENSOR_DIV:
+                        dvs[:b - a] = div[c]
+                    else:
+                        for g in range(n_groups):
+                            dvs[g * size:min((g + 1) * size, b - a)] = gdivs[g]
+                    rlim = row_limits(0, pr)
+                    e_small = ends[c, 2]
+                    for j in range(b - a):
+                        r = ds[j] if has_draws else 0
+                        d = dvs[j]
+                        code = lean_quotient(vs[j] / d, r, rlim, pr)
+                        # a float32 cast returns the product rounded to float32
+                        cast[j] = np.float64(np.float32(code * d))
+                        subs[j] = code != 0 and abs(code) < e_small
+                if kind not in (TENSOR_POW2, TENSOR_DIV):
+                    for g in range(n_groups):
+                        if gbads[g]:  # lost whole
+                            cast[g * size:(g + 1) * size] = np.nan
+                            subs[g * size:(g + 1) * size] = False
                 m_ = b - a
                 nonzero, under, sub, lost = _rounded_counts(vs, cast[:m_], subs[:m_],
                                                             rsums[pc], c)

@@ -414,15 +414,22 @@ def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
     if rounded:  # a tensor's power-of-two grid out of float32's range: the torch back-end's
         found = {i: r for i, r in found.items() if r.kind is not ScaleStep.TENSOR_POW2 or
                  not needs_wide(torch.tensor([top or 0.0]), parsed[i])}
-    # one pass per scale rounding (a constant of its code) and, rounded, per rounding mode
-    passes: dict[tuple[Any, ...], dict[int, FlatRoute]] = {}
+    # a pass per rounding mode and overflow policy, and per two-level scale rounding (both
+    # constants of its code): every other cast joins the first pass of its mode
+    passes: list[tuple[Any, list[Any], dict[int, FlatRoute]]] = []
     for i, r in found.items():
         c = parsed[i]
-        key = (tuple(int(v) for v in r.q) if r.two_level else None,
-               (c.rounding, c.overflow) if rounded else None)
-        passes.setdefault(key, {})[i] = r
+        mode = (c.rounding, c.overflow) if rounded else None
+        q = [tuple(int(v) for v in r.q)] if r.two_level else []
+        into = next((p for p in passes if p[0] == mode and (not q or p[1] in ([], q))), None)
+        if into is None:
+            into = (mode, q, {})
+            passes.append(into)
+        if q:
+            into[1][:] = q
+        into[2][i] = r
     out: dict[int, CastStats] = {}
-    for group in passes.values():
+    for _, _, group in passes:
         out |= _fused_pass(x, flat, parsed, group, scales, top, rounded, seeds, sr_bits)
     return dict(sorted(out.items()))
 
