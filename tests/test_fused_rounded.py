@@ -162,3 +162,25 @@ def test_a_stochastic_cast_without_a_seed_is_left_out() -> None:
     """Its draws are made from its seed: without one, cast_stats counts it (and asks)."""
     x = _tensor(seed=2, specials=False)
     assert sorted(fused_stats(x, ["mxfp8_e4m3:sr", "mxfp8_e4m3"], rounded=True)) == [1]
+
+
+@pytest.mark.parametrize("axis", [0, -2])
+def test_blocks_along_another_axis_count_as_the_torch_back_end(axis: int) -> None:
+    """Blocks down the columns (the monitor's operands in their weight-gradient direction):
+    the pass reads a copy with that axis last, a stochastic cast's draws moved with it."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(32, 64, 96, generator=gen) * torch.exp(2 * torch.randn(32, 64, 96,
+                                                                          generator=gen))
+    x[1, 5, 7] = math.nan
+    specs = [*THREE, "mxfp8_e4m3:sr", "nvfp4:sr"]
+    seeds = [None, None, None, 11, 12]
+    got = fused_stats(x, specs, axis=axis, rounded=True, seeds=seeds)
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    for i, spec in enumerate(specs):
+        kernels.set_jit("never")
+        try:
+            want, _ = cast_stats(x, spec, axis=axis, seed=seeds[i], want_values=False)
+        finally:
+            kernels.set_jit("auto")
+        _counts_and_sums(spec, want, got[i])
+    assert got[1].nonfinite_groups == 1 and got[1].lost == 31

@@ -8,9 +8,11 @@ their excess, nonzero, underflowed, subnormal and lost elements, and the float64
 The element rounding is :func:`driftcli.kernels.jitcode.round_one` / ``round_lean``, the very
 code :func:`driftcli.quantize` runs on numba, so a count here is the count of its cast.
 
-:func:`clips_kernel` is clip-rate's pass: one read of a slice for every cast of a scan that
-needs no rounding, each cast's block scales and clips counted from the runs' amaxes it read
-(the routes of :mod:`driftcli.casts.route`).
+:func:`clips_kernel` is the scan's fused pass: one read of a slice for every cast of a scan
+(the routes of :mod:`driftcli.casts.route`), each cast's block scales and clips counted from the
+runs' amaxes it read; for underflow-rate and error-bias each piece is also rounded once per
+cast into a scratch row of L1 by the same element kernels and counted there
+(:func:`_rounded_counts`). :func:`counts_kernel` still counts the casts that pass does not take.
 
 Every sum is made per piece of a fixed number of elements, and the pieces are added in order
 afterwards: the result does not depend on how many threads ran the pieces.

@@ -10,11 +10,14 @@ in one more pass, with the same rounding kernel as :func:`driftcli.quantize`. Bo
 counts, bit for bit; their float64 sums are added in different orders, and agree to the last
 few bits (the tests compare them at a relative 1e-12).
 
-What needs no rounding (clip-rate's counts) has one more numba path, :func:`clip_stats`: one
-read of a slice for every cast whose route :func:`driftcli.casts.route.flat_route` gives
-(a tensor scale, MX power-of-two rules, NVFP4's two-level scales, blocks along the last axis),
-each block's scale and clips counted from the runs' amaxes read once
-(:func:`driftcli.kernels.jit.clip_counts`); the same counts as :func:`cast_stats`.
+The scan has one more numba path, :func:`fused_stats`: one read of a slice for every cast
+whose route :func:`driftcli.casts.route.flat_route` gives (a tensor scale, MX power-of-two
+rules, NVFP4's two-level scales, blocks along the last axis), each block's scale and clips
+counted from the runs' amaxes read once and, for underflow-rate and error-bias, each piece of
+4,096 elements rounded once per cast and counted in the same pass
+(:func:`driftcli.kernels.jit.clip_counts`); the same counts as :func:`cast_stats`, bit for bit,
+and float64 sums made per piece in the machine code's vector lanes and added in piece order:
+the same bits for any thread count (:func:`clip_stats` is the pass without the rounding).
 """
 
 from __future__ import annotations
@@ -372,8 +375,9 @@ def clip_pass_takes(shape: tuple[int, ...], dtype: torch.dtype, casts: Sequence[
     cast is then not taken): then nothing else reads the tensor for them. (A power-of-two
     grid found out of float32's range sends a cast back to :func:`cast_stats` even so.)"""
     parsed = [parse_cast(c) for c in casts]
+    moved = _axis_last(shape, axis)[0]
     return dtype == torch.float32 and kernels.jit_unavailable() is None and all(
-        flat_route(c, shape, axis, dtype) is not None and
+        flat_route(c, moved, -1, dtype) is not None and
         not (rounded and c.rounding is Rounding.SR) for c in parsed)
 
 
@@ -400,12 +404,13 @@ def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
     if x.numel() == 0 or x.dtype != torch.float32 or not kernels.numba_runs(x):
         return {}
     parsed = [parse_cast(c) for c in casts]
-    shape = tuple(x.shape)
+    shape, last = _axis_last(tuple(x.shape), axis)
     found = {i: r for i, c in enumerate(parsed)
-             if (r := flat_route(c, shape, axis, x.dtype)) is not None and
+             if (r := flat_route(c, shape, -1, x.dtype)) is not None and
              (not rounded or c.rounding is not Rounding.SR or
               (seeds is not None and seeds[i] is not None))}
-    flat = x.reshape(-1).contiguous()
+    moved = x if last is None else x.movedim(last, -1)
+    flat = moved.reshape(-1).contiguous()
     top = tensor_amax
     if top is None and any(r.needs_amax for r in found.values()):
         top = jit.finite_top(flat)
@@ -430,14 +435,30 @@ def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
         into[2][i] = r
     out: dict[int, CastStats] = {}
     for _, _, group in passes:
-        out |= _fused_pass(x, flat, parsed, group, scales, top, rounded, seeds, sr_bits)
+        out |= _fused_pass(x, flat, parsed, group, scales, top, rounded, seeds, sr_bits, last)
     return dict(sorted(out.items()))
+
+
+def _moved_bits(bits: Tensor | None, last: int | None) -> Tensor | None:
+    return bits if bits is None or last is None else bits.movedim(last, -1).reshape(-1)
+
+
+def _axis_last(shape: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], int | None]:
+    """``shape`` with dimension ``axis`` moved last, and that dimension (None where it is
+    last already): blocks along another axis are runs of a copy laid out so (the counts do
+    not depend on the elements' order; a stochastic cast's draws move with them)."""
+    if not shape or axis % len(shape) == len(shape) - 1:
+        return shape, None
+    dim = axis % len(shape)
+    return (*shape[:dim], *shape[dim + 1:], shape[dim]), dim
 
 
 def _fused_pass(x: Tensor, flat: Tensor, parsed: list[Cast], found: dict[int, FlatRoute],
                 scales: dict[int, tuple[int, float, bool]], top: float | None, rounded: bool,
-                seeds: Sequence[int | None] | None, sr_bits: int) -> dict[int, CastStats]:
-    """One pass of :func:`fused_stats` over the casts ``found`` (their indices and routes)."""
+                seeds: Sequence[int | None] | None, sr_bits: int,
+                last: int | None) -> dict[int, CastStats]:
+    """One pass of :func:`fused_stats` over the casts ``found`` (their indices and routes) on
+    ``flat``, ``x`` with dimension ``last`` moved last (when not None) and flattened."""
     how = None
     if rounded:
         src = rounding.source_of(torch.float32)
@@ -445,7 +466,8 @@ def _fused_pass(x: Tensor, flat: Tensor, parsed: list[Cast], found: dict[int, Fl
             [rounding.jit_params(src=src, tgt=rounding.target_of(parsed[i].format),
                                  rounding=parsed[i].rounding, overflow=parsed[i].overflow,
                                  sr_bits=sr_bits) for i in found],
-            [checked_bits("fused_stats", x, parsed[i], seeds[i], None, sr_bits)
+            [_moved_bits(checked_bits("fused_stats", x, parsed[i], seeds[i], None, sr_bits),
+                         last)
              if parsed[i].rounding is Rounding.SR and seeds is not None else None
              for i in found],
             [(parsed[i].format.qmin, parsed[i].format.emax) for i in found])
