@@ -91,7 +91,8 @@ def test_every_cast_the_pass_takes_rounds_and_counts_as_the_torch_back_end(
         for i, st in got.items():
             _counts_and_sums(specs[i], _torch(x, specs[i], seeds[i])[0], st)
         assert any(st.underflowed for st in got.values())
-        assert any(st.lost for st in got.values())  # overflow under ieee, or a NaN block
+        # lost: an overflow under ieee (none toward zero), or a NaN block
+        assert any(st.lost for st in got.values()) != (rounding is Rounding.RTZ and not specials)
         assert any(st.nonfinite_groups for st in got.values()) == specials
     assert taken > len(specs)  # more than half of them, in each tensor
 
