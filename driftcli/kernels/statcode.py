@@ -27,6 +27,9 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+# at module level, not in clips_kernel: a closure's captured names are part of numba's cache
+# key, and a captured dispatcher pickles differently in every process (a compile each time)
+from driftcli.kernels.castcode import pow2_exponent, two_level_divisor, two_level_tensor_scale
 from driftcli.kernels.jitcode import (
     OPTIONS,
     lean_quotient,
@@ -411,8 +414,6 @@ def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: 
     the piece into ``rcounts`` (:data:`N_ROUNDED`) and ``rsums`` (:data:`N_ROUNDED_SUMS`,
     :func:`_rounded_counts`). ``wide[c]`` holds the element format's ``qmin`` and ``emax``: a
     block whose power-of-two grid leaves float32's range is counted in the last column."""
-    from driftcli.kernels.castcode import pow2_exponent, two_level_divisor, two_level_tensor_scale
-
     p = q
     lim = (0, 0, 0, 0, 0)
 
