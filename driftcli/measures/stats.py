@@ -45,7 +45,7 @@ from driftcli.casts.quantization import (
     two_level_consts,
     working,
 )
-from driftcli.casts.route import FlatRoute, ScaleStep, flat_route, one_scale
+from driftcli.casts.route import flat_route, one_scale
 from driftcli.casts.scaling import ScalePlan, block_stats, to_blocks
 from driftcli.errors import DriftError
 from driftcli.kernels import jit
@@ -417,11 +417,11 @@ def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
     scales = {i: one_scale(parsed[i], r, top or 0.0) if not r.block else (0, 1.0, False)
               for i, r in found.items()}
     if rounded:  # a tensor's power-of-two grid out of float32's range: the torch back-end's
-        found = {i: r for i, r in found.items() if r.kind is not ScaleStep.TENSOR_POW2 or
+        found = {i: r for i, r in found.items() if not r.tensor_pow2 or
                  not needs_wide(torch.tensor([top or 0.0]), parsed[i])}
     # a pass per rounding mode and overflow policy, and per two-level scale rounding (both
     # constants of its code): every other cast joins the first pass of its mode
-    passes: list[tuple[Any, list[Any], dict[int, FlatRoute]]] = []
+    passes: list[tuple[Any, list[Any], dict[int, Any]]] = []
     for i, r in found.items():
         c = parsed[i]
         mode = (c.rounding, c.overflow) if rounded else None
@@ -453,7 +453,7 @@ def _axis_last(shape: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], int 
     return (*shape[:dim], *shape[dim + 1:], shape[dim]), dim
 
 
-def _fused_pass(x: Tensor, flat: Tensor, parsed: list[Cast], found: dict[int, FlatRoute],
+def _fused_pass(x: Tensor, flat: Tensor, parsed: list[Cast], found: dict[int, Any],
                 scales: dict[int, tuple[int, float, bool]], top: float | None, rounded: bool,
                 seeds: Sequence[int | None] | None, sr_bits: int,
                 last: int | None) -> dict[int, CastStats]:
