@@ -405,6 +405,8 @@ def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
         return {}
     parsed = [parse_cast(c) for c in casts]
     shape, last = _axis_last(tuple(x.shape), axis)
+    if not any(c.scaling.granularity is Granularity.BLOCK for c in parsed):
+        shape, last = tuple(x.shape), None  # one scale: the layout does not matter
     found = {i: r for i, c in enumerate(parsed)
              if (r := flat_route(c, shape, -1, x.dtype)) is not None and
              (not rounded or c.rounding is not Rounding.SR or
