@@ -16,7 +16,9 @@ kept multiples of 64), then:
    torch + torchao code a user would write for the same clip counts (``safe_open``, torch's
    native float8 cast per tensor, torchao's ``to_mx`` and ``NVFP4Tensor``; left out, and
    said so, where torchao is not installed). Each row is one entry of a dict of calls: a new
-   one (drift's in-memory ``measure``) is one more entry;
+   one (drift's in-memory ``measure``) is one more entry; before them, the per-slice work of
+   the three casts (:func:`per_slice`: the fused clip pass, the fused rounded pass and the
+   per-cast rounded counts it replaced) on one thread;
 2. **fresh processes**, as a user runs them, on every instruction set this machine offers
    torch (``ATEN_CPU_CAPABILITY``: the default, ``avx2``) and with no C++ compiler on
    ``PATH``: ``import torch`` alone, each command (``drift clip-rate FILE -c ... --quiet
@@ -243,6 +245,46 @@ def in_memory(path: Path, repeat: int) -> None:
               f"{'met' if cost <= 2 else 'MISSED'})")
 
 
+def per_slice(repeat: int) -> None:
+    """The scan's per-slice work for the three casts, side by side on one thread (CPU time of
+    the calling thread, best of ``repeat``): the fused clip pass, the fused rounded pass
+    (underflow-rate's and error-bias's counts and sums) and the per-cast rounded counts the
+    fused one replaced (``cast_stats(rounded=True)`` per cast, still the path of the casts
+    the pass does not take), on a heavy-tailed slice of 2^22 elements and on the monitor's
+    operand sizes."""
+    from driftcli.measures.stats import cast_stats, clip_stats, fused_stats
+    from driftcli.records.castspec import parse_cast
+
+    casts = [parse_cast(c) for c in CASTS]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        print(f"\nper slice, the three casts, one thread, CPU ms, best of {repeat}:")
+        print(f"  {'elements':>9s} {'clip pass':>10s} {'rounded pass':>13s} {'Me/s':>6s} "
+              f"{'per cast (before)':>18s} {'Me/s':>6s} {'x':>5s}")
+        for n in (1 << 22, 1 << 18, 1 << 16):
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(n // 4096, 4096, generator=gen)
+            x *= torch.exp(torch.randn(x.shape, generator=gen))
+            calls = {"clip": lambda x=x: clip_stats(x, casts),
+                     "fused": lambda x=x: fused_stats(x, casts, rounded=True),
+                     "each": lambda x=x: [cast_stats(x, c, want_values=False) for c in casts]}
+            best = {}
+            for name, call in calls.items():
+                call()  # compiled, warm
+                times = []
+                for _ in range(repeat):
+                    start = time.thread_time()
+                    call()
+                    times.append(time.thread_time() - start)
+                best[name] = min(times) * 1e3
+            print(f"  {n:9d} {best['clip']:10.2f} {best['fused']:13.2f} "
+                  f"{n / best['fused'] / 1e3:6.0f} {best['each']:18.2f} "
+                  f"{n / best['each'] / 1e3:6.0f} {best['each'] / best['fused']:5.1f}")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _library_round(calls: dict[str, Callable[[], object]], repeat: int, size: int,
                    n_threads: int) -> None:
     """Every call, interleaved round by round, on ``n_threads`` torch threads; one table.
@@ -277,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                              "0 skips them)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                         help="torch thread counts of the library rounds, one table each")
+    parser.add_argument("--slice-repeat", type=int, default=7,
+                        help="rounds of the per-slice table (0 skips it)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="the checkpoint's dimensions times this (0.5: a quarter the size)")
     args = parser.parse_args(argv)
@@ -317,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         calls["script"] = lambda: user_script.clip_counts(str(args.file))
     else:
         print("torchao is not installed: the user's script (torch + torchao) is left out")
+    if args.slice_repeat:
+        per_slice(args.slice_repeat)
     threads = torch.get_num_threads()
     for n_threads in args.threads:
         torch.set_num_threads(n_threads)

@@ -24,7 +24,7 @@ from driftcli.errors import DriftError
 from driftcli.io.tables import read_table, schema_of
 from driftcli.measures import MEASURES
 from driftcli.measures.scan import ScanOptions, row_alignment, scan
-from driftcli.measures.stats import CastStats, cast_stats, clip_stats, finite_amax
+from driftcli.measures.stats import CastStats, cast_stats, finite_amax, fused_stats
 from driftcli.memory import use_huge_pages
 from driftcli.records.castspec import parse_cast
 
@@ -240,12 +240,12 @@ def test_channels_along_the_first_axis_are_cut_along_the_last(
         return cast_stats(t, *args, **kwargs)  # type: ignore[arg-type]
 
     def counted_fused(t: torch.Tensor, *args: object, **kwargs: object) -> object:
-        got = clip_stats(t, *args, **kwargs)  # type: ignore[arg-type]
+        got = fused_stats(t, *args, **kwargs)  # type: ignore[arg-type]
         shapes.extend(tuple(t.shape) for _ in got)  # each cast the fused pass counted
         return got
 
     monkeypatch.setattr(scan_mod, "cast_stats", counted)
-    monkeypatch.setattr(scan_mod, "clip_stats", counted_fused)
+    monkeypatch.setattr(scan_mod, "fused_stats", counted_fused)
     cut = scan([path], casts, rounded=rounded,
                options=ScanOptions(chunk_elements=256, axis=0))
     assert set(shapes) == {(48, 16)} and len(shapes) == 4 * len(casts)

@@ -113,6 +113,11 @@ class FlatRoute:
         """A two-level scale per block (whose scale rounding ``q`` the pass compiles in)."""
         return self.kind is ScaleStep.TWO_LEVEL
 
+    @property
+    def tensor_pow2(self) -> bool:
+        """One power of two for the tensor (whose grid a float32 cast may leave)."""
+        return self.kind is ScaleStep.TENSOR_POW2
+
 
 @cache
 def flat_route(c: Cast, shape: tuple[int, ...], axis: int, dtype: torch.dtype) -> FlatRoute | None:

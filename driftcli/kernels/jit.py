@@ -364,21 +364,36 @@ def finite_top(x: Tensor) -> float:
 class ClipCounts(NamedTuple):
     """Per cast of :func:`clip_counts`: its clipped elements, groups with a clip, clamped
     scales, groups holding NaN or inf, and its clip excess; and the slice's finite elements
-    and their Σ|x|."""
+    and their Σ|x|. With the rounding, per cast also its nonzero, underflowed, subnormal and
+    lost elements and its blocks out of float32's range (``rounded``), and its Σx², Σe², Σe·x
+    and Σe (``sums``); else both empty."""
 
     counts: list[list[int]]
     excess: list[float]
     finite: int
     abs_sum: float
+    rounded: list[list[int]]
+    sums: list[list[float]]
+
+
+class Rounded(NamedTuple):
+    """What :func:`clip_counts` rounds by: per cast its parameter vector (:data:`PARAMS`;
+    the rounding mode and overflow policy, shared by every cast of the pass, are constants of
+    its code), its stochastic draws (int32, one per element, or None), and its element
+    format's ``qmin`` and ``emax``."""
+
+    params: list[tuple[int, ...]]
+    draws: list[Tensor | None]
+    wide: list[tuple[int, int]]
 
 
 def clip_counts(x: Tensor, routes: list[Any], sexp: list[int], div: list[float],
-                tensor_amax: float) -> ClipCounts:
+                tensor_amax: float, rounded: Rounded | None = None) -> ClipCounts:
     """Every cast's clips in one read of a contiguous float32 slice ``x``, flattened
     (:func:`driftcli.kernels.statcode.clips_kernel`): ``routes`` are the casts'
     :class:`driftcli.casts.route.FlatRoute`, ``sexp`` and ``div`` the one-scale routes'
     exponent or divisor, ``tensor_amax`` the tensor's largest finite magnitude (two-level
-    scales)."""
+    scales); with ``rounded``, in the same pass every cast's rounded counts and sums."""
     values = _array(x)
     bits = values.view(np.int32)
     n = values.size
@@ -397,17 +412,39 @@ def clip_counts(x: Tensor, routes: list[Any], sexp: list[int], div: list[float],
     if len(two) > 1:
         raise DriftError("clip_counts: the two-level casts of one pass share their scale "
                          "format and its rounding")
+    r_counts = np.zeros((pieces, n_casts, code.N_ROUNDED if rounded else 0), dtype=np.int64)
+    r_sums = np.zeros((pieces, n_casts, code.N_ROUNDED_SUMS if rounded else 0))
+    ps = np.zeros((n_casts, len(PARAMS)), dtype=np.int64)
+    draws = np.zeros((n_casts, 0), dtype=np.int32)
+    wide = np.zeros((n_casts, 2), dtype=np.int64)
+    modes = (0, 0)
+    if rounded is not None:
+        ps = np.array(rounded.params, dtype=np.int64).reshape(n_casts, len(PARAMS))
+        modes = (int(ps[0, 13]), int(ps[0, 14])) if n_casts else modes
+        if any(tuple(int(v) for v in row[13:15]) != modes for row in ps):
+            raise DriftError("clip_counts: the casts of one rounded pass share their rounding "
+                             "and overflow")
+        if any(d is not None for d in rounded.draws):
+            draws = np.zeros((n_casts, n), dtype=np.int32)
+            for c, d in enumerate(rounded.draws):
+                if d is not None:
+                    draws[c] = _array(d.to(torch.int32))
+        wide = np.array(rounded.wide, dtype=np.int64).reshape(n_casts, 2)
     if pieces:
-        spread(code.clips_kernel(run, two.pop() if two else (0,) * len(PARAMS)),
+        spread(code.clips_kernel(run, two.pop() if two else (0,) * len(PARAMS),
+                                 rounded is not None, *modes),
                pieces, PIECE, bits, values, n, PIECE, kinds, blocks,
                np.array([r.blocked for r in routes], dtype=np.bool_),
                np.stack([r.rule for r in routes]), np.stack([r.consts for r in routes]),
                np.array([r.ends for r in routes], dtype=np.float64),
                np.array(sexp, dtype=np.int64), np.array(div, dtype=np.float32),
-               int(np.float32(tensor_amax).view(np.int32)), counts, excess, finite, sums)
+               int(np.float32(tensor_amax).view(np.int32)), counts, excess, finite, sums,
+               ps, draws, wide, r_counts, r_sums)
     c, s, n_finite = code.add_clips(counts, excess, finite, sums)
+    rc, rs = code.add_rounded(r_counts, r_sums) if rounded is not None else (
+        np.zeros((0, 0), np.int64), np.zeros((0, 0)))
     return ClipCounts(c.tolist(), [float(v) for v in s[:n_casts]], int(n_finite),
-                      float(s[n_casts]))
+                      float(s[n_casts]), rc.tolist(), rs.tolist())
 
 
 def cast_counts(blocks: Tensor, cols: int, random: Tensor | None, sexp: Tensor | None,

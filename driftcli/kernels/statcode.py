@@ -8,9 +8,11 @@ their excess, nonzero, underflowed, subnormal and lost elements, and the float64
 The element rounding is :func:`driftcli.kernels.jitcode.round_one` / ``round_lean``, the very
 code :func:`driftcli.quantize` runs on numba, so a count here is the count of its cast.
 
-:func:`clips_kernel` is clip-rate's pass: one read of a slice for every cast of a scan that
-needs no rounding, each cast's block scales and clips counted from the runs' amaxes it read
-(the routes of :mod:`driftcli.casts.route`).
+:func:`clips_kernel` is the scan's fused pass: one read of a slice for every cast of a scan
+(the routes of :mod:`driftcli.casts.route`), each cast's block scales and clips counted from the
+runs' amaxes it read; for underflow-rate and error-bias each piece is also rounded once per
+cast into a scratch row of L1 by the same element kernels and counted there
+(:func:`_rounded_counts`). :func:`counts_kernel` still counts the casts that pass does not take.
 
 Every sum is made per piece of a fixed number of elements, and the pieces are added in order
 afterwards: the result does not depend on how many threads ran the pieces.
@@ -25,6 +27,9 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+# at module level, not in clips_kernel: a closure's captured names are part of numba's cache
+# key, and a captured dispatcher pickles differently in every process (a compile each time)
+from driftcli.kernels.castcode import pow2_exponent, two_level_divisor, two_level_tensor_scale
 from driftcli.kernels.jitcode import (
     OPTIONS,
     lean_quotient,
@@ -343,8 +348,47 @@ def _threshold(pow2: bool, hi: float, low: float, d: Any, e_max: float, e_min: f
     return lo_bits
 
 
+N_ROUNDED = 5
+"""Columns of a piece's rounded counts per cast: nonzero, underflowed, subnormal, lost, and
+blocks whose power-of-two grid leaves float32's range (the cast is then counted elsewhere)."""
+N_ROUNDED_SUMS = 4
+"""Columns of a piece's rounded sums per cast: Σx², Σe², Σe·x, Σe."""
+@njit(fastmath={"reassoc"}, **OPTIONS)
+def _rounded_counts(vs: Any, qs: Any, subs: Any, acc: Any, c: int) -> tuple[int, int, int, int]:
+    """The nonzero, underflowed, subnormal and lost elements of a piece's values ``vs``
+    (float32) rounded to ``qs`` (float64; ``subs`` which are subnormal), and into row ``c`` of
+    ``acc`` Σx², Σe², Σe·x, Σe over the elements where both are finite, in float64 in the
+    vector lanes the compiler chooses (reassociated: an order fixed by this machine code and
+    the piece's length, so the same bits for any thread count; measured 3 to 7 times faster
+    than lanes written out, which numba does not keep in registers)."""
+    nonzero = under = sub = lost = 0
+    xx = ee = ex = es = 0.0
+    for j in range(vs.size):  # no branch on the data, so that it vectorizes
+        v = np.float64(vs[j])
+        qv = qs[j]
+        fin_v = abs(v) < np.inf
+        fin_q = abs(qv) < np.inf
+        ok = fin_v and fin_q
+        e = qv - v if ok else 0.0
+        xv = v if ok else 0.0
+        xx += xv * xv
+        ee += e * e
+        ex += e * xv
+        es += e
+        nonzero += int(fin_v and v != 0)
+        under += int(ok and v != 0 and qv == 0)
+        lost += int(fin_v and not fin_q)
+        sub += int(subs[j] and fin_q)
+    acc[c, 0] = xx
+    acc[c, 1] = ee
+    acc[c, 2] = ex
+    acc[c, 3] = es
+    return nonzero, under, sub, lost
+
+
 @cache
-def clips_kernel(run: int, q: tuple[int, ...]) -> Callable[..., None]:
+def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: int = 0,
+                 overflow: int = 0) -> Callable[..., None]:
     """``kernel(bits, values, n, piece, kinds, blocks, blocked, rules, consts, ends, sexp,
     div, tensor_top, counts, excess, finite, abs_sum, start, stop)``: pieces ``start..stop``
     of ``piece`` elements of a flat float32 slice, read once for every cast of a scan.
@@ -360,9 +404,16 @@ def clips_kernel(run: int, q: tuple[int, ...]) -> Callable[..., None]:
     ``tensor_top``, else the slice's ``sexp[c]`` or ``div[c]``), and the group's elements
     compared with the format's ends ``ends[c]`` (:func:`_clips`) only where its amax may
     clip, by the test and in the types of :func:`counts_kernel`: the same counts. A
-    ``blocked[c]`` group holding NaN or inf is NaN whole: counted, not compared."""
-    from driftcli.kernels.castcode import pow2_exponent, two_level_divisor, two_level_tensor_scale
+    ``blocked[c]`` group holding NaN or inf is NaN whole: counted, not compared.
 
+    With ``rounded``, each cast then rounds the piece once, group by group into a scratch row
+    of L1 (``round_lean`` under the cast's parameters ``ps[c]`` with this kernel's constant
+    ``rounding`` and ``overflow``, on the grid scaled by the group's power of two, else its
+    quotient by the divisor by ``lean_quotient``: the code and the steps of
+    :func:`counts_kernel`, so the same values; ``draws[c]`` its stochastic draws), and counts
+    the piece into ``rcounts`` (:data:`N_ROUNDED`) and ``rsums`` (:data:`N_ROUNDED_SUMS`,
+    :func:`_rounded_counts`). ``wide[c]`` holds the element format's ``qmin`` and ``emax``: a
+    block whose power-of-two grid leaves float32's range is counted in the last column."""
     p = q
     lim = (0, 0, 0, 0, 0)
 
@@ -370,8 +421,14 @@ def clips_kernel(run: int, q: tuple[int, ...]) -> Callable[..., None]:
     def kernel(bits: Any, values: Any, n: int, piece: int, kinds: Any, blocks: Any,
                blocked: Any, rules: Any, consts: Any, ends: Any, sexp: Any, div: Any,
                tensor_top: int, counts: Any, excess: Any, finite: Any, abs_sum: Any,
+               ps: Any, draws: Any, wide: Any, rcounts: Any, rsums: Any,
                start: int, stop: int) -> None:
         n_runs = -(-piece // run)
+        gdivs = np.empty(n_runs, dtype=np.float32)  # per group its divisor, kept
+        cast = np.empty(piece, dtype=np.float64)  # a piece's rounded values
+        subs = np.empty(piece, dtype=np.bool_)  # and which of them are subnormal
+        dvs = np.empty(piece, dtype=np.float32)  # each element's divisor
+        has_draws = draws.shape[1] > 0
         tops = np.empty(n_runs, dtype=np.int32)
         bads = np.empty(n_runs, dtype=np.bool_)
         found = np.empty(n_runs, dtype=np.int64)  # the groups that may clip, and their
@@ -448,7 +505,7 @@ def clips_kernel(run: int, q: tuple[int, ...]) -> Callable[..., None]:
                         cc = consts[c]
                         scale_t = two_level_tensor_scale(tensor_top, cc)
                         for g in range(n_groups):
-                            divs[g], moves[g] = two_level_divisor(
+                            gdivs[g], moves[g] = two_level_divisor(
                                 np.int32(gtops[g]).view(np.float32), scale_t, cc, two_lim, p)
                     else:
                         for g in range(n_groups):
@@ -464,9 +521,9 @@ def clips_kernel(run: int, q: tuple[int, ...]) -> Callable[..., None]:
                             low = e_min * _pow2(ks[g])
                             may_clip = top64 > hi or -top64 < low
                         else:
-                            d = divs[g]
+                            d = gdivs[g]
                             hi, low = e_max, e_min
-                            divs[n_found] = d  # n_found <= g: a slot already read
+                            divs[n_found] = d
                             may_clip = top64 / d > e_max or -top64 / d < e_min
                         if may_clip:
                             found[n_found] = g
@@ -480,6 +537,62 @@ def clips_kernel(run: int, q: tuple[int, ...]) -> Callable[..., None]:
                 counts[pc, c, 2] = clamped
                 counts[pc, c, 3] = n_bad
                 excess[pc, c] = total
+                if not rounded:
+                    continue
+                pc_ = ps[c]
+                pr = (pc_[0], pc_[1], pc_[2], pc_[3], pc_[4], pc_[5], pc_[6], pc_[7], pc_[8],
+                      pc_[9], pc_[10], pc_[11], pc_[12], rounding, overflow, pc_[15], pc_[16],
+                      pc_[17])
+                size = b - a if kind in (TENSOR_POW2, TENSOR_DIV) else per * run
+                n_groups = -(-(b - a) // size)
+                n_out = 0
+                ds = draws[c, a:b] if has_draws else draws[c, 0:0]
+                if pow2:  # group by group, into cast[]: the grid scaled by its 2**k
+                    for g in range(n_groups):
+                        lo_j = g * size
+                        hi_j = min(lo_j + size, b - a)
+                        gx, qs, ss = xs[lo_j:hi_j], cast[lo_j:hi_j], subs[lo_j:hi_j]
+                        gd = ds[lo_j:hi_j] if has_draws else ds
+                        k = sexp[c] if kind == TENSOR_POW2 else ks[g]
+                        if kind == BLOCK_POW2 and ((gtops[g] != 0 and k + wide[c, 0] < -149)
+                                                   or k + wide[c, 1] >= 128):
+                            n_out += 1
+                        rlim = row_limits(k, pr)
+                        small = ends[c, 2] * _pow2(k)
+                        for j in range(gx.size):
+                            r = gd[j] if has_draws else 0
+                            qv = np.float64(np.int32(round_lean(gx[j], r, rlim, pr)).view(
+                                np.float32))
+                            qs[j] = qv
+                            ss[j] = qv != 0 and abs(qv) < small
+                else:  # the quotients by each element's divisor rounded, multiplied back
+                    if kind == TENSOR_DIV:
+                        dvs[:b - a] = div[c]
+                    else:
+                        for g in range(n_groups):
+                            dvs[g * size:min((g + 1) * size, b - a)] = gdivs[g]
+                    rlim = row_limits(0, pr)
+                    e_small = ends[c, 2]
+                    for j in range(b - a):
+                        r = ds[j] if has_draws else 0
+                        d = dvs[j]
+                        code = lean_quotient(vs[j] / d, r, rlim, pr)
+                        # a float32 cast returns the product rounded to float32
+                        cast[j] = np.float64(np.float32(code * d))
+                        subs[j] = code != 0 and abs(code) < e_small
+                if kind not in (TENSOR_POW2, TENSOR_DIV):
+                    for g in range(n_groups):
+                        if gbads[g]:  # lost whole
+                            cast[g * size:(g + 1) * size] = np.nan
+                            subs[g * size:(g + 1) * size] = False
+                m_ = b - a
+                nonzero, under, sub, lost = _rounded_counts(vs, cast[:m_], subs[:m_],
+                                                            rsums[pc], c)
+                rcounts[pc, c, 0] = nonzero
+                rcounts[pc, c, 1] = under
+                rcounts[pc, c, 2] = sub
+                rcounts[pc, c, 3] = lost
+                rcounts[pc, c, 4] = n_out
 
     return kernel
 
@@ -502,3 +615,20 @@ def add_clips(counts: Any, excess: Any, finite: Any, abs_sum: Any) -> tuple[Any,
         n_finite += finite[pc]
         s_out[n_casts], comp[n_casts] = _add(s_out[n_casts], comp[n_casts], abs_sum[pc])
     return c_out, s_out + comp, n_finite
+
+
+@njit(**OPTIONS)
+def add_rounded(rcounts: Any, rsums: Any) -> tuple[Any, Any]:
+    """Every piece's rounded counts and sums per cast, added in piece order (Neumaier's sum
+    for the float64 ones): the same totals whatever threads made the pieces."""
+    n_casts = rcounts.shape[1]
+    c_out = np.zeros((n_casts, rcounts.shape[2]), dtype=np.int64)
+    s_out = np.zeros((n_casts, rsums.shape[2]), dtype=np.float64)
+    comp = np.zeros((n_casts, rsums.shape[2]), dtype=np.float64)
+    for pc in range(rcounts.shape[0]):
+        for c in range(n_casts):
+            for k in range(rcounts.shape[2]):
+                c_out[c, k] += rcounts[pc, c, k]
+            for k in range(rsums.shape[2]):
+                s_out[c, k], comp[c, k] = _add(s_out[c, k], comp[c, k], rsums[pc, c, k])
+    return c_out, s_out + comp

@@ -45,10 +45,10 @@ from driftcli.measures.stats import (
     CastStats,
     cast_stats,
     clip_pass_takes,
-    clip_stats,
     error_sums,
     error_terms,
     finite_amax,
+    fused_stats,
     run_amax,
     run_length,
     slice_facts,
@@ -272,8 +272,8 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
     # runs of the flattened tensor are not runs of a slice of its last dim; clip_stats'
     # fused pass reads its own
     stored = torch_dtype(ref.dtype)
-    fused_all = not rounded and opts.device is Device.CPU and stored is not None and \
-        clip_pass_takes(tuple(ref.shape), working_dtype(stored), casts, opts.axis)
+    fused_all = opts.device is Device.CPU and stored is not None and \
+        clip_pass_takes(tuple(ref.shape), working_dtype(stored), casts, opts.axis, rounded)
     chunk = _facts_chunk(ref, casts, opts, slices) if by_rows and not fused_all else 0
     need_amax = len(slices) > 1 and any(_needs_tensor_amax(c) for c in casts)
     # the held tensor's run amaxes: its amax and every slice's share them; without either,
@@ -302,8 +302,9 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         x = read(start, stop)
         own = None if runs is None else \
             runs[start * row_elems // chunk:stop * row_elems // chunk]
-        # clip-rate: every cast the fused pass takes, in one read of the slice
-        fused = {} if rounded else clip_stats(x, list(casts), axis=opts.axis, tensor_amax=amax)
+        # every cast the fused pass takes, in one read of the slice (a stochastic one needs
+        # its values for the expected cast: cast_stats gives them)
+        fused = fused_stats(x, list(casts), axis=opts.axis, tensor_amax=amax, rounded=rounded)
         facts = slice_facts(x, chunk, own) if len(fused) < len(casts) else None
         for ci, c in enumerate(casts):
             n = n_draws[ci]

@@ -10,11 +10,14 @@ in one more pass, with the same rounding kernel as :func:`driftcli.quantize`. Bo
 counts, bit for bit; their float64 sums are added in different orders, and agree to the last
 few bits (the tests compare them at a relative 1e-12).
 
-What needs no rounding (clip-rate's counts) has one more numba path, :func:`clip_stats`: one
-read of a slice for every cast whose route :func:`driftcli.casts.route.flat_route` gives
-(a tensor scale, MX power-of-two rules, NVFP4's two-level scales, blocks along the last axis),
-each block's scale and clips counted from the runs' amaxes read once
-(:func:`driftcli.kernels.jit.clip_counts`); the same counts as :func:`cast_stats`.
+The scan has one more numba path, :func:`fused_stats`: one read of a slice for every cast
+whose route :func:`driftcli.casts.route.flat_route` gives (a tensor scale, MX power-of-two
+rules, NVFP4's two-level scales, blocks along the last axis), each block's scale and clips
+counted from the runs' amaxes read once and, for underflow-rate and error-bias, each piece of
+4,096 elements rounded once per cast and counted in the same pass
+(:func:`driftcli.kernels.jit.clip_counts`); the same counts as :func:`cast_stats`, bit for bit,
+and float64 sums made per piece in the machine code's vector lanes and added in piece order:
+the same bits for any thread count (:func:`clip_stats` is the pass without the rounding).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from driftcli import kernels
@@ -367,51 +369,129 @@ def finite_amax(x: Tensor, runs: Tensor | None = None) -> float:
 
 
 def clip_pass_takes(shape: tuple[int, ...], dtype: torch.dtype, casts: Sequence[Cast | str],
-                    axis: int = -1) -> bool:
-    """Whether :func:`clip_stats` counts every cast of ``casts`` on a tensor of ``shape``
-    and ``dtype`` (on the numba back-end): then nothing else reads the tensor for them."""
+                    axis: int = -1, rounded: bool = False) -> bool:
+    """Whether :func:`fused_stats` counts every cast of ``casts`` on a tensor of ``shape``
+    and ``dtype`` (on the numba back-end; ``rounded`` as there, without seeds: a stochastic
+    cast is then not taken): then nothing else reads the tensor for them. (A power-of-two
+    grid found out of float32's range sends a cast back to :func:`cast_stats` even so.)"""
+    parsed = [parse_cast(c) for c in casts]
+    moved = _axis_last(shape, axis)[0]
     return dtype == torch.float32 and kernels.jit_unavailable() is None and all(
-        flat_route(parse_cast(c), shape, axis, dtype) is not None for c in casts)
+        flat_route(c, moved, -1, dtype) is not None and
+        not (rounded and c.rounding is Rounding.SR) for c in parsed)
 
 
 def clip_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
                tensor_amax: float | None = None) -> dict[int, CastStats]:
     """:func:`cast_stats` with ``rounded=False`` for every cast of ``casts`` the fused pass
+    takes (:func:`fused_stats` without the rounding)."""
+    return fused_stats(x, casts, axis=axis, tensor_amax=tensor_amax)
+
+
+def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
+                tensor_amax: float | None = None, rounded: bool = False,
+                seeds: Sequence[int | None] | None = None,
+                sr_bits: int = DEFAULT_SR_BITS) -> dict[int, CastStats]:
+    """:func:`cast_stats` (``rounded`` as there) for every cast of ``casts`` the fused pass
     takes (:func:`driftcli.casts.route.flat_route`), keyed by the cast's index, in one read of
     ``x`` for all of them (and one first read for the tensor's amax where a cast needs it and
-    ``tensor_amax`` is not given); the same counts, bit for bit. The casts it does not take,
-    and every cast on the torch back-end, are left out: :func:`cast_stats` counts them."""
+    ``tensor_amax`` is not given); the same counts, bit for bit, and with ``rounded`` the float
+    sums within a few units in their last place (summed in lanes, not in one order). A
+    stochastic cast is taken with its ``seeds`` entry (its draws made as :func:`cast_stats`
+    makes them); the casts of one rounding mode and overflow policy share a pass. The casts it
+    does not take, and every cast on the torch back-end, are left out: :func:`cast_stats`
+    counts them."""
     if x.numel() == 0 or x.dtype != torch.float32 or not kernels.numba_runs(x):
         return {}
     parsed = [parse_cast(c) for c in casts]
-    shape = tuple(x.shape)
+    shape, last = _axis_last(tuple(x.shape), axis)
+    if not any(c.scaling.granularity is Granularity.BLOCK for c in parsed):
+        shape, last = tuple(x.shape), None  # one scale: the layout does not matter
     found = {i: r for i, c in enumerate(parsed)
-             if (r := flat_route(c, shape, axis, x.dtype)) is not None}
-    two = [r.q for r in found.values() if r.two_level]
-    # the pass's scale rounding is a constant of its code: one scale format per pass
-    found = {i: r for i, r in found.items() if not r.two_level or np.array_equal(r.q, two[0])}
-    if not found:
-        return {}
-    flat = x.reshape(-1).contiguous()
+             if (r := flat_route(c, shape, -1, x.dtype)) is not None and
+             (not rounded or c.rounding is not Rounding.SR or
+              (seeds is not None and seeds[i] is not None))}
+    moved = x if last is None else x.movedim(last, -1)
+    flat = moved.reshape(-1).contiguous()
     top = tensor_amax
     if top is None and any(r.needs_amax for r in found.values()):
         top = jit.finite_top(flat)
     scales = {i: one_scale(parsed[i], r, top or 0.0) if not r.block else (0, 1.0, False)
               for i, r in found.items()}
+    if rounded:  # a tensor's power-of-two grid out of float32's range: the torch back-end's
+        found = {i: r for i, r in found.items() if not r.tensor_pow2 or
+                 not needs_wide(torch.tensor([top or 0.0]), parsed[i])}
+    # a pass per rounding mode and overflow policy, and per two-level scale rounding (both
+    # constants of its code): every other cast joins the first pass of its mode
+    passes: list[tuple[Any, list[Any], dict[int, Any]]] = []
+    for i, r in found.items():
+        c = parsed[i]
+        mode = (c.rounding, c.overflow) if rounded else None
+        q = [tuple(int(v) for v in r.q)] if r.two_level else []
+        into = next((p for p in passes if p[0] == mode and (not q or p[1] in ([], q))), None)
+        if into is None:
+            into = (mode, q, {})
+            passes.append(into)
+        if q:
+            into[1][:] = q
+        into[2][i] = r
+    out: dict[int, CastStats] = {}
+    for _, _, group in passes:
+        out |= _fused_pass(x, flat, parsed, group, scales, top, rounded, seeds, sr_bits, last)
+    return dict(sorted(out.items()))
+
+
+def _moved_bits(bits: Tensor | None, last: int | None) -> Tensor | None:
+    return bits if bits is None or last is None else bits.movedim(last, -1).reshape(-1)
+
+
+def _axis_last(shape: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], int | None]:
+    """``shape`` with dimension ``axis`` moved last, and that dimension (None where it is
+    last already): blocks along another axis are runs of a copy laid out so (the counts do
+    not depend on the elements' order; a stochastic cast's draws move with them)."""
+    if not shape or axis % len(shape) == len(shape) - 1:
+        return shape, None
+    dim = axis % len(shape)
+    return (*shape[:dim], *shape[dim + 1:], shape[dim]), dim
+
+
+def _fused_pass(x: Tensor, flat: Tensor, parsed: list[Cast], found: dict[int, Any],
+                scales: dict[int, tuple[int, float, bool]], top: float | None, rounded: bool,
+                seeds: Sequence[int | None] | None, sr_bits: int,
+                last: int | None) -> dict[int, CastStats]:
+    """One pass of :func:`fused_stats` over the casts ``found`` (their indices and routes) on
+    ``flat``, ``x`` with dimension ``last`` moved last (when not None) and flattened."""
+    how = None
+    if rounded:
+        src = rounding.source_of(torch.float32)
+        how = jit.Rounded(
+            [rounding.jit_params(src=src, tgt=rounding.target_of(parsed[i].format),
+                                 rounding=parsed[i].rounding, overflow=parsed[i].overflow,
+                                 sr_bits=sr_bits) for i in found],
+            [_moved_bits(checked_bits("fused_stats", x, parsed[i], seeds[i], None, sr_bits),
+                         last)
+             if parsed[i].rounding is Rounding.SR and seeds is not None else None
+             for i in found],
+            [(parsed[i].format.qmin, parsed[i].format.emax) for i in found])
     got = jit.clip_counts(flat, list(found.values()), [scales[i][0] for i in found],
-                          [scales[i][1] for i in found], top or 0.0)
+                          [scales[i][1] for i in found], top or 0.0, how)
     out = {}
-    for (i, r), counts, excess in zip(found.items(), got.counts, got.excess, strict=True):
-        clipped, clipped_groups, clamped, n_bad = counts
+    for n, (i, r) in enumerate(found.items()):
+        clipped, clipped_groups, clamped, n_bad = got.counts[n]
+        extra: dict[str, Any] = dict.fromkeys(_ROUNDED)
+        if rounded:
+            nonzero, under, sub, lost, n_wide = got.rounded[n]
+            if n_wide:  # a block's grid out of float32's range: the torch back-end's
+                continue
+            extra = dict(zip(_ROUNDED, (nonzero, under, sub, lost, *got.sums[n]), strict=True))
         one = not r.block
         out[i] = CastStats(
-            numel=x.numel(), nonfinite=x.numel() - got.finite, nonzero=None,
+            numel=x.numel(), nonfinite=x.numel() - got.finite,
             groups=1 if one else x.numel() // r.block, clipped=clipped,
             clipped_by_rounding=_by_rounding(parsed[i], clipped),
-            clipped_groups=min(clipped, 1) if one else clipped_groups, clip_excess=excess,
-            abs_sum=got.abs_sum, underflowed=None, subnormal=None,
-            scale_clamped=int(scales[i][2]) if one else clamped, nonfinite_groups=n_bad,
-            lost=None, xx=None, ee=None, ex=None, e_sum=None)
+            clipped_groups=min(clipped, 1) if one else clipped_groups, clip_excess=got.excess[n],
+            abs_sum=got.abs_sum, scale_clamped=int(scales[i][2]) if one else clamped,
+            nonfinite_groups=n_bad, **extra)
     return out
 
 

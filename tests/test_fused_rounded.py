@@ -1,0 +1,187 @@
+"""The fused pass with the rounding (:func:`driftcli.measures.stats.fused_stats` with
+``rounded=True``: one read of a slice for every cast of underflow-rate and error-bias) against
+the torch back-end's :func:`~driftcli.measures.stats.cast_stats` and against exact sums.
+
+Counts are compared exactly. The float64 sums Σx², Σe², Σe·x, Σe are made per piece of 4,096
+elements in the vector lanes the pass's machine code holds, and the pieces added in order;
+torch adds them pairwise. Each term is one or two float64 roundings of an exact value
+(relative 2^-52 at most), and n additions in any order move a sum by at most n·2^-53 of the
+sum of its terms' magnitudes: with n ≤ 8,192 here that is under 1e-12 of Σ|term|, the bound
+:func:`_near` holds the sums to (against each other and against the exact ``Fraction`` sums).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from test_fused_clips import _specs
+from test_kernels import _tensor
+
+from driftcli import kernels
+from driftcli.measures.stats import CastStats, cast_stats, fused_stats
+from driftcli.records.modes import Rounding
+
+SUMS = ("xx", "ee", "ex", "e_sum")
+THREE = ["fp8_e4m3", "mxfp8_e4m3", "nvfp4"]
+
+
+def _torch(x: torch.Tensor, spec: str, seed: int | None, tensor_amax: float | None = None
+           ) -> tuple[CastStats, torch.Tensor]:
+    kernels.set_jit("never")
+    try:
+        st, q = cast_stats(x, spec, seed=seed, tensor_amax=tensor_amax)
+    finally:
+        kernels.set_jit("auto")
+    assert q is not None
+    return st, q
+
+
+def _exact(x: torch.Tensor, q: torch.Tensor) -> dict[str, tuple[Fraction, Fraction]]:
+    """Each sum of :data:`SUMS`, exactly, and the sum of its terms' magnitudes, over the
+    elements where ``x`` and its cast ``q`` are finite."""
+    out = {f: (Fraction(0), Fraction(0)) for f in SUMS}
+    for v, w in zip(x.reshape(-1).tolist(), q.reshape(-1).double().tolist(), strict=True):
+        if not (math.isfinite(v) and math.isfinite(w)):
+            continue
+        xv, e = Fraction(v), Fraction(w) - Fraction(v)
+        for f, t in zip(SUMS, (xv * xv, e * e, e * xv, e), strict=True):
+            s, m = out[f]
+            out[f] = (s + t, m + abs(t))
+    return out
+
+
+def _near(got: float, want: float, magnitude: float, what: str) -> None:
+    assert abs(got - want) <= 1e-12 * magnitude + 1e-300, f"{what}: {got} != {want}"
+
+
+def _counts_and_sums(spec: str, want: CastStats, got: CastStats) -> None:
+    """Every count the same; the sums to 1e-12 of their terms' magnitudes (Σx² bounds Σe·x
+    and Σe² for a cast that keeps the values' size; |Σe| by the others: see the module)."""
+    for f in want.__dataclass_fields__:
+        u, v = getattr(want, f), getattr(got, f)
+        if f in SUMS:
+            scale = max(abs(u), want.xx or 0.0, math.sqrt((want.ee or 0.0) * got.numel))
+            _near(v, u, scale, f"{spec}: {f}")
+        elif isinstance(u, float):
+            assert v == pytest.approx(u, rel=1e-12, abs=1e-300), f"{spec}: {f} {u} != {v}"
+        else:
+            assert u == v, f"{spec}: {f} {u} != {v}"
+
+
+@pytest.mark.parametrize("rounding", [pytest.param(r, marks=() if r in (Rounding.RNE, Rounding.SR)
+                                                   else pytest.mark.slow) for r in Rounding],
+                         ids=lambda r: r.value)
+def test_every_cast_the_pass_takes_rounds_and_counts_as_the_torch_back_end(
+        rounding: Rounding) -> None:
+    """Every element format x scale rule x granularity x overflow policy the pass takes, under
+    one rounding (stochastic draws seeded as cast_stats seeds them), with NaN and inf planted
+    in one of two tensors: the torch back-end's counts, bit for bit."""
+    if (why := kernels.jit_unavailable()) is not None:
+        pytest.xfail(f"{why}: only one back-end to compare")
+    specs = [s.replace(":rne:", f":{rounding.value}:") for s in _specs()]
+    seeds = [100 + i for i in range(len(specs))]
+    taken = 0
+    for specials in (False, True):
+        x = _tensor(seed=7, specials=specials)  # 64 x 128
+        got = fused_stats(x, specs, rounded=True, seeds=seeds)
+        taken += len(got)
+        for i, st in got.items():
+            _counts_and_sums(specs[i], _torch(x, specs[i], seeds[i])[0], st)
+        assert any(st.underflowed for st in got.values())
+        # lost: an overflow under ieee (none toward zero), or a NaN block
+        assert any(st.lost for st in got.values()) != (rounding is Rounding.RTZ and not specials)
+        assert any(st.nonfinite_groups for st in got.values()) == specials
+    assert taken > len(specs)  # more than half of them, in each tensor
+
+
+def test_the_sums_are_the_exact_sums_within_their_bound() -> None:
+    """The three casts' Σx², Σe², Σe·x and Σe against the exact sums (``Fraction``) of the
+    torch back-end's values over two pieces and a short third one."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 1024, generator=gen) * torch.exp(2 * torch.randn(9, 1024, generator=gen))
+    x[4, :32] = 1e-30  # a block that underflows whole
+    got = fused_stats(x, THREE, rounded=True)
+    assert sorted(got) == [0, 1, 2]
+    for i, spec in enumerate(THREE):
+        want, q = _torch(x, spec, None)
+        assert got[i].underflowed == want.underflowed and (want.underflowed or 0) > 0
+        for f, (exact, magnitude) in _exact(x, q).items():
+            _near(getattr(got[i], f), float(exact), float(magnitude), f"{spec}: {f}")
+
+
+def test_the_sums_are_the_same_bits_for_any_thread_count() -> None:
+    """Pieces are fixed and added in order: one, two or three threads, the same bits; a
+    slicing at rows gives the same counts, and the sums to the bound (slices add theirs
+    after: a few more roundings of the total)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(96, 4096, generator=gen) * torch.exp(torch.randn(96, 4096, generator=gen))
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(fused_stats(x, THREE, rounded=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert runs[0] == runs[1] == runs[2]
+    amax = float(x.abs().max())
+    for i, spec in enumerate(THREE):
+        parts = [fused_stats(x[a:a + 37], THREE, rounded=True, tensor_amax=amax)[i]
+                 for a in range(0, 96, 37)]
+        _counts_and_sums(spec, runs[0][i], CastStats.merge(parts, per_tensor=i == 0))
+
+
+def test_planted_underflows_and_losses_are_counted() -> None:
+    """The checker's planted faults: one element far below its block's grid is the one
+    underflow; a NaN makes its block of 32 lost (31 finite elements) under MXFP8, and only
+    itself non-finite under a tensor scale."""
+    x = torch.ones(4, 64)
+    x[1, 3] = 2.0**-40
+    got = fused_stats(x, ["mxfp8_e4m3", "fp8_e4m3"], rounded=True)
+    assert got[0].underflowed == got[1].underflowed == 1
+    assert got[0].lost == got[1].lost == 0 and got[0].ee == got[1].ee == 2.0**-80
+    x[2, 40] = math.nan
+    got = fused_stats(x, ["mxfp8_e4m3", "fp8_e4m3"], rounded=True)
+    assert (got[0].lost, got[0].nonfinite_groups, got[1].lost) == (31, 1, 0)
+
+
+def test_a_grid_out_of_float32s_range_is_left_to_cast_stats() -> None:
+    """Float32 subnormals under E5M2 with float32 power-of-two scales (per block, per tensor)
+    scale below float32's grid (rounded in float64 on the other paths): the rounded pass
+    leaves the casts out, the clip pass still takes them, and larger values are taken."""
+    specs = ["float8_e5m2:block32:float32:floor", "float8_e5m2:tensor:float32:floor"]
+    x = torch.full((2, 64), 1e-39)
+    assert fused_stats(x, specs, rounded=True) == {}
+    assert sorted(fused_stats(x, specs)) == [0, 1]
+    assert sorted(fused_stats(x * 2.0**100, specs, rounded=True)) == [0, 1]
+
+
+def test_a_stochastic_cast_without_a_seed_is_left_out() -> None:
+    """Its draws are made from its seed: without one, cast_stats counts it (and asks)."""
+    x = _tensor(seed=2, specials=False)
+    assert sorted(fused_stats(x, ["mxfp8_e4m3:sr", "mxfp8_e4m3"], rounded=True)) == [1]
+
+
+@pytest.mark.parametrize("axis", [0, -2])
+def test_blocks_along_another_axis_count_as_the_torch_back_end(axis: int) -> None:
+    """Blocks down the columns (the monitor's operands in their weight-gradient direction):
+    the pass reads a copy with that axis last, a stochastic cast's draws moved with it."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(32, 64, 96, generator=gen) * torch.exp(2 * torch.randn(32, 64, 96,
+                                                                          generator=gen))
+    x[1, 5, 7] = math.nan
+    specs = [*THREE, "mxfp8_e4m3:sr", "nvfp4:sr"]
+    seeds = [None, None, None, 11, 12]
+    got = fused_stats(x, specs, axis=axis, rounded=True, seeds=seeds)
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    for i, spec in enumerate(specs):
+        kernels.set_jit("never")
+        try:
+            want, _ = cast_stats(x, spec, axis=axis, seed=seeds[i], want_values=False)
+        finally:
+            kernels.set_jit("auto")
+        _counts_and_sums(spec, want, got[i])
+    assert got[1].nonfinite_groups == 1 and got[1].lost == 31
