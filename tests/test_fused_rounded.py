@@ -5,15 +5,17 @@ the torch back-end's :func:`~driftcli.measures.stats.cast_stats` and against exa
 Counts are compared exactly. The float64 sums Σx², Σe², Σe·x, Σe are made per piece of 4,096
 elements in the vector lanes the pass's machine code holds, and the pieces' partials (and a
 scan's slices') added exactly, rounded once: the same bits for any thread count and any slicing
-on pieces, compared with ``==``; torch adds them pairwise. Each term is one or two float64 roundings of an exact value
-(relative 2^-52 at most), and n additions in any order move a sum by at most n·2^-53 of the
-sum of its terms' magnitudes: with n ≤ 8,192 here that is under 1e-12 of Σ|term|, the bound
-:func:`_near` holds the sums to (against each other and against the exact ``Fraction`` sums).
+on pieces, compared with ``==``; torch adds them pairwise. Each term is one or two float64
+roundings of an exact value (relative 2^-52 at most), and n additions in any order move a sum
+by at most n·2^-53 of the sum of its terms' magnitudes: with n ≤ 8,192 here that is under 1e-12
+of Σ|term|, the bound :func:`_near` holds the sums to (against each other and against the
+exact ``Fraction`` sums).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -182,6 +184,21 @@ def test_the_sums_are_the_correctly_rounded_sums_of_the_pieces_partials() -> Non
         for f in EXACT_SUMS:
             exact = sum((Fraction(getattr(p[i], f)) for p in pieces), Fraction(0))
             assert getattr(whole[i], f) == float(exact), f"{spec}: {f}"
+
+
+def test_slices_past_float64s_range_add_as_plain_addition() -> None:
+    """An inf in a slice's sum (a float64 tensor's square past the range, the torch back-end's),
+    or slices whose exact sum rounds past it, merge to inf as plain addition does, not NaN; a
+    finite one keeps its exact sum (1 + 2^-60 - 1 is 2^-60, where plain addition gives 0)."""
+    one = replace(fused_stats(torch.ones(64), ["mxfp8_e4m3"], rounded=True)[0], xx=1.0)
+
+    def xx(*values: float) -> float | None:
+        return CastStats.merge([replace(one, xx=v) for v in values], False).xx
+
+    assert xx(1.0, math.inf, -3.0) == math.inf
+    assert xx(1.7e308, 1.7e308) == math.inf
+    assert math.isnan(xx(math.inf, -math.inf) or 0.0)
+    assert xx(1.0, 2.0**-60, -1.0) == 2.0**-60
 
 
 def test_a_pieces_sums_do_not_depend_on_the_buffers_address() -> None:

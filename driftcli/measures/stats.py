@@ -231,15 +231,22 @@ def _grow(partials: list[float], x: float) -> None:
 def exact_sum(parts: Sequence[CastStats], name: str) -> tuple[float, ...] | None:
     """The exact sum of field ``name`` (one of :data:`EXACT_SUMS`) over ``parts``, as
     non-overlapping partials (``math.fsum`` rounds it): each part's :attr:`CastStats.partials`
-    where it has them, else its float; None when any part's field is None."""
+    where it has them, else its float; None when any part's field is None. A part's inf or NaN
+    (a float64 input's square past its range), or a sum past float64's range, is added as plain
+    addition adds it: one partial, inf or NaN."""
+    values = [getattr(p, name) for p in parts]
+    if any(v is None for v in values):
+        return None
     acc: list[float] = []
-    for p in parts:
-        value = getattr(p, name)
-        if value is None:
-            return None
+    for p, value in zip(parts, values, strict=True):
         for t in (p.partials or {}).get(name, (value,)):
             _grow(acc, t)
-    return tuple(acc)
+    try:
+        if all(math.isfinite(t) for t in acc) and math.isfinite(math.fsum(acc)):
+            return tuple(acc)
+    except OverflowError:  # the correctly rounded sum is past float64's range
+        pass
+    return (sum(values),)
 
 
 def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
