@@ -3,16 +3,19 @@
 the torch back-end's :func:`~driftcli.measures.stats.cast_stats` and against exact sums.
 
 Counts are compared exactly. The float64 sums Σx², Σe², Σe·x, Σe are made per piece of 4,096
-elements in the vector lanes the pass's machine code holds, and the pieces added in order;
-torch adds them pairwise. Each term is one or two float64 roundings of an exact value
-(relative 2^-52 at most), and n additions in any order move a sum by at most n·2^-53 of the
-sum of its terms' magnitudes: with n ≤ 8,192 here that is under 1e-12 of Σ|term|, the bound
-:func:`_near` holds the sums to (against each other and against the exact ``Fraction`` sums).
+elements in the vector lanes the pass's machine code holds, and the pieces' partials (and a
+scan's slices') added exactly, rounded once: the same bits for any thread count and any slicing
+on pieces, compared with ``==``; torch adds them pairwise. Each term is one or two float64
+roundings of an exact value (relative 2^-52 at most), and n additions in any order move a sum
+by at most n·2^-53 of the sum of its terms' magnitudes: with n ≤ 8,192 here that is under 1e-12
+of Σ|term|, the bound :func:`_near` holds the sums to (against each other and against the
+exact ``Fraction`` sums).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -21,7 +24,10 @@ from test_fused_clips import _specs
 from test_kernels import _tensor
 
 from driftcli import kernels
-from driftcli.measures.stats import CastStats, cast_stats, fused_stats
+from driftcli.io.readers.memory import Held
+from driftcli.measures import stats
+from driftcli.measures.scan import ScanOptions, piece_alignment, scan
+from driftcli.measures.stats import EXACT_SUMS, SUM_PIECE, CastStats, cast_stats, fused_stats
 from driftcli.records.modes import Rounding
 
 SUMS = ("xx", "ee", "ex", "e_sum")
@@ -112,26 +118,121 @@ def test_the_sums_are_the_exact_sums_within_their_bound() -> None:
             _near(getattr(got[i], f), float(exact), float(magnitude), f"{spec}: {f}")
 
 
-def test_the_sums_are_the_same_bits_for_any_thread_count() -> None:
-    """Pieces are fixed and added in order: one, two or three threads, the same bits; a
-    slicing at rows gives the same counts, and the sums to the bound (slices add theirs
-    after: a few more roundings of the total)."""
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(96, 4096, generator=gen) * torch.exp(torch.randn(96, 4096, generator=gen))
+def _heavy(rows: int, cols: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=gen) * torch.exp(torch.randn(rows, cols,
+                                                                          generator=gen))
+
+
+def _sliced(x: torch.Tensor, step: int) -> dict[int, CastStats]:
+    """The three casts of ``x`` (rows of 4,096 elements: every row starts a piece) in slices
+    of ``step`` rows, merged as the scan merges them."""
+    amax = float(x.abs().max())
+    parts = [fused_stats(x[a:a + step], THREE, rounded=True, tensor_amax=amax)
+             for a in range(0, x.shape[0], step)]
+    return {i: CastStats.merge([p[i] for p in parts], per_tensor=i == 0) for i in range(3)}
+
+
+def _differing(runs: list[dict[int, CastStats]]) -> list[str]:
+    """The sums (and counts) of ``runs`` that are not the same bits as the first run's."""
+    return [f"{THREE[i]}: {f} {getattr(runs[0][i], f)!r} != {getattr(r[i], f)!r}"
+            for r in runs[1:] for i in range(3) for f in runs[0][i].__dataclass_fields__
+            if getattr(r[i], f) != getattr(runs[0][i], f)]
+
+
+def _threads_and_slicings(x: torch.Tensor) -> list[dict[int, CastStats]]:
+    """The whole pass and slicings of 37, 8 and 3 rows, each on one, two and three threads."""
     threads = torch.get_num_threads()
     runs = []
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
             runs.append(fused_stats(x, THREE, rounded=True))
+            runs.extend(_sliced(x, step) for step in (37, 8, 3))
     finally:
         torch.set_num_threads(threads)
-    assert runs[0] == runs[1] == runs[2]
+    return runs
+
+
+def test_the_sums_are_the_same_bits_for_any_thread_count_and_slicing() -> None:
+    """Each piece's partials depend only on its elements and the pieces (and slices) add
+    exactly: one, two or three threads, the whole tensor or slices starting on pieces of 37, 8
+    or 3 rows, every count and sum the same bits."""
+    runs = _threads_and_slicings(_heavy(96, 4096, 5))
+    assert len(runs) == 12 and _differing(runs) == []
+
+
+def test_the_checker_catches_slices_added_in_float(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted fault: slices' sums added by plain float addition (as before), not
+    exactly; some slicing then differs in its last bits."""
+    def plain(parts: list[CastStats], name: str) -> tuple[float, ...] | None:
+        values = [getattr(p, name) for p in parts]
+        return None if None in values else (sum(values),)
+
+    monkeypatch.setattr(stats, "exact_sum", plain)
+    assert _differing(_threads_and_slicings(_heavy(96, 4096, 5)))
+
+
+def test_the_sums_are_the_correctly_rounded_sums_of_the_pieces_partials() -> None:
+    """Each sum is the exact (``Fraction``) sum of the per-piece partials, rounded once: a
+    piece's partials are the pass over that piece alone (one row of 4,096 elements)."""
+    x = _heavy(24, 4096, 8)
     amax = float(x.abs().max())
+    whole = fused_stats(x, THREE, rounded=True)
+    pieces = [fused_stats(x[k:k + 1], THREE, rounded=True, tensor_amax=amax) for k in range(24)]
     for i, spec in enumerate(THREE):
-        parts = [fused_stats(x[a:a + 37], THREE, rounded=True, tensor_amax=amax)[i]
-                 for a in range(0, 96, 37)]
-        _counts_and_sums(spec, runs[0][i], CastStats.merge(parts, per_tensor=i == 0))
+        for f in EXACT_SUMS:
+            exact = sum((Fraction(getattr(p[i], f)) for p in pieces), Fraction(0))
+            assert getattr(whole[i], f) == float(exact), f"{spec}: {f}"
+
+
+def test_slices_past_float64s_range_add_as_plain_addition() -> None:
+    """An inf in a slice's sum (a float64 tensor's square past the range, the torch back-end's),
+    or slices whose exact sum rounds past it, merge to inf as plain addition does, not NaN; a
+    finite one keeps its exact sum (1 + 2^-60 - 1 is 2^-60, where plain addition gives 0)."""
+    one = replace(fused_stats(torch.ones(64), ["mxfp8_e4m3"], rounded=True)[0], xx=1.0)
+
+    def xx(*values: float) -> float | None:
+        return CastStats.merge([replace(one, xx=v) for v in values], False).xx
+
+    assert xx(1.0, math.inf, -3.0) == math.inf
+    assert xx(1.7e308, 1.7e308) == math.inf
+    assert math.isnan(xx(math.inf, -math.inf) or 0.0)
+    assert xx(1.0, 2.0**-60, -1.0) == 2.0**-60
+
+
+def test_a_pieces_sums_do_not_depend_on_the_buffers_address() -> None:
+    """The vector lanes' order is the machine code's, fixed by a piece's length, not by where
+    it lies: the tensor read from a buffer 4 and 12 bytes off its alignment, the same bits."""
+    x = _heavy(8, 4096, 9)
+    want = fused_stats(x, THREE, rounded=True)
+    for off in (1, 3):
+        big = torch.empty(x.numel() + off)
+        big[off:] = x.reshape(-1)
+        moved = big[off:].view(x.shape)
+        assert moved.data_ptr() % 16 != x.data_ptr() % 16
+        assert _differing([want, fused_stats(moved, THREE, rounded=True)]) == []
+
+
+def test_the_scans_slices_start_on_pieces_where_the_width_allows() -> None:
+    """A scan cuts rows so that slices start on the pass's pieces: its sums are then the
+    same bits for any slice size. A width whose smallest such slicing exceeds the slice size
+    (4,128 = 32 x 129: 128 rows) is cut at rows as before, its sums within their bound."""
+    assert piece_alignment(4096, 1 << 15, 1) == 1
+    assert piece_alignment(4128, 1 << 20, 1) == 128 and 128 * 4128 % SUM_PIECE == 0
+    assert piece_alignment(4128, 1 << 15, 1) == 1  # 528,384 elements: too many for a slice
+    assert piece_alignment(768, 1 << 15, 4) == 16
+    x = _heavy(96, 4096, 5)
+    runs = [{i: r.draws[0] for i, r in enumerate(scan(
+        [Held("t", {"w": x})], THREE, options=ScanOptions(chunk_elements=chunk)).results)}
+        for chunk in (None, 8 * 4096, 37 * 4096 + 5)]
+    assert _differing(runs) == []
+    y = _heavy(64, 4128, 6)
+    whole, cut = ({i: r.draws[0] for i, r in enumerate(scan(
+        [Held("t", {"w": y})], THREE, options=ScanOptions(chunk_elements=chunk)).results)}
+        for chunk in (None, 1 << 15))
+    for i, spec in enumerate(THREE):
+        _counts_and_sums(spec, whole[i], cut[i])
 
 
 def test_planted_underflows_and_losses_are_counted() -> None:

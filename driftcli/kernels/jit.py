@@ -313,8 +313,9 @@ _LAYOUT_BITS = {torch.float32: (23, 127), torch.float64: (52, 1023)}
 # --- the scan's fused passes (driftcli.kernels.statcode) ---------------------------------------
 
 PIECE = 1 << 12
-"""Elements per piece of the fused passes' sums (the unit a thread takes, and the order the
-float64 sums are added in: pieces in order, whatever the thread count)."""
+"""Elements per piece of the fused passes' sums (the unit a thread takes; each piece's float64
+partials depend only on its elements, and :func:`clip_counts` adds them exactly, so a scan
+whose slices start on multiples of it gets the whole tensor's sums, bit for bit)."""
 
 _MASK = {torch.float32: 0x7FFFFFFF, torch.float64: 0x7FFFFFFFFFFFFFFF}
 _INF_BITS = {torch.float32: 0x7F800000, torch.float64: 0x7FF0000000000000}
@@ -361,19 +362,26 @@ def finite_top(x: Tensor) -> float:
     return float(tops.max().view(np.float32))
 
 
+Expansion = tuple[float, ...]
+"""A float64 sum kept exactly: non-overlapping partials, smallest first, whose exact sum is
+the value (:func:`driftcli.kernels.statcode.expansions`); ``math.fsum`` of them rounds it
+correctly."""
+
+
 class ClipCounts(NamedTuple):
     """Per cast of :func:`clip_counts`: its clipped elements, groups with a clip, clamped
     scales, groups holding NaN or inf, and its clip excess; and the slice's finite elements
     and their Σ|x|. With the rounding, per cast also its nonzero, underflowed, subnormal and
     lost elements and its blocks out of float32's range (``rounded``), and its Σx², Σe², Σe·x
-    and Σe (``sums``); else both empty."""
+    and Σe (``sums``); else both empty. Every float64 sum is the exact sum of the pieces'
+    partials, as an :data:`Expansion`."""
 
     counts: list[list[int]]
-    excess: list[float]
+    excess: list[Expansion]
     finite: int
-    abs_sum: float
+    abs_sum: Expansion
     rounded: list[list[int]]
-    sums: list[list[float]]
+    sums: list[list[Expansion]]
 
 
 class Rounded(NamedTuple):
@@ -440,11 +448,16 @@ def clip_counts(x: Tensor, routes: list[Any], sexp: list[int], div: list[float],
                np.array(sexp, dtype=np.int64), np.array(div, dtype=np.float32),
                int(np.float32(tensor_amax).view(np.int32)), counts, excess, finite, sums,
                ps, draws, wide, r_counts, r_sums)
-    c, s, n_finite = code.add_clips(counts, excess, finite, sums)
-    rc, rs = code.add_rounded(r_counts, r_sums) if rounded is not None else (
-        np.zeros((0, 0), np.int64), np.zeros((0, 0)))
-    return ClipCounts(c.tolist(), [float(v) for v in s[:n_casts]], int(n_finite),
-                      float(s[n_casts]), rc.tolist(), rs.tolist())
+    # the pieces' partials added exactly: the same expansions' sums whatever the threads and,
+    # for pieces on the tensor's piece boundaries, whatever the slicing
+    parts, lens = code.expansions(np.concatenate(
+        (excess, sums[:, None], r_sums.reshape(pieces, -1)), axis=1))
+    exp = [tuple(parts[k, :m].tolist()) for k, m in enumerate(lens.tolist())]
+    n_sums = r_sums.shape[2]
+    return ClipCounts(counts.sum(axis=0).tolist(), exp[:n_casts], int(finite.sum()),
+                      exp[n_casts], r_counts.sum(axis=0).tolist(),
+                      [exp[n_casts + 1 + c * n_sums:n_casts + 1 + (c + 1) * n_sums]
+                       for c in range(n_casts)] if rounded is not None else [])
 
 
 def cast_counts(blocks: Tensor, cols: int, random: Tensor | None, sexp: Tensor | None,

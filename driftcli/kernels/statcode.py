@@ -14,8 +14,10 @@ runs' amaxes it read; for underflow-rate and error-bias each piece is also round
 cast into a scratch row of L1 by the same element kernels and counted there
 (:func:`_rounded_counts`). :func:`counts_kernel` still counts the casts that pass does not take.
 
-Every sum is made per piece of a fixed number of elements, and the pieces are added in order
-afterwards: the result does not depend on how many threads ran the pieces.
+Every sum is made per piece of a fixed number of elements. :func:`counts_kernel`'s pieces are
+added in order afterwards; :func:`clips_kernel`'s are added exactly (:func:`expansions`), so its
+sums depend only on each piece's content: not on the threads that ran the pieces, nor, where a
+scan's slices start on piece boundaries, on where it cut the tensor.
 """
 
 from __future__ import annotations
@@ -598,37 +600,32 @@ def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: 
 
 
 @njit(**OPTIONS)
-def add_clips(counts: Any, excess: Any, finite: Any, abs_sum: Any) -> tuple[Any, Any, int]:
-    """Every piece's clip counts and excess per cast, and Σ|x| after them, added in piece order
-    (Neumaier's sum for the float64 ones), and the finite elements: the same totals whatever
-    threads made the pieces."""
-    n_casts = counts.shape[1]
-    c_out = np.zeros((n_casts, counts.shape[2]), dtype=np.int64)
-    s_out = np.zeros(n_casts + 1, dtype=np.float64)
-    comp = np.zeros(n_casts + 1, dtype=np.float64)
-    n_finite = 0
-    for pc in range(counts.shape[0]):
-        for c in range(n_casts):
-            for k in range(counts.shape[2]):
-                c_out[c, k] += counts[pc, c, k]
-            s_out[c], comp[c] = _add(s_out[c], comp[c], excess[pc, c])
-        n_finite += finite[pc]
-        s_out[n_casts], comp[n_casts] = _add(s_out[n_casts], comp[n_casts], abs_sum[pc])
-    return c_out, s_out + comp, n_finite
-
-
-@njit(**OPTIONS)
-def add_rounded(rcounts: Any, rsums: Any) -> tuple[Any, Any]:
-    """Every piece's rounded counts and sums per cast, added in piece order (Neumaier's sum
-    for the float64 ones): the same totals whatever threads made the pieces."""
-    n_casts = rcounts.shape[1]
-    c_out = np.zeros((n_casts, rcounts.shape[2]), dtype=np.int64)
-    s_out = np.zeros((n_casts, rsums.shape[2]), dtype=np.float64)
-    comp = np.zeros((n_casts, rsums.shape[2]), dtype=np.float64)
-    for pc in range(rcounts.shape[0]):
-        for c in range(n_casts):
-            for k in range(rcounts.shape[2]):
-                c_out[c, k] += rcounts[pc, c, k]
-            for k in range(rsums.shape[2]):
-                s_out[c, k], comp[c, k] = _add(s_out[c, k], comp[c, k], rsums[pc, c, k])
-    return c_out, s_out + comp
+def expansions(terms: Any) -> tuple[Any, Any]:
+    """Per column of ``terms`` (the pieces' float64 partials, one row a piece), their exact sum
+    as an expansion: non-overlapping float64 partials, smallest first, whose exact sum is the
+    column's (Shewchuk's algorithm, the partials ``math.fsum`` keeps: no rounding is lost, so
+    the sum does not depend on the pieces' order nor on how they are grouped into slices).
+    Row ``k`` of the first array holds column ``k``'s partials, the second array how many.
+    Compiled without ``fastmath``: every step here is an exact error-free transformation."""
+    n, k = terms.shape
+    parts = np.zeros((k, n + 1), dtype=np.float64)
+    lens = np.zeros(k, dtype=np.int64)
+    for c in range(k):
+        m = 0
+        for pc in range(n):
+            x = terms[pc, c]
+            i = 0
+            for j in range(m):
+                y = parts[c, j]
+                if abs(x) < abs(y):
+                    x, y = y, x
+                hi = x + y
+                lo = y - (hi - x)
+                if lo != 0.0:
+                    parts[c, i] = lo
+                    i += 1
+                x = hi
+            parts[c, i] = x
+            m = i + 1
+        lens[c] = m
+    return parts, lens

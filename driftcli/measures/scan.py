@@ -9,8 +9,9 @@ every source, so the same tensors under the same names give the same results, st
 draws included (:func:`draw_seed`).
 
 Each tensor is read once, in row slices of about :data:`CHUNK_ELEMENTS` elements
-aligned to the cast's scale
-groups (a held tensor whose channels span its first dimension is cut along its last), and
+aligned to the cast's scale groups and, where the row width allows, to the fused pass's pieces
+(so that its float64 sums are the same bits for any slicing: :func:`piece_alignment`; a held
+tensor whose channels span its first dimension is cut along its last), and
 every cast is applied to each slice while it is in memory, so memory stays
 bounded by a slice and a held tensor (:data:`WHOLE_BYTES`), not a checkpoint. Per-tensor
 and two-level scales need the whole tensor's amax first: a held tensor gives it at
@@ -42,6 +43,7 @@ from driftcli.io.readers.core import torch_dtype
 from driftcli.io.readers.memory import Held
 from driftcli.measures.diffstats import DiffStats, cast_diff_stats
 from driftcli.measures.stats import (
+    SUM_PIECE,
     CastStats,
     cast_stats,
     clip_pass_takes,
@@ -164,6 +166,18 @@ def _ranges(n: int, per_entry: int, chunk: int, align: int) -> list[tuple[int, i
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
+def piece_alignment(per_entry: int, chunk: int, align: int) -> int:
+    """``align`` (entries of the cut dimension a slice must be a multiple of), raised so that
+    every slice of entries of ``per_entry`` elements starts on a multiple of the fused pass's
+    :data:`SUM_PIECE` of the flattened tensor: its sums are then the whole tensor's, bit for bit
+    (each piece's partials depend only on its elements, and slices add exactly). Where the
+    smallest such slice holds more than ``chunk`` elements and more than ``align`` entries do
+    (a row width with few factors of two, such as an odd vocabulary), ``align`` as given:
+    memory stays bounded, and the sums then depend on the slicing within their bound."""
+    raised = math.lcm(align, SUM_PIECE // math.gcd(SUM_PIECE, max(per_entry, 1)))
+    return raised if raised * per_entry <= max(chunk, align * per_entry) else align
+
+
 def _slices(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions) -> _Slicing:
     """Ranges that every cast can take separately: of dim 0, or, where a channel spans dim 0
     (``--axis 0``) and the tensor is held whole, of the last dim; else the whole tensor."""
@@ -173,8 +187,9 @@ def _slices(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions) -> _Slicin
         return whole
     aligns = [row_alignment(shape, c, opts.axis) for c in casts]
     if all(a is not None for a in aligns):
-        return _Slicing(0, _ranges(shape[0], ref.numel // shape[0], chunk,
-                                   math.lcm(*(a for a in aligns if a is not None))))
+        row = ref.numel // shape[0]
+        align = math.lcm(*(a for a in aligns if a is not None))
+        return _Slicing(0, _ranges(shape[0], row, chunk, piece_alignment(row, chunk, align)))
     if len(shape) < 2 or ref.nbytes > opts.whole_bytes:
         return whole  # one channel is the whole tensor, or it is read whole anyway
     # each channel is a fibre along dim 0: cutting the last dim keeps it whole, and the held

@@ -16,8 +16,10 @@ rules, NVFP4's two-level scales, blocks along the last axis), each block's scale
 counted from the runs' amaxes read once and, for underflow-rate and error-bias, each piece of
 4,096 elements rounded once per cast and counted in the same pass
 (:func:`driftcli.kernels.jit.clip_counts`); the same counts as :func:`cast_stats`, bit for bit,
-and float64 sums made per piece in the machine code's vector lanes and added in piece order:
-the same bits for any thread count (:func:`clip_stats` is the pass without the rounding).
+and float64 sums made per piece in the machine code's vector lanes and the pieces' partials added
+exactly (:attr:`CastStats.partials`; :meth:`CastStats.merge` adds slices' exactly too): the same
+bits for any thread count and, for slices starting on multiples of :data:`SUM_PIECE`, for any
+slicing (:func:`clip_stats` is the pass without the rounding).
 """
 
 from __future__ import annotations
@@ -140,6 +142,23 @@ class CastStats:
     e_sum: float | None
     """Σ e over the same elements."""
 
+    @property
+    def partials(self) -> dict[str, tuple[float, ...]] | None:
+        """Where a float64 sum of :data:`EXACT_SUMS` is known exactly (the fused pass's: the
+        exact sum of its pieces' partials), that sum as non-overlapping float64 partials (the
+        field is ``math.fsum`` of them, the correctly rounded sum) by field name; None, or a field
+        left out, where only the float is known. :meth:`merge` adds them exactly. Not a field:
+        two slicings give the same sums in different partials, and a copy with other sums
+        (``dataclasses.replace``) must not keep them; set by :meth:`exactly` only."""
+        got: dict[str, tuple[float, ...]] | None = self.__dict__.get("_partials")
+        return got
+
+    def exactly(self, partials: dict[str, tuple[float, ...]]) -> CastStats:
+        """These stats, their sums known exactly as ``partials`` (see :attr:`partials`);
+        called on stats just made."""
+        object.__setattr__(self, "_partials", partials)
+        return self
+
     def problem(self, numel: int) -> str | None:
         """Why these counts cannot be a cast of a tensor of ``numel`` elements (a kept unit
         read back under ``--resume``, see :mod:`driftcli.engines`), or None: every count
@@ -169,18 +188,65 @@ class CastStats:
     def merge(parts: list[CastStats], per_tensor: bool) -> CastStats:
         """The stats of a whole tensor from those of its slices; ``per_tensor`` when the
         cast has one scale for the whole tensor (each slice then counted that one group).
-        A field is ``None`` when any slice's is."""
+        A field is ``None`` when any slice's is. The float64 sums are added exactly (each
+        slice's :attr:`partials` where it has them, else its float) and rounded once: the
+        same bits in any order and grouping of the slices."""
         if not parts:
-            return CastStats(**dict.fromkeys(_STAT_FIELDS, 0))
-        total = {f: _total([getattr(p, f) for p in parts]) for f in _STAT_FIELDS}
+            zeros: dict[str, Any] = dict.fromkeys(_COUNT_FIELDS + EXACT_SUMS, 0)
+            return CastStats(**zeros)
+        total: dict[str, Any] = {f: _total([getattr(p, f) for p in parts])
+                                 for f in _COUNT_FIELDS}
+        exact = {f: e for f in EXACT_SUMS if (e := exact_sum(parts, f)) is not None}
+        total |= {f: math.fsum(exact[f]) if f in exact else None for f in EXACT_SUMS}
         if per_tensor:
             for f in ("groups", "clipped_groups", "scale_clamped", "nonfinite_groups"):
                 total[f] = min(total[f], 1)
-        return CastStats(**total)
+        return CastStats(**total).exactly(exact)
+
+
+EXACT_SUMS = ("clip_excess", "abs_sum", "xx", "ee", "ex", "e_sum")
+"""The float64 sums of :class:`CastStats`: :meth:`CastStats.merge` adds them exactly."""
 
 
 def _total(values: list[Any]) -> Any:
     return None if any(v is None for v in values) else sum(values)
+
+
+def _grow(partials: list[float], x: float) -> None:
+    """Add ``x`` exactly to the non-overlapping ``partials`` (smallest first), in place:
+    Shewchuk's step, as :func:`driftcli.kernels.statcode.expansions` takes it."""
+    i = 0
+    for y in partials:
+        if abs(x) < abs(y):
+            x, y = y, x
+        hi = x + y
+        lo = y - (hi - x)
+        if lo:
+            partials[i] = lo
+            i += 1
+        x = hi
+    partials[i:] = [x]
+
+
+def exact_sum(parts: Sequence[CastStats], name: str) -> tuple[float, ...] | None:
+    """The exact sum of field ``name`` (one of :data:`EXACT_SUMS`) over ``parts``, as
+    non-overlapping partials (``math.fsum`` rounds it): each part's :attr:`CastStats.partials`
+    where it has them, else its float; None when any part's field is None. A part's inf or NaN
+    (a float64 input's square past its range), or a sum past float64's range, is added as plain
+    addition adds it: one partial, inf or NaN."""
+    values = [getattr(p, name) for p in parts]
+    if any(v is None for v in values):
+        return None
+    acc: list[float] = []
+    for p, value in zip(parts, values, strict=True):
+        for t in (p.partials or {}).get(name, (value,)):
+            _grow(acc, t)
+    try:
+        if all(math.isfinite(t) for t in acc) and math.isfinite(math.fsum(acc)):
+            return tuple(acc)
+    except OverflowError:  # the correctly rounded sum is past float64's range
+        pass
+    return (sum(values),)
 
 
 def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
@@ -238,7 +304,7 @@ def cast_stats(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1,
     return stats, (b.back(b.q).to(x.dtype) if want_values else None)
 
 
-_STAT_FIELDS = tuple(CastStats.__dataclass_fields__)
+_COUNT_FIELDS = tuple(f for f in CastStats.__dataclass_fields__ if f not in EXACT_SUMS)
 
 
 def _by_rounding(c: Cast, clipped: int) -> int:
@@ -247,6 +313,10 @@ def _by_rounding(c: Cast, clipped: int) -> int:
     rule = c.scaling.rule
     return clipped if rule is not None and rule.covers_amax else 0
 
+
+SUM_PIECE = jit.PIECE
+"""Elements per piece of the fused pass's float64 sums, counted from a slice's first element:
+a slice starting on a multiple of it in the tensor has the tensor's pieces."""
 
 TENSOR_ROW = 1 << 12
 """Row length a per-tensor scaled tensor is folded into for the fused pass (zero padded:
@@ -395,8 +465,8 @@ def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
     """:func:`cast_stats` (``rounded`` as there) for every cast of ``casts`` the fused pass
     takes (:func:`driftcli.casts.route.flat_route`), keyed by the cast's index, in one read of
     ``x`` for all of them (and one first read for the tensor's amax where a cast needs it and
-    ``tensor_amax`` is not given); the same counts, bit for bit, and with ``rounded`` the float
-    sums within a few units in their last place (summed in lanes, not in one order). A
+    ``tensor_amax`` is not given); the same counts, bit for bit, and the float sums within a few
+    units in their last place (summed per piece in lanes, the pieces added exactly). A
     stochastic cast is taken with its ``seeds`` entry (its draws made as :func:`cast_stats`
     makes them); the casts of one rounding mode and overflow policy share a pass. The casts it
     does not take, and every cast on the torch back-end, are left out: :func:`cast_stats`
@@ -479,19 +549,23 @@ def _fused_pass(x: Tensor, flat: Tensor, parsed: list[Cast], found: dict[int, An
     for n, (i, r) in enumerate(found.items()):
         clipped, clipped_groups, clamped, n_bad = got.counts[n]
         extra: dict[str, Any] = dict.fromkeys(_ROUNDED)
+        exact: dict[str, tuple[float, ...]] = {"clip_excess": got.excess[n],
+                                               "abs_sum": got.abs_sum}
         if rounded:
             nonzero, under, sub, lost, n_wide = got.rounded[n]
             if n_wide:  # a block's grid out of float32's range: the torch back-end's
                 continue
-            extra = dict(zip(_ROUNDED, (nonzero, under, sub, lost, *got.sums[n]), strict=True))
+            extra = dict(zip(_ROUNDED[:4], (nonzero, under, sub, lost), strict=True))
+            exact |= dict(zip(_ROUNDED[4:], got.sums[n], strict=True))
         one = not r.block
+        sums: dict[str, Any] = {f: math.fsum(e) for f, e in exact.items()}
         out[i] = CastStats(
             numel=x.numel(), nonfinite=x.numel() - got.finite,
             groups=1 if one else x.numel() // r.block, clipped=clipped,
             clipped_by_rounding=_by_rounding(parsed[i], clipped),
-            clipped_groups=min(clipped, 1) if one else clipped_groups, clip_excess=got.excess[n],
-            abs_sum=got.abs_sum, scale_clamped=int(scales[i][2]) if one else clamped,
-            nonfinite_groups=n_bad, **extra)
+            clipped_groups=min(clipped, 1) if one else clipped_groups,
+            scale_clamped=int(scales[i][2]) if one else clamped, nonfinite_groups=n_bad,
+            **extra, **sums).exactly(exact)
     return out
 
 
