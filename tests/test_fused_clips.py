@@ -105,8 +105,8 @@ def test_a_planted_clip_is_counted() -> None:
 
 
 def test_the_sums_are_the_same_bits_for_any_thread_count() -> None:
-    """Pieces are fixed and added in order: one thread or two, the same bits; a slicing of
-    the tensor gives the same counts, and its sums to 1e-12 (slices add their sums after)."""
+    """Pieces are fixed and their sums added exactly: one thread or two, the same bits, and a
+    slicing on the pieces' boundaries (rows of 4096) the same bits too."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(256, 4096, generator=gen) * torch.exp(torch.randn(256, 4096, generator=gen))
     specs = ["fp8_e4m3", "mxfp8_e4m3", "nvfp4"]
@@ -123,5 +123,5 @@ def test_the_sums_are_the_same_bits_for_any_thread_count() -> None:
     for i, spec in enumerate(specs):
         parts = [clip_stats(x[a:a + 37], specs, tensor_amax=amax)[i] for a in range(0, 256, 37)]
         merged = CastStats.merge(parts, per_tensor=spec == "fp8_e4m3")
-        _same(spec, one[i], merged)
+        assert merged == one[i], spec
         assert one[i].clipped > 0 or spec == "fp8_e4m3"
