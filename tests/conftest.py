@@ -46,6 +46,8 @@ ISA_INDEPENDENT = {
     "test_outputs_safety.py", "test_hostile_inputs.py", "test_hostile_bounds.py",
     "test_hostile_runs.py", "test_hostile_report.py", "test_report_concern.py",
     "test_report_cast_name.py", "test_hostile_io.py",
+    # whether a second process finds numba's kernels in the disk cache (files, not values)
+    "test_kernel_cache.py",
 }
 """Test files whose outcomes no choice of torch's CPU kernels can change. `.ci/run` runs the
 suite a second time under another instruction set and one thread (docs/contributing.md) and
