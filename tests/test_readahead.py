@@ -63,7 +63,7 @@ def planted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int, str]]:
 def _rows(files: list[Path], measure: str, opts: ScanOptions, ahead: bool,
           monkeypatch: pytest.MonkeyPatch) -> tuple[str, list[Any]]:
     """The rows, and their repr: every column, floats to their last bit (NaN equal to NaN)."""
-    monkeypatch.setattr(scan_module, "READ_AHEAD", ahead)
+    monkeypatch.setattr(scan_module, "READ_AHEAD_BYTES", 0 if ahead else None)
     got = MEASURES[measure].run(files, CASTS, options=opts)
     return repr(got), got
 
@@ -107,7 +107,7 @@ def test_a_failed_tensors_later_reads_are_not_made(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``bad`` read in slices of 4 rows fails at rows 32..36: the reader makes none of its
     reads after that one, and goes on with the next tensor."""
-    monkeypatch.setattr(scan_module, "READ_AHEAD", True)
+    monkeypatch.setattr(scan_module, "READ_AHEAD_BYTES", 0)
     found = scan(files, ["mxfp8_e4m3"], options=ScanOptions(chunk_elements=256, whole_bytes=0))
     bad = [r for r in planted if r[0] == "bad"]
     assert [r[1:3] for r in bad] == [(a, a + 4) for a in range(0, 36, 4)]
@@ -126,3 +126,11 @@ def test_a_read_out_of_plan_is_refused(files: list[Path]) -> None:
         assert torch.equal(reads.take(ref, jobs[0].read), _heavy(48, 64, 1)[:8])
         with pytest.raises(PlanMismatch):
             reads.take(ref, Read(16, 24, 8 * 64 * 4))
+
+
+def test_a_scan_of_few_bytes_reads_in_series(
+        files: list[Path], planted: list[tuple[str, int, int, str]]) -> None:
+    """Below :data:`~driftcli.measures.scan.READ_AHEAD_BYTES` (these files hold a few KB)
+    there is no read to hide: every read is made on the scan's own thread."""
+    scan(files, ["mxfp8_e4m3"], options=ScanOptions(chunk_elements=256, whole_bytes=0))
+    assert planted and {r[3] for r in planted} == {"MainThread"}

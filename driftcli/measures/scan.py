@@ -76,11 +76,14 @@ amax. Reading twice costs more than the casts of clip-rate; holding a tensor of 
 keeps a scan within three times the largest tensor, beyond what the process needs anyway."""
 
 
-READ_AHEAD = True
-"""Whether a serial scan reads each slice on a reader thread while the one before it is
-counted (:class:`~driftcli.io.readahead.ReadAhead`): the same reads and results either way
-(``tests/test_readahead.py`` compares them), the read's time hidden behind the pass where a
-core is free for it."""
+READ_AHEAD_BYTES: int | None = 1 << 24
+"""A serial scan whose reads from files add up to at least this many bytes reads each slice on
+a reader thread while the one before it is counted (:class:`~driftcli.io.readahead.ReadAhead`;
+None: never): the same reads and results either way (``tests/test_readahead.py`` compares
+them), the read's time hidden behind the pass where a core is free for it. Below a slice's
+bytes (the default) the reads take a few milliseconds in all, and handing each tensor between
+two threads would cost more than it hides; tensors in memory are read where they lie, with
+nothing to hide."""
 
 
 @dataclass(frozen=True)
@@ -578,7 +581,8 @@ def scan(paths: Sequence[Source], casts: Sequence[Cast | str], *,
                         options, rounded, names.get(inp))
              for inp, inputs in opened for ref in inputs.tensors if ref.is_float]
     if execution.engine is Engine.SERIAL:
-        per_unit = _serial(units, todo, progress, execution.resume)
+        per_unit = _serial(units, todo, progress, execution.resume,
+                           [unit.input in names for unit in units])
     else:
         failed: list[str] = []
 
@@ -609,15 +613,17 @@ def scan(paths: Sequence[Source], casts: Sequence[Cast | str], *,
 
 
 def _serial(units: Sequence[TensorUnit], todo: int, progress: Progress | None,
-            kept: Path | None) -> list[list[Result]]:
+            kept: Path | None, in_memory: Sequence[bool]) -> list[list[Result]]:
     """The units one after another in this process, the bar moving after every slice (as
     :func:`driftcli.engines.run` does, with the finished units ``kept`` there). With
-    :data:`READ_AHEAD`, a reader thread reads each slice while the one before it is counted
-    (not under ``--resume``, whose kept units are not read)."""
+    :data:`READ_AHEAD_BYTES`, a reader thread reads each slice while the one before it is
+    counted (not under ``--resume``, whose kept units are not read, nor where a unit's tensor
+    is in memory, ``in_memory``)."""
     manifest = engines.Manifest(kept) if kept is not None else None
     jobs = [Job(n, unit.ref, r) for n, unit in enumerate(units) for r in unit_reads(unit)] \
-        if READ_AHEAD and manifest is None else []
-    with ReadAhead(jobs) if len(jobs) > 1 else contextlib.nullcontext(Staging()) as reads:
+        if READ_AHEAD_BYTES is not None and manifest is None and not any(in_memory) else []
+    ahead = len(jobs) > 1 and sum(j.read.nbytes for j in jobs) >= (READ_AHEAD_BYTES or 0)
+    with ReadAhead(jobs) if ahead else contextlib.nullcontext(Staging()) as reads:
         return _each(units, todo, progress, manifest, reads)
 
 
