@@ -12,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from driftcli.io.readahead import Job, PlanMismatch, Read, ReadAhead
+from driftcli.io.readahead import Job, PlanMismatch, Read, ReadAhead, Staging
 from driftcli.io.readers import ReadError, open_inputs
 from driftcli.io.readers.core import ByteRange, TensorRef
 from driftcli.measures import MEASURES
 from driftcli.measures import scan as scan_module
 from driftcli.measures.scan import ScanOptions, scan
+from driftcli.measures.stats import finite_amax
 
 CASTS = ["fp8_e4m3", "mxfp8_e4m3", "nvfp4", "float8_e4m3fn:channel", "mxfp4_e2m1:sr"]
 """A tensor scale and a two-level one (each needs the tensor's amax: a first pass over the
@@ -123,7 +124,8 @@ def test_a_read_out_of_plan_is_refused(files: list[Path]) -> None:
     ref = next(r for r in open_inputs([files[0]]).tensors if r.name == "a")
     jobs = [Job(0, ref, Read(0, 8, 8 * 64 * 4)), Job(0, ref, Read(8, 16, 8 * 64 * 4))]
     with ReadAhead(jobs) as reads:
-        assert torch.equal(reads.take(ref, jobs[0].read), _heavy(48, 64, 1)[:8])
+        rows, amax = reads.take(ref, jobs[0].read)
+        assert torch.equal(rows, _heavy(48, 64, 1)[:8]) and amax is None
         with pytest.raises(PlanMismatch):
             reads.take(ref, Read(16, 24, 8 * 64 * 4))
 
@@ -134,3 +136,30 @@ def test_a_scan_of_few_bytes_reads_in_series(
     there is no read to hide: every read is made on the scan's own thread."""
     scan(files, ["mxfp8_e4m3"], options=ScanOptions(chunk_elements=256, whole_bytes=0))
     assert planted and {r[3] for r in planted} == {"MainThread"}
+
+
+@pytest.mark.parametrize("measure", ["clip-rate", "underflow-rate"])
+def test_the_amax_taken_as_the_rows_land_is_the_scans_own(
+        files: list[Path], measure: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A held float32 tensor's amax, and a one-slice tensor's for its fused pass, taken by the
+    reader thread as the rows land: the rows of the scan that reads its own amax after the read
+    (its reads given no function for it), and taken on the reader thread. (A held half-width
+    tensor's amax is read slice by slice on the scan's thread: the files here have none.)"""
+    where: list[str] = []
+
+    def amax_of(x: torch.Tensor) -> float:
+        where.append(threading.current_thread().name)
+        return finite_amax(x)
+
+    casts = ["fp8_e4m3", "mxfp8_e4m3", "nvfp4"]
+    for opts in (ScanOptions(chunk_elements=1024), ScanOptions()):
+        monkeypatch.setattr(scan_module, "READ_AHEAD_BYTES", 0)
+        monkeypatch.setattr(scan_module, "finite_amax", amax_of)
+        ahead = repr(MEASURES[measure].run(files[1:], casts, options=opts))
+        assert where and set(where) == {"drift-read"}
+        monkeypatch.setattr(scan_module, "finite_amax", finite_amax)
+        monkeypatch.setattr(scan_module, "READ_AHEAD_BYTES", None)
+        monkeypatch.setattr(scan_module, "Staging", lambda amax_of=None: Staging(None))
+        assert repr(MEASURES[measure].run(files[1:], casts, options=opts)) == ahead
+        monkeypatch.undo()
+        where.clear()

@@ -13,7 +13,7 @@ it would have raised there, and the reads of its tensor that were to follow are 
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -30,6 +30,9 @@ class Read:
     start: int
     stop: int
     nbytes: int
+    amax: bool = False
+    """Also the rows' largest finite magnitude, taken as they land (the first read of the
+    casts that need a tensor's amax: on the reader thread where the read is ahead)."""
 
     def of(self, ref: TensorRef, into: torch.Tensor) -> torch.Tensor:
         """The rows, read from ``ref`` into the front of ``into`` where its reader reads
@@ -37,11 +40,20 @@ class Read:
         return ref.read(self.start, self.stop, into=into) if ref.shape else ref.read(into=into)
 
 
+Taken = tuple[torch.Tensor, float | None]
+"""The rows of a read, valid until the next take, and their amax where the read asks for it
+(:attr:`Read.amax`) and the reads were given the function for it."""
+
+AmaxOf = Callable[[torch.Tensor], float]
+"""The largest finite magnitude of rows, as the scan's casts read it (given by the scan: this
+layer holds no cast's arithmetic)."""
+
+
 class Reads(Protocol):
     """Where a scan takes its reads from, in the order it planned them."""
 
-    def take(self, ref: TensorRef, read: Read) -> torch.Tensor:
-        """The rows of ``read``, valid until the next :meth:`take`."""
+    def take(self, ref: TensorRef, read: Read) -> Taken:
+        """The rows of ``read``, and their amax where it asks for it (:data:`Taken`)."""
         ...
 
     def done(self, key: Hashable) -> None:
@@ -52,10 +64,12 @@ class Reads(Protocol):
 class Staging:
     """One byte buffer every read of a scan goes into, grown to the largest read: memory
     already touched reads several times faster than fresh pages (docs/performance-history.md).
-    Reads here are made when taken, on the caller's thread."""
+    Reads here are made when taken, on the caller's thread; ``amax_of`` takes the amax of the
+    reads that ask for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, amax_of: AmaxOf | None = None) -> None:
         self.buf = torch.empty(0, dtype=torch.uint8)
+        self.amax_of = amax_of
 
     def at_least(self, n: int) -> torch.Tensor:
         """The buffer, grown to ``n`` bytes where it is smaller."""
@@ -64,11 +78,16 @@ class Staging:
             self.buf = torch.empty(n, dtype=torch.uint8)
         return self.buf
 
-    def take(self, ref: TensorRef, read: Read) -> torch.Tensor:
-        return read.of(ref, self.at_least(read.nbytes))
+    def take(self, ref: TensorRef, read: Read) -> Taken:
+        return landed(read.of(ref, self.at_least(read.nbytes)), read, self.amax_of)
 
     def done(self, key: Hashable) -> None:
         pass
+
+
+def landed(rows: torch.Tensor, read: Read, amax_of: AmaxOf | None) -> Taken:
+    """The rows of ``read`` as taken: with their amax where it asks and ``amax_of`` is given."""
+    return rows, amax_of(rows) if read.amax and amax_of is not None else None
 
 
 @dataclass(frozen=True)
@@ -86,11 +105,13 @@ class PlanMismatch(RuntimeError):
 
 class ReadAhead:
     """The reads ``jobs``, made in order on a reader thread one ahead of :meth:`take`, into
-    two staging buffers taken in turn. Use as a context manager: leaving it stops the thread
-    (a read in progress finishes first)."""
+    two staging buffers taken in turn, with the amax of those that ask for it (``amax_of``).
+    Use as a context manager: leaving it stops the thread (a read in progress finishes
+    first)."""
 
-    def __init__(self, jobs: Sequence[Job]) -> None:
+    def __init__(self, jobs: Sequence[Job], amax_of: AmaxOf | None = None) -> None:
         self._jobs = list(jobs)
+        self._amax_of = amax_of
         self._buffers = [Staging(), Staging()]
         self._size = max((j.read.nbytes for j in self._jobs), default=0)
         """Each buffer's size, made at its first read: the largest read, so that no buffer
@@ -98,7 +119,7 @@ class ReadAhead:
         self._cond = threading.Condition()
         self._free = [0, 1]
         """Buffers the reader may fill."""
-        self._ready: list[tuple[int, int, torch.Tensor | None, Exception | None]] = []
+        self._ready: list[tuple[int, int, Taken | None, Exception | None]] = []
         """(job, buffer, rows, error) read and not yet taken, in job order."""
         self._held: int | None = None
         """The buffer of the read last taken (the caller's until its next take)."""
@@ -133,10 +154,11 @@ class ReadAhead:
                     if self._closed:
                         return
                     b = self._free.pop(0)
-                rows: torch.Tensor | None = None
+                rows: Taken | None = None
                 error: Exception | None = None
                 try:
-                    rows = job.read.of(job.ref, self._buffers[b].at_least(self._size))
+                    rows = landed(job.read.of(job.ref, self._buffers[b].at_least(self._size)),
+                                  job.read, self._amax_of)
                 except Exception as exc:  # handed to the scan's thread, raised where taken
                     error = exc
                     failed.add(job.key)
@@ -152,7 +174,7 @@ class ReadAhead:
         if b >= 0:
             self._free.append(b)
 
-    def take(self, ref: TensorRef, read: Read) -> torch.Tensor:
+    def take(self, ref: TensorRef, read: Read) -> Taken:
         """The next planned read, which must be ``read`` of ``ref``; raises what the read
         raised."""
         with self._cond:
@@ -183,7 +205,7 @@ class ReadAhead:
                 self._cond.notify_all()
                 raise error
             self._held = b
-            return cast(torch.Tensor, rows)
+            return cast(Taken, rows)
 
     def done(self, key: Hashable) -> None:
         with self._cond:

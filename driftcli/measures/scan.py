@@ -273,10 +273,17 @@ class _Plan:
     """Whether the casts need the whole tensor's amax before its slices (read first for it)."""
     rht: tuple[int, ...]
     """The casts (by index) that need the amax of the transformed tensor, each read for it."""
+    fused_all: bool
+    """Whether the fused pass takes every cast (:func:`clip_pass_takes`)."""
+    chunk: int
+    """The run length of the amaxes the casts the fused pass leaves share (0: none)."""
     reads: tuple[Read, ...]
+    """The reads from the file; the first of a held tensor, or of a tensor read in one slice
+    whose casts need its amax, takes that amax as it lands (:attr:`Read.amax`) where the rows
+    are float32 on the CPU as read: off the pass's path where the read is ahead of it."""
 
 
-def _plan(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions) -> _Plan:
+def _plan(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions, rounded: bool) -> _Plan:
     """The :class:`_Plan` of ``ref`` under ``casts`` (``opts.chunk_elements`` set)."""
     slicing = _slices(ref, casts, opts)
     slices = slicing.ranges
@@ -286,15 +293,28 @@ def _plan(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions) -> _Plan:
     need_amax = len(slices) > 1 and any(_needs_tensor_amax(c) for c in casts)
     rht = tuple(ci for ci, c in enumerate(casts)
                 if need_amax and c.rht is not None and _needs_tensor_amax(c))
+    # runs of the flattened tensor are not runs of a slice of its last dim; clip_stats'
+    # fused pass reads its own
+    stored = torch_dtype(ref.dtype)
+    fused_all = opts.device is Device.CPU and stored is not None and \
+        clip_pass_takes(tuple(ref.shape), working_dtype(stored), casts, opts.axis, rounded)
+    chunk = _facts_chunk(ref, casts, opts, slices) if by_rows and not fused_all else 0
+    # the amax as the rows land: of rows the scan takes as read (float32 on the CPU: no
+    # widened copy), for a held tensor's casts or a one-slice tensor's fused pass
+    as_read = opts.device is Device.CPU and stored is torch.float32 and not chunk and (
+        need_amax if held else
+        len(slices) == 1 and fused_all and any(_needs_tensor_amax(c) for c in casts))
     if held:
-        return _Plan(slicing, True, need_amax, rht, (Read(0, ref.shape[0], ref.nbytes),))
+        return _Plan(slicing, True, need_amax, rht, fused_all, chunk,
+                     (Read(0, ref.shape[0], ref.nbytes, as_read),))
     row_bytes = ref.nbytes // max(1, ref.shape[0] if ref.shape else 1)
     slice_bytes = max(b - a for a, b in slices) * row_bytes if by_rows else ref.nbytes
     # a pass over the slices for the tensor's amax, one per rht= cast for its transform's,
     # then the pass that counts
     passes = 1 + need_amax + len(rht)
-    return _Plan(slicing, False, need_amax, rht,
-                 tuple(Read(a, b, slice_bytes) for _ in range(passes) for a, b in slices))
+    return _Plan(slicing, False, need_amax, rht, fused_all, chunk,
+                 tuple(Read(a, b, slice_bytes, as_read)
+                       for _ in range(passes) for a, b in slices))
 
 
 def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
@@ -305,37 +325,34 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
     depend on it). ``advance`` is told the tensor's bytes done after each slice;
     ``seed_name`` is its source's name for the draws."""
     opts = _with_chunk(opts)
-    plan = _plan(ref, casts, opts)
+    plan = _plan(ref, casts, opts, rounded)
     slices = plan.slicing.ranges
     by_rows = plan.slicing.dim == 0
-    whole = reads.take(ref, plan.reads[0]) if plan.held else None
+    whole, whole_amax = reads.take(ref, plan.reads[0]) if plan.held else (None, None)
     planned = iter(() if plan.held else plan.reads)
+    landed: list[float | None] = [None]  # the amax of the last rows read, where taken
 
     def read(start: int, stop: int) -> Tensor:
         if whole is not None:
             return _widen(whole[start:stop] if by_rows else whole[..., start:stop], opts.device)
-        return _widen(reads.take(ref, next(planned)), opts.device)
+        rows, landed[0] = reads.take(ref, next(planned))
+        return _widen(rows, opts.device)
 
-    # runs of the flattened tensor are not runs of a slice of its last dim; clip_stats'
-    # fused pass reads its own
-    stored = torch_dtype(ref.dtype)
-    fused_all = opts.device is Device.CPU and stored is not None and \
-        clip_pass_takes(tuple(ref.shape), working_dtype(stored), casts, opts.axis, rounded)
-    chunk = _facts_chunk(ref, casts, opts, slices) if by_rows and not fused_all else 0
-    need_amax = plan.need_amax
+    chunk, need_amax = plan.chunk, plan.need_amax
     # the held tensor's run amaxes: its amax and every slice's share them. Only where it is
     # already the working dtype on the scan's device: a half-width tensor's float32 copy
     # would hold twice its bytes beside it (and the read ahead), so its slices widen their own
     same = whole is not None and opts.device is Device.CPU and \
         whole.dtype == working_dtype(whole.dtype)
-    wide_whole = whole if same and (chunk or need_amax) else None
+    wide_whole = whole if same and (chunk or need_amax) and whole_amax is None else None
     runs = None if wide_whole is None else run_amax(wide_whole, chunk)
-    amax = None
+    amax = whole_amax
     rht_amax: dict[int, float] = {}
     if need_amax:
         # one slice is the whole tensor, and a cast reads its own amax
-        amax = finite_amax(wide_whole, runs) if wide_whole is not None else \
-            max(finite_amax(read(a, b)) for a, b in slices)
+        if amax is None:
+            amax = finite_amax(wide_whole, runs) if wide_whole is not None else \
+                max(finite_amax(read(a, b)) for a, b in slices)
         for ci in plan.rht:  # an rht= cast reads the transformed tensor's amax
             rht_amax[ci] = max(finite_amax(transformed(read(a, b), casts[ci], opts.axis))
                                for a, b in slices)
@@ -352,7 +369,9 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
             runs[start * row_elems // chunk:stop * row_elems // chunk]
         # every cast the fused pass takes, in one read of the slice (a stochastic one needs
         # its values for the expected cast: cast_stats gives them)
-        fused = fused_stats(x, list(casts), axis=opts.axis, tensor_amax=amax, rounded=rounded)
+        # (a one-slice tensor's amax, taken as it landed, is the pass's own first read's)
+        fused = fused_stats(x, list(casts), axis=opts.axis, rounded=rounded,
+                            tensor_amax=amax if amax is not None else landed[0])
         facts = slice_facts(x, chunk, own) if len(fused) < len(casts) else None
         for ci, c in enumerate(casts):
             n = n_draws[ci]
@@ -494,7 +513,7 @@ class TensorUnit:
         return None
 
 
-_WORKER_STAGING = Staging()
+_WORKER_STAGING = Staging(finite_amax)
 """The byte buffer of a worker process's reads, kept between its units (a serial scan has its
 own for the scan's length)."""
 
@@ -510,7 +529,8 @@ def unit_reads(unit: TensorUnit) -> tuple[Read, ...]:
     can run on it): what a :class:`~driftcli.io.readahead.ReadAhead` reads ahead."""
     refused = _refused(unit)
     casts = [c for c in unit.casts if c not in refused]
-    return _plan(unit.ref, casts, _with_chunk(unit.options)).reads if casts else ()
+    return _plan(unit.ref, casts, _with_chunk(unit.options), unit.rounded).reads \
+        if casts else ()
 
 
 def scan_unit(unit: TensorUnit, advance: Callable[[int], None] | None = None,
@@ -623,7 +643,8 @@ def _serial(units: Sequence[TensorUnit], todo: int, progress: Progress | None,
     jobs = [Job(n, unit.ref, r) for n, unit in enumerate(units) for r in unit_reads(unit)] \
         if READ_AHEAD_BYTES is not None and manifest is None and not any(in_memory) else []
     ahead = len(jobs) > 1 and sum(j.read.nbytes for j in jobs) >= (READ_AHEAD_BYTES or 0)
-    with ReadAhead(jobs) if ahead else contextlib.nullcontext(Staging()) as reads:
+    with ReadAhead(jobs, finite_amax) if ahead else \
+            contextlib.nullcontext(Staging(finite_amax)) as reads:
         return _each(units, todo, progress, manifest, reads)
 
 
