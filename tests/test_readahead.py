@@ -141,10 +141,11 @@ def test_a_scan_of_few_bytes_reads_in_series(
 @pytest.mark.parametrize("measure", ["clip-rate", "underflow-rate"])
 def test_the_amax_taken_as_the_rows_land_is_the_scans_own(
         files: list[Path], measure: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A held float32 tensor's amax, and a one-slice tensor's for its fused pass, taken by the
-    reader thread as the rows land: the rows of the scan that reads its own amax after the read
-    (its reads given no function for it), and taken on the reader thread. (A held half-width
-    tensor's amax is read slice by slice on the scan's thread: the files here have none.)"""
+    """A held float32 tensor's amax, a sliced one's slices' in the first pass, and a one-slice
+    tensor's for its fused pass, taken by the reader thread as the rows land: the rows of the
+    scan that reads its own amax after the read (its reads given no function for it), and
+    taken on the reader thread. (A held half-width tensor's amax is read slice by slice on the
+    scan's thread: the files here have none.)"""
     where: list[str] = []
 
     def amax_of(x: torch.Tensor) -> float:
@@ -152,7 +153,8 @@ def test_the_amax_taken_as_the_rows_land_is_the_scans_own(
         return finite_amax(x)
 
     casts = ["fp8_e4m3", "mxfp8_e4m3", "nvfp4"]
-    for opts in (ScanOptions(chunk_elements=1024), ScanOptions()):
+    for opts in (ScanOptions(chunk_elements=1024), ScanOptions(chunk_elements=1024, whole_bytes=0),
+                 ScanOptions()):
         monkeypatch.setattr(scan_module, "READ_AHEAD_BYTES", 0)
         monkeypatch.setattr(scan_module, "finite_amax", amax_of)
         ahead = repr(MEASURES[measure].run(files[1:], casts, options=opts))

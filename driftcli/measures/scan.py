@@ -278,9 +278,10 @@ class _Plan:
     chunk: int
     """The run length of the amaxes the casts the fused pass leaves share (0: none)."""
     reads: tuple[Read, ...]
-    """The reads from the file; the first of a held tensor, or of a tensor read in one slice
-    whose casts need its amax, takes that amax as it lands (:attr:`Read.amax`) where the rows
-    are float32 on the CPU as read: off the pass's path where the read is ahead of it."""
+    """The reads from the file. Those a tensor's amax is read from (a held tensor's one read,
+    the first pass over a sliced one's slices, a one-slice tensor's read for its fused pass)
+    take it as the rows land (:attr:`Read.amax`) where the rows are float32 on the CPU as read:
+    off the pass's path where the read is ahead of it."""
 
 
 def _plan(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions, rounded: bool) -> _Plan:
@@ -300,21 +301,22 @@ def _plan(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions, rounded: boo
         clip_pass_takes(tuple(ref.shape), working_dtype(stored), casts, opts.axis, rounded)
     chunk = _facts_chunk(ref, casts, opts, slices) if by_rows and not fused_all else 0
     # the amax as the rows land: of rows the scan takes as read (float32 on the CPU: no
-    # widened copy), for a held tensor's casts or a one-slice tensor's fused pass
-    as_read = opts.device is Device.CPU and stored is torch.float32 and not chunk and (
-        need_amax if held else
-        len(slices) == 1 and fused_all and any(_needs_tensor_amax(c) for c in casts))
+    # widened copy), for a held tensor's casts, the first pass over a sliced one's or a
+    # one-slice tensor's fused pass
+    as_read = opts.device is Device.CPU and stored is torch.float32
     if held:
         return _Plan(slicing, True, need_amax, rht, fused_all, chunk,
-                     (Read(0, ref.shape[0], ref.nbytes, as_read),))
+                     (Read(0, ref.shape[0], ref.nbytes, as_read and need_amax and not chunk),))
     row_bytes = ref.nbytes // max(1, ref.shape[0] if ref.shape else 1)
     slice_bytes = max(b - a for a, b in slices) * row_bytes if by_rows else ref.nbytes
+    one = as_read and len(slices) == 1 and fused_all and \
+        any(_needs_tensor_amax(c) for c in casts)
     # a pass over the slices for the tensor's amax, one per rht= cast for its transform's,
     # then the pass that counts
-    passes = 1 + need_amax + len(rht)
+    first = [Read(a, b, slice_bytes, as_read) for a, b in slices] if need_amax else []
+    again = [Read(a, b, slice_bytes) for _ in rht for a, b in slices]
     return _Plan(slicing, False, need_amax, rht, fused_all, chunk,
-                 tuple(Read(a, b, slice_bytes, as_read)
-                       for _ in range(passes) for a, b in slices))
+                 (*first, *again, *(Read(a, b, slice_bytes, one) for a, b in slices)))
 
 
 def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
@@ -352,7 +354,7 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         # one slice is the whole tensor, and a cast reads its own amax
         if amax is None:
             amax = finite_amax(wide_whole, runs) if wide_whole is not None else \
-                max(finite_amax(read(a, b)) for a, b in slices)
+                max(_landed_amax(read(a, b), landed) for a, b in slices)
         for ci in plan.rht:  # an rht= cast reads the transformed tensor's amax
             rht_amax[ci] = max(finite_amax(transformed(read(a, b), casts[ci], opts.axis))
                                for a, b in slices)
@@ -403,6 +405,11 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         diff = DiffStats.merge(diffs[ci]) if opts.compare and ci else None
         out.append(Result(inp, ref, ref.source, c, draws, exp, diff=diff))
     return out
+
+
+def _landed_amax(x: Tensor, landed: list[float | None]) -> float:
+    """The amax of ``x``, the rows last read: as it was taken when they landed, if it was."""
+    return landed[0] if landed[0] is not None else finite_amax(x)
 
 
 def _facts_chunk(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
