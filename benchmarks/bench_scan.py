@@ -12,7 +12,9 @@ kept multiples of 64), then:
    are measured against), ``read`` (every tensor through ``safetensors.safe_open``, mapped),
    ``import torch`` (a fresh process that only imports torch: every command's floor),
    drift's ``clip-rate``, ``underflow-rate`` and ``error-bias`` with the casts ``fp8_e4m3``,
-   ``mxfp8_e4m3`` and ``nvfp4`` (the library call behind each command), and ``script``: the
+   ``mxfp8_e4m3`` and ``nvfp4`` (the library call behind each command), ``clip-rate in
+   series`` (clip-rate with each slice read on the scan's thread before its pass, as before the
+   read ahead: ``measures.scan.READ_AHEAD_BYTES`` None), and ``script``: the
    torch + torchao code a user would write for the same clip counts (``safe_open``, torch's
    native float8 cast per tensor, torchao's ``to_mx`` and ``NVFP4Tensor``; left out, and
    said so, where torchao is not installed). Each row is one entry of a dict of calls: a new
@@ -48,6 +50,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from driftcli.measures import MEASURES
+from driftcli.measures import scan as scan_module
 from driftcli.memory import use_huge_pages
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,6 +58,8 @@ from bench_casts import interleaved, machine
 
 CASTS = ("fp8_e4m3", "mxfp8_e4m3", "nvfp4")
 COMMANDS = ("clip-rate", "underflow-rate", "error-bias")
+SERIES = "clip-rate in series"
+"""clip-rate with every read on the scan's thread, before the pass over it (no read ahead)."""
 TARGETS = {"clip-rate": 1.0, "underflow-rate": 0.3, "error-bias": 0.3}
 """Each command's library scan speed against the copying read's (issue 41)."""
 D, FF, VOCAB, LAYERS = 1536, 4096, 16384, 4
@@ -285,16 +290,38 @@ def per_slice(repeat: int) -> None:
         torch.set_num_threads(threads)
 
 
+def threads_split(calls: dict[str, Callable[[], object]], repeat: int) -> None:
+    """clip-rate read ahead and in series, interleaved: medians of the wall seconds, of the CPU
+    seconds of the scan's own thread (the pass, and in series the read) and of the whole
+    process (the reader thread too). On a machine whose other core is busy (a shared one) the
+    read ahead cannot shorten the wall time; the scan thread's CPU time is what it takes off
+    the scan's path, and the process's what it costs."""
+    names = ("clip-rate", SERIES)
+    got: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+    for _ in range(repeat):
+        for name in names:
+            wall, own, every = time.perf_counter(), time.thread_time(), time.process_time()
+            calls["cast" if name == "clip-rate" else name]()
+            got[name].append((time.perf_counter() - wall, time.thread_time() - own,
+                              time.process_time() - every))
+    print(f"  clip-rate's time, medians of {repeat}: wall / the scan thread's CPU / the "
+          "process's CPU (s)")
+    for name in names:
+        wall, own, every = (statistics.median(r[k] for r in got[name]) for k in range(3))
+        print(f"    {name:<19s} {wall:6.3f} {own:6.3f} {every:6.3f}")
+
+
 def _library_round(calls: dict[str, Callable[[], object]], repeat: int, size: int,
                    n_threads: int) -> None:
     """Every call, interleaved round by round, on ``n_threads`` torch threads; one table.
     (``import torch`` is a fresh process each time: the floor of any command's start.)"""
     t = interleaved(calls, repeat)
     t["clip-rate"] = t["cast"]
-    names = ("copy", "read", "import torch", *COMMANDS, *(("script",) if "script" in t else ()))
+    names = ("copy", "read", "import torch", COMMANDS[0], SERIES, *COMMANDS[1:],
+             *(("script",) if "script" in t else ()))
     print(f"\nlibrary calls, one process, {n_threads} thread{'s' * (n_threads > 1)}, medians "
           f"of {repeat} (warm-up {t['warmup']:.1f} s):")
-    print(f"  {'what':<16s} {'s':>7s} {'GB/s':>6s} {'Me/s':>7s} {'x copy':>7s} {'target':>9s} "
+    print(f"  {'what':<19s} {'s':>7s} {'GB/s':>6s} {'Me/s':>7s} {'x copy':>7s} {'target':>9s} "
           f"{'x script':>9s}")
     for name in names:
         ratio = t["copy"] / t[name]
@@ -303,7 +330,7 @@ def _library_round(calls: dict[str, Callable[[], object]], repeat: int, size: in
         speed = "" if name == "import torch" else f"{size / t[name] / 1e9:6.2f}"
         elems = "" if name == "import torch" else f"{size / 4 / t[name] / 1e6:7.0f}"
         versus = f"{t['script'] / t[name]:9.2f}" if "script" in t else ""
-        print(f"  {name:<16s} {t[name]:7.2f} {speed:>6s} {elems:>7s} {ratio:7.3f} {mark:>9s} "
+        print(f"  {name:<19s} {t[name]:7.2f} {speed:>6s} {elems:>7s} {ratio:7.3f} {mark:>9s} "
               f"{versus}")
 
 
@@ -350,11 +377,19 @@ def main(argv: list[str] | None = None) -> int:
     def command(name: str) -> Callable[[], object]:
         return lambda: MEASURES[name].run([args.file], list(CASTS))
 
+    def in_series() -> object:
+        ahead = scan_module.READ_AHEAD_BYTES
+        scan_module.READ_AHEAD_BYTES = None
+        try:
+            return MEASURES["clip-rate"].run([args.file], list(CASTS))
+        finally:
+            scan_module.READ_AHEAD_BYTES = ahead
+
     calls: dict[str, Callable[[], object]] = {
         "cast": command("clip-rate"), "copy": lambda: copy_read(args.file),
         "read": lambda: plain_read(args.file),
         "import torch": lambda: fresh([sys.executable, "-c", "import torch"], dict(os.environ)),
-        **{name: command(name) for name in COMMANDS[1:]}}
+        SERIES: in_series, **{name: command(name) for name in COMMANDS[1:]}}
     if have_torchao:
         import user_script  # type: ignore[import-not-found]
 
@@ -368,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(n_threads)
         try:
             _library_round(calls, args.repeat, size, n_threads)
+            threads_split(calls, max(args.repeat, 5))
         finally:
             torch.set_num_threads(threads)
     in_memory(args.file, args.repeat)

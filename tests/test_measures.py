@@ -176,6 +176,26 @@ def test_slices_add_up_to_the_whole_tensor() -> None:
             assert getattr(merged, f) == pytest.approx(getattr(whole, f), rel=1e-12), (spec, f)
 
 
+def test_one_slice_merges_as_the_exact_additions_would() -> None:
+    """A tensor of one slice skips the exact additions: every field the same bits as adding
+    it to a slice of nothing, its partials summing to its sums, for the fused pass's stats
+    (partials) and the per-cast path's (floats, NaN blocks), a tensor scale's groups at most 1."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 96) * torch.logspace(-8, 3, 96)
+    x[3, 5] = math.nan
+    nothing = CastStats.merge([], False)
+    specs = ["fp8_e4m3", "mxfp8_e4m3", "nvfp4", "float8_e4m3fn:channel"]
+    got = [*fused_stats(x, specs, rounded=True).values(),
+           *(cast_stats(x, spec)[0] for spec in specs)]
+    for st in got:
+        for per_tensor in (False, True):
+            alone = CastStats.merge([st], per_tensor)
+            added = CastStats.merge([st, nothing], per_tensor)
+            assert repr(alone) == repr(added)
+            for f, p in (alone.partials or {}).items():
+                assert math.fsum(p) == getattr(alone, f) or math.isnan(getattr(alone, f))
+
+
 @pytest.mark.parametrize(("switch", "given", "on", "left"), [
     ("always [madvise] never\n", None, True, "1"),
     ("[always] madvise never\n", None, True, "1"),

@@ -21,6 +21,7 @@ result with an error; the others are still measured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -38,6 +39,7 @@ from driftcli.choices import Device, Engine
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
 from driftcli.io import rht_signs
+from driftcli.io.readahead import Job, Read, ReadAhead, Reads, Staging
 from driftcli.io.readers import InputError, Inputs, ReadError, TensorRef, open_inputs
 from driftcli.io.readers.core import torch_dtype
 from driftcli.io.readers.memory import Held
@@ -73,6 +75,15 @@ memory; a larger one is read slice by slice, and once more first where a cast ne
 amax. Reading twice costs more than the casts of clip-rate; holding a tensor of this size
 keeps a scan within three times the largest tensor, beyond what the process needs anyway."""
 
+
+READ_AHEAD_BYTES: int | None = 1 << 24
+"""A serial scan whose reads from files add up to at least this many bytes reads each slice on
+a reader thread while the one before it is counted (:class:`~driftcli.io.readahead.ReadAhead`;
+None: never): the same reads and results either way (``tests/test_readahead.py`` compares
+them), the read's time hidden behind the pass where a core is free for it. Below a slice's
+bytes (the default) the reads take a few milliseconds in all, and handing each tensor between
+two threads would cost more than it hides; tensors in memory are read where they lie, with
+nothing to hide."""
 
 
 @dataclass(frozen=True)
@@ -246,67 +257,108 @@ def _error_sums(x: Tensor, mean: Tensor, base: CastStats) -> CastStats:
     return dataclasses.replace(base, xx=xx, ee=ee, ex=ex, e_sum=e_sum)
 
 
-class _Staging:
-    """One byte buffer every read of a scan goes into, grown to the largest read: memory
-    already touched reads several times faster than fresh pages (docs/performance-history.md)."""
-
-    def __init__(self) -> None:
-        self.buf = torch.empty(0, dtype=torch.uint8)
-
-    def at_least(self, n: int) -> Tensor:
-        if self.buf.numel() < n:
-            self.buf = torch.empty(0, dtype=torch.uint8)  # free the old one first
-            self.buf = torch.empty(n, dtype=torch.uint8)
-        return self.buf
+def _with_chunk(opts: ScanOptions) -> ScanOptions:
+    return opts if opts.chunk_elements is not None else \
+        dataclasses.replace(opts, chunk_elements=CHUNK_ELEMENTS)
 
 
-def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
-                    rounded: bool, staging: _Staging, advance: Callable[[int], None],
-                    seed_name: str) -> list[Result]:
-    """Every cast of one tensor, reading it slice by slice; without ``rounded``, only what
-    needs no rounding (one draw: clipping does not depend on it). ``advance`` is told the
-    tensor's bytes done after each slice; ``seed_name`` is its source's name for the draws."""
-    if opts.chunk_elements is None:
-        opts = dataclasses.replace(opts, chunk_elements=CHUNK_ELEMENTS)
+@dataclass(frozen=True)
+class _Plan:
+    """How one tensor is read for its casts: where it is cut, whether it is held (read whole
+    once, cut in memory), and every read it makes from its file, in order."""
+
+    slicing: _Slicing
+    held: bool
+    need_amax: bool
+    """Whether the casts need the whole tensor's amax before its slices (read first for it)."""
+    rht: tuple[int, ...]
+    """The casts (by index) that need the amax of the transformed tensor, each read for it."""
+    fused_all: bool
+    """Whether the fused pass takes every cast (:func:`clip_pass_takes`)."""
+    chunk: int
+    """The run length of the amaxes the casts the fused pass leaves share (0: none)."""
+    reads: tuple[Read, ...]
+    """The reads from the file. Those a tensor's amax is read from (a held tensor's one read,
+    the first pass over a sliced one's slices, a one-slice tensor's read for its fused pass)
+    take it as the rows land (:attr:`Read.amax`) where the rows are float32 on the CPU as read:
+    off the pass's path where the read is ahead of it."""
+
+
+def _plan(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions, rounded: bool) -> _Plan:
+    """The :class:`_Plan` of ``ref`` under ``casts`` (``opts.chunk_elements`` set)."""
     slicing = _slices(ref, casts, opts)
     slices = slicing.ranges
     by_rows = slicing.dim == 0
     # cuts of the last dim are only ever taken from the held tensor (the reader reads rows)
     held = len(slices) > 1 and (ref.nbytes <= opts.whole_bytes or not by_rows)
-    whole = ref.read(into=staging.at_least(ref.nbytes)) if held else None
-    row_bytes = ref.nbytes // max(1, ref.shape[0] if ref.shape else 1)
-    slice_bytes = max(b - a for a, b in slices) * row_bytes if by_rows else ref.nbytes
-
-    def read(start: int, stop: int) -> Tensor:
-        if whole is not None:
-            return _widen(whole[start:stop] if by_rows else whole[..., start:stop], opts.device)
-        into = staging.at_least(slice_bytes)
-        return _widen(ref.read(start, stop, into=into) if ref.shape else ref.read(into=into),
-                      opts.device)
-
+    need_amax = len(slices) > 1 and any(_needs_tensor_amax(c) for c in casts)
+    rht = tuple(ci for ci, c in enumerate(casts)
+                if need_amax and c.rht is not None and _needs_tensor_amax(c))
     # runs of the flattened tensor are not runs of a slice of its last dim; clip_stats'
     # fused pass reads its own
     stored = torch_dtype(ref.dtype)
     fused_all = opts.device is Device.CPU and stored is not None and \
         clip_pass_takes(tuple(ref.shape), working_dtype(stored), casts, opts.axis, rounded)
     chunk = _facts_chunk(ref, casts, opts, slices) if by_rows and not fused_all else 0
-    need_amax = len(slices) > 1 and any(_needs_tensor_amax(c) for c in casts)
-    # the held tensor's run amaxes: its amax and every slice's share them; without either,
-    # a half-width tensor's float32 copy would be made for nothing
-    wide_whole = None if whole is None or not (chunk or need_amax) else \
-        _widen(whole, opts.device)
+    # the amax as the rows land: of rows the scan takes as read (float32 on the CPU: no
+    # widened copy), for a held tensor's casts, the first pass over a sliced one's or a
+    # one-slice tensor's fused pass
+    as_read = opts.device is Device.CPU and stored is torch.float32
+    if held:
+        return _Plan(slicing, True, need_amax, rht, fused_all, chunk,
+                     (Read(0, ref.shape[0], ref.nbytes, as_read and need_amax and not chunk),))
+    row_bytes = ref.nbytes // max(1, ref.shape[0] if ref.shape else 1)
+    slice_bytes = max(b - a for a, b in slices) * row_bytes if by_rows else ref.nbytes
+    one = as_read and len(slices) == 1 and fused_all and \
+        any(_needs_tensor_amax(c) for c in casts)
+    # a pass over the slices for the tensor's amax, one per rht= cast for its transform's,
+    # then the pass that counts
+    first = [Read(a, b, slice_bytes, as_read) for a, b in slices] if need_amax else []
+    again = [Read(a, b, slice_bytes) for _ in rht for a, b in slices]
+    return _Plan(slicing, False, need_amax, rht, fused_all, chunk,
+                 (*first, *again, *(Read(a, b, slice_bytes, one) for a, b in slices)))
+
+
+def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
+                    rounded: bool, reads: Reads, advance: Callable[[int], None],
+                    seed_name: str) -> list[Result]:
+    """Every cast of one tensor, reading it slice by slice as :func:`_plan` says, from
+    ``reads``; without ``rounded``, only what needs no rounding (one draw: clipping does not
+    depend on it). ``advance`` is told the tensor's bytes done after each slice;
+    ``seed_name`` is its source's name for the draws."""
+    opts = _with_chunk(opts)
+    plan = _plan(ref, casts, opts, rounded)
+    slices = plan.slicing.ranges
+    by_rows = plan.slicing.dim == 0
+    whole, whole_amax = reads.take(ref, plan.reads[0]) if plan.held else (None, None)
+    planned = iter(() if plan.held else plan.reads)
+    landed: list[float | None] = [None]  # the amax of the last rows read, where taken
+
+    def read(start: int, stop: int) -> Tensor:
+        if whole is not None:
+            return _widen(whole[start:stop] if by_rows else whole[..., start:stop], opts.device)
+        rows, landed[0] = reads.take(ref, next(planned))
+        return _widen(rows, opts.device)
+
+    chunk, need_amax = plan.chunk, plan.need_amax
+    # the held tensor's run amaxes: its amax and every slice's share them. Only where it is
+    # already the working dtype on the scan's device: a half-width tensor's float32 copy
+    # would hold twice its bytes beside it (and the read ahead), so its slices widen their own
+    same = whole is not None and opts.device is Device.CPU and \
+        whole.dtype == working_dtype(whole.dtype)
+    wide_whole = whole if same and (chunk or need_amax) and whole_amax is None else None
     runs = None if wide_whole is None else run_amax(wide_whole, chunk)
-    amax = None
+    amax = whole_amax
     rht_amax: dict[int, float] = {}
     if need_amax:
         # one slice is the whole tensor, and a cast reads its own amax
-        amax = finite_amax(wide_whole, runs) if wide_whole is not None else \
-            max(finite_amax(read(a, b)) for a, b in slices)
-        for ci, c in enumerate(casts):  # an rht= cast reads the transformed tensor's amax
-            if c.rht is not None and _needs_tensor_amax(c):
-                rht_amax[ci] = max(finite_amax(transformed(read(a, b), c, opts.axis))
-                                   for a, b in slices)
-    del wide_whole  # a half-width tensor's float32 copy: slices widen their own
+        if amax is None:
+            amax = finite_amax(wide_whole, runs) if wide_whole is not None else \
+                max(_landed_amax(read(a, b), landed) for a, b in slices)
+        for ci in plan.rht:  # an rht= cast reads the transformed tensor's amax
+            rht_amax[ci] = max(finite_amax(transformed(read(a, b), casts[ci], opts.axis))
+                               for a, b in slices)
+    del wide_whole
     row_elems = ref.numel // ref.shape[0] if ref.shape and ref.shape[0] else 1
     n_draws = [_n_draws(c, opts) if rounded else 1 for c in casts]
     parts: list[list[list[CastStats]]] = [[[] for _ in range(n)] for n in n_draws]
@@ -319,7 +371,9 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
             runs[start * row_elems // chunk:stop * row_elems // chunk]
         # every cast the fused pass takes, in one read of the slice (a stochastic one needs
         # its values for the expected cast: cast_stats gives them)
-        fused = fused_stats(x, list(casts), axis=opts.axis, tensor_amax=amax, rounded=rounded)
+        # (a one-slice tensor's amax, taken as it landed, is the pass's own first read's)
+        fused = fused_stats(x, list(casts), axis=opts.axis, rounded=rounded,
+                            tensor_amax=amax if amax is not None else landed[0])
         facts = slice_facts(x, chunk, own) if len(fused) < len(casts) else None
         for ci, c in enumerate(casts):
             n = n_draws[ci]
@@ -351,6 +405,11 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         diff = DiffStats.merge(diffs[ci]) if opts.compare and ci else None
         out.append(Result(inp, ref, ref.source, c, draws, exp, diff=diff))
     return out
+
+
+def _landed_amax(x: Tensor, landed: list[float | None]) -> float:
+    """The amax of ``x``, the rows last read: as it was taken when they landed, if it was."""
+    return landed[0] if landed[0] is not None else finite_amax(x)
 
 
 def _facts_chunk(ref: TensorRef, casts: Sequence[Cast], opts: ScanOptions,
@@ -461,21 +520,36 @@ class TensorUnit:
         return None
 
 
-_WORKER_STAGING = _Staging()
+_WORKER_STAGING = Staging(finite_amax)
 """The byte buffer of a worker process's reads, kept between its units (a serial scan has its
 own for the scan's length)."""
 
 
+def _refused(unit: TensorUnit) -> dict[Cast, str]:
+    """The unit's casts whose transform cannot run on its tensor's shape, and why."""
+    return {c: why for c in unit.casts
+            if (why := rht_problem(c.rht, tuple(unit.ref.shape), unit.options.axis))}
+
+
+def unit_reads(unit: TensorUnit) -> tuple[Read, ...]:
+    """Every read :func:`scan_unit` makes of the unit's tensor, in order (none where no cast
+    can run on it): what a :class:`~driftcli.io.readahead.ReadAhead` reads ahead."""
+    refused = _refused(unit)
+    casts = [c for c in unit.casts if c not in refused]
+    return _plan(unit.ref, casts, _with_chunk(unit.options), unit.rounded).reads \
+        if casts else ()
+
+
 def scan_unit(unit: TensorUnit, advance: Callable[[int], None] | None = None,
-              staging: _Staging = _WORKER_STAGING) -> list[Result]:
+              reads: Reads = _WORKER_STAGING) -> list[Result]:
     """Every cast of one tensor: its results, or an error result per cast when it cannot be
-    read. ``advance`` is told the tensor's bytes done after each slice (serial scans)."""
-    refused = {c: why for c in unit.casts
-               if (why := rht_problem(c.rht, tuple(unit.ref.shape), unit.options.axis))}
+    read. ``advance`` is told the tensor's bytes done after each slice (serial scans);
+    ``reads`` gives the reads :func:`unit_reads` lists, in that order."""
+    refused = _refused(unit)
     casts = [c for c in unit.casts if c not in refused]
     try:
         done = iter(_tensor_results(unit.input, unit.ref, casts, unit.options, unit.rounded,
-                                    staging, advance or (lambda within: None),
+                                    reads, advance or (lambda within: None),
                                     unit.source_name or source_name(unit.ref))
                     if casts else [])
     except ReadError as err:
@@ -534,7 +608,8 @@ def scan(paths: Sequence[Source], casts: Sequence[Cast | str], *,
                         options, rounded, names.get(inp))
              for inp, inputs in opened for ref in inputs.tensors if ref.is_float]
     if execution.engine is Engine.SERIAL:
-        per_unit = _serial(units, todo, progress, execution.resume)
+        per_unit = _serial(units, todo, progress, execution.resume,
+                           [unit.input in names for unit in units])
     else:
         failed: list[str] = []
 
@@ -565,12 +640,25 @@ def scan(paths: Sequence[Source], casts: Sequence[Cast | str], *,
 
 
 def _serial(units: Sequence[TensorUnit], todo: int, progress: Progress | None,
-            kept: Path | None) -> list[list[Result]]:
+            kept: Path | None, in_memory: Sequence[bool]) -> list[list[Result]]:
     """The units one after another in this process, the bar moving after every slice (as
-    :func:`driftcli.engines.run` does, with the finished units ``kept`` there)."""
+    :func:`driftcli.engines.run` does, with the finished units ``kept`` there). With
+    :data:`READ_AHEAD_BYTES`, a reader thread reads each slice while the one before it is
+    counted (not under ``--resume``, whose kept units are not read, nor where a unit's tensor
+    is in memory, ``in_memory``)."""
     manifest = engines.Manifest(kept) if kept is not None else None
+    jobs = [Job(n, unit.ref, r) for n, unit in enumerate(units) for r in unit_reads(unit)] \
+        if READ_AHEAD_BYTES is not None and manifest is None and not any(in_memory) else []
+    ahead = len(jobs) > 1 and sum(j.read.nbytes for j in jobs) >= (READ_AHEAD_BYTES or 0)
+    with ReadAhead(jobs, finite_amax) if ahead else \
+            contextlib.nullcontext(Staging(finite_amax)) as reads:
+        return _each(units, todo, progress, manifest, reads)
+
+
+def _each(units: Sequence[TensorUnit], todo: int, progress: Progress | None,
+          manifest: engines.Manifest | None, reads: Reads) -> list[list[Result]]:
     out: list[list[Result]] = []
-    done, staging = 0, _Staging()
+    done = 0
     keys = [unit.key() for unit in units] if manifest is not None else []
     for n, unit in enumerate(units):
         def advance(within: int, before: int = done, unit: TensorUnit = unit) -> None:
@@ -580,7 +668,8 @@ def _serial(units: Sequence[TensorUnit], todo: int, progress: Progress | None,
         found, kept = (manifest.get(keys[n], unit.check_kept) if manifest is not None
                        else (False, None))
         result: list[Result] = (cast(list[Result], kept) if found
-                                else scan_unit(unit, advance, staging))
+                                else scan_unit(unit, advance, reads))
+        reads.done(n)
         if not found and manifest is not None:
             manifest.put(keys[n], result)
         out.append(result)

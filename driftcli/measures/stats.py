@@ -153,6 +153,8 @@ class CastStats:
         if not parts:
             zeros: dict[str, Any] = dict.fromkeys(_COUNT_FIELDS + EXACT_SUMS, 0)
             return CastStats(**zeros)
+        if len(parts) == 1:  # a tensor of one slice (most tensors): nothing to add
+            return parts[0]._alone(per_tensor)
         total: dict[str, Any] = {f: _total([getattr(p, f) for p in parts])
                                  for f in _COUNT_FIELDS}
         exact = {f: e for f in EXACT_SUMS if (e := exact_sum(parts, f)) is not None}
@@ -161,6 +163,18 @@ class CastStats:
             for f in ("groups", "clipped_groups", "scale_clamped", "nonfinite_groups"):
                 total[f] = min(total[f], 1)
         return CastStats(**total).exactly(exact)
+
+    def _alone(self, per_tensor: bool) -> CastStats:
+        """:meth:`merge` of these stats alone: the same fields (each sum is the correctly
+        rounded sum of its partials already, or a float with none) and partials, the group
+        counts of a ``per_tensor`` cast at most 1, without the exact additions."""
+        fields = {f: getattr(self, f) for f in _COUNT_FIELDS + EXACT_SUMS}
+        if per_tensor:
+            for f in ("groups", "clipped_groups", "scale_clamped", "nonfinite_groups"):
+                fields[f] = min(fields[f], 1)
+        own = self.partials or {}
+        return CastStats(**fields).exactly(
+            {f: own.get(f, (v,)) for f in EXACT_SUMS if (v := fields[f]) is not None})
 
 
 EXACT_SUMS = ("clip_excess", "abs_sum", "xx", "ee", "ex", "e_sum")
