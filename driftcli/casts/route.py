@@ -36,7 +36,14 @@ from driftcli import kernels
 from driftcli.casts import rounding
 from driftcli.casts.fouroversix import four_over_six_scales, fused_values
 from driftcli.casts.microscale import micro_scales, micro_values, numba_values
-from driftcli.casts.scalearith import apply_ops, arith_scales, group_amax, row_amax, undo_ops
+from driftcli.casts.scalearith import (
+    ArithScales,
+    apply_ops,
+    arith_scales,
+    group_amax,
+    row_amax,
+    undo_ops,
+)
 from driftcli.casts.scaling import (
     ScalePlan,
     binade_and_significand,
@@ -752,12 +759,34 @@ def _cast_blocks_micro(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
     return Blocked(blocks, q, scales, sc.clamped, sc.bad, back, bits, None, None, quotient)
 
 
+def arith_operands(blocks: Tensor, c: Cast, row_length: int, tensor_amax: float | None,
+                   use_jit: bool) -> tuple[ArithScales, Tensor, Tensor | None]:
+    """The scale step of a scale arithmetic (:mod:`driftcli.casts.scalearith`, four over six's
+    choice included) on nonempty float32 ``blocks`` (one row a scale group; ``row_length``:
+    the elements along the block axis, for row-scaled casts): each row's operands, which rows
+    hold NaN or inf, and the rows made NaN whole (None where none are: the amax policy lets
+    NaN through the operations). :func:`cast_blocks` and the scan's given-scales step
+    (:mod:`driftcli.casts.given`) both take it."""
+    s, a = c.scaling, c.scaling.arithmetic
+    finite_amax, bad = jit.block_amax(blocks) if use_jit else amax_and_nonfinite(blocks)
+    amax = group_amax(blocks, finite_amax, bad, a.amax)
+    top = tensor_amax_of(amax, tensor_amax)
+    if a.two.row_scaled:  # one amax per row: a slice of whole rows needs no tensor amax
+        top = row_amax(amax, row_length, s.block)
+    if s.granularity is Granularity.TENSOR:
+        amax = top.expand_as(amax).contiguous()
+    sc = (four_over_six_scales(blocks, amax, top, c.format, a.two) if a.two.four_over_six
+          else arith_scales(amax, top, c.format, s))
+    poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
+    return sc, bad, poisoned
+
+
 def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
                        sr_bits: int, tensor_amax: float | None, use_jit: bool) -> Blocked:
     """:func:`cast_blocks` under a scale arithmetic (:mod:`driftcli.casts.scalearith`): in float32,
     the scales by the arithmetic's operations, the elements through its apply and undo
     operations."""
-    s, a = c.scaling, c.scaling.arithmetic
+    s = c.scaling
     blocks, back = to_blocks(x.float(), s, axis)
     blocks = blocks.contiguous()
     bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
@@ -766,16 +795,8 @@ def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
         none = torch.zeros(n_rows, dtype=torch.bool, device=blocks.device)
         ones = torch.ones(n_rows, dtype=torch.float64, device=blocks.device)
         return Blocked(blocks, blocks.clone(), ones, none, none, back, bits, None)
-    finite_amax, bad = jit.block_amax(blocks) if use_jit else amax_and_nonfinite(blocks)
-    amax = group_amax(blocks, finite_amax, bad, a.amax)
-    top = tensor_amax_of(amax, tensor_amax)
-    if a.two.row_scaled:  # one amax per row: a slice of whole rows needs no tensor amax
-        top = row_amax(amax, x.shape[axis] if x.dim() else 1, s.block)
-    if s.granularity is Granularity.TENSOR:
-        amax = top.expand_as(amax).contiguous()
-    sc = (four_over_six_scales(blocks, amax, top, c.format, a.two) if a.two.four_over_six
-          else arith_scales(amax, top, c.format, s))
-    poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
+    sc, bad, poisoned = arith_operands(blocks, c, x.shape[axis] if x.dim() else 1,
+                                       tensor_amax, use_jit)
     if use_jit:
         p = rounding.jit_params(src=rounding.source_of(torch.float32),
                                 tgt=rounding.target_of(c.format), rounding=c.rounding,

@@ -715,3 +715,104 @@ def micro_cast(blocks: Tensor, random: Tensor | None, levels: np.ndarray, ints: 
     spread(kernel, rows, cols, _array(blocks), _array(blocks, torch.int32), cols, levels, ints,
            consts, np.asarray(p, dtype=np.int64), _or_empty(draws, np.int64), out)
     return torch.from_numpy(out).view(rows, cols)
+
+
+class GivenOperands(NamedTuple):
+    """One cast's operands for :func:`given_counts`, made by its scale step beforehand
+    (:mod:`driftcli.casts.given`)."""
+
+    wide: bool
+    """Micro-exponents: ``y = x · in`` in float64, rounded from float64; else a scale
+    arithmetic's float32 operations."""
+    mul: bool
+    """The elements are multiplied by ``ins`` (else divided)."""
+    div: bool
+    """The codes are divided by ``outs`` (else multiplied)."""
+    sub: int
+    """Elements per run of one operand (0: one for the slice)."""
+    group: int
+    """Elements per scale group (0: one group)."""
+    ins: np.ndarray
+    """float64, per run: what the elements meet on the way in."""
+    outs: np.ndarray
+    """float64, per run: what the codes meet on the way out."""
+    lims: np.ndarray
+    """float64, per group: the scale reported, ``max`` times which each clip's excess is."""
+    flags: np.ndarray
+    """uint8, per group: :data:`driftcli.kernels.statcode.NAN_Q` and ``NO_CLIP``."""
+    ends: tuple[float, float, float]
+    """The element format's max, min and smallest normal."""
+
+
+class GivenCounts(NamedTuple):
+    """Per cast of :func:`given_counts`: its clipped elements, groups with a clip and clip
+    excess; the slice's finite elements and their Σ|x|; with the rounding per cast its nonzero,
+    underflowed, subnormal and lost elements and its Σx², Σe², Σe·x, Σe (else empty). Every
+    float64 sum is an :data:`Expansion`, as :func:`clip_counts` gives them."""
+
+    clipped: list[int]
+    clipped_groups: list[int]
+    excess: list[Expansion]
+    finite: int
+    abs_sum: Expansion
+    rounded: list[list[int]]
+    sums: list[list[Expansion]]
+
+
+def given_counts(x: Tensor, casts: list[GivenOperands], rounded: Rounded | None = None
+                 ) -> GivenCounts:
+    """Every cast's clips (and with ``rounded`` its rounded counts and sums: ``wide`` unused)
+    in one read of a contiguous float32 slice ``x``, flattened, under the operands its scale
+    step gave (:func:`driftcli.kernels.statcode.given_kernel`)."""
+    values = _array(x)
+    bits = values.view(np.int32)
+    n = values.size
+    pieces = -(-n // PIECE)
+    n_casts = len(casts)
+    code = _stat_code()
+    offs = np.cumsum([0] + [g.ins.size for g in casts])
+    goffs = np.cumsum([0] + [g.flags.size for g in casts])
+    counts = np.zeros((pieces, n_casts), dtype=np.int64)
+    excess = np.zeros((pieces, n_casts), dtype=np.float64)
+    hits = np.zeros(int(goffs[-1]), dtype=np.bool_)
+    finite = np.zeros(pieces, dtype=np.int64)
+    sums = np.zeros(pieces, dtype=np.float64)
+    r_counts = np.zeros((pieces, n_casts, code.N_ROUNDED if rounded else 0), dtype=np.int64)
+    r_sums = np.zeros((pieces, n_casts, code.N_ROUNDED_SUMS if rounded else 0))
+    ps = np.zeros((n_casts, len(PARAMS)), dtype=np.int64)
+    draws = np.zeros((n_casts, 0), dtype=np.int32)
+    modes = (0, 0)
+    if rounded is not None:
+        ps = np.array(rounded.params, dtype=np.int64).reshape(n_casts, len(PARAMS))
+        modes = (int(ps[0, 13]), int(ps[0, 14])) if n_casts else modes
+        if any(tuple(int(v) for v in row[13:15]) != modes for row in ps):
+            raise DriftError("given_counts: the casts of one rounded pass share their rounding "
+                             "and overflow")
+        if any(d is not None for d in rounded.draws):
+            draws = np.zeros((n_casts, n), dtype=np.int32)
+            for c, d in enumerate(rounded.draws):
+                if d is not None:
+                    draws[c] = _array(d.to(torch.int32))
+    if pieces and n_casts:
+        spread(code.given_kernel(rounded is not None, *modes), pieces, PIECE, bits, values, n,
+               PIECE, np.array([g.wide for g in casts], dtype=np.bool_),
+               np.array([g.mul for g in casts], dtype=np.bool_),
+               np.array([g.div for g in casts], dtype=np.bool_),
+               np.array([g.sub for g in casts], dtype=np.int64),
+               np.array([g.group for g in casts], dtype=np.int64),
+               offs[:-1].astype(np.int64), goffs[:-1].astype(np.int64),
+               np.concatenate([g.ins for g in casts]), np.concatenate([g.outs for g in casts]),
+               np.concatenate([g.lims for g in casts]),
+               np.concatenate([g.flags for g in casts]),
+               np.array([g.ends for g in casts], dtype=np.float64), ps, draws, counts, excess,
+               hits, finite, sums, r_counts, r_sums)
+    parts, lens = code.expansions(np.concatenate(
+        (excess, sums[:, None], r_sums.reshape(pieces, -1)), axis=1))
+    exp = [tuple(parts[k, :m].tolist()) for k, m in enumerate(lens.tolist())]
+    n_sums = r_sums.shape[2]
+    return GivenCounts(
+        counts.sum(axis=0).tolist(),
+        [int(hits[goffs[c]:goffs[c + 1]].sum()) for c in range(n_casts)], exp[:n_casts],
+        int(finite.sum()), exp[n_casts], r_counts.sum(axis=0).tolist(),
+        [exp[n_casts + 1 + c * n_sums:n_casts + 1 + (c + 1) * n_sums] for c in range(n_casts)]
+        if rounded is not None else [])

@@ -629,3 +629,104 @@ def expansions(terms: Any) -> tuple[Any, Any]:
             m = i + 1
         lens[c] = m
     return parts, lens
+
+
+# --- the casts whose operands are given (driftcli.casts.given) -------------------------------
+
+NAN_Q, NO_CLIP = 1, 2
+"""A given cast's group flags: its values are NaN whole (a block holding NaN or inf under a
+policy that poisons it), and its clips are not counted (the same blocks, where the cast's
+masks leave them out)."""
+
+
+@cache
+def given_kernel(rounded: bool, rounding: int = 0, overflow: int = 0) -> Callable[..., None]:
+    """``kernel(bits, values, n, piece, wides, muls, divs, subs, grps, offs, goffs, ins, outs,
+    lims, flags, ends, ps, draws, counts, excess, hits, finite, abs_sum, rcounts, rsums, start,
+    stop)``: pieces ``start..stop`` of ``piece`` elements of a flat float32 slice, read once
+    for every cast whose operands a scale step made beforehand (:mod:`driftcli.casts.given`).
+
+    Cast ``c``'s element ``i`` meets the operands of its run ``offs[c] + i // subs[c]`` (one
+    run for the slice where ``subs[c]`` is 0), in its group ``goffs[c] + i // grps[c]``
+    (likewise): a scale arithmetic's (``wides[c]`` false) as
+    :func:`driftcli.kernels.jitcode.scaled_kernel` does, ``y = fl32(x / a)`` (``muls[c]``:
+    ``x · a``), the code ``lean_quotient(y)``, the value ``fl32(code · u)`` (``divs[c]``:
+    ``code / u``), ``a`` and ``u`` the float32 operands ``ins`` and ``outs``; micro-exponents'
+    (``wides[c]``) as :func:`driftcli.kernels.microcode.cast_kernel` does, ``y = x · in``
+    in float64 (exact: ``in`` is ``r / 2**E``), the code ``round_one`` of it, the value
+    ``fl32(code · out)`` (``out = 2**E · s``). ``y`` beyond the element format's ends
+    ``ends[c]`` is a clip of a finite ``x`` (its excess ``|x| - max · lims[g]``, the group's
+    reported scale, and ``hits[g]`` set), unless the group's ``flags`` hold :data:`NO_CLIP`;
+    a group holding :data:`NAN_Q` is NaN whole. With ``rounded``, each piece's values are
+    counted as :func:`clips_kernel` counts them (:func:`_rounded_counts`), under ``ps[c]``
+    with this kernel's constant ``rounding`` and ``overflow`` and the draws ``draws[c]``."""
+
+    @njit(**OPTIONS)
+    def kernel(bits: Any, values: Any, n: int, piece: int, wides: Any, muls: Any, divs: Any,
+               subs: Any, grps: Any, offs: Any, goffs: Any, ins: Any, outs: Any, lims: Any,
+               flags: Any, ends: Any, ps: Any, draws: Any, counts: Any, excess: Any, hits: Any,
+               finite: Any, abs_sum: Any, rcounts: Any, rsums: Any, start: int,
+               stop: int) -> None:
+        cast = np.empty(piece, dtype=np.float64)  # a piece's rounded values
+        subn = np.empty(piece, dtype=np.bool_)  # and which of them are subnormal
+        has_draws = draws.shape[1] > 0
+        for pc in range(start, stop):
+            a = pc * piece
+            b = min(a + piece, n)
+            m = b - a
+            xs = bits[a:b]
+            vs = values[a:b]
+            finite[pc], abs_sum[pc] = finite_abs_sum(xs, vs)
+            for c in range(wides.size):
+                e_max, e_min, e_small = ends[c, 0], ends[c, 1], ends[c, 2]
+                sub, grp, off, goff = subs[c], grps[c], offs[c], goffs[c]
+                wide, mul, div = wides[c], muls[c], divs[c]
+                pc_ = ps[c]
+                pr = (pc_[0], pc_[1], pc_[2], pc_[3], pc_[4], pc_[5], pc_[6], pc_[7], pc_[8],
+                      pc_[9], pc_[10], pc_[11], pc_[12], rounding, overflow, pc_[15], pc_[16],
+                      pc_[17])
+                lim = row_limits(0, pr)
+                clipped = 0
+                total = 0.0
+                for j in range(m):
+                    i = a + j
+                    k = off + (i // sub if sub else 0)
+                    g = goff + (i // grp if grp else 0)
+                    flag = flags[g]
+                    v = vs[j]
+                    if wide:
+                        y = np.float64(v) * ins[k]
+                    else:
+                        ap = np.float32(ins[k])
+                        y = np.float64(v * ap if mul else v / ap)
+                    if (flag & NO_CLIP) == 0 and abs(v) < np.inf and (y > e_max or y < e_min):
+                        clipped += 1
+                        total += abs(np.float64(v)) - e_max * lims[g]
+                        hits[g] = True
+                    if not rounded:
+                        continue
+                    if flag & NAN_Q:
+                        cast[j] = np.nan
+                        subn[j] = False
+                        continue
+                    r = draws[c, i] if has_draws else 0
+                    if wide:
+                        code = wide_quotient(y, r, lim, pr)
+                        cast[j] = np.float64(np.float32(code * outs[k]))
+                    else:
+                        code32 = lean_quotient(y, r, lim, pr)
+                        un = np.float32(outs[k])
+                        cast[j] = np.float64(code32 / un if div else code32 * un)
+                        code = np.float64(code32)
+                    subn[j] = code != 0 and abs(code) < e_small
+                counts[pc, c] = clipped
+                excess[pc, c] = total
+                if rounded:
+                    nonzero, under, sub_n, lost = _rounded_counts(vs, cast[:m], subn[:m],
+                                                                  rsums[pc], c)
+                    rcounts[pc, c, 0] = nonzero
+                    rcounts[pc, c, 1] = under
+                    rcounts[pc, c, 2] = sub_n
+                    rcounts[pc, c, 3] = lost
+
+    return kernel

@@ -33,6 +33,7 @@ import torch
 
 from driftcli import kernels
 from driftcli.casts import rounding
+from driftcli.casts.given import given_counts, given_route, rht_groups, without_rht
 from driftcli.casts.hadamard import transform
 from driftcli.casts.quantization import (
     amax_and_nonfinite,
@@ -446,9 +447,11 @@ def clip_pass_takes(shape: tuple[int, ...], dtype: torch.dtype, casts: Sequence[
     grid found out of float32's range sends a cast back to :func:`cast_stats` even so.)"""
     parsed = [parse_cast(c) for c in casts]
     moved = _axis_last(shape, axis)[0]
+    rht = {i for m in rht_groups(parsed, shape, axis, dtype).values() for i in m}
     return dtype == torch.float32 and kernels.jit_unavailable() is None and all(
-        flat_route(c, moved, -1, dtype) is not None and
-        not (rounded and c.rounding is Rounding.SR) for c in parsed)
+        (flat_route(c, moved, -1, dtype) is not None or i in rht or
+         given_route(c, shape, axis, dtype) is not None) and
+        not (rounded and c.rounding is Rounding.SR) for i, c in enumerate(parsed))
 
 
 def clip_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
@@ -461,16 +464,20 @@ def clip_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
 def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
                 tensor_amax: float | None = None, rounded: bool = False,
                 seeds: Sequence[int | None] | None = None,
-                sr_bits: int = DEFAULT_SR_BITS) -> dict[int, CastStats]:
+                sr_bits: int = DEFAULT_SR_BITS,
+                rht_amax: dict[int, float] | None = None) -> dict[int, CastStats]:
     """:func:`cast_stats` (``rounded`` as there) for every cast of ``casts`` the fused pass
     takes (:func:`driftcli.casts.route.flat_route`), keyed by the cast's index, in one read of
     ``x`` for all of them (and one first read for the tensor's amax where a cast needs it and
     ``tensor_amax`` is not given); the same counts, bit for bit, and the float sums within a few
     units in their last place (summed per piece in lanes, the pieces added exactly). A
     stochastic cast is taken with its ``seeds`` entry (its draws made as :func:`cast_stats`
-    makes them); the casts of one rounding mode and overflow policy share a pass. The casts it
-    does not take, and every cast on the torch back-end, are left out: :func:`cast_stats`
-    counts them."""
+    makes them); the casts of one rounding mode and overflow policy share a pass. The casts
+    whose scales the pass does not make (a scale arithmetic, micro-exponents) are counted with
+    the operands their scale steps give (:mod:`driftcli.casts.given`), an ``rht=`` cast on the
+    slice's transform (``rht_amax``: by cast index, the transformed tensor's amax where ``x``
+    is a slice of it). The casts it does not take, and every cast on the torch back-end, are
+    left out: :func:`cast_stats` counts them."""
     if x.numel() == 0 or x.dtype != torch.float32 or not kernels.numba_runs(x):
         return {}
     parsed = [parse_cast(c) for c in casts]
@@ -508,6 +515,24 @@ def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
     out: dict[int, CastStats] = {}
     for _, _, group in passes:
         out |= _fused_pass(x, flat, parsed, group, scales, top, rounded, seeds, sr_bits, last)
+    # the casts whose scale steps give the pass their operands, and those reading a transform
+    given = [i for i, c in enumerate(parsed) if i not in found and
+             given_route(c, tuple(x.shape), axis, x.dtype) is not None and
+             (not rounded or c.rounding is not Rounding.SR or
+              (seeds is not None and seeds[i] is not None))]
+    for i, g in given_counts(x, parsed, given, axis=axis, tensor_amax=tensor_amax,
+                             rounded=rounded, seeds=seeds, sr_bits=sr_bits).items():
+        fields: dict[str, Any] = dict.fromkeys(_ROUNDED)
+        fields |= g.fields | {f: math.fsum(e) for f, e in g.exact.items()}
+        out[i] = CastStats(**fields, clipped_by_rounding=_by_rounding(parsed[i], fields["clipped"])
+                           ).exactly(g.exact)
+    for rht, members in rht_groups(parsed, tuple(x.shape), axis, x.dtype).items():
+        got = fused_stats(transform(x, rht, axis), [without_rht(parsed[i]) for i in members],
+                          axis=axis, rounded=rounded, sr_bits=sr_bits,
+                          tensor_amax=next((rht_amax[i] for i in members
+                                            if rht_amax and i in rht_amax), None),
+                          seeds=None if seeds is None else [seeds[i] for i in members])
+        out |= {members[j]: st for j, st in got.items()}
     return dict(sorted(out.items()))
 
 

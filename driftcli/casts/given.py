@@ -1,0 +1,248 @@
+"""The scan pass's given-scales step: the casts whose scales the fused pass does not make itself
+(:func:`driftcli.casts.route.flat_route` gives them no route) counted in one read of a slice
+all the same, with their operands made beforehand by the cast's own scale steps.
+
+Two kinds of cast take it:
+
+- a scale arithmetic (:mod:`driftcli.casts.scalearith`: the torchao, Transformer Engine and
+  DeepSeek presets, row-scaled NVFP4, four over six's choice): each scale group's float32
+  apply and undo operands from :func:`driftcli.casts.route.arith_operands`, the step
+  :func:`~driftcli.casts.route.cast_blocks` takes; the pass meets them with the element
+  operations of :func:`driftcli.kernels.jit.round_scaled`;
+- micro-exponents (:mod:`driftcli.casts.microscale`: HiFloat4, MX6, MX9): each block's
+  first-level scale ``s`` and multiplier ``r`` and each innermost run's micro-exponent ``E``
+  from :func:`~driftcli.casts.microscale.micro_scales`, given as the run's powers of two
+  ``r / 2**E`` (in) and ``2**E · s`` (out); the pass rounds ``x · r / 2**E`` (exact in
+  float64) as :func:`driftcli.kernels.jit.micro_cast` does.
+
+Making the operands reads the slice once more (the groups' amax; four over six's candidates,
+micro-exponents' runs); the elements are then read once for every such cast of the slice
+(:func:`driftcli.kernels.jit.given_counts`). Groups must be runs of the slice as laid out:
+blocks and channels along the last axis, or one scale for the tensor, share one call on the
+slice; tiles, and blocks along another axis, are first copied into their block layout, one
+call per layout. Blocks that would be padded (a length along the axis not a multiple of the
+block) are not taken: their padding counts in :func:`~driftcli.casts.route.cast_blocks`' way.
+
+A cast with ``rht=`` reads the transform of the slice (:func:`rht_groups`): the transformed
+copy is made once per transform and goes through the pass (its own call) as the cast without
+the transform.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+import torch
+
+from driftcli import kernels
+from driftcli.casts import rounding
+from driftcli.casts.hadamard import rht_problem
+from driftcli.casts.microscale import micro_scales
+from driftcli.casts.quantization import checked_bits
+from driftcli.casts.route import arith_operands, flat_route
+from driftcli.casts.scaling import to_blocks
+from driftcli.kernels import jit
+from driftcli.kernels.jit import Expansion, GivenOperands
+from driftcli.records.cast import Cast, Rht
+from driftcli.records.modes import AmaxPolicy, ElementOp, Granularity, Rounding
+
+Tensor = torch.Tensor
+
+NAN_Q, NO_CLIP = 1, 2
+"""A group's flags (:data:`driftcli.kernels.statcode.NAN_Q`, ``NO_CLIP``): its values are NaN
+whole; its clips are not counted."""
+
+
+class GivenStep(StrEnum):
+    """Which scale step makes a given cast's operands."""
+
+    ARITH = "arith"
+    """A scale arithmetic's apply and undo operands per group."""
+    MICRO = "micro"
+    """Micro-exponents' powers of two per innermost run."""
+
+
+def given_route(c: Cast, shape: tuple[int, ...], axis: int, dtype: torch.dtype
+                ) -> GivenStep | None:
+    """The given-scales step of ``c`` for a tensor of ``shape`` and ``dtype`` (its blocks along
+    ``axis``), or None where the pass does not take it that way: not float32, a transform
+    (:func:`rht_groups`), drift's exact arithmetic without micro-exponents (the flat route's),
+    blocks or tiles that would be padded."""
+    s = c.scaling
+    if dtype != torch.float32 or not shape or c.rht is not None or \
+            (s.arithmetic.exact and c.micro is None):
+        return None
+    nd = len(shape)
+    k = s.block
+    if s.granularity is Granularity.BLOCK and shape[axis % nd] % k:
+        return None
+    if s.granularity is Granularity.TILE and (
+            nd < 2 or shape[axis % nd] % k or shape[(axis % nd) - 1 if axis % nd else -1] % k):
+        return None
+    return GivenStep.MICRO if c.micro is not None else GivenStep.ARITH
+
+
+def _flat_layout(c: Cast, nd: int, axis: int) -> bool:
+    """Whether ``c``'s groups are runs of the slice as it is laid out."""
+    g = c.scaling.granularity
+    return g in (Granularity.NONE, Granularity.TENSOR) or (
+        g in (Granularity.BLOCK, Granularity.CHANNEL) and axis % nd == nd - 1)
+
+
+@dataclass(frozen=True)
+class Given:
+    """What the given pass counted of one cast: every field of
+    :class:`driftcli.measures.stats.CastStats` but ``clipped_by_rounding`` (``fields``; the
+    rounded ones left out without the rounding) and its float64 sums exactly (``exact``)."""
+
+    fields: dict[str, Any]
+    exact: dict[str, Expansion]
+
+
+def _operands(blocks: Tensor, c: Cast, row_length: int, tensor_amax: float | None
+              ) -> tuple[GivenOperands, int, int]:
+    """The operands of ``c``'s groups, the rows of contiguous float32 ``blocks``, and its
+    clamped scales and groups holding NaN or inf."""
+    s = c.scaling
+    elem = c.format
+    ends = (float(elem.max), float(elem.min), float(elem.smallest_normal))
+    size = blocks.shape[1]
+    poison = s.blocked and s.arithmetic.amax is AmaxPolicy.FINITE
+    if c.micro is not None:
+        sc = micro_scales(blocks, elem, c.micro)
+        inner = c.micro.levels[-1].size if c.micro.levels else size
+        e = sc.exps[:, ::inner].double()
+        flags = sc.bad.to(torch.uint8) * (NAN_Q | (NO_CLIP if poison else 0))
+        lims = torch.where(sc.bad, torch.nan, sc.s)
+        op = GivenOperands(True, True, False, inner, size,
+                           _np(torch.ldexp(sc.r[:, None], -e)),
+                           _np(torch.ldexp(sc.s[:, None], e)), _np(lims), _np(flags), ends)
+        return op, int(sc.clamped.sum()), int(sc.bad.sum())
+    arith, bad, poisoned = arith_operands(blocks, c, row_length, tensor_amax,
+                                          kernels.numba_runs(blocks))
+    none = torch.zeros_like(bad)
+    cut = none if poisoned is None else poisoned
+    flags = cut.to(torch.uint8) * (NAN_Q | NO_CLIP)
+    op = GivenOperands(False, arith.apply_op is ElementOp.MUL, arith.undo_op is ElementOp.DIV,
+                       size, size, _np(arith.apply.double()), _np(arith.undo.double()),
+                       _np(arith.scale.double()), _np(flags), ends)
+    return op, int((arith.clamped & ~cut).sum()), int((bad if s.blocked else none).sum())
+
+
+def _group(c: Cast, row_length: int, n: int) -> int:
+    """Elements per group of ``c`` on a slice of ``n`` elements laid out as it is
+    (:func:`_flat_layout`)."""
+    g = c.scaling.granularity
+    return c.scaling.block if g is Granularity.BLOCK else row_length \
+        if g is Granularity.CHANNEL else n
+
+
+def _np(t: Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).numpy()
+
+
+def given_counts(x: Tensor, casts: Sequence[Cast], taken: Sequence[int], *, axis: int = -1,
+                 tensor_amax: float | None = None, rounded: bool = False,
+                 seeds: Sequence[int | None] | None = None,
+                 sr_bits: int = rounding.DEFAULT_SR_BITS) -> dict[int, Given]:
+    """The given pass over a nonempty float32 slice ``x`` for the casts ``casts[i]``, ``i`` in
+    ``taken`` (each of :func:`given_route`; a stochastic one rounded with its ``seeds`` entry,
+    its draws made as :func:`driftcli.casts.quantization.checked_bits` makes them):
+    ``tensor_amax`` the whole tensor's where ``x`` is a slice of it. One call per layout and,
+    rounded, per rounding mode and overflow policy."""
+    nd = x.dim()
+    row_length = x.shape[axis] if nd else 1
+    work = x.contiguous()
+    layouts: dict[Any, tuple[Tensor, list[int]]] = {}
+    for i in taken:
+        c = casts[i]
+        key: Any = "flat" if _flat_layout(c, nd, axis) else (c.scaling.granularity,
+                                                               c.scaling.block)
+        if key not in layouts:
+            layouts[key] = (work.reshape(-1) if key == "flat"
+                            else to_blocks(work, c.scaling, axis)[0].contiguous(), [])
+        layouts[key][1].append(i)
+    out: dict[int, Given] = {}
+    for key, (laid, members) in layouts.items():
+        flat = laid.reshape(-1)
+        ops = {i: _operands(laid if key != "flat" else
+                            flat.view(-1, _group(casts[i], row_length, flat.numel())),
+                            casts[i], row_length, tensor_amax) for i in members}
+        modes: dict[Any, list[int]] = {}
+        for i in members:
+            modes.setdefault((casts[i].rounding, casts[i].overflow) if rounded else None,
+                             []).append(i)
+        for group in modes.values():
+            how = None
+            if rounded:
+                how = jit.Rounded(
+                    [_params(casts[i], sr_bits) for i in group],
+                    [_draws(x, casts[i], seeds[i] if seeds is not None else None, sr_bits,
+                            axis, key) for i in group],
+                    [(0, 0)] * len(group))
+            got = jit.given_counts(flat, [ops[i][0] for i in group], how)
+            for n, i in enumerate(group):
+                out[i] = _given(x, got, n, ops[i], rounded)
+    return out
+
+
+def _params(c: Cast, sr_bits: int) -> tuple[int, ...]:
+    """The element rounding's parameters: from float64 under micro-exponents (``x · r / 2**E``
+    is rounded as a float64), else from float32."""
+    src = rounding.source_of(torch.float64 if c.micro is not None else torch.float32)
+    return rounding.jit_params(src=src, tgt=rounding.target_of(c.format), rounding=c.rounding,
+                               overflow=c.overflow, sr_bits=sr_bits)
+
+
+def _draws(x: Tensor, c: Cast, seed: int | None, sr_bits: int, axis: int,
+           key: Any) -> Tensor | None:
+    if c.rounding is not Rounding.SR:
+        return None
+    bits = checked_bits("fused_stats", x, c, seed, None, sr_bits)
+    if bits is None:
+        return None
+    return bits.reshape(-1) if key == "flat" else to_blocks(bits, c.scaling, axis)[0].reshape(-1)
+
+
+def _given(x: Tensor, got: jit.GivenCounts, n: int, op: tuple[GivenOperands, int, int],
+           rounded: bool) -> Given:
+    operands, clamped, bad = op
+    fields: dict[str, Any] = {
+        "numel": x.numel(), "nonfinite": x.numel() - got.finite,
+        "groups": operands.flags.size, "clipped": got.clipped[n],
+        "clipped_groups": got.clipped_groups[n], "scale_clamped": clamped,
+        "nonfinite_groups": bad}
+    exact: dict[str, Expansion] = {"clip_excess": got.excess[n], "abs_sum": got.abs_sum}
+    if rounded:
+        fields |= dict(zip(("nonzero", "underflowed", "subnormal", "lost"), got.rounded[n][:4],
+                           strict=True))
+        exact |= dict(zip(("xx", "ee", "ex", "e_sum"), got.sums[n], strict=True))
+    return Given(fields, exact)
+
+
+def rht_groups(casts: Sequence[Cast], shape: tuple[int, ...], axis: int,
+               dtype: torch.dtype) -> dict[Rht, list[int]]:
+    """The casts with ``rht=`` the pass takes, by transform: each one's transformed copy of the
+    slice goes through the pass as the cast without it (:func:`without_rht`), where that cast
+    has a route (:func:`~driftcli.casts.route.flat_route` or :func:`given_route`)."""
+    out: dict[Rht, list[int]] = {}
+    for i, c in enumerate(casts):
+        if c.rht is None or rht_problem(c.rht, shape, axis) is not None:
+            continue
+        bare = without_rht(c)
+        dim = axis % len(shape)
+        moved = (*shape[:dim], *shape[dim + 1:], shape[dim])  # the flat route's layout
+        if flat_route(bare, moved, -1, dtype) is None and \
+                given_route(bare, shape, axis, dtype) is None:
+            continue
+        out.setdefault(c.rht, []).append(i)
+    return out
+
+
+def without_rht(c: Cast) -> Cast:
+    """``c`` as it casts the transform it reads."""
+    return replace(c, rht=None)
