@@ -319,7 +319,8 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
             runs[start * row_elems // chunk:stop * row_elems // chunk]
         # every cast the fused pass takes, in one read of the slice (a stochastic one needs
         # its values for the expected cast: cast_stats gives them)
-        fused = fused_stats(x, list(casts), axis=opts.axis, tensor_amax=amax, rounded=rounded)
+        fused = fused_stats(x, list(casts), axis=opts.axis, tensor_amax=amax, rounded=rounded,
+                            rht_amax=rht_amax)
         facts = slice_facts(x, chunk, own) if len(fused) < len(casts) else None
         for ci, c in enumerate(casts):
             n = n_draws[ci]
