@@ -149,20 +149,24 @@ def test_slices_and_threads_give_the_same_bits() -> None:
     specs = ["te/nvfp4", "torchao/float8_tensorwise", "te/nvfp4_row_4over6", "hifloat4",
              "te/nvfp4_rht"]
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(12, 4096, generator=gen) * torch.exp(torch.randn(12, 4096, generator=gen))
-    whole = fused_stats(x, specs, rounded=True)
+    x = torch.randn(48, 4096, generator=gen) * torch.exp(torch.randn(48, 4096, generator=gen))
     amax = float(x.abs().max())
     rht_amax = {4: finite_amax(transformed(x, parse_cast(specs[4])))}
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        parts = [fused_stats(x[a:a + 4], specs, rounded=True, tensor_amax=amax,
-                             rht_amax=rht_amax) for a in range(0, 12, 4)]
+        torch.set_num_threads(1)
+        whole = fused_stats(x, specs, rounded=True)
+        torch.set_num_threads(2)  # 196,608 elements: two threads' slices
+        runs = [fused_stats(x, specs, rounded=True)]
+        runs.append({i: CastStats.merge([p[i] for p in parts], per_tensor=i == 1)
+                     for parts in [[fused_stats(x[a:a + 16], specs, rounded=True,
+                                                tensor_amax=amax, rht_amax=rht_amax)
+                                    for a in range(0, 48, 16)]] for i in range(len(specs))})
     finally:
         torch.set_num_threads(threads)
-    for i, spec in enumerate(specs):
-        merged = CastStats.merge([p[i] for p in parts], per_tensor=i == 1)
-        assert merged == whole[i], spec
+    for run in runs:
+        for i, spec in enumerate(specs):
+            assert run[i] == whole[i], spec
 
 
 def test_the_scan_counts_given_casts_as_cast_stats() -> None:
