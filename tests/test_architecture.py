@@ -39,7 +39,7 @@ LAYERS = (
     ("casts.rounding", "casts.codec"),
     ("casts.scaling", "casts.scalearith", "casts.fouroversix", "casts.hadamard",
      "casts.microscale", "arith.blockfma", "arith.tensorcores"),
-    ("casts.quantization", "casts.route"),
+    ("casts.quantization", "casts.route", "casts.given"),
     ("arith.autograd", "arith.exact", "arith.intercept", "arith.matmul", "arith.matmulspec",
      "arith.mode", "arith.policy", "arith.recipe_policies"),
     ("io", "engines"),
@@ -255,6 +255,9 @@ CASTS_INTERFACE = {
     "casts.codec": {"encode", "decode", "nan_code"},
     "casts.hadamard": {"transform", "transformed", "check_core", "rht_problem"},
     # the cast pipeline's route, decided once per cast (issue 41): what the fused pass takes
+    # the scan pass's given-scales step: the casts whose scale steps give the pass operands
+    "casts.given": {"given_counts", "given_route", "rht_groups", "without_rht", "Given",
+                    "GivenStep"},
     "casts.route": {"flat_route", "one_scale",
                     # and its steps: the groups' amax, scales, values and counts
                     "block_amax", "block_ranges", "group_ranges", "group_scales", "GroupScales",
