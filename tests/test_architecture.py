@@ -255,37 +255,20 @@ CASTS_INTERFACE = {
     "casts.codec": {"encode", "decode", "nan_code"},
     "casts.hadamard": {"transform", "transformed", "check_core", "rht_problem"},
     # the cast pipeline's route, decided once per cast (issue 41): what the fused pass takes
-    # the scan pass's given-scales step: the casts whose scale steps give the pass operands
-    "casts.given": {"given_counts", "given_route", "rht_groups", "without_rht", "Given",
-                    "GivenStep"},
     "casts.route": {"flat_route", "one_scale",
                     # and its steps: the groups' amax, scales, values and counts
                     "block_amax", "block_ranges", "group_ranges", "group_scales", "GroupScales",
                     "cast_elements", "ElementCast", "block_summary", "key_counts",
-                    "fused_summary", "Summary"},
+                    "fused_summary", "Summary",
+                    # the counts a cast makes of a tensor (the scan's), and a slice's shared reads
+                    "count_cast", "fused_counts", "fused_takes", "Counts", "error_terms",
+                    "error_sums", "SliceFacts", "slice_facts", "run_amax", "run_length",
+                    "finite_amax", "SUM_PIECE", "TENSOR_ROW"},
 }
 """The names of ``casts/`` the layers above may use: a whole cast (``quantize``), the element
 rounding and arithmetic verify checks, code <-> value, the random Hadamard transform, and the
 dtype a cast works in. Everything else of ``casts/`` (scale plans, block masks, the pieces of a
 route) is private to it; the cast pipeline of issue 41 adds its steps here."""
-
-KNOWN_ISSUE_41 = {
-    "driftcli.measures.stats": {
-        "driftcli.kernels", "driftcli.kernels.jit", "driftcli.kernels.jit_unavailable",
-        "driftcli.kernels.numba_runs",
-        *(f"driftcli.casts.quantization.{n}" for n in (
-            "amax_and_nonfinite", "cast_blocks", "checked_bits", "element_masks",
-            "fused_block_cast_applies", "needs_wide", "plan_scales", "pow2_rule",
-            "tensor_amax_of", "two_level_consts", "working")),
-        *(f"driftcli.casts.rounding.{n}" for n in ("jit_params", "source_of", "target_of")),
-        *(f"driftcli.casts.scaling.{n}" for n in ("ScalePlan", "block_stats", "to_blocks"))},
-}
-"""Issue 41: the reaches into ``kernels/`` and the casts' insides there are today, each one a
-private composition of a cast's route (``stats._numba_stats``) that the one cast pipeline
-replaces (block-stats, ``verify/blocks`` and cast-diff call its steps).
-The only exceptions: a module reaching in anywhere else fails, and an entry here goes once its
-module stops."""
-
 
 def _is_module(name: str) -> bool:
     """Whether ``name`` is an importable module or package (not a name inside one)."""
@@ -395,19 +378,8 @@ def f(x):
 
 
 def test_measures_verify_and_runs_use_no_kernel_and_no_private_cast_name() -> None:
-    """Beyond the exceptions issue 41 removes (:data:`KNOWN_ISSUE_41`), no module of
-    ``measures/``, ``verify/`` or ``runs/`` reaches into ``kernels/`` or the casts' insides."""
-    found = _engine_reaches()
-    new = {m: sorted(names - KNOWN_ISSUE_41.get(m, set())) for m, names in found.items()}
-    assert {m: names for m, names in new.items() if names} == {}
-    # and an exception that is gone leaves the list, so that it cannot come back unseen
-    gone = {m: sorted(names - found.get(m, set())) for m, names in KNOWN_ISSUE_41.items()}
-    assert {m: names for m, names in gone.items() if names} == {}
-
-
-@pytest.mark.xfail(strict=True, reason="issue 41: measures/stats still composes a cast's "
-                                       "route of its own")
-def test_no_exception_to_the_casts_interface_is_left() -> None:
+    """No module of ``measures/``, ``verify/`` or ``runs/`` reaches into ``kernels/`` or the
+    casts' insides: they take the cast pipeline's steps (:data:`CASTS_INTERFACE`)."""
     assert _engine_reaches() == {}
 
 
@@ -463,23 +435,14 @@ def test_the_checker_finds_a_back_end_asked_any_way() -> None:
                                   "doc = 'numba_runs'\ngroup_scales(c, a)\n")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 41: the scan (measures/stats) still decides its "
-                                       "route itself")
 def test_the_route_is_decided_in_one_module() -> None:
     """Beside :data:`ROUTE_DECIDER`, neither ``quantize`` nor a module that measures, verifies
-    or trains asks which back-end runs."""
-    assert _route_deciders() == {ROUTE_DECIDER}
-
-
-def test_quantize_block_stats_verify_and_cast_diff_take_the_route_they_are_given() -> None:
-    """What issue 41 has done of the above: only the scan decides a route beside
-    :data:`ROUTE_DECIDER`; ``quantize`` follows :func:`driftcli.casts.route.cast_route`'s."""
+    or trains asks which back-end runs; ``quantize`` follows
+    :func:`driftcli.casts.route.cast_route`'s route."""
     import ast
     from pathlib import Path
 
-    found = _route_deciders()
-    assert ROUTE_DECIDER in found
-    assert found <= {ROUTE_DECIDER, "driftcli.measures.stats"}
+    assert _route_deciders() == {ROUTE_DECIDER}
     source = Path(importlib.import_module("driftcli.casts.quantization").__file__ or "")
     called = {n.func.id for n in ast.walk(ast.parse(source.read_text(encoding="utf-8")))
               if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}

@@ -6,8 +6,8 @@ Two kinds of cast take it:
 
 - a scale arithmetic (:mod:`driftcli.casts.scalearith`: the torchao, Transformer Engine and
   DeepSeek presets, row-scaled NVFP4, four over six's choice): each scale group's float32
-  apply and undo operands from :func:`driftcli.casts.route.arith_operands`, the step
-  :func:`~driftcli.casts.route.cast_blocks` takes; the pass meets them with the element
+  apply and undo operands from :func:`arith_operands`, the step
+  :func:`driftcli.casts.route.cast_blocks` takes too; the pass meets them with the element
   operations of :func:`driftcli.kernels.jit.round_scaled`;
 - micro-exponents (:mod:`driftcli.casts.microscale`: HiFloat4, MX6, MX9): each block's
   first-level scale ``s`` and multiplier ``r`` and each innermost run's micro-exponent ``E``
@@ -23,15 +23,15 @@ slice; tiles, and blocks along another axis, are first copied into their block l
 call per layout. Blocks that would be padded (a length along the axis not a multiple of the
 block) are not taken: their padding counts in :func:`~driftcli.casts.route.cast_blocks`' way.
 
-A cast with ``rht=`` reads the transform of the slice (:func:`rht_groups`): the transformed
-copy is made once per transform and goes through the pass (its own call) as the cast without
-the transform.
+A cast with ``rht=`` reads the transform of the slice (:func:`driftcli.casts.route.rht_groups`):
+the transformed copy is made once per transform and goes through the pass (its own call) as the
+cast without the transform.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -40,15 +40,14 @@ import torch
 
 from driftcli import kernels
 from driftcli.casts import rounding
-from driftcli.casts.hadamard import rht_problem
+from driftcli.casts.fouroversix import four_over_six_scales
 from driftcli.casts.microscale import micro_scales
-from driftcli.casts.quantization import checked_bits
-from driftcli.casts.route import arith_operands, flat_route
-from driftcli.casts.scaling import to_blocks
+from driftcli.casts.scalearith import ArithScales, arith_scales, group_amax, row_amax
+from driftcli.casts.scaling import block_stats, to_blocks
 from driftcli.kernels import jit
 from driftcli.kernels.jit import Expansion, GivenOperands
-from driftcli.records.cast import Cast, Rht
-from driftcli.records.modes import AmaxPolicy, ElementOp, Granularity, Rounding
+from driftcli.records.cast import Cast
+from driftcli.records.modes import AmaxPolicy, ElementOp, Granularity
 
 Tensor = torch.Tensor
 
@@ -70,8 +69,8 @@ def given_route(c: Cast, shape: tuple[int, ...], axis: int, dtype: torch.dtype
                 ) -> GivenStep | None:
     """The given-scales step of ``c`` for a tensor of ``shape`` and ``dtype`` (its blocks along
     ``axis``), or None where the pass does not take it that way: not float32, a transform
-    (:func:`rht_groups`), drift's exact arithmetic without micro-exponents (the flat route's),
-    blocks or tiles that would be padded."""
+    (:func:`driftcli.casts.route.rht_groups`), drift's exact arithmetic without
+    micro-exponents (the flat route's), blocks or tiles that would be padded."""
     s = c.scaling
     if dtype != torch.float32 or not shape or c.rht is not None or \
             (s.arithmetic.exact and c.micro is None):
@@ -101,6 +100,33 @@ class Given:
 
     fields: dict[str, Any]
     exact: dict[str, Expansion]
+
+
+def arith_operands(blocks: Tensor, c: Cast, row_length: int, tensor_amax: float | None,
+                   use_jit: bool) -> tuple[ArithScales, Tensor, Tensor | None]:
+    """The scale step of a scale arithmetic (:mod:`driftcli.casts.scalearith`, four over six's
+    choice included) on nonempty float32 ``blocks`` (one row a scale group; ``row_length``:
+    the elements along the block axis, for row-scaled casts): each row's operands, which rows
+    hold NaN or inf, and the rows made NaN whole (None where none are: the amax policy lets
+    NaN through the operations). :func:`driftcli.casts.route.cast_blocks` and this module's
+    pass both take it."""
+    s, a = c.scaling, c.scaling.arithmetic
+    if use_jit:
+        fin_amax, bad = jit.block_amax(blocks)
+    else:
+        found = block_stats(blocks)
+        fin_amax, bad = found.amax, found.nonfinite
+    amax = group_amax(blocks, fin_amax, bad, a.amax)
+    top = amax.max() if tensor_amax is None else torch.tensor(tensor_amax, dtype=amax.dtype,
+                                                              device=amax.device)
+    if a.two.row_scaled:  # one amax per row: a slice of whole rows needs no tensor amax
+        top = row_amax(amax, row_length, s.block)
+    if s.granularity is Granularity.TENSOR:
+        amax = top.expand_as(amax).contiguous()
+    sc = (four_over_six_scales(blocks, amax, top, c.format, a.two) if a.two.four_over_six
+          else arith_scales(amax, top, c.format, s))
+    poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
+    return sc, bad, poisoned
 
 
 def _operands(blocks: Tensor, c: Cast, row_length: int, tensor_amax: float | None
@@ -147,13 +173,12 @@ def _np(t: Tensor) -> np.ndarray:
 
 def given_counts(x: Tensor, casts: Sequence[Cast], taken: Sequence[int], *, axis: int = -1,
                  tensor_amax: float | None = None, rounded: bool = False,
-                 seeds: Sequence[int | None] | None = None,
+                 bits: Sequence[Tensor | None] | None = None,
                  sr_bits: int = rounding.DEFAULT_SR_BITS) -> dict[int, Given]:
     """The given pass over a nonempty float32 slice ``x`` for the casts ``casts[i]``, ``i`` in
-    ``taken`` (each of :func:`given_route`; a stochastic one rounded with its ``seeds`` entry,
-    its draws made as :func:`driftcli.casts.quantization.checked_bits` makes them):
-    ``tensor_amax`` the whole tensor's where ``x`` is a slice of it. One call per layout and,
-    rounded, per rounding mode and overflow policy."""
+    ``taken`` (each of :func:`given_route`; a stochastic one rounded with its draws
+    ``bits[i]``, shaped like ``x``): ``tensor_amax`` the whole tensor's where ``x`` is a slice
+    of it. One call per layout and, rounded, per rounding mode and overflow policy."""
     nd = x.dim()
     row_length = x.shape[axis] if nd else 1
     work = x.contiguous()
@@ -181,8 +206,8 @@ def given_counts(x: Tensor, casts: Sequence[Cast], taken: Sequence[int], *, axis
             if rounded:
                 how = jit.Rounded(
                     [_params(casts[i], sr_bits) for i in group],
-                    [_draws(x, casts[i], seeds[i] if seeds is not None else None, sr_bits,
-                            axis, key) for i in group],
+                    [_draws(None if bits is None else bits[i], casts[i], axis, key)
+                     for i in group],
                     [(0, 0)] * len(group))
             got = jit.given_counts(flat, [ops[i][0] for i in group], how)
             for n, i in enumerate(group):
@@ -198,11 +223,8 @@ def _params(c: Cast, sr_bits: int) -> tuple[int, ...]:
                                overflow=c.overflow, sr_bits=sr_bits)
 
 
-def _draws(x: Tensor, c: Cast, seed: int | None, sr_bits: int, axis: int,
-           key: Any) -> Tensor | None:
-    if c.rounding is not Rounding.SR:
-        return None
-    bits = checked_bits("fused_stats", x, c, seed, None, sr_bits)
+def _draws(bits: Tensor | None, c: Cast, axis: int, key: Any) -> Tensor | None:
+    """A stochastic cast's draws laid out as the slice its layout ``key`` reads."""
     if bits is None:
         return None
     return bits.reshape(-1) if key == "flat" else to_blocks(bits, c.scaling, axis)[0].reshape(-1)
@@ -222,27 +244,3 @@ def _given(x: Tensor, got: jit.GivenCounts, n: int, op: tuple[GivenOperands, int
                            strict=True))
         exact |= dict(zip(("xx", "ee", "ex", "e_sum"), got.sums[n], strict=True))
     return Given(fields, exact)
-
-
-def rht_groups(casts: Sequence[Cast], shape: tuple[int, ...], axis: int,
-               dtype: torch.dtype) -> dict[Rht, list[int]]:
-    """The casts with ``rht=`` the pass takes, by transform: each one's transformed copy of the
-    slice goes through the pass as the cast without it (:func:`without_rht`), where that cast
-    has a route (:func:`~driftcli.casts.route.flat_route` or :func:`given_route`)."""
-    out: dict[Rht, list[int]] = {}
-    for i, c in enumerate(casts):
-        if c.rht is None or rht_problem(c.rht, shape, axis) is not None:
-            continue
-        bare = without_rht(c)
-        dim = axis % len(shape)
-        moved = (*shape[:dim], *shape[dim + 1:], shape[dim])  # the flat route's layout
-        if flat_route(bare, moved, -1, dtype) is None and \
-                given_route(bare, shape, axis, dtype) is None:
-            continue
-        out.setdefault(c.rht, []).append(i)
-    return out
-
-
-def without_rht(c: Cast) -> Cast:
-    """``c`` as it casts the transform it reads."""
-    return replace(c, rht=None)

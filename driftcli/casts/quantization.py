@@ -5,8 +5,7 @@ A :class:`~driftcli.records.cast.Cast` says how (element format, scaling, roundi
 steps, on which back-end of :mod:`driftcli.kernels`: the same bits on each), and ``quantize``
 follows it: the tensor cut into its scale groups (:func:`~driftcli.casts.scaling.to_blocks`),
 each group's scale chosen by its rule, every element rounded onto the format's grid times that
-scale (:mod:`driftcli.casts.rounding`). The steps live in :mod:`driftcli.casts.route`; the
-names :mod:`driftcli.measures.stats` still takes from here are theirs.
+scale (:mod:`driftcli.casts.rounding`). The steps live in :mod:`driftcli.casts.route`.
 """
 
 from __future__ import annotations
@@ -15,35 +14,27 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from driftcli.casts import rounding
 from driftcli.casts.hadamard import transform
 from driftcli.casts.route import (
-    amax_and_nonfinite,
     cast_blocks,
     cast_route,
     cast_values,
+    checked_bits,
     element_masks,
     fused_block_cast_applies,
-    needs_wide,
-    plan_scales,
-    pow2_rule,
-    tensor_amax_of,
-    two_level_consts,
     working,
     working_dtype,
 )
-from driftcli.errors import DriftError
 from driftcli.records.cast import Cast
 from driftcli.records.castspec import parse_cast
-from driftcli.records.modes import DEFAULT_SR_BITS, Rounding
+from driftcli.records.modes import DEFAULT_SR_BITS
 
 __all__ = [
-    "QuantInfo", "amax_and_nonfinite", "cast_blocks", "checked_bits", "element_masks",
-    "fused_block_cast_applies", "needs_wide", "plan_scales", "pow2_rule", "quantize",
-    "tensor_amax_of", "two_level_consts", "working", "working_dtype",
+    "QuantInfo", "cast_blocks", "fused_block_cast_applies", "quantize", "working",
+    "working_dtype",
 ]
-"""``quantize`` and its record, and the steps of :mod:`driftcli.casts.route` that
-:mod:`driftcli.measures.stats` takes from here (issue 41 moves it onto the route's steps)."""
+"""``quantize`` and its record, and the steps of :mod:`driftcli.casts.route` that older
+callers (the operands' statistics, the fast-cast tests) take from here."""
 
 Tensor = torch.Tensor
 
@@ -96,21 +87,6 @@ def quantize(x: Tensor, cast_or_spec: Cast | str, *, axis: int = -1, seed: int |
             return out.to(x.dtype)
         return replace(out, values=out.values.to(x.dtype))
     return _quantize(x, c, axis, random_bits, sr_bits, return_info)
-
-
-def checked_bits(what: str, x: Tensor, c: Cast, seed: int | None, random_bits: Tensor | None,
-                  sr_bits: int) -> Tensor | None:
-    """Check ``x`` is a float tensor; the random bits a stochastic cast reads (drawn from
-    ``seed`` when not given), checked against ``x``'s shape."""
-    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
-        raise DriftError(f"{what} needs a floating-point tensor, not {x.dtype}")
-    if c.rounding is Rounding.SR and random_bits is None:
-        if seed is None:
-            raise DriftError("stochastic rounding needs seed= or random_bits=")
-        random_bits = rounding.draw_random_bits(x.shape, seed, sr_bits, x.device)
-    if random_bits is not None:
-        rounding.check_random_bits(random_bits, x.shape, sr_bits)
-    return random_bits
 
 
 def _quantize(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,

@@ -23,27 +23,22 @@ and followed by :func:`driftcli.casts.quantization.quantize`: a one-pass values 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from driftcli import kernels
 from driftcli.casts import rounding
-from driftcli.casts.fouroversix import four_over_six_scales, fused_values
+from driftcli.casts.fouroversix import fused_values
+from driftcli.casts.given import arith_operands, given_counts, given_route
+from driftcli.casts.hadamard import rht_problem, transform
 from driftcli.casts.microscale import micro_scales, micro_values, numba_values
-from driftcli.casts.scalearith import (
-    ArithScales,
-    apply_ops,
-    arith_scales,
-    group_amax,
-    row_amax,
-    undo_ops,
-)
+from driftcli.casts.scalearith import apply_ops, undo_ops
 from driftcli.casts.scaling import (
     ScalePlan,
     binade_and_significand,
@@ -102,10 +97,10 @@ class FlatRoute:
     block: int
     """Elements per scale group; 0 for one scale for the tensor."""
     rule: np.ndarray
-    """A power-of-two rule's vector (:func:`driftcli.casts.quantization.pow2_rule`)."""
+    """A power-of-two rule's vector (:func:`pow2_rule`)."""
     consts: np.ndarray
     """A two-level cast's float32 constants
-    (:func:`~driftcli.casts.quantization.two_level_consts`)."""
+    (:func:`two_level_consts`)."""
     q: np.ndarray
     """And its scale rounding's parameters."""
     ends: tuple[float, float, float]
@@ -161,7 +156,7 @@ def flat_route(c: Cast, shape: tuple[int, ...], axis: int, dtype: torch.dtype) -
 def one_scale(c: Cast, route: FlatRoute, amax: float) -> tuple[int, float, bool]:
     """A one-scale route's scale for a tensor whose largest finite magnitude is ``amax``: the
     exponent of a power of two, or the float32 divisor, by the rule's own steps
-    (:func:`driftcli.casts.quantization.plan_scales`); and whether it was clamped."""
+    (:func:`plan_scales`); and whether it was clamped."""
     if c.scaling.granularity is Granularity.NONE:
         return 0, 1.0, False
     top = torch.tensor([amax], dtype=torch.float32)
@@ -759,28 +754,6 @@ def _cast_blocks_micro(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
     return Blocked(blocks, q, scales, sc.clamped, sc.bad, back, bits, None, None, quotient)
 
 
-def arith_operands(blocks: Tensor, c: Cast, row_length: int, tensor_amax: float | None,
-                   use_jit: bool) -> tuple[ArithScales, Tensor, Tensor | None]:
-    """The scale step of a scale arithmetic (:mod:`driftcli.casts.scalearith`, four over six's
-    choice included) on nonempty float32 ``blocks`` (one row a scale group; ``row_length``:
-    the elements along the block axis, for row-scaled casts): each row's operands, which rows
-    hold NaN or inf, and the rows made NaN whole (None where none are: the amax policy lets
-    NaN through the operations). :func:`cast_blocks` and the scan's given-scales step
-    (:mod:`driftcli.casts.given`) both take it."""
-    s, a = c.scaling, c.scaling.arithmetic
-    finite_amax, bad = jit.block_amax(blocks) if use_jit else amax_and_nonfinite(blocks)
-    amax = group_amax(blocks, finite_amax, bad, a.amax)
-    top = tensor_amax_of(amax, tensor_amax)
-    if a.two.row_scaled:  # one amax per row: a slice of whole rows needs no tensor amax
-        top = row_amax(amax, row_length, s.block)
-    if s.granularity is Granularity.TENSOR:
-        amax = top.expand_as(amax).contiguous()
-    sc = (four_over_six_scales(blocks, amax, top, c.format, a.two) if a.two.four_over_six
-          else arith_scales(amax, top, c.format, s))
-    poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
-    return sc, bad, poisoned
-
-
 def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None,
                        sr_bits: int, tensor_amax: float | None, use_jit: bool) -> Blocked:
     """:func:`cast_blocks` under a scale arithmetic (:mod:`driftcli.casts.scalearith`): in float32,
@@ -954,3 +927,544 @@ def two_level_consts(c: Cast) -> tuple[np.ndarray, tuple[int, ...]]:
                             tgt=plan.scale_target,
                             rounding=Rounding.RNE, overflow=Overflow.IEEE, sr_bits=DEFAULT_SR_BITS)
     return consts, q
+
+
+# --- the counts of a cast over a tensor: the scan's steps (issue 41) ---------------------------
+# What :mod:`driftcli.measures.stats` makes its record (``CastStats``) of: each count and float64
+# sum of a cast, on the back-end chosen here, by the fused pass of every cast of a slice
+# (:func:`fused_counts`) or one cast's own steps (:func:`count_cast`). The fields are
+# ``CastStats``' by name; the measures above call these and never a kernel.
+
+SUM_PIECE = PIECE
+"""Elements per piece of the fused pass's float64 sums, counted from a slice's first element:
+a slice starting on a multiple of it in the tensor has the tensor's pieces."""
+
+ROUNDED_FIELDS = ("nonzero", "underflowed", "subnormal", "lost", "xx", "ee", "ex", "e_sum")
+"""The count fields that need the rounded values (``None`` without them), in the order the
+numba passes give them."""
+
+
+class Counts(NamedTuple):
+    """What a cast did to a tensor, counted: ``fields`` are ``CastStats``' fields by name
+    (the rounded ones ``None`` when the rounding was skipped), ``partials`` the float64 sums
+    known exactly as non-overlapping partials (the fused pass's; None where only the floats
+    are known), ``values`` the dequantized cast when asked."""
+
+    fields: dict[str, Any]
+    partials: dict[str, tuple[float, ...]] | None = None
+    values: Tensor | None = None
+
+
+def _flat(x: Tensor) -> Tensor:
+    return working(x).reshape(-1)
+
+
+def checked_bits(what: str, x: Tensor, c: Cast, seed: int | None, random_bits: Tensor | None,
+                  sr_bits: int) -> Tensor | None:
+    """Check ``x`` is a float tensor; the random bits a stochastic cast reads (drawn from
+    ``seed`` when not given), checked against ``x``'s shape."""
+    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
+        raise DriftError(f"{what} needs a floating-point tensor, not {x.dtype}")
+    if c.rounding is Rounding.SR and random_bits is None:
+        if seed is None:
+            raise DriftError("stochastic rounding needs seed= or random_bits=")
+        random_bits = rounding.draw_random_bits(x.shape, seed, sr_bits, x.device)
+    if random_bits is not None:
+        rounding.check_random_bits(random_bits, x.shape, sr_bits)
+    return random_bits
+
+
+def error_terms(x: Tensor, q: Tensor, finite: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(valid, e, xv)`` of a cast ``q`` of ``x``, in float64: ``valid`` where both are finite
+    (``finite``: ``x``'s mask, when already known), ``e = q - x`` and ``xv = x`` there, 0
+    elsewhere. Every error sum of the torch back-end (of a cast, of an expected cast) is made
+    of these terms, in this one way, so that they agree bit for bit."""
+    xd, qd = x.double(), q.double()
+    valid = (torch.isfinite(xd) if finite is None else finite) & torch.isfinite(qd)
+    return valid, torch.where(valid, qd - xd, 0.0), torch.where(valid, xd, 0.0)
+
+
+def error_sums(e: Tensor, xv: Tensor) -> list[Tensor]:
+    """Σx², Σe², Σe·x, Σe of :func:`error_terms` (the ``xx ee ex e_sum`` of CastStats), the
+    same bits for any thread count: torch splits a CPU sum across its threads, and a float64
+    sum's last bits follow the split, so on the CPU numpy's pairwise sum (one thread) adds."""
+    terms = [xv * xv, e * e, e * xv, e]
+    if e.device.type != "cpu":
+        return [t.sum() for t in terms]
+    return [torch.tensor(t.contiguous().numpy().sum(), dtype=torch.float64) for t in terms]
+
+
+def _abs_sum(x: Tensor) -> Tensor:
+    """Σ|x| in float64: NaN or inf when ``x`` holds one (then :func:`slice_facts` masks)."""
+    return x.abs().double().sum()
+
+
+def _by_rounding(c: Cast, clipped: int) -> int:
+    """The clips that only the rounding of a real scale made: all of a rule's that covers
+    amax (every finite |x| is at most amax, so its exact quotient by amax / M is at most M)."""
+    rule = c.scaling.rule
+    return clipped if rule is not None and rule.covers_amax else 0
+
+
+TENSOR_ROW = 1 << 12
+"""Row length a per-tensor scaled tensor is folded into for the fused pass (zero padded:
+zeros add nothing to any sum)."""
+
+_WHOLE = (Granularity.TENSOR, Granularity.NONE)
+"""Granularities whose one scale (a tensor's, or 2**0) the fused pass folds into rows of
+:data:`TENSOR_ROW`."""
+
+
+def _abs_max(blocks: Tensor) -> Tensor:
+    """Each row's largest magnitude: NaN where the row holds a NaN, inf where it holds an
+    inf and no NaN (max propagates NaN)."""
+    return blocks.abs().amax(dim=1)
+
+
+def _row_amax(blocks: Tensor, raw: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Each row's amax over its finite elements and which rows hold a NaN or inf (as
+    :func:`driftcli.casts.scaling.block_stats`), from the rows' NaN-propagating amax ``raw`` when
+    given (shared from :class:`SliceFacts`): only the rows that hold a NaN or inf are then
+    reduced again, masked."""
+    if raw is None:
+        return jit.block_amax(blocks) if kernels.numba_runs(blocks) else \
+            amax_and_nonfinite(blocks)
+    bad = ~torch.isfinite(raw)
+    rows = bad.nonzero()[:, 0]
+    if rows.numel():
+        raw = raw.clone()
+        raw[rows] = block_stats(blocks.index_select(0, rows)).amax
+    return raw, bad
+
+
+def run_length(shape: tuple[int, ...], c: Cast, axis: int) -> int:
+    """How many consecutive elements of the flattened tensor each of ``c``'s scale groups
+    is (a last one zero padded): :data:`TENSOR_ROW` for a tensor scale or none (as the fused
+    pass folds them), the block for blocks along the last axis that divide it; 0 for any other
+    layout (tiles, channels, blocks along another axis)."""
+    s = c.scaling
+    if not shape:
+        return 0
+    if s.granularity in _WHOLE:
+        return TENSOR_ROW
+    if s.granularity is Granularity.BLOCK and axis % len(shape) == len(shape) - 1 and \
+            shape[-1] % s.block == 0:
+        return s.block
+    return 0
+
+
+@dataclass(frozen=True)
+class SliceFacts:
+    """What every cast of one tensor, or one slice of it, shares: read from it once (see
+    :func:`slice_facts`) instead of once per cast."""
+
+    finite: int
+    """Finite elements."""
+    abs_sum: float
+    """Σ|x| over them, in float64."""
+    chunk: int = 0
+    """Elements per entry of ``amax``; 0 without it."""
+    amax: Tensor | None = None
+    """Per run of ``chunk`` consecutive elements of the flattened input, its largest
+    magnitude: NaN where the run holds a NaN, inf where an inf (as :func:`_abs_max`).
+    A cast whose scale groups are whole runs of these (blocks along the last axis, a
+    tensor scale) takes its groups' amax from it."""
+
+    def group_amax(self, x: Tensor, c: Cast, axis: int) -> Tensor | None:
+        """The raw amax of each row of ``c``'s block layout of ``x``, or None where the
+        layout is not made of whole runs."""
+        k = run_length(tuple(x.shape), c, axis)
+        if self.amax is None or not k or k % self.chunk:
+            return None
+        r = k // self.chunk
+        a = self.amax
+        if a.numel() % r:  # a tensor scale's last row is zero padded, and so is this
+            a = torch.nn.functional.pad(a, (0, -a.numel() % r))
+        return a.view(-1, r).amax(dim=1) if r > 1 else a
+
+
+def run_amax(x: Tensor, chunk: int) -> Tensor | None:
+    """The largest magnitude of each run of ``chunk`` consecutive elements of ``x``
+    flattened, NaN or inf where a run holds one (as :attr:`SliceFacts.amax`); None unless
+    ``chunk`` divides ``x.numel()``."""
+    flat = _flat(x)
+    if not chunk or not flat.numel() or flat.numel() % chunk:
+        return None
+    if kernels.numba_runs(flat):
+        return jit.slice_facts(flat, chunk)[0]
+    return _abs_max(flat.view(-1, chunk))
+
+
+def slice_facts(x: Tensor, chunk: int = 0, amax: Tensor | None = None) -> SliceFacts:
+    """The :class:`SliceFacts` of ``x``: its :func:`run_amax` (given as ``amax``, or
+    computed), its finite count and Σ|x|, in one read of ``x`` on the numba back-end."""
+    flat = _flat(x)
+    if kernels.numba_runs(flat) and flat.numel():
+        runs, finite, abs_sum = jit.slice_facts(flat, 0 if amax is not None else chunk)
+        amax = amax if amax is not None else runs
+        return SliceFacts(finite, abs_sum, chunk if amax is not None else 0, amax)
+    amax = amax if amax is not None else run_amax(flat, chunk)
+    total = _abs_sum(flat)
+    if flat.numel() == 0 or bool(torch.isfinite(total)):
+        finite, abs_sum = flat.numel(), float(total)
+    else:  # a NaN or inf: count and add up the finite elements only
+        ok = torch.isfinite(flat)
+        finite, abs_sum = int(ok.sum()), float(torch.where(ok, flat.abs(), 0.0).double().sum())
+    return SliceFacts(finite, abs_sum, chunk if amax is not None else 0, amax)
+
+
+def finite_amax(x: Tensor, runs: Tensor | None = None) -> float:
+    """The largest finite magnitude in ``x`` (0 when there is none), as scales read it, from
+    its :func:`run_amax` ``runs`` when given."""
+    if x.numel() == 0:
+        return 0.0
+    flat = _flat(x)
+    if runs is not None and runs.numel():
+        return float(_row_amax(flat.view(runs.numel(), -1), runs)[0].max())
+    n = flat.numel()
+    rows = flat.view(-1, TENSOR_ROW) if n % TENSOR_ROW == 0 else flat.view(1, -1)
+    return float(_row_amax(rows)[0].max())
+
+
+def fused_takes(shape: tuple[int, ...], dtype: torch.dtype, casts: Sequence[Cast],
+                axis: int = -1, rounded: bool = False) -> bool:
+    """Whether :func:`fused_counts` counts every cast of ``casts`` on a tensor of ``shape``
+    and ``dtype`` (on the numba back-end; ``rounded`` as there, without seeds: a stochastic
+    cast is then not taken): then nothing else reads the tensor for them. (A power-of-two
+    grid found out of float32's range sends a cast back to :func:`count_cast` even so.)"""
+    moved = _axis_last(shape, axis)[0]
+    rht = {i for m in rht_groups(casts, shape, axis, dtype).values() for i in m}
+    return dtype == torch.float32 and kernels.jit_unavailable() is None and all(
+        (flat_route(c, moved, -1, dtype) is not None or i in rht or
+         given_route(c, shape, axis, dtype) is not None) and
+        not (rounded and c.rounding is Rounding.SR) for i, c in enumerate(casts))
+
+
+def count_cast(x: Tensor, c: Cast, *, axis: int = -1, random_bits: Tensor | None = None,
+               seed: int | None = None, sr_bits: int = DEFAULT_SR_BITS,
+               tensor_amax: float | None = None, want_values: bool = True,
+               rounded: bool = True, facts: SliceFacts | None = None) -> Counts:
+    """Cast ``x`` under ``c`` and count what happened (the steps of
+    ``driftcli.measures.stats.cast_stats``, whose arguments these are), on the numba back-end
+    in one pass after the scales (:func:`_numba_counts`) where it takes the cast, else by the
+    torch back-end's block cast and masks (:func:`cast_blocks`, :func:`element_masks`)."""
+    if not rounded:
+        if want_values:
+            raise DriftError("cast_stats: values need the rounding; pass want_values=False "
+                             "with rounded=False")
+        c = replace(c, rounding=Rounding.RTZ)  # clipping and scales do not depend on it
+        seed = random_bits = None
+    random_bits = checked_bits("cast_stats", x, c, seed, random_bits, sr_bits)
+    if c.rht is not None:  # count the cast of what it reads: the transform of x
+        x, c, facts = transform(x, c.rht, axis), replace(c, rht=None), None
+    fused = _numba_counts(x, c, axis, random_bits, sr_bits, tensor_amax, want_values, rounded,
+                          facts)
+    if fused is not None:
+        return fused
+    b = cast_blocks(x, c, axis, random_bits, sr_bits, tensor_amax)
+    m = element_masks(b, c, sr_bits)
+    xd = b.blocks.double()
+    scale = b.scales[:, None]
+    valid, e, xv = error_terms(b.blocks, b.q, m.finite)
+    xx, ee, ex, e_sum = (float(t) for t in error_sums(e, xv))
+    mags = torch.where(m.finite, xd.abs(), 0.0)
+    excess = torch.where(m.clipped, mags - float(c.format.max) * scale, 0.0)
+    n_nonfinite = int((~m.finite).sum())
+    fields: dict[str, Any] = dict(
+        numel=x.numel(), nonfinite=n_nonfinite,
+        nonzero=int(((xd != 0) & m.finite).sum()), groups=b.blocks.shape[0] if x.numel() else 0,
+        clipped=int(m.clipped.sum()), clipped_by_rounding=_by_rounding(c, int(m.clipped.sum())),
+        clipped_groups=int(m.clipped.any(dim=1).sum()),
+        clip_excess=float(excess.sum()), abs_sum=float(mags.sum()),
+        underflowed=int(m.underflowed.sum()), subnormal=int(m.subnormal.sum()),
+        scale_clamped=int(b.clamped.sum()), nonfinite_groups=int(b.bad_blocks.sum()),
+        lost=int((m.finite & ~valid).sum()), xx=xx, ee=ee, ex=ex, e_sum=e_sum)
+    if not rounded:
+        return Counts(fields | dict.fromkeys(ROUNDED_FIELDS))
+    return Counts(fields, None, b.back(b.q).to(x.dtype) if want_values else None)
+
+
+def fused_counts(x: Tensor, casts: Sequence[Cast], *, axis: int = -1,
+                 tensor_amax: float | None = None, rounded: bool = False,
+                 seeds: Sequence[int | None] | None = None,
+                 sr_bits: int = DEFAULT_SR_BITS,
+                 rht_amax: dict[int, float] | None = None) -> dict[int, Counts]:
+    """:func:`count_cast` (``rounded`` as there) for every cast of ``casts`` the fused pass
+    takes (:func:`flat_route`), keyed by the cast's index, in one read of
+    ``x`` for all of them (and one first read for the tensor's amax where a cast needs it and
+    ``tensor_amax`` is not given); the same counts, bit for bit, and the float sums within a few
+    units in their last place (summed per piece in lanes, the pieces added exactly). A
+    stochastic cast is taken with its ``seeds`` entry (its draws made as :func:`count_cast`
+    makes them); the casts of one rounding mode and overflow policy share a pass. The casts
+    whose scales the pass does not make (a scale arithmetic, micro-exponents) are counted with
+    the operands their scale steps give (:mod:`driftcli.casts.given`), an ``rht=`` cast on the
+    slice's transform (:func:`rht_groups`; ``rht_amax``: by cast index, the transformed
+    tensor's amax where ``x`` is a slice of it). The casts it does not take, and every cast on
+    the torch back-end, are left out: :func:`count_cast` counts them."""
+    if x.numel() == 0 or x.dtype != torch.float32 or not kernels.numba_runs(x):
+        return {}
+    parsed = list(casts)
+    shape, last = _axis_last(tuple(x.shape), axis)
+    if not any(c.scaling.granularity is Granularity.BLOCK for c in parsed):
+        shape, last = tuple(x.shape), None  # one scale: the layout does not matter
+    found = {i: r for i, c in enumerate(parsed)
+             if (r := flat_route(c, shape, -1, x.dtype)) is not None and
+             (not rounded or c.rounding is not Rounding.SR or
+              (seeds is not None and seeds[i] is not None))}
+    moved = x if last is None else x.movedim(last, -1)
+    flat = moved.reshape(-1).contiguous()
+    top = tensor_amax
+    if top is None and any(r.needs_amax for r in found.values()):
+        top = jit.finite_top(flat)
+    scales = {i: one_scale(parsed[i], r, top or 0.0) if not r.block else (0, 1.0, False)
+              for i, r in found.items()}
+    if rounded:  # a tensor's power-of-two grid out of float32's range: the torch back-end's
+        found = {i: r for i, r in found.items() if not r.tensor_pow2 or
+                 not needs_wide(torch.tensor([top or 0.0]), parsed[i])}
+    # a pass per rounding mode and overflow policy, and per two-level scale rounding (both
+    # constants of its code): every other cast joins the first pass of its mode
+    passes: list[tuple[Any, list[Any], dict[int, Any]]] = []
+    for i, r in found.items():
+        c = parsed[i]
+        mode = (c.rounding, c.overflow) if rounded else None
+        q = [tuple(int(v) for v in r.q)] if r.two_level else []
+        into = next((p for p in passes if p[0] == mode and (not q or p[1] in ([], q))), None)
+        if into is None:
+            into = (mode, q, {})
+            passes.append(into)
+        if q:
+            into[1][:] = q
+        into[2][i] = r
+    out: dict[int, Counts] = {}
+    for _, _, group in passes:
+        out |= _fused_pass(x, flat, parsed, group, scales, top, rounded, seeds, sr_bits, last)
+    out |= _given_pass(x, parsed, [i for i in range(len(parsed)) if i not in found], axis,
+                       tensor_amax, rounded, seeds, sr_bits)
+    for rht, members in rht_groups(parsed, tuple(x.shape), axis, x.dtype).items():
+        got = fused_counts(transform(x, rht, axis), [without_rht(parsed[i]) for i in members],
+                           axis=axis, rounded=rounded, sr_bits=sr_bits,
+                           tensor_amax=next((rht_amax[i] for i in members
+                                             if rht_amax and i in rht_amax), None),
+                           seeds=None if seeds is None else [seeds[i] for i in members])
+        out |= {members[j]: counts for j, counts in got.items()}
+    return dict(sorted(out.items()))
+
+
+def _given_pass(x: Tensor, parsed: list[Cast], rest: list[int], axis: int,
+                tensor_amax: float | None, rounded: bool, seeds: Sequence[int | None] | None,
+                sr_bits: int) -> dict[int, Counts]:
+    """The casts of ``rest`` the given-scales step takes (:func:`driftcli.casts.given.
+    given_route`; a stochastic one rounded only with its seed), counted in its pass
+    (:func:`driftcli.casts.given.given_counts`)."""
+    taken = [i for i in rest if given_route(parsed[i], tuple(x.shape), axis, x.dtype)
+             is not None and (not rounded or parsed[i].rounding is not Rounding.SR or
+                              (seeds is not None and seeds[i] is not None))]
+    if not taken:
+        return {}
+    bits = [checked_bits("fused_stats", x, c, seeds[i], None, sr_bits)
+            if rounded and c.rounding is Rounding.SR and seeds is not None else None
+            for i, c in enumerate(parsed)]
+    out = {}
+    for i, g in given_counts(x, parsed, taken, axis=axis, tensor_amax=tensor_amax,
+                             rounded=rounded, bits=bits, sr_bits=sr_bits).items():
+        fields: dict[str, Any] = dict.fromkeys(ROUNDED_FIELDS)
+        fields |= g.fields | {f: math.fsum(e) for f, e in g.exact.items()}
+        fields["clipped_by_rounding"] = _by_rounding(parsed[i], fields["clipped"])
+        out[i] = Counts(fields, g.exact)
+    return out
+
+
+def rht_groups(casts: Sequence[Cast], shape: tuple[int, ...], axis: int,
+               dtype: torch.dtype) -> dict[Any, list[int]]:
+    """The casts with ``rht=`` the fused pass takes, by transform: each transform's copy of
+    the slice goes through the pass as the casts without it (:func:`without_rht`), where those
+    have a route there (:func:`flat_route` or :func:`driftcli.casts.given.given_route`)."""
+    out: dict[Any, list[int]] = {}
+    for i, c in enumerate(casts):
+        if c.rht is None or not shape or rht_problem(c.rht, shape, axis) is not None:
+            continue
+        bare = without_rht(c)
+        if flat_route(bare, _axis_last(shape, axis)[0], -1, dtype) is None and \
+                given_route(bare, shape, axis, dtype) is None:
+            continue
+        out.setdefault(c.rht, []).append(i)
+    return out
+
+
+def without_rht(c: Cast) -> Cast:
+    """``c`` as it casts the transform it reads."""
+    return replace(c, rht=None)
+
+
+def _moved_bits(bits: Tensor | None, last: int | None) -> Tensor | None:
+    return bits if bits is None or last is None else bits.movedim(last, -1).reshape(-1)
+
+
+def _axis_last(shape: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], int | None]:
+    """``shape`` with dimension ``axis`` moved last, and that dimension (None where it is
+    last already): blocks along another axis are runs of a copy laid out so (the counts do
+    not depend on the elements' order; a stochastic cast's draws move with them)."""
+    if not shape or axis % len(shape) == len(shape) - 1:
+        return shape, None
+    dim = axis % len(shape)
+    return (*shape[:dim], *shape[dim + 1:], shape[dim]), dim
+
+
+def _fused_pass(x: Tensor, flat: Tensor, parsed: list[Cast], found: dict[int, Any],
+                scales: dict[int, tuple[int, float, bool]], top: float | None, rounded: bool,
+                seeds: Sequence[int | None] | None, sr_bits: int,
+                last: int | None) -> dict[int, Counts]:
+    """One pass of :func:`fused_counts` over the casts ``found`` (their indices and routes) on
+    ``flat``, ``x`` with dimension ``last`` moved last (when not None) and flattened."""
+    how = None
+    if rounded:
+        src = rounding.source_of(torch.float32)
+        how = jit.Rounded(
+            [rounding.jit_params(src=src, tgt=rounding.target_of(parsed[i].format),
+                                 rounding=parsed[i].rounding, overflow=parsed[i].overflow,
+                                 sr_bits=sr_bits) for i in found],
+            [_moved_bits(checked_bits("fused_stats", x, parsed[i], seeds[i], None, sr_bits),
+                         last)
+             if parsed[i].rounding is Rounding.SR and seeds is not None else None
+             for i in found],
+            [(parsed[i].format.qmin, parsed[i].format.emax) for i in found])
+    got = jit.clip_counts(flat, list(found.values()), [scales[i][0] for i in found],
+                          [scales[i][1] for i in found], top or 0.0, how)
+    out = {}
+    for n, (i, r) in enumerate(found.items()):
+        clipped, clipped_groups, clamped, n_bad = got.counts[n]
+        extra: dict[str, Any] = dict.fromkeys(ROUNDED_FIELDS)
+        exact: dict[str, tuple[float, ...]] = {"clip_excess": got.excess[n],
+                                               "abs_sum": got.abs_sum}
+        if rounded:
+            nonzero, under, sub, lost, n_wide = got.rounded[n]
+            if n_wide:  # a block's grid out of float32's range: the torch back-end's
+                continue
+            extra = dict(zip(ROUNDED_FIELDS[:4], (nonzero, under, sub, lost), strict=True))
+            exact |= dict(zip(ROUNDED_FIELDS[4:], got.sums[n], strict=True))
+        one = not r.block
+        sums: dict[str, Any] = {f: math.fsum(e) for f, e in exact.items()}
+        out[i] = Counts(dict(
+            numel=x.numel(), nonfinite=x.numel() - got.finite,
+            groups=1 if one else x.numel() // r.block, clipped=clipped,
+            clipped_by_rounding=_by_rounding(parsed[i], clipped),
+            clipped_groups=min(clipped, 1) if one else clipped_groups,
+            scale_clamped=int(scales[i][2]) if one else clamped, nonfinite_groups=n_bad,
+            **extra, **sums), exact)
+    return out
+
+
+def _numba_counts(x: Tensor, c: Cast, axis: int, bits: Tensor | None, sr_bits: int,
+                  tensor_amax: float | None, want_q: bool, rounded: bool,
+                  facts: SliceFacts | None) -> Counts | None:
+    """:func:`count_cast` on the numba back-end, fused: the rows' amax (from ``facts`` where
+    they hold it), the rows' scales (:func:`plan_scales`, one per scale
+    group, on torch), then one pass that casts every element and counts
+    (:func:`driftcli.kernels.jit.cast_counts`). None where the torch back-end runs instead:
+    an empty input, an implementation's scale arithmetic (:mod:`driftcli.casts.scalearith`), a
+    float32 input whose scaled grid leaves float32's range, or tensors numba does not take."""
+    s, elem = c.scaling, c.format
+    if x.numel() == 0 or not s.arithmetic.exact or not kernels.numba_runs(x, bits):
+        return None
+    if c.micro is not None:  # micro-exponents: counted from cast_blocks' masks
+        return None
+    whole = s.granularity in _WHOLE  # one scale for the tensor, or none
+    work = working(x)
+    back: Callable[[Tensor], Tensor]
+    if whole:
+        blocks = work.reshape(1, -1).contiguous()
+        rbits = None if bits is None else bits.reshape(1, -1)
+
+        def back(t: Tensor) -> Tensor:
+            return t.reshape(x.shape)
+    else:
+        blocks, back = to_blocks(work, s, axis)
+        blocks = blocks.contiguous()
+        rbits = None if bits is None else to_blocks(bits, s, axis)[0].contiguous()
+    fused = _fused_scales(blocks, c, tensor_amax)
+    if fused is not None:  # the scales in one numba pass over the blocks, as quantize's
+        if fused is _OUT_OF_RANGE:
+            return None
+        facts = facts or slice_facts(work)
+        return _counted(x, c, blocks, back, rbits, fused.scale, fused.bad, fused.amax,
+                        s.rule is not None and s.rule.power_of_two, fused.clamped, facts,
+                        sr_bits, rounded, want_q, whole=False)
+    facts = facts or slice_facts(work, run_length(tuple(work.shape), c, axis))
+    if whole:
+        # the runs' largest magnitudes are the finite amax where every element is finite
+        runs = facts.amax if facts.finite == x.numel() else None
+        a = float(runs.max()) if runs is not None and runs.numel() else finite_amax(work)
+        row_amax = torch.tensor([a], dtype=work.dtype)
+        nonfinite = torch.tensor([facts.finite < x.numel()])
+    else:
+        row_amax, nonfinite = _row_amax(blocks, facts.group_amax(work, c, axis))
+    top = tensor_amax_of(row_amax, tensor_amax)
+    amax = top.expand_as(row_amax) if whole else row_amax
+    unscaled = s.granularity is Granularity.NONE
+    pow2 = unscaled or bool(s.rule is not None and s.rule.power_of_two)
+    if pow2 and work.dtype == torch.float32 and needs_wide(amax, c):
+        return None  # rounded in float64, then stored as float32: the torch back-end's steps
+    if unscaled:
+        scale = torch.zeros(1, dtype=torch.long)
+        clamped = torch.zeros(1, dtype=torch.bool)
+    else:
+        plan = ScalePlan.of(elem, s)
+        scale, clamped = plan_scales(amax.contiguous(), top, plan.divisors(amax), plan=plan)
+    bad = nonfinite if s.blocked else None
+    n_clamped = int((clamped if bad is None else clamped & ~bad).sum())
+    return _counted(x, c, blocks, back, rbits, scale, bad, row_amax, pow2, n_clamped, facts,
+                    sr_bits, rounded, want_q, whole=whole)
+
+
+_OUT_OF_RANGE = jit.BlockScales(torch.empty(0), torch.empty(0), torch.empty(0), 0, 0, 0)
+"""What :func:`_fused_scales` returns where the blocks' power-of-two grid leaves float32's
+range (the torch back-end rounds those in float64)."""
+
+
+def _fused_scales(blocks: Tensor, c: Cast,
+                  tensor_amax: float | None) -> jit.BlockScales | None:
+    """The scales of float32 blocks in one numba pass (the kernels of quantize's fused block
+    cast, :func:`fused_block_cast_applies`); None where that does not
+    apply (the scales are then planned on torch from the rows' amax)."""
+    if not fused_block_cast_applies(blocks, c):
+        return None
+    if c.scaling.rule is ScaleRule.TWO_LEVEL:
+        consts, q = two_level_consts(c)
+        return jit.two_level_block_scales(blocks, consts, q, tensor_amax)
+    rule = pow2_rule(c)
+    if rule is None:
+        return None
+    got = jit.pow2_block_scales(blocks, rule)
+    if (got.kmin != jit.NO_ROW and got.kmin + c.format.qmin < -149) or \
+            got.kmax + c.format.emax >= 128:
+        return _OUT_OF_RANGE
+    return got
+
+
+def _counted(x: Tensor, c: Cast, blocks: Tensor, back: Any, rbits: Tensor | None,
+             scale: Tensor, bad: Tensor | None, row_amax: Tensor, pow2: bool, n_clamped: int,
+             facts: SliceFacts, sr_bits: int, rounded: bool, want_q: bool, *,
+             whole: bool) -> Counts:
+    """The numba pass that casts every element of ``blocks`` under its row's scale and counts
+    (:func:`driftcli.kernels.jit.cast_counts`)."""
+    elem = c.format
+    n_bad = 0 if bad is None else int(bad.sum())
+    p = rounding.jit_params(src=rounding.source_of(blocks.dtype), tgt=rounding.target_of(elem),
+                            rounding=c.rounding, overflow=c.overflow, sr_bits=sr_bits)
+    counts, sums, q = jit.cast_counts(
+        blocks, blocks.shape[1], rbits, scale if pow2 else None, None if pow2 else scale, bad,
+        row_amax, p, (float(elem.max), float(elem.min), float(elem.smallest_normal)),
+        rounded, want_q)
+    clipped, clipped_groups, nonzero, under, sub, lost = counts
+    if whole:  # pieces are not groups here: the one group clips or not
+        clipped_groups = min(clipped, 1)
+    excess, xx, ee, ex, e_sum = sums
+    got = dict(zip(ROUNDED_FIELDS, (nonzero, under, sub, lost, xx, ee, ex, e_sum),
+                   strict=True)) if rounded else dict.fromkeys(ROUNDED_FIELDS)
+    return Counts(dict(
+        numel=x.numel(), nonfinite=x.numel() - facts.finite, groups=blocks.shape[0],
+        clipped=clipped, clipped_by_rounding=_by_rounding(c, clipped),
+        clipped_groups=clipped_groups, clip_excess=excess, abs_sum=facts.abs_sum,
+        scale_clamped=n_clamped, nonfinite_groups=n_bad, **got), None,
+        None if q is None else back(q).to(x.dtype))

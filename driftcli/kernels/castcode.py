@@ -51,7 +51,7 @@ def pow2_scales(x: Any, cols: int, ks: Any, bad: Any, rule: Any,
     significand, as its 23 fraction bits, is above ``threshold`` (``strict``) or at least it;
     an all-zero row gets ``low``. Returns the smallest ``k`` of a row with a nonzero amax and
     the largest ``k`` of any row (:data:`NONE` and ``-NONE`` when there is none): the range
-    :func:`driftcli.casts.quantization.needs_wide` reads; and how many rows without NaN or inf had
+    :func:`driftcli.casts.route.needs_wide` reads; and how many rows without NaN or inf had
     their ``k`` clamped (as :func:`driftcli.casts.scaling.plan_pow2_exponents` flags them).
     """
     kmin, kmax, clamped = NONE, -NONE, 0
