@@ -729,9 +729,9 @@ class GivenOperands(NamedTuple):
     div: bool
     """The codes are divided by ``outs`` (else multiplied)."""
     sub: int
-    """Elements per run of one operand (0: one for the slice)."""
+    """Elements per run of one operand (the slice's length for one)."""
     group: int
-    """Elements per scale group (0: one group)."""
+    """Elements per scale group, a multiple of ``sub`` (the slice's length for one group)."""
     ins: np.ndarray
     """float64, per run: what the elements meet on the way in."""
     outs: np.ndarray
