@@ -395,6 +395,31 @@ class Rounded(NamedTuple):
     wide: list[tuple[int, int]]
 
 
+def _rounded_arrays(what: str, rounded: Rounded | None, pieces: int, n_casts: int, n: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
+    """A fused pass's rounded counts and sums (zeros; no columns without ``rounded``), the
+    casts' parameter vectors, their draws (one row a cast, empty where none draws) and the
+    rounding and overflow codes they share (constants of the kernel's code)."""
+    code = _stat_code()
+    r_counts = np.zeros((pieces, n_casts, code.N_ROUNDED if rounded else 0), dtype=np.int64)
+    r_sums = np.zeros((pieces, n_casts, code.N_ROUNDED_SUMS if rounded else 0))
+    ps = np.zeros((n_casts, len(PARAMS)), dtype=np.int64)
+    draws = np.zeros((n_casts, 0), dtype=np.int32)
+    modes = (0, 0)
+    if rounded is not None:
+        ps = np.array(rounded.params, dtype=np.int64).reshape(n_casts, len(PARAMS))
+        modes = (int(ps[0, 13]), int(ps[0, 14])) if n_casts else modes
+        if any(tuple(int(v) for v in row[13:15]) != modes for row in ps):
+            raise DriftError(f"{what}: the casts of one rounded pass share their rounding "
+                             "and overflow")
+        if any(d is not None for d in rounded.draws):
+            draws = np.zeros((n_casts, n), dtype=np.int32)
+            for c, d in enumerate(rounded.draws):
+                if d is not None:
+                    draws[c] = _array(d.to(torch.int32))
+    return r_counts, r_sums, ps, draws, modes
+
+
 def clip_counts(x: Tensor, routes: list[Any], sexp: list[int], div: list[float],
                 tensor_amax: float, rounded: Rounded | None = None) -> ClipCounts:
     """Every cast's clips in one read of a contiguous float32 slice ``x``, flattened
@@ -420,23 +445,10 @@ def clip_counts(x: Tensor, routes: list[Any], sexp: list[int], div: list[float],
     if len(two) > 1:
         raise DriftError("clip_counts: the two-level casts of one pass share their scale "
                          "format and its rounding")
-    r_counts = np.zeros((pieces, n_casts, code.N_ROUNDED if rounded else 0), dtype=np.int64)
-    r_sums = np.zeros((pieces, n_casts, code.N_ROUNDED_SUMS if rounded else 0))
-    ps = np.zeros((n_casts, len(PARAMS)), dtype=np.int64)
-    draws = np.zeros((n_casts, 0), dtype=np.int32)
+    r_counts, r_sums, ps, draws, modes = _rounded_arrays("clip_counts", rounded, pieces,
+                                                         n_casts, n)
     wide = np.zeros((n_casts, 2), dtype=np.int64)
-    modes = (0, 0)
     if rounded is not None:
-        ps = np.array(rounded.params, dtype=np.int64).reshape(n_casts, len(PARAMS))
-        modes = (int(ps[0, 13]), int(ps[0, 14])) if n_casts else modes
-        if any(tuple(int(v) for v in row[13:15]) != modes for row in ps):
-            raise DriftError("clip_counts: the casts of one rounded pass share their rounding "
-                             "and overflow")
-        if any(d is not None for d in rounded.draws):
-            draws = np.zeros((n_casts, n), dtype=np.int32)
-            for c, d in enumerate(rounded.draws):
-                if d is not None:
-                    draws[c] = _array(d.to(torch.int32))
         wide = np.array(rounded.wide, dtype=np.int64).reshape(n_casts, 2)
     if pieces:
         spread(code.clips_kernel(run, two.pop() if two else (0,) * len(PARAMS),
@@ -777,22 +789,8 @@ def given_counts(x: Tensor, casts: list[GivenOperands], rounded: Rounded | None 
     hits = np.zeros(int(goffs[-1]), dtype=np.bool_)
     finite = np.zeros(pieces, dtype=np.int64)
     sums = np.zeros(pieces, dtype=np.float64)
-    r_counts = np.zeros((pieces, n_casts, code.N_ROUNDED if rounded else 0), dtype=np.int64)
-    r_sums = np.zeros((pieces, n_casts, code.N_ROUNDED_SUMS if rounded else 0))
-    ps = np.zeros((n_casts, len(PARAMS)), dtype=np.int64)
-    draws = np.zeros((n_casts, 0), dtype=np.int32)
-    modes = (0, 0)
-    if rounded is not None:
-        ps = np.array(rounded.params, dtype=np.int64).reshape(n_casts, len(PARAMS))
-        modes = (int(ps[0, 13]), int(ps[0, 14])) if n_casts else modes
-        if any(tuple(int(v) for v in row[13:15]) != modes for row in ps):
-            raise DriftError("given_counts: the casts of one rounded pass share their rounding "
-                             "and overflow")
-        if any(d is not None for d in rounded.draws):
-            draws = np.zeros((n_casts, n), dtype=np.int32)
-            for c, d in enumerate(rounded.draws):
-                if d is not None:
-                    draws[c] = _array(d.to(torch.int32))
+    r_counts, r_sums, ps, draws, modes = _rounded_arrays("given_counts", rounded, pieces,
+                                                         n_casts, n)
     if pieces and n_casts:
         spread(code.given_kernel(rounded is not None, *modes), pieces, PIECE, bits, values, n,
                PIECE, np.array([g.wide for g in casts], dtype=np.bool_),
