@@ -56,15 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.three_only:
         rows += [(c, [c]) for c in GIVEN] + [("the seven", GIVEN)]
     for name, casts in rows:
-        clip = best(lambda casts=casts: fused_stats(x, casts), args.repeat)
-        rounded = best(lambda casts=casts: fused_stats(x, casts, rounded=True), args.repeat)
+        def pass_of(casts: list[str] = casts, rounded: bool = False) -> object:
+            return fused_stats(x, casts, rounded=rounded)
+
+        def per_cast(casts: list[str] = casts, rounded: bool = False) -> object:
+            return [cast_stats(x, c, want_values=False, rounded=rounded) for c in casts]
+
+        clip = best(pass_of, args.repeat)
+        rounded = best(lambda: pass_of(rounded=True), args.repeat)
         line = f"  {name:<18s} {clip:10.1f} {rounded:13.1f} {n / rounded / 1e3:6.0f}"
         if name != "the three" and not args.three_only:
-            old_clip = best(lambda casts=casts: [cast_stats(x, c, want_values=False,
-                                                            rounded=False) for c in casts],
-                            max(1, args.repeat // 2))
-            old = best(lambda casts=casts: [cast_stats(x, c, want_values=False)
-                                            for c in casts], max(1, args.repeat // 2))
+            slow = max(1, args.repeat // 2)
+            old_clip = best(per_cast, slow)
+            old = best(lambda: per_cast(rounded=True), slow)
             line += f" {old_clip:23.1f} {old:8.1f} {old_clip / clip:7.1f} {old / rounded:9.1f}"
         print(line, flush=True)
     return 0
