@@ -41,10 +41,12 @@ SPECS = [*IMPLEMENTATION_PRESETS, *MICRO, *RHT]
 4 transforms."""
 
 
-def _torch(x: torch.Tensor, spec: str, seed: int | None, rounded: bool) -> CastStats:
+def _torch(x: torch.Tensor, spec: str, seed: int | None, rounded: bool,
+           axis: int = -1) -> CastStats:
     kernels.set_jit("never")
     try:
-        return cast_stats(x, spec, seed=seed, want_values=False, rounded=rounded)[0]
+        return cast_stats(x, spec, seed=seed, want_values=False, rounded=rounded,
+                          axis=axis)[0]
     finally:
         kernels.set_jit("auto")
 
@@ -104,6 +106,21 @@ def test_every_given_cast_rounds_and_counts_as_the_torch_back_end(rounding: Roun
                 assert any(st.subnormal for st in got.values())
 
 
+def test_blocks_tiles_and_channels_along_another_axis() -> None:
+    """Scale groups along dim 0 of a 3-D tensor (blocks, tiles of the moved layout's last two
+    dims, channels, micro-exponents' blocks, a transform): read from their block layout's copy,
+    the torch back-end's counts."""
+    specs = ["deepseek/v3", "deepseek/v3_weight", "torchao/float8_rowwise", "te/nvfp4_2d",
+             "mx6", "te/nvfp4_rht:sr"]
+    x = _tensor(256, 384, seed=5, specials=True).view(256, 3, 128)
+    seeds = [50 + i for i in range(len(specs))]
+    for rounded in (False, True):
+        got = fused_stats(x, specs, axis=0, rounded=rounded, seeds=seeds)
+        assert sorted(got) == list(range(len(specs)))
+        for i, st in got.items():
+            _same(specs[i], _torch(x, specs[i], seeds[i], rounded, axis=0), st)
+
+
 def test_the_given_steps_routes() -> None:
     """Which casts take the given step: a scale arithmetic and micro-exponents; not drift's
     exact arithmetic (the flat route's), a transform (its copy's), padded blocks or tiles, nor
@@ -120,6 +137,10 @@ def test_the_given_steps_routes() -> None:
     assert route("mxfp8_e4m3") is None and route("te/nvfp4_rht") is None
     assert route("torchao/mxfp8", (4, 48)) is None  # 48 is not whole blocks of 32
     assert route("deepseek/v3_weight", (64, 256)) is None  # 64 rows: a part tile
+    # along dim 0 of (256, 3, 128): tiles of the moved layout's (128, 256), whole
+    assert given.given_route(parse_cast("deepseek/v3_weight"), (256, 3, 128), 0, f32) is \
+        given.GivenStep.ARITH
+    assert given.given_route(parse_cast("deepseek/v3_weight"), (256, 3, 64), 0, f32) is None
     assert route("te/nvfp4", dtype=torch.float64) is None
     assert clip_pass_takes((128, 256), f32, SPECS)
     assert not clip_pass_takes((64, 256), f32, ["deepseek/v3_weight"])

@@ -75,12 +75,12 @@ def given_route(c: Cast, shape: tuple[int, ...], axis: int, dtype: torch.dtype
     if dtype != torch.float32 or not shape or c.rht is not None or \
             (s.arithmetic.exact and c.micro is None):
         return None
-    nd = len(shape)
-    k = s.block
-    if s.granularity is Granularity.BLOCK and shape[axis % nd] % k:
+    dim, k = axis % len(shape), s.block
+    moved = (*shape[:dim], *shape[dim + 1:], shape[dim])  # the block axis last, as to_blocks
+    if s.granularity is Granularity.BLOCK and moved[-1] % k:
         return None
-    if s.granularity is Granularity.TILE and (
-            nd < 2 or shape[axis % nd] % k or shape[(axis % nd) - 1 if axis % nd else -1] % k):
+    if s.granularity is Granularity.TILE and (len(moved) < 2 or moved[-1] % k or
+                                              moved[-2] % k):
         return None
     return GivenStep.MICRO if c.micro is not None else GivenStep.ARITH
 
