@@ -39,7 +39,7 @@ LAYERS = (
     ("casts.rounding", "casts.codec"),
     ("casts.scaling", "casts.scalearith", "casts.fouroversix", "casts.hadamard",
      "casts.microscale", "arith.blockfma", "arith.tensorcores"),
-    ("casts.quantization", "casts.route"),
+    ("casts.quantization", "casts.route", "casts.given"),
     ("arith.autograd", "arith.exact", "arith.intercept", "arith.matmul", "arith.matmulspec",
      "arith.mode", "arith.policy", "arith.recipe_policies"),
     ("io", "engines"),

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from driftcli.arith import policy, recipe_policies, tensorcores
 from driftcli.arith.blockfma import FMAUnit
 from driftcli.arith.matmulspec import parse_matmul_spec
-from driftcli.casts import rounding, route, scalearith
+from driftcli.casts import given, rounding, scalearith
 from driftcli.cli import app, measure_cmds
 from driftcli.cli.measure_cmds import ScanArgs
 from driftcli.io.tables import column
@@ -84,7 +84,7 @@ def test_a_new_implementation_preset_is_verified_with_no_other_edit(
     """With the one entry, the grammar reads the name, the preset tables list it, and
     verify-formats' recipes suite checks its values and codes against the exact op sequence:
     clean as written; with the fast scales one binade low (a fault planted where
-    casts/route.py reads casts/scalearith.py's scales), its cells fail."""
+    casts/given.py reads casts/scalearith.py's scales), its cells fail."""
     name = _add_acme_preset(monkeypatch)
     assert parse_cast(name) == recipes.IMPLEMENTATION_PRESETS[name].cast
     assert name in preset_names()
@@ -93,14 +93,14 @@ def test_a_new_implementation_preset_is_verified_with_no_other_edit(
     # drift's own roundings, the same bits on either back-end and any CPU
     assert honest == [(f"{name} value", 384, 0), (f"{name} code", 384, 0)]
 
-    honest_scales = route.arith_scales
+    honest_scales = given.arith_scales
 
     def one_binade_high(*args: Any) -> scalearith.ArithScales:
         out = honest_scales(*args)
         return scalearith.ArithScales(out.apply * 2, out.undo / 2, out.scale / 2, out.clamped,
                                       out.tensor_scale, out.apply_op, out.undo_op)
 
-    monkeypatch.setattr(route, "arith_scales", one_binade_high)
+    monkeypatch.setattr(given, "arith_scales", one_binade_high)
     planted = _acme_outcomes()
     assert planted == [(f"{name} value", 384, 320), (f"{name} code", 384, 320)]
 

@@ -10,7 +10,7 @@ import torch
 from recipe_data import differences, info_of
 from recipe_refs import REFERENCES
 
-from driftcli.casts import quantization, route, scalearith
+from driftcli.casts import given, quantization, scalearith
 from driftcli.errors import CastSpecError
 from driftcli.kernels import jit
 from driftcli.records.castspec import parse_cast
@@ -57,7 +57,7 @@ def test_row_scaled_nvfp4_passes_the_oracle_and_its_transcription() -> None:
 def test_a_planted_tensor_amax_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tensor's amax for every row (row scaling forgotten): the transcription and
     verify-formats' recipes suite both see it."""
-    monkeypatch.setattr(route, "row_amax",
+    monkeypatch.setattr(given, "row_amax",
                         lambda amax, *_: amax.max().expand_as(amax).contiguous())
     assert _failures(ROWS) > 0
     fp4 = FORMATS["float4_e2m1fn"]

@@ -34,10 +34,11 @@ import torch
 
 from driftcli import kernels
 from driftcli.casts import rounding
-from driftcli.casts.fouroversix import four_over_six_scales, fused_values
-from driftcli.casts.hadamard import transform
+from driftcli.casts.fouroversix import fused_values
+from driftcli.casts.given import arith_operands, given_counts, given_route
+from driftcli.casts.hadamard import rht_problem, transform
 from driftcli.casts.microscale import micro_scales, micro_values, numba_values
-from driftcli.casts.scalearith import apply_ops, arith_scales, group_amax, row_amax, undo_ops
+from driftcli.casts.scalearith import apply_ops, undo_ops
 from driftcli.casts.scaling import (
     ScalePlan,
     binade_and_significand,
@@ -758,7 +759,7 @@ def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
     """:func:`cast_blocks` under a scale arithmetic (:mod:`driftcli.casts.scalearith`): in float32,
     the scales by the arithmetic's operations, the elements through its apply and undo
     operations."""
-    s, a = c.scaling, c.scaling.arithmetic
+    s = c.scaling
     blocks, back = to_blocks(x.float(), s, axis)
     blocks = blocks.contiguous()
     bits = None if random_bits is None else to_blocks(random_bits, s, axis)[0].contiguous()
@@ -767,16 +768,8 @@ def _cast_blocks_arith(x: Tensor, c: Cast, axis: int, random_bits: Tensor | None
         none = torch.zeros(n_rows, dtype=torch.bool, device=blocks.device)
         ones = torch.ones(n_rows, dtype=torch.float64, device=blocks.device)
         return Blocked(blocks, blocks.clone(), ones, none, none, back, bits, None)
-    fin_amax, bad = jit.block_amax(blocks) if use_jit else amax_and_nonfinite(blocks)
-    amax = group_amax(blocks, fin_amax, bad, a.amax)
-    top = tensor_amax_of(amax, tensor_amax)
-    if a.two.row_scaled:  # one amax per row: a slice of whole rows needs no tensor amax
-        top = row_amax(amax, x.shape[axis] if x.dim() else 1, s.block)
-    if s.granularity is Granularity.TENSOR:
-        amax = top.expand_as(amax).contiguous()
-    sc = (four_over_six_scales(blocks, amax, top, c.format, a.two) if a.two.four_over_six
-          else arith_scales(amax, top, c.format, s))
-    poisoned = bad if s.blocked and a.amax is AmaxPolicy.FINITE else None
+    sc, bad, poisoned = arith_operands(blocks, c, x.shape[axis] if x.dim() else 1,
+                                       tensor_amax, use_jit)
     if use_jit:
         p = rounding.jit_params(src=rounding.source_of(torch.float32),
                                 tgt=rounding.target_of(c.format), rounding=c.rounding,
@@ -1141,9 +1134,11 @@ def fused_takes(shape: tuple[int, ...], dtype: torch.dtype, casts: Sequence[Cast
     cast is then not taken): then nothing else reads the tensor for them. (A power-of-two
     grid found out of float32's range sends a cast back to :func:`count_cast` even so.)"""
     moved = _axis_last(shape, axis)[0]
+    rht = {i for m in rht_groups(casts, shape, axis, dtype).values() for i in m}
     return dtype == torch.float32 and kernels.jit_unavailable() is None and all(
-        flat_route(c, moved, -1, dtype) is not None and
-        not (rounded and c.rounding is Rounding.SR) for c in casts)
+        (flat_route(c, moved, -1, dtype) is not None or i in rht or
+         given_route(c, shape, axis, dtype) is not None) and
+        not (rounded and c.rounding is Rounding.SR) for i, c in enumerate(casts))
 
 
 def count_cast(x: Tensor, c: Cast, *, axis: int = -1, random_bits: Tensor | None = None,
@@ -1193,16 +1188,20 @@ def count_cast(x: Tensor, c: Cast, *, axis: int = -1, random_bits: Tensor | None
 def fused_counts(x: Tensor, casts: Sequence[Cast], *, axis: int = -1,
                  tensor_amax: float | None = None, rounded: bool = False,
                  seeds: Sequence[int | None] | None = None,
-                 sr_bits: int = DEFAULT_SR_BITS) -> dict[int, Counts]:
+                 sr_bits: int = DEFAULT_SR_BITS,
+                 rht_amax: dict[int, float] | None = None) -> dict[int, Counts]:
     """:func:`count_cast` (``rounded`` as there) for every cast of ``casts`` the fused pass
     takes (:func:`flat_route`), keyed by the cast's index, in one read of
     ``x`` for all of them (and one first read for the tensor's amax where a cast needs it and
     ``tensor_amax`` is not given); the same counts, bit for bit, and the float sums within a few
     units in their last place (summed per piece in lanes, the pieces added exactly). A
     stochastic cast is taken with its ``seeds`` entry (its draws made as :func:`count_cast`
-    makes them); the casts of one rounding mode and overflow policy share a pass. The casts it
-    does not take, and every cast on the torch back-end, are left out: :func:`count_cast`
-    counts them."""
+    makes them); the casts of one rounding mode and overflow policy share a pass. The casts
+    whose scales the pass does not make (a scale arithmetic, micro-exponents) are counted with
+    the operands their scale steps give (:mod:`driftcli.casts.given`), an ``rht=`` cast on the
+    slice's transform (:func:`rht_groups`; ``rht_amax``: by cast index, the transformed
+    tensor's amax where ``x`` is a slice of it). The casts it does not take, and every cast on
+    the torch back-end, are left out: :func:`count_cast` counts them."""
     if x.numel() == 0 or x.dtype != torch.float32 or not kernels.numba_runs(x):
         return {}
     parsed = list(casts)
@@ -1240,7 +1239,62 @@ def fused_counts(x: Tensor, casts: Sequence[Cast], *, axis: int = -1,
     out: dict[int, Counts] = {}
     for _, _, group in passes:
         out |= _fused_pass(x, flat, parsed, group, scales, top, rounded, seeds, sr_bits, last)
+    out |= _given_pass(x, parsed, [i for i in range(len(parsed)) if i not in found], axis,
+                       tensor_amax, rounded, seeds, sr_bits)
+    for rht, members in rht_groups(parsed, tuple(x.shape), axis, x.dtype).items():
+        got = fused_counts(transform(x, rht, axis), [without_rht(parsed[i]) for i in members],
+                           axis=axis, rounded=rounded, sr_bits=sr_bits,
+                           tensor_amax=next((rht_amax[i] for i in members
+                                             if rht_amax and i in rht_amax), None),
+                           seeds=None if seeds is None else [seeds[i] for i in members])
+        out |= {members[j]: counts for j, counts in got.items()}
     return dict(sorted(out.items()))
+
+
+def _given_pass(x: Tensor, parsed: list[Cast], rest: list[int], axis: int,
+                tensor_amax: float | None, rounded: bool, seeds: Sequence[int | None] | None,
+                sr_bits: int) -> dict[int, Counts]:
+    """The casts of ``rest`` the given-scales step takes (:func:`driftcli.casts.given.
+    given_route`; a stochastic one rounded only with its seed), counted in its pass
+    (:func:`driftcli.casts.given.given_counts`)."""
+    taken = [i for i in rest if given_route(parsed[i], tuple(x.shape), axis, x.dtype)
+             is not None and (not rounded or parsed[i].rounding is not Rounding.SR or
+                              (seeds is not None and seeds[i] is not None))]
+    if not taken:
+        return {}
+    bits = [checked_bits("fused_stats", x, c, seeds[i], None, sr_bits)
+            if rounded and c.rounding is Rounding.SR and seeds is not None else None
+            for i, c in enumerate(parsed)]
+    out = {}
+    for i, g in given_counts(x, parsed, taken, axis=axis, tensor_amax=tensor_amax,
+                             rounded=rounded, bits=bits, sr_bits=sr_bits).items():
+        fields: dict[str, Any] = dict.fromkeys(ROUNDED_FIELDS)
+        fields |= g.fields | {f: math.fsum(e) for f, e in g.exact.items()}
+        fields["clipped_by_rounding"] = _by_rounding(parsed[i], fields["clipped"])
+        out[i] = Counts(fields, g.exact)
+    return out
+
+
+def rht_groups(casts: Sequence[Cast], shape: tuple[int, ...], axis: int,
+               dtype: torch.dtype) -> dict[Any, list[int]]:
+    """The casts with ``rht=`` the fused pass takes, by transform: each transform's copy of
+    the slice goes through the pass as the casts without it (:func:`without_rht`), where those
+    have a route there (:func:`flat_route` or :func:`driftcli.casts.given.given_route`)."""
+    out: dict[Any, list[int]] = {}
+    for i, c in enumerate(casts):
+        if c.rht is None or not shape or rht_problem(c.rht, shape, axis) is not None:
+            continue
+        bare = without_rht(c)
+        if flat_route(bare, _axis_last(shape, axis)[0], -1, dtype) is None and \
+                given_route(bare, shape, axis, dtype) is None:
+            continue
+        out.setdefault(c.rht, []).append(i)
+    return out
+
+
+def without_rht(c: Cast) -> Cast:
+    """``c`` as it casts the transform it reads."""
+    return replace(c, rht=None)
 
 
 def _moved_bits(bits: Tensor | None, last: int | None) -> Tensor | None:

@@ -395,6 +395,31 @@ class Rounded(NamedTuple):
     wide: list[tuple[int, int]]
 
 
+def _rounded_arrays(what: str, rounded: Rounded | None, pieces: int, n_casts: int, n: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
+    """A fused pass's rounded counts and sums (zeros; no columns without ``rounded``), the
+    casts' parameter vectors, their draws (one row a cast, empty where none draws) and the
+    rounding and overflow codes they share (constants of the kernel's code)."""
+    code = _stat_code()
+    r_counts = np.zeros((pieces, n_casts, code.N_ROUNDED if rounded else 0), dtype=np.int64)
+    r_sums = np.zeros((pieces, n_casts, code.N_ROUNDED_SUMS if rounded else 0))
+    ps = np.zeros((n_casts, len(PARAMS)), dtype=np.int64)
+    draws = np.zeros((n_casts, 0), dtype=np.int32)
+    modes = (0, 0)
+    if rounded is not None:
+        ps = np.array(rounded.params, dtype=np.int64).reshape(n_casts, len(PARAMS))
+        modes = (int(ps[0, 13]), int(ps[0, 14])) if n_casts else modes
+        if any(tuple(int(v) for v in row[13:15]) != modes for row in ps):
+            raise DriftError(f"{what}: the casts of one rounded pass share their rounding "
+                             "and overflow")
+        if any(d is not None for d in rounded.draws):
+            draws = np.zeros((n_casts, n), dtype=np.int32)
+            for c, d in enumerate(rounded.draws):
+                if d is not None:
+                    draws[c] = _array(d.to(torch.int32))
+    return r_counts, r_sums, ps, draws, modes
+
+
 def clip_counts(x: Tensor, routes: list[Any], sexp: list[int], div: list[float],
                 tensor_amax: float, rounded: Rounded | None = None) -> ClipCounts:
     """Every cast's clips in one read of a contiguous float32 slice ``x``, flattened
@@ -420,23 +445,10 @@ def clip_counts(x: Tensor, routes: list[Any], sexp: list[int], div: list[float],
     if len(two) > 1:
         raise DriftError("clip_counts: the two-level casts of one pass share their scale "
                          "format and its rounding")
-    r_counts = np.zeros((pieces, n_casts, code.N_ROUNDED if rounded else 0), dtype=np.int64)
-    r_sums = np.zeros((pieces, n_casts, code.N_ROUNDED_SUMS if rounded else 0))
-    ps = np.zeros((n_casts, len(PARAMS)), dtype=np.int64)
-    draws = np.zeros((n_casts, 0), dtype=np.int32)
+    r_counts, r_sums, ps, draws, modes = _rounded_arrays("clip_counts", rounded, pieces,
+                                                         n_casts, n)
     wide = np.zeros((n_casts, 2), dtype=np.int64)
-    modes = (0, 0)
     if rounded is not None:
-        ps = np.array(rounded.params, dtype=np.int64).reshape(n_casts, len(PARAMS))
-        modes = (int(ps[0, 13]), int(ps[0, 14])) if n_casts else modes
-        if any(tuple(int(v) for v in row[13:15]) != modes for row in ps):
-            raise DriftError("clip_counts: the casts of one rounded pass share their rounding "
-                             "and overflow")
-        if any(d is not None for d in rounded.draws):
-            draws = np.zeros((n_casts, n), dtype=np.int32)
-            for c, d in enumerate(rounded.draws):
-                if d is not None:
-                    draws[c] = _array(d.to(torch.int32))
         wide = np.array(rounded.wide, dtype=np.int64).reshape(n_casts, 2)
     if pieces:
         spread(code.clips_kernel(run, two.pop() if two else (0,) * len(PARAMS),
@@ -715,3 +727,90 @@ def micro_cast(blocks: Tensor, random: Tensor | None, levels: np.ndarray, ints: 
     spread(kernel, rows, cols, _array(blocks), _array(blocks, torch.int32), cols, levels, ints,
            consts, np.asarray(p, dtype=np.int64), _or_empty(draws, np.int64), out)
     return torch.from_numpy(out).view(rows, cols)
+
+
+class GivenOperands(NamedTuple):
+    """One cast's operands for :func:`given_counts`, made by its scale step beforehand
+    (:mod:`driftcli.casts.given`)."""
+
+    wide: bool
+    """Micro-exponents: ``y = x · in`` in float64, rounded from float64; else a scale
+    arithmetic's float32 operations."""
+    mul: bool
+    """The elements are multiplied by ``ins`` (else divided)."""
+    div: bool
+    """The codes are divided by ``outs`` (else multiplied)."""
+    sub: int
+    """Elements per run of one operand (the slice's length for one)."""
+    group: int
+    """Elements per scale group, a multiple of ``sub`` (the slice's length for one group)."""
+    ins: np.ndarray
+    """float64, per run: what the elements meet on the way in."""
+    outs: np.ndarray
+    """float64, per run: what the codes meet on the way out."""
+    lims: np.ndarray
+    """float64, per group: the scale reported, ``max`` times which each clip's excess is."""
+    flags: np.ndarray
+    """uint8, per group: :data:`driftcli.kernels.statcode.NAN_Q` and ``NO_CLIP``."""
+    ends: tuple[float, float, float]
+    """The element format's max, min and smallest normal."""
+
+
+class GivenCounts(NamedTuple):
+    """Per cast of :func:`given_counts`: its clipped elements, groups with a clip and clip
+    excess; the slice's finite elements and their Σ|x|; with the rounding per cast its nonzero,
+    underflowed, subnormal and lost elements and its Σx², Σe², Σe·x, Σe (else empty). Every
+    float64 sum is an :data:`Expansion`, as :func:`clip_counts` gives them."""
+
+    clipped: list[int]
+    clipped_groups: list[int]
+    excess: list[Expansion]
+    finite: int
+    abs_sum: Expansion
+    rounded: list[list[int]]
+    sums: list[list[Expansion]]
+
+
+def given_counts(x: Tensor, casts: list[GivenOperands], rounded: Rounded | None = None
+                 ) -> GivenCounts:
+    """Every cast's clips (and with ``rounded`` its rounded counts and sums: ``wide`` unused)
+    in one read of a contiguous float32 slice ``x``, flattened, under the operands its scale
+    step gave (:func:`driftcli.kernels.statcode.given_kernel`)."""
+    values = _array(x)
+    bits = values.view(np.int32)
+    n = values.size
+    pieces = -(-n // PIECE)
+    n_casts = len(casts)
+    code = _stat_code()
+    offs = np.cumsum([0] + [g.ins.size for g in casts])
+    goffs = np.cumsum([0] + [g.flags.size for g in casts])
+    counts = np.zeros((pieces, n_casts), dtype=np.int64)
+    excess = np.zeros((pieces, n_casts), dtype=np.float64)
+    hits = np.zeros(int(goffs[-1]), dtype=np.bool_)
+    finite = np.zeros(pieces, dtype=np.int64)
+    sums = np.zeros(pieces, dtype=np.float64)
+    r_counts, r_sums, ps, draws, modes = _rounded_arrays("given_counts", rounded, pieces,
+                                                         n_casts, n)
+    if pieces and n_casts:
+        spread(code.given_kernel(rounded is not None, *modes), pieces, PIECE, bits, values, n,
+               PIECE, np.array([g.wide for g in casts], dtype=np.bool_),
+               np.array([g.mul for g in casts], dtype=np.bool_),
+               np.array([g.div for g in casts], dtype=np.bool_),
+               np.array([g.sub for g in casts], dtype=np.int64),
+               np.array([g.group for g in casts], dtype=np.int64),
+               offs[:-1].astype(np.int64), goffs[:-1].astype(np.int64),
+               np.concatenate([g.ins for g in casts]), np.concatenate([g.outs for g in casts]),
+               np.concatenate([g.lims for g in casts]),
+               np.concatenate([g.flags for g in casts]),
+               np.array([g.ends for g in casts], dtype=np.float64), ps, draws, counts, excess,
+               hits, finite, sums, r_counts, r_sums)
+    parts, lens = code.expansions(np.concatenate(
+        (excess, sums[:, None], r_sums.reshape(pieces, -1)), axis=1))
+    exp = [tuple(parts[k, :m].tolist()) for k, m in enumerate(lens.tolist())]
+    n_sums = r_sums.shape[2]
+    return GivenCounts(
+        counts.sum(axis=0).tolist(),
+        [int(hits[goffs[c]:goffs[c + 1]].sum()) for c in range(n_casts)], exp[:n_casts],
+        int(finite.sum()), exp[n_casts], r_counts.sum(axis=0).tolist(),
+        [exp[n_casts + 1 + c * n_sums:n_casts + 1 + (c + 1) * n_sums] for c in range(n_casts)]
+        if rounded is not None else [])

@@ -629,3 +629,144 @@ def expansions(terms: Any) -> tuple[Any, Any]:
             m = i + 1
         lens[c] = m
     return parts, lens
+
+
+# --- the casts whose operands are given (driftcli.casts.given) -------------------------------
+
+NAN_Q, NO_CLIP = 1, 2
+"""A given cast's group flags: its values are NaN whole (a block holding NaN or inf under a
+policy that poisons it), and its clips are not counted (the same blocks, where the cast's
+masks leave them out)."""
+
+
+@njit(fastmath={"reassoc"}, **OPTIONS)
+def _given_clips(vs: Any, ys: Any, fls: Any, lims: Any, e_max: float,
+                 e_min: float) -> tuple[int, float]:
+    """The clips of a piece's float32 elements ``vs`` whose quotients are ``ys`` (float64):
+    the finite ones beyond the ends ``e_max``, ``e_min`` outside groups flagged
+    :data:`NO_CLIP` (``fls``), and their Σ(|x| - e_max · scale) with each element's group
+    scale ``lims``, in float64 in the vector lanes the compiler chooses (an order fixed by this
+    machine code and the piece's length: :func:`_clips`' way)."""
+    count = 0
+    total = 0.0
+    for j in range(vs.size):  # no branch on the data, so that it vectorizes
+        v = np.float64(vs[j])
+        y = ys[j]
+        hit = (fls[j] & NO_CLIP) == 0 and abs(v) < np.inf and (y > e_max or y < e_min)
+        count += int(hit)
+        total += abs(v) - e_max * lims[j] if hit else 0.0
+    return count, total
+
+
+@cache
+def given_kernel(rounded: bool, rounding: int = 0, overflow: int = 0) -> Callable[..., None]:
+    """``kernel(bits, values, n, piece, wides, muls, divs, subs, grps, offs, goffs, ins, outs,
+    lims, flags, ends, ps, draws, counts, excess, hits, finite, abs_sum, rcounts, rsums, start,
+    stop)``: pieces ``start..stop`` of ``piece`` elements of a flat float32 slice, read once
+    for every cast whose operands a scale step made beforehand (:mod:`driftcli.casts.given`).
+
+    Cast ``c``'s element ``i`` meets the operands of its run ``offs[c] + i // subs[c]``, in
+    its group ``goffs[c] + i // grps[c]`` (``subs[c]`` divides ``grps[c]``; both the slice's
+    length for one scale), laid out per element for the piece first: a scale arithmetic's
+    (``wides[c]`` false) as :func:`driftcli.kernels.jitcode.scaled_kernel` does,
+    ``y = fl32(x / a)`` (``muls[c]``: ``x · a``), the code ``lean_quotient(y)``, the value
+    ``fl32(code · u)`` (``divs[c]``:
+    ``code / u``), ``a`` and ``u`` the float32 operands ``ins`` and ``outs``; micro-exponents'
+    (``wides[c]``) as :func:`driftcli.kernels.microcode.cast_kernel` does, ``y = x · in``
+    in float64 (exact: ``in`` is ``r / 2**E``), the code ``round_one`` of it, the value
+    ``fl32(code · out)`` (``out = 2**E · s``). ``y`` beyond the element format's ends
+    ``ends[c]`` is a clip of a finite ``x`` (its excess ``|x| - max · lims[g]``, the group's
+    reported scale, and ``hits[g]`` set), unless the group's ``flags`` hold :data:`NO_CLIP`;
+    a group holding :data:`NAN_Q` is NaN whole. With ``rounded``, each piece's values are
+    counted as :func:`clips_kernel` counts them (:func:`_rounded_counts`), under ``ps[c]``
+    with this kernel's constant ``rounding`` and ``overflow`` and the draws ``draws[c]``."""
+
+    @njit(**OPTIONS)
+    def kernel(bits: Any, values: Any, n: int, piece: int, wides: Any, muls: Any, divs: Any,
+               subs: Any, grps: Any, offs: Any, goffs: Any, ins: Any, outs: Any, lims: Any,
+               flags: Any, ends: Any, ps: Any, draws: Any, counts: Any, excess: Any, hits: Any,
+               finite: Any, abs_sum: Any, rcounts: Any, rsums: Any, start: int,
+               stop: int) -> None:
+        cast = np.empty(piece, dtype=np.float64)  # a piece's rounded values
+        subn = np.empty(piece, dtype=np.bool_)  # and which of them are subnormal
+        ys = np.empty(piece, dtype=np.float64)  # each element's quotient (exact in float64)
+        ain = np.empty(piece, dtype=np.float64)  # and its operands, group flags and scale,
+        aout = np.empty(piece, dtype=np.float64)  # laid out run by run first: the element
+        fls = np.empty(piece, dtype=np.uint8)  # loops then read arrays, not indices
+        lim_e = np.empty(piece, dtype=np.float64)
+        has_draws = draws.shape[1] > 0
+        for pc in range(start, stop):
+            a = pc * piece
+            b = min(a + piece, n)
+            m = b - a
+            xs = bits[a:b]
+            vs = values[a:b]
+            finite[pc], abs_sum[pc] = finite_abs_sum(xs, vs)
+            for c in range(wides.size):
+                e_max, e_min, e_small = ends[c, 0], ends[c, 1], ends[c, 2]
+                sub, grp, off, goff = subs[c], grps[c], offs[c], goffs[c]
+                for r in range(a // sub, (b - 1) // sub + 1):
+                    av, ov = ins[off + r], outs[off + r]
+                    for j in range(max(r * sub - a, 0), min((r + 1) * sub - a, m)):
+                        ain[j] = av
+                        aout[j] = ov
+                for g in range(a // grp, (b - 1) // grp + 1):
+                    fv, lv = flags[goff + g], lims[goff + g]
+                    for j in range(max(g * grp - a, 0), min((g + 1) * grp - a, m)):
+                        fls[j] = fv
+                        lim_e[j] = lv
+                if wides[c]:
+                    for j in range(m):
+                        ys[j] = np.float64(vs[j]) * ain[j]
+                elif muls[c]:
+                    for j in range(m):
+                        ys[j] = np.float64(vs[j] * np.float32(ain[j]))
+                else:
+                    for j in range(m):
+                        ys[j] = np.float64(vs[j] / np.float32(ain[j]))
+                clipped, total = _given_clips(vs, ys[:m], fls[:m], lim_e[:m], e_max, e_min)
+                if clipped:  # the groups holding a clip (few): flagged
+                    for j in range(m):
+                        y = ys[j]
+                        if (fls[j] & NO_CLIP) == 0 and abs(vs[j]) < np.inf and (
+                                y > e_max or y < e_min):
+                            hits[goff + (a + j) // grp] = True
+                counts[pc, c] = clipped
+                excess[pc, c] = total
+                if not rounded:
+                    continue
+                pc_ = ps[c]
+                pr = (pc_[0], pc_[1], pc_[2], pc_[3], pc_[4], pc_[5], pc_[6], pc_[7], pc_[8],
+                      pc_[9], pc_[10], pc_[11], pc_[12], rounding, overflow, pc_[15], pc_[16],
+                      pc_[17])
+                lim = row_limits(0, pr)
+                if wides[c]:
+                    for j in range(m):
+                        r = draws[c, a + j] if has_draws else 0
+                        code = wide_quotient(ys[j], r, lim, pr)
+                        cast[j] = np.float64(np.float32(code * aout[j]))
+                        subn[j] = code != 0 and abs(code) < e_small
+                elif divs[c]:
+                    for j in range(m):
+                        r = draws[c, a + j] if has_draws else 0
+                        code32 = lean_quotient(ys[j], r, lim, pr)
+                        cast[j] = np.float64(code32 / np.float32(aout[j]))
+                        subn[j] = code32 != 0 and abs(code32) < e_small
+                else:
+                    for j in range(m):
+                        r = draws[c, a + j] if has_draws else 0
+                        code32 = lean_quotient(ys[j], r, lim, pr)
+                        cast[j] = np.float64(code32 * np.float32(aout[j]))
+                        subn[j] = code32 != 0 and abs(code32) < e_small
+                for j in range(m):  # a group NaN whole
+                    if fls[j] & NAN_Q:
+                        cast[j] = np.nan
+                        subn[j] = False
+                nonzero, under, sub_n, lost = _rounded_counts(vs, cast[:m], subn[:m],
+                                                              rsums[pc], c)
+                rcounts[pc, c, 0] = nonzero
+                rcounts[pc, c, 1] = under
+                rcounts[pc, c, 2] = sub_n
+                rcounts[pc, c, 3] = lost
+
+    return kernel

@@ -373,7 +373,8 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         # its values for the expected cast: cast_stats gives them)
         # (a one-slice tensor's amax, taken as it landed, is the pass's own first read's)
         fused = fused_stats(x, list(casts), axis=opts.axis, rounded=rounded,
-                            tensor_amax=amax if amax is not None else landed[0])
+                            tensor_amax=amax if amax is not None else landed[0],
+                            rht_amax=rht_amax)
         facts = slice_facts(x, chunk, own) if len(fused) < len(casts) else None
         for ci, c in enumerate(casts):
             n = n_draws[ci]
