@@ -128,3 +128,26 @@ def test_a_second_process_compiles_no_kernel_of_a_scan(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", SCAN], check=True, env=env, capture_output=True)
     assert len([f for f in first if f.endswith(".nbc")]) >= 3  # the scan compiled kernels
     assert _cache_files(cache) == first
+
+
+def test_an_edit_to_any_kernel_file_moves_every_kernel_files_cache(tmp_path: Path) -> None:
+    """A kernel inlines helpers of the kernel files it imports, and numba's index checks only
+    the kernel's own file: each file's cache folder is keyed on every kernel file's content, so
+    an edit to a helper (here, jitcode's) moves the folder of a file that did not change
+    (statcode's), and the same content anywhere gives the same folder."""
+    from driftcli.kernels.jitcode import content_key, kernel_files
+
+    files = kernel_files()
+    assert {f.name for f in files} >= {"jitcode.py", "statcode.py", "castcode.py"}
+    copies = []
+    for f in files:
+        copy = tmp_path / f.name
+        copy.write_bytes(f.read_bytes())
+        copies.append(copy)
+    stat = tmp_path / "statcode.py"
+    assert content_key(stat, copies) == content_key(Path(driftcli.kernels.__path__[0]) /
+                                                    "statcode.py", files)
+    before = content_key(stat, copies)
+    helper = tmp_path / "jitcode.py"
+    helper.write_bytes(helper.read_bytes() + b"\n# an edit to an inlined helper\n")
+    assert content_key(stat, copies) != before

@@ -26,14 +26,34 @@ OPTIONS: dict[str, Any] = {"cache": True, "nogil": True, "error_model": "numpy"}
 _PACKAGE = Path(__file__).resolve().parent.parent
 
 
+def content_key(py_file: Path, kernel_files: list[Path]) -> str:
+    """The cache folder of ``py_file``'s kernels: a digest of its content and of every kernel
+    file's (``kernel_files``, in order). A kernel inlines the helpers of the other kernel
+    files it imports (``round_lean`` of this one, ``pow2_exponent`` of castcode), and numba's
+    index checks only the kernel's own file: keyed on that file alone, an edit to a helper
+    would leave the kernels calling it running the old machine code."""
+    digest = hashlib.sha256(py_file.read_bytes())
+    for f in kernel_files:
+        digest.update(f.name.encode())
+        digest.update(f.read_bytes())
+    return "driftcli-" + digest.hexdigest()[:16]
+
+
+@cache
+def kernel_files() -> list[Path]:
+    """drift's numba modules (``kernels/*code.py``), in a fixed order."""
+    return sorted(Path(__file__).resolve().parent.glob("*code.py"))
+
+
 class _ByContent(caching.UserProvidedCacheLocator):
-    """Finds this file's cached machine code by the file's content, not by where it lies:
-    numba's own locator keys the cache on the source's folder, so every new checkout or
-    virtual environment of the same drift would compile every kernel again."""
+    """Finds this file's cached machine code by the kernel files' content, not by where they
+    lie: numba's own locator keys the cache on the source's folder, so every new checkout or
+    virtual environment of the same drift would compile every kernel again (see
+    :func:`content_key`)."""
 
     @classmethod
     def get_suitable_cache_subpath(cls, py_file: str) -> str:
-        return "driftcli-" + hashlib.sha256(Path(py_file).read_bytes()).hexdigest()[:16]
+        return content_key(Path(py_file), kernel_files())
 
     @classmethod
     def from_function(cls, py_func: Any, py_file: str) -> Any:
