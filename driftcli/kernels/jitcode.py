@@ -271,8 +271,10 @@ def round_nearest(bits: int, lim: Any, p: Any) -> int:
     being even) and the subtraction is exact. ``q`` is held in ``[-149, 104]``: below, every
     float32 is on the grid already; above, ``a`` lies beyond the grid's largest magnitude
     (``lim[1] <= 103``) either way, and :func:`finish` sets overflow, infinity, the sign and a
-    format without zero as for :func:`round_lean`.
-    tests/test_vround.py compares the two over every float32 bit pattern."""
+    format without zero as for :func:`round_lean`. Like every float32 step of drift's
+    kernels, it takes IEEE arithmetic as the processor's default sets it (no flushing of
+    subnormals to zero). tests/test_nearest_rounding.py compares the two over every float32
+    bit pattern."""
     neg = bits < 0
     u = bits & 0x7FFFFFFF
     # the binade's quantum; a float32 subnormal lies below the grid's normals (lim[0] >= -126)
@@ -356,12 +358,16 @@ def flat_kernel(rounding: int, overflow: int, lean: bool, has_res: bool, has_dra
             xs, os = x[i:end], out[i:end]
             rs = res[i:end] if has_res else res
             ds = draws[i:end] if has_draws else draws
-            for j in range(xs.size):
-                d = ds[j] if has_draws else 0
-                if lean:
-                    os[j] = round_lean(xs[j], d, lim, p)
-                else:
-                    os[j] = round_one(xs[j], rs[j] if has_res else 0, has_res, d, lim, p)
+            if lean and nearest_fits(lim, p):  # a loop of either: each vectorizes
+                for j in range(xs.size):
+                    os[j] = round_nearest(xs[j], lim, p)
+            else:
+                for j in range(xs.size):
+                    d = ds[j] if has_draws else 0
+                    if lean:
+                        os[j] = round_lean(xs[j], d, lim, p)
+                    else:
+                        os[j] = round_one(xs[j], rs[j] if has_res else 0, has_res, d, lim, p)
             i = end
 
     return kernel
@@ -380,6 +386,7 @@ def divided_kernel(rounding: int, overflow: int, has_draws: bool, wide: bool,
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
              rounding, overflow, q[15], q[16], q[17])
         lim = row_limits(0, p)
+        near = not wide and nearest_fits(lim, p)
         i = start
         while i < stop:
             row = i // cols
@@ -391,12 +398,16 @@ def divided_kernel(rounding: int, overflow: int, has_draws: bool, wide: bool,
             d = divisor[row]
             xs, os = x[i:end], out[i:end]
             ds = draws[i:end] if has_draws else draws
-            for j in range(xs.size):
-                r = ds[j] if has_draws else 0
-                if wide:
-                    os[j] = wide_quotient(xs[j] / d, r, lim, p) * d
-                else:
-                    os[j] = lean_quotient(xs[j] / d, r, lim, p) * d
+            if near:  # a loop of either: each vectorizes
+                for j in range(xs.size):
+                    os[j] = nearest_quotient(xs[j] / d, lim, p) * d
+            else:
+                for j in range(xs.size):
+                    r = ds[j] if has_draws else 0
+                    if wide:
+                        os[j] = wide_quotient(xs[j] / d, r, lim, p) * d
+                    else:
+                        os[j] = lean_quotient(xs[j] / d, r, lim, p) * d
             i = end
 
     return kernel
@@ -416,6 +427,7 @@ def scaled_kernel(rounding: int, overflow: int, has_draws: bool, has_bad: bool, 
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
              rounding, overflow, q[15], q[16], q[17])
         lim = row_limits(0, p)
+        near = nearest_fits(lim, p)
         i = start
         while i < stop:
             row = i // cols
@@ -427,11 +439,17 @@ def scaled_kernel(rounding: int, overflow: int, has_draws: bool, has_bad: bool, 
             a, u = apply[row], undo[row]
             xs, os = x[i:end], out[i:end]
             ds = draws[i:end] if has_draws else draws
-            for j in range(xs.size):
-                r = ds[j] if has_draws else 0
-                y = xs[j] * a if apply_mul else xs[j] / a
-                c = lean_quotient(y, r, lim, p)
-                os[j] = c / u if undo_div else c * u
+            if near:  # a loop of either: each vectorizes
+                for j in range(xs.size):
+                    y = xs[j] * a if apply_mul else xs[j] / a
+                    c = nearest_quotient(y, lim, p)
+                    os[j] = c / u if undo_div else c * u
+            else:
+                for j in range(xs.size):
+                    r = ds[j] if has_draws else 0
+                    y = xs[j] * a if apply_mul else xs[j] / a
+                    c = lean_quotient(y, r, lim, p)
+                    os[j] = c / u if undo_div else c * u
             i = end
 
     return kernel
