@@ -19,7 +19,14 @@ import numpy as np
 from numba import njit
 
 # importing jitcode also puts its on-disk cache locator ahead of numba's own
-from driftcli.kernels.jitcode import OPTIONS, bit_length, round_lean, row_limits
+from driftcli.kernels.jitcode import (
+    OPTIONS,
+    bit_length,
+    nearest_fits,
+    round_lean,
+    round_nearest,
+    row_limits,
+)
 
 INF_BITS = 0x7F800000
 """float32 +inf: magnitudes at or above it are not finite."""
@@ -120,16 +127,14 @@ def two_level_scales(x: Any, cols: int, divisor: Any, bad: Any, consts: Any, q: 
         tensor_top = max(tensor_top, top)
     if given_top >= 0:
         tensor_top = given_top
-    amaxes = tops.view(np.float32)
     tensor_scale = two_level_tensor_scale(tensor_top, consts)
     p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
          q[13], q[14], q[15], q[16], q[17])
-    lim = row_limits(0, p)
+    moved = np.empty(rows, dtype=np.bool_)
+    two_level_divisors(tops, rows, tensor_scale, consts, row_limits(0, p), p, divisor, moved)
     clamped = 0
     for row in range(rows):
-        d, moved = two_level_divisor(amaxes[row], tensor_scale, consts, lim, p)
-        clamped += int(moved and not bad[row])
-        divisor[row] = d
+        clamped += int(moved[row] and not bad[row])
     return clamped
 
 
@@ -144,23 +149,46 @@ def two_level_tensor_scale(tensor_top: int, consts: Any) -> Any:
 
 
 @njit(inline="always", **OPTIONS)
-def two_level_divisor(amax: Any, tensor_scale: Any, consts: Any, lim: Any,
-                      p: Any) -> tuple[Any, bool]:
+def two_level_divisor(amax: Any, tensor_scale: Any, consts: Any, lim: Any, p: Any,
+                      nearest: bool) -> tuple[Any, bool]:
     """A block's float32 divisor under a two-level cast from its float32 ``amax`` and the
     tensor scale (the steps of :func:`two_level_scales`), and whether its block scale was
-    clamped (not for an all-zero block)."""
+    clamped (not for an all-zero block). ``nearest``: the scale rounding is
+    :func:`~driftcli.kernels.jitcode.round_nearest` (where
+    :func:`~driftcli.kernels.jitcode.nearest_fits`: the same bits as ``round_lean``)."""
     elem_max, smallest, largest = consts[0], consts[2], consts[3]
     # np.float32 of each step: an operation on two float32 values rounded once to float32,
     # however numba types it (a float64 quotient of float32 operands rounds to the same
     # float32: double rounding is harmless at twice the precision + 2)
     raw = np.float32(np.float32(amax / elem_max) / tensor_scale)
-    scale = np.int32(round_lean(raw.view(np.int32), 0, lim, p)).view(np.float32)
+    bits = round_nearest(raw.view(np.int32), lim, p) if nearest else round_lean(
+        raw.view(np.int32), 0, lim, p)
+    scale = np.int32(bits).view(np.float32)
     # without branches, so that a loop over blocks vectorizes: an all-zero block's raw 0
     # rounds to 0 and is raised to ``smallest``, not counted as clamped
     finite = np.isfinite(scale)
     moved = (not finite or raw < smallest) and amax != 0
     scale = max(scale, smallest) if finite else largest
     return np.float32(scale * tensor_scale), moved
+
+
+@njit(**OPTIONS)
+def two_level_divisors(tops: Any, n: int, tensor_scale: Any, consts: Any, lim: Any, p: Any,
+                       divisors: Any, moved: Any) -> None:
+    """:func:`two_level_divisor` of the first ``n`` blocks whose amaxes' float32 bits are
+    ``tops``, into ``divisors`` and ``moved``: a function of its own, whose loop over the
+    blocks the compiler vectorizes (inlined into the scan's pass, it did not), the scale
+    rounding by :func:`~driftcli.kernels.jitcode.round_nearest` where the scale format's grid
+    admits it (NVFP4's E4M3 scale does)."""
+    amaxes = tops[:n].view(np.float32)
+    if nearest_fits(lim, p):
+        for g in range(n):
+            divisors[g], moved[g] = two_level_divisor(amaxes[g], tensor_scale, consts, lim, p,
+                                                      True)
+    else:
+        for g in range(n):
+            divisors[g], moved[g] = two_level_divisor(amaxes[g], tensor_scale, consts, lim, p,
+                                                      False)
 
 
 @cache

@@ -268,9 +268,55 @@ def round_lean(bits: int, draw: int, lim: Any, p: Any) -> int:
 
 
 @njit(inline="always", **OPTIONS)
+def nearest_fits(lim: Any, p: Any) -> bool:
+    """Whether :func:`round_nearest` gives :func:`round_lean`'s bits on the grid whose
+    :func:`row_limits` are ``lim``: rounding to nearest with ties to the even kept bit, a grid
+    of one width (not tapered, at most 22 fraction bits, and not a ``P = 1`` format with a
+    zero, whose ties go by code), its smallest normal ``2**lim[0]`` a float32 normal, its
+    quanta and largest magnitudes within float32's finite range. A loop's constant: its caller
+    asks once per row and runs a loop of either routine, so that each loop vectorizes without
+    computing both."""
+    return (p[13] == 0 and p[16] == 0 and p[17] == 0 and 0 <= p[3] <= 22
+            and (p[3] > 0 or p[10] == 0) and lim[0] >= -126 and lim[0] - p[3] <= 104
+            and lim[1] <= 103 and lim[2] < 0x7F800000 and lim[3] < 0x7F800000)
+
+
+@njit(inline="always", **OPTIONS)
+def round_nearest(bits: int, lim: Any, p: Any) -> int:
+    """:func:`round_lean` of a float32 rounded to nearest even, on a grid where
+    :func:`nearest_fits`, in float32 operations without a branch on the data: the magnitude
+    ``a`` plus ``c = 2**(q + 23)``, with ``2**q`` the quantum of ``a``'s binade on the grid,
+    lies in ``[c, 2c]``, where float32's spacing is ``2**q``: the addition rounds ``a`` to
+    nearest even on the grid (the kept multiple's parity is the sum's last bit, ``c / 2**q``
+    being even) and the subtraction is exact. ``q`` is held in ``[-149, 104]``: below, every
+    float32 is on the grid already; above, ``a`` lies beyond the grid's largest magnitude
+    (``lim[1] <= 103``) either way, and :func:`finish` sets overflow, infinity, the sign and a
+    format without zero as for :func:`round_lean`. Like every float32 step of drift's
+    kernels, it takes IEEE arithmetic as the processor's default sets it (no flushing of
+    subnormals to zero). tests/test_nearest_rounding.py compares the two over every float32
+    bit pattern."""
+    neg = bits < 0
+    u = bits & 0x7FFFFFFF
+    # the binade's quantum; a float32 subnormal lies below the grid's normals (lim[0] >= -126)
+    quantum = min(max(max((u >> 23) - 127, lim[0]) - p[3], -149), 104)
+    magic = np.int32((quantum + 150) << 23).view(np.float32)
+    a = np.int32(u).view(np.float32)
+    out = np.int64(np.float32(np.float32(a + magic) - magic).view(np.int32))
+    limit = lim[3] if neg else lim[2]
+    out = finish(out, out > limit, neg, u, u == 0x7F800000, limit, lim[4], p)
+    return 0x7FC00000 if u > 0x7F800000 else out
+
+
+@njit(inline="always", **OPTIONS)
 def lean_quotient(y: Any, draw: int, lim: Any, p: Any) -> Any:
     """A float32 quotient rounded by ``p``, as a float32."""
     return np.int32(round_lean(np.float32(y).view(np.int32), draw, lim, p)).view(np.float32)
+
+
+@njit(inline="always", **OPTIONS)
+def nearest_quotient(y: Any, lim: Any, p: Any) -> Any:
+    """:func:`lean_quotient` by :func:`round_nearest` (where :func:`nearest_fits`)."""
+    return np.int32(round_nearest(np.float32(y).view(np.int32), lim, p)).view(np.float32)
 
 
 @njit(inline="always", **OPTIONS)
@@ -332,12 +378,16 @@ def flat_kernel(rounding: int, overflow: int, lean: bool, has_res: bool, has_dra
             xs, os = x[i:end], out[i:end]
             rs = res[i:end] if has_res else res
             ds = draws[i:end] if has_draws else draws
-            for j in range(xs.size):
-                d = ds[j] if has_draws else 0
-                if lean:
-                    os[j] = round_lean(xs[j], d, lim, p)
-                else:
-                    os[j] = round_one(xs[j], rs[j] if has_res else 0, has_res, d, lim, p)
+            if lean and nearest_fits(lim, p):  # a loop of either: each vectorizes
+                for j in range(xs.size):
+                    os[j] = round_nearest(xs[j], lim, p)
+            else:
+                for j in range(xs.size):
+                    d = ds[j] if has_draws else 0
+                    if lean:
+                        os[j] = round_lean(xs[j], d, lim, p)
+                    else:
+                        os[j] = round_one(xs[j], rs[j] if has_res else 0, has_res, d, lim, p)
             i = end
 
     return kernel
@@ -356,6 +406,7 @@ def divided_kernel(rounding: int, overflow: int, has_draws: bool, wide: bool,
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
              rounding, overflow, q[15], q[16], q[17])
         lim = row_limits(0, p)
+        near = not wide and nearest_fits(lim, p)
         i = start
         while i < stop:
             row = i // cols
@@ -367,12 +418,16 @@ def divided_kernel(rounding: int, overflow: int, has_draws: bool, wide: bool,
             d = divisor[row]
             xs, os = x[i:end], out[i:end]
             ds = draws[i:end] if has_draws else draws
-            for j in range(xs.size):
-                r = ds[j] if has_draws else 0
-                if wide:
-                    os[j] = wide_quotient(xs[j] / d, r, lim, p) * d
-                else:
-                    os[j] = lean_quotient(xs[j] / d, r, lim, p) * d
+            if near:  # a loop of either: each vectorizes
+                for j in range(xs.size):
+                    os[j] = nearest_quotient(xs[j] / d, lim, p) * d
+            else:
+                for j in range(xs.size):
+                    r = ds[j] if has_draws else 0
+                    if wide:
+                        os[j] = wide_quotient(xs[j] / d, r, lim, p) * d
+                    else:
+                        os[j] = lean_quotient(xs[j] / d, r, lim, p) * d
             i = end
 
     return kernel
@@ -392,6 +447,7 @@ def scaled_kernel(rounding: int, overflow: int, has_draws: bool, has_bad: bool, 
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
              rounding, overflow, q[15], q[16], q[17])
         lim = row_limits(0, p)
+        near = nearest_fits(lim, p)
         i = start
         while i < stop:
             row = i // cols
@@ -403,11 +459,17 @@ def scaled_kernel(rounding: int, overflow: int, has_draws: bool, has_bad: bool, 
             a, u = apply[row], undo[row]
             xs, os = x[i:end], out[i:end]
             ds = draws[i:end] if has_draws else draws
-            for j in range(xs.size):
-                r = ds[j] if has_draws else 0
-                y = xs[j] * a if apply_mul else xs[j] / a
-                c = lean_quotient(y, r, lim, p)
-                os[j] = c / u if undo_div else c * u
+            if near:  # a loop of either: each vectorizes
+                for j in range(xs.size):
+                    y = xs[j] * a if apply_mul else xs[j] / a
+                    c = nearest_quotient(y, lim, p)
+                    os[j] = c / u if undo_div else c * u
+            else:
+                for j in range(xs.size):
+                    r = ds[j] if has_draws else 0
+                    y = xs[j] * a if apply_mul else xs[j] / a
+                    c = lean_quotient(y, r, lim, p)
+                    os[j] = c / u if undo_div else c * u
             i = end
 
     return kernel

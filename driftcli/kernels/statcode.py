@@ -31,11 +31,14 @@ from numba import njit
 
 # at module level, not in clips_kernel: a closure's captured names are part of numba's cache
 # key, and a captured dispatcher pickles differently in every process (a compile each time)
-from driftcli.kernels.castcode import pow2_exponent, two_level_divisor, two_level_tensor_scale
+from driftcli.kernels.castcode import pow2_exponent, two_level_divisors, two_level_tensor_scale
 from driftcli.kernels.jitcode import (
     OPTIONS,
     lean_quotient,
+    nearest_fits,
+    nearest_quotient,
     round_lean,
+    round_nearest,
     round_one,
     row_limits,
     wide_quotient,
@@ -400,7 +403,7 @@ def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: 
     (:func:`finite_abs_sum`). Then, per cast ``c`` of route ``kinds[c]`` over groups of
     ``blocks[c]`` elements (``run`` for a one-scale route: its groups are only the unit
     read at a time), the group's scale from those amaxes (:func:`~driftcli.kernels.castcode.
-    pow2_exponent` under ``rules[c]``, :func:`~driftcli.kernels.castcode.two_level_divisor`
+    pow2_exponent` under ``rules[c]``, :func:`~driftcli.kernels.castcode.two_level_divisors`
     under ``consts[c]`` and the scale rounding ``q`` (a constant of the kernel: one scale
     format per scan, and its rounding folds) with the tensor amax's float32 bits
     ``tensor_top``, else the slice's ``sexp[c]`` or ``div[c]``), and the group's elements
@@ -412,7 +415,9 @@ def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: 
     of L1 (``round_lean`` under the cast's parameters ``ps[c]`` with this kernel's constant
     ``rounding`` and ``overflow``, on the grid scaled by the group's power of two, else its
     quotient by the divisor by ``lean_quotient``: the code and the steps of
-    :func:`counts_kernel`, so the same values; ``draws[c]`` its stochastic draws), and counts
+    :func:`counts_kernel`, so the same values; ``draws[c]`` its stochastic draws; where the
+    grid admits it, :func:`~driftcli.kernels.jitcode.nearest_fits`, by ``round_nearest``,
+    ``round_lean``'s bits in float32 steps that vectorize), and counts
     the piece into ``rcounts`` (:data:`N_ROUNDED`) and ``rsums`` (:data:`N_ROUNDED_SUMS`,
     :func:`_rounded_counts`). ``wide[c]`` holds the element format's ``qmin`` and ``emax``: a
     block whose power-of-two grid leaves float32's range is counted in the last column."""
@@ -506,9 +511,7 @@ def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: 
                     if kind == TWO_LEVEL:
                         cc = consts[c]
                         scale_t = two_level_tensor_scale(tensor_top, cc)
-                        for g in range(n_groups):
-                            gdivs[g], moves[g] = two_level_divisor(
-                                np.int32(gtops[g]).view(np.float32), scale_t, cc, two_lim, p)
+                        two_level_divisors(gtops, n_groups, scale_t, cc, two_lim, p, gdivs, moves)
                     else:
                         for g in range(n_groups):
                             ks[g], moves[g] = pow2_exponent(gtops[g], rules[c])
@@ -561,12 +564,19 @@ def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: 
                             n_out += 1
                         rlim = row_limits(k, pr)
                         small = ends[c, 2] * _pow2(k)
-                        for j in range(gx.size):
-                            r = gd[j] if has_draws else 0
-                            qv = np.float64(np.int32(round_lean(gx[j], r, rlim, pr)).view(
-                                np.float32))
-                            qs[j] = qv
-                            ss[j] = qv != 0 and abs(qv) < small
+                        if nearest_fits(rlim, pr):  # a loop of either: each vectorizes
+                            for j in range(gx.size):
+                                qv = np.float64(np.int32(round_nearest(gx[j], rlim, pr)).view(
+                                    np.float32))
+                                qs[j] = qv
+                                ss[j] = qv != 0 and abs(qv) < small
+                        else:
+                            for j in range(gx.size):
+                                r = gd[j] if has_draws else 0
+                                qv = np.float64(np.int32(round_lean(gx[j], r, rlim, pr)).view(
+                                    np.float32))
+                                qs[j] = qv
+                                ss[j] = qv != 0 and abs(qv) < small
                 else:  # the quotients by each element's divisor rounded, multiplied back
                     if kind == TENSOR_DIV:
                         dvs[:b - a] = div[c]
@@ -575,13 +585,20 @@ def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: 
                             dvs[g * size:min((g + 1) * size, b - a)] = gdivs[g]
                     rlim = row_limits(0, pr)
                     e_small = ends[c, 2]
-                    for j in range(b - a):
-                        r = ds[j] if has_draws else 0
-                        d = dvs[j]
-                        code = lean_quotient(vs[j] / d, r, rlim, pr)
-                        # a float32 cast returns the product rounded to float32
-                        cast[j] = np.float64(np.float32(code * d))
-                        subs[j] = code != 0 and abs(code) < e_small
+                    if nearest_fits(rlim, pr):
+                        for j in range(b - a):
+                            d = dvs[j]
+                            code = nearest_quotient(vs[j] / d, rlim, pr)
+                            cast[j] = np.float64(np.float32(code * d))
+                            subs[j] = code != 0 and abs(code) < e_small
+                    else:
+                        for j in range(b - a):
+                            r = ds[j] if has_draws else 0
+                            d = dvs[j]
+                            code = lean_quotient(vs[j] / d, r, rlim, pr)
+                            # a float32 cast returns the product rounded to float32
+                            cast[j] = np.float64(np.float32(code * d))
+                            subs[j] = code != 0 and abs(code) < e_small
                 if kind not in (TENSOR_POW2, TENSOR_DIV):
                     for g in range(n_groups):
                         if gbads[g]:  # lost whole
