@@ -14,7 +14,8 @@ kept multiples of 64), then:
    drift's ``clip-rate``, ``underflow-rate`` and ``error-bias`` with the casts ``fp8_e4m3``,
    ``mxfp8_e4m3`` and ``nvfp4`` (the library call behind each command), ``clip-rate in
    series`` (clip-rate with each slice read on the scan's thread before its pass, as before the
-   read ahead: ``measures.scan.READ_AHEAD_BYTES`` None), and ``script``: the
+   read ahead: ``measures.scan.READ_AHEAD_BYTES`` None), ``block-stats`` on the same casts (its
+   time against clip-rate's: target at most 1.5x), and ``script``: the
    torch + torchao code a user would write for the same clip counts (``safe_open``, torch's
    native float8 cast per tensor, torchao's ``to_mx`` and ``NVFP4Tensor``; left out, and
    said so, where torchao is not installed). Each row is one entry of a dict of calls: a new
@@ -51,6 +52,7 @@ from safetensors.torch import save_file
 
 from driftcli.measures import MEASURES
 from driftcli.measures import scan as scan_module
+from driftcli.measures.block_stats import block_stats
 from driftcli.memory import use_huge_pages
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,6 +64,9 @@ SERIES = "clip-rate in series"
 """clip-rate with every read on the scan's thread, before the pass over it (no read ahead)."""
 TARGETS = {"clip-rate": 1.0, "underflow-rate": 0.3, "error-bias": 0.3}
 """Each command's library scan speed against the copying read's (issue 41)."""
+BLOCK_STATS = "block-stats"
+BLOCK_STATS_TARGET = 1.5
+"""block-stats' time at most this many times clip-rate's on the same casts (issue 41)."""
 D, FF, VOCAB, LAYERS = 1536, 4096, 16384, 4
 
 
@@ -317,7 +322,7 @@ def _library_round(calls: dict[str, Callable[[], object]], repeat: int, size: in
     (``import torch`` is a fresh process each time: the floor of any command's start.)"""
     t = interleaved(calls, repeat)
     t["clip-rate"] = t["cast"]
-    names = ("copy", "read", "import torch", COMMANDS[0], SERIES, *COMMANDS[1:],
+    names = ("copy", "read", "import torch", COMMANDS[0], SERIES, *COMMANDS[1:], BLOCK_STATS,
              *(("script",) if "script" in t else ()))
     print(f"\nlibrary calls, one process, {n_threads} thread{'s' * (n_threads > 1)}, medians "
           f"of {repeat} (warm-up {t['warmup']:.1f} s):")
@@ -332,6 +337,9 @@ def _library_round(calls: dict[str, Callable[[], object]], repeat: int, size: in
         versus = f"{t['script'] / t[name]:9.2f}" if "script" in t else ""
         print(f"  {name:<19s} {t[name]:7.2f} {speed:>6s} {elems:>7s} {ratio:7.3f} {mark:>9s} "
               f"{versus}")
+    over = t[BLOCK_STATS] / t["clip-rate"]
+    print(f"  block-stats / clip-rate: {over:.2f}x (target at most {BLOCK_STATS_TARGET:.1f}x: "
+          f"{'met' if over <= BLOCK_STATS_TARGET else 'MISSED'})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         "cast": command("clip-rate"), "copy": lambda: copy_read(args.file),
         "read": lambda: plain_read(args.file),
         "import torch": lambda: fresh([sys.executable, "-c", "import torch"], dict(os.environ)),
-        SERIES: in_series, **{name: command(name) for name in COMMANDS[1:]}}
+        SERIES: in_series, **{name: command(name) for name in COMMANDS[1:]},
+        BLOCK_STATS: lambda: block_stats([args.file], list(CASTS))}
     if have_torchao:
         import user_script  # type: ignore[import-not-found]
 
