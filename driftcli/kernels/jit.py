@@ -618,8 +618,7 @@ def four_over_six_errors(blocks: Tensor, inv4: Tensor, inv6: Tensor, sb4: Tensor
     rows, cols = blocks.shape
     err4 = np.empty(rows, dtype=np.float32)
     err6 = np.empty(rows, dtype=np.float32)
-    per_row = t.numel() > 1
-    kernel = code.errors_kernel(p[13], p[14], squared, fp16, per_row)
+    kernel = code.errors_kernel(p[13], p[14], squared, fp16)
     spread(kernel, rows, cols, _array(blocks), *(_array(v.float()) for v in (inv4, inv6, sb4, sb6)),
            _array(t.float().reshape(-1)), _array(enc.float().reshape(-1)), np.float32(g), cols,
            err4, err6, p)
