@@ -158,8 +158,10 @@ def round_bits(x: Tensor, residual: Tensor | None, random: Tensor | None,
     res = _flat(residual, itype)
     flags = _flat(bad)
     lean = x.dtype == torch.float32 and res is None
-    kernel = _code().flat_kernel(p[13], p[14], lean, res is not None, draws is not None,
-                                 sexp is not None, flags is not None)
+    # with a residual the overflow policy is read at run time (no slower measured there):
+    # one kernel for both policies, half as many to compile on a cold start
+    kernel = _code().flat_kernel(p[13], p[14] if res is None else -1, lean, res is not None,
+                                 draws is not None, sexp is not None, flags is not None)
     spread(kernel, bits.size, 1, bits, _or_empty(res, kind), _or_empty(draws, kind),
             _or_empty(sexp, np.int64), _or_empty(flags, np.bool_), cols, out, p)
     return torch.from_numpy(out).view(x.dtype).view(x.shape)
