@@ -146,7 +146,8 @@ def accum_kernel(wide: bool, kind: int, rounding: int) -> Callable[..., None]:
         acc = np.zeros(tile, dtype=out.dtype)
         master = np.zeros(tile, dtype=out.dtype)
         levels = 64 - leading_zeros(np.int64(k)) + 1  # type: ignore[call-arg]  # numba's intrinsic
-        stack = np.zeros((levels, tile), dtype=out.dtype)
+        # one row more than the subtrees use: +0, the root's left operand
+        stack = np.zeros((levels + 1, tile), dtype=out.dtype)
         zero = acc[0]  # +0 of the working dtype
         for n0 in range(0, n_cols, tile):  # a tile of B's columns serves every row
             w = min(tile, n_cols - n0)
@@ -156,44 +157,54 @@ def accum_kernel(wide: bool, kind: int, rounding: int) -> Callable[..., None]:
                 b0 = b_of[batch] * k
                 if order == PAIRWISE:
                     # stack[lv] holds a finished subtree of 2**lv terms waiting for its right
-                    # sibling: the terms' index j in binary says which (see pairwise_tree)
-                    for j in range(k):
-                        x = ar[j]
-                        bk = b[b0 + j, n0:n0 + w]
-                        for c in range(w):
-                            acc[c] = x * bk[c]
-                        lv = 0
-                        while (j >> lv) & 1:
+                    # sibling: the terms' index j in binary says which (see pairwise_tree).
+                    # Every addition of the tree, the right edge's and the root's too, is the
+                    # one step below (each inlined copy of a step costs seconds of compiling)
+                    for j in range(k + 1):
+                        edge = j == k
+                        if not edge:
+                            x = ar[j]
+                            bk = b[b0 + j, n0:n0 + w]
+                            for c in range(w):
+                                acc[c] = x * bk[c]
+                            lv = 0
+                            more = (j & 1) == 1
+                        elif k == 0:  # no terms: +0
+                            acc[:w] = zero
+                            more = False
+                        else:
+                            # the right edge: the partial subtrees, lowest first, each finished
+                            # one to their left added in front of them, then the root to +0
+                            lv = 0
+                            while not (k >> lv) & 1:
+                                lv += 1
+                            first = stack[lv]
+                            for c in range(w):
+                                acc[c] = first[c]
+                            lv += 1
+                            while lv < levels and not (k >> lv) & 1:
+                                lv += 1
+                            more = True
+                        while more:
                             left = stack[lv]
                             for c in range(w):
                                 if wide:
                                     acc[c] = step64(left[c], acc[c], lim, p)
                                 else:
                                     acc[c] = step32(left[c], acc[c], kind, drop, rne, lim, p)
-                            lv += 1
-                        stack[lv, :w] = acc[:w]
-                    # the right edge: the partial subtrees, lowest first, each finished one
-                    # to their left added in front of them
-                    have = False
-                    for lv in range(levels):
-                        if not (k >> lv) & 1:
-                            continue
-                        left = stack[lv]
-                        for c in range(w):
-                            if not have:
-                                acc[c] = left[c]
-                            elif wide:
-                                acc[c] = step64(left[c], acc[c], lim, p)
+                            if not edge:
+                                lv += 1
+                                more = ((j >> lv) & 1) == 1
+                            elif lv == levels:
+                                more = False
                             else:
-                                acc[c] = step32(left[c], acc[c], kind, drop, rne, lim, p)
-                        have = True
-                    for c in range(w):  # the root added to +0 (no terms: +0)
-                        if k == 0:
-                            out[row, n0 + c] = zero
-                        elif wide:
-                            out[row, n0 + c] = step64(zero, acc[c], lim, p)
-                        else:
-                            out[row, n0 + c] = step32(zero, acc[c], kind, drop, rne, lim, p)
+                                lv += 1
+                                while lv < levels and not (k >> lv) & 1:
+                                    lv += 1
+                        if not edge:
+                            stack[lv, :w] = acc[:w]
+                    for c in range(w):
+                        out[row, n0 + c] = acc[c]
                     continue
                 master[:w] = zero
                 size = chunk if order == CHUNKED else max(k, 1)

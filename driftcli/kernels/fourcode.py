@@ -51,14 +51,15 @@ def candidate_error(k: Any, sb: Any, x: Any, t: Any, g: Any, enc: Any, fp16: boo
 
 
 @cache
-def errors_kernel(rounding: int, overflow: int, squared: bool, fp16: bool,
-                  per_row: bool = False) -> Callable[..., None]:
+def errors_kernel(rounding: int, overflow: int, squared: bool,
+                  fp16: bool) -> Callable[..., None]:
     """``kernel(x, inv4, inv6, sb4, sb6, ts, encs, g, cols, err4, err6, q, start, stop)``: for
     the rows ``start:stop`` of float32 ``x`` (``cols`` a row), each candidate's codes of
     ``fl(x · inv)`` (rounded by ``q``) and its error summed from 0 in element order: ``|d|``
     or ``d · d`` (``squared``) of ``d = fl(fl(fl(fl(q · sb) · t) / g) − x)``, or with ``fp16``
     ``d = fl(q · sb − fl(x · enc))``; ``t`` and ``enc`` (float32) are ``ts[0]``, ``encs[0]``,
-    or with ``per_row`` each row's own (row-scaled NVFP4), ``g`` float32."""
+    or where ``ts`` holds more than one, each row's own (row-scaled NVFP4; read per row, not
+    compiled in: one kernel fewer for a cold start), ``g`` float32."""
 
     @njit(**OPTIONS)
     def kernel(x: Any, inv4: Any, inv6: Any, sb4: Any, sb6: Any, ts: Any, encs: Any, g: Any,
@@ -67,6 +68,7 @@ def errors_kernel(rounding: int, overflow: int, squared: bool, fp16: bool,
              rounding, overflow, q[15], q[16], q[17])
         lim = row_limits(0, p)
         t, enc = ts[0], encs[0]
+        per_row = ts.size > 1
         for row in range(start, stop):
             if per_row:
                 t, enc = ts[row], encs[row]

@@ -158,8 +158,10 @@ def round_bits(x: Tensor, residual: Tensor | None, random: Tensor | None,
     res = _flat(residual, itype)
     flags = _flat(bad)
     lean = x.dtype == torch.float32 and res is None
-    kernel = _code().flat_kernel(p[13], p[14], lean, res is not None, draws is not None,
-                                 sexp is not None, flags is not None)
+    # with a residual the overflow policy is read at run time (no slower measured there):
+    # one kernel for both policies, half as many to compile on a cold start
+    kernel = _code().flat_kernel(p[13], p[14] if res is None else -1, lean, res is not None,
+                                 draws is not None, sexp is not None, flags is not None)
     spread(kernel, bits.size, 1, bits, _or_empty(res, kind), _or_empty(draws, kind),
             _or_empty(sexp, np.int64), _or_empty(flags, np.bool_), cols, out, p)
     return torch.from_numpy(out).view(x.dtype).view(x.shape)
@@ -630,8 +632,7 @@ def four_over_six_errors(blocks: Tensor, inv4: Tensor, inv6: Tensor, sb4: Tensor
     rows, cols = blocks.shape
     err4 = np.empty(rows, dtype=np.float32)
     err6 = np.empty(rows, dtype=np.float32)
-    per_row = t.numel() > 1
-    kernel = code.errors_kernel(p[13], p[14], squared, fp16, per_row)
+    kernel = code.errors_kernel(p[13], p[14], squared, fp16)
     spread(kernel, rows, cols, _array(blocks), *(_array(v.float()) for v in (inv4, inv6, sb4, sb6)),
            _array(t.float().reshape(-1)), _array(enc.float().reshape(-1)), np.float32(g), cols,
            err4, err6, p)

@@ -2,9 +2,10 @@
 
 :func:`round_one` is :func:`driftcli.casts.rounding._kernel` for one element: the same integer steps
 on the same bit fields; :func:`round_lean` reaches the same bits for float32 inputs in fewer
-steps. A kernel is made per rounding mode, overflow policy and set of inputs present (a few
-dozen in all), with the format's integers a run-time argument: numba folds the mode and the
-policy in as constants, and each kernel's machine code is cached on disk.
+steps. A kernel is made per rounding mode, overflow policy and kind of input (a few dozen
+in all), with the format's integers a run-time argument: numba folds the mode and the policy
+in as constants where that pays at run time, and each kernel's machine code is cached on
+disk.
 """
 
 from __future__ import annotations
@@ -349,16 +350,22 @@ def flat_kernel(rounding: int, overflow: int, lean: bool, has_res: bool, has_dra
                 scaled: bool, has_bad: bool) -> Callable[..., None]:
     """``kernel(x, res, draws, sexp, bad, cols, out, q, start, stop)``: elements
     ``start..stop`` of a flat integer view rounded by the parameters ``q`` (their rounding
-    and overflow codes are this kernel's ``rounding`` and ``overflow``); ``res``, ``draws``
-    shaped like ``x`` where present (else empty), ``sexp`` one scale exponent per row of
-    ``cols`` elements when ``scaled``, ``bad`` per row when ``has_bad``: the row becomes
-    NaN. ``lean``: float32 without residual, by :func:`round_lean`."""
+    code is this kernel's ``rounding``, their overflow code its ``overflow``, or with
+    ``overflow`` -1 read from ``q``); ``res``, ``draws`` shaped like ``x`` where present (else
+    empty), ``sexp`` one scale exponent per row of ``cols`` elements when ``scaled``, ``bad``
+    per row when ``has_bad``: the row becomes NaN. ``lean``: float32 without residual, by
+    :func:`round_lean`.
+
+    With a residual (``round_sum``'s inputs) the overflow policy is read at run time (no
+    slower measured), which halves the kernels a cold start compiles there; the others keep
+    it compiled in (read at run time it measured 3-8% slower there; docs/performance.md,
+    "With an empty kernel cache")."""
 
     @njit(**OPTIONS)
     def kernel(x: Any, res: Any, draws: Any, sexp: Any, bad: Any, cols: int, out: Any, q: Any,
                start: int, stop: int) -> None:
         p = (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
-             rounding, overflow, q[15], q[16], q[17])
+             rounding, overflow if overflow >= 0 else q[14], q[15], q[16], q[17])
         nan_bits = ((1 << p[0]) - 1) << p[1] | (1 << (p[1] - 1))
         lim = row_limits(0, p)
         last = 0
