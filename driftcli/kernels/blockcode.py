@@ -55,14 +55,12 @@ def range_kernel(bits: Any, cols: int, mask: int, inf_bits: int, mbits: int, bia
         hi = 0
         lo = inf_bits
         nonfinite = False
-        for i in range(xs.size):
+        for i in range(xs.size):  # without branches: the loop runs in vector lanes
             m = xs[i] & mask
-            if m >= inf_bits:
-                nonfinite = True
-            else:
-                hi = max(hi, m)
-                if m != 0:
-                    lo = min(lo, m)
+            finite = m < inf_bits
+            nonfinite |= not finite
+            hi = max(hi, m if finite else 0)
+            lo = min(lo, m if finite & (m != 0) else inf_bits)
         _close(r, hi, lo, nonfinite, inf_bits, mbits, bias, top, low, span, bad)
 
 
@@ -85,14 +83,12 @@ def column_range_kernel(bits: Any, rows: int, cols: int, k: int, mask: int, inf_
             nfs[j] = 0
         for i in range(b * k, min((b + 1) * k, rows)):
             xs = bits[i * cols:(i + 1) * cols]
-            for j in range(cols):
+            for j in range(cols):  # without branches, as in range_kernel
                 m = xs[j] & mask
-                if m >= inf_bits:
-                    nfs[j] = 1
-                else:
-                    his[j] = max(his[j], m)
-                    if m != 0:
-                        los[j] = min(los[j], m)
+                finite = m < inf_bits
+                nfs[j] |= not finite
+                his[j] = max(his[j], m if finite else 0)
+                los[j] = min(los[j], m if finite & (m != 0) else inf_bits)
         for j in range(cols):
             _close(j * bands + b, his[j], los[j], nfs[j] != 0, inf_bits, mbits, bias, top, low,
                    span, bad)
