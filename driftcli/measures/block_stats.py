@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from fractions import Fraction
+from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -326,11 +327,18 @@ def _histogram(sc: _Scales, finite: Tensor, sf: Format) -> dict[int, tuple[int, 
 def _coded(values: Tensor, found: Tensor, sf: Format) -> dict[int, tuple[int, int]]:
     """Scale code -> (floor(log2 scale), groups) of the scales ``values`` found ``found``
     times each."""
-    codes = encode(values, sf)
     out: dict[int, tuple[int, int]] = {}
-    for code, v, n in zip(codes.tolist(), values.tolist(), found.tolist(), strict=True):
-        out[int(code)] = (_floor_log2(v), out.get(int(code), (0, 0))[1] + int(n))
+    for v, n in zip(values.tolist(), found.tolist(), strict=True):
+        code = _code(v, sf)
+        out[code] = (_floor_log2(v), out.get(code, (0, 0))[1] + int(n))
     return out
+
+
+@cache
+def _code(v: float, sf: Format) -> int:
+    """The code of the scale ``v`` in ``sf``: a format holds a few hundred scales at most,
+    and a call of ``encode`` per group costs more than the pass over the groups."""
+    return int(encode(torch.tensor([v], dtype=torch.float64), sf)[0])
 
 
 def _fused(amax: Tensor, span: Tensor, bad: Tensor, poison: bool, c: Cast, sf: Format,
@@ -408,12 +416,14 @@ class BlockUnit:
     input: str
     ref: TensorRef
     casts: tuple[Cast, ...]
+    names: tuple[str, ...] = ()
+    """Each cast's name in the rows (``cast_name``), as the caller gave it; none: its spec."""
 
     def key(self) -> str:
         """Everything the unit's rows depend on, its file's stamp included."""
         ref = self.ref
         return (f"block-stats|{self.input}|{engines.stamp(ref.source)}|{ref.name}|{ref.dtype}|"
-                f"{list(ref.shape)}|{[str(c) for c in self.casts]}")
+                f"{list(ref.shape)}|{[str(c) for c in self.casts]}|{list(self.names)}")
 
 
 def _base(ref: TensorRef, c: Cast) -> dict[str, Any]:
@@ -455,11 +465,14 @@ def block_unit(unit: BlockUnit) -> tuple[list[BlockStatsRow], list[BlockScaleRow
     known: dict[tuple[Direction, int], Facts] = {}
     found = {i: direction_stats(x, *work[i], known)
              for i in sorted(range(len(work)), key=order)}
+    names = dict(zip(map(str, unit.casts), unit.names, strict=True)) if unit.names else {}
     for i, (c, d) in enumerate(work):
         cols, codes = found[i]
-        rows.append(BlockStatsRow(**_base(ref, c), direction=d.value, **cols, error=None))
+        name = names.get(str(c), str(c))
+        rows.append(BlockStatsRow(**_base(ref, c), direction=d.value, **cols, error=None,
+                                  cast_name=name))
         hist.extend(BlockScaleRow(ref.source, ref.name, ref.layer, str(c), d.value, code, exp,
-                                  count) for code, (exp, count) in sorted(codes.items()))
+                                  count, name) for code, (exp, count) in sorted(codes.items()))
     return rows, hist
 
 
@@ -488,8 +501,10 @@ def block_stats(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     empty = [why for inp, inputs in opened if (why := nothing_to_measure(inp, inputs))]
     if len(empty) == len(opened):
         raise NothingToMeasure("; ".join(empty))
-    units = [BlockUnit(inp, ref, parsed) for inp, inputs in opened for ref in inputs.tensors
-             if ref.is_float]
+    names = {str(p): c for c, p in zip(casts, parsed, strict=True) if isinstance(c, str)}
+    given = tuple(names.get(str(p), str(p)) for p in parsed)
+    units = [BlockUnit(inp, ref, parsed, given) for inp, inputs in opened
+             for ref in inputs.tensors if ref.is_float]
     found = engines.run(units, block_unit, execution or Execution(), progress=progress,
                         label=lambda u: u.ref.name, size=lambda u: u.ref.nbytes)
     rows: list[BlockStatsRow] = []
@@ -503,10 +518,8 @@ def block_stats(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
                 granularity=c.scaling.granularity.value, block=c.scaling.block, direction="",
                 **_NULLS, element_span=element_span(c.format), error=e.message)
                 for c in parsed)
-    for r, h in found:
+    rows = [replace(r, cast_name=names.get(r.cast, r.cast)) for r in rows]  # the error rows
+    for r, h in found:  # named by their units
         rows.extend(r)
         scales.extend(h)
-    names = {str(p): c for c, p in zip(casts, parsed, strict=True) if isinstance(c, str)}
-    return BlockStats([replace(r, cast_name=names.get(r.cast, r.cast)) for r in rows],
-                      [replace(r, cast_name=names.get(r.cast, r.cast)) for r in scales],
-                      [f for _, i in opened for f in i.files])
+    return BlockStats(rows, scales, [f for _, i in opened for f in i.files])
