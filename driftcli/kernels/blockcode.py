@@ -114,7 +114,7 @@ def merge_range_kernel(top: Any, low: Any, bad: Any, bands: int, f: int, inf_bit
             for i in range(line * bands + b * f, line * bands + min((b + 1) * f, bands)):
                 hi = max(hi, top[i])
                 lo = min(lo, low[i])
-                nonfinite = nonfinite or bad[i]
+                nonfinite |= bad[i]
             _close(line * out + b, hi, lo, nonfinite, inf_bits, mbits, bias, otop, olow, ospan,
                    obad)
 
