@@ -206,8 +206,7 @@ def fused_summary_kernel(top: Any, span: Any, bad: Any, poison: bool, ks: Any, v
         limits[j] = math.ldexp(big, klow + j)
     # the counts in locals, not in ``out``: stores to an array the histograms may alias would
     # be kept in memory on every group
-    live = zero = nonfinite = clipped = at_max = n_sub = at_min = over = widest = 0
-    missed = False
+    live = zero = nonfinite = clipped = at_max = n_sub = at_min = over = widest = missed = 0
     lo = np.inf
     hi = 0.0
     top_s, normal, bottom = ends[0], ends[1], ends[2]
@@ -218,7 +217,7 @@ def fused_summary_kernel(top: Any, span: Any, bad: Any, poison: bool, ks: Any, v
                 continue
         key = ks[i] - klow if pow2 else (vbits[i] >> shift) - klow
         if key < 0 or key >= kcounts.size:
-            missed = True
+            missed = 1
             continue
         kcounts[key] += 1
         if pow2:
@@ -241,16 +240,9 @@ def fused_summary_kernel(top: Any, span: Any, bad: Any, poison: bool, ks: Any, v
         over += r > elem_span
         widest = max(widest, r)
         ranges[r] += 1
-    out[0] = live
-    out[1] = zero
-    out[2] = nonfinite
-    out[3] = clipped
-    out[4] = at_max
-    out[5] = n_sub
-    out[6] = at_min
-    out[7] = over
-    out[8] = widest
-    out[9] = missed
+    counts = (live, zero, nonfinite, clipped, at_max, n_sub, at_min, over, widest, missed)
+    for j in range(10):
+        out[j] = counts[j]
     extremes[0] = lo
     extremes[1] = hi
 
