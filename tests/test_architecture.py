@@ -257,7 +257,8 @@ CASTS_INTERFACE = {
     # the cast pipeline's route, decided once per cast (issue 41): what the fused pass takes
     "casts.route": {"flat_route", "one_scale",
                     # and its steps: the groups' amax, scales, values and counts
-                    "block_amax", "block_ranges", "group_ranges", "group_scales", "GroupScales",
+                    "block_amax", "block_ranges", "merge_ranges", "group_ranges", "group_scales",
+                    "GroupScales",
                     "cast_elements", "ElementCast", "block_summary", "key_counts",
                     "fused_summary", "Summary",
                     # the counts a cast makes of a tensor (the scan's), and a slice's shared reads

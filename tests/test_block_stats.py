@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -486,3 +487,68 @@ def test_the_fused_pass_answers_for_the_block_casts(spec: str) -> None:
         (counts, _, _), codes = fused
         assert counts[2] == 1  # the NaN's group
         assert sum(n for _, n in codes.values()) == amax.numel() - 1
+
+
+@pytest.mark.parametrize("mode", ["auto", "never"])
+def test_merged_ranges_equal_the_ranges_read_from_the_elements(mode: str) -> None:
+    """Groups of 48 and 32 (and one tensor group) made of the facts of groups of 16 and 8,
+    on each back-end, equal the groups read from the elements: also where a run holds a
+    partial group (48 and 70 are not multiples of 32) and where a line's last group is short
+    of the run's length (a partial run)."""
+    from driftcli.casts.route import group_ranges, merge_ranges
+    from driftcli.records.cast import Scaling
+    from driftcli.records.modes import Granularity
+
+    def block(k: int) -> Scaling:  # mxfp8_e4m3's scaling in blocks of k
+        return replace(parse_cast("mxfp8_e4m3").scaling, block=k)
+
+    kernels.set_jit(mode)
+    try:
+        for two in (_sample(), _sample()[:70, :40].contiguous()):
+            for along in (-1, 0):
+                lines = two.shape[1 if along == 0 else 0]
+                for short, long in ((16, 32), (8, 32), (16, 48), (8, 16)):
+                    top, low, _, bad = group_ranges(two, block(short), along, keep=False)[1]
+                    want = group_ranges(two, block(long), along, keep=False)[1]
+                    got = merge_ranges(top, low, bad, lines, long // short)
+                    for g, w in zip(got, want, strict=True):
+                        assert torch.equal(g, w), (mode, two.shape, along, short, long)
+                    whole = merge_ranges(top, low, bad, 1, top.numel())
+                    one = group_ranges(two, replace(block(1), granularity=Granularity.TENSOR,
+                                                    block=0), -1, keep=False)[1]
+                    for g, w in zip(whole, one, strict=True):
+                        assert torch.equal(g, w)
+    finally:
+        kernels.set_jit("auto")
+
+
+@pytest.mark.parametrize("mode", ["auto", "never"])
+def test_a_tensors_casts_sharing_their_reads_give_each_casts_own_columns(mode: str) -> None:
+    """block_unit reads a tensor's shortest groups once and makes the longer groups and the
+    tensor scale's of them (merge_ranges): every cast's columns and histogram equal those it
+    gets alone."""
+    from driftcli.measures.block_stats import BlockUnit, block_unit
+
+    x = _sample()[:70, :48].contiguous()
+    casts = tuple(parse_cast(c) for c in CASTS)
+
+    class Ref:  # the reader's tensor, already in memory
+        source, name, layer, dtype, shape = "mem", "x", None, "F32", (70, 48)
+
+        def read(self) -> torch.Tensor:
+            return x
+
+    kernels.set_jit(mode)
+    try:
+        rows, hist = block_unit(BlockUnit("mem", Ref(), casts))  # type: ignore[arg-type]
+        alone = [(c, d, *direction_stats(x, c, d)) for c in casts
+                 for d in directions(c, x.dim())]
+    finally:
+        kernels.set_jit("auto")
+    assert len(rows) == len(alone) == 16
+    for row, (c, d, cols, codes) in zip(rows, alone, strict=True):
+        assert (row.cast, row.direction) == (str(c), d.value)
+        assert {k: getattr(row, k) for k in cols} == cols, (str(c), d)
+        assert {(h.scale_code, h.scale_exponent, h.blocks) for h in hist
+                if (h.cast, h.direction) == (str(c), d.value)} == \
+            {(k, e, n) for k, (e, n) in codes.items()}

@@ -202,6 +202,28 @@ def block_ranges(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return top, low, torch.where(has, span, -1), ~finite.all(dim=1)
 
 
+def merge_ranges(top: Tensor, low: Tensor, bad: Tensor, lines: int,
+                 f: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`block_ranges` of the groups ``f`` times as long, from the facts (largest and
+    smallest nonzero finite magnitude, NaN/inf flag) of groups laid out ``(lines, bands)``,
+    each line's groups in order along it: each run of ``f`` groups of a line (the last one
+    shorter where ``f`` does not divide ``bands``) is one longer group. Exact, as the zeros
+    padding a partial group change neither magnitude. The numba back-end is
+    :func:`driftcli.kernels.jit.merge_ranges`; this is its torch twin."""
+    if kernels.numba_runs(top):
+        return jit.merge_ranges(top.contiguous(), low.contiguous(), bad.contiguous(), lines, f)
+    pad = -(top.numel() // lines if lines else 0) % f
+    top, low, bad = (torch.nn.functional.pad(t.reshape(lines, -1), (0, pad), value=v)
+                     .reshape(lines, -1, f) for t, v in ((top, 0.0), (low, math.inf),
+                                                         (bad.to(torch.uint8), 0)))
+    top, low, bad = top.amax(dim=2).reshape(-1), low.amin(dim=2).reshape(-1), \
+        bad.amax(dim=2).reshape(-1).bool()
+    has = torch.isfinite(low)
+    span = binade_and_significand(torch.where(has, top, 1.0))[0] - \
+        binade_and_significand(torch.where(has, low, 1.0))[0]
+    return top, low, torch.where(has, span, -1), bad
+
+
 def group_ranges(two: Tensor, scaling: Scaling, along: int,
                  keep: bool) -> tuple[Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor]]:
     """The scale groups of 2-D ``two`` under ``scaling``, their blocks running along axis

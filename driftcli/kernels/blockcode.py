@@ -55,14 +55,12 @@ def range_kernel(bits: Any, cols: int, mask: int, inf_bits: int, mbits: int, bia
         hi = 0
         lo = inf_bits
         nonfinite = False
-        for i in range(xs.size):
+        for i in range(xs.size):  # without branches: the loop runs in vector lanes
             m = xs[i] & mask
-            if m >= inf_bits:
-                nonfinite = True
-            else:
-                hi = max(hi, m)
-                if m != 0:
-                    lo = min(lo, m)
+            finite = m < inf_bits
+            nonfinite |= not finite
+            hi = max(hi, m if finite else 0)
+            lo = min(lo, m if finite & (m != 0) else inf_bits)
         _close(r, hi, lo, nonfinite, inf_bits, mbits, bias, top, low, span, bad)
 
 
@@ -85,17 +83,40 @@ def column_range_kernel(bits: Any, rows: int, cols: int, k: int, mask: int, inf_
             nfs[j] = 0
         for i in range(b * k, min((b + 1) * k, rows)):
             xs = bits[i * cols:(i + 1) * cols]
-            for j in range(cols):
+            for j in range(cols):  # without branches, as in range_kernel
                 m = xs[j] & mask
-                if m >= inf_bits:
-                    nfs[j] = 1
-                else:
-                    his[j] = max(his[j], m)
-                    if m != 0:
-                        los[j] = min(los[j], m)
+                finite = m < inf_bits
+                nfs[j] |= not finite
+                his[j] = max(his[j], m if finite else 0)
+                los[j] = min(los[j], m if finite & (m != 0) else inf_bits)
         for j in range(cols):
             _close(j * bands + b, his[j], los[j], nfs[j] != 0, inf_bits, mbits, bias, top, low,
                    span, bad)
+
+
+@njit(**OPTIONS)
+def merge_range_kernel(top: Any, low: Any, bad: Any, bands: int, f: int, inf_bits: int,
+                       mbits: int, bias: int, otop: Any, olow: Any, ospan: Any, obad: Any,
+                       start: int, stop: int) -> None:
+    """Lines ``start..stop`` of groups laid out ``(lines, bands)`` (the bits of their largest
+    and smallest nonzero finite magnitudes, ``top`` and ``low``, and NaN/inf flags ``bad``, as
+    :func:`range_kernel` gives them): per line, what :func:`range_kernel` gives each run of
+    ``f`` consecutive groups (the last run shorter where ``f`` does not divide ``bands``):
+    the facts of groups ``f`` times as long, without reading the elements again. Zero padding
+    of a partial group changes neither magnitude, so the runs are exactly the longer
+    groups."""
+    out = (bands + f - 1) // f
+    for line in range(start, stop):
+        for b in range(out):
+            hi = 0
+            lo = inf_bits
+            nonfinite = False
+            for i in range(line * bands + b * f, line * bands + min((b + 1) * f, bands)):
+                hi = max(hi, top[i])
+                lo = min(lo, low[i])
+                nonfinite |= bad[i]
+            _close(line * out + b, hi, lo, nonfinite, inf_bits, mbits, bias, otop, olow, ospan,
+                   obad)
 
 
 @njit(**OPTIONS)
@@ -175,40 +196,53 @@ def fused_summary_kernel(top: Any, span: Any, bad: Any, poison: bool, ks: Any, v
     ``kcounts`` from ``klow``; a key outside it sets ``out[9]`` (the caller then takes the
     unfused path)."""
     pow2 = ks.size > 0
+    # 2**k and big * 2**k of each counted key: one rounding each, as ldexp's (a key outside
+    # the counted range voids the pass, so no other k is needed)
+    n_keys = kcounts.size if pow2 else 0
+    powers = np.empty(n_keys, dtype=np.float64)
+    limits = np.empty(n_keys, dtype=np.float64)
+    for j in range(n_keys):
+        powers[j] = math.ldexp(1.0, klow + j)
+        limits[j] = math.ldexp(big, klow + j)
+    # the counts in locals, not in ``out``: stores to an array the histograms may alias would
+    # be kept in memory on every group
+    live = zero = nonfinite = clipped = at_max = n_sub = at_min = over = widest = missed = 0
     lo = np.inf
     hi = 0.0
+    top_s, normal, bottom = ends[0], ends[1], ends[2]
     for i in range(top.size):
         if bad[i]:
-            out[2] += 1
-        if poison and bad[i]:
+            nonfinite += 1
+            if poison:
+                continue
+        key = ks[i] - klow if pow2 else (vbits[i] >> shift) - klow
+        if key < 0 or key >= kcounts.size:
+            missed = 1
             continue
+        kcounts[key] += 1
         if pow2:
-            s = math.ldexp(1.0, ks[i])
-            clip = np.float64(top[i]) > math.ldexp(big, ks[i])
-            key = ks[i] - klow
+            s = powers[key]
+            clip = np.float64(top[i]) > limits[key]
         else:
             s = values[i]
             clip = np.float32(top[i] / divisors[i]) > big
-            key = (vbits[i] >> shift) - klow
-        if key < 0 or key >= kcounts.size:
-            out[9] = 1
-        else:
-            kcounts[key] += 1
-        if clip:
-            out[3] += 1
+        clipped += clip
         if top[i] == 0:
-            out[1] += 1
+            zero += 1
             continue
-        out[0] += 1
-        out[4] += s == ends[0]
-        out[5] += s < ends[1]
-        out[6] += s == ends[2]
+        live += 1
+        at_max += s == top_s
+        n_sub += s < normal
+        at_min += s == bottom
         lo = min(lo, s)
         hi = max(hi, s)
         r = span[i]
-        out[7] += r > elem_span
-        out[8] = max(out[8], r)
+        over += r > elem_span
+        widest = max(widest, r)
         ranges[r] += 1
+    counts = (live, zero, nonfinite, clipped, at_max, n_sub, at_min, over, widest, missed)
+    for j in range(10):
+        out[j] = counts[j]
     extremes[0] = lo
     extremes[1] = hi
 

@@ -240,6 +240,27 @@ def block_ranges(blocks: Tensor, k: int = 0) -> tuple[Tensor, Tensor, Tensor, Te
             torch.from_numpy(span), torch.from_numpy(bad))
 
 
+def merge_ranges(top: Tensor, low: Tensor, bad: Tensor, lines: int,
+                 f: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`block_ranges` of groups ``f`` times as long from those of groups laid out
+    ``(lines, bands)`` (:func:`driftcli.kernels.blockcode.merge_range_kernel`)."""
+    import driftcli.kernels.blockcode as code  # numba, on first use only
+
+    bands = top.numel() // lines if lines else 0
+    n = lines * -(-bands // f)
+    kind = _INT[top.dtype]
+    bits = _array(top, kind)
+    otop, olow = np.empty(n, dtype=bits.dtype), np.empty(n, dtype=bits.dtype)
+    span = np.empty(n, dtype=np.int64)
+    flags = np.empty(n, dtype=np.bool_)
+    if n:
+        spread(code.merge_range_kernel, lines, bands, bits, _array(low, kind), _array(bad),
+               bands, f, _INF_BITS[top.dtype], *_LAYOUT_BITS[top.dtype], otop, olow, span,
+               flags)
+    return (torch.from_numpy(otop).view(top.dtype), torch.from_numpy(olow).view(top.dtype),
+            torch.from_numpy(span), torch.from_numpy(flags))
+
+
 def block_summary(top: Tensor, span: Tensor, bad: Tensor, poison: bool, scale: Tensor,
                   clipped: Tensor, ends: tuple[float, float, float], elem_span: int,
                   max_span: int) -> tuple[list[int], tuple[float, float], Tensor]:

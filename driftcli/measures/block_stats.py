@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 from fractions import Fraction
+from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -48,6 +49,7 @@ from driftcli.casts.route import (
     group_ranges,
     group_scales,
     key_counts,
+    merge_ranges,
 )
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
@@ -233,13 +235,60 @@ def _scales(blocks: Tensor | None, amax: Tensor, c: Cast) -> _Scales:
     return _Scales(sc.value, None, clipped)
 
 
-def _groups(x: Tensor, c: Cast, d: Direction) -> tuple[Tensor | None, tuple[Tensor, ...]]:
+Facts = tuple[Tensor, Tensor, Tensor, Tensor]
+"""The groups' :func:`~driftcli.casts.route.block_ranges`: largest and smallest nonzero finite
+magnitude, binades between them, NaN/inf flag."""
+
+
+def _two(x: Tensor) -> Tensor:
+    """``x`` as the 2-D matrix whose rows and columns the directions run along."""
+    return x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
+
+
+def _groups(x: Tensor, c: Cast, d: Direction) -> tuple[Tensor | None, Facts]:
     """``x``'s groups under ``c`` in direction ``d``: one row each (None where the numba pass
-    read the columns in place and nothing else needs the elements) and their
-    :func:`~driftcli.casts.route.block_ranges`."""
-    two = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
-    return group_ranges(two, c.scaling, 0 if d is Direction.COLUMNS else -1,
+    read the columns in place and nothing else needs the elements) and their facts."""
+    return group_ranges(_two(x), c.scaling, 0 if d is Direction.COLUMNS else -1,
                         keep=not _symmetric(c))
+
+
+def _run(c: Cast, d: Direction, two: Tensor) -> int | None:
+    """The elements of a line (a row, or a column for ``columns``) in one group of ``c``; None
+    where the groups are not runs along the lines (tiles, one tensor scale)."""
+    g = c.scaling.granularity
+    if d not in (Direction.ROWS, Direction.COLUMNS):
+        return None
+    return c.scaling.block if g is Granularity.BLOCK else \
+        two.shape[1 if d is Direction.ROWS else 0]
+
+
+def _shared(two: Tensor, c: Cast, d: Direction,
+            known: dict[tuple[Direction, int], Facts]) -> tuple[Tensor | None, Facts]:
+    """:func:`_groups`, from the facts of shorter groups already read (``known``: by direction
+    and run) where that gives the same: groups made of whole runs of known groups along the
+    same lines, or one tensor group made of any known groups. The elements are read only where
+    nothing known covers them; what is read is added to ``known``."""
+    run = _run(c, d, two)
+    if not _symmetric(c) or (run is None and d is not Direction.TENSOR):
+        return _groups(two, c, d)
+    if run is None:  # one tensor scale: every known grouping covers every element
+        if not known:
+            return _groups(two, c, d)
+        top, low, _, bad = min(known.values(), key=lambda f: f[0].numel())
+        return None, merge_ranges(top, low, bad, 1, max(top.numel(), 1))
+    width = two.shape[1 if d is Direction.ROWS else 0]
+    lines = two.numel() // width if width else 0
+    fits = [k for (e, k) in known if e is d and (k == run or run % k == 0 or run >= width)]
+    if not fits:
+        blocks, facts = _groups(two, c, d)
+        known[(d, run)] = facts
+        return blocks, facts
+    k = max(fits)
+    top, low, _, bad = known[(d, k)]
+    facts = known[(d, k)] if k == run else \
+        merge_ranges(top, low, bad, lines, -(-width // k) if run >= width else run // k)
+    known[(d, run)] = facts
+    return None, facts
 
 
 def _floor_log2(v: float) -> int:
@@ -278,11 +327,18 @@ def _histogram(sc: _Scales, finite: Tensor, sf: Format) -> dict[int, tuple[int, 
 def _coded(values: Tensor, found: Tensor, sf: Format) -> dict[int, tuple[int, int]]:
     """Scale code -> (floor(log2 scale), groups) of the scales ``values`` found ``found``
     times each."""
-    codes = encode(values, sf)
     out: dict[int, tuple[int, int]] = {}
-    for code, v, n in zip(codes.tolist(), values.tolist(), found.tolist(), strict=True):
-        out[int(code)] = (_floor_log2(v), out.get(int(code), (0, 0))[1] + int(n))
+    for v, n in zip(values.tolist(), found.tolist(), strict=True):
+        code = _code(v, sf)
+        out[code] = (_floor_log2(v), out.get(code, (0, 0))[1] + int(n))
     return out
+
+
+@cache
+def _code(v: float, sf: Format) -> int:
+    """The code of the scale ``v`` in ``sf``: a format holds a few hundred scales at most,
+    and a call of ``encode`` per group costs more than the pass over the groups."""
+    return int(encode(torch.tensor([v], dtype=torch.float64), sf)[0])
 
 
 def _fused(amax: Tensor, span: Tensor, bad: Tensor, poison: bool, c: Cast, sf: Format,
@@ -302,17 +358,20 @@ def _lower_median(ranges: Tensor, n: int) -> int:
     return int(torch.searchsorted(ranges.cumsum(0), (n - 1) // 2, right=True))
 
 
-def direction_stats(x: Tensor, c: Cast, d: Direction) -> tuple[dict[str, Any],
-                                                                 dict[int, tuple[int, int]]]:
+def direction_stats(x: Tensor, c: Cast, d: Direction,
+                    known: dict[tuple[Direction, int], Facts] | None = None
+                    ) -> tuple[dict[str, Any], dict[int, tuple[int, int]]]:
     """The block-stats columns of ``x`` under ``c`` in direction ``d``, and its histogram:
-    scale code -> (floor(log2 scale), finite groups)."""
+    scale code -> (floor(log2 scale), finite groups). ``known``: the facts of groups of ``x``
+    already read, by direction and run (:func:`_shared`; what this call reads is added)."""
     c = _checked(c)
     if x.numel() == 0:  # no group: every count 0, every statistic of groups null
         return {**dict.fromkeys(_NULLS), "n_blocks": 0, "zero_blocks": 0,
                 "nonfinite_blocks": 0, "clipped_blocks": 0, "scale_at_max": 0,
                 "scale_subnormal": 0, "scale_at_min": 0,
                 "element_span": element_span(c.format)}, {}
-    blocks, (amax, _, span, bad) = _groups(x.to(working_dtype(x.dtype)), c, d)
+    blocks, (amax, _, span, bad) = _shared(_two(x.to(working_dtype(x.dtype))), c, d,
+                                           {} if known is None else known)
     sf = c.scaling.scale_format
     if sf is None:  # every scaled cast has one (Scaling checks it)
         raise DriftError(f"block-stats: cast {c} has no scale format")
@@ -357,12 +416,14 @@ class BlockUnit:
     input: str
     ref: TensorRef
     casts: tuple[Cast, ...]
+    names: tuple[str, ...] = ()
+    """Each cast's name in the rows (``cast_name``), as the caller gave it; none: its spec."""
 
     def key(self) -> str:
         """Everything the unit's rows depend on, its file's stamp included."""
         ref = self.ref
         return (f"block-stats|{self.input}|{engines.stamp(ref.source)}|{ref.name}|{ref.dtype}|"
-                f"{list(ref.shape)}|{[str(c) for c in self.casts]}")
+                f"{list(ref.shape)}|{[str(c) for c in self.casts]}|{list(self.names)}")
 
 
 def _base(ref: TensorRef, c: Cast) -> dict[str, Any]:
@@ -391,13 +452,27 @@ def block_unit(unit: BlockUnit) -> tuple[list[BlockStatsRow], list[BlockScaleRow
                  for c in unit.casts], [])
     rows: list[BlockStatsRow] = []
     hist: list[BlockScaleRow] = []
-    for c in unit.casts:
-        for d in directions(c, x.dim()):
-            cols, codes = direction_stats(x, c, d)
-            rows.append(BlockStatsRow(**_base(ref, c), direction=d.value, **cols, error=None))
-            hist.extend(BlockScaleRow(ref.source, ref.name, ref.layer, str(c), d.value, code,
-                                      exp, count)
-                        for code, (exp, count) in sorted(codes.items()))
+    x = x.to(working_dtype(x.dtype))
+    two = _two(x)
+    work = [(c, d) for c in unit.casts for d in directions(c, x.dim())]
+
+    def order(i: int) -> int:  # the shortest runs first, a tensor scale last: the longer
+        # groups are made of the shorter ones' facts (merge_ranges), not read again
+        c, d = work[i]
+        run = _run(c, d, two)
+        return run if run is not None else (1 << 62) if d is Direction.TENSOR else 0
+
+    known: dict[tuple[Direction, int], Facts] = {}
+    found = {i: direction_stats(x, *work[i], known)
+             for i in sorted(range(len(work)), key=order)}
+    names = dict(zip(map(str, unit.casts), unit.names, strict=True)) if unit.names else {}
+    for i, (c, d) in enumerate(work):
+        cols, codes = found[i]
+        name = names.get(str(c), str(c))
+        rows.append(BlockStatsRow(**_base(ref, c), direction=d.value, **cols, error=None,
+                                  cast_name=name))
+        hist.extend(BlockScaleRow(ref.source, ref.name, ref.layer, str(c), d.value, code, exp,
+                                  count, name) for code, (exp, count) in sorted(codes.items()))
     return rows, hist
 
 
@@ -426,8 +501,10 @@ def block_stats(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
     empty = [why for inp, inputs in opened if (why := nothing_to_measure(inp, inputs))]
     if len(empty) == len(opened):
         raise NothingToMeasure("; ".join(empty))
-    units = [BlockUnit(inp, ref, parsed) for inp, inputs in opened for ref in inputs.tensors
-             if ref.is_float]
+    names = {str(p): c for c, p in zip(casts, parsed, strict=True) if isinstance(c, str)}
+    given = tuple(names.get(str(p), str(p)) for p in parsed)
+    units = [BlockUnit(inp, ref, parsed, given) for inp, inputs in opened
+             for ref in inputs.tensors if ref.is_float]
     found = engines.run(units, block_unit, execution or Execution(), progress=progress,
                         label=lambda u: u.ref.name, size=lambda u: u.ref.nbytes)
     rows: list[BlockStatsRow] = []
@@ -441,10 +518,8 @@ def block_stats(paths: Sequence[str | Path], casts: Sequence[Cast | str], *,
                 granularity=c.scaling.granularity.value, block=c.scaling.block, direction="",
                 **_NULLS, element_span=element_span(c.format), error=e.message)
                 for c in parsed)
-    for r, h in found:
+    rows = [replace(r, cast_name=names.get(r.cast, r.cast)) for r in rows]  # the error rows
+    for r, h in found:  # named by their units
         rows.extend(r)
         scales.extend(h)
-    names = {str(p): c for c, p in zip(casts, parsed, strict=True) if isinstance(c, str)}
-    return BlockStats([replace(r, cast_name=names.get(r.cast, r.cast)) for r in rows],
-                      [replace(r, cast_name=names.get(r.cast, r.cast)) for r in scales],
-                      [f for _, i in opened for f in i.files])
+    return BlockStats(rows, scales, [f for _, i in opened for f in i.files])
