@@ -359,9 +359,10 @@ blocks whose power-of-two grid leaves float32's range (the cast is then counted 
 N_ROUNDED_SUMS = 4
 """Columns of a piece's rounded sums per cast: Σx², Σe², Σe·x, Σe."""
 @njit(fastmath={"reassoc"}, **OPTIONS)
-def _rounded_counts(vs: Any, qs: Any, subs: Any, acc: Any, c: int) -> tuple[int, int, int, int]:
-    """The nonzero, underflowed, subnormal and lost elements of a piece's values ``vs``
-    (float32) rounded to ``qs`` (float64; ``subs`` which are subnormal), and into row ``c`` of
+def _rounded_counts(vs: Any, qs: Any, subs: Any, acc: Any, c: int, out: Any) -> None:
+    """Into ``out[0:4]`` the nonzero, underflowed, subnormal and lost elements of a piece's
+    values ``vs`` (float32) rounded to ``qs`` (float64; ``subs`` which are subnormal), and into
+    row ``c`` of
     ``acc`` Σx², Σe², Σe·x, Σe over the elements where both are finite, in float64 in the
     vector lanes the compiler chooses (reassociated: an order fixed by this machine code and
     the piece's length, so the same bits for any thread count; measured 3 to 7 times faster
@@ -388,7 +389,19 @@ def _rounded_counts(vs: Any, qs: Any, subs: Any, acc: Any, c: int) -> tuple[int,
     acc[c, 1] = ee
     acc[c, 2] = ex
     acc[c, 3] = es
-    return nonzero, under, sub, lost
+    out[0] = nonzero
+    out[1] = under
+    out[2] = sub
+    out[3] = lost
+
+
+@njit(inline="always", **OPTIONS)
+def with_modes(q: Any, rounding: int, overflow: int) -> tuple[int, ...]:
+    """A cast's rounding parameters ``q`` (an array of :data:`driftcli.kernels.jit.PARAMS`) as
+    the tuple the rounding reads, with the kernel's constant ``rounding`` and ``overflow`` in
+    their places, so that numba folds them."""
+    return (q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11], q[12],
+            rounding, overflow, q[15], q[16], q[17])
 
 
 @cache
@@ -544,10 +557,7 @@ def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: 
                 excess[pc, c] = total
                 if not rounded:
                     continue
-                pc_ = ps[c]
-                pr = (pc_[0], pc_[1], pc_[2], pc_[3], pc_[4], pc_[5], pc_[6], pc_[7], pc_[8],
-                      pc_[9], pc_[10], pc_[11], pc_[12], rounding, overflow, pc_[15], pc_[16],
-                      pc_[17])
+                pr = with_modes(ps[c], rounding, overflow)
                 size = b - a if kind in (TENSOR_POW2, TENSOR_DIV) else per * run
                 n_groups = -(-(b - a) // size)
                 n_out = 0
@@ -605,12 +615,7 @@ def clips_kernel(run: int, q: tuple[int, ...], rounded: bool = False, rounding: 
                             cast[g * size:(g + 1) * size] = np.nan
                             subs[g * size:(g + 1) * size] = False
                 m_ = b - a
-                nonzero, under, sub, lost = _rounded_counts(vs, cast[:m_], subs[:m_],
-                                                            rsums[pc], c)
-                rcounts[pc, c, 0] = nonzero
-                rcounts[pc, c, 1] = under
-                rcounts[pc, c, 2] = sub
-                rcounts[pc, c, 3] = lost
+                _rounded_counts(vs, cast[:m_], subs[:m_], rsums[pc], c, rcounts[pc, c])
                 rcounts[pc, c, 4] = n_out
 
     return kernel
@@ -752,10 +757,7 @@ def given_kernel(rounded: bool, rounding: int = 0, overflow: int = 0) -> Callabl
                 excess[pc, c] = total
                 if not rounded:
                     continue
-                pc_ = ps[c]
-                pr = (pc_[0], pc_[1], pc_[2], pc_[3], pc_[4], pc_[5], pc_[6], pc_[7], pc_[8],
-                      pc_[9], pc_[10], pc_[11], pc_[12], rounding, overflow, pc_[15], pc_[16],
-                      pc_[17])
+                pr = with_modes(ps[c], rounding, overflow)
                 lim = row_limits(0, pr)
                 if wides[c]:
                     for j in range(m):
@@ -779,11 +781,6 @@ def given_kernel(rounded: bool, rounding: int = 0, overflow: int = 0) -> Callabl
                     if fls[j] & NAN_Q:
                         cast[j] = np.nan
                         subn[j] = False
-                nonzero, under, sub_n, lost = _rounded_counts(vs, cast[:m], subn[:m],
-                                                              rsums[pc], c)
-                rcounts[pc, c, 0] = nonzero
-                rcounts[pc, c, 1] = under
-                rcounts[pc, c, 2] = sub_n
-                rcounts[pc, c, 3] = lost
+                _rounded_counts(vs, cast[:m], subn[:m], rsums[pc], c, rcounts[pc, c])
 
     return kernel

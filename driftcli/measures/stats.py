@@ -275,17 +275,11 @@ def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
                 sr_bits: int = DEFAULT_SR_BITS,
                 rht_amax: dict[int, float] | None = None) -> dict[int, CastStats]:
     """:func:`cast_stats` (``rounded`` as there) for every cast of ``casts`` the fused pass
-    takes (:func:`driftcli.casts.route.flat_route`), keyed by the cast's index, in one read of
-    ``x`` for all of them (and one first read for the tensor's amax where a cast needs it and
-    ``tensor_amax`` is not given); the same counts, bit for bit, and the float sums within a few
-    units in their last place (summed per piece in lanes, the pieces added exactly). A
-    stochastic cast is taken with its ``seeds`` entry (its draws made as :func:`cast_stats`
-    makes them); the casts of one rounding mode and overflow policy share a pass. The casts
-    whose scales the pass does not make (a scale arithmetic, micro-exponents) are counted with
-    the operands their scale steps give (:mod:`driftcli.casts.given`), an ``rht=`` cast on the
-    slice's transform (``rht_amax``: by cast index, the transformed tensor's amax where ``x``
-    is a slice of it). The casts it does not take, and every cast on the torch back-end, are
-    left out: :func:`cast_stats` counts them."""
+    takes, keyed by the cast's index, in one read of ``x`` for all of them: the counts of
+    :func:`driftcli.casts.route.fused_counts` (the same counts as :func:`cast_stats`, bit for
+    bit, and the float sums within a few units in their last place; what it takes, and how a
+    stochastic or ``rht=`` cast is taken, is said there), as :class:`CastStats`. The casts it
+    leaves out :func:`cast_stats` counts."""
     got = fused_counts(x, [parse_cast(c) for c in casts], axis=axis, tensor_amax=tensor_amax,
                        rounded=rounded, seeds=seeds, sr_bits=sr_bits, rht_amax=rht_amax)
     return {i: _stats(g) for i, g in got.items()}
