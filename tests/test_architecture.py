@@ -264,7 +264,7 @@ CASTS_INTERFACE = {
                     # the counts a cast makes of a tensor (the scan's), and a slice's shared reads
                     "count_cast", "fused_counts", "fused_takes", "Counts", "error_terms",
                     "error_sums", "SliceFacts", "slice_facts", "run_amax", "run_length",
-                    "finite_amax", "SUM_PIECE", "TENSOR_ROW"},
+                    "finite_amax", "SUM_PIECE", "TENSOR_ROW", "policy_amax", "combined_amax"},
 }
 """The names of ``casts/`` the layers above may use: a whole cast (``quantize``), the element
 rounding and arithmetic verify checks, code <-> value, the random Hadamard transform, and the

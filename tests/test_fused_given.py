@@ -202,3 +202,24 @@ def test_the_scan_counts_given_casts_as_cast_stats() -> None:
         assert got[i].draws[0].clipped == want.clipped
         _counts_and_sums(spec, want, got[i].draws[0])
     assert math.isfinite(got[0].draws[0].ee or math.nan)
+
+
+@pytest.mark.parametrize("special", [math.inf, math.nan])
+@pytest.mark.parametrize("chunk", [None, 64 * 64])
+def test_a_scan_reads_the_tensor_amax_as_each_casts_policy_does(special: float,
+                                                                chunk: int | None) -> None:
+    """An inf or NaN in one slice makes the tensor's amax inf or NaN for a scale arithmetic
+    whose amax lets it through (torchao's ``ieee``, Transformer Engine's ``fmax``): the scan's
+    rows, in one slice and in four, are the torch back-end's counts of the whole tensor, and
+    drift's own casts beside them keep the finite amax. (Found by review: the scan handed
+    every cast the finite amax.)"""
+    specs = ["torchao/float8_tensorwise", "te/nvfp4", "te/float8_current", "nvfp4", "fp8_e4m3"]
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(5))
+    x[200, 7] = special  # in the last slice of four
+    got = scan([Held("t", {"w": x})], specs, rounded=True,
+               options=ScanOptions() if chunk is None else
+               ScanOptions(chunk_elements=chunk)).results
+    for i, spec in enumerate(specs):
+        _same(spec, _torch(x, spec, None, True), got[i].draws[0])
+    # the policy's amax reached the casts that read it: every element of torchao's lost
+    assert got[0].draws[0].lost == x.numel() - 1

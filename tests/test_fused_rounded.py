@@ -286,3 +286,23 @@ def test_blocks_along_another_axis_count_as_the_torch_back_end(axis: int) -> Non
             kernels.set_jit("auto")
         _counts_and_sums(spec, want, got[i])
     assert got[1].nonfinite_groups == 1 and got[1].lost == 31
+
+
+def test_a_column_holding_an_inf_adds_plainly() -> None:
+    """The pieces' exact addition keeps an infinite sum infinite (two infinities of one sign
+    would make NaN of the error-free steps: a scale made infinite by a tensor amax of inf gives
+    every clip an excess of -inf), NaN where infinities of both signs meet, and finite columns
+    exact."""
+    import numpy as np
+
+    from driftcli.kernels import statcode
+
+    terms = np.array([[-math.inf, math.inf, 1e16, math.nan],
+                      [-math.inf, -math.inf, 1.0, 2.0],
+                      [3.0, 1.0, -1e16, 1.0],
+                      [-3.0, 0.0, 0.0, 0.0]])
+    parts, lens = statcode.expansions(terms)
+    assert [lens[0], lens[1], lens[3]] == [1, 1, 1]
+    assert parts[0, 0] == -math.inf
+    assert math.isnan(parts[1, 0]) and math.isnan(parts[3, 0])
+    assert math.fsum(parts[2, :lens[2]]) == 1.0  # 1e16 + 1 - 1e16: 1, exactly

@@ -174,11 +174,13 @@ def _np(t: Tensor) -> np.ndarray:
 def given_counts(x: Tensor, casts: Sequence[Cast], taken: Sequence[int], *, axis: int = -1,
                  tensor_amax: float | None = None, rounded: bool = False,
                  bits: Sequence[Tensor | None] | None = None,
-                 sr_bits: int = rounding.DEFAULT_SR_BITS) -> dict[int, Given]:
+                 sr_bits: int = rounding.DEFAULT_SR_BITS,
+                 cast_amax: dict[int, float] | None = None) -> dict[int, Given]:
     """The given pass over a nonempty float32 slice ``x`` for the casts ``casts[i]``, ``i`` in
     ``taken`` (each of :func:`given_route`; a stochastic one rounded with its draws
     ``bits[i]``, shaped like ``x``): ``tensor_amax`` the whole tensor's where ``x`` is a slice
-    of it. One call per layout and, rounded, per rounding mode and overflow policy."""
+    of it, ``cast_amax[i]`` in its place for cast ``i`` where given (its policy's amax). One
+    call per layout and, rounded, per rounding mode and overflow policy."""
     nd = x.dim()
     row_length = x.shape[axis] if nd else 1
     work = x.contiguous()
@@ -196,7 +198,8 @@ def given_counts(x: Tensor, casts: Sequence[Cast], taken: Sequence[int], *, axis
         flat = laid.reshape(-1)
         ops = {i: _operands(laid if key != "flat" else
                             flat.view(-1, _group(casts[i], row_length, flat.numel())),
-                            casts[i], row_length, tensor_amax) for i in members}
+                            casts[i], row_length, (cast_amax or {}).get(i, tensor_amax))
+               for i in members}
         modes: dict[Any, list[int]] = {}
         for i in members:
             modes.setdefault((casts[i].rounding, casts[i].overflow) if rounded else None,

@@ -1207,11 +1207,30 @@ def count_cast(x: Tensor, c: Cast, *, axis: int = -1, random_bits: Tensor | None
     return Counts(fields, None, b.back(b.q).to(x.dtype) if want_values else None)
 
 
+def policy_amax(x: Tensor, policy: AmaxPolicy) -> float:
+    """The largest magnitude of ``x`` (as float32, as a scale arithmetic reads it) as ``policy``
+    takes it over the elements: the finite ones (:func:`finite_amax`), all of them (a NaN
+    makes it NaN, else an inf inf: ``torch.amax``), or all but NaN (``fmaxf``); 0 for no
+    element. What a cast reads as the tensor's amax where ``x`` is the whole tensor."""
+    if policy is AmaxPolicy.FINITE or x.numel() == 0:
+        return finite_amax(x)
+    mags = x.float().abs()
+    if policy is AmaxPolicy.FMAX:
+        mags = torch.where(torch.isnan(mags), 0.0, mags)
+    return float(mags.amax())
+
+
+def combined_amax(parts: Sequence[float]) -> float:
+    """The amax of a tensor from its slices' :func:`policy_amax`: NaN where any is."""
+    return math.nan if any(math.isnan(v) for v in parts) else max(parts, default=0.0)
+
+
 def fused_counts(x: Tensor, casts: Sequence[Cast], *, axis: int = -1,
                  tensor_amax: float | None = None, rounded: bool = False,
                  seeds: Sequence[int | None] | None = None,
                  sr_bits: int = DEFAULT_SR_BITS,
-                 rht_amax: dict[int, float] | None = None) -> dict[int, Counts]:
+                 rht_amax: dict[int, float] | None = None,
+                 cast_amax: dict[int, float] | None = None) -> dict[int, Counts]:
     """:func:`count_cast` (``rounded`` as there) for every cast of ``casts`` the fused pass
     takes (:func:`flat_route`), keyed by the cast's index, in one read of
     ``x`` for all of them (and one first read for the tensor's amax where a cast needs it and
@@ -1222,8 +1241,10 @@ def fused_counts(x: Tensor, casts: Sequence[Cast], *, axis: int = -1,
     whose scales the pass does not make (a scale arithmetic, micro-exponents) are counted with
     the operands their scale steps give (:mod:`driftcli.casts.given`), an ``rht=`` cast on the
     slice's transform (:func:`rht_groups`; ``rht_amax``: by cast index, the transformed
-    tensor's amax where ``x`` is a slice of it). The casts it does not take, and every cast on
-    the torch back-end, are left out: :func:`count_cast` counts them."""
+    tensor's amax where ``x`` is a slice of it; ``cast_amax``: by cast index, the whole tensor's
+    amax as that cast's policy reads it, :func:`policy_amax`, where it is not the finite one).
+    The casts it does not take, and every cast on the torch back-end, are left out:
+    :func:`count_cast` counts them."""
     if x.numel() == 0 or x.dtype != torch.float32 or not kernels.numba_runs(x):
         return {}
     parsed = list(casts)
@@ -1262,7 +1283,7 @@ def fused_counts(x: Tensor, casts: Sequence[Cast], *, axis: int = -1,
     for _, _, group in passes:
         out |= _fused_pass(x, flat, parsed, group, scales, top, rounded, seeds, sr_bits, last)
     out |= _given_pass(x, parsed, [i for i in range(len(parsed)) if i not in found], axis,
-                       tensor_amax, rounded, seeds, sr_bits)
+                       tensor_amax, rounded, seeds, sr_bits, cast_amax)
     for rht, members in rht_groups(parsed, tuple(x.shape), axis, x.dtype).items():
         got = fused_counts(transform(x, rht, axis), [without_rht(parsed[i]) for i in members],
                            axis=axis, rounded=rounded, sr_bits=sr_bits,
@@ -1275,7 +1296,7 @@ def fused_counts(x: Tensor, casts: Sequence[Cast], *, axis: int = -1,
 
 def _given_pass(x: Tensor, parsed: list[Cast], rest: list[int], axis: int,
                 tensor_amax: float | None, rounded: bool, seeds: Sequence[int | None] | None,
-                sr_bits: int) -> dict[int, Counts]:
+                sr_bits: int, cast_amax: dict[int, float] | None) -> dict[int, Counts]:
     """The casts of ``rest`` the given-scales step takes (:func:`driftcli.casts.given.
     given_route`; a stochastic one rounded only with its seed), counted in its pass
     (:func:`driftcli.casts.given.given_counts`)."""
@@ -1289,7 +1310,8 @@ def _given_pass(x: Tensor, parsed: list[Cast], rest: list[int], axis: int,
             for i, c in enumerate(parsed)]
     out = {}
     for i, g in given_counts(x, parsed, taken, axis=axis, tensor_amax=tensor_amax,
-                             rounded=rounded, bits=bits, sr_bits=sr_bits).items():
+                             rounded=rounded, bits=bits, sr_bits=sr_bits,
+                             cast_amax=cast_amax).items():
         fields: dict[str, Any] = dict.fromkeys(ROUNDED_FIELDS)
         fields |= g.fields | {f: math.fsum(e) for f, e in g.exact.items()}
         fields["clipped_by_rounding"] = _by_rounding(parsed[i], fields["clipped"])

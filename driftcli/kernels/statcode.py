@@ -628,11 +628,22 @@ def expansions(terms: Any) -> tuple[Any, Any]:
     column's (Shewchuk's algorithm, the partials ``math.fsum`` keeps: no rounding is lost, so
     the sum does not depend on the pieces' order nor on how they are grouped into slices).
     Row ``k`` of the first array holds column ``k``'s partials, the second array how many.
+    A column holding an inf or NaN is its plain sum, one partial: non-finite whatever the
+    order (the error-free steps would make NaN of two infinities of one sign).
     Compiled without ``fastmath``: every step here is an exact error-free transformation."""
     n, k = terms.shape
     parts = np.zeros((k, n + 1), dtype=np.float64)
     lens = np.zeros(k, dtype=np.int64)
     for c in range(k):
+        plain = 0.0
+        finite = True
+        for pc in range(n):
+            plain += terms[pc, c]
+            finite = finite and abs(terms[pc, c]) < np.inf
+        if not finite:
+            parts[c, 0] = plain
+            lens[c] = 1
+            continue
         m = 0
         for pc in range(n):
             x = terms[pc, c]

@@ -35,6 +35,7 @@ import torch
 from driftcli import engines
 from driftcli.casts.hadamard import check_core, rht_problem, transformed
 from driftcli.casts.quantization import working_dtype
+from driftcli.casts.route import combined_amax, policy_amax
 from driftcli.choices import Device, Engine
 from driftcli.engines import Execution
 from driftcli.errors import DriftError
@@ -60,7 +61,7 @@ from driftcli.measures.stats import (
 from driftcli.progress import Progress
 from driftcli.records.cast import Cast
 from driftcli.records.castspec import parse_cast
-from driftcli.records.modes import Granularity, Rounding, ScaleRule
+from driftcli.records.modes import AmaxPolicy, Granularity, Rounding, ScaleRule
 
 Tensor = torch.Tensor
 
@@ -350,11 +351,27 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
     runs = None if wide_whole is None else run_amax(wide_whole, chunk)
     amax = whole_amax
     rht_amax: dict[int, float] = {}
+    # a scale arithmetic whose amax lets NaN or inf through reads the tensor's amax its way
+    policies = {ci: c.scaling.arithmetic.amax for ci, c in enumerate(casts)
+                if c.rht is None and _needs_tensor_amax(c) and
+                c.scaling.arithmetic.amax is not AmaxPolicy.FINITE}
+    cast_amax: dict[int, float] = {}
     if need_amax:
         # one slice is the whole tensor, and a cast reads its own amax
-        if amax is None:
-            amax = finite_amax(wide_whole, runs) if wide_whole is not None else \
-                max(_landed_amax(read(a, b), landed) for a, b in slices)
+        if whole is not None:
+            cast_amax = {ci: policy_amax(whole, p) for ci, p in policies.items()}
+        if amax is None and wide_whole is not None:
+            amax = finite_amax(wide_whole, runs)
+        elif amax is None:
+            tops: list[float] = []
+            seen: dict[int, list[float]] = {ci: [] for ci in policies}
+            for a, b in slices:
+                rows = read(a, b)
+                tops.append(_landed_amax(rows, landed))
+                for ci, p in policies.items():
+                    seen[ci].append(policy_amax(rows, p))
+            amax = max(tops)
+            cast_amax = {ci: combined_amax(v) for ci, v in seen.items()}
         for ci in plan.rht:  # an rht= cast reads the transformed tensor's amax
             rht_amax[ci] = max(finite_amax(transformed(read(a, b), casts[ci], opts.axis))
                                for a, b in slices)
@@ -372,9 +389,11 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
         # every cast the fused pass takes, in one read of the slice (a stochastic one needs
         # its values for the expected cast: cast_stats gives them)
         # (a one-slice tensor's amax, taken as it landed, is the pass's own first read's)
+        if not need_amax:  # the slice is the tensor
+            cast_amax = {ci: policy_amax(x, p) for ci, p in policies.items()}
         fused = fused_stats(x, list(casts), axis=opts.axis, rounded=rounded,
                             tensor_amax=amax if amax is not None else landed[0],
-                            rht_amax=rht_amax)
+                            rht_amax=rht_amax, cast_amax=cast_amax)
         facts = slice_facts(x, chunk, own) if len(fused) < len(casts) else None
         for ci, c in enumerate(casts):
             n = n_draws[ci]
@@ -386,7 +405,8 @@ def _tensor_results(inp: str, ref: TensorRef, casts: Sequence[Cast], opts: ScanO
             for d in range(n):
                 seed = draw_seed(opts.seed, seed_name, ref.name, c, d, start)
                 sr = rounded and c.rounding is Rounding.SR
-                st, q = cast_stats(x, c, axis=opts.axis, tensor_amax=rht_amax.get(ci, amax),
+                st, q = cast_stats(x, c, axis=opts.axis,
+                                   tensor_amax=cast_amax.get(ci, rht_amax.get(ci, amax)),
                                    seed=seed if sr else None,
                                    want_values=sr, rounded=rounded, facts=facts)
                 parts[ci][d].append(st)

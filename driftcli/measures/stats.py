@@ -273,7 +273,8 @@ def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
                 tensor_amax: float | None = None, rounded: bool = False,
                 seeds: Sequence[int | None] | None = None,
                 sr_bits: int = DEFAULT_SR_BITS,
-                rht_amax: dict[int, float] | None = None) -> dict[int, CastStats]:
+                rht_amax: dict[int, float] | None = None,
+                cast_amax: dict[int, float] | None = None) -> dict[int, CastStats]:
     """:func:`cast_stats` (``rounded`` as there) for every cast of ``casts`` the fused pass
     takes, keyed by the cast's index, in one read of ``x`` for all of them: the counts of
     :func:`driftcli.casts.route.fused_counts` (the same counts as :func:`cast_stats`, bit for
@@ -281,5 +282,6 @@ def fused_stats(x: Tensor, casts: Sequence[Cast | str], *, axis: int = -1,
     stochastic or ``rht=`` cast is taken, is said there), as :class:`CastStats`. The casts it
     leaves out :func:`cast_stats` counts."""
     got = fused_counts(x, [parse_cast(c) for c in casts], axis=axis, tensor_amax=tensor_amax,
-                       rounded=rounded, seeds=seeds, sr_bits=sr_bits, rht_amax=rht_amax)
+                       rounded=rounded, seeds=seeds, sr_bits=sr_bits, rht_amax=rht_amax,
+                       cast_amax=cast_amax)
     return {i: _stats(g) for i, g in got.items()}
